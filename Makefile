@@ -1,0 +1,53 @@
+# Two commands for a fresh machine: `make demo` and `make test`. Everything else is detail.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_VERSION ?= 2.13.0
+TOOLS_VENV ?= .venv-tools
+
+.PHONY: demo test e2e crd bench tools clean
+
+# The virtual environment is rebuilt when pyproject.toml changes. torch is installed first and pinned: an open range
+# may pull a multi-GB CUDA build.
+$(VENV)/.base: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==$(TORCH_VERSION)
+	touch $@
+
+$(VENV)/.run: $(VENV)/.base
+	$(PIP) install -q -e '.[validate,store,metrics,train]'
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.base
+	$(PIP) install -q -e '.[dev]'
+	touch $(VENV)/.run $@
+
+demo: $(VENV)/.run
+	$(VENV)/bin/trainingrun validate examples/tiny.yaml
+	$(VENV)/bin/trainingrun run examples/tiny.yaml --out runs/tiny
+
+test: $(VENV)/.dev
+	$(PY) -m pytest -q tests
+
+# checkov lives in its own environment: resolved together with the dev extras pip backtracks for many minutes.
+$(TOOLS_VENV)/.ok:
+	$(PYTHON) -m venv $(TOOLS_VENV)
+	$(TOOLS_VENV)/bin/python -m pip install -q checkov
+	touch $@
+
+tools: $(TOOLS_VENV)/.ok
+
+e2e: $(VENV)/.dev
+	TRAININGRUN_E2E=1 $(PY) -m pytest -q tests/e2e
+
+crd: $(VENV)/.run
+	$(VENV)/bin/trainingrun crd > crds/trainingrun.yaml
+
+bench: $(VENV)/.dev
+	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) $(TOOLS_VENV) runs .pytest_cache .hypothesis

@@ -1,0 +1,3 @@
+from trainingrun.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""trainingrun.api"""

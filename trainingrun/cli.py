@@ -1,0 +1,58 @@
+"""The `trainingrun` command. Each sub-command lives beside the code it drives and is imported lazily, so that
+`trainingrun validate` does not pay for torch and `trainingrun operator` does not need megatron."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, help). Each module has `add_arguments(parser)` and `run(args) -> int`.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("trainingrun.local", "run a TrainingRun locally: one rollout process and N trainer processes"),
+    "validate": ("trainingrun.api.validate", "validate TrainingRun manifests offline (schema + CEL rules)"),
+    "crd": ("trainingrun.api.crd", "print the TrainingRun CustomResourceDefinition YAML"),
+    "schedule": ("trainingrun.schedule.cli", "print data-parallel schedule statistics for a list of lengths"),
+    "rollout": ("trainingrun.rollout.main", "rollout pod entrypoint: produce, filter, schedule, publish"),
+    "trainer": ("trainingrun.trainer.main", "trainer pod entrypoint: train the scheduled micro-batches"),
+    "operator": ("trainingrun.operator.main", "run the Kopf operator"),
+}
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainingrun", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    wanted = None
+    if argv:
+        wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        # Only the chosen command's module is imported: others may need extras that are not installed.
+        if name == wanted:
+            mod = importlib.import_module(module)
+            mod.add_arguments(p)
+            p.set_defaults(_run=mod.run)
+    return parser
+
+
+def _version() -> str:
+    from trainingrun import __version__
+
+    return __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
