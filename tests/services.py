@@ -1,0 +1,164 @@
+"""Real services for tests, started on 127.0.0.1 random ports and ended by PID.
+
+Locally a missing binary skips the test with a reason; with TRAININGRUN_REQUIRE_SERVICES=1 (CI) it fails instead.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+REQUIRE = os.environ.get("TRAININGRUN_REQUIRE_SERVICES") == "1"
+
+
+def require_binary(name: str) -> str:
+    """Path of `name`, or skip (fail in CI) with a reason."""
+    path = shutil.which(name)
+    if path:
+        return path
+    message = f"{name} is not installed (apt-get install -y {name}); required in CI"
+    if REQUIRE:
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # noqa: BLE001 - retried until the deadline
+            last = exc
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last error: {last})")
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 10) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class RedisServer:
+    """A real redis-server on 127.0.0.1; `restart()` keeps the port (for fault tests)."""
+
+    def __init__(self, binary: str, workdir: Path):
+        self.binary = binary
+        self.workdir = workdir
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.workdir), "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+
+        def ping() -> bool:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+
+        wait_for(ping, 10, f"redis-server on port {self.port}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc)
+            self.proc = None
+
+    def restart(self, down_seconds: float = 0.0) -> None:
+        self.stop()
+        time.sleep(down_seconds)
+        self.start()
+
+
+@contextmanager
+def redis_server() -> Iterator[RedisServer]:
+    binary = require_binary("redis-server")
+    with tempfile.TemporaryDirectory(prefix="trainingrun-redis-") as d:
+        server = RedisServer(binary, Path(d))
+        server.start()
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+class Prometheus:
+    """A real Prometheus scraping `targets` every second; `query(promql)` returns the result vector."""
+
+    def __init__(self, url: str, proc: subprocess.Popen):
+        self.url = url
+        self.proc = proc
+
+    def query(self, promql: str) -> list[dict]:
+        import json
+        import urllib.parse
+
+        with urllib.request.urlopen(f"{self.url}/api/v1/query?query={urllib.parse.quote(promql)}", timeout=5) as r:
+            body = json.load(r)
+        if body.get("status") != "success":
+            raise RuntimeError(f"prometheus query failed: {promql}: {body}")
+        return body["data"]["result"]
+
+    def wait_query(self, promql: str, timeout: float = 30) -> list[dict]:
+        return wait_for(lambda: self.query(promql), timeout, f"prometheus data for {promql!r}", interval=0.5)
+
+
+@contextmanager
+def prometheus_server(targets: list[str], *, rule_files: list[str] | None = None) -> Iterator[Prometheus]:
+    binary = require_binary("prometheus")
+    with tempfile.TemporaryDirectory(prefix="trainingrun-prom-") as d:
+        import yaml
+
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [{"job_name": "trainingrun", "static_configs": [{"targets": targets}]}],
+        }
+        if rule_files:
+            config["rule_files"] = rule_files
+        cfg = Path(d) / "prometheus.yml"
+        cfg.write_text(yaml.safe_dump(config))
+        port = free_port()
+        log = open(Path(d) / "prometheus.log", "wb")
+        proc = subprocess.Popen(
+            [binary, f"--config.file={cfg}", f"--storage.tsdb.path={d}/data",
+             f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_for(lambda: urllib.request.urlopen(f"{url}/-/ready", timeout=1).status == 200, 30, "prometheus ready")
+            yield Prometheus(url, proc)
+        finally:
+            stop_process(proc)
+            log.close()

@@ -1,0 +1,481 @@
+"""TrainingRun spec and status models (`trainingrun.dev/v1alpha1`).
+
+These pydantic models are the single source of the API: the CRD's OpenAPI schema is generated from them
+(`trainingrun.api.crd`), and the cross-field rules are written once per model as CEL in `CEL_RULES` (they become the
+CRD's `x-kubernetes-validations`) and mirrored in Python by the model validators below, so a spec loaded by the local
+launcher, the rollout or the trainer is held to the same rules as one admitted by the API server. A test evaluates
+every CEL rule with a real CEL engine beside its Python twin on passing and failing objects.
+
+Field names are camelCase, as in every Kubernetes API; Python attribute names are snake_case.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+# A Kubernetes resource quantity ("500m", "2Gi", 4). The CRD marks it x-kubernetes-int-or-string.
+Quantity = int | str
+
+
+class Rule(BaseModel):
+    """One cross-field rule: a CEL expression over `self` (the object it is attached to) and its message."""
+
+    rule: str
+    message: str
+    fieldPath: str | None = None  # noqa: N815 - Kubernetes' own name
+
+
+class ApiModel(BaseModel):
+    """Base: camelCase field names, unknown fields rejected, validated on assignment."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        validate_assignment=True,
+    )
+    # CEL rules attached to this object in the CRD (x-kubernetes-validations). Python twins: model validators.
+    CEL_RULES: ClassVar[tuple[Rule, ...]] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The object as the API server would store it: camelCase, defaults filled in, unset optionals omitted."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+class ResourceRequirements(ApiModel):
+    """Compute resources of a container, as in a Pod spec."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict, description="Minimum resources, e.g. cpu: 2.")
+    limits: dict[str, Quantity] = Field(default_factory=dict, description="Maximum resources, e.g. memory: 8Gi.")
+
+
+# --------------------------------------------------------------------------------------------------------- model
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    # name: numLayers, hiddenSize, numAttentionHeads, vocabSize, seqLength
+    "tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=256),
+    "small": dict(num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=1024, seq_length=1024),
+    "gpt-125m": dict(num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=50304, seq_length=2048),
+    "llama-1b": dict(num_layers=16, hidden_size=2048, num_attention_heads=32, vocab_size=128256, seq_length=8192),
+    "llama-8b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, vocab_size=128256, seq_length=8192),
+}
+
+
+class ModelSpec(ApiModel):
+    """The GPT model to train: a preset, explicit sizes, or a preset with some sizes overridden."""
+
+    CEL_RULES = (
+        Rule(
+            rule="has(self.preset) || (has(self.numLayers) && has(self.hiddenSize) && has(self.numAttentionHeads)"
+            " && has(self.vocabSize) && has(self.seqLength))",
+            message="set model.preset, or all of numLayers, hiddenSize, numAttentionHeads, vocabSize and seqLength",
+        ),
+        Rule(
+            rule="!has(self.hiddenSize) || !has(self.numAttentionHeads) || self.hiddenSize % self.numAttentionHeads == 0",
+            message="hiddenSize must be divisible by numAttentionHeads",
+            fieldPath=".hiddenSize",
+        ),
+    )
+
+    preset: Literal["tiny", "small", "gpt-125m", "llama-1b", "llama-8b"] | None = Field(
+        None, description="Named model size; explicit fields below override its values."
+    )
+    num_layers: int | None = Field(None, ge=1, le=1024, description="Transformer layers.")
+    hidden_size: int | None = Field(None, ge=8, le=65536, description="Hidden size.")
+    num_attention_heads: int | None = Field(None, ge=1, le=1024, description="Attention heads.")
+    ffn_hidden_size: int | None = Field(None, ge=8, description="MLP hidden size (default 4 × hiddenSize).")
+    vocab_size: int | None = Field(None, ge=2, le=1048576, description="Vocabulary size (token ids < vocabSize).")
+    seq_length: int | None = Field(None, ge=8, le=1048576, description="Longest sample in tokens (positions).")
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Parameter and compute precision.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> ModelSpec:
+        explicit = (self.num_layers, self.hidden_size, self.num_attention_heads, self.vocab_size, self.seq_length)
+        if self.preset is None and any(v is None for v in explicit):
+            raise ValueError(self.CEL_RULES[0].message)
+        if self.hidden_size is not None and self.num_attention_heads is not None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(self.CEL_RULES[1].message)
+        return self
+
+    def resolved(self) -> dict[str, int | str]:
+        """Sizes after applying the preset: num_layers, hidden_size, num_attention_heads, ffn_hidden_size,
+        vocab_size, seq_length, precision."""
+        out: dict[str, Any] = dict(MODEL_PRESETS[self.preset]) if self.preset else {}
+        for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length", "ffn_hidden_size"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        out.setdefault("ffn_hidden_size", 4 * out["hidden_size"])
+        if out["hidden_size"] % out["num_attention_heads"]:
+            raise ValueError("model: hiddenSize must be divisible by numAttentionHeads")
+        out["precision"] = self.precision
+        return out
+
+
+# ------------------------------------------------------------------------------------------------------- trainer
+class OptimizerSpec(ApiModel):
+    """AdamW with a warmup + decay schedule counted in samples (the global batch size varies per step)."""
+
+    CEL_RULES = (
+        Rule(rule="self.minLr <= self.lr", message="minLr must be <= lr", fieldPath=".minLr"),
+        Rule(
+            rule="!has(self.decaySamples) || self.warmupSamples <= self.decaySamples",
+            message="warmupSamples must be <= decaySamples",
+            fieldPath=".warmupSamples",
+        ),
+    )
+
+    lr: float = Field(3e-4, gt=0, le=1, description="Peak learning rate.")
+    min_lr: float = Field(0.0, ge=0, le=1, description="Learning rate at the end of the decay.")
+    warmup_samples: int = Field(0, ge=0, description="Samples of linear warmup from 0 to lr.")
+    decay_samples: int | None = Field(
+        None, ge=1, description="Samples (warmup included) after which lr reaches minLr; unset: no decay."
+    )
+    decay_style: Literal["cosine", "linear", "constant"] = Field("cosine", description="Shape of the decay.")
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay.")
+    clip_grad: float = Field(1.0, ge=0, description="Gradient norm clipping; 0 turns clipping off.")
+    adam_beta1: float = Field(0.9, gt=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, gt=0, lt=1, description="AdamW beta2.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> OptimizerSpec:
+        if self.min_lr > self.lr:
+            raise ValueError(self.CEL_RULES[0].message)
+        if self.decay_samples is not None and self.warmup_samples > self.decay_samples:
+            raise ValueError(self.CEL_RULES[1].message)
+        return self
+
+
+class CheckpointSpec(ApiModel):
+    """Periodic checkpoints of model, optimizer, scheduler and progress; trainers resume from the newest."""
+
+    interval: int = Field(0, ge=0, description="Save every `interval` optimizer steps; 0 saves only at the end.")
+    path: str = Field("/checkpoints", min_length=1, description="Directory (a shared volume in a cluster).")
+    keep: int = Field(2, ge=1, description="Complete checkpoints kept; older ones are deleted.")
+
+
+class TrainerSpec(ApiModel):
+    """The trainer pods: data-parallel ranks, parallelism, micro-batching, loss and optimizer."""
+
+    CEL_RULES = (
+        Rule(
+            rule="has(self.maxTokensPerGPU) != has(self.microBatchSize)",
+            message="set exactly one of maxTokensPerGPU (dynamic micro-batches) and microBatchSize (static)",
+        ),
+        Rule(
+            rule="(self.replicas * (self.gpusPerReplica > 0 ? self.gpusPerReplica : 1)) %"
+            " (self.tensorParallelSize * self.pipelineParallelSize) == 0",
+            message="replicas × max(gpusPerReplica, 1) must be divisible by tensorParallelSize × pipelineParallelSize",
+            fieldPath=".replicas",
+        ),
+    )
+
+    replicas: int = Field(1, ge=1, le=4096, description="Trainer pods; with one process each, the data-parallel ranks.")
+    gpus_per_replica: int = Field(0, ge=0, le=16, description="GPUs per trainer pod (nvidia.com/gpu); 0 trains on CPU.")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="Megatron tensor-parallel size.")
+    pipeline_parallel_size: int = Field(1, ge=1, le=256, description="Megatron pipeline-parallel size.")
+    max_tokens_per_gpu: int | None = Field(
+        None, ge=1, alias="maxTokensPerGPU", description="Dynamic micro-batches: token cap per micro-batch."
+    )
+    micro_batch_size: int | None = Field(None, ge=1, description="Static micro-batches: samples per micro-batch.")
+    microbatch_multiple: int = Field(
+        1, ge=1, le=1024, description="Micro-batches per rank per step are a multiple of this (virtual pipeline)."
+    )
+    loss_type: Literal["sft", "policy_gradient"] = Field("sft", description="Masked cross-entropy or policy gradient.")
+    loss_normalization: Literal["sample", "token"] = Field(
+        "sample", description="Divide by the step's samples (mean over each sample's tokens) or its loss tokens."
+    )
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="Optimizer and LR schedule.")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpointing.")
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements, description="Resources of each trainer container."
+    )
+
+    @model_validator(mode="after")
+    def _rules(self) -> TrainerSpec:
+        if (self.max_tokens_per_gpu is None) == (self.micro_batch_size is None):
+            raise ValueError(self.CEL_RULES[0].message)
+        if self.world_size % (self.tensor_parallel_size * self.pipeline_parallel_size):
+            raise ValueError(self.CEL_RULES[1].message)
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.replicas * max(self.gpus_per_replica, 1)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // (self.tensor_parallel_size * self.pipeline_parallel_size)
+
+
+# ------------------------------------------------------------------------------------------------------- rollout
+class SyntheticSource(ApiModel):
+    """A learnable, seeded task: each prompt of random tokens is answered by the task applied to it, with
+    heavy-tailed lengths; each sample of a group gets a reward (fraction of correct answer tokens under noise)."""
+
+    CEL_RULES = (Rule(rule="self.minLength <= self.maxLength", message="minLength must be <= maxLength"),)
+
+    task: Literal["reverse", "sort", "copy"] = Field("reverse", description="What the response does to the prompt.")
+    min_length: int = Field(4, ge=1, description="Shortest prompt in tokens.")
+    max_length: int = Field(48, ge=1, description="Longest prompt in tokens (lengths are heavy-tailed up to it).")
+    vocab_size: int | None = Field(None, ge=4, description="Token ids used (default: the model's vocabSize).")
+
+    @model_validator(mode="after")
+    def _rules(self) -> SyntheticSource:
+        if self.min_length > self.max_length:
+            raise ValueError(self.CEL_RULES[0].message)
+        return self
+
+
+class JsonlSource(ApiModel):
+    """Pre-tokenized rollouts, one sample per line: group, tokens, loss_mask or prompt_length, reward or advantage."""
+
+    path: str = Field(..., min_length=1, description="Path of the .jsonl file (inside the rollout pod).")
+
+
+class SourceSpec(ApiModel):
+    """Where samples come from."""
+
+    CEL_RULES = (
+        Rule(rule="self.type != 'jsonl' || has(self.jsonl)", message="type jsonl needs source.jsonl.path"),
+        Rule(rule="self.type != 'synthetic' || !has(self.jsonl)", message="source.jsonl is only for type jsonl"),
+    )
+
+    type: Literal["synthetic", "jsonl"] = Field("synthetic", description="Source kind.")
+    synthetic: SyntheticSource = Field(default_factory=SyntheticSource, description="Settings of the synthetic task.")
+    jsonl: JsonlSource | None = Field(None, description="Settings of the jsonl source.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> SourceSpec:
+        if self.type == "jsonl" and self.jsonl is None:
+            raise ValueError(self.CEL_RULES[0].message)
+        if self.type == "synthetic" and self.jsonl is not None:
+            raise ValueError(self.CEL_RULES[1].message)
+        return self
+
+
+class FilterSpec(ApiModel):
+    """Filters applied to each rollout before it is split into steps; they make the sample count vary."""
+
+    zero_variance: bool = Field(True, description="Drop groups whose rewards all equal (dynamic sampling).")
+    max_length: int | None = Field(None, ge=1, description="Drop samples longer than this many tokens.")
+
+
+class StepPolicy(ApiModel):
+    """How a rollout's samples are split into optimizer steps."""
+
+    CEL_RULES = (
+        Rule(
+            rule="self.policy == 'fixed' ? has(self.globalBatchSize) : !has(self.globalBatchSize)",
+            message="policy fixed needs globalBatchSize (groups per step); policy dynamic takes none",
+            fieldPath=".globalBatchSize",
+        ),
+    )
+
+    policy: Literal["fixed", "dynamic"] = Field(
+        "dynamic", description="fixed: globalBatchSize groups per step, leftover carried over; dynamic: one step per rollout."
+    )
+    global_batch_size: int | None = Field(None, ge=1, description="Groups per step with policy fixed.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> StepPolicy:
+        if (self.policy == "fixed") != (self.global_batch_size is not None):
+            raise ValueError(self.CEL_RULES[0].message)
+        return self
+
+
+class RolloutSpec(ApiModel):
+    """The rollout pod: produce samples, filter them, split them into steps, schedule and publish."""
+
+    CEL_RULES = (
+        Rule(
+            rule="self.samplesPerRollout % self.groupSize == 0",
+            message="samplesPerRollout must be a multiple of groupSize",
+            fieldPath=".samplesPerRollout",
+        ),
+    )
+
+    source: SourceSpec = Field(default_factory=SourceSpec, description="Where samples come from.")
+    samples_per_rollout: int = Field(64, ge=1, le=10_000_000, description="Samples produced per rollout, before filters.")
+    group_size: int = Field(4, ge=1, le=4096, description="Samples per prompt (a group; never split across steps).")
+    filters: FilterSpec = Field(default_factory=FilterSpec, description="Sample filters.")
+    steps: StepPolicy = Field(default_factory=StepPolicy, description="Step policy.")
+    num_rollouts: int = Field(10, ge=1, description="Rollouts in the run.")
+    max_pending_rollouts: int = Field(2, ge=1, le=1024, description="Published but unconsumed rollouts allowed.")
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements, description="Resources of the rollout container."
+    )
+
+    @model_validator(mode="after")
+    def _rules(self) -> RolloutSpec:
+        if self.samples_per_rollout % self.group_size:
+            raise ValueError(self.CEL_RULES[0].message)
+        return self
+
+
+# ---------------------------------------------------------------------------------------------- store / metrics
+class StoreSpec(ApiModel):
+    """The shared store between rollout and trainers."""
+
+    CEL_RULES = (Rule(rule="!(has(self.url) && self.managed)", message="set store.url or store.managed, not both"),)
+
+    url: str | None = Field(
+        None,
+        pattern=r"^(file|redis)://.+",
+        description="file:///path or redis://host:port/db. Unset: a file store in the run directory (local runs).",
+    )
+    managed: bool = Field(False, description="The operator runs a Redis pod and service for this run.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> StoreSpec:
+        if self.url is not None and self.managed:
+            raise ValueError(self.CEL_RULES[0].message)
+        return self
+
+
+class MetricsSpec(ApiModel):
+    """Prometheus metrics served by every trainer and the rollout pod."""
+
+    enabled: bool = Field(True, description="Serve /metrics.")
+    port: int = Field(9400, ge=1, le=65535, description="Port of /metrics (local runs use port, port+1, ...).")
+
+
+class FailurePolicy(ApiModel):
+    """What happens when a pod fails or the run stops making progress."""
+
+    max_restarts: int = Field(3, ge=0, le=1000, description="Whole-group restarts before the run is Failed.")
+    backoff_seconds: int = Field(10, ge=0, le=86400, description="Wait before each restart.")
+    progress_deadline_seconds: int | None = Field(
+        None, ge=1, description="No new step for this long counts as a failure (hang detection); unset: off."
+    )
+
+
+class Toleration(ApiModel):
+    """A pod toleration (core/v1 Toleration)."""
+
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class PodTemplateOverrides(ApiModel):
+    """Pod settings applied to every pod of the run."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector.")
+    tolerations: list[Toleration] = Field(default_factory=list, description="Pod tolerations.")
+    affinity: dict[str, Any] | None = Field(None, description="Pod affinity (core/v1 Affinity), passed through.")
+    priority_class_name: str | None = Field(None, description="Pod priorityClassName.")
+    service_account_name: str | None = Field(None, description="Pod serviceAccountName.")
+    labels: dict[str, str] = Field(default_factory=dict, description="Extra pod labels.")
+    annotations: dict[str, str] = Field(default_factory=dict, description="Extra pod annotations.")
+
+
+class GangScheduling(ApiModel):
+    """Create a PodGroup so all pods of the run are scheduled together (Volcano or scheduler-plugins)."""
+
+    enabled: bool = Field(False, description="Create a PodGroup for the run.")
+    provider: Literal["volcano", "coscheduling"] = Field("volcano", description="Which PodGroup API to use.")
+
+
+class TrainingRunSpec(ApiModel):
+    """Desired state of a TrainingRun."""
+
+    image: str = Field("ghcr.io/trainingrun/trainer:0.1.0", min_length=1, description="Image of rollout and trainers.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="Pull policy.")
+    seed: int = Field(1234, ge=0, description="Seed of data, model init and sampling.")
+    model: ModelSpec = Field(..., description="Model to train.")
+    trainer: TrainerSpec = Field(..., description="Trainer pods.")
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Rollout pod.")
+    store: StoreSpec = Field(default_factory=StoreSpec, description="Shared store.")
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec, description="Metrics.")
+    failure_policy: FailurePolicy = Field(default_factory=FailurePolicy, description="Restarts and hang detection.")
+    suspend: bool = Field(False, description="Delete the pods and keep the run (resume from checkpoint on false).")
+    active_deadline_seconds: int | None = Field(None, ge=1, description="Fail the run after this long running.")
+    ttl_seconds_after_finished: int | None = Field(None, ge=0, description="Delete the run this long after it ends.")
+    scheduler_name: str | None = Field(None, description="Pod schedulerName (e.g. volcano).")
+    gang_scheduling: GangScheduling = Field(default_factory=GangScheduling, description="Gang scheduling.")
+    pod_template: PodTemplateOverrides = Field(
+        default_factory=PodTemplateOverrides, description="Pod settings for every pod of the run."
+    )
+
+
+# -------------------------------------------------------------------------------------------------------- status
+Phase = Literal["Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended"]
+PHASES: tuple[str, ...] = ("Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
+TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
+
+
+class Condition(ApiModel):
+    """A standard Kubernetes condition."""
+
+    type: str = Field(..., description="Condition type, e.g. Running, Succeeded, Failed, Suspended.")
+    status: Literal["True", "False", "Unknown"] = Field(..., description="True, False or Unknown.")
+    reason: str | None = Field(None, description="CamelCase reason.")
+    message: str | None = Field(None, description="Human-readable detail.")
+    last_transition_time: str | None = Field(None, description="RFC 3339 time of the last change.")
+
+
+class TrainingRunStatus(ApiModel):
+    """Observed state of a TrainingRun, written by the operator from what it observes."""
+
+    phase: Phase | None = Field(None, description="Pending, Running, Restarting, Succeeded, Failed or Suspended.")
+    conditions: list[Condition] = Field(default_factory=list, description="Conditions.")
+    restarts: int = Field(0, ge=0, description="Whole-group restarts so far.")
+    attempt: int = Field(0, ge=0, description="Current attempt (pods carry it as a label).")
+    step: int = Field(0, ge=0, description="Optimizer steps completed.")
+    samples_consumed: int = Field(0, ge=0, description="Samples trained on so far.")
+    last_global_batch_size: int = Field(0, ge=0, description="Samples in the last step.")
+    rollout: int = Field(0, ge=0, description="Rollouts consumed.")
+    start_time: str | None = Field(None, description="When the run started (RFC 3339).")
+    completion_time: str | None = Field(None, description="When the run ended (RFC 3339).")
+    observed_generation: int | None = Field(None, description="The spec generation this status reflects.")
+    message: str | None = Field(None, description="Last important message (e.g. why the run failed).")
+
+
+class ObjectMeta(BaseModel):
+    """The part of metadata this package reads; the rest passes through."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = Field("run", min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    namespace: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class TrainingRun(BaseModel):
+    """A whole TrainingRun manifest."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    api_version: Literal["trainingrun.dev/v1alpha1"] = Field("trainingrun.dev/v1alpha1", alias="apiVersion")
+    kind: Literal["TrainingRun"] = "TrainingRun"
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    spec: TrainingRunSpec
+    status: TrainingRunStatus | None = None
+
+
+ALL_MODELS: tuple[type[ApiModel], ...] = (
+    ModelSpec,
+    OptimizerSpec,
+    CheckpointSpec,
+    TrainerSpec,
+    SyntheticSource,
+    JsonlSource,
+    SourceSpec,
+    FilterSpec,
+    StepPolicy,
+    RolloutSpec,
+    StoreSpec,
+    MetricsSpec,
+    FailurePolicy,
+    Toleration,
+    PodTemplateOverrides,
+    GangScheduling,
+    TrainingRunSpec,
+    Condition,
+    TrainingRunStatus,
+    ResourceRequirements,
+)

@@ -1,0 +1,61 @@
+"""Metric names (contract: all start with `trainingrun_`). One place, so exporters, dashboards, alerts and docs agree.
+
+Weighted metrics (per-sample values) travel as (sum, count) and are exported per rank as counters `X_sum` / `X_count`
+so `sum(rate(X_sum[5m])) / sum(rate(X_count[5m]))` is the correct mean over any set of ranks. Rank 0 also exports
+the reduced per-step values as gauges (TRAINER_GAUGES). Labels: `run` on every metric, `rank` on per-rank ones.
+"""
+
+from __future__ import annotations
+
+PREFIX = "trainingrun_"
+
+# --- trainer: weighted (sum, count) pairs, per rank, exported as the two counters f"{base}_sum" and f"{base}_count".
+TRAINER_WEIGHTED = {
+    "trainingrun_trainer_sample_loss": "Per-sample loss (mean over the sample's loss tokens); sum and count per rank.",
+    "trainingrun_trainer_token_loss": "Per-token loss; sum over loss tokens and their count, per rank.",
+    "trainingrun_trainer_sample_reward": "Per-sample reward (policy_gradient) or 0; sum and count per rank.",
+    "trainingrun_trainer_sample_tokens": "Tokens per sample; sum and count per rank.",
+}
+
+# --- trainer: rank 0 gauges, reduced over all ranks for the last step.
+TRAINER_GAUGES = {
+    "trainingrun_trainer_loss": "Reduced loss of the last step (the contract's normalisation).",
+    "trainingrun_trainer_global_batch_size": "Samples in the last step (all ranks).",
+    "trainingrun_trainer_lr": "Learning rate used by the last step.",
+    "trainingrun_trainer_grad_norm": "Gradient norm of the last step (before clipping).",
+    "trainingrun_trainer_step_seconds": "Wall time of the last step.",
+    "trainingrun_trainer_samples_per_second": "Samples per second of the last step (all ranks).",
+    "trainingrun_trainer_tokens_per_second": "Tokens per second of the last step (all ranks).",
+    "trainingrun_trainer_step": "Optimizer steps completed.",
+    "trainingrun_trainer_samples_consumed": "Samples trained on so far.",
+    "trainingrun_trainer_rollout": "Rollout being trained.",
+    "trainingrun_trainer_num_microbatches": "Micro-batches per rank in the last step.",
+}
+
+# --- trainer: per-rank counters
+TRAINER_COUNTERS = {
+    "trainingrun_trainer_rank_tokens": "Tokens processed by this rank (counter; rate() is per-rank throughput).",
+    "trainingrun_trainer_rank_samples": "Samples processed by this rank (counter).",
+    "trainingrun_trainer_steps": "Optimizer steps run by this rank (counter).",
+}
+
+# --- rollout
+ROLLOUT = {
+    "trainingrun_rollout_samples_produced": "Samples produced by the source (counter).",
+    "trainingrun_rollout_samples_filtered": "Samples dropped by filters (counter), label filter.",
+    "trainingrun_rollout_samples_published": "Samples published to the store (counter).",
+    "trainingrun_rollout_rollouts_published": "Rollouts published (counter).",
+    "trainingrun_rollout_schedule_imbalance": "Max/mean rank token load of the last published step (gauge).",
+    "trainingrun_rollout_publish_seconds": "Seconds to publish one rollout (histogram).",
+    "trainingrun_rollout_pending": "Published rollouts not yet consumed (gauge).",
+}
+
+# --- operator
+OPERATOR = {
+    "trainingrun_operator_reconcile_seconds": "Handler duration (histogram), label handler.",
+    "trainingrun_operator_runs": "TrainingRuns by phase (gauge), label phase.",
+    "trainingrun_operator_restarts": "Group restarts performed (counter).",
+    "trainingrun_operator_errors": "Handler errors (counter), label handler.",
+}
+
+# Common labels: run (TrainingRun name), rank (trainers), role.

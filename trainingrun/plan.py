@@ -1,0 +1,130 @@
+"""One RunPlan for a TrainingRun: the processes (roles, ranks, environment, commands) that make up the run.
+
+The operator renders a plan into pods (`trainingrun.operator`), the local launcher into processes
+(`trainingrun.local`); both read the same plan, so a run behaves the same on a laptop and in a cluster.
+
+Every process reads its configuration from the environment:
+  TRAININGRUN_RUN           run name                      (contract)
+  TRAININGRUN_STORE_URL     file:///... or redis://...     (contract)
+  TRAININGRUN_CONFIG        path of the TrainingRun YAML (a ConfigMap mount in a cluster)
+  TRAININGRUN_ATTEMPT       restart attempt (0, 1, ...)
+  TRAININGRUN_METRICS_PORT  port of /metrics for this process
+  RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT  trainers only (contract)
+  TRAININGRUN_METRICS_JSONL rank 0 appends one JSON object per step here (local runs)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from trainingrun.api.models import TrainingRun
+
+Role = Literal["rollout", "trainer"]
+
+# Exit code a process uses for a configuration error: the operator and the launcher fail the run at once instead of
+# restarting it (a restart cannot fix a bad spec).
+EXIT_CONFIG_ERROR = 78  # EX_CONFIG from sysexits.h
+
+CONFIG_MOUNT_PATH = "/etc/trainingrun/run.yaml"
+DEFAULT_MASTER_PORT = 29500
+
+
+@dataclass(frozen=True)
+class ProcessPlan:
+    """One process of the run (a pod in a cluster)."""
+
+    role: Role
+    rank: int | None  # trainer rank (pod index); None for the rollout
+    args: tuple[str, ...]  # arguments after the `trainingrun` executable
+    env: dict[str, str]
+    metrics_port: int
+
+    @property
+    def name(self) -> str:
+        return self.role if self.rank is None else f"{self.role}-{self.rank}"
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What to run for one TrainingRun attempt."""
+
+    name: str
+    store_url: str
+    world_size: int
+    data_parallel_size: int
+    attempt: int
+    processes: tuple[ProcessPlan, ...] = field(default_factory=tuple)
+
+    @property
+    def rollout(self) -> ProcessPlan:
+        return next(p for p in self.processes if p.role == "rollout")
+
+    @property
+    def trainers(self) -> tuple[ProcessPlan, ...]:
+        return tuple(p for p in self.processes if p.role == "trainer")
+
+
+def build_plan(
+    run: TrainingRun,
+    *,
+    store_url: str,
+    config_path: str,
+    master_addr: str,
+    master_port: int = DEFAULT_MASTER_PORT,
+    attempt: int = 0,
+    metrics_port: int | None = None,
+    distinct_ports: bool = False,
+    extra_env: dict[str, str] | None = None,
+) -> RunPlan:
+    """The processes of one attempt of `run`.
+
+    `distinct_ports`: give each process its own metrics port (port, port+1, ...), as processes on one machine need;
+    pods each have their own network namespace and all use `spec.metrics.port`.
+    """
+    spec = run.spec
+    name = run.metadata.name
+    base_port = spec.metrics.port if metrics_port is None else metrics_port
+    common = {
+        "TRAININGRUN_RUN": name,
+        "TRAININGRUN_STORE_URL": store_url,
+        "TRAININGRUN_CONFIG": config_path,
+        "TRAININGRUN_ATTEMPT": str(attempt),
+        **(extra_env or {}),
+    }
+    replicas = spec.trainer.replicas
+    processes = [
+        ProcessPlan(
+            role="rollout",
+            rank=None,
+            args=("rollout",),
+            env={**common, "TRAININGRUN_METRICS_PORT": str(base_port)},
+            metrics_port=base_port,
+        )
+    ]
+    for rank in range(replicas):
+        port = base_port + 1 + rank if distinct_ports else base_port
+        processes.append(
+            ProcessPlan(
+                role="trainer",
+                rank=rank,
+                args=("trainer",),
+                env={
+                    **common,
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(replicas),
+                    "MASTER_ADDR": master_addr,
+                    "MASTER_PORT": str(master_port),
+                    "TRAININGRUN_METRICS_PORT": str(port),
+                },
+                metrics_port=port,
+            )
+        )
+    return RunPlan(
+        name=name,
+        store_url=store_url,
+        world_size=spec.trainer.world_size,
+        data_parallel_size=spec.trainer.data_parallel_size,
+        attempt=attempt,
+        processes=tuple(processes),
+    )
