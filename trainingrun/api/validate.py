@@ -1,0 +1,318 @@
+"""`trainingrun validate FILE...`: check TrainingRun manifests offline, as the API server would.
+
+The checks are the CRD's own: its OpenAPI schema (types, bounds, enums, required fields; unknown fields rejected as
+`kubectl apply`'s strict field validation does) and its `x-kubernetes-validations` CEL rules, evaluated with a real
+CEL engine (cel-python) on the object after defaulting, as the API server does. One line per error:
+
+    FILE[#doc]: FIELD.PATH: what was wrong (allowed: what is allowed)
+
+Exit 0 when every document is valid, 1 otherwise. Needs the `validate` extra (jsonschema, cel-python).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainingrun import API_GROUP, API_VERSION, KIND
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: str  # dotted field path, e.g. spec.trainer.replicas
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
+
+
+# ------------------------------------------------------------------------------------------------ schema helpers
+@lru_cache(maxsize=1)
+def _schemas() -> tuple[dict[str, Any], dict[str, Any]]:
+    """(CRD spec schema as served, the same made strict for validation)."""
+    from trainingrun.api.crd import spec_schema
+
+    served = spec_schema()
+    return served, _strict(copy.deepcopy(served))
+
+
+def _strict(node: dict[str, Any]) -> dict[str, Any]:
+    """Unknown fields are errors (strict field validation), except under preserve-unknown-fields."""
+    if node.get("type") == "object" and "properties" in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+        node["additionalProperties"] = False
+    for child in node.get("properties", {}).values():
+        _strict(child)
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            _strict(node[key])
+    if node.get("x-kubernetes-int-or-string"):
+        node["type"] = ["integer", "string"]
+    return node
+
+
+def _dotted(parts: Any) -> str:
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def _allowed(error: Any) -> str:
+    """What the schema allows at the failing keyword, in words."""
+    schema = error.schema
+    kw = error.validator
+    if kw == "enum":
+        return "one of " + ", ".join(repr(v) for v in schema["enum"])
+    if kw == "type":
+        t = schema["type"]
+        return " or ".join(t) if isinstance(t, list) else t
+    if kw in ("minimum", "maximum"):
+        parts = []
+        if "minimum" in schema:
+            parts.append((">" if schema.get("exclusiveMinimum") else ">=") + f" {schema['minimum']}")
+        if "maximum" in schema:
+            parts.append(("<" if schema.get("exclusiveMaximum") else "<=") + f" {schema['maximum']}")
+        return f"{schema.get('type', 'number')} " + " and ".join(parts)
+    if kw == "minLength":
+        return f"at least {schema['minLength']} characters"
+    if kw == "maxLength":
+        return f"at most {schema['maxLength']} characters"
+    if kw == "pattern":
+        return f"a string matching {schema['pattern']}"
+    if kw == "additionalProperties":
+        return "fields " + ", ".join(sorted(schema.get("properties", {})))
+    if kw == "required":
+        return "the field must be set"
+    if kw in ("maxItems", "maxProperties"):
+        return f"at most {schema[kw]} entries"
+    return str(error.validator_value)
+
+
+def _schema_problems(spec: Any) -> list[Problem]:
+    import jsonschema
+
+    _, strict = _schemas()
+    validator = jsonschema.Draft4Validator(strict)
+    problems = []
+    for error in sorted(validator.iter_errors(spec), key=lambda e: (list(map(str, e.absolute_path)), e.message)):
+        path = _dotted(["spec", *error.absolute_path])
+        if error.validator == "additionalProperties":
+            unknown = sorted(set(error.instance) - set(error.schema.get("properties", {})))
+            for field in unknown:
+                problems.append(
+                    Problem(f"{path}.{field}", f"unknown field (allowed: {_allowed(error)})")
+                )
+            continue
+        if error.validator == "required":
+            missing = error.message.split("'")[1] if "'" in error.message else error.message
+            problems.append(Problem(f"{path}.{missing}", "required field is missing"))
+            continue
+        got = error.instance
+        shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
+        problems.append(Problem(path, f"invalid value {shown}: {error.message} (allowed: {_allowed(error)})"))
+    return problems
+
+
+# --------------------------------------------------------------------------------------------- defaults and CEL
+def apply_defaults(value: Any, schema: dict[str, Any]) -> Any:
+    """Fill in schema defaults as the API server does before CEL rules run."""
+    if isinstance(value, dict) and "properties" in schema:
+        out = dict(value)
+        for name, sub in schema["properties"].items():
+            if name not in out and "default" in sub:
+                out[name] = copy.deepcopy(sub["default"])
+            if name in out:
+                out[name] = apply_defaults(out[name], sub)
+        return out
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [apply_defaults(v, schema["items"]) for v in value]
+    return value
+
+
+def to_cel(value: Any, schema: dict[str, Any]) -> Any:
+    """A CEL value typed by the schema (a `number` field holding 1 is the double 1.0, as in the API server)."""
+    import celpy
+
+    t = schema.get("type")
+    if isinstance(value, bool):
+        return celpy.celtypes.BoolType(value)
+    if t == "number" and isinstance(value, (int, float)):
+        return celpy.celtypes.DoubleType(float(value))
+    if isinstance(value, int):
+        return celpy.celtypes.IntType(value)
+    if isinstance(value, float):
+        return celpy.celtypes.DoubleType(value)
+    if isinstance(value, str):
+        return celpy.celtypes.StringType(value)
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        extra = schema.get("additionalProperties") if isinstance(schema.get("additionalProperties"), dict) else {}
+        return celpy.celtypes.MapType(
+            {celpy.celtypes.StringType(k): to_cel(v, props.get(k, extra)) for k, v in value.items()}
+        )
+    if isinstance(value, list):
+        items = schema.get("items", {}) if isinstance(schema.get("items"), dict) else {}
+        return celpy.celtypes.ListType([to_cel(v, items) for v in value])
+    if value is None:
+        return None
+    raise TypeError(f"cannot express {value!r} in CEL")
+
+
+@lru_cache(maxsize=256)
+def _program(rule: str) -> Any:
+    import celpy
+
+    env = celpy.Environment()
+    return env.program(env.compile(rule))
+
+
+def evaluate_rule(rule: str, obj: Any, schema: dict[str, Any]) -> bool:
+    """Evaluate one CEL rule with `self` = obj; raises ValueError when the rule cannot be evaluated."""
+    import celpy
+
+    result = _program(rule).evaluate({"self": to_cel(obj, schema)})
+    if isinstance(result, celpy.CELEvalError):
+        raise ValueError(f"rule {rule!r} could not be evaluated: {result}")
+    return bool(result)
+
+
+def _cel_problems(value: Any, schema: dict[str, Any], path: str, broken: frozenset[str] = frozenset()) -> list[Problem]:
+    """CEL failures under `path`. Rules of an object holding a schema error (a path in `broken`) are not run: the
+    API server reports the schema error, and a rule over a mistyped field would only add noise."""
+    if any(b == path or b.startswith(path + ".") or b.startswith(path + "[") for b in broken):
+        if isinstance(value, dict):
+            return [p for name, sub in schema.get("properties", {}).items() if name in value
+                    for p in _cel_problems(value[name], sub, f"{path}.{name}", broken)]
+        return []
+    problems = []
+    if isinstance(value, dict):
+        for rule in schema.get("x-kubernetes-validations", []):
+            try:
+                ok = evaluate_rule(rule["rule"], value, schema)
+            except ValueError as exc:
+                problems.append(Problem(path, str(exc)))
+                continue
+            if not ok:
+                where = path + rule.get("fieldPath", "")
+                problems.append(Problem(where, f"{rule['message']} (rule: {rule['rule']})"))
+        for name, sub in schema.get("properties", {}).items():
+            if name in value:
+                problems.extend(_cel_problems(value[name], sub, f"{path}.{name}"))
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(value):
+            problems.extend(_cel_problems(item, schema["items"], f"{path}[{i}]"))
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------ one document
+_NAME_RE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+def validate_document(doc: Any) -> list[Problem]:
+    """Every problem of one parsed manifest (empty when valid)."""
+    import re
+
+    if not isinstance(doc, dict):
+        return [Problem("", f"a TrainingRun must be a mapping, got {type(doc).__name__}")]
+    problems = []
+    expected = f"{API_GROUP}/{API_VERSION}"
+    if doc.get("apiVersion") != expected:
+        problems.append(Problem("apiVersion", f"must be {expected!r}, got {doc.get('apiVersion')!r}"))
+    if doc.get("kind") != KIND:
+        problems.append(Problem("kind", f"must be {KIND!r}, got {doc.get('kind')!r}"))
+    for field in sorted(set(doc) - {"apiVersion", "kind", "metadata", "spec", "status"}):
+        problems.append(Problem(field, "unknown field (allowed: apiVersion, kind, metadata, spec, status)"))
+    meta = doc.get("metadata")
+    if not isinstance(meta, dict):
+        problems.append(Problem("metadata", "required mapping with at least `name`"))
+    else:
+        name = meta.get("name")
+        if not isinstance(name, str) or not re.match(_NAME_RE, name) or len(name) > 63:
+            problems.append(
+                Problem("metadata.name", f"invalid name {name!r} (allowed: a DNS label: lower-case letters, digits, "
+                        "'-', at most 63 characters, starting and ending alphanumeric)")
+            )
+    if "spec" not in doc:
+        problems.append(Problem("spec", "required field is missing"))
+        return problems
+    spec = doc["spec"]
+    schema_problems = _schema_problems(spec)
+    problems.extend(schema_problems)
+    if isinstance(spec, dict):
+        served, _ = _schemas()
+        broken = frozenset(p.path for p in schema_problems)
+        problems.extend(_cel_problems(apply_defaults(spec, served), served, "spec", broken))
+    if not problems:
+        problems.extend(_model_problems(doc))
+    return problems
+
+
+def _model_problems(doc: dict[str, Any]) -> list[Problem]:
+    """The pydantic models hold the same rules; anything they still reject is reported too (belt and braces)."""
+    from pydantic import ValidationError
+
+    from trainingrun.api import parse_trainingrun
+
+    try:
+        parse_trainingrun(doc)
+    except ValidationError as exc:
+        return [Problem(_dotted(e["loc"]), e["msg"]) for e in exc.errors()]
+    return []
+
+
+# ---------------------------------------------------------------------------------------------------- files / CLI
+def validate_text(text: str, source: str = "<stdin>") -> list[str]:
+    """Error lines for a YAML stream (empty list when every document is a valid TrainingRun)."""
+    try:
+        docs = list(yaml.safe_load_all(text))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        return [f"{source}{where}: invalid YAML: {problem}"]
+    docs = [d for d in docs if d is not None]
+    if not docs:
+        return [f"{source}: no YAML document found (expected a TrainingRun manifest)"]
+    lines = []
+    for i, doc in enumerate(docs):
+        label = source if len(docs) == 1 else f"{source}#{i + 1}"
+        lines.extend(f"{label}: {p}" for p in validate_document(doc))
+    return lines
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("files", nargs="+", metavar="FILE", help="TrainingRun YAML files ('-' reads standard input)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print nothing when valid")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import celpy  # noqa: F401
+        import jsonschema  # noqa: F401
+    except ImportError as exc:
+        print(f"trainingrun validate needs the 'validate' extra: pip install 'trainingrun[validate]' ({exc})",
+              file=sys.stderr)
+        return 2
+    failed = False
+    for name in args.files:
+        try:
+            text = sys.stdin.read() if name == "-" else Path(name).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            print(f"{name}: cannot read: {exc}", file=sys.stderr)
+            failed = True
+            continue
+        lines = validate_text(text, name)
+        for line in lines:
+            print(line, file=sys.stderr)
+        if lines:
+            failed = True
+        elif not args.quiet:
+            print(f"{name}: valid")
+    return 1 if failed else 0
