@@ -1,0 +1,126 @@
+"""Packed (THD) micro-batches from a rank's payload and the rollout's schedule.
+
+A rank's payload holds its samples in `partitions[r]` order (flat over the rollout's steps);
+`micro_batch_indices[r][k]` are positions into it, micro-batches flat over steps, step s owning the
+`num_microbatches[s]` micro-batches after those of earlier steps. A micro-batch packs its samples back to back
+(no padding) with `cu_seqlens` marking the documents. A micro-batch with no sample (possible when a rank has fewer
+samples than the step's micro-batch count) becomes a single dummy token with no targets: its loss and gradient are 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainingrun.trainer.loss import LossInputs
+
+
+@dataclass
+class MicroBatch:
+    """Model input and loss input of one packed micro-batch."""
+
+    input_ids: torch.Tensor  # [1, T] long
+    position_ids: torch.Tensor  # [1, T] long, restarting at 0 for each document
+    cu_seqlens: torch.Tensor  # [n + 1] int32
+    max_seqlen: int
+    loss: LossInputs
+    sample_ids: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu_seqlens[-1]) if self.loss.num_samples else 0
+
+    def packed_seq_params(self):
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=self.cu_seqlens,
+            cu_seqlens_kv=self.cu_seqlens,
+            max_seqlen_q=self.max_seqlen,
+            max_seqlen_kv=self.max_seqlen,
+        )
+
+
+def step_microbatch_ranges(num_microbatches: list[int]) -> list[range]:
+    """For each step, the range of its micro-batches in the flat per-rank list."""
+    out, start = [], 0
+    for m in num_microbatches:
+        out.append(range(start, start + m))
+        start += m
+    return out
+
+
+def pack(payload: dict[str, np.ndarray], positions: list[int], device: torch.device, pad_to: int | None = None) -> MicroBatch:
+    """Pack the payload samples at `positions` into one micro-batch.
+
+    `pad_to`: if given, each document is padded to that many tokens (no targets on padding) — only the benchmark uses
+    this, to measure what padding costs against packing on the same schedule.
+    """
+    offsets = payload["offsets"]
+    toks, masks, sample_of, lengths, doc_lens = [], [], [], [], []
+    for j, p in enumerate(positions):
+        a, b = int(offsets[p]), int(offsets[p + 1])
+        length = b - a
+        if length < 1:
+            raise ValueError(f"payload: sample at position {p} has no tokens")
+        t = payload["tokens"][a:b].astype(np.int64)
+        m = payload["loss_mask"][a:b].astype(np.float32)
+        m[0] = 0.0  # the first token of a document is never predicted
+        padded = max(pad_to or length, length)
+        if padded > length:
+            t = np.concatenate([t, np.zeros(padded - length, np.int64)])
+            m = np.concatenate([m, np.zeros(padded - length, np.float32)])
+        toks.append(t)
+        masks.append(m)
+        sample_of.append(np.full(padded, j, np.int64))
+        lengths.append(length)
+        doc_lens.append(padded)
+    if not positions:  # empty micro-batch: one dummy token, no targets
+        toks, masks, sample_of, doc_lens = [np.zeros(1, np.int64)], [np.zeros(1, np.float32)], [np.zeros(1, np.int64)], [1]
+    cu = np.concatenate([[0], np.cumsum(doc_lens)]).astype(np.int32)
+    positions_in_doc = np.concatenate([np.arange(n) for n in doc_lens])
+    pos_arr = np.asarray(positions, dtype=np.int64)
+    adv = payload["advantages"][pos_arr] if positions else np.zeros(0, np.float32)
+    rew = payload["rewards"][pos_arr] if positions else np.zeros(0, np.float32)
+    ids = tuple(int(i) for i in payload["sample_ids"][pos_arr]) if positions else ()
+    tokens = torch.from_numpy(np.concatenate(toks)).to(device)
+    return MicroBatch(
+        input_ids=tokens.unsqueeze(0),
+        position_ids=torch.from_numpy(positions_in_doc).to(device).unsqueeze(0),
+        cu_seqlens=torch.from_numpy(cu).to(device),
+        max_seqlen=int(max(doc_lens)),
+        loss=LossInputs(
+            tokens=tokens,
+            target_mask=torch.from_numpy(np.concatenate(masks)).to(device),
+            sample_of=torch.from_numpy(np.concatenate(sample_of)).to(device) if positions else torch.zeros(0, dtype=torch.long, device=device),
+            advantages=torch.from_numpy(np.asarray(adv, np.float32)).to(device),
+            rewards=torch.from_numpy(np.asarray(rew, np.float32)).to(device),
+            lengths=torch.tensor(lengths, dtype=torch.float32, device=device),
+        ),
+        sample_ids=ids,
+    )
+
+
+def step_microbatches(
+    schedule: dict[str, Any], payload: dict[str, np.ndarray], dp_rank: int, step: int, device: torch.device,
+    pad_to_longest: bool = False,
+) -> list[MicroBatch]:
+    """Rank `dp_rank`'s micro-batches of step `step` (index within the rollout), packed."""
+    sched = schedule["schedule"] if "schedule" in schedule else schedule
+    ranges = step_microbatch_ranges(list(sched["num_microbatches"]))
+    if not 0 <= step < len(ranges):
+        raise ValueError(f"step: {step} outside the rollout's {len(ranges)} steps")
+    mbs = sched["micro_batch_indices"][dp_rank]
+    out = []
+    for k in ranges[step]:
+        positions = [int(p) for p in mbs[k]] if k < len(mbs) else []
+        pad = None
+        if pad_to_longest and positions:
+            off = payload["offsets"]
+            pad = max(int(off[p + 1] - off[p]) for p in positions)
+        out.append(pack(payload, positions, device, pad_to=pad))
+    return out

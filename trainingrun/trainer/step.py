@@ -1,0 +1,138 @@
+"""One optimizer step over exactly the scheduled micro-batches, through Megatron's `get_forward_backward_func`.
+
+The loss each micro-batch returns is the contract's J_{r,m} times `megatron_loss_factor(D, M)` (see
+`trainingrun.trainer.loss`), so the gradient after Megatron's schedule and DDP reduction is ∇J_s.
+The LR scheduler is advanced by GBS_s *before* the optimizer step, so the LR a step uses already counts that step's
+samples (with warmup, the first step does not run at LR 0); after the step the scheduler's counter equals the run's
+samples consumed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from trainingrun.trainer.batch import MicroBatch
+from trainingrun.trainer.loss import STAT_NAMES, megatron_loss_factor, micro_batch_objective
+
+
+@dataclass
+class StepResult:
+    """What one step reports. `local_stats`: this rank's (sum, count) pairs [len(STAT_NAMES), 2];
+    `stats`: the same reduced over all DP ranks (one all-reduce). `loss` = reduced objective J_s."""
+
+    local_stats: torch.Tensor
+    stats: torch.Tensor
+    loss: float
+    grad_norm: float
+    lr: float
+    seconds: float
+    tokens: int  # tokens of the step over all ranks
+    local_tokens: int
+    local_samples: int
+
+    def mean(self, name: str) -> float:
+        s, c = self.stats[STAT_NAMES.index(name)].tolist()
+        return s / c if c else 0.0
+
+
+def forward_backward(
+    ddp_model,
+    microbatches: list[MicroBatch],
+    *,
+    loss_type: str,
+    normalization: str,
+    global_batch_size: int,
+    loss_tokens: int,
+    dp_size: int,
+) -> torch.Tensor:
+    """Run the micro-batches (forward + backward, gradients reduced over DP); return local stats [S, 2]."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    m = len(microbatches)
+    if m < 1:
+        raise ValueError("num_microbatches: a step needs at least one micro-batch per rank")
+    factor = megatron_loss_factor(dp_size, m)
+    stats = torch.zeros(len(STAT_NAMES), 2, dtype=torch.float64)
+
+    def loss_func(mb: MicroBatch, logits: torch.Tensor):
+        objective, mb_stats = micro_batch_objective(
+            logits[0], mb.loss, loss_type=loss_type, normalization=normalization,
+            global_batch_size=global_batch_size, loss_tokens=loss_tokens,
+        )
+        stats.add_(mb_stats)
+        # Megatron divides this tensor in place by M: hand it a fresh one, never the logged value.
+        return objective * factor, {}
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        logits = model(
+            input_ids=mb.input_ids,
+            position_ids=mb.position_ids,
+            attention_mask=None,
+            packed_seq_params=mb.packed_seq_params(),
+        )
+        return logits, partial(loss_func, mb)
+
+    fb = get_forward_backward_func()
+    fb(
+        forward_step_func=forward_step,
+        data_iterator=iter(microbatches),
+        model=[ddp_model],
+        num_microbatches=m,
+        seq_length=max(mb.input_ids.shape[1] for mb in microbatches),
+        micro_batch_size=1,
+        forward_only=False,
+    )
+    return stats
+
+
+def train_step(
+    ddp_model,
+    optimizer,
+    scheduler,
+    microbatches: list[MicroBatch],
+    *,
+    loss_type: str,
+    normalization: str,
+    global_batch_size: int,
+    loss_tokens: int,
+    dp_size: int,
+    dp_group=None,
+) -> StepResult:
+    """Zero grads, forward/backward, advance the LR scheduler by GBS_s, optimizer step, reduce metrics."""
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    ddp_model.zero_grad_buffer()
+    optimizer.zero_grad()
+    local = forward_backward(
+        ddp_model, microbatches, loss_type=loss_type, normalization=normalization,
+        global_batch_size=global_batch_size, loss_tokens=loss_tokens, dp_size=dp_size,
+    )
+    scheduler.step(increment=global_batch_size)
+    lr = float(optimizer.param_groups[0]["lr"])
+    ok, grad_norm, _ = optimizer.step()
+    if not ok:
+        raise FloatingPointError("optimizer step skipped (non-finite gradients)")
+    local_tokens = sum(mb.num_tokens for mb in microbatches)
+    local_samples = sum(mb.loss.num_samples for mb in microbatches)
+    from trainingrun.metrics.reduce import allreduce_pairs
+
+    extra = torch.tensor([[float(local_tokens), float(local_samples)]], dtype=torch.float64)
+    reduced = allreduce_pairs(torch.cat([local, extra]), group=dp_group if dist.is_initialized() else None)
+    stats, totals = reduced[:-1], reduced[-1]
+    return StepResult(
+        local_stats=local,
+        stats=stats,
+        loss=float(stats[0, 0]),
+        grad_norm=float(grad_norm) if grad_norm is not None else 0.0,
+        lr=lr,
+        seconds=time.perf_counter() - t0,
+        tokens=int(totals[0]),
+        local_tokens=local_tokens,
+        local_samples=local_samples,
+    )
