@@ -1,0 +1,260 @@
+"""The local launcher's supervision, with small real stand-in child processes (fast; no Megatron).
+
+The launcher runs as a real subprocess (`python -m trainingrun run ...`); TRAININGRUN_CHILD_COMMAND makes it start
+the stand-in below instead of `python -m trainingrun rollout|trainer`. The stand-in behaves like the real programs
+where the launcher can tell: rank 0 appends one JSON object per step to $TRAININGRUN_METRICS_JSONL, trainers resume
+from a checkpoint file in the run directory, and failure modes (exit code, signal, hang) are chosen by FAKE_MODE.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.services import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+FAKE_CHILD = r'''
+import json, os, signal, subprocess, sys, time
+role = sys.argv[1]
+mode = os.environ.get("FAKE_MODE", "ok")
+attempt = int(os.environ["TRAININGRUN_ATTEMPT"])
+for key in ("TRAININGRUN_RUN", "TRAININGRUN_STORE_URL", "TRAININGRUN_CONFIG", "TRAININGRUN_METRICS_PORT"):
+    assert os.environ.get(key), key
+print(f"fake {role} attempt {attempt} starting in {os.getcwd()}", flush=True)
+if mode == "sleep":
+    if os.environ.get("RANK") == "1":
+        # a grandchild in the same process group, and a process that ignores SIGTERM
+        g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        open("grandchild.pid", "w").write(str(g.pid))
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(600)
+if role == "rollout":
+    time.sleep(0.2)
+    sys.exit(0)
+rank = int(os.environ["RANK"])
+assert int(os.environ["WORLD_SIZE"]) >= 1 and os.environ["MASTER_ADDR"] == "127.0.0.1"
+if mode == "config" and rank == 0:
+    print("config error: spec.trainer.something is wrong", flush=True)
+    sys.exit(78)
+steps = int(os.environ.get("FAKE_STEPS", "12"))
+ckpt = "fake-ckpt.json"
+start = json.load(open(ckpt))["next_step"] if os.path.exists(ckpt) else 0
+samples = sum(4 + s % 3 for s in range(start))
+for step in range(start, steps):
+    time.sleep(float(os.environ.get("FAKE_STEP_SECONDS", "0.05")))
+    if mode == "hang" and step == 2:
+        time.sleep(600)
+    if rank == 1 and ((mode == "always" and step == start + 1) or (mode == "once" and attempt == 0 and step == 5)):
+        print("fake failure marker: rank 1 gives up", flush=True)
+        sys.exit(3)
+    gbs = 4 + step % 3
+    samples += gbs
+    if rank == 0:
+        rec = dict(step=step, rollout=step // 4, global_batch_size=gbs, num_microbatches=1, loss=1.0 / (step + 1),
+                   lr=1e-3, grad_norm=1.0, samples_consumed=samples, tokens=10 * gbs, attempt=attempt)
+        with open(os.environ["TRAININGRUN_METRICS_JSONL"], "a") as fh:
+            fh.write(json.dumps(rec) + "\n")
+        if (step + 1) % 3 == 0:
+            json.dump({"next_step": step + 1}, open(ckpt + ".tmp", "w"))
+            os.replace(ckpt + ".tmp", ckpt)
+print("fake done", flush=True)
+'''
+
+
+@pytest.fixture
+def fake(tmp_path):
+    script = tmp_path / "fake_child.py"
+    script.write_text(FAKE_CHILD)
+    return script
+
+
+def make_spec(tmp_path: Path, **failure_policy) -> Path:
+    doc = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+    doc["spec"]["rollout"]["numRollouts"] = 3
+    doc["spec"]["failurePolicy"] = {"maxRestarts": 2, "backoffSeconds": 0, **failure_policy}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def launch(spec: Path, out: Path, fake: Path, *extra: str, mode: str = "ok", **env) -> subprocess.Popen:
+    full_env = {**os.environ, "TRAININGRUN_CHILD_COMMAND": shlex.join([sys.executable, str(fake)]),
+                "FAKE_MODE": mode, **env}
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainingrun", "run", str(spec), "--out", str(out), "--grace-seconds", "1",
+         "--progress-interval", "0.2", *extra],
+        cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is gone for our purposes only once reaped; /proc tells the state
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def expected_samples(steps: int) -> int:
+    return sum(4 + s % 3 for s in range(steps))
+
+
+def test_successful_run_writes_outputs(tmp_path, fake):
+    out = tmp_path / "run"
+    code, stdout, stderr = finish(launch(make_spec(tmp_path), out, fake, "--trainers", "3"))
+    assert code == 0, stderr
+    recs = read_metrics(out)
+    assert [r["step"] for r in recs] == list(range(12))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "succeeded"
+    assert summary["steps"] == 12 and summary["restarts"] == 0
+    assert summary["samples_consumed"] == expected_samples(12)
+    assert summary["first_loss"] == 1.0 and summary["final_loss"] == pytest.approx(1 / 12)
+    assert (summary["global_batch_size_min"], summary["global_batch_size_max"]) == (4, 6)
+    assert set(summary["exit_codes"]) == {"rollout", "trainer-0", "trainer-1", "trainer-2"}
+    assert all(summary["exit_codes"][f"trainer-{r}"] == 0 for r in range(3))
+    # --trainers overrides the spec's replicas in the effective spec every process reads
+    assert yaml.safe_load((out / "run.yaml").read_text())["spec"]["trainer"]["replicas"] == 3
+    assert sorted(p.name for p in (out / "logs").iterdir()) == ["rollout.log", "trainer-0.log", "trainer-1.log",
+                                                                "trainer-2.log"]
+    assert "fake done" in (out / "logs" / "trainer-2.log").read_text()
+    pids = json.loads((out / "pids.json").read_text())
+    ports = [p["metrics_port"] for p in pids["processes"].values()]
+    assert len(set(ports)) == 4 and max(ports) - min(ports) == 3
+    assert "status" in stdout and "succeeded" in stdout  # the summary table
+    assert "step 11" in stdout  # a plain progress line reached the last step
+
+
+def test_failed_rank_restarts_group_and_resumes(tmp_path, fake):
+    out = tmp_path / "run"
+    code, stdout, stderr = finish(launch(make_spec(tmp_path), out, fake, mode="once"))
+    assert code == 0, stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["restarts"] == 1 and summary["status"] == "succeeded"
+    first = summary["attempts"][0]
+    assert first["culprit"] == "trainer-1" and first["exit_codes"]["trainer-1"] == 3
+    recs = read_metrics(out)
+    assert [r["step"] for r in recs] == list(range(12))  # exactly one record per step
+    # attempt 0's records form a prefix, the resumed attempt 1 trained the rest from the checkpoint
+    attempts = [r["attempt"] for r in recs]
+    assert attempts == sorted(attempts) and attempts[0] == 0 and attempts[-1] == 1
+    raw0 = [json.loads(x)["step"] for x in (out / "raw" / "trainer-metrics.attempt0.jsonl").read_text().splitlines()]
+    raw1 = [json.loads(x)["step"] for x in (out / "raw" / "trainer-metrics.attempt1.jsonl").read_text().splitlines()]
+    assert raw1[0] % 3 == 0 and raw1[0] <= raw0[-1] + 1 and raw1[-1] == 11  # resumed at a checkpoint boundary
+    assert recs[-1]["samples_consumed"] == expected_samples(12)
+    assert (out / "logs" / "trainer-1.attempt1.log").exists()
+    assert "restarting the group" in stdout
+
+
+def test_restarts_exhausted_names_failing_process(tmp_path, fake):
+    out = tmp_path / "run"
+    code, stdout, stderr = finish(launch(make_spec(tmp_path, maxRestarts=1), out, fake, mode="always"))
+    assert code == 1
+    assert "trainer-1" in stderr and "exit 3" in stderr
+    assert "fake failure marker" in stderr  # the log tail
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["restarts"] == 1 and len(summary["attempts"]) == 2
+    assert summary["failure"]["process"] == "trainer-1"
+
+
+def test_config_error_is_not_restarted(tmp_path, fake):
+    out = tmp_path / "run"
+    code, stdout, stderr = finish(launch(make_spec(tmp_path, maxRestarts=3), out, fake, mode="config"))
+    assert code == 78
+    assert "trainer-0" in stderr and "config error" in stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["restarts"] == 0 and len(summary["attempts"]) == 1
+    assert not list((out / "logs").glob("*.attempt1.log"))
+
+
+def test_progress_deadline_counts_as_failure(tmp_path, fake):
+    out = tmp_path / "run"
+    spec = make_spec(tmp_path, maxRestarts=0, progressDeadlineSeconds=2)
+    t0 = time.monotonic()
+    code, stdout, stderr = finish(launch(spec, out, fake, mode="hang"))
+    assert code == 1 and "progress deadline" in stderr
+    assert time.monotonic() - t0 < 20
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2  # steps 0 and 1 were trained before the hang
+
+
+def test_sigint_stops_every_child_and_grandchild(tmp_path, fake):
+    out = tmp_path / "run"
+    proc = launch(make_spec(tmp_path), out, fake, mode="sleep")
+    try:
+        pids = wait_for(lambda: json.loads((out / "pids.json").read_text()), 20, "pids.json")
+        grandchild = int(wait_for(lambda: (out / "grandchild.pid").read_text(), 20, "grandchild pid"))
+        children = [p["pid"] for p in pids["processes"].values()]
+        assert all(pid_alive(p) for p in [*children, grandchild])
+        proc.send_signal(signal.SIGINT)
+        code, stdout, stderr = finish(proc, timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 130
+    # trainer-1 ignores SIGTERM: the launcher escalated to SIGKILL after the grace period; nothing is left
+    wait_for(lambda: not any(pid_alive(p) for p in [*children, grandchild]), 5, "children gone")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert summary["exit_codes"]["trainer-1"] == -signal.SIGKILL
+
+
+def test_stop_and_rerun_resumes_in_same_directory(tmp_path, fake):
+    out = tmp_path / "run"
+    spec = make_spec(tmp_path)
+    proc = launch(spec, out, fake, FAKE_STEP_SECONDS="0.15")
+    try:
+        wait_for(lambda: (out / "fake-ckpt.json").exists(), 30, "first checkpoint")
+        proc.send_signal(signal.SIGTERM)
+        code, _, _ = finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 143
+    partial = read_metrics(out)
+    assert 3 <= len(partial) < 12
+    code, stdout, stderr = finish(launch(spec, out, fake))
+    assert code == 0, stderr
+    recs = read_metrics(out)
+    assert [r["step"] for r in recs] == list(range(12))
+    assert recs[-1]["samples_consumed"] == expected_samples(12)
+    assert (out / "logs" / "trainer-0.attempt1.log").exists()  # attempts continue across invocations
+    assert json.loads((out / "summary.json").read_text())["first_attempt"] == 1
+
+
+def test_bad_spec_exits_1_naming_the_field_and_starts_nothing(tmp_path, fake):
+    doc = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+    doc["spec"]["rollout"]["samplesPerRollout"] = -5
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(doc))
+    out = tmp_path / "run"
+    code, _, stderr = finish(launch(bad, out, fake))
+    assert code == 1 and "samplesPerRollout" in stderr
+    assert not out.exists()
+    code, _, stderr = finish(launch(make_spec(tmp_path), out, fake, "--trainers", "0"))
+    assert code == 1 and "replicas" in stderr and "greater than or equal to 1" in stderr
+    assert not out.exists()

@@ -1,0 +1,176 @@
+"""Child processes of a local run: start one attempt's processes, watch them, stop them without leaving orphans.
+
+Each child runs in its own session (its own process group), so a Ctrl-C in the terminal reaches only the launcher,
+which then stops the children in order: SIGTERM to every child's process group, a grace period, then SIGKILL to
+whatever is left. On Linux each child also gets PR_SET_PDEATHSIG=SIGKILL, so even a launcher killed with SIGKILL
+does not leave trainers behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainingrun.plan import ProcessPlan, RunPlan
+
+# Replaces `python -m trainingrun` in front of each child's arguments (debugging: wrap children in a profiler;
+# tests: small stand-in programs). Split like a shell command line.
+CHILD_COMMAND_ENV = "TRAININGRUN_CHILD_COMMAND"
+
+
+def child_command_prefix() -> list[str]:
+    """The command that runs `trainingrun <args>` for a child process."""
+    override = os.environ.get(CHILD_COMMAND_ENV)
+    if override:
+        return shlex.split(override)
+    return [sys.executable, "-m", "trainingrun"]
+
+
+def log_path(log_dir: Path, name: str, attempt: int) -> Path:
+    """`<name>.log` for the first attempt, `<name>.attempt<k>.log` for restarts (earlier logs are kept)."""
+    return log_dir / (f"{name}.log" if attempt == 0 else f"{name}.attempt{attempt}.log")
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
+    """preexec_fn: SIGKILL this child when the launcher dies (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+
+
+def describe_exit(code: int | None) -> str:
+    """'running', 'exit 0', 'exit 78 (config error)', 'killed by SIGKILL'."""
+    if code is None:
+        return "running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    if code == 78:
+        return "exit 78 (config error)"
+    return f"exit {code}"
+
+
+@dataclass
+class Child:
+    """One running (or finished) child process."""
+
+    plan: ProcessPlan
+    proc: subprocess.Popen
+    log: Path
+    started: float
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+
+@dataclass
+class ProcessGroup:
+    """The processes of one attempt."""
+
+    attempt: int
+    children: list[Child] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, plan: RunPlan, *, cwd: Path, log_dir: Path, extra_env: dict[str, str] | None = None) -> ProcessGroup:
+        """Start every process of `plan` (the rollout first), each logging to its own file under `log_dir`."""
+        group = cls(attempt=plan.attempt)
+        prefix = child_command_prefix()
+        log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            for p in (plan.rollout, *plan.trainers):
+                env = {**os.environ, **p.env, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+                log = log_path(log_dir, p.name, plan.attempt)
+                with open(log, "ab") as fh:
+                    fh.write(f"# trainingrun local: {p.name} attempt {plan.attempt}: {shlex.join([*prefix, *p.args])}\n"
+                             .encode())
+                    fh.flush()
+                    proc = subprocess.Popen(
+                        [*prefix, *p.args],
+                        cwd=cwd,
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=fh,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                    )
+                group.children.append(Child(plan=p, proc=proc, log=log, started=time.monotonic()))
+        except BaseException:
+            group.stop(grace=0)
+            raise
+        return group
+
+    def pids(self) -> dict[str, int]:
+        return {c.name: c.proc.pid for c in self.children}
+
+    def exit_codes(self) -> dict[str, int | None]:
+        return {c.name: c.returncode for c in self.children}
+
+    def alive(self) -> list[Child]:
+        return [c for c in self.children if c.returncode is None]
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM every child's process group, wait up to `grace` seconds, then SIGKILL what is left; reap all."""
+        for c in self.children:
+            if c.returncode is None:
+                _signal_group(c.proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for c in self.children:
+            # Also the groups of children that already exited: a grandchild may still hold the group.
+            _signal_group(c.proc, signal.SIGKILL)
+        for c in self.children:
+            try:
+                c.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # pragma: no cover - a process in uninterruptible sleep
+                pass
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Signal the process group led by `proc` (its own session), or the process alone if the group is gone."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            if proc.poll() is None:
+                proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def write_json_atomic(path: Path, value: object) -> None:
+    """Write JSON to `path` via a temporary file and rename, so a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    """The last `lines` lines of a text file ('' if missing)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - 64 * 1024))
+            data = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(data.splitlines()[-lines:])

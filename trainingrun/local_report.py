@@ -1,0 +1,276 @@
+"""What a local run reports: the merged per-step metrics, live progress, the summary file and table.
+
+Rank 0 of each attempt appends one JSON object per step to its own raw file (`raw/trainer-metrics.attempt<k>.jsonl`,
+given to it as TRAININGRUN_METRICS_JSONL). After a restart the trainers resume from the last checkpoint and re-run
+the steps after it, so the same step can appear in several attempts: `merge_metrics` keeps the last attempt's record
+of each step and writes `metrics.jsonl` with exactly one object per step, in step order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+# Fields every per-step record carries (contract: design.md, CLI `trainingrun run`).
+REQUIRED_FIELDS = (
+    "step",
+    "rollout",
+    "global_batch_size",
+    "num_microbatches",
+    "loss",
+    "lr",
+    "grad_norm",
+    "samples_consumed",
+    "tokens",
+)
+
+RAW_DIR = "raw"
+_RAW_RE = re.compile(r"trainer-metrics\.attempt(\d+)\.jsonl$")
+
+
+def raw_metrics_path(out_dir: Path, attempt: int) -> Path:
+    return out_dir / RAW_DIR / f"trainer-metrics.attempt{attempt}.jsonl"
+
+
+def raw_metrics_files(out_dir: Path) -> list[tuple[int, Path]]:
+    """(attempt, path) of every raw metrics file under `out_dir`, oldest attempt first."""
+    found = []
+    for p in (out_dir / RAW_DIR).glob("trainer-metrics.attempt*.jsonl"):
+        m = _RAW_RE.search(p.name)
+        if m:
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The complete JSON objects of a raw file; a line cut short by a killed process is skipped."""
+    out = []
+    try:
+        text = path.read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            out.append(rec)
+    return out
+
+
+def merge_metrics(out_dir: Path) -> list[dict[str, Any]]:
+    """One record per step over all attempts (the last attempt's record of a step wins), sorted by step."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for attempt, path in raw_metrics_files(out_dir):
+        for rec in read_records(path):
+            rec.setdefault("attempt", attempt)
+            by_step[rec["step"]] = rec
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def write_metrics(out_dir: Path, records: list[dict[str, Any]]) -> Path:
+    """Write `metrics.jsonl` (one JSON object per line, per step) atomically."""
+    path = out_dir / "metrics.jsonl"
+    tmp = path.with_name(".metrics.jsonl.tmp")
+    with open(tmp, "w") as fh:
+        for rec in records:
+            fh.write(json.dumps(rec, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return path
+
+
+class MetricsTail:
+    """Follows one raw metrics file as rank 0 appends to it; only complete lines are returned."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._pos = 0
+        self._partial = b""
+
+    def poll(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self._pos)
+                data = fh.read()
+        except OSError:
+            return []
+        self._pos += len(data)
+        data = self._partial + data
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        out = []
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+                out.append(rec)
+        return out
+
+
+@dataclass
+class Progress:
+    """Live progress: a bar redrawn in place on a TTY, otherwise one plain line every `interval` seconds."""
+
+    num_rollouts: int
+    stream: TextIO = field(default_factory=lambda: sys.stdout)
+    interval: float = 5.0
+    tty: bool | None = None
+    last: dict[str, Any] | None = None
+    steps_seen: int = 0
+    _window: deque = field(default_factory=lambda: deque(maxlen=20))
+    _last_print: float = 0.0
+    _printed_step: int | None = None
+    _bar_drawn: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tty is None:
+            self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+
+    def add(self, records: list[dict[str, Any]]) -> None:
+        now = time.monotonic()
+        for rec in records:
+            self.last = rec
+            self.steps_seen += 1
+            if isinstance(rec.get("samples_consumed"), (int, float)):
+                self._window.append((now, rec["samples_consumed"]))
+
+    def samples_per_second(self) -> float | None:
+        if self.last and isinstance(self.last.get("samples_per_second"), (int, float)):
+            return float(self.last["samples_per_second"])
+        if len(self._window) >= 2:
+            (t0, s0), (t1, s1) = self._window[0], self._window[-1]
+            if t1 > t0:
+                return (s1 - s0) / (t1 - t0)
+        return None
+
+    def line(self) -> str:
+        rec = self.last
+        if rec is None:
+            return f"rollout 0/{self.num_rollouts}  waiting for the first step"
+        rollout_done = min(int(rec.get("rollout", 0)) + 1, self.num_rollouts)
+        sps = self.samples_per_second()
+        parts = [
+            f"rollout {rollout_done}/{self.num_rollouts}",
+            f"step {rec['step']}",
+            f"loss {_fmt(rec.get('loss'))}",
+            f"gbs {rec.get('global_batch_size', '?')}",
+            f"samples {rec.get('samples_consumed', '?')}",
+            f"{sps:.1f} samples/s" if sps is not None else "",
+        ]
+        return "  ".join(p for p in parts if p)
+
+    def bar(self, width: int = 24) -> str:
+        done = 0.0
+        if self.last is not None:
+            done = min(1.0, (int(self.last.get("rollout", 0)) + 1) / max(1, self.num_rollouts))
+        filled = int(round(done * width))
+        return f"[{'#' * filled}{'.' * (width - filled)}] {done * 100:5.1f}%  {self.line()}"
+
+    def tick(self, force: bool = False) -> None:
+        """Redraw (TTY) or print a plain line when `interval` passed and something changed."""
+        now = time.monotonic()
+        if self.tty:
+            if force or now - self._last_print >= 0.2:
+                self.stream.write("\r\x1b[2K" + self.bar())
+                self.stream.flush()
+                self._bar_drawn = True
+                self._last_print = now
+            return
+        step = self.last["step"] if self.last else None
+        if force or (now - self._last_print >= self.interval and step != self._printed_step):
+            self.stream.write(self.line() + "\n")
+            self.stream.flush()
+            self._last_print = now
+            self._printed_step = step
+
+    def event(self, message: str) -> None:
+        """A one-off message (start, failure, restart) on its own line."""
+        if self.tty and self._bar_drawn:
+            self.stream.write("\r\x1b[2K")
+            self._bar_drawn = False
+        self.stream.write(message + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty and self._bar_drawn:
+            self.stream.write("\r\x1b[2K" + self.bar() + "\n")
+            self.stream.flush()
+            self._bar_drawn = False
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4f}" if math.isfinite(v) else str(v)
+    return "?" if v is None else str(v)
+
+
+def summarize(
+    records: list[dict[str, Any]],
+    *,
+    status: str,
+    restarts: int,
+    wall_seconds: float,
+    tokens_this_run: float,
+    attempts: list[dict[str, Any]],
+    failure: dict[str, Any] | None,
+    name: str,
+    out_dir: Path,
+) -> dict[str, Any]:
+    """The content of summary.json."""
+    gbs = [r.get("global_batch_size") for r in records if isinstance(r.get("global_batch_size"), (int, float))]
+    last = records[-1] if records else {}
+    return {
+        "run": name,
+        "out_dir": str(out_dir),
+        "status": status,
+        "steps": len(records),
+        "last_step": last.get("step"),
+        "rollouts": (int(last["rollout"]) + 1) if isinstance(last.get("rollout"), int) else 0,
+        "samples_consumed": last.get("samples_consumed", 0),
+        "tokens": sum(float(r.get("tokens", 0) or 0) for r in records),
+        "first_loss": records[0].get("loss") if records else None,
+        "final_loss": last.get("loss"),
+        "global_batch_size_min": min(gbs) if gbs else None,
+        "global_batch_size_max": max(gbs) if gbs else None,
+        "restarts": restarts,
+        "wall_seconds": round(wall_seconds, 3),
+        "tokens_per_second": (tokens_this_run / wall_seconds) if wall_seconds > 0 else None,
+        "attempts": attempts,
+        "exit_codes": attempts[-1]["exit_codes"] if attempts else {},
+        "failure": failure,
+    }
+
+
+def summary_table(summary: dict[str, Any]) -> str:
+    """A small human-readable table of the summary."""
+    rows = [
+        ("run", summary["run"]),
+        ("status", summary["status"]),
+        ("steps", summary["steps"]),
+        ("rollouts", summary["rollouts"]),
+        ("samples consumed", summary["samples_consumed"]),
+        ("global batch size", f"{summary['global_batch_size_min']} .. {summary['global_batch_size_max']}"),
+        ("loss first -> final", f"{_fmt(summary['first_loss'])} -> {_fmt(summary['final_loss'])}"),
+        ("restarts", summary["restarts"]),
+        ("wall seconds", f"{summary['wall_seconds']:.1f}"),
+        ("tokens/s", _fmt(summary["tokens_per_second"]) if summary["tokens_per_second"] is not None else "?"),
+    ]
+    for name, code in summary["exit_codes"].items():
+        rows.append((f"exit {name}", "?" if code is None else code))
+    rows.append(("output", summary["out_dir"]))
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 30)
+    return "\n".join([line, *(f"{k:<{width}}  {v}" for k, v in rows), line])
