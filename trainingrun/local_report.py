@@ -132,7 +132,7 @@ class Progress:
     steps_seen: int = 0
     _window: deque = field(default_factory=lambda: deque(maxlen=20))
     _last_print: float = 0.0
-    _printed_step: int | None = None
+    _printed_step: object = "nothing yet"
     _bar_drawn: bool = False
 
     def __post_init__(self) -> None:
