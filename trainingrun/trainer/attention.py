@@ -4,7 +4,9 @@ Megatron's local `DotProductAttention` refuses packed input ("Packed sequence is
 TransformerEngine is not available on a CPU machine. This module takes Megatron's core-attention call
 (query/key/value after RoPE) and, for THD input, attends within each document only: the mask is block-diagonal over
 the documents given by `packed_seq_params.cu_seqlens_q`, and causal inside each block. It is a drop-in for
-`core_attention` in `get_gpt_layer_local_spec()` (see `trainingrun.trainer.model.layer_spec`).
+`core_attention` in `get_gpt_layer_local_spec()` (see `trainingrun.trainer.model.layer_spec`). It has no parameters
+and imports nothing from megatron (a plain `torch.nn.Module` with Megatron's constructor and forward signature), so
+it is tested in any process.
 
 Shapes (as Megatron passes them):
   THD (packed):  query/key/value [T, heads, head_dim]           -> output [T, heads, head_dim]
@@ -18,8 +20,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-
-from megatron.core.transformer.module import MegatronModule
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor, total: int, device: torch.device | None = None) -> torch.Tensor:
@@ -35,7 +35,7 @@ def block_causal_mask(cu_seqlens: torch.Tensor, total: int, device: torch.device
     return same_doc & causal
 
 
-class PackedSDPAttention(MegatronModule):
+class PackedSDPAttention(torch.nn.Module):
     """Core attention for the local layer spec that accepts packed sequences (block-diagonal causal mask)."""
 
     def __init__(
@@ -49,7 +49,8 @@ class PackedSDPAttention(MegatronModule):
         cp_comm_type: str | None = None,
         pg_collection=None,
     ):
-        super().__init__(config=config)
+        super().__init__()
+        self.config = config
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)

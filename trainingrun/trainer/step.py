@@ -33,6 +33,8 @@ class StepResult:
     tokens: int  # tokens of the step over all ranks
     local_tokens: int
     local_samples: int
+    samples: int = 0  # samples of the step over all ranks (= GBS_s when the schedule is whole)
+    sample_id_sum: int = 0  # Σ global sample ids of the step (exactly-once checks)
 
     def mean(self, name: str) -> float:
         s, c = self.stats[STAT_NAMES.index(name)].tolist()
@@ -120,11 +122,14 @@ def train_step(
         raise FloatingPointError("optimizer step skipped (non-finite gradients)")
     local_tokens = sum(mb.num_tokens for mb in microbatches)
     local_samples = sum(mb.loss.num_samples for mb in microbatches)
+    id_sum = float(sum(sum(mb.sample_ids) for mb in microbatches))
     from trainingrun.metrics.reduce import allreduce_pairs
 
-    extra = torch.tensor([[float(local_tokens), float(local_samples)]], dtype=torch.float64)
+    # One all-reduce for everything: the stats pairs, (tokens, samples) and (Σ sample ids, samples).
+    extra = torch.tensor([[float(local_tokens), float(local_samples)], [id_sum, float(local_samples)]],
+                         dtype=torch.float64)
     reduced = allreduce_pairs(torch.cat([local, extra]), group=dp_group if dist.is_initialized() else None)
-    stats, totals = reduced[:-1], reduced[-1]
+    stats, totals, ids = reduced[:-2], reduced[-2], reduced[-1]
     return StepResult(
         local_stats=local,
         stats=stats,
@@ -135,4 +140,6 @@ def train_step(
         tokens=int(totals[0]),
         local_tokens=local_tokens,
         local_samples=local_samples,
+        samples=int(totals[1]),
+        sample_id_sum=int(ids[0]),
     )
