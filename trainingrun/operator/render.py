@@ -1,0 +1,365 @@
+"""Pure render functions: a TrainingRun (+ its owner identity and attempt) → the plain dicts of its children.
+
+Nothing here talks to the API server; `trainingrun.operator.handlers` creates what is missing. Every child carries an
+owner reference to its TrainingRun (controller: true), so deleting the run garbage-collects them.
+
+Children of a run `R` in namespace `NS`:
+  ConfigMap  R-config           the run manifest as YAML, mounted at `trainingrun.plan.CONFIG_MOUNT_PATH`
+  Service    R-trainers         headless; trainer pods set hostname trainer-<rank> + subdomain R-trainers, so
+                                MASTER_ADDR = trainer-0.R-trainers.NS.svc is trainer 0's stable DNS name
+  Pod        R-rollout-a<k>     the rollout (attempt k)
+  Pod        R-trainer-<i>-a<k> trainer rank i (attempt k)
+  Pod+Svc    R-store            Redis, only with `store.managed: true` (or no store configured)
+  PodGroup   R                  only with `gangScheduling.enabled`
+Pod names carry the attempt so a restarted group never collides with pods of the previous attempt still terminating.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from trainingrun.api.models import TrainingRun
+from trainingrun.plan import CONFIG_MOUNT_PATH, DEFAULT_MASTER_PORT, ProcessPlan, RunPlan, build_plan
+
+GROUP = "trainingrun.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "TrainingRun"
+PLURAL = "trainingruns"
+
+# Labels (contract: the first four; attempt is this operator's).
+L_NAME = "app.kubernetes.io/name"
+L_RUN = "trainingrun.dev/run"
+L_ROLE = "trainingrun.dev/role"
+L_RANK = "trainingrun.dev/rank"
+L_ATTEMPT = "trainingrun.dev/attempt"
+APP = "trainingrun"
+
+STORE_PORT = 6379
+DEFAULT_REDIS_IMAGE = "redis:7.2-alpine"
+GPU_RESOURCE = "nvidia.com/gpu"
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Identity of the TrainingRun that owns the children."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> dict[str, Any]:
+        return {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+@dataclass(frozen=True)
+class Names:
+    """Names of a run's children."""
+
+    run: str
+
+    @property
+    def config(self) -> str:
+        return f"{self.run}-config"
+
+    @property
+    def service(self) -> str:
+        return f"{self.run}-trainers"
+
+    @property
+    def store(self) -> str:
+        return f"{self.run}-store"
+
+    @property
+    def podgroup(self) -> str:
+        return self.run
+
+    def pod(self, role: str, rank: int | None, attempt: int) -> str:
+        return f"{self.run}-{role}-a{attempt}" if rank is None else f"{self.run}-{role}-{rank}-a{attempt}"
+
+
+def store_is_managed(run: TrainingRun) -> bool:
+    """In a cluster, a run without `store.url` gets a managed Redis (a file store cannot be shared by pods)."""
+    return run.spec.store.managed or run.spec.store.url is None
+
+
+def store_url(run: TrainingRun, namespace: str) -> str:
+    if store_is_managed(run):
+        return f"redis://{Names(run.metadata.name).store}.{namespace}.svc:{STORE_PORT}/0"
+    assert run.spec.store.url is not None
+    return run.spec.store.url
+
+
+def master_addr(run: TrainingRun, namespace: str) -> str:
+    return f"trainer-0.{Names(run.metadata.name).service}.{namespace}.svc"
+
+
+def cluster_errors(run: TrainingRun) -> list[str]:
+    """What is wrong with a schema-valid run for running in a cluster: one message per problem, naming the field,
+    what was wrong and what is allowed. Empty when the run can be rendered."""
+    errors: list[str] = []
+    names = Names(run.metadata.name)
+    for what, value in (("service", names.service), ("store service", names.store)):
+        if len(value) > 63 or not _DNS_LABEL.match(value):
+            errors.append(
+                f"metadata.name: {run.metadata.name!r} gives the {what} name {value!r}, which must be a DNS label "
+                f"(at most 63 characters, starting with a letter); use a name of at most {63 - len(value) + len(run.metadata.name)} "
+                "characters that starts with a letter"
+            )
+    try:
+        run.spec.model.resolved()
+    except (ValueError, KeyError) as exc:
+        errors.append(f"spec.model: {exc} (after applying preset {run.spec.model.preset!r})")
+    url = run.spec.store.url
+    if url is not None and url.startswith("file://"):
+        errors.append(
+            f"spec.store.url: {url!r} is a file store, which pods cannot share in a cluster; "
+            "use a redis:// URL or store.managed: true"
+        )
+    return errors
+
+
+def run_manifest(run: TrainingRun, namespace: str) -> dict[str, Any]:
+    """The manifest the pods load from the ConfigMap (`trainingrun.api.load_trainingrun`)."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": run.metadata.name, "namespace": namespace},
+        "spec": run.spec.to_dict(),
+    }
+
+
+def plan_for(run: TrainingRun, namespace: str, attempt: int) -> RunPlan:
+    return build_plan(
+        run,
+        store_url=store_url(run, namespace),
+        config_path=CONFIG_MOUNT_PATH,
+        master_addr=master_addr(run, namespace),
+        master_port=DEFAULT_MASTER_PORT,
+        attempt=attempt,
+    )
+
+
+def _meta(name: str, owner: Owner, labels: dict[str, str], annotations: dict[str, str] | None = None) -> dict:
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": labels,
+        "ownerReferences": [owner.reference()],
+    }
+    if annotations:
+        meta["annotations"] = annotations
+    return meta
+
+
+def base_labels(run_name: str) -> dict[str, str]:
+    return {L_NAME: APP, L_RUN: run_name}
+
+
+def render_config_map(run: TrainingRun, owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(Names(owner.name).config, owner, {**base_labels(owner.name), L_ROLE: "config"}),
+        "data": {"run.yaml": yaml.safe_dump(run_manifest(run, owner.namespace), sort_keys=False)},
+    }
+
+
+def render_service(run: TrainingRun, owner: Owner) -> dict[str, Any]:
+    """Headless service for trainer rendezvous; not-ready addresses are published so rank 0 resolves at once."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(Names(owner.name).service, owner, {**base_labels(owner.name), L_ROLE: "trainer"}),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {**base_labels(owner.name), L_ROLE: "trainer"},
+            "ports": [{"name": "rendezvous", "port": DEFAULT_MASTER_PORT, "targetPort": DEFAULT_MASTER_PORT}],
+        },
+    }
+
+
+def _pod_spec_common(run: TrainingRun) -> dict[str, Any]:
+    t = run.spec.pod_template
+    spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,  # rollout and trainers never call the Kubernetes API
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "runAsGroup": 1000,
+            "fsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    if t.node_selector:
+        spec["nodeSelector"] = dict(t.node_selector)
+    if t.tolerations:
+        spec["tolerations"] = [tol.to_dict() for tol in t.tolerations]
+    if t.affinity:
+        spec["affinity"] = t.affinity
+    if t.priority_class_name:
+        spec["priorityClassName"] = t.priority_class_name
+    if t.service_account_name:
+        spec["serviceAccountName"] = t.service_account_name
+    scheduler = run.spec.scheduler_name
+    if scheduler is None and run.spec.gang_scheduling.enabled and run.spec.gang_scheduling.provider == "volcano":
+        scheduler = "volcano"
+    if scheduler:
+        spec["schedulerName"] = scheduler
+    return spec
+
+
+def _container_security() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def _resources(requests: dict, limits: dict, gpus: int) -> dict[str, Any]:
+    req, lim = dict(requests), dict(limits)
+    if gpus > 0:
+        req[GPU_RESOURCE] = gpus
+        lim[GPU_RESOURCE] = gpus
+    out: dict[str, Any] = {}
+    if req:
+        out["requests"] = req
+    if lim:
+        out["limits"] = lim
+    return out
+
+
+def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, attempt: int) -> dict[str, Any]:
+    """The pod of one process of the plan (rollout or trainer rank)."""
+    spec = run.spec
+    names = Names(owner.name)
+    t = spec.pod_template
+    labels = {**t.labels, **base_labels(owner.name), L_ROLE: process.role, L_ATTEMPT: str(attempt)}
+    annotations = dict(t.annotations)
+    if process.rank is not None:
+        labels[L_RANK] = str(process.rank)
+    gang = spec.gang_scheduling
+    if gang.enabled:
+        if gang.provider == "volcano":
+            annotations["scheduling.k8s.io/group-name"] = names.podgroup
+        else:
+            labels["scheduling.x-k8s.io/pod-group"] = names.podgroup
+    if process.role == "trainer":
+        res = spec.trainer.resources
+        resources = _resources(res.requests, res.limits, spec.trainer.gpus_per_replica)
+    else:
+        res = spec.rollout.resources
+        resources = _resources(res.requests, res.limits, 0)
+    ports = [{"name": "metrics", "containerPort": process.metrics_port}]
+    if process.role == "trainer" and process.rank == 0:
+        ports.append({"name": "rendezvous", "containerPort": DEFAULT_MASTER_PORT})
+    container: dict[str, Any] = {
+        "name": process.role,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["trainingrun"],
+        "args": list(process.args),
+        "env": [{"name": k, "value": v} for k, v in sorted(process.env.items())],
+        "ports": ports,
+        "volumeMounts": [{"name": "config", "mountPath": CONFIG_MOUNT_PATH.rsplit("/", 1)[0], "readOnly": True}],
+        "securityContext": _container_security(),
+    }
+    if resources:
+        container["resources"] = resources
+    pod_spec = {
+        **_pod_spec_common(run),
+        "restartPolicy": "Never",  # restarts are the operator's: the whole group, with an attempt label
+        "containers": [container],
+        "volumes": [
+            {"name": "config", "configMap": {"name": names.config, "items": [{"key": "run.yaml", "path": "run.yaml"}]}}
+        ],
+    }
+    if process.role == "trainer":
+        pod_spec["hostname"] = f"trainer-{process.rank}"
+        pod_spec["subdomain"] = names.service
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": _meta(names.pod(process.role, process.rank, attempt), owner, labels, annotations),
+        "spec": pod_spec,
+    }
+
+
+def render_pods(run: TrainingRun, owner: Owner, attempt: int) -> list[dict[str, Any]]:
+    """Rollout pod first, then trainers by rank, for one attempt."""
+    plan = plan_for(run, owner.namespace, attempt)
+    return [render_process_pod(run, owner, p, attempt) for p in plan.processes]
+
+
+def render_store(run: TrainingRun, owner: Owner, image: str = DEFAULT_REDIS_IMAGE) -> list[dict[str, Any]]:
+    """Managed Redis: a Pod (restartPolicy Always, no persistence) and its Service; [] when the store is external."""
+    if not store_is_managed(run):
+        return []
+    names = Names(owner.name)
+    labels = {**base_labels(owner.name), L_ROLE: "store"}
+    t = run.spec.pod_template
+    common = _pod_spec_common(run)
+    common.pop("schedulerName", None)  # the store is not part of the gang
+    common["securityContext"] = {**common["securityContext"], "runAsUser": 999, "runAsGroup": 999, "fsGroup": 999}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": _meta(names.store, owner, {**t.labels, **labels}, dict(t.annotations) or None),
+        "spec": {
+            **common,
+            "restartPolicy": "Always",
+            "containers": [
+                {
+                    "name": "redis",
+                    "image": image,
+                    "args": ["--save", "", "--appendonly", "no", "--protected-mode", "no"],
+                    "ports": [{"name": "redis", "containerPort": STORE_PORT}],
+                    "securityContext": _container_security(),
+                    "readinessProbe": {"tcpSocket": {"port": STORE_PORT}, "periodSeconds": 5},
+                }
+            ],
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(names.store, owner, labels),
+        "spec": {"selector": labels, "ports": [{"name": "redis", "port": STORE_PORT, "targetPort": STORE_PORT}]},
+    }
+    return [pod, service]
+
+
+def render_podgroup(run: TrainingRun, owner: Owner) -> dict[str, Any] | None:
+    """A PodGroup for all rollout + trainer pods (minMember = replicas + 1), or None without gang scheduling."""
+    gang = run.spec.gang_scheduling
+    if not gang.enabled:
+        return None
+    min_member = run.spec.trainer.replicas + 1
+    api = "scheduling.volcano.sh/v1beta1" if gang.provider == "volcano" else "scheduling.x-k8s.io/v1alpha1"
+    return {
+        "apiVersion": api,
+        "kind": "PodGroup",
+        "metadata": _meta(Names(owner.name).podgroup, owner, base_labels(owner.name)),
+        "spec": {"minMember": min_member},
+    }
+
+
+def render_children(run: TrainingRun, owner: Owner, attempt: int, *, redis_image: str = DEFAULT_REDIS_IMAGE) -> list[dict]:
+    """Every child of one attempt, in creation order: config, service, store, podgroup, then the pods."""
+    out = [render_config_map(run, owner), render_service(run, owner)]
+    out += render_store(run, owner, redis_image)
+    pg = render_podgroup(run, owner)
+    if pg is not None:
+        out.append(pg)
+    out += render_pods(run, owner, attempt)
+    return out
