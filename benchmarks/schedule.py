@@ -1,0 +1,215 @@
+"""Benchmark: trainingrun's DP scheduler beside today's best-practice baseline, on the same steps.
+
+Baseline (written here, from the description in issue 3): first-fit packing in arrival order → split the largest
+micro-batches until the count is a multiple of dp → Karmarkar–Karp largest differencing of micro-batches onto ranks by
+token sum, with equal counts per rank.
+
+Inputs (fixed seeds): RL-like lengths (prompt uniform 100–1500 + response lognormal(μ=7, σ=1) capped at 16k),
+bimodal, uniform, and uniform with one huge outlier per step (2 × cap tokens); dp ∈ {8, 16, 64}; steps of 128–1024
+samples; caps 16k–64k. Every case runs 8 steps; RL-like steps are groups of 8 samples (one prompt's responses).
+
+Columns: imbalance = max/mean rank tokens per step (mean over the case's steps); "bound" = the best any schedule can
+do, max(largest sample, mean rank load) / mean rank load; mb/rank = micro-batches per rank (mean); "@LB" = share of
+steps at the aligned lower bound. Usage: ``python benchmarks/schedule.py`` (under 2 minutes).
+"""
+
+from __future__ import annotations
+
+import heapq
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainingrun.schedule import build_dp_schedule, lower_bound_microbatches  # noqa: E402
+
+STEPS_PER_CASE = 8
+
+# ------------------------------------------------------------------------------------------------------- baseline
+
+
+def baseline_step(lengths: np.ndarray, dp: int, cap: int) -> list[list[list[int]]]:
+    """The baseline for one step: ``result[rank][k]`` = sample positions of rank's k-th micro-batch."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i, n_tok in enumerate(lengths.tolist()):  # first fit, arrival order; an oversized sample alone
+        for b, load in enumerate(loads):
+            if load + n_tok <= cap and n_tok <= cap:
+                bins[b].append(i)
+                loads[b] += n_tok
+                break
+        else:
+            bins.append([i])
+            loads.append(n_tok)
+    while len(bins) % dp:  # split the largest splittable micro-batch in two halves by tokens
+        splittable = [b for b in range(len(bins)) if len(bins[b]) > 1]
+        if not splittable:
+            bins.append([])
+            loads.append(0)
+            continue
+        b = max(splittable, key=lambda k: loads[k])
+        items, half, acc, cut = bins[b], loads[b] / 2, 0, 1
+        for k, i in enumerate(items[:-1]):
+            acc += int(lengths[i])
+            cut = k + 1
+            if acc >= half:
+                break
+        first, second = items[:cut], items[cut:]
+        bins[b], loads[b] = first, int(lengths[first].sum())
+        bins.append(second)
+        loads.append(int(lengths[second].sum()))
+    return _karmarkar_karp(bins, loads, dp)
+
+
+def _karmarkar_karp(bins: list[list[int]], loads: list[int], dp: int) -> list[list[list[int]]]:
+    """Equal-cardinality largest differencing: chunks of dp micro-batches become partial partitions (one per rank);
+    the two with the largest spread are merged, heaviest subset with lightest, until one remains."""
+    order = sorted(range(len(bins)), key=lambda b: loads[b])
+    heap = []
+    for c in range(0, len(order), dp):
+        subsets = sorted(((loads[b], [b]) for b in order[c:c + dp]), key=lambda x: x[0], reverse=True)
+        heapq.heappush(heap, (-(subsets[0][0] - subsets[-1][0]), c, subsets))
+    tie = len(order)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        merged = sorted(((sa + sb, ba + bb) for (sa, ba), (sb, bb) in zip(a, reversed(b))),
+                        key=lambda x: x[0], reverse=True)
+        tie += 1
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), tie, merged))
+    _, _, final = heap[0]
+    return [[bins[b] for b in subset] for _, subset in final]
+
+
+# ---------------------------------------------------------------------------------------------------------- inputs
+
+
+def rl_like(rng, n):
+    return rng.integers(100, 1501, n) + np.minimum(rng.lognormal(7.0, 1.0, n), 16_000).astype(np.int64)
+
+
+def bimodal(rng, n):
+    short = rng.normal(600, 150, n)
+    long = rng.normal(9_000, 1_500, n)
+    return np.clip(np.where(rng.random(n) < 0.75, short, long), 16, None).astype(np.int64)
+
+
+def uniform(rng, n):
+    return rng.integers(100, 8_001, n)
+
+
+def outlier(cap):
+    def make(rng, n):
+        lens = rng.integers(200, 3_001, n)
+        lens[rng.integers(n)] = 2 * cap
+        return lens
+    return make
+
+
+# dp, samples per step, cap
+GRID = [(8, 128, 16_384), (8, 256, 32_768), (8, 1024, 65_536), (16, 256, 16_384), (16, 512, 32_768),
+        (16, 1024, 65_536), (64, 1024, 16_384), (64, 1024, 32_768)]
+
+
+def cases():
+    for name in ("rl", "bimodal", "uniform", "outlier"):
+        for dp, n, cap in GRID:
+            gen = {"rl": rl_like, "bimodal": bimodal, "uniform": uniform}.get(name) or outlier(cap)
+            yield name, dp, n, cap, gen
+
+
+# ---------------------------------------------------------------------------------------------------------- metrics
+
+
+def rank_tokens(plan, lens):
+    return np.array([sum(int(lens[mb].sum()) for mb in rank if mb) for rank in plan], dtype=np.float64)
+
+
+def run_case(name, dp, n, cap, gen, seed):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(STEPS_PER_CASE):
+        lens = np.asarray(gen(rng, n), dtype=np.int64)
+        groups = np.repeat(np.arange(n // 8), 8) if name == "rl" else None
+        sched = build_dp_schedule(lens, dp_size=dp, max_tokens_per_gpu=cap, group_ids=groups)
+        ours = [sched.step_microbatches(r, 0) for r in range(dp)]
+        base = baseline_step(lens, dp, cap)
+        assert len({len(r) for r in base}) == 1
+        ours_t, base_t = rank_tokens(ours, lens), rank_tokens(base, lens)
+        mean = ours_t.mean()
+        rows.append({
+            "ours_imb": ours_t.max() / mean, "base_imb": base_t.max() / base_t.mean(),
+            "bound": max(float(lens.max()), mean) / mean,
+            "ours_mb": len(ours[0]), "base_mb": len(base[0]),
+            "lb": lower_bound_microbatches(lens, dp_size=dp, token_cap=cap) // dp,
+        })
+    return rows
+
+
+def main() -> None:
+    t0 = time.perf_counter()
+    header = (f"{'case':<8} {'dp':>3} {'n':>5} {'cap':>6} | {'imb ours':>8} {'base':>7} {'bound':>6} | "
+              f"{'mb ours':>7} {'base':>5} {'LB':>5} | {'@LB ours':>8} {'base':>5}")
+    print(header)
+    print("-" * len(header))
+    all_rows, worse = [], []
+    for seed, (name, dp, n, cap, gen) in enumerate(cases()):
+        rows = run_case(name, dp, n, cap, gen, seed)
+        all_rows.append((name, rows))
+        mean = lambda k: statistics.fmean(r[k] for r in rows)  # noqa: E731
+        at_lb = lambda k: 100 * statistics.fmean(r[k] == r["lb"] for r in rows)  # noqa: E731
+        print(f"{name:<8} {dp:>3} {n:>5} {cap // 1024:>5}k | {mean('ours_imb'):>8.4f} {mean('base_imb'):>7.4f} "
+              f"{mean('bound'):>6.3f} | {mean('ours_mb'):>7.2f} {mean('base_mb'):>5.2f} {mean('lb'):>5.2f} | "
+              f"{at_lb('ours_mb'):>7.0f}% {at_lb('base_mb'):>4.0f}%")
+        if any(r["ours_imb"] > r["base_imb"] + 1e-12 or r["ours_mb"] > r["base_mb"] for r in rows):
+            worse.append(f"{name}/dp{dp}/n{n}/cap{cap // 1024}k")
+    _summary(all_rows, worse)
+    _timing()
+    print(f"\ntotal benchmark time {time.perf_counter() - t0:.1f} s")
+
+
+def _summary(all_rows, worse) -> None:
+    steps = [r for _, rows in all_rows for r in rows]
+    tight = [r for r in steps if r["bound"] <= 1.0 + 1e-9]
+    print("\nsummary (per step, over all cases)")
+    print(f"  {'':<44} {'ours':>8} {'baseline':>9}")
+    print(f"  {'mean token imbalance, all steps':<44} {statistics.fmean(r['ours_imb'] for r in steps):>8.4f} "
+          f"{statistics.fmean(r['base_imb'] for r in steps):>9.4f}")
+    print(f"  {'mean token imbalance, steps with bound = 1':<44} {statistics.fmean(r['ours_imb'] for r in tight):>8.4f} "
+          f"{statistics.fmean(r['base_imb'] for r in tight):>9.4f}   ({len(tight)} of {len(steps)} steps)")
+    print(f"  {'mean imbalance / bound, all steps':<44} "
+          f"{statistics.fmean(r['ours_imb'] / r['bound'] for r in steps):>8.4f} "
+          f"{statistics.fmean(r['base_imb'] / r['bound'] for r in steps):>9.4f}")
+    print(f"  {'worst step imbalance / bound':<44} {max(r['ours_imb'] / r['bound'] for r in steps):>8.4f} "
+          f"{max(r['base_imb'] / r['bound'] for r in steps):>9.4f}")
+    print(f"  {'steps at the aligned lower bound':<44} "
+          f"{100 * statistics.fmean(r['ours_mb'] == r['lb'] for r in steps):>7.1f}% "
+          f"{100 * statistics.fmean(r['base_mb'] == r['lb'] for r in steps):>8.1f}%")
+    print(f"  {'mean micro-batches per rank':<44} {statistics.fmean(r['ours_mb'] for r in steps):>8.2f} "
+          f"{statistics.fmean(r['base_mb'] for r in steps):>9.2f}")
+    print(f"  {'steps where ours is worse (imb or count)':<44} "
+          f"{sum(r['ours_imb'] > r['base_imb'] + 1e-12 or r['ours_mb'] > r['base_mb'] for r in steps):>8d}")
+    print(f"  cases where ours is worse on some step: {', '.join(worse) if worse else 'none'}")
+
+
+def _timing() -> None:
+    print("\ntiming: dp 64, cap 32k, RL-like lengths (best of 3)")
+    for n in (10_000, 30_000, 100_000):
+        lens = rl_like(np.random.default_rng(n), n)
+        for label, kwargs in (("one step", {}), ("steps of 1024", {"global_batch_size": 1024})):
+            best = min(_timed(lens, kwargs) for _ in range(3))
+            print(f"  {n:>7,} samples, {label:<14} {best:6.3f} s  ({1e6 * best / n:5.2f} µs/sample)")
+
+
+def _timed(lens, kwargs) -> float:
+    t = time.perf_counter()
+    build_dp_schedule(lens, dp_size=64, max_tokens_per_gpu=32_768, **kwargs)
+    return time.perf_counter() - t
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""`trainingrun schedule LENGTHS ...`: print a data-parallel schedule's per-step statistics as a table.
+
+LENGTHS (and ``--groups``) is a file of values: a JSON list (or an object with a ``lengths`` / ``group_ids`` list),
+JSON Lines (one value, or one list of values, per line), or plain text (values separated by whitespace or commas).
+Bad input prints one line ``trainingrun schedule: error: <argument>: <reason>`` and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+EXIT_USAGE = 2
+
+# build_dp_schedule's argument names -> the flags that set them, so errors name what the user typed.
+_FLAGS = {
+    "lengths": "LENGTHS",
+    "dp_size": "--dp",
+    "global_batch_size": "--global-batch-size",
+    "group_ids": "--groups",
+    "max_tokens_per_gpu": "--max-tokens",
+    "micro_batch_size": "--micro-batch-size",
+    "microbatch_multiple": "--microbatch-multiple",
+    "cost": "--cost",
+}
+
+
+class _UsageError(Exception):
+    """A one-line usage error; the message starts with the argument's name."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the sub-command's arguments on ``parser`` (and make its errors one line, exit code 2)."""
+    parser.add_argument("lengths", metavar="LENGTHS", help="file of sample lengths in tokens (JSON, JSONL or text)")
+    parser.add_argument("--dp", type=_positive_int, default=1, metavar="N", help="data-parallel ranks (default 1)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--max-tokens", type=_positive_int, metavar="C", help="dynamic micro-batches: token cap per GPU")
+    mode.add_argument("--micro-batch-size", type=_positive_int, metavar="M", help="static micro-batches of ≤ M samples")
+    parser.add_argument("--global-batch-size", type=_positive_int, metavar="G",
+                        help="groups per step (default: all groups in one step)")
+    parser.add_argument("--groups", metavar="FILE", help="file of group ids, one per sample (default: one group each)")
+    parser.add_argument("--microbatch-multiple", type=_positive_int, default=1, metavar="K",
+                        help="micro-batches per rank must be a multiple of K (virtual pipeline stages)")
+    parser.add_argument("--cost", choices=("tokens", "flops"), default="tokens",
+                        help="load balanced across ranks (default tokens)")
+
+    def one_line_error(message: str) -> NoReturn:
+        print(f"{parser.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+    parser.error = one_line_error  # type: ignore[method-assign]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the schedule and print its table; 0 on success, 2 on bad input (one line on stderr)."""
+    try:
+        return _run(args)
+    except _UsageError as exc:
+        print(f"trainingrun schedule: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _run(args: argparse.Namespace) -> int:
+    from trainingrun.schedule import build_dp_schedule, schedule_stats
+
+    if args.max_tokens is None and args.micro_batch_size is None:
+        raise _UsageError("--max-tokens: give one of --max-tokens (dynamic) or --micro-batch-size (static)")
+    lengths = _read_values(args.lengths, "LENGTHS", key="lengths")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in lengths):
+        raise _UsageError("LENGTHS: every value must be an integer")
+    groups = None if args.groups is None else _read_values(args.groups, "--groups", key="group_ids")
+    try:
+        schedule = build_dp_schedule(
+            lengths, dp_size=args.dp, global_batch_size=args.global_batch_size, group_ids=groups,
+            max_tokens_per_gpu=args.max_tokens, micro_batch_size=args.micro_batch_size,
+            microbatch_multiple=args.microbatch_multiple, cost=args.cost)
+    except ValueError as exc:
+        raise _UsageError(_flag_message(str(exc))) from None
+    stats = schedule_stats(schedule, lengths, cost=args.cost)
+    print(format_table(stats))
+    placed = sum(schedule.global_batch_sizes)
+    print(f"{schedule.num_steps} steps, {placed} samples scheduled, {len(schedule.leftover)} leftover, "
+          f"dp {schedule.dp_size}")
+    return 0
+
+
+def _flag_message(message: str) -> str:
+    """Rename a leading ``argument_name:`` to the CLI flag that sets it."""
+    name, sep, rest = message.partition(":")
+    return f"{_FLAGS[name]}:{rest}" if sep and name in _FLAGS else message
+
+
+# ------------------------------------------------------------------------------------------------------------ input
+
+
+def _read_values(path: str, name: str, *, key: str) -> list[Any]:
+    """Values from a JSON / JSONL / text file; ``_UsageError`` naming ``name`` if unreadable or malformed."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise _UsageError(f"{name}: cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    else:
+        if isinstance(data, dict) and isinstance(data.get(key), list):
+            data = data[key]
+        if not isinstance(data, list):
+            data = [data]
+        return _flat(data, name)
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    try:
+        values = [json.loads(ln) for ln in lines]
+    except ValueError:
+        return [_scalar(tok) for tok in re.split(r"[\s,]+", text.strip()) if tok]
+    return _flat(values, name)
+
+
+def _flat(values: list[Any], name: str) -> list[Any]:
+    out: list[Any] = []
+    for v in values:
+        items = v if isinstance(v, list) else [v]
+        for item in items:
+            if isinstance(item, (dict, list)) or item is None:
+                raise _UsageError(f"{name}: expected numbers or strings, got {json.dumps(item)[:40]}")
+            out.append(item)
+    return out
+
+
+def _scalar(token: str) -> int | str:
+    try:
+        return int(token)
+    except ValueError:
+        return token
+
+
+# ----------------------------------------------------------------------------------------------------------- output
+
+_COLUMNS = [
+    ("step", "step", "{}"),
+    ("gbs", "global_batch_size", "{}"),
+    ("mb/rank", "microbatches_per_rank", "{}"),
+    ("lower bd", "lower_bound_microbatches", "{}"),
+    ("max rank tok", "max_rank_tokens", "{}"),
+    ("mean rank tok", "mean_rank_tokens", "{:.1f}"),
+    ("tok imb", "token_imbalance", "{:.4f}"),
+    ("flops imb", "flops_imbalance", "{:.4f}"),
+    ("fill", "fill_ratio", "{:.4f}"),
+]
+
+
+def format_table(stats: list[dict[str, Any]]) -> str:
+    """A fixed-width table of :func:`~trainingrun.schedule.schedule_stats` rows (``-`` for None)."""
+    rows = [[("-" if s[key] is None else fmt.format(s[key])) for _, key, fmt in _COLUMNS] for s in stats]
+    widths = [max([len(title)] + [len(r[i]) for r in rows]) for i, (title, _, _) in enumerate(_COLUMNS)]
+    lines = ["  ".join(title.rjust(w) for (title, _, _), w in zip(_COLUMNS, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
