@@ -362,6 +362,19 @@ class Launcher:
         return int(code), summary
 
 
+def already_succeeded(the_run, out_dir: Path) -> dict[str, Any] | None:
+    """The summary of an earlier invocation in `out_dir` that succeeded with exactly this spec, else None.
+    (With a changed spec, e.g. more rollouts, the run continues from its checkpoints instead.)"""
+    import json
+
+    try:
+        summary = json.loads((out_dir / "summary.json").read_text())
+        same = (out_dir / "run.yaml").read_text() == spec_yaml(the_run)
+    except (OSError, ValueError):
+        return None
+    return summary if same and summary.get("status") == "succeeded" else None
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         the_run = load_effective_run(args.file, args.trainers)
@@ -374,6 +387,12 @@ def run(args: argparse.Namespace) -> int:
     progress.event(f"trainingrun run {the_run.metadata.name}: {t.replicas} trainer(s), "
                    f"{the_run.spec.rollout.num_rollouts} rollouts of {the_run.spec.rollout.samples_per_rollout} "
                    f"samples, output in {out_dir}")
+    done = already_succeeded(the_run, out_dir)
+    if done is not None:
+        print(summary_table(done))
+        print(f"run {the_run.metadata.name} in {out_dir} already succeeded with this spec; nothing to do "
+              f"(remove {out_dir} or use another --out to train again)", file=sys.stderr)
+        return 0
     launcher = Launcher(the_run, out_dir, grace=args.grace_seconds, progress=progress)
     code, summary = launcher.execute()
     print(summary_table(summary))

@@ -258,3 +258,13 @@ def test_bad_spec_exits_1_naming_the_field_and_starts_nothing(tmp_path, fake):
     code, _, stderr = finish(launch(make_spec(tmp_path), out, fake, "--trainers", "0"))
     assert code == 1 and "replicas" in stderr and "greater than or equal to 1" in stderr
     assert not out.exists()
+
+
+def test_rerun_of_a_finished_run_does_nothing(tmp_path, fake):
+    out = tmp_path / "run"
+    spec = make_spec(tmp_path)
+    assert finish(launch(spec, out, fake))[0] == 0
+    before = (out / "summary.json").read_text()
+    code, stdout, stderr = finish(launch(spec, out, fake))
+    assert code == 0 and "already succeeded" in stderr and "succeeded" in stdout
+    assert (out / "summary.json").read_text() == before and not list((out / "logs").glob("*.attempt1.log"))

@@ -1,0 +1,281 @@
+"""Run-level acceptance of the local launcher with the real rollout and real Megatron-core trainers (CPU, gloo).
+
+Few full runs, shared between assertions (module-scoped fixtures), on a shortened copy of examples/tiny.yaml:
+  ref2     2 trainers, uninterrupted, scraped by a real Prometheus   -> reference for everything below
+  ref1     1 trainer (DP invariance)
+  resumed  2 trainers, the launcher SIGTERMed after the first checkpoint, then run again with the same --out
+  killed   2 trainers, trainer-1 SIGKILLed by PID (from pids.json) after the first checkpoint; the launcher restarts
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.services import free_port, prometheus_server, wait_for
+from trainingrun.local import metrics_port_block
+from trainingrun.metrics.names import TRAINER_COUNTERS, TRAINER_WEIGHTED
+
+pytestmark = pytest.mark.megatron
+
+ROOT = Path(__file__).resolve().parents[2]
+NUM_ROLLOUTS = 4
+CKPT_INTERVAL = 5
+RUN_TIMEOUT = 300
+W = "trainingrun_trainer_sample_loss"  # the weighted metric checked against Prometheus
+
+
+def write_spec(path: Path, *, metrics_port: int, **trainer_overrides) -> Path:
+    doc = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+    doc["spec"]["rollout"]["numRollouts"] = NUM_ROLLOUTS
+    doc["spec"]["trainer"]["checkpoint"]["interval"] = CKPT_INTERVAL
+    doc["spec"]["trainer"].update(trainer_overrides)
+    doc["spec"]["metrics"]["port"] = metrics_port
+    doc["spec"]["failurePolicy"] = {"maxRestarts": 2, "backoffSeconds": 0, "progressDeadlineSeconds": 120}
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def start(spec: Path, out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainingrun", "run", str(spec), "--out", str(out), "--progress-interval", "10",
+         *extra],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        pytest.fail(f"launcher did not finish in {RUN_TIMEOUT}s:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def first_checkpoint(out: Path) -> bool:
+    return any((out / "checkpoints").glob("step_*/COMPLETE"))
+
+
+@pytest.fixture(scope="module")
+def spec_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("e2e")
+
+
+def _prom_range(url: str, promql: str, start: float, end: float) -> dict[float, float]:
+    """{eval time: value} of a scalar-valued PromQL over [start, end] (0.25 s resolution)."""
+    q = urllib.parse.urlencode({"query": promql, "start": start, "end": end, "step": "0.25"})
+    with urllib.request.urlopen(f"{url}/api/v1/query_range?{q}", timeout=10) as r:
+        body = json.load(r)
+    assert body["status"] == "success", body
+    out: dict[float, dict[str, float]] = {}
+    for series in body["data"]["result"]:
+        key = series["metric"].get("rank", "")
+        for t, v in series["values"]:
+            out.setdefault(float(t), {})[key] = float(v)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ref2(spec_dir):
+    """The reference: 2 trainers, uninterrupted, with a real Prometheus scraping rollout and trainers."""
+    base = metrics_port_block(free_port(), 3)
+    spec = write_spec(spec_dir / "ref.yaml", metrics_port=base)
+    out = spec_dir / "ref2"
+    targets = [f"127.0.0.1:{base + i}" for i in range(3)]
+    with prometheus_server(targets) as prom:
+        t0 = time.time()
+        code, log = finish(start(spec, out))
+        t1 = time.time() + 1
+        assert code == 0, log[-4000:]
+        assert "trainingrun_trainer_steps" in TRAINER_COUNTERS and W in TRAINER_WEIGHTED
+        steps, w = "trainingrun_trainer_steps_total", W  # prometheus-client adds _total to counters
+        prom_data = {
+            "steps": _prom_range(prom.url, f"sum by (rank) ({steps})", t0, t1),
+            "sum": _prom_range(prom.url, f"sum({w}_sum)", t0, t1),
+            "count": _prom_range(prom.url, f"sum({w}_count)", t0, t1),
+            "contract": _prom_range(prom.url, f"sum(rate({w}_sum[5m])) / sum(rate({w}_count[5m]))", t0, t1),
+            "raw_sum": _prom_range(prom.url, f"sum by (rank) ({w}_sum)", t0, t1),
+            "raw_count": _prom_range(prom.url, f"sum by (rank) ({w}_count)", t0, t1),
+            "gauge_step": _prom_range(prom.url, "trainingrun_trainer_step", t0, t1),
+            "gauge_loss": _prom_range(prom.url, "trainingrun_trainer_loss", t0, t1),
+        }
+    return {"spec": spec, "out": out, "records": records(out), "log": log, "prom": prom_data,
+            "summary": json.loads((out / "summary.json").read_text())}
+
+
+@pytest.fixture(scope="module")
+def ref1(spec_dir, ref2):
+    out = spec_dir / "ref1"
+    code, log = finish(start(ref2["spec"], out, "--trainers", "1"))
+    assert code == 0, log[-4000:]
+    return {"out": out, "records": records(out), "log": log}
+
+
+def assert_same_run(got: list[dict], ref: list[dict], rel: float) -> None:
+    """Same steps, batch sizes, LR and samples; per-step loss within `rel`; every step exactly once."""
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, len(ref) + 1))
+    for g, r in zip(got, ref, strict=True):
+        assert (g["global_batch_size"], g["samples_consumed"], g["rollout"]) == (
+            r["global_batch_size"], r["samples_consumed"], r["rollout"]), g["step"]
+        assert g["lr"] == pytest.approx(r["lr"], rel=1e-12), g["step"]
+        assert g["loss"] == pytest.approx(r["loss"], rel=rel), g["step"]
+    # no sample trained twice or skipped: the cumulative count grows by exactly each step's batch
+    prev = 0
+    for g in got:
+        assert g["samples_consumed"] == prev + g["global_batch_size"]
+        prev = g["samples_consumed"]
+
+
+def test_reference_run_is_a_demo_worth_showing(ref2):
+    recs, summary = ref2["records"], ref2["summary"]
+    assert summary["status"] == "succeeded" and summary["restarts"] == 0
+    assert summary["steps"] == len(recs) >= 10
+    assert len({r["global_batch_size"] for r in recs}) > 1, "the zero-variance filter should make the GBS vary"
+    for r in recs:
+        missing = {"step", "rollout", "global_batch_size", "num_microbatches", "loss", "lr", "grad_norm",
+                   "samples_consumed", "tokens"} - set(r)
+        assert not missing, missing
+    assert summary["samples_consumed"] == recs[-1]["samples_consumed"]
+    assert recs[-1]["rollout"] == NUM_ROLLOUTS - 1
+    pids = json.loads((ref2["out"] / "pids.json").read_text())["processes"]
+    assert sorted(pids) == ["rollout", "trainer-0", "trainer-1"]
+
+
+def test_lr_follows_the_sample_counted_schedule(ref2):
+    o = yaml.safe_load(ref2["spec"].read_text())["spec"]["trainer"]["optimizer"]
+    lr, min_lr, warm, decay = o["lr"], o["minLr"], o["warmupSamples"], o["decaySamples"]
+    assert o["decayStyle"] == "cosine"
+    for r in ref2["records"]:
+        n = r["samples_consumed"]
+        assert r["scheduler_consumed_samples"] == n
+        if n <= warm:
+            want = lr * n / warm
+        elif n > decay:
+            want = min_lr
+        else:
+            want = min_lr + 0.5 * (1 + math.cos(math.pi * (n - warm) / (decay - warm))) * (lr - min_lr)
+        assert r["lr"] == pytest.approx(want, rel=1e-6), r["step"]
+
+
+def test_dp_invariance(ref1, ref2):
+    one, two = ref1["records"], ref2["records"]
+    assert len(one) == len(two)
+    for a, b in zip(one, two, strict=True):
+        assert (a["step"], a["global_batch_size"], a["samples_consumed"]) == (
+            b["step"], b["global_batch_size"], b["samples_consumed"])
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-12)
+    for a, b in list(zip(one, two))[:10]:
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), a["step"]
+
+
+def test_stop_after_checkpoint_and_resume(spec_dir, ref2):
+    out = spec_dir / "resumed"
+    proc = start(ref2["spec"], out)
+    try:
+        wait_for(lambda: first_checkpoint(out) or proc.poll() is not None, RUN_TIMEOUT, "first checkpoint",
+                 interval=0.1)
+        assert proc.poll() is None, "the run ended before its first checkpoint"
+        proc.send_signal(signal.SIGTERM)
+        code, log = finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 143, log[-3000:]
+    partial = records(out)
+    assert 0 < len(partial) < len(ref2["records"])
+    code, log = finish(start(ref2["spec"], out))
+    assert code == 0, log[-4000:]
+    assert_same_run(records(out), ref2["records"], rel=1e-5)
+    assert json.loads((out / "summary.json").read_text())["first_attempt"] == 1
+
+
+def test_killed_trainer_restarts_group(spec_dir, ref2):
+    out = spec_dir / "killed"
+    proc = start(ref2["spec"], out)
+    try:
+        raw = out / "raw" / "trainer-metrics.attempt0.jsonl"
+
+        def past_checkpoint():
+            if proc.poll() is not None:
+                return True
+            lines = raw.read_text().splitlines() if raw.exists() else []
+            return first_checkpoint(out) and len(lines) >= CKPT_INTERVAL + 2
+
+        wait_for(past_checkpoint, RUN_TIMEOUT, "steps after the first checkpoint", interval=0.1)
+        assert proc.poll() is None, "the run ended before the kill"
+        victim = json.loads((out / "pids.json").read_text())["processes"]["trainer-1"]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        code, log = finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0, log[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["restarts"] == 1 and summary["attempts"][0]["culprit"] == "trainer-1"
+    assert summary["attempts"][0]["exit_codes"]["trainer-1"] == -signal.SIGKILL
+    recs = records(out)
+    assert_same_run(recs, ref2["records"], rel=1e-5)
+    assert {r["attempt"] for r in recs} == {0, 1}
+
+
+def test_prometheus_weighted_mean_matches_metrics_jsonl(ref2):
+    """Prometheus scraped the run; Σ_ranks X_sum / Σ_ranks X_count at any instant where both ranks had finished the
+    same step k equals the sample-weighted mean of per-sample loss over steps 1..k from metrics.jsonl."""
+    recs, prom = ref2["records"], ref2["prom"]
+    cum_n, cum_s = [0], [0.0]
+    for r in recs:
+        cum_n.append(cum_n[-1] + r["global_batch_size"])
+        cum_s.append(cum_s[-1] + r["sample_loss"] * r["global_batch_size"])
+    checked = set()
+    for t, by_rank in prom["steps"].items():
+        if len(by_rank) != 2 or len(set(by_rank.values())) != 1 or t not in prom["sum"]:
+            continue
+        k = int(next(iter(by_rank.values())))
+        if k == 0:
+            continue
+        total, count = prom["sum"][t][""], prom["count"][t][""]
+        assert count == cum_n[k], (t, k)
+        assert total / count == pytest.approx(cum_s[k] / cum_n[k], rel=1e-6), (t, k)
+        checked.add(k)
+        # the contract's rate() form: extrapolation differs slightly per target, hence the tolerance
+        if t in prom["contract"]:
+            assert prom["contract"][t][""] == pytest.approx(total / count, rel=0.05), (t, k)
+    assert checked, "no scrape saw both ranks at the same step"
+    # rank 0's per-step gauge: every scraped step shows that step's loss
+    seen = {}
+    for t, v in prom["gauge_step"].items():
+        if t in prom["gauge_loss"]:
+            seen.setdefault(int(next(iter(v.values()))), set()).add(next(iter(prom["gauge_loss"][t].values())))
+    by_step = {r["step"]: r["loss"] for r in recs}
+    assert seen
+    for k, losses in seen.items():
+        if k:
+            assert any(x == pytest.approx(by_step[k], rel=1e-6) for x in losses), (k, losses, by_step[k])
+
+
+def test_config_error_from_trainer_is_not_restarted(spec_dir):
+    # valid spec (replicas 2 divisible by tp×pp 2), but the trainer does not support pipeline parallelism: exit 78
+    spec = write_spec(spec_dir / "pp2.yaml", metrics_port=metrics_port_block(free_port(), 3), pipelineParallelSize=2)
+    out = spec_dir / "pp2"
+    code, log = finish(start(spec, out))
+    assert code == 78, log[-3000:]
+    assert "trainer-" in log and "pipelineParallelSize" in log
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["restarts"] == 0 and len(summary["attempts"]) == 1
