@@ -84,8 +84,8 @@ def test_lint_has_no_warnings_or_errors(name):
     "values, expected",
     [
         ({"bogus": 1}, ["additional properties 'bogus' not allowed"]),
-        ({"operator": {"metricsPort": 0, "livenessPort": 8081, "logLevel": "info"}}, ["/operator/metricsPort", "minimum"]),
-        ({"operator": {"metricsPort": 8080, "livenessPort": 8081, "logLevel": "loud"}}, ["/operator/logLevel"]),
+        ({"operator": {"metricsPort": 0, "livenessPort": 8081}}, ["/operator/metricsPort", "minimum"]),
+        ({"operator": {"metricsPort": 9090, "livenessPort": 8080, "interval": 60}}, ["/operator/interval"]),
         ({"image": {"repository": "r", "tag": "1", "digest": "md5:abc", "pullPolicy": "Always"}}, ["/image/digest"]),
         ({"watchNamespaces": ["Bad_NS"]}, ["/watchNamespaces/0"]),
         ({"prometheusRule": {"enabled": True, "noProgressFor": "fifteen minutes"}}, ["/prometheusRule/noProgressFor"]),
@@ -320,7 +320,7 @@ def test_operator_deployment_is_hardened(name):
     assert sc["capabilities"] == {"drop": ["ALL"]} and sc["privileged"] is False
     assert container["livenessProbe"]["httpGet"]["port"] == "liveness"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    metrics_port = values.get("operator", {}).get("metricsPort", 8080)
+    metrics_port = values.get("operator", {}).get("metricsPort", 9090)
     assert ports["metrics"] == metrics_port
     assert f"--metrics-port={metrics_port}" in container["args"]
     assert container["resources"]["limits"]["memory"] and container["resources"]["requests"]["cpu"]
@@ -334,6 +334,23 @@ def test_operator_deployment_is_hardened(name):
         ]
     else:
         assert "--all-namespaces" in container["args"]
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_operator_args_parse_with_the_real_operator_cli(name):
+    """The container's arguments are accepted by `trainingrun operator`'s own argument parser and mean what the
+    values say (ports the probes and the Service use, watched namespaces)."""
+    from trainingrun.cli import build_parser
+
+    values = values_for(name)
+    container = one(render_chart(values), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    args = container["args"]
+    assert args[0] == "operator"
+    parsed = build_parser(args).parse_args(args)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert parsed.metrics_port == ports["metrics"] and parsed.liveness_port == ports["liveness"]
+    assert parsed.namespace == values.get("watchNamespaces", [])
+    assert parsed.peering is None and parsed.bind == "0.0.0.0"
 
 
 def test_standard_labels_on_every_chart_object():

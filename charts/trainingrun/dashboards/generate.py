@@ -191,20 +191,21 @@ def dashboard(uid: str, title: str, description: str, items: list[dict], run_mul
 
 
 def overview() -> dict:
-    runs_by_phase = f"sum by (phase) ({N.PREFIX}operator_runs{{{NS_SEL}}})"
+    # The operator's metrics describe the operator (one per cluster or per release), not one run: they carry no
+    # namespace/run labels, so these panels are not filtered by $namespace / $run.
     items = [
         row("Operator"),
         panel("Runs by phase", "TrainingRuns per phase, as the operator observes them.",
-              [(runs_by_phase, "{{phase}}")], stack=True, decimals=0),
+              [("sum by (phase) (trainingrun_operator_runs)", "{{phase}}")], stack=True, decimals=0),
         panel("Group restarts", "Whole-group restarts performed by the operator (increase over the rate interval).",
-              [(f"sum by (namespace, run) (increase({counter('trainingrun_operator_restarts')}{{{RUN_SEL}}}"
-                f"[$__rate_interval]))", "{{namespace}}/{{run}}")], decimals=0),
+              [(f"sum(increase({counter('trainingrun_operator_restarts')}[$__rate_interval]))", "restarts")],
+              decimals=0),
         panel("Reconcile latency", "Handler duration quantiles from the operator's histogram.",
               [(f"histogram_quantile({q}, sum by (le) (rate(trainingrun_operator_reconcile_seconds_bucket"
                 f"[$__rate_interval])))", f"p{int(q * 100)}") for q in (0.5, 0.95, 0.99)], unit="s"),
-        panel("Operator errors", "Handler errors per second, by handler.",
-              [("sum by (handler) (rate(" + counter("trainingrun_operator_errors") + "[$__rate_interval]))",
-                "{{handler}}")], unit="ops"),
+        panel("Operator errors", "Handler errors per second, by handler (0 when no handler ever failed).",
+              [("sum by (handler) (rate(" + counter("trainingrun_operator_errors") + "[$__rate_interval]))"
+                " or on() vector(0)", "{{handler}}")], unit="ops"),
         row("Runs"),
         panel("Optimizer step", "Steps completed, per run.",
               [(f"max by (namespace, run) (trainingrun_trainer_step{{{RUN_SEL}}})", "{{namespace}}/{{run}}")],
