@@ -1,0 +1,448 @@
+"""KMock fidelity layer + helpers to run the real operator against it (tests and benchmarks/operator.py).
+
+`FidelityEmulator` subclasses KMock 0.8's `KubernetesEmulator` with what the operator (kopf + our client) and kubectl
+rely on and KMock lacks (each piece asserted in tests/unit/test_kube_fidelity.py):
+  - uid, resourceVersion (one global counter), generation (bumped on spec changes), creationTimestamp; generateName;
+  - JSON patch (RFC 6902) with `test` → 422 on failure; merge patch (RFC 7386; strategic merge treated as merge) with a
+    `metadata.resourceVersion` precondition → 409 on mismatch; no-op patches change nothing;
+  - status subresource: PATCH …/status changes only status, a main-resource PATCH never changes status; a created
+    pod starts with status.phase Pending;
+  - deletion: finalizers → deletionTimestamp, removal when the last finalizer goes; garbage collection of objects
+    whose ownerReferences point at a deleted uid (recursively);
+  - `/api/v1/namespaces[/name]` paths; list responses with kind/apiVersion; equality label selectors on lists;
+    `/api/v1` discovery reporting groupVersion "v1";
+  - a count of requests per client (User-Agent) for the benchmark.
+Not emulated: watch resourceVersion (kopf sees replays as ADDED: its handlers must be idempotent anyway), field
+selectors, PUT, server-side apply, admission/CRD schema validation (tested elsewhere with the CRD schema).
+
+`Cluster` runs the emulator on 127.0.0.1 in a background thread and gives tests a synchronous HTTP API, a kubeconfig
+and the real operator as a subprocess (`start_operator`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import copy
+import datetime as dt
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import attrs
+import jsonpatch
+import kmock
+import yaml
+from kmock._internal import enums, parsing
+
+from tests.services import free_port, stop_process, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+CRD_PATH = ROOT / "crds" / "trainingrun.yaml"
+TR = "trainingrun.dev/v1alpha1/trainingruns"
+
+# --- KMock's path parser crashes on /api/v1/namespaces[/name[/status|finalize]]: route those to the namespaces
+# resource before it sees them (other /api/v1/namespaces/NS/... paths are namespaced resources as before).
+_original_parse_path = parsing.parse_path
+
+
+def _parse_path(path: str) -> parsing.ParsedPath:
+    parts = path.strip("/").split("/")
+    if parts[:3] == ["api", "v1", "namespaces"] and (
+        len(parts) <= 4 or (len(parts) == 5 and parts[4] in ("status", "finalize"))
+    ):
+        return parsing.ParsedPath(group="", version="v1", plural="namespaces", namespace=None,
+                                  name=parts[3] if len(parts) > 3 else None,
+                                  subresource=parts[4] if len(parts) > 4 else None)
+    return _original_parse_path(path)
+
+
+parsing.parse_path = _parse_path
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _selector_matches(selector: str, labels: dict[str, str]) -> bool:
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        if "!=" in term:
+            k, v = term.split("!=", 1)
+            if labels.get(k.strip()) == v.strip():
+                return False
+        elif "=" in term:
+            k, v = term.replace("==", "=").split("=", 1)
+            if labels.get(k.strip()) != v.strip():
+                return False
+        elif term.startswith("!"):
+            if term[1:] in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+@attrs.define(kw_only=True)
+class FidelityEmulator(kmock.KubernetesEmulator):
+    """KMock's emulator with the API semantics listed in the module docstring."""
+
+    _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
+    clients: collections.Counter = attrs.field(factory=collections.Counter, init=False)
+    watched: set = attrs.field(factory=set, init=False)
+
+    def _has_status(self, resource: Any) -> bool:
+        return resource in self.resources and "status" in self.resources[resource].subresources
+
+    def _namespaced(self, resource: Any) -> bool:
+        return resource in self.resources and self.resources[resource].namespaced is not False
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        self.clients[request.headers.get("User-Agent", "?").split("/")[0]] += 1
+        if request.action == enums.action.WATCH and request.resource is not None:
+            self.watched.add(f"{request.resource.group}/{request.resource.version}/{request.resource.plural}")
+        if request.resource is not None and request.action in (
+            enums.action.CREATE, enums.action.UPDATE, enums.action.DELETE
+        ):
+            try:
+                async with self._lock:
+                    events = self._mutate(request)
+            except kmock.KubernetesError as exc:
+                return await self._render_error(exc)
+            for resource, event in events:
+                await self._buses[resource].put(event)
+        # Skip KubernetesEmulator._handle's own mutation: serve the stored state through the fallbacks.
+        return await kmock.RawHandler._handle(self, request)
+
+    # ---------------------------------------------------------------------------------------------- mutation
+    def _mutate(self, req: kmock.Request) -> list[tuple[Any, dict]]:
+        res = req.resource
+        if req.action == enums.action.CREATE:
+            if req.subresource:
+                return []
+            return self._create(req)
+        key = (res, req.namespace, req.name)
+        if key not in self._objects or self._objects[key].deleted:
+            raise kmock.KubernetesError(404, "NotFound", f"{res.plural} {req.name!r} not found")
+        if req.action == enums.action.DELETE:
+            return self._delete(key)
+        return self._patch(key, req)
+
+    def _create(self, req: kmock.Request) -> list[tuple[Any, dict]]:
+        res = req.resource
+        obj = req.data
+        if not isinstance(obj, dict):
+            raise kmock.KubernetesError(400, "BadRequest", "the body must be a JSON object")
+        meta = obj.setdefault("metadata", {})
+        if not meta.get("name"):
+            if not meta.get("generateName"):
+                raise kmock.KubernetesError(422, "Invalid", "metadata.name or metadata.generateName is required")
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+        namespace = (req.namespace or meta.get("namespace")) if self._namespaced(res) else None
+        if namespace is not None:
+            meta["namespace"] = namespace
+        key = (res, namespace, meta["name"])
+        if key in self._objects and not self._objects[key].deleted:
+            raise kmock.KubernetesError(409, "AlreadyExists", f"{res.plural} {meta['name']!r} already exists")
+        for k in ("deletionTimestamp", "resourceVersion", "uid"):
+            meta.pop(k, None)
+        meta.update(uid=str(uuid.uuid4()), resourceVersion=str(next(self._rv)), generation=1,
+                    creationTimestamp=_now())
+        if res.group == "" and res.plural == "pods":
+            obj["status"] = {"phase": "Pending"}
+        elif self._has_status(res):
+            obj.pop("status", None)
+        if key in self._objects:
+            self._objects[key].create(obj)
+        else:
+            self._objects[key] = obj
+        return [(res, {"type": "ADDED", "object": copy.deepcopy(obj)})]
+
+    def _patch(self, key: tuple, req: kmock.Request) -> list[tuple[Any, dict]]:
+        res = key[0]
+        old = copy.deepcopy(self._objects[key].raw)
+        ctype = req.headers.get("Content-Type", "")
+        if "json-patch" in ctype:
+            try:
+                new = jsonpatch.apply_patch(old, req.data)
+            except jsonpatch.JsonPatchTestFailed as exc:
+                raise kmock.KubernetesError(422, "Invalid", f"the server rejected our request: {exc}") from None
+            except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
+                raise kmock.KubernetesError(422, "Invalid", str(exc)) from None
+        else:
+            data = req.data if isinstance(req.data, dict) else {}
+            want = (data.get("metadata") or {}).get("resourceVersion")
+            if want is not None and str(want) != old["metadata"]["resourceVersion"]:
+                raise kmock.KubernetesError(
+                    409, "Conflict", "the object has been modified; please apply your changes to the latest version"
+                )
+            new = merge_patch(old, data)
+        if req.subresource == "status":
+            new = {**old, "status": new.get("status")} if new.get("status") is not None else {
+                k: v for k, v in old.items() if k != "status"}
+        elif req.subresource:
+            raise kmock.KubernetesError(405, "MethodNotAllowed", f"subresource {req.subresource} not emulated")
+        elif self._has_status(res):
+            new = {k: v for k, v in new.items() if k != "status"}
+            if "status" in old:
+                new["status"] = old["status"]
+        meta = new.setdefault("metadata", {})
+        for k in ("uid", "creationTimestamp", "name", "namespace", "generation"):
+            if k in old["metadata"]:
+                meta[k] = old["metadata"][k]
+        meta["resourceVersion"] = old["metadata"]["resourceVersion"]
+        if old.get("metadata", {}).get("deletionTimestamp"):
+            meta["deletionTimestamp"] = old["metadata"]["deletionTimestamp"]
+        if new == old:
+            return []
+        if {k: v for k, v in new.items() if k not in ("metadata", "status")} != {
+            k: v for k, v in old.items() if k not in ("metadata", "status")
+        }:
+            meta["generation"] = int(old["metadata"].get("generation", 1)) + 1
+        meta["resourceVersion"] = str(next(self._rv))
+        self._objects[key].history.append(new)
+        events = [(res, {"type": "MODIFIED", "object": copy.deepcopy(new)})]
+        if meta.get("deletionTimestamp") and not meta.get("finalizers"):
+            events += self._remove(key)
+        return events
+
+    def _delete(self, key: tuple) -> list[tuple[Any, dict]]:
+        obj = self._objects[key].raw
+        meta = obj.get("metadata", {})
+        if meta.get("finalizers"):
+            if meta.get("deletionTimestamp"):
+                return []
+            new = copy.deepcopy(obj)
+            new["metadata"]["deletionTimestamp"] = _now()
+            new["metadata"]["resourceVersion"] = str(next(self._rv))
+            self._objects[key].history.append(new)
+            return [(key[0], {"type": "MODIFIED", "object": copy.deepcopy(new)})]
+        return self._remove(key)
+
+    def _remove(self, key: tuple) -> list[tuple[Any, dict]]:
+        """Delete for real, then garbage-collect dependents (background propagation)."""
+        raw = copy.deepcopy(self._objects[key].raw)
+        self._objects[key].delete()
+        events = [(key[0], {"type": "DELETED", "object": raw})]
+        uid = raw.get("metadata", {}).get("uid")
+        for other_key, other in list(self._objects.items()):
+            if other.deleted:
+                continue
+            refs = other.raw.get("metadata", {}).get("ownerReferences") or []
+            if any(r.get("uid") == uid for r in refs):
+                events += self._delete(other_key)
+        return events
+
+    # ---------------------------------------------------------------------------------------------- reading
+    async def _serve_list(self, request: kmock.Request) -> Any:
+        result = await super()._serve_list(request)
+        res = request.resource
+        info = self.resources[res] if res in self.resources else None
+        kind = info.kind if info is not None and info.kind else (res.plural or "").capitalize()
+        result["kind"] = f"{kind}List"
+        result["apiVersion"] = f"{res.group}/{res.version}" if res.group else res.version
+        result["metadata"] = {"resourceVersion": str(next(self._rv))}
+        selector = request.params.get("labelSelector")
+        if selector:
+            result["items"] = [o for o in result["items"]
+                               if _selector_matches(selector, o.get("metadata", {}).get("labels") or {})]
+        for item in result["items"]:
+            item.setdefault("kind", kind)
+            item.setdefault("apiVersion", result["apiVersion"])
+        return result
+
+    async def _serve_version(self, request: kmock.Request) -> Any:
+        result = await super()._serve_version(request)
+        if request.resource is not None and request.resource.group == "":
+            result["groupVersion"] = request.resource.version
+        return result
+
+
+def register_resources(emulator: FidelityEmulator, crd_path: Path = CRD_PATH) -> dict[str, Any]:
+    """Built-in resources (KMock's bundle) + the TrainingRun CRD; returns the CRD object."""
+    emulator.resources.load_bundled()
+    crd = yaml.safe_load(crd_path.read_text())
+    spec = crd["spec"]
+    for version in spec["versions"]:
+        emulator.resources[f"{spec['group']}/{version['name']}/{spec['names']['plural']}"] = kmock.ResourceInfo(
+            kind=spec["names"]["kind"],
+            singular=spec["names"].get("singular"),
+            namespaced=spec["scope"] == "Namespaced",
+            shortnames=set(spec["names"].get("shortNames", [])),
+            categories=set(spec["names"].get("categories", [])),
+            verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+            subresources=set((version.get("subresources") or {}).keys()),
+        )
+    return crd
+
+
+class Cluster:
+    """The emulator served on 127.0.0.1 from a background thread, with a synchronous HTTP client for tests."""
+
+    def __init__(self, crd_path: Path = CRD_PATH):
+        self.crd_path = crd_path
+        self.emulator: FidelityEmulator | None = None
+        self.url = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop: asyncio.Event | None = None
+        self._tmp = tempfile.TemporaryDirectory(prefix="trainingrun-kube-")
+        self.kubeconfig = Path(self._tmp.name) / "kubeconfig"
+
+    def __enter__(self) -> Cluster:
+        ready = threading.Event()
+        errors: list[BaseException] = []
+
+        async def main() -> None:
+            try:
+                self.emulator = FidelityEmulator()
+                crd = register_resources(self.emulator, self.crd_path)
+                self._stop = asyncio.Event()
+                async with self.emulator, kmock.Server(self.emulator, host="127.0.0.1", port=free_port()) as server:
+                    self.url = str(server.url).rstrip("/")
+                    ready.set()
+                    self._crd = crd
+                    await self._stop.wait()
+            except BaseException as exc:  # noqa: BLE001 - reported to the caller
+                errors.append(exc)
+                ready.set()
+
+        def target() -> None:
+            self._loop = asyncio.new_event_loop()
+            self._loop.run_until_complete(main())
+            self._loop.close()
+
+        self._thread = threading.Thread(target=target, name="kube-emulator", daemon=True)
+        self._thread.start()
+        ready.wait(30)
+        if errors:
+            raise errors[0]
+        self.kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+            "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
+            "users": [{"name": "emulator", "user": {}}],
+            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "emulator",
+                                                          "namespace": "default"}}],
+        }))
+        self.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", self._crd)
+        self.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "default"}})
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._thread is not None:
+            self._thread.join(10)
+        self._tmp.cleanup()
+
+    # --- synchronous HTTP API (real requests to the emulator)
+    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": content_type, "Accept": "application/json",
+                                              "User-Agent": "tests/1"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                text = r.read()
+        except urllib.error.HTTPError as exc:
+            exc.body = exc.read().decode(errors="replace")  # type: ignore[attr-defined]
+            raise
+        return json.loads(text) if text else None
+
+    def get(self, path: str) -> Any:
+        try:
+            return self.request("GET", path)
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return None
+            raise
+
+    def create(self, path: str, obj: dict) -> Any:
+        return self.request("POST", path, obj)
+
+    def patch(self, path: str, patch: Any, *, json_patch: bool = False) -> Any:
+        ctype = "application/json-patch+json" if json_patch else "application/merge-patch+json"
+        return self.request("PATCH", path, patch, ctype)
+
+    def delete(self, path: str) -> Any:
+        return self.request("DELETE", path)
+
+    def items(self, path: str, selector: str | None = None) -> list[dict]:
+        query = f"?labelSelector={urllib.request.quote(selector)}" if selector else ""
+        return self.request("GET", path + query)["items"]
+
+    # --- TrainingRun / pod helpers
+    def tr_path(self, name: str | None = None, ns: str = "default") -> str:
+        return f"/apis/trainingrun.dev/v1alpha1/namespaces/{ns}/trainingruns" + (f"/{name}" if name else "")
+
+    def run(self, name: str, ns: str = "default") -> dict | None:
+        return self.get(self.tr_path(name, ns))
+
+    def pods(self, run: str, ns: str = "default", **labels: str) -> list[dict]:
+        selector = ",".join([f"trainingrun.dev/run={run}"] + [f"trainingrun.dev/{k}={v}" for k, v in labels.items()])
+        return self.items(f"/api/v1/namespaces/{ns}/pods", selector)
+
+    def events(self, name: str, ns: str = "default") -> list[dict]:
+        return [e for e in self.items(f"/api/v1/namespaces/{ns}/events")
+                if (e.get("involvedObject") or {}).get("name") == name]
+
+    def set_pod(self, name: str, phase: str, *, exit_code: int | None = None, reason: str | None = None,
+                ns: str = "default", container: str | None = None) -> Any:
+        """What a kubelet would report: the pod phase, and for terminated pods the container's exit code/reason."""
+        pod = self.get(f"/api/v1/namespaces/{ns}/pods/{name}")
+        cname = container or pod["spec"]["containers"][0]["name"]
+        status: dict[str, Any] = {"phase": phase}
+        if phase == "Running":
+            status["containerStatuses"] = [{"name": cname, "ready": True, "restartCount": 0,
+                                            "state": {"running": {"startedAt": _now()}}}]
+        elif phase in ("Succeeded", "Failed"):
+            code = exit_code if exit_code is not None else (0 if phase == "Succeeded" else 1)
+            status["containerStatuses"] = [{"name": cname, "ready": False, "restartCount": 0, "state": {
+                "terminated": {"exitCode": code, "reason": reason or ("Completed" if code == 0 else "Error"),
+                               "finishedAt": _now()}}}]
+        return self.patch(f"/api/v1/namespaces/{ns}/pods/{name}/status", {"status": status})
+
+    def operator_ready(self) -> bool:
+        assert self.emulator is not None
+        return {f"{TR}", "/v1/pods"} <= self.emulator.watched
+
+    def start_operator(self, *args: str, interval: float = 1.0, log: Path | None = None) -> subprocess.Popen:
+        """The real operator (`python -m trainingrun operator`) against this emulator; returns once it watches."""
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
+        out = open(log, "ab") if log else subprocess.DEVNULL
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trainingrun", "operator", "--standalone", "--interval", str(interval),
+             "--liveness-port", "0", *args],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )
+        assert self.emulator is not None
+        self.emulator.watched.clear()
+        try:
+            wait_for(lambda: self.operator_ready() or proc.poll() is not None, 60, "the operator to watch")
+        except TimeoutError:
+            stop_process(proc)
+            raise
+        if proc.poll() is not None:
+            raise RuntimeError(f"operator exited with {proc.returncode} (log: {log})")
+        return proc
