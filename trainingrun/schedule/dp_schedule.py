@@ -291,11 +291,12 @@ def build_dp_schedule(
     positions: list[list[list[int]]] = [[] for _ in range(dp)]
     num_microbatches: list[int] = []
     global_batch_sizes: list[int] = []
-    for s, idx in enumerate(steps):
+    for s, idx in enumerate(steps):  # before any planning: a short step is a caller error, reported first
         if len(idx) < dp:
             name = "lengths" if gbs is None else "global_batch_size"
             raise ValueError(f"{name}: step {s} has {len(idx)} samples, fewer than dp_size={dp}; every rank needs "
                              f"at least one sample per step (put a short trailing step into leftover)")
+    for s, idx in enumerate(steps):
         try:
             plan = plan_step(lens[idx], costs[idx], dp_size=dp, multiple=mult, token_cap=cap, count_cap=mbs,
                              cost_is_tokens=cost == "tokens")
