@@ -1,0 +1,202 @@
+"""The Grafana dashboards shipped in the chart.
+
+Static checks (fast): generated JSON in sync with generate.py, schemaVersion >= 39, the datasource/namespace/run
+variables, every query on a known metric name, weighted metrics as Σrate(X_sum)/Σrate(X_count).
+
+Acceptance (marked `megatron`, ~1-2 min): every panel query, evaluated by a real Prometheus, returns data —
+  * run-level panels (all of "run detail", the "Runs" row of "overview") against a real local run
+    (`trainingrun run`, a shortened examples/tiny.yaml: real rollout + 2 real Megatron-core trainers on CPU);
+  * operator panels ("Operator" row of "overview") against the real operator (`trainingrun operator`, kopf)
+    reconciling a TrainingRun in the KMock API emulator of tests/kube.py — the operator's metrics come from a real
+    operator process, not from the local run, which has no operator.
+Queries are run as Grafana runs them, as range queries over the run's time span, with $namespace = All (.*),
+$run = the run's name and $__rate_interval = 4 × the 1 s scrape interval.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainingrun.metrics import names
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARDS = ROOT / "charts" / "trainingrun" / "dashboards"
+RATE_INTERVAL = "4s"
+RUN_NAME = "dash"
+NUM_ROLLOUTS = 6
+RUN_TIMEOUT = 300
+
+ALL_METRICS = {**names.TRAINER_WEIGHTED, **names.TRAINER_GAUGES, **names.TRAINER_COUNTERS, **names.ROLLOUT,
+               **names.OPERATOR}
+
+
+def dashboards() -> dict[str, dict]:
+    return {p.name: json.loads(p.read_text()) for p in sorted(DASHBOARDS.glob("*.json"))}
+
+
+def targets(dashboard: dict) -> list[tuple[str, str]]:
+    """(panel title, expr) of every query of every panel."""
+    return [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def is_operator_panel(expr: str) -> bool:
+    return "trainingrun_operator_" in expr
+
+
+def substitute(expr: str, run: str) -> str:
+    return (expr.replace("$__rate_interval", RATE_INTERVAL).replace("$namespace", ".*").replace("$run", run))
+
+
+def base_metric(series_name: str) -> str:
+    """The names.py name behind an exposed series name (X_sum/X_count/X_bucket of summaries/histograms, _total)."""
+    for suffix in ("_total", "_bucket", "_sum", "_count"):
+        if series_name.endswith(suffix) and series_name[: -len(suffix)] in ALL_METRICS:
+            return series_name[: -len(suffix)]
+    return series_name
+
+
+# ------------------------------------------------------------------------------------------------- static checks
+def test_dashboards_json_is_generated_and_in_sync():
+    proc = subprocess.run([sys.executable, str(DASHBOARDS / "generate.py"), "--check"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert set(dashboards()) == {"overview.json", "run.json"}
+
+
+@pytest.mark.parametrize("name", ["overview.json", "run.json"])
+def test_dashboard_structure(name):
+    d = dashboards()[name]
+    assert d["schemaVersion"] >= 39 and d["uid"].startswith("trainingrun-")
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    for var in ("namespace", "run"):
+        assert variables[var]["type"] == "query" and variables[var]["includeAll"] and variables[var]["allValue"] == ".*"
+    assert "$namespace" in variables["run"]["definition"]
+    ids = [p["id"] for p in d["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in d["panels"]:
+        assert 0 <= p["gridPos"]["x"] and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24
+        if p["type"] != "row":
+            assert p["datasource"]["uid"] == "${datasource}" and p["targets"], p["title"]
+            assert all(t["datasource"]["uid"] == "${datasource}" for t in p["targets"])
+
+
+@pytest.mark.parametrize("name", ["overview.json", "run.json"])
+def test_every_query_uses_known_metrics_and_the_variables(name):
+    for title, expr in targets(dashboards()[name]):
+        series = set(re.findall(r"\b(trainingrun_[a-z_]+)\b", expr))
+        assert series, f"{title}: no trainingrun metric in {expr}"
+        for s in series:
+            assert base_metric(s) in ALL_METRICS, f"{title}: {s} is not in trainingrun.metrics.names"
+        if not is_operator_panel(expr):
+            # run-level panels follow the namespace and run pickers
+            for s in series:
+                assert re.search(rf'{s}\{{[^}}]*namespace=~"\$namespace", run=~"\$run"', expr), f"{title}: {expr}"
+        assert "[5m]" not in expr and ("rate(" not in expr or "[$__rate_interval]" in expr), expr
+
+
+def test_run_dashboard_covers_the_issue_panels():
+    exprs = " ".join(e for _, e in targets(dashboards()["run.json"]))
+    w = "trainingrun_trainer_sample_loss"
+    sel = r'\{namespace=~"\$namespace", run=~"\$run"\}'
+    assert re.search(rf"sum\(rate\({w}_sum{sel}\[\$__rate_interval\]\)\) / sum\(rate\({w}_count{sel}"
+                     r"\[\$__rate_interval\]\)\)", exprs), "weighted loss must be Σrate(_sum)/Σrate(_count)"
+    for metric in ("trainingrun_trainer_global_batch_size", "trainingrun_trainer_samples_per_second",
+                   "trainingrun_trainer_tokens_per_second", "trainingrun_trainer_lr", "trainingrun_trainer_grad_norm",
+                   "trainingrun_trainer_step_seconds", "trainingrun_rollout_schedule_imbalance",
+                   "trainingrun_trainer_rank_tokens_total"):
+        assert metric in exprs, metric
+    assert "sum by (rank) (rate(trainingrun_trainer_rank_tokens_total" in exprs  # per-rank throughput
+    overview = " ".join(e for _, e in targets(dashboards()["overview.json"]))
+    for metric in ("trainingrun_operator_runs", "trainingrun_operator_restarts_total",
+                   "trainingrun_operator_reconcile_seconds_bucket", "trainingrun_operator_errors_total"):
+        assert metric in overview, metric
+
+
+# --------------------------------------------------------------------------------------------------- acceptance
+def query_range(url: str, promql: str, start: float, end: float) -> list[dict]:
+    q = urllib.parse.urlencode({"query": promql, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": "1"})
+    with urllib.request.urlopen(f"{url}/api/v1/query_range?{q}", timeout=10) as r:
+        body = json.load(r)
+    assert body["status"] == "success", f"{promql}: {body}"
+    return body["data"]["result"]
+
+
+def finite_points(result: list[dict]) -> int:
+    return sum(1 for s in result for _, v in s["values"] if math.isfinite(float(v)))
+
+
+def check_panels(url: str, exprs: list[tuple[str, str]], start: float, end: float) -> dict[str, int]:
+    """Evaluate every (title, expr); return {title: finite points}; fail naming every panel without data."""
+    missing, points = [], {}
+    for title, expr in exprs:
+        promql = substitute(expr, RUN_NAME)
+        n = finite_points(query_range(url, promql, start, end))
+        points[f"{title}: {promql}"] = n
+        if n == 0:
+            missing.append(f"{title}: {promql}")
+    assert not missing, "panels without data:\n  " + "\n  ".join(missing)
+    return points
+
+
+@pytest.mark.megatron
+def test_every_panel_returns_data_from_a_real_run_and_operator(tmp_path):
+    from tests.kube import Cluster
+    from tests.services import free_port, prometheus_server, stop_process, wait_for
+    from trainingrun.local import metrics_port_block
+
+    doc = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+    doc["metadata"] = {"name": RUN_NAME}
+    doc["spec"]["rollout"]["numRollouts"] = NUM_ROLLOUTS
+    base = metrics_port_block(free_port(), 3)
+    doc["spec"]["metrics"]["port"] = base
+    spec = tmp_path / "dash.yaml"
+    spec.write_text(yaml.safe_dump(doc))
+    operator_port = free_port()
+    run_targets = [f"127.0.0.1:{base + i}" for i in range(3)]  # rollout, trainer 0, trainer 1
+
+    all_exprs = [te for d in dashboards().values() for te in targets(d)]
+    run_exprs = [te for te in all_exprs if not is_operator_panel(te[1])]
+    operator_exprs = [te for te in all_exprs if is_operator_panel(te[1])]
+
+    log = tmp_path / "operator.log"
+    with prometheus_server(run_targets + [f"127.0.0.1:{operator_port}"]) as prom, Cluster() as cluster:
+        operator = cluster.start_operator("--metrics-port", str(operator_port), log=log)
+        try:
+            t0 = time.time()
+            # the operator reconciles a TrainingRun in the emulator; its pods are reported Running like a kubelet would
+            k8s_run = copy.deepcopy(doc)
+            k8s_run["metadata"] = {"name": "ops"}
+            cluster.create(cluster.tr_path(), k8s_run)
+            wait_for(lambda: len(cluster.pods("ops", role="trainer")) == 2, 30, "the operator's trainer pods")
+            for pod in cluster.pods("ops"):  # rollout, trainers and the managed store
+                cluster.set_pod(pod["metadata"]["name"], "Running")
+            # meanwhile: a real local run, scraped by the same Prometheus
+            print(f"local run {RUN_NAME}: {NUM_ROLLOUTS} rollouts, metrics ports {base}..{base + 2}", flush=True)
+            proc = subprocess.run(
+                [sys.executable, "-m", "trainingrun", "run", str(spec), "--out", str(tmp_path / "run"),
+                 "--progress-interval", "10"],
+                cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT,
+            )
+            assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+            time.sleep(2)  # the last scrapes
+            t1 = time.time()
+            run_points = check_panels(prom.url, run_exprs, t0, t1)
+            operator_points = check_panels(prom.url, operator_exprs, t0, t1)
+        finally:
+            stop_process(operator)
+    for title, n in {**run_points, **operator_points}.items():
+        print(f"{n:5d} points  {title}")
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) >= NUM_ROLLOUTS - 1, "the run trained too few steps to be a meaningful check"
