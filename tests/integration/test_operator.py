@@ -1,0 +1,219 @@
+"""The real operator (subprocess, kopf over HTTP) against the KMock emulator with the fidelity layer (tests/kube.py).
+
+One emulator + operator per module; each test is a scenario on its own TrainingRun. Pod phases are set the way a
+kubelet would (PATCH pods/status).
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.kube import ROOT, Cluster
+from tests.services import stop_process, wait_for
+
+TINY = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    with Cluster() as c:
+        c.log = log
+        c.operator = c.start_operator(log=log)
+        try:
+            yield c
+        finally:
+            stop_process(c.operator)
+            print(log.read_text()[-3000:])
+
+
+def make_run(cluster: Cluster, name: str, **spec_overrides) -> dict:
+    doc = copy.deepcopy(TINY)
+    doc["metadata"] = {"name": name}
+    doc["spec"]["failurePolicy"]["backoffSeconds"] = 0
+    for key, value in spec_overrides.items():
+        doc["spec"][key] = value
+    return cluster.create(cluster.tr_path(), doc)
+
+
+def status(cluster: Cluster, name: str) -> dict:
+    return (cluster.run(name) or {}).get("status") or {}
+
+
+def wait_phase(cluster: Cluster, name: str, phase: str, timeout: float = 15) -> dict:
+    return wait_for(lambda: status(cluster, name) if status(cluster, name).get("phase") == phase else None,
+                    timeout, f"{name} phase {phase} (now {status(cluster, name)})")
+
+
+def group_pods(cluster: Cluster, name: str, attempt: int) -> list[dict]:
+    return [p for p in cluster.pods(name, attempt=str(attempt)) if not p["metadata"].get("deletionTimestamp")]
+
+
+def wait_group(cluster: Cluster, name: str, attempt: int, n: int = 3) -> list[dict]:
+    return wait_for(lambda: (lambda ps: ps if len(ps) == n else None)(group_pods(cluster, name, attempt)),
+                    15, f"{n} pods of {name} attempt {attempt}")
+
+
+def run_all(cluster: Cluster, name: str, attempt: int) -> None:
+    for pod in wait_group(cluster, name, attempt):
+        cluster.set_pod(pod["metadata"]["name"], "Running")
+    wait_phase(cluster, name, "Running")
+
+
+def reasons(cluster: Cluster, name: str) -> list[str]:
+    return [e.get("reason") for e in cluster.events(name)]
+
+
+def test_create_renders_children_with_contract(cluster):
+    run = make_run(cluster, "alpha", trainer={**TINY["spec"]["trainer"], "gpusPerReplica": 1,
+                                               "resources": {"requests": {"cpu": "2"}, "limits": {"memory": "4Gi"}}},
+                   podTemplate={"nodeSelector": {"pool": "gpu"}, "priorityClassName": "high"},
+                   schedulerName="custom-sched")
+    uid = run["metadata"]["uid"]
+    pods = wait_group(cluster, "alpha", 0)
+    by_role = {(p["metadata"]["labels"]["trainingrun.dev/role"], p["metadata"]["labels"].get("trainingrun.dev/rank")): p
+               for p in pods}
+    assert set(by_role) == {("rollout", None), ("trainer", "0"), ("trainer", "1")}
+    for pod in pods + cluster.pods("alpha", role="store"):
+        meta = pod["metadata"]
+        assert meta["labels"]["app.kubernetes.io/name"] == "trainingrun"
+        assert meta["labels"]["trainingrun.dev/run"] == "alpha"
+        assert meta["ownerReferences"][0]["uid"] == uid and meta["ownerReferences"][0]["controller"] is True
+        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    trainer0 = by_role[("trainer", "0")]
+    assert trainer0["metadata"]["labels"]["trainingrun.dev/attempt"] == "0"
+    spec = trainer0["spec"]
+    assert spec["restartPolicy"] == "Never" and spec["schedulerName"] == "custom-sched"
+    assert spec["nodeSelector"] == {"pool": "gpu"} and spec["priorityClassName"] == "high"
+    assert spec["hostname"] == "trainer-0" and spec["subdomain"] == "alpha-trainers"
+    c = spec["containers"][0]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["RANK"] == "0" and env["WORLD_SIZE"] == "2" and env["TRAININGRUN_RUN"] == "alpha"
+    assert env["MASTER_ADDR"] == "trainer-0.alpha-trainers.default.svc"
+    assert env["TRAININGRUN_STORE_URL"] == "redis://alpha-store.default.svc:6379/0"
+    assert env["TRAININGRUN_CONFIG"] == "/etc/trainingrun/run.yaml"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and c["resources"]["requests"]["cpu"] == "2"
+    rollout = by_role[("rollout", None)]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in rollout.get("resources", {}).get("limits", {})
+    svc = cluster.get("/api/v1/namespaces/default/services/alpha-trainers")
+    assert svc["spec"]["clusterIP"] == "None" and svc["metadata"]["ownerReferences"][0]["uid"] == uid
+    cm = cluster.get("/api/v1/namespaces/default/configmaps/alpha-config")
+    assert yaml.safe_load(cm["data"]["run.yaml"])["spec"]["trainer"]["replicas"] == 2
+    assert cluster.get("/api/v1/namespaces/default/services/alpha-store") is not None
+    st = wait_phase(cluster, "alpha", "Pending")
+    assert st["observedGeneration"] == 1 and st["startTime"]
+    wait_for(lambda: "Created" in reasons(cluster, "alpha"), 10, "Created event")
+
+    # simulated pod phases → status; all trainers Succeeded → Succeeded, sticky
+    run_all(cluster, "alpha", 0)
+    for pod in pods:
+        cluster.set_pod(pod["metadata"]["name"], "Succeeded")
+    st = wait_phase(cluster, "alpha", "Succeeded")
+    assert st["completionTime"] and st["restarts"] == 0
+    assert any(c["type"] == "Succeeded" and c["status"] == "True" for c in st["conditions"])
+    cluster.set_pod(by_role[("trainer", "1")]["metadata"]["name"], "Failed", exit_code=1)
+    wait_for(lambda: "Succeeded" in reasons(cluster, "alpha"), 10, "Succeeded event")
+    import time; time.sleep(2.5)
+    assert status(cluster, "alpha")["phase"] == "Succeeded"
+    assert len(group_pods(cluster, "alpha", 1)) == 0
+
+    # deletion → children garbage-collected
+    cluster.delete(cluster.tr_path("alpha"))
+    wait_for(lambda: cluster.run("alpha") is None, 15, "the run to be deleted")
+    assert cluster.pods("alpha") == []
+    assert cluster.get("/api/v1/namespaces/default/configmaps/alpha-config") is None
+
+
+def test_failure_restarts_whole_group_then_fails_sticky(cluster):
+    make_run(cluster, "beta", failurePolicy={"maxRestarts": 1, "backoffSeconds": 0})
+    run_all(cluster, "beta", 0)
+    first = {p["metadata"]["name"] for p in group_pods(cluster, "beta", 0)}
+    cluster.set_pod("beta-trainer-1-a0", "Failed", exit_code=137, reason="OOMKilled")
+    new = wait_group(cluster, "beta", 1)
+    assert not first & {p["metadata"]["name"] for p in new}
+    st = status(cluster, "beta")
+    assert st["restarts"] == 1 and st["attempt"] == 1
+    # the whole previous group was deleted, not only the failed pod
+    assert wait_for(lambda: [p for p in cluster.pods("beta", attempt="0")
+                             if p["status"]["phase"] != "Failed"] == [], 10, "attempt-0 pods deleted")
+    assert "Restarting" in reasons(cluster, "beta")
+    run_all(cluster, "beta", 1)
+    cluster.set_pod("beta-rollout-a1", "Failed", exit_code=2)
+    st = wait_phase(cluster, "beta", "Failed")
+    assert "beta-rollout-a1" in st["message"] and "code 2" in st["message"] and "maxRestarts" in st["message"]
+    assert st["restarts"] == 1
+    # running pods of a failed run are deleted (GPUs freed); the failed pod stays for its logs
+    wait_for(lambda: group_pods(cluster, "beta", 1) == [cluster.get("/api/v1/namespaces/default/pods/beta-rollout-a1")],
+             10, "live pods of the failed run deleted")
+    # sticky: later pod changes never move it
+    cluster.set_pod("beta-rollout-a1", "Succeeded")
+    import time; time.sleep(2.5)
+    assert status(cluster, "beta")["phase"] == "Failed"
+    assert group_pods(cluster, "beta", 2) == []
+
+
+def test_config_error_exit_code_fails_at_once(cluster):
+    make_run(cluster, "gamma")
+    run_all(cluster, "gamma", 0)
+    cluster.set_pod("gamma-trainer-0-a0", "Failed", exit_code=78)
+    st = wait_phase(cluster, "gamma", "Failed")
+    assert st["restarts"] == 0 and "78" in st["message"]
+    assert any(c["type"] == "Failed" and c["reason"] == "ConfigError" for c in st["conditions"])
+
+
+def test_runtime_invalid_spec_fails_with_event(cluster):
+    # passes the schema (numAttentionHeads alone is fine) but the preset's hiddenSize 64 is not divisible by 5
+    make_run(cluster, "delta", model={"preset": "tiny", "numAttentionHeads": 5})
+    st = wait_phase(cluster, "delta", "Failed")
+    assert "spec.model" in st["message"] and "divisible" in st["message"]
+    wait_for(lambda: "InvalidSpec" in reasons(cluster, "delta"), 10, "InvalidSpec event")
+    assert cluster.pods("delta") == []
+
+
+def test_suspend_resume_and_ignored_spec_change(cluster):
+    make_run(cluster, "eps")
+    run_all(cluster, "eps", 0)
+    cluster.patch(cluster.tr_path("eps"), {"spec": {"suspend": True, "trainer": {"replicas": 4}}})
+    wait_phase(cluster, "eps", "Suspended")
+    wait_for(lambda: group_pods(cluster, "eps", 0) == [], 10, "pods deleted on suspend")
+    wait_for(lambda: "SpecChangeIgnored" in reasons(cluster, "eps"), 10, "SpecChangeIgnored event")
+    cluster.patch(cluster.tr_path("eps"), {"spec": {"suspend": False}})
+    pods = wait_group(cluster, "eps", 1)  # still 2 trainers: replicas is frozen for the run
+    assert len([p for p in pods if p["metadata"]["labels"]["trainingrun.dev/role"] == "trainer"]) == 2
+    st = status(cluster, "eps")
+    assert st["restarts"] == 0 and st["attempt"] == 1 and st["observedGeneration"] >= 3
+    assert "Resumed" in reasons(cluster, "eps")
+
+
+def test_progress_from_real_redis_and_operator_restart(cluster, redis):
+    import json
+    import time
+
+    import redis as redis_py
+
+    make_run(cluster, "zeta", store={"url": redis.url})
+    run_all(cluster, "zeta", 0)
+    assert cluster.pods("zeta", role="store") == []  # external store: no managed redis
+    from trainingrun.store import open_store
+
+    store = open_store(redis.url)
+    store.put_json("progress", {"step": 7, "samples_consumed": 93, "last_global_batch_size": 12, "rollout": 2,
+                                "attempt": 0, "time": time.time()})
+    st = wait_for(lambda: (lambda s: s if s.get("step") == 7 else None)(status(cluster, "zeta")), 10, "progress")
+    assert st["samplesConsumed"] == 93 and st["lastGlobalBatchSize"] == 12 and st["rollout"] == 2
+
+    # operator restarted mid-run: no duplicate pods, status continues
+    names = sorted(p["metadata"]["name"] for p in cluster.pods("zeta"))
+    stop_process(cluster.operator)
+    cluster.operator = cluster.start_operator(log=cluster.log)
+    store.put_json("progress", {"step": 8, "samples_consumed": 105, "last_global_batch_size": 12, "rollout": 2,
+                                "attempt": 0, "time": time.time()})
+    wait_for(lambda: status(cluster, "zeta").get("step") == 8, 15, "progress after operator restart")
+    assert sorted(p["metadata"]["name"] for p in cluster.pods("zeta")) == names
+    assert status(cluster, "zeta")["phase"] == "Running" and status(cluster, "zeta")["restarts"] == 0
+    store.close()
