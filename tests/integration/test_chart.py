@@ -517,3 +517,19 @@ def test_checkov_finds_no_failed_check_and_every_skip_has_a_reason(name, tmp_pat
                 annotated[check] = reason
     for check in skipped:
         assert len(annotated.get(check["check_id"], "")) > 20, f"skip of {check['check_id']} has no reason"
+
+
+def test_install_doc_lists_every_value():
+    """docs/install.md's values table names every leaf key of values.yaml."""
+    doc = (ROOT / "docs" / "install.md").read_text()
+
+    def leaves(node, prefix=""):
+        for key, value in node.items():
+            path = f"{prefix}{key}"
+            if isinstance(value, dict) and value and key != "resources":
+                yield from leaves(value, path + ".")
+            else:
+                yield path
+
+    missing = [k for k in leaves(yaml.safe_load((CHART / "values.yaml").read_text())) if f"`{k}`" not in doc]
+    assert not missing, f"docs/install.md lacks values: {missing}"
