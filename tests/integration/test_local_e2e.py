@@ -30,7 +30,8 @@ from trainingrun.metrics.names import TRAINER_COUNTERS, TRAINER_WEIGHTED
 pytestmark = pytest.mark.megatron
 
 ROOT = Path(__file__).resolve().parents[2]
-NUM_ROLLOUTS = 4
+NUM_ROLLOUTS = 12  # dynamic step policy: one step per rollout
+SAMPLES_PER_ROLLOUT = 32
 CKPT_INTERVAL = 5
 RUN_TIMEOUT = 300
 W = "trainingrun_trainer_sample_loss"  # the weighted metric checked against Prometheus
@@ -39,6 +40,7 @@ W = "trainingrun_trainer_sample_loss"  # the weighted metric checked against Pro
 def write_spec(path: Path, *, metrics_port: int, **trainer_overrides) -> Path:
     doc = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
     doc["spec"]["rollout"]["numRollouts"] = NUM_ROLLOUTS
+    doc["spec"]["rollout"]["samplesPerRollout"] = SAMPLES_PER_ROLLOUT
     doc["spec"]["trainer"]["checkpoint"]["interval"] = CKPT_INTERVAL
     doc["spec"]["trainer"].update(trainer_overrides)
     doc["spec"]["metrics"]["port"] = metrics_port
@@ -243,7 +245,7 @@ def test_prometheus_weighted_mean_matches_metrics_jsonl(ref2):
     for r in recs:
         cum_n.append(cum_n[-1] + r["global_batch_size"])
         cum_s.append(cum_s[-1] + r["sample_loss"] * r["global_batch_size"])
-    checked = set()
+    checked, contract_checked = set(), 0
     for t, by_rank in prom["steps"].items():
         if len(by_rank) != 2 or len(set(by_rank.values())) != 1 or t not in prom["sum"]:
             continue
@@ -257,7 +259,10 @@ def test_prometheus_weighted_mean_matches_metrics_jsonl(ref2):
         # the contract's rate() form: extrapolation differs slightly per target, hence the tolerance
         if t in prom["contract"]:
             assert prom["contract"][t][""] == pytest.approx(total / count, rel=0.05), (t, k)
+            contract_checked += 1
+    print(f"weighted mean checked at steps {sorted(checked)}; contract rate() form at {contract_checked} instants")
     assert checked, "no scrape saw both ranks at the same step"
+    assert contract_checked
     # rank 0's per-step gauge: every scraped step shows that step's loss
     seen = {}
     for t, v in prom["gauge_step"].items():
