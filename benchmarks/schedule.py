@@ -168,6 +168,7 @@ def main() -> None:
         if any(r["ours_imb"] > r["base_imb"] + 1e-12 or r["ours_mb"] > r["base_mb"] for r in rows):
             worse.append(f"{name}/dp{dp}/n{n}/cap{cap // 1024}k")
     _summary(all_rows, worse)
+    _flops_line()
     _timing()
     print(f"\ntotal benchmark time {time.perf_counter() - t0:.1f} s")
 
@@ -197,18 +198,36 @@ def _summary(all_rows, worse) -> None:
 
 
 def _timing() -> None:
-    print("\ntiming: dp 64, cap 32k, RL-like lengths (best of 3)")
+    print("\ntiming: dp 64, cap 32k, RL-like lengths (best of 3; wall and CPU seconds)")
     for n in (10_000, 30_000, 100_000):
         lens = rl_like(np.random.default_rng(n), n)
         for label, kwargs in (("one step", {}), ("steps of 1024", {"global_batch_size": 1024})):
-            best = min(_timed(lens, kwargs) for _ in range(3))
-            print(f"  {n:>7,} samples, {label:<14} {best:6.3f} s  ({1e6 * best / n:5.2f} µs/sample)")
+            wall, cpu = min(_timed(lens, kwargs) for _ in range(3))
+            print(f"  {n:>7,} samples, {label:<14} wall {wall:6.3f} s  cpu {cpu:6.3f} s  "
+                  f"({1e6 * cpu / n:5.2f} µs/sample)")
 
 
-def _timed(lens, kwargs) -> float:
-    t = time.perf_counter()
+def _flops_line() -> None:
+    print("\ncost model, RL-like, dp 16, 512 samples, cap 32k (8 steps): FLOPs-proxy imbalance (a·L + L², a = 6·4096)")
+    rng = np.random.default_rng(99)
+    got = {"tokens": [], "flops": [], "baseline": []}
+    for _ in range(STEPS_PER_CASE):
+        lens = rl_like(rng, 512)
+        flops = 6.0 * 4096 * lens + lens.astype(np.float64) ** 2
+        for cost in ("tokens", "flops"):
+            sched = build_dp_schedule(lens, dp_size=16, max_tokens_per_gpu=32_768, cost=cost)
+            loads = np.array([sum(flops[mb].sum() for mb in sched.step_microbatches(r, 0)) for r in range(16)])
+            got[cost].append(loads.max() / loads.mean())
+        base = baseline_step(lens, 16, 32_768)
+        loads = np.array([sum(flops[mb].sum() for mb in rank if mb) for rank in base])
+        got["baseline"].append(loads.max() / loads.mean())
+    print("  " + "   ".join(f"{k}: {statistics.fmean(v):.4f}" for k, v in got.items()))
+
+
+def _timed(lens, kwargs) -> tuple[float, float]:
+    wall, cpu = time.perf_counter(), time.process_time()
     build_dp_schedule(lens, dp_size=64, max_tokens_per_gpu=32_768, **kwargs)
-    return time.perf_counter() - t
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 if __name__ == "__main__":

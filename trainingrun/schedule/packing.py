@@ -119,16 +119,19 @@ def _pack_best_fit(
     """Best fit by tokens, in the order given, into bins ``first_bin..n_bins-1`` already holding ``btok`` tokens: each
     sample into the fullest bin it fits. Tighter than LPT near a fill ratio of 1, at the price of balance (the
     refinement restores it). Writes ``item_bin``; returns False if some sample fits nowhere."""
-    loads = sorted((btok[b], b) for b in range(first_bin, n_bins))
+    # keys load·n_bins + bin: plain ints sort and bisect faster than (load, bin) tuples
+    keys = sorted(btok[b] * n_bins + b for b in range(first_bin, n_bins))
+    smallest = min((tok[i] for i in order), default=0)
     for i in order:
         t = tok[i]
-        k = bisect_right(loads, (token_cap - t, n_bins)) - 1
+        k = bisect_right(keys, (token_cap - t) * n_bins + n_bins - 1) - 1
         if k < 0:
             return False
-        load, b = loads.pop(k)
+        load, b = divmod(keys.pop(k), n_bins)
         item_bin[i] = b
         btok[b] = load + t
-        insort(loads, (load + t, b))
+        if token_cap - btok[b] >= smallest:  # else no sample fits any more: drop the bin from the search
+            insort(keys, btok[b] * n_bins + b)
     return True
 
 
