@@ -148,12 +148,14 @@ class Progress:
                 self._window.append((now, rec["samples_consumed"]))
 
     def samples_per_second(self) -> float | None:
-        if self.last and isinstance(self.last.get("samples_per_second"), (int, float)):
-            return float(self.last["samples_per_second"])
+        """Throughput over the last (up to 20) steps as seen by the launcher, waits included; before two steps
+        arrived, the trainer's own figure for the last step."""
         if len(self._window) >= 2:
             (t0, s0), (t1, s1) = self._window[0], self._window[-1]
             if t1 > t0:
                 return (s1 - s0) / (t1 - t0)
+        if self.last and isinstance(self.last.get("samples_per_second"), (int, float)):
+            return float(self.last["samples_per_second"])
         return None
 
     def line(self) -> str:
