@@ -156,7 +156,7 @@ async def reconcile(body: kopf.Body, index: kopf.Index) -> float | None:
         pods = list(index.get((ns, name), []))
         progress = None
         if current.get("phase") in ("Running", "Restarting"):
-            progress = await STATE.progress.read(render.store_url(run, ns))
+            progress = STATE.progress.peek(render.store_url(run, ns), lambda: STATE.wake((ns, name)))
         decision = status.decide(
             run, current, pods, now=now, generation=meta.get("generation"), progress=progress,
             spec_errors=render.cluster_errors(run),
@@ -168,7 +168,10 @@ async def reconcile(body: kopf.Body, index: kopf.Index) -> float | None:
                                {"metadata": {"resourceVersion": meta.get("resourceVersion")}, "status": changes},
                                plural=PLURAL, subresource="status")
         except Conflict:
+            log.debug("%s/%s: stale observation (resourceVersion %s); deciding again", ns, name,
+                      meta.get("resourceVersion"))
             return 0.2  # observed a stale object; decide again on the fresh one
+        log.debug("%s/%s: status %s", ns, name, changes)
     if run is not None and SPEC_ANNOTATION not in (meta.get("annotations") or {}):
         frozen = json.dumps(run.spec.to_dict(), sort_keys=True, separators=(",", ":"))
         await client.patch(render.API_VERSION, render.KIND, ns, name,
@@ -228,6 +231,7 @@ async def run_daemon(body: kopf.Body, namespace: str, name: str, uid: str, stopp
     """Reconciles one TrainingRun for as long as it exists."""
     key = (namespace, name)
     wakeup = STATE.wakeups[key]
+    STATE.progress.max_age = min(max(STATE.interval / 2, 0.5), 5.0)
     try:
         while not stopped:
             wakeup.clear()
@@ -250,6 +254,10 @@ async def run_daemon(body: kopf.Body, namespace: str, name: str, uid: str, stopp
             except asyncio.TimeoutError:
                 pass
     finally:
+        try:
+            STATE.progress.forget(render.store_url(parse_run(body), namespace))
+        except Exception:  # noqa: BLE001 - an unparsable spec never opened a store
+            pass
         STATE.wakeups.pop(key, None)
         STATE.locks.pop(uid, None)
         STATE.phases.set(uid, None)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 PROGRESS_KEY = "progress"
@@ -28,9 +30,34 @@ log = logging.getLogger(__name__)
 class ProgressReader:
     """Reads the progress key of each run's store (one open store per URL, opened lazily, closed on `forget`)."""
 
-    def __init__(self, timeout: float = 3.0):
+    def __init__(self, timeout: float = 3.0, max_age: float = 2.0):
         self.timeout = timeout
+        self.max_age = max_age
         self._stores: dict[str, Any] = {}
+        self._cache: dict[str, tuple[float, dict[str, Any] | None]] = {}
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    def peek(self, url: str, on_change: Callable[[], None] | None = None) -> dict[str, Any] | None:
+        """The last progress read from `url` without waiting (a reconcile never blocks on a slow store); starts a
+        background refresh when the value is older than `max_age`, and calls `on_change` when it changed."""
+        cached = self._cache.get(url)
+        if url.startswith("redis://") and url not in self._tasks and (
+            cached is None or time.monotonic() - cached[0] >= self.max_age
+        ):
+            self._tasks[url] = asyncio.get_running_loop().create_task(self._refresh(url, on_change))
+        return cached[1] if cached else None
+
+    async def _refresh(self, url: str, on_change: Callable[[], None] | None) -> None:
+        try:
+            value = await self.read(url)
+        finally:
+            self._tasks.pop(url, None)
+        old = self._cache.get(url)
+        if value is None and old is not None:
+            value = old[1]  # unreachable for now: keep the last known progress
+        self._cache[url] = (time.monotonic(), value)
+        if on_change is not None and (old is None or old[1] != value) and value is not None:
+            on_change()
 
     def _read(self, url: str) -> dict[str, Any] | None:
         store = self._stores.get(url)
@@ -60,6 +87,10 @@ class ProgressReader:
             return None
 
     def forget(self, url: str) -> None:
+        self._cache.pop(url, None)
+        task = self._tasks.pop(url, None)
+        if task is not None:
+            task.cancel()
         store = self._stores.pop(url, None)
         if store is not None:
             try:

@@ -1,0 +1,143 @@
+"""Pure render + lifecycle decisions of the operator (no API server)."""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+
+import yaml
+
+from tests.kube import ROOT
+from trainingrun.api import parse_trainingrun
+from trainingrun.operator import render, status
+from trainingrun.plan import EXIT_CONFIG_ERROR
+
+TINY = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+OWNER = render.Owner(name="tiny", namespace="ns1", uid="u-1")
+T0 = dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc)
+
+
+def run_of(**spec):
+    doc = copy.deepcopy(TINY)
+    doc["spec"].update(spec)
+    return parse_trainingrun(doc)
+
+
+def pods_of(run, attempt, phase="Running", **overrides):
+    out = []
+    for role, rank in status.expected_group(run):
+        name = render.Names("tiny").pod(role, rank, attempt)
+        out.append(status.PodObs(name=name, role=role, rank=rank, attempt=attempt,
+                                 phase=overrides.get(name, phase)))
+    return out
+
+
+def test_children_gang_and_store():
+    run = run_of(gangScheduling={"enabled": True, "provider": "volcano"}, trainer={**TINY["spec"]["trainer"], "replicas": 3})
+    children = render.render_children(run, OWNER, attempt=2)
+    kinds = [c["kind"] for c in children]
+    assert kinds == ["ConfigMap", "Service", "Pod", "Service", "PodGroup", "Pod", "Pod", "Pod", "Pod"]
+    pg = children[4]
+    assert pg["spec"]["minMember"] == 4
+    trainers = [c for c in children if c["kind"] == "Pod" and c["metadata"]["labels"].get(render.L_ROLE) == "trainer"]
+    assert [t["metadata"]["name"] for t in trainers] == [f"tiny-trainer-{r}-a2" for r in range(3)]
+    for t in trainers:
+        assert t["spec"]["schedulerName"] == "volcano"
+        assert t["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "tiny"
+        assert t["metadata"]["labels"][render.L_ATTEMPT] == "2"
+        assert "nvidia.com/gpu" not in t["spec"]["containers"][0].get("resources", {}).get("limits", {})
+    assert all(c["metadata"]["ownerReferences"][0]["uid"] == "u-1" for c in children)
+    # an external store: no managed Redis
+    ext = run_of(store={"url": "redis://r:6379/0"})
+    assert render.render_store(ext, OWNER) == []
+    assert render.store_url(ext, "ns1") == "redis://r:6379/0"
+
+
+def test_cluster_errors_name_the_field():
+    assert render.cluster_errors(run_of()) == []
+    errs = render.cluster_errors(run_of(store={"url": "file:///tmp/s"}))
+    assert len(errs) == 1 and errs[0].startswith("spec.store.url")
+    doc = copy.deepcopy(TINY)
+    doc["metadata"]["name"] = "9" + "a" * 50
+    errs = render.cluster_errors(parse_trainingrun(doc))
+    assert errs and all(e.startswith("metadata.name") for e in errs)
+
+
+def test_lifecycle_new_pending_running():
+    run = run_of()
+    d = status.decide(run, None, [], now=T0, generation=1)
+    assert d.status["phase"] == "Pending" and d.create_base and len(d.create_pods) == 3 and d.create_store_pod
+    st = d.status
+    d = status.decide(run, st, pods_of(run, 0, phase="Pending"), now=T0)
+    assert d.status["phase"] == "Pending" and not d.create_pods
+    d = status.decide(run, st, pods_of(run, 0), now=T0)
+    assert d.status["phase"] == "Running" and d.events[-1][1] == "Running"
+
+
+def _running(run):
+    st = status.decide(run, None, [], now=T0).status
+    return status.decide(run, st, pods_of(run, 0), now=T0).status
+
+
+def test_restart_budget_and_backoff():
+    run = run_of(failurePolicy={"maxRestarts": 1, "backoffSeconds": 10})
+    st = _running(run)
+    failed = pods_of(run, 0, **{"tiny-trainer-1-a0": "Failed"})
+    d = status.decide(run, st, failed, now=T0)
+    assert d.status["phase"] == "Restarting" and d.status["restarts"] == 1 and d.status["attempt"] == 1
+    assert sorted(d.delete_pods) == sorted(p.name for p in failed if p.phase == "Running")
+    st = d.status
+    # backoff not elapsed: nothing created
+    d = status.decide(run, st, [], now=T0 + dt.timedelta(seconds=5))
+    assert d.status["phase"] == "Restarting" and not d.create_pods and d.requeue_after == 5
+    d = status.decide(run, st, [], now=T0 + dt.timedelta(seconds=10))
+    assert d.status["phase"] == "Pending" and len(d.create_pods) == 3
+    st = status.decide(run, d.status, pods_of(run, 1), now=T0).status
+    assert st["phase"] == "Running"
+    # budget used: Failed with the failing pod in the message; terminal is sticky
+    pods = pods_of(run, 1, **{"tiny-rollout-a1": "Failed"})
+    d = status.decide(run, st, pods, now=T0)
+    assert d.status["phase"] == "Failed" and "tiny-rollout-a1" in d.status["message"]
+    d2 = status.decide(run, d.status, pods_of(run, 1, phase="Succeeded"), now=T0)
+    assert d2.status["phase"] == "Failed" and not d2.create_pods
+
+
+def test_exit_code_config_error_and_deleted_pod():
+    run = run_of()
+    st = _running(run)
+    obs = status.observe_pod({
+        "metadata": {"name": "tiny-trainer-0-a0", "labels": {render.L_ROLE: "trainer", render.L_RANK: "0",
+                                                             render.L_ATTEMPT: "0"}},
+        "status": {"phase": "Failed", "containerStatuses": [
+            {"name": "trainer", "state": {"terminated": {"exitCode": EXIT_CONFIG_ERROR, "reason": "Error"}}}]},
+    })
+    assert "code 78" in obs.failure
+    pods = [p for p in pods_of(run, 0) if p.name != obs.name] + [obs]
+    d = status.decide(run, st, pods, now=T0)
+    assert d.status["phase"] == "Failed" and d.status["restarts"] == 0
+    assert d.status["conditions"][-1]["reason"] == "ConfigError" or any(
+        c["reason"] == "ConfigError" and c["status"] == "True" for c in d.status["conditions"])
+    # a pod deleted while running counts as a failure
+    d = status.decide(run, st, pods_of(run, 0)[:-1], now=T0)
+    assert d.status["phase"] == "Restarting" and "was deleted" in d.status["message"]
+
+
+def test_hang_detection_deadline_suspend_ttl():
+    run = run_of(failurePolicy={"maxRestarts": 0, "progressDeadlineSeconds": 60}, activeDeadlineSeconds=3600,
+                 ttlSecondsAfterFinished=30)
+    st = _running(run)
+    fresh = {"step": 3, "time": (T0 + dt.timedelta(seconds=50)).timestamp()}
+    d = status.decide(run, st, pods_of(run, 0), now=T0 + dt.timedelta(seconds=100), progress=fresh)
+    assert d.status["phase"] == "Running" and d.status["step"] == 3
+    d = status.decide(run, st, pods_of(run, 0), now=T0 + dt.timedelta(seconds=111), progress=fresh)
+    assert d.status["phase"] == "Failed" and "no progress" in d.status["message"]
+    d = status.decide(run, st, pods_of(run, 0), now=T0 + dt.timedelta(seconds=3600), progress={"time": 1e12})
+    assert d.status["phase"] == "Failed" and any(c["reason"] == "DeadlineExceeded" for c in d.status["conditions"])
+    done = d.status
+    assert not status.decide(run, done, [], now=T0 + dt.timedelta(seconds=3620)).delete_run
+    assert status.decide(run, done, [], now=T0 + dt.timedelta(seconds=3631)).delete_run
+    suspended = run_of(suspend=True)
+    d = status.decide(suspended, _running(run), pods_of(run, 0), now=T0)
+    assert d.status["phase"] == "Suspended" and len(d.delete_pods) == 3
+    d = status.decide(run, d.status, [], now=T0)
+    assert d.status["phase"] == "Pending" and d.status["attempt"] == 1 and d.status["restarts"] == 0
