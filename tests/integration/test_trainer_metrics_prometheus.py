@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.services import free_port, prometheus_server
+from tests.services import free_port, prometheus_server, wait_for
 from trainingrun.metrics.exporter import TrainerExporter
 
 METRIC = "trainingrun_trainer_sample_loss"
@@ -24,7 +24,10 @@ def test_prometheus_returns_global_mean_from_sum_count_pairs() -> None:
         targets = [f"127.0.0.1:{e.port}" for e in exporters]
         flat = [v for vs in rank_values.values() for v in vs]
         with prometheus_server(targets) as prom:
-            res = prom.wait_query(f"sum({METRIC}_sum) / sum({METRIC}_count)", timeout=40)
+            # both targets scraped (each target's first sample appears on its own schedule)
+            wait_for(lambda: len(prom.query(f"{METRIC}_sum")) == 2 and len(prom.query(f"{METRIC}_count")) == 2,
+                     40, "both exporters scraped", interval=0.5)
+            res = prom.query(f"sum({METRIC}_sum) / sum({METRIC}_count)")
             assert float(res[0]["value"][1]) == pytest.approx(sum(flat) / len(flat))  # 88/9, not (4+30)/2
             per_rank = prom.query(f"{METRIC}_count")
             assert sorted((r["metric"]["rank"], float(r["value"][1])) for r in per_rank) == [("0", 7.0), ("1", 2.0)]
