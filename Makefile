@@ -27,6 +27,7 @@ $(VENV)/.dev: $(VENV)/.base
 
 demo: $(VENV)/.run
 	$(VENV)/bin/trainingrun validate examples/tiny.yaml
+	rm -rf runs/tiny
 	$(VENV)/bin/trainingrun run examples/tiny.yaml --out runs/tiny
 
 test: $(VENV)/.dev
