@@ -132,7 +132,18 @@ class FidelityEmulator(kmock.KubernetesEmulator):
                 return await self._render_error(exc)
             for resource, event in events:
                 await self._buses[resource].put(event)
-        # Skip KubernetesEmulator._handle's own mutation: serve the stored state through the fallbacks.
+        # Skip KubernetesEmulator._handle's own mutation and serve the stored state. Object requests go straight to
+        # the serving functions: KMock's reaction matching scans the whole request log per request (quadratic).
+        serve = {
+            enums.action.LIST: self._serve_list, enums.action.WATCH: self._serve_watch,
+            enums.action.FETCH: self._serve_fetch, enums.action.CREATE: self._serve_create,
+            enums.action.UPDATE: self._serve_update, enums.action.DELETE: self._serve_delete,
+        }.get(request.action) if request.resource is not None and request.resource.plural else None
+        if serve is not None:
+            try:
+                return await kmock.Response.guess(serve)(request)
+            except kmock.KubernetesError as exc:
+                return await self._render_error(exc)
         return await kmock.RawHandler._handle(self, request)
 
     # ---------------------------------------------------------------------------------------------- mutation

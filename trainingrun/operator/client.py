@@ -53,7 +53,7 @@ class KubeClient:
     def __init__(self, server: str, *, token: str | None = None, headers: dict[str, str] | None = None,
                  ssl_context: ssl.SSLContext | bool | None = None, timeout: float = 15.0):
         self.server = server.rstrip("/")
-        self.headers = {"Accept": "application/json", **(headers or {})}
+        self.headers = {"Accept": "application/json", "User-Agent": "trainingrun-operator/0.1", **(headers or {})}
         if token:
             self.headers["Authorization"] = f"Bearer {token}"
         self._ssl = ssl_context
