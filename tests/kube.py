@@ -441,6 +441,8 @@ class Cluster:
     def start_operator(self, *args: str, interval: float = 1.0, log: Path | None = None) -> subprocess.Popen:
         """The real operator (`python -m trainingrun operator`) against this emulator; returns once it watches."""
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
+        self.metrics_url = f"http://127.0.0.1:{free_port()}/metrics"
+        args = ("--bind", "127.0.0.1", "--metrics-port", self.metrics_url.split(":")[2].split("/")[0], *args)
         out = open(log, "ab") if log else subprocess.DEVNULL
         proc = subprocess.Popen(
             [sys.executable, "-m", "trainingrun", "operator", "--standalone", "--interval", str(interval),

@@ -217,3 +217,14 @@ def test_progress_from_real_redis_and_operator_restart(cluster, redis):
     assert sorted(p["metadata"]["name"] for p in cluster.pods("zeta")) == names
     assert status(cluster, "zeta")["phase"] == "Running" and status(cluster, "zeta")["restarts"] == 0
     store.close()
+
+    # operator metrics on its own port
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(cluster.metrics_url, timeout=5).read().decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert samples[("trainingrun_operator_runs", (("phase", "Running"),))] >= 1
+    assert samples[("trainingrun_operator_reconcile_seconds_count", (("handler", "reconcile"),))] > 0
