@@ -198,9 +198,9 @@ def _pod_spec_common(run: TrainingRun) -> dict[str, Any]:
         "automountServiceAccountToken": False,  # rollout and trainers never call the Kubernetes API
         "securityContext": {
             "runAsNonRoot": True,
-            "runAsUser": 1000,
-            "runAsGroup": 1000,
-            "fsGroup": 1000,
+            "runAsUser": 10001,
+            "runAsGroup": 10001,
+            "fsGroup": 10001,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
