@@ -81,7 +81,7 @@ def test_damage_is_detected():
         "truncated": data[:-70],
         "header length": data[:8] + struct.pack("<I", 10**9) + data[12:],
         "not valid JSON": data[:12] + b"x" + data[13:],
-        "CRC-32": data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :],
+        "checksum": data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :],
         "bad magic": b"X" + data[1:],
     }
     for what, damaged in cases.items():
@@ -96,3 +96,19 @@ def test_json_is_strict():
         encode_json({"x": float("inf")}, where="schedule")
     with pytest.raises(ValueError, match="cannot be stored as JSON"):
         encode_json({"x": object()})
+
+
+def test_checksum_catches_every_single_bit_flip_and_moved_blocks():
+    from trainingrun.store.wire import CHECKSUM_BLOCK, checksum
+
+    rng = np.random.default_rng(1)
+    data = bytearray(rng.integers(0, 256, size=CHECKSUM_BLOCK * 8 * 3 + 13, dtype=np.uint8).tobytes())
+    ref = checksum(data)
+    for pos in list(rng.integers(0, len(data), size=200)) + [0, len(data) - 1, len(data) - 13]:
+        for bit in (0, 7):
+            data[pos] ^= 1 << bit
+            assert checksum(data) != ref, (pos, bit)
+            data[pos] ^= 1 << bit
+    block = CHECKSUM_BLOCK * 8
+    swapped = data[block : 2 * block] + data[:block] + data[2 * block :]
+    assert checksum(swapped) != ref and checksum(bytes(data)) == ref

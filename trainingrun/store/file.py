@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+import numpy as np
+
 from trainingrun.store.base import RankPayload, StoreError
 from trainingrun.store.common import check_key, check_publish, check_rollout, poll
 from trainingrun.store.wire import decode_json, decode_payload, encode_json, encode_payload_parts
@@ -247,9 +249,9 @@ class FileStore:
     def read_payload(self, rollout: int, rank: int) -> RankPayload:
         path = self._require_committed(rollout) / _rank_file(rank)
         try:
-            size = path.stat().st_size
-            buf = bytearray(size)
             with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                buf = np.empty(size, dtype=np.uint8)  # not zero-filled, unlike bytearray: half the cost
                 got = f.readinto(buf)
         except FileNotFoundError:
             raise StoreError(f"store {self.url}: rollout {rollout} has no payload for rank {rank} ({path})") from None
