@@ -13,6 +13,7 @@ same final samples_consumed and the same sample ids per step (nothing trained tw
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.services import free_port
 
@@ -102,6 +104,16 @@ def test_trainer_end_to_end_and_exact_resume(tmp_path: Path) -> None:
     assert rec_a[-1]["samples_consumed"] == sum(COUNTS)
     assert rec_a[0]["lr"] < rec_a[1]["lr"]  # warmup over samples
     assert sorted(p.name for p in (a / "ckpt").iterdir()) == ["step_00000008", "step_00000009"]  # keep: 2
+    # the progress rank 0 leaves in the store is what the operator turns into the TrainingRun's status
+    from trainingrun.api import parse_trainingrun
+    from trainingrun.operator.status import decide
+    from trainingrun.store import open_store
+
+    progress = open_store(f"file://{a}/store").get_json("progress")
+    run = parse_trainingrun(yaml.safe_load(CONFIG))
+    status = decide(run, None, [], now=dt.datetime.now(dt.timezone.utc), progress=progress).status
+    assert (status["step"], status["samplesConsumed"], status["lastGlobalBatchSize"], status["rollout"]) == (
+        9, rec_a[-1]["samples_consumed"], rec_a[-1]["global_batch_size"], rec_a[-1]["rollout"])
 
     # ---- B1: only rollouts 0 and 1 available; the group gives up waiting for rollout 2
     b = tmp_path / "b"

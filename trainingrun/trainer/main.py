@@ -316,9 +316,12 @@ def _report(store, jsonl_path: str | None, record: dict) -> None:
     if jsonl_path:
         with open(jsonl_path, "a") as f:
             f.write(json.dumps(record) + "\n")
-    store.put_json("progress", {k: record[k] for k in (
-        "step", "rollout", "global_batch_size", "loss", "lr", "samples_consumed", "tokens", "attempt",
-        "samples_per_second", "time")})
+    # The operator reads this key into the TrainingRun's status (trainingrun/operator/progress.py).
+    store.put_json("progress", {
+        **{k: record[k] for k in ("step", "rollout", "global_batch_size", "loss", "lr", "samples_consumed", "tokens",
+                                  "attempt", "samples_per_second", "time")},
+        "last_global_batch_size": record["global_batch_size"],
+    })
     print(
         f"[trainer 0] step {record['step']} rollout {record['rollout']} gbs {record['global_batch_size']} "
         f"mb {record['num_microbatches']} loss {record['loss']:.4f} lr {record['lr']:.2e} "
