@@ -87,12 +87,18 @@ CASES: dict[tuple[str, int], tuple[dict, dict]] = {
     ("rollout.steps", 0): ({"policy": "fixed", "globalBatchSize": 8}, {"policy": "dynamic", "globalBatchSize": 8}),
     ("rollout", 0): ({"samplesPerRollout": 64, "groupSize": 8}, {"samplesPerRollout": 60, "groupSize": 8}),
     ("store", 0): ({"url": "redis://r:6379/0"}, {"url": "redis://r:6379/0", "managed": True}),
+    ("podTemplate", 0): (
+        {"volumes": [{"name": "ckpt", "persistentVolumeClaim": {"claimName": "c"}}],
+         "volumeMounts": [{"name": "ckpt", "mountPath": "/checkpoints"}]},
+        {"volumes": [{"name": "ckpt", "emptyDir": {}}], "volumeMounts": [{"name": "data", "mountPath": "/data"}]},
+    ),
 }
 
 MODEL_OF = {
     "model": models.ModelSpec, "trainer.optimizer": models.OptimizerSpec, "trainer": models.TrainerSpec,
     "rollout.source.synthetic": models.SyntheticSource, "rollout.source": models.SourceSpec,
     "rollout.steps": models.StepPolicy, "rollout": models.RolloutSpec, "store": models.StoreSpec,
+    "podTemplate": models.PodTemplateOverrides,
 }
 
 

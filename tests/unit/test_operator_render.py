@@ -141,3 +141,17 @@ def test_hang_detection_deadline_suspend_ttl():
     assert d.status["phase"] == "Suspended" and len(d.delete_pods) == 3
     d = status.decide(run, d.status, [], now=T0)
     assert d.status["phase"] == "Pending" and d.status["attempt"] == 1 and d.status["restarts"] == 0
+
+
+def test_pod_template_volumes_reach_every_container():
+    run = run_of(podTemplate={
+        "volumes": [{"name": "shared", "persistentVolumeClaim": {"claimName": "tiny-shared"}}],
+        "volumeMounts": [{"name": "shared", "mountPath": "/checkpoints"}],
+    })
+    pods = render.render_pods(run, OWNER, attempt=0)
+    assert len(pods) == 1 + run.spec.trainer.replicas
+    for pod in pods:
+        assert {"name": "shared", "persistentVolumeClaim": {"claimName": "tiny-shared"}} in pod["spec"]["volumes"]
+        mounts = pod["spec"]["containers"][0]["volumeMounts"]
+        assert {"name": "shared", "mountPath": "/checkpoints"} in mounts
+        assert any(m["name"] == "config" for m in mounts)  # the run's own config mount stays

@@ -363,7 +363,18 @@ class Toleration(ApiModel):
 
 
 class PodTemplateOverrides(ApiModel):
-    """Pod settings applied to every pod of the run."""
+    """Pod settings applied to every pod of the run (rollout and trainers)."""
+
+    CEL_RULES = (
+        Rule(
+            rule="(!has(self.volumes) || self.volumes.all(v, has(v.name))) && (!has(self.volumeMounts) ||"
+            " self.volumeMounts.all(m, has(m.name) && has(m.mountPath) && has(self.volumes)"
+            " && self.volumes.exists(v, has(v.name) && v.name == m.name)))",
+            message="every volume needs a name; every volumeMount needs name and mountPath, and names a volume "
+            "of podTemplate.volumes",
+            fieldPath=".volumeMounts",
+        ),
+    )
 
     node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector.")
     tolerations: list[Toleration] = Field(default_factory=list, description="Pod tolerations.")
@@ -372,6 +383,23 @@ class PodTemplateOverrides(ApiModel):
     service_account_name: str | None = Field(None, description="Pod serviceAccountName.")
     labels: dict[str, str] = Field(default_factory=dict, description="Extra pod labels.")
     annotations: dict[str, str] = Field(default_factory=dict, description="Extra pod annotations.")
+    volumes: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Pod volumes (core/v1 Volume), e.g. a ReadWriteMany claim for checkpoints or rollout data.",
+    )
+    volume_mounts: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Mounts (core/v1 VolumeMount) added to every container, e.g. at trainer.checkpoint.path.",
+    )
+
+    @model_validator(mode="after")
+    def _rules(self) -> PodTemplateOverrides:
+        names = {v.get("name") for v in self.volumes}
+        if None in names or not all(
+            m.get("name") in names and m.get("mountPath") for m in self.volume_mounts
+        ):
+            raise ValueError(self.CEL_RULES[0].message)
+        return self
 
 
 class GangScheduling(ApiModel):

@@ -271,7 +271,10 @@ def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, att
         "args": list(process.args),
         "env": [{"name": k, "value": v} for k, v in sorted(process.env.items())],
         "ports": ports,
-        "volumeMounts": [{"name": "config", "mountPath": CONFIG_MOUNT_PATH.rsplit("/", 1)[0], "readOnly": True}],
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_MOUNT_PATH.rsplit("/", 1)[0], "readOnly": True},
+            *t.volume_mounts,
+        ],
         "securityContext": _container_security(),
     }
     if resources:
@@ -281,7 +284,8 @@ def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, att
         "restartPolicy": "Never",  # restarts are the operator's: the whole group, with an attempt label
         "containers": [container],
         "volumes": [
-            {"name": "config", "configMap": {"name": names.config, "items": [{"key": "run.yaml", "path": "run.yaml"}]}}
+            {"name": "config", "configMap": {"name": names.config, "items": [{"key": "run.yaml", "path": "run.yaml"}]}},
+            *t.volumes,
         ],
     }
     if process.role == "trainer":
