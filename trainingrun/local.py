@@ -212,7 +212,9 @@ class Launcher:
 
     # -- one attempt
     def start_attempt(self, attempt: int, store_url: str, config: Path) -> ProcessGroup:
-        base = metrics_port_block(self.spec.metrics.port, 1 + self.spec.trainer.replicas)
+        # the rollout, then max(gpusPerReplica, 1) worker ports per trainer process (plan.build_plan)
+        t = self.spec.trainer
+        base = metrics_port_block(self.spec.metrics.port, 1 + t.replicas * max(t.gpus_per_replica, 1))
         raw = raw_metrics_path(self.out_dir, attempt)
         plan = build_plan(
             self.run,
@@ -233,13 +235,17 @@ class Launcher:
             "master_port": int(plan.trainers[0].env["MASTER_PORT"]) if plan.trainers else None,
             "processes": {
                 c.name: {"pid": c.proc.pid, "role": c.plan.role, "rank": c.plan.rank,
-                         "metrics_port": c.plan.metrics_port, "log": str(c.log)}
+                         "metrics_port": c.plan.metrics_port, "workers": c.plan.workers,
+                         "metrics_ports": list(c.plan.metrics_ports), "log": str(c.log)}
                 for c in group.children
             },
         })
-        ports = ", ".join(f"{c.name}={c.plan.metrics_port}" for c in group.children)
+        ports = ", ".join(
+            f"{c.name}={c.plan.metrics_port}" if c.plan.workers == 1
+            else f"{c.name}={c.plan.metrics_ports[0]}-{c.plan.metrics_ports[-1]}" for c in group.children)
+        workers = f" of {plan.trainers[0].workers} workers each" if plan.trainers and plan.trainers[0].workers > 1 else ""
         self.progress.event(f"attempt {attempt}: started {len(group.children)} processes "
-                            f"(1 rollout, {len(plan.trainers)} trainers); logs in {self.out_dir / 'logs'}; "
+                            f"(1 rollout, {len(plan.trainers)} trainers{workers}); logs in {self.out_dir / 'logs'}; "
                             f"metrics ports {ports}")
         return group
 

@@ -9,8 +9,21 @@ Every process reads its configuration from the environment:
   TRAININGRUN_CONFIG        path of the TrainingRun YAML (a ConfigMap mount in a cluster)
   TRAININGRUN_ATTEMPT       restart attempt (0, 1, ...)
   TRAININGRUN_METRICS_PORT  port of /metrics for this process
-  RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT  trainers only (contract)
+  RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT  trainers only (contract); see "Ranks" below
   TRAININGRUN_METRICS_JSONL rank 0 appends one JSON object per step here (local runs)
+
+Ranks. A trainer process of the plan (a pod) is a *node* of the torch.distributed job. Its `RANK` is the pod index
+(0 .. replicas-1, = the `trainingrun.dev/rank` label and the `trainer-<rank>` hostname) and its `WORLD_SIZE` the
+number of trainer pods (`spec.trainer.replicas`), i.e. torchrun's node rank / node count; `MASTER_ADDR:MASTER_PORT`
+is trainer pod 0. With `gpusPerReplica` G ≤ 1 a pod runs one rank, so these are also the process rank and world
+size. With G > 1, `trainingrun trainer` starts G worker processes per pod (`trainingrun.trainer.workers`) and gives
+each the process-level values torch.distributed reads: RANK = node_rank × G + local_rank, WORLD_SIZE = replicas × G
+(= `spec.trainer.world_size`), LOCAL_RANK, LOCAL_WORLD_SIZE = G, and keeps the pod's values as TRAININGRUN_NODE_RANK /
+TRAININGRUN_NUM_NODES. The pod keeps node-level values (rather than, say, RANK = first process rank) because they
+are what the pod knows and is labelled with, and because they stay correct however many processes the pod starts.
+
+Metrics ports: a trainer pod's workers serve /metrics on TRAININGRUN_METRICS_PORT + local_rank
+(`ProcessPlan.metrics_ports`).
 """
 
 from __future__ import annotations
@@ -35,14 +48,20 @@ class ProcessPlan:
     """One process of the run (a pod in a cluster)."""
 
     role: Role
-    rank: int | None  # trainer rank (pod index); None for the rollout
+    rank: int | None  # trainer node rank (pod index); None for the rollout
     args: tuple[str, ...]  # arguments after the `trainingrun` executable
     env: dict[str, str]
     metrics_port: int
+    workers: int = 1  # processes this one runs (trainers: max(gpusPerReplica, 1)), each with its own metrics port
 
     @property
     def name(self) -> str:
         return self.role if self.rank is None else f"{self.role}-{self.rank}"
+
+    @property
+    def metrics_ports(self) -> tuple[int, ...]:
+        """/metrics ports of this process's workers: metrics_port + local_rank."""
+        return tuple(range(self.metrics_port, self.metrics_port + self.workers))
 
 
 @dataclass(frozen=True)
@@ -79,8 +98,10 @@ def build_plan(
 ) -> RunPlan:
     """The processes of one attempt of `run`.
 
-    `distinct_ports`: give each process its own metrics port (port, port+1, ...), as processes on one machine need;
-    pods each have their own network namespace and all use `spec.metrics.port`.
+    `distinct_ports`: give every process its own metrics ports, as processes on one machine need: the rollout
+    `port`, trainer r (with G = max(gpusPerReplica, 1) workers) `port + 1 + r·G` .. `port + r·G + G`, so a run uses
+    `1 + replicas·G` consecutive ports. Pods each have their own network namespace and all use `spec.metrics.port`
+    (+ local_rank for a pod's workers).
     """
     spec = run.spec
     name = run.metadata.name
@@ -93,6 +114,7 @@ def build_plan(
         **(extra_env or {}),
     }
     replicas = spec.trainer.replicas
+    nproc = max(spec.trainer.gpus_per_replica, 1)
     processes = [
         ProcessPlan(
             role="rollout",
@@ -103,7 +125,7 @@ def build_plan(
         )
     ]
     for rank in range(replicas):
-        port = base_port + 1 + rank if distinct_ports else base_port
+        port = base_port + 1 + rank * nproc if distinct_ports else base_port
         processes.append(
             ProcessPlan(
                 role="trainer",
@@ -118,6 +140,7 @@ def build_plan(
                     "TRAININGRUN_METRICS_PORT": str(port),
                 },
                 metrics_port=port,
+                workers=nproc,
             )
         )
     return RunPlan(

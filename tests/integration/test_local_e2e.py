@@ -286,3 +286,54 @@ def test_config_error_from_trainer_is_not_restarted(spec_dir):
     assert "trainer-" in log and "pipelineParallelSize" in log
     summary = json.loads((out / "summary.json").read_text())
     assert summary["restarts"] == 0 and len(summary["attempts"]) == 1
+
+
+def _processes_in(directory: Path) -> list[int]:
+    """Pids of live processes whose cwd is `directory` (every child of a local run, and their workers, run there)."""
+    found = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if Path(os.readlink(p / "cwd")) == directory.resolve():
+                    state = (p / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                    if state != "Z":
+                        found.append(int(p.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_workers_per_pod_match_pods(spec_dir, ref2):
+    """replicas=1 × gpusPerReplica=2 (one trainer process supervising 2 CPU workers) trains the same run as
+    replicas=2 × gpusPerReplica=0 (two trainer processes): same data-parallel size, schedule, LR and loss."""
+    spec = write_spec(spec_dir / "g2.yaml", metrics_port=metrics_port_block(free_port(), 3), replicas=1,
+                      gpusPerReplica=2)
+    out = spec_dir / "g2"
+    code, log = finish(start(spec, out))
+    assert code == 0, log[-4000:]
+    recs = records(out)
+    assert_same_run(recs, ref2["records"], rel=1e-4)
+    assert {r["dp_size"] for r in recs} == {2}
+    pids = json.loads((out / "pids.json").read_text())["processes"]
+    assert sorted(pids) == ["rollout", "trainer-0"] and pids["trainer-0"]["workers"] == 2
+    assert len(set(pids["trainer-0"]["metrics_ports"]) | {pids["rollout"]["metrics_port"]}) == 3
+    trainer_log = (out / "logs" / "trainer-0.log").read_text()
+    assert "starting 2 workers: ranks 0..1 of 2" in trainer_log
+    assert "[trainer 1] done:" in trainer_log  # global rank 1 ran inside trainer pod 0
+    assert not _processes_in(out), "processes left behind"
+
+
+def test_config_error_in_workers_is_78_without_orphans(spec_dir):
+    # valid spec (world 1×2 divisible by tp×pp 2); the workers refuse pipeline parallelism with exit 78, which the
+    # pod's supervisor passes on unchanged, so the launcher fails the run without a restart
+    spec = write_spec(spec_dir / "g2pp2.yaml", metrics_port=metrics_port_block(free_port(), 3), replicas=1,
+                      gpusPerReplica=2, pipelineParallelSize=2)
+    out = spec_dir / "g2pp2"
+    code, log = finish(start(spec, out))
+    assert code == 78, log[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["restarts"] == 0 and summary["attempts"][0]["exit_codes"]["trainer-0"] == 78
+    trainer_log = (out / "logs" / "trainer-0.log").read_text()
+    assert "starting 2 workers" in trainer_log and "failed with exit 78" in trainer_log
+    assert "[trainer 1] configuration error" in trainer_log or "[trainer 0] configuration error" in trainer_log
+    assert not _processes_in(out), "processes left behind"

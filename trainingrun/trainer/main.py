@@ -1,8 +1,13 @@
-"""`trainingrun trainer`: one trainer rank (a pod in a cluster, a process locally).
+"""`trainingrun trainer`: the trainer ranks of one trainer pod (a process locally).
 
 Reads everything from the environment (see `trainingrun.plan`): RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
 TRAININGRUN_CONFIG, TRAININGRUN_STORE_URL, TRAININGRUN_RUN, TRAININGRUN_ATTEMPT, TRAININGRUN_METRICS_PORT,
 TRAININGRUN_METRICS_JSONL (rank 0 appends one JSON object per step there).
+
+With `spec.trainer.gpusPerReplica` = G ≤ 1 this process is the pod's one rank (RANK/WORLD_SIZE as given). With G > 1
+the pod's RANK/WORLD_SIZE are the node rank / node count, and this process supervises G worker processes with
+process-level RANK = node_rank × G + local_rank, WORLD_SIZE = nodes × G, LOCAL_RANK (`trainer/workers.py`); a process
+with LOCAL_RANK set is a worker and trains.
 
 Loop, top to bottom: resume from the newest complete checkpoint → for rollout k = progress.rollout, ...: wait for
 its commit (stop when the stream finished) → read the schedule and this rank's payload → for each step not yet
@@ -57,10 +62,54 @@ def _env_int(name: str, default: int | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", "0") or 0)
     try:
+        nproc = _workers_per_node(args)
+        if nproc > 1:
+            return _supervise(args, nproc)
         return _train(args)
     except ConfigError as exc:
         _log(rank, f"configuration error: {exc}")
         return EXIT_CONFIG_ERROR
+
+
+def _config_path(args: argparse.Namespace) -> str:
+    path = args.config or os.environ.get("TRAININGRUN_CONFIG")
+    if not path:
+        raise ConfigError("TRAININGRUN_CONFIG: not set (path of the TrainingRun YAML)")
+    return path
+
+
+def _workers_per_node(args: argparse.Namespace) -> int:
+    """How many worker processes this process must start: G = spec.trainer.gpusPerReplica when G > 1 and this is
+    not already a worker (see trainer/workers.py); else 1 (train in this process)."""
+    from trainingrun.trainer.workers import is_worker
+
+    if is_worker():
+        return 1
+    from trainingrun.api import load_trainingrun
+
+    try:
+        tr = load_trainingrun(_config_path(args))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return max(tr.spec.trainer.gpus_per_replica, 1)
+
+
+def _supervise(args: argparse.Namespace, nproc: int) -> int:
+    """Node-level RANK/WORLD_SIZE (pod index / pod count) → `nproc` workers with process-level ranks."""
+    from trainingrun.trainer.workers import Supervisor, worker_command
+
+    node_rank = _env_int("RANK", 0)
+    num_nodes = _env_int("WORLD_SIZE", 1)
+    if not 0 <= node_rank < num_nodes:
+        raise ConfigError(f"RANK: {node_rank} is not a trainer pod index below WORLD_SIZE {num_nodes}")
+    argv: list[str] = []
+    if args.config:
+        argv += ["--config", args.config]
+    if args.store:
+        argv += ["--store", args.store]
+    if args.wait_timeout is not None:
+        argv += ["--wait-timeout", repr(args.wait_timeout)]
+    return Supervisor(worker_command(argv), nproc=nproc, node_rank=node_rank, num_nodes=num_nodes).run()
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -73,10 +122,8 @@ def _train(args: argparse.Namespace) -> int:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     attempt = _env_int("TRAININGRUN_ATTEMPT", 0)
-    config_path = args.config or os.environ.get("TRAININGRUN_CONFIG")
+    config_path = _config_path(args)
     store_url = args.store or os.environ.get("TRAININGRUN_STORE_URL")
-    if not config_path:
-        raise ConfigError("TRAININGRUN_CONFIG: not set (path of the TrainingRun YAML)")
     if not store_url:
         raise ConfigError("TRAININGRUN_STORE_URL: not set (file:///path or redis://host:port/db)")
     try:
@@ -102,7 +149,10 @@ def _train(args: argparse.Namespace) -> int:
         build_gpt, build_optimizer, init_distributed, optim_settings, prepare_device, set_seed, wrap_ddp,
     )
 
-    device = prepare_device(ts.gpus_per_replica)
+    try:
+        device = prepare_device(ts.gpus_per_replica)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     _log(rank, f"run {run_name} attempt {attempt}: world {world}, device {device}, store {store_url}")
     init_distributed(device, tp=ts.tensor_parallel_size, pp=1)
 

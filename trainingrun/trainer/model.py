@@ -14,9 +14,17 @@ import torch
 
 
 def prepare_device(gpus: int) -> torch.device:
-    """CUDA when the spec asks for GPUs and one is visible (NCCL), else CPU (gloo + the compat shim)."""
+    """CUDA when the spec asks for GPUs and one is visible (NCCL), else CPU (gloo + the compat shim).
+
+    Worker LOCAL_RANK uses GPU LOCAL_RANK; ValueError when this node has more workers (LOCAL_WORLD_SIZE) than visible
+    GPUs (NCCL refuses two ranks on one device)."""
     if gpus > 0 and torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        visible = torch.cuda.device_count()
+        nproc = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        if nproc > visible:
+            raise ValueError(f"trainer.gpusPerReplica: {nproc} workers per pod but only {visible} CUDA device(s) "
+                             "visible; allowed: at most the visible devices (or run without CUDA on the CPU)")
+        local = int(os.environ.get("LOCAL_RANK", "0")) % visible
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     from trainingrun.trainer import cpu_compat
