@@ -38,7 +38,7 @@ def test_rules_pass_promtool_check(tmp_path):
 def test_promtool_check_catches_a_broken_rule(tmp_path):
     path, _ = rules_file(tmp_path)
     doc = yaml.safe_load(path.read_text())
-    doc["groups"][0]["rules"][0]["expr"] = "sum(trainingrun_operator_runs{phase=Failed})"
+    doc["groups"][0]["rules"][0]["expr"] = "max by (namespace, run) (trainingrun_operator_run_phase{phase=Failed})"
     path.write_text(yaml.safe_dump(doc))
     assert promtool("check", "rules", str(path)).returncode != 0
 
@@ -50,24 +50,44 @@ def _run_unit_tests(tmp_path, rules, tests: list[dict]) -> subprocess.CompletedP
     return promtool("test", "rules", str(test_file))
 
 
+def _failed_alert(ns: str, run: str) -> dict:
+    return {
+        "exp_labels": {"severity": "warning", "namespace": ns, "run": run},
+        "exp_annotations": {
+            "summary": f"TrainingRun {ns}/{run} failed",
+            "description": f"TrainingRun {ns}/{run} is in phase Failed; see its status.message and events: "
+                           f"`kubectl describe trainingrun -n {ns} {run}`.",
+        },
+    }
+
+
+PHASE = "trainingrun_operator_run_phase"
 FAILED = {
     "interval": "1m",
     "input_series": [
-        {"series": 'trainingrun_operator_runs{phase="Failed", job="operator"}', "values": "0 0 1 1 1 1 0"},
-        {"series": 'trainingrun_operator_runs{phase="Running", job="operator"}', "values": "2 2 2 2 2 2 2"},
+        # research/a: Running, Failed from minute 2, deleted at minute 6 (the operator removes its series)
+        {"series": f'{PHASE}{{namespace="research", run="a", phase="Running", job="operator", pod="op-1"}}',
+         "values": "1 1 0 0 0 0 stale"},
+        {"series": f'{PHASE}{{namespace="research", run="a", phase="Failed", job="operator", pod="op-1"}}',
+         "values": "0 0 1 1 1 1 stale"},
+        # research/b: Running throughout
+        {"series": f'{PHASE}{{namespace="research", run="b", phase="Running", job="operator", pod="op-1"}}',
+         "values": "1x10"},
+        {"series": f'{PHASE}{{namespace="research", run="b", phase="Failed", job="operator", pod="op-1"}}',
+         "values": "0x10"},
+        # prod/c: Failed from minute 3; the operator pod is replaced at minute 5 (same run, new pod label)
+        {"series": f'{PHASE}{{namespace="prod", run="c", phase="Failed", job="operator", pod="op-1"}}',
+         "values": "0 0 0 1 1 stale"},
+        {"series": f'{PHASE}{{namespace="prod", run="c", phase="Failed", job="operator", pod="op-2"}}',
+         "values": "_x5 1x5"},
     ],
     "alert_rule_test": [
         {"eval_time": "1m", "alertname": "TrainingRunFailed", "exp_alerts": []},
-        {"eval_time": "2m", "alertname": "TrainingRunFailed", "exp_alerts": []},  # pending (for: 1m)
-        {"eval_time": "4m", "alertname": "TrainingRunFailed", "exp_alerts": [{
-            "exp_labels": {"severity": "warning"},
-            "exp_annotations": {
-                "summary": "A TrainingRun failed",
-                "description": "1 TrainingRun(s) are in phase Failed; see `kubectl get trainingruns -A` and the "
-                               "run's status.message.",
-            },
-        }]},
-        {"eval_time": "6m", "alertname": "TrainingRunFailed", "exp_alerts": []},  # the failed run was deleted
+        {"eval_time": "2m", "alertname": "TrainingRunFailed", "exp_alerts": []},  # research/a pending (for: 1m)
+        {"eval_time": "4m", "alertname": "TrainingRunFailed",
+         "exp_alerts": [_failed_alert("research", "a"), _failed_alert("prod", "c")]},
+        # research/a was deleted; prod/c is one alert across the operator pods
+        {"eval_time": "7m", "alertname": "TrainingRunFailed", "exp_alerts": [_failed_alert("prod", "c")]},
     ],
 }
 
@@ -99,22 +119,44 @@ NO_PROGRESS = {
     ],
 }
 
+def _restarts_alert(ns: str, run: str, n: int, threshold: int = 2) -> dict:
+    return {
+        "exp_labels": {"severity": "warning", "namespace": ns, "run": run},
+        "exp_annotations": {
+            "summary": f"TrainingRun {ns}/{run} restarts repeatedly",
+            "description": f"TrainingRun {ns}/{run} restarted its group {n} times within 1h (threshold {threshold}); "
+                           "see its events and pod logs.",
+        },
+    }
+
+
+RUN_RESTARTS = "trainingrun_operator_run_restarts"
 RESTARTS = {
     "interval": "1m",
     "input_series": [
-        # restarts at minutes 11, 22 and 33, then none
-        {"series": 'trainingrun_operator_restarts_total{job="operator"}', "values": "0x10 1x10 2x10 3x80"},
+        # research/a: restarts at minutes 11, 22 and 33, then none; the operator pod is replaced at minute 26
+        {"series": f'{RUN_RESTARTS}{{namespace="research", run="a", job="operator", pod="op-1"}}',
+         "values": "0x10 1x10 2x3 stale"},
+        {"series": f'{RUN_RESTARTS}{{namespace="research", run="a", job="operator", pod="op-2"}}',
+         "values": "_x26 2x6 3x90"},
+        # prod/b: created at minute 50, crash-loops: 3 restarts in its first 3 minutes (younger than the window)
+        {"series": f'{RUN_RESTARTS}{{namespace="prod", run="b", job="operator", pod="op-2"}}',
+         "values": "_x50 0 1 2 3x70"},
+        # research/c: 5 restarts, deleted at minute 21, re-created under the same name at minute 26, 1 restart since
+        {"series": f'{RUN_RESTARTS}{{namespace="research", run="c", job="operator", pod="op-1"}}',
+         "values": "0 1 2 3 4 5x15 stale _x4 0x5 1x95"},
     ],
     "alert_rule_test": [
-        {"eval_time": "30m", "alertname": "TrainingRunRestartsClimbing", "exp_alerts": []},  # 2 restarts (reads 2.0x)
-        {"eval_time": "35m", "alertname": "TrainingRunRestartsClimbing", "exp_alerts": [{
-            "exp_labels": {"severity": "warning"},
-            "exp_annotations": {
-                "summary": "TrainingRuns restart repeatedly",
-                "description": "3 group restarts within 1h (threshold 2).",
-            },
-        }]},
-        {"eval_time": "100m", "alertname": "TrainingRunRestartsClimbing", "exp_alerts": []},  # the last hour was quiet
+        {"eval_time": "30m", "alertname": "TrainingRunRestartsClimbing", "exp_alerts": []},  # a: 2 restarts
+        {"eval_time": "35m", "alertname": "TrainingRunRestartsClimbing",
+         "exp_alerts": [_restarts_alert("research", "a", 3)]},  # c: 1 restart of the new run, not 5
+        {"eval_time": "52m", "alertname": "TrainingRunRestartsClimbing",
+         "exp_alerts": [_restarts_alert("research", "a", 3)]},  # b: 2 restarts so far
+        {"eval_time": "54m", "alertname": "TrainingRunRestartsClimbing",
+         "exp_alerts": [_restarts_alert("research", "a", 3), _restarts_alert("prod", "b", 3)]},
+        {"eval_time": "100m", "alertname": "TrainingRunRestartsClimbing",  # a's last hour was quiet
+         "exp_alerts": [_restarts_alert("prod", "b", 3)]},
+        {"eval_time": "115m", "alertname": "TrainingRunRestartsClimbing", "exp_alerts": []},
     ],
 }
 
@@ -165,11 +207,6 @@ def test_restart_threshold_comes_from_values(tmp_path, threshold, fires_at_35m):
     rules, _ = rules_file(tmp_path, {"restartsThreshold": threshold})
     case = yaml.safe_load(yaml.safe_dump(RESTARTS))
     case["alert_rule_test"] = [case["alert_rule_test"][1]]
-    if not fires_at_35m:
-        case["alert_rule_test"][0]["exp_alerts"] = []
-    else:
-        case["alert_rule_test"][0]["exp_alerts"][0]["exp_annotations"]["description"] = (
-            f"3 group restarts within 1h (threshold {threshold})."
-        )
+    case["alert_rule_test"][0]["exp_alerts"] = [_restarts_alert("research", "a", 3, threshold)] if fires_at_35m else []
     proc = _run_unit_tests(tmp_path, rules, [case])
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -7,8 +7,9 @@ Acceptance (marked `megatron`, ~1-2 min): every panel query, evaluated by a real
   * run-level panels (all of "run detail", the "Runs" row of "overview") against a real local run
     (`trainingrun run`, a shortened examples/tiny.yaml: real rollout + 2 real Megatron-core trainers on CPU);
   * operator panels ("Operator" row of "overview") against the real operator (`trainingrun operator`, kopf)
-    reconciling a TrainingRun in the KMock API emulator of tests/kube.py — the operator's metrics come from a real
-    operator process, not from the local run, which has no operator.
+    reconciling a TrainingRun of the same name in the KMock API emulator of tests/kube.py — the operator's metrics
+    (including the per-run series filtered by $namespace/$run) come from a real operator process, not from the local
+    run, which has no operator.
 Queries are run as Grafana runs them, as range queries over the run's time span, with $namespace = All (.*),
 $run = the run's name and $__rate_interval = 4 × the 1 s scrape interval.
 """
@@ -55,6 +56,11 @@ def is_operator_panel(expr: str) -> bool:
     return "trainingrun_operator_" in expr
 
 
+# The operator's own health (no namespace/run labels); every other metric is per run and must follow the pickers.
+OPERATOR_WIDE = {"trainingrun_operator_reconcile_seconds", "trainingrun_operator_runs", "trainingrun_operator_restarts",
+                 "trainingrun_operator_errors"}
+
+
 def substitute(expr: str, run: str) -> str:
     return (expr.replace("$__rate_interval", RATE_INTERVAL).replace("$namespace", ".*").replace("$run", run))
 
@@ -99,9 +105,8 @@ def test_every_query_uses_known_metrics_and_the_variables(name):
         assert series, f"{title}: no trainingrun metric in {expr}"
         for s in series:
             assert base_metric(s) in ALL_METRICS, f"{title}: {s} is not in trainingrun.metrics.names"
-        if not is_operator_panel(expr):
-            # run-level panels follow the namespace and run pickers
-            for s in series:
+        for s in series:
+            if base_metric(s) not in OPERATOR_WIDE:  # run-level series follow the namespace and run pickers
                 assert re.search(rf'{s}\{{[^}}]*namespace=~"\$namespace", run=~"\$run"', expr), f"{title}: {expr}"
         assert "[5m]" not in expr and ("rate(" not in expr or "[$__rate_interval]" in expr), expr
 
@@ -119,9 +124,12 @@ def test_run_dashboard_covers_the_issue_panels():
         assert metric in exprs, metric
     assert "sum by (rank) (rate(trainingrun_trainer_rank_tokens_total" in exprs  # per-rank throughput
     overview = " ".join(e for _, e in targets(dashboards()["overview.json"]))
-    for metric in ("trainingrun_operator_runs", "trainingrun_operator_restarts_total",
-                   "trainingrun_operator_reconcile_seconds_bucket", "trainingrun_operator_errors_total"):
+    for metric in ("trainingrun_operator_reconcile_seconds_bucket", "trainingrun_operator_errors_total"):
         assert metric in overview, metric
+    sel = r'\{namespace=~"\$namespace", run=~"\$run"\}'
+    assert re.search(rf"sum by \(phase\) \(max by \(namespace, run, phase\) \(trainingrun_operator_run_phase{sel}\)\)",
+                     overview), "runs by phase from the per-run gauge, filtered by namespace and run"
+    assert re.search(rf"max by \(namespace, run\) \(trainingrun_operator_run_restarts{sel}\)", overview)
 
 
 # --------------------------------------------------------------------------------------------------- acceptance
@@ -148,6 +156,18 @@ def check_panels(url: str, exprs: list[tuple[str, str]], start: float, end: floa
             missing.append(f"{title}: {promql}")
     assert not missing, "panels without data:\n  " + "\n  ".join(missing)
     return points
+
+
+def variable_values(url: str, definition: str, start: float, end: float) -> list[str]:
+    """Values of a `label_values(selector, label)` template variable, as Grafana asks Prometheus for them."""
+    m = re.fullmatch(r"label_values\((.*), (\w+)\)", definition)
+    assert m, definition
+    q = urllib.parse.urlencode({"match[]": substitute(m.group(1), RUN_NAME), "start": f"{start:.3f}",
+                                "end": f"{end:.3f}"})
+    with urllib.request.urlopen(f"{url}/api/v1/label/{m.group(2)}/values?{q}", timeout=10) as r:
+        body = json.load(r)
+    assert body["status"] == "success", f"{definition}: {body}"
+    return body["data"]
 
 
 @pytest.mark.megatron
@@ -177,10 +197,10 @@ def test_every_panel_returns_data_from_a_real_run_and_operator(tmp_path):
             t0 = time.time()
             # the operator reconciles a TrainingRun in the emulator; its pods are reported Running like a kubelet would
             k8s_run = copy.deepcopy(doc)
-            k8s_run["metadata"] = {"name": "ops"}
+            k8s_run["metadata"] = {"name": RUN_NAME}  # the same name: the per-run operator panels filter by $run
             cluster.create(cluster.tr_path(), k8s_run)
-            wait_for(lambda: len(cluster.pods("ops", role="trainer")) == 2, 30, "the operator's trainer pods")
-            for pod in cluster.pods("ops"):  # rollout, trainers and the managed store
+            wait_for(lambda: len(cluster.pods(RUN_NAME, role="trainer")) == 2, 30, "the operator's trainer pods")
+            for pod in cluster.pods(RUN_NAME):  # rollout, trainers and the managed store
                 cluster.set_pod(pod["metadata"]["name"], "Running")
             # meanwhile: a real local run, scraped by the same Prometheus
             print(f"local run {RUN_NAME}: {NUM_ROLLOUTS} rollouts, metrics ports {base}..{base + 2}", flush=True)
@@ -194,6 +214,11 @@ def test_every_panel_returns_data_from_a_real_run_and_operator(tmp_path):
             t1 = time.time()
             run_points = check_panels(prom.url, run_exprs, t0, t1)
             operator_points = check_panels(prom.url, operator_exprs, t0, t1)
+            # the pickers list the run and the operator's namespace of it (the local run has no namespace label)
+            for d in dashboards().values():
+                variables = {v["name"]: v for v in d["templating"]["list"]}
+                assert RUN_NAME in variable_values(prom.url, variables["run"]["definition"], t0, t1)
+                assert "default" in variable_values(prom.url, variables["namespace"]["definition"], t0, t1)
         finally:
             stop_process(operator)
     for title, n in {**run_points, **operator_points}.items():

@@ -228,3 +228,63 @@ def test_progress_from_real_redis_and_operator_restart(cluster, redis):
                for fam in text_string_to_metric_families(text) for s in fam.samples}
     assert samples[("trainingrun_operator_runs", (("phase", "Running"),))] >= 1
     assert samples[("trainingrun_operator_reconcile_seconds_count", (("handler", "reconcile"),))] > 0
+    # the run's progress as a per-run gauge (what the new operator process read from the store)
+    assert run_series(cluster, "zeta")["trainingrun_operator_run_step"] == {(): 8}
+
+
+PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
+
+
+def run_series(cluster: Cluster, run: str, ns: str = "default") -> dict[str, dict[tuple, float]]:
+    """The operator's per-run series of one run: {metric: {labels other than namespace/run: value}}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(cluster.metrics_url, timeout=5).read().decode()
+    out: dict[str, dict[tuple, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.labels.get("run") == run and s.labels.get("namespace") == ns:
+                rest = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("namespace", "run")))
+                out.setdefault(s.name, {})[rest] = s.value
+    return out
+
+
+def wait_run_series(cluster: Cluster, run: str, phase: str, restarts: int) -> dict[str, dict[tuple, float]]:
+    """Wait until the per-run series show `phase` (1, every other phase 0) and `restarts`."""
+    want = {("phase", p): float(p == phase) for p in PHASES}
+
+    def ready():
+        series = run_series(cluster, run)
+        phases = {k[0]: v for k, v in series.get("trainingrun_operator_run_phase", {}).items()}
+        ok = phases == want and series.get("trainingrun_operator_run_restarts") == {(): restarts}
+        return series if ok else None
+
+    return wait_for(ready, 15, f"per-run series of {run}: phase {phase}, restarts {restarts} "
+                               f"(now {run_series(cluster, run)})")
+
+
+def test_per_run_metrics_follow_phase_and_restarts_and_go_with_the_run(cluster):
+    make_run(cluster, "eta", failurePolicy={"maxRestarts": 1, "backoffSeconds": 0})
+    wait_phase(cluster, "eta", "Pending")
+    series = wait_run_series(cluster, "eta", "Pending", 0)
+    assert series["trainingrun_operator_run_step"] == {(): 0}  # status.step before any progress
+    run_all(cluster, "eta", 0)
+    wait_run_series(cluster, "eta", "Running", 0)
+    cluster.set_pod("eta-trainer-0-a0", "Failed", exit_code=1)
+    wait_group(cluster, "eta", 1)
+    assert status(cluster, "eta")["restarts"] == 1
+    run_all(cluster, "eta", 1)
+    wait_run_series(cluster, "eta", "Running", 1)
+    cluster.set_pod("eta-rollout-a1", "Failed", exit_code=2)
+    wait_phase(cluster, "eta", "Failed")
+    wait_run_series(cluster, "eta", "Failed", 1)
+    # the aggregate gauge still counts it
+    import urllib.request
+    text = urllib.request.urlopen(cluster.metrics_url, timeout=5).read().decode()
+    assert 'trainingrun_operator_runs{phase="Failed"}' in text
+
+    cluster.delete(cluster.tr_path("eta"))
+    wait_for(lambda: cluster.run("eta") is None, 15, "the run to be deleted")
+    wait_for(lambda: run_series(cluster, "eta") == {}, 10, f"no series of eta (now {run_series(cluster, 'eta')})")

@@ -56,6 +56,13 @@ OPERATOR = {
     "trainingrun_operator_runs": "TrainingRuns by phase (gauge), label phase.",
     "trainingrun_operator_restarts": "Group restarts performed (counter).",
     "trainingrun_operator_errors": "Handler errors (counter), label handler.",
+    # per run (kube-state-metrics style), labels namespace + run; removed when the run is deleted
+    "trainingrun_operator_run_phase": "1 for the run's current phase, 0 for the other phases (gauge), labels "
+                                      "namespace, run, phase.",
+    "trainingrun_operator_run_restarts": "The run's status.restarts: group restarts so far (gauge), labels "
+                                         "namespace, run.",
+    "trainingrun_operator_run_step": "The run's status.step: optimizer steps as the operator last read them from the "
+                                     "store, 0 before the first progress (gauge), labels namespace, run.",
 }
 
 # Common labels: run (TrainingRun name), rank (trainers), role.

@@ -180,7 +180,8 @@ async def reconcile(body: kopf.Body, index: kopf.Index) -> float | None:
         kopf.event(body, type=type_, reason=reason, message=message[:1000])
     if decision.restarted:
         metrics.RESTARTS.inc()
-    STATE.phases.set(uid, decision.status.get("phase"))
+    STATE.phases.set(uid, decision.status.get("phase"), namespace=ns, name=name,
+                     restarts=decision.status.get("restarts"), step=decision.status.get("step"))
     await act(decision, run, body)
     return decision.requeue_after
 

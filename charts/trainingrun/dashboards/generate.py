@@ -108,8 +108,10 @@ def layout(items: list[dict]) -> list[dict]:
 
 
 def variables(run_multi: bool) -> dict:
-    ns_query = "label_values(trainingrun_trainer_step, namespace)"
-    run_query = f'label_values(trainingrun_trainer_step{{{NS_SEL}}}, run)'
+    # Runs known to the trainers' metrics or to the operator (which also lists runs that never trained, e.g. Failed).
+    runs = '__name__=~"trainingrun_trainer_step|trainingrun_operator_run_phase"'
+    ns_query = f"label_values({{{runs}}}, namespace)"
+    run_query = f"label_values({{{runs}, {NS_SEL}}}, run)"
 
     def query_var(name: str, label: str, query: str, multi: bool) -> dict:
         return {
@@ -191,14 +193,16 @@ def dashboard(uid: str, title: str, description: str, items: list[dict], run_mul
 
 
 def overview() -> dict:
-    # The operator's metrics describe the operator (one per cluster or per release), not one run: they carry no
-    # namespace/run labels, so these panels are not filtered by $namespace / $run.
+    # Per-run operator series (labels namespace, run) follow $namespace / $run; `max by` drops the operator pod's
+    # labels (two series for a moment when the operator pod is replaced). Reconcile latency and errors describe the
+    # operator itself and are not filtered.
     items = [
         row("Operator"),
-        panel("Runs by phase", "TrainingRuns per phase, as the operator observes them.",
-              [("sum by (phase) (trainingrun_operator_runs)", "{{phase}}")], stack=True, decimals=0),
-        panel("Group restarts", "Whole-group restarts performed by the operator (increase over the rate interval).",
-              [(f"sum(increase({counter('trainingrun_operator_restarts')}[$__rate_interval]))", "restarts")],
+        panel("Runs by phase", "Selected TrainingRuns per phase, as the operator observes them.",
+              [(f"sum by (phase) (max by (namespace, run, phase) (trainingrun_operator_run_phase{{{RUN_SEL}}}))",
+                "{{phase}}")], stack=True, decimals=0),
+        panel("Group restarts", "Whole-group restarts of each selected run so far (status.restarts).",
+              [(f"max by (namespace, run) (trainingrun_operator_run_restarts{{{RUN_SEL}}})", "{{namespace}}/{{run}}")],
               decimals=0),
         panel("Reconcile latency", "Handler duration quantiles from the operator's histogram.",
               [(f"histogram_quantile({q}, sum by (le) (rate(trainingrun_operator_reconcile_seconds_bucket"
