@@ -44,6 +44,9 @@ def write_spec(path: Path, *, metrics_port: int, **trainer_overrides) -> Path:
     doc["spec"]["trainer"]["checkpoint"]["interval"] = CKPT_INTERVAL
     doc["spec"]["trainer"].update(trainer_overrides)
     doc["spec"]["metrics"]["port"] = metrics_port
+    # trainers keep serving their final values for 2 scrape intervals, so a scrape always sees both ranks at the
+    # last step (a fast run can otherwise end between two scrapes that each caught the ranks at different steps)
+    doc["spec"]["metrics"]["lingerSeconds"] = 2
     doc["spec"]["failurePolicy"] = {"maxRestarts": 2, "backoffSeconds": 0, "progressDeadlineSeconds": 120}
     path.write_text(yaml.safe_dump(doc))
     return path

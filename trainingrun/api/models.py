@@ -340,6 +340,10 @@ class MetricsSpec(ApiModel):
 
     enabled: bool = Field(True, description="Serve /metrics.")
     port: int = Field(9400, ge=1, le=65535, description="Port of /metrics (local runs use port, port+1, ...).")
+    linger_seconds: int = Field(
+        0, ge=0, le=3600,
+        description="Trainers keep serving /metrics this long after the last step, so a scrape sees the final values.",
+    )
 
 
 class FailurePolicy(ApiModel):

@@ -285,6 +285,9 @@ def _train(args: argparse.Namespace) -> int:
                                             "rollouts": progress.rollout, "attempt": attempt, "time": time.time()})
         _log(rank, f"done: {progress.global_step} steps, {progress.samples_consumed} samples, {progress.rollout} rollouts")
         barrier()
+        if spec.metrics.linger_seconds and exporter.server is not None:
+            _log(rank, f"serving final metrics for {spec.metrics.linger_seconds}s (metrics.lingerSeconds)")
+            time.sleep(spec.metrics.linger_seconds)
         return 0
     finally:
         exporter.close()
