@@ -155,3 +155,14 @@ def test_pod_template_volumes_reach_every_container():
         mounts = pod["spec"]["containers"][0]["volumeMounts"]
         assert {"name": "shared", "mountPath": "/checkpoints"} in mounts
         assert any(m["name"] == "config" for m in mounts)  # the run's own config mount stays
+
+
+def test_every_worker_of_a_multi_gpu_pod_declares_its_metrics_port():
+    run = run_of(trainer={**TINY["spec"]["trainer"], "replicas": 2, "gpusPerReplica": 4})
+    trainers = [p for p in render.render_pods(run, OWNER, attempt=0) if p["metadata"]["labels"][render.L_ROLE] == "trainer"]
+    base = run.spec.metrics.port
+    for pod in trainers:
+        container = pod["spec"]["containers"][0]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"] if p["name"].startswith("metrics")}
+        assert ports == {"metrics": base, "metrics-1": base + 1, "metrics-2": base + 2, "metrics-3": base + 3}
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 4

@@ -260,7 +260,10 @@ def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, att
     else:
         res = spec.rollout.resources
         resources = _resources(res.requests, res.limits, 0)
-    ports = [{"name": "metrics", "containerPort": process.metrics_port}]
+    # One /metrics port per worker (gpusPerReplica > 1 runs several): metrics, metrics-1, ... (the PodMonitor keeps
+    # every port whose name starts with "metrics").
+    ports = [{"name": "metrics" if i == 0 else f"metrics-{i}", "containerPort": port}
+             for i, port in enumerate(process.metrics_ports)]
     if process.role == "trainer" and process.rank == 0:
         ports.append({"name": "rendezvous", "containerPort": DEFAULT_MASTER_PORT})
     container: dict[str, Any] = {
