@@ -462,6 +462,26 @@ def test_pod_monitor_selects_the_operators_run_pods(include_rollout):
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": values["watchNamespaces"]}
 
 
+def test_pod_monitor_scrapes_every_worker_of_a_multi_gpu_trainer_pod():
+    """gpusPerReplica = 8: each of the 8 workers' metrics ports, as the operator declares them, is an endpoint."""
+    import copy
+
+    from trainingrun.api import parse_trainingrun
+    from trainingrun.operator import render
+
+    doc = yaml.safe_load((ROOT / "examples" / "gpu-8x.yaml").read_text())
+    doc = copy.deepcopy(doc)
+    doc["spec"]["trainer"].update(replicas=1, gpusPerReplica=8)
+    run = parse_trainingrun(doc)
+    pods = render.render_pods(run, render.Owner(name=run.metadata.name, namespace="ml", uid="u-1"), 0)
+    trainer = next(p for p in pods if p["metadata"]["labels"]["trainingrun.dev/role"] == "trainer")
+    declared = {p["name"] for p in trainer["spec"]["containers"][0]["ports"] if p["name"].startswith("metrics")}
+    assert len(declared) == 8
+    monitor = one(render_chart(all_features_values()), "PodMonitor")
+    scraped = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
+    assert declared <= scraped
+
+
 def test_dashboard_config_maps_carry_the_dashboards_for_the_sidecar():
     values = all_features_values()
     maps = of_kind(render_chart(values), "ConfigMap")
