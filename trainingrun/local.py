@@ -79,7 +79,7 @@ def load_effective_run(path: str, trainers: int | None):
     """The TrainingRun in `path` with `--trainers` applied, validated; ValueError with one line per bad field."""
     from pydantic import ValidationError
 
-    from trainingrun.api import load_trainingrun, parse_trainingrun
+    from trainingrun.api import describe_errors, load_trainingrun, parse_trainingrun
 
     run = load_trainingrun(path)  # ValueError naming file and fields
     if trainers is None:
@@ -89,11 +89,7 @@ def load_effective_run(path: str, trainers: int | None):
     try:
         return parse_trainingrun(doc)
     except ValidationError as exc:
-        lines = [f"{path}: invalid TrainingRun with --trainers {trainers}:"]
-        for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"])
-            lines.append(f"  {loc}: {err['msg']}")
-        raise ValueError("\n".join(lines)) from None
+        raise ValueError(describe_errors(exc, f"{path}: invalid TrainingRun with --trainers {trainers}:")) from None
 
 
 def spec_yaml(run) -> str:

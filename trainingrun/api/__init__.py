@@ -23,6 +23,7 @@ __all__ = [
     "TrainingRun",
     "TrainingRunSpec",
     "TrainingRunStatus",
+    "describe_errors",
     "load_trainingrun",
     "parse_trainingrun",
 ]
@@ -49,8 +50,15 @@ def load_trainingrun(path: str | Path) -> TrainingRun:
     try:
         return parse_trainingrun(runs[0])
     except ValidationError as exc:
-        lines = [f"{path}: invalid TrainingRun (run `trainingrun validate {path}` for details):"]
-        for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"])
-            lines.append(f"  {loc}: {err['msg']}")
-        raise ValueError("\n".join(lines)) from None
+        raise ValueError(
+            describe_errors(exc, f"{path}: invalid TrainingRun (run `trainingrun validate {path}` for details):")
+        ) from None
+
+
+def describe_errors(exc: Any, header: str) -> str:
+    """A pydantic ValidationError as `header` then one indented `field.path: message` line per error."""
+    lines = [header]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        lines.append(f"  {loc}: {err['msg']}")
+    return "\n".join(lines)
