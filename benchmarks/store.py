@@ -8,10 +8,10 @@ and, in the same run, the raw ceiling on the same bytes:
   file      plain write of each rank's bytes to a file (with fsync when the store fsyncs) / plain read back
   redis     plain SET / GET of each rank's bytes (redis-py, same server)
 MB/s counts the payload array bytes (the same for every row); the ratio is store / raw (target >= 0.5).
-Also: bytes a one-rank fetch reads (file: /proc/self/io rchar; redis: the server's total_net_output_bytes), against
+Also: bytes a one-rank fetch reads (file: /proc/self/io rchar + bytes memory-mapped; redis: the server's total_net_output_bytes), against
 that rank's payload and the whole rollout. Starts its own redis-server on a random 127.0.0.1 port and stops it.
 
-Usage: .venv/bin/python benchmarks/store.py [--samples 1024] [--max-len 16384] [--dp 8] [--repeat 3]
+Usage: .venv/bin/python benchmarks/store.py [--samples 1024] [--max-len 16384] [--dp 8] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=1024)
     ap.add_argument("--max-len", type=int, default=16384)
     ap.add_argument("--dp", type=int, default=8)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
 
     t0 = time.perf_counter()
@@ -125,9 +125,24 @@ def main() -> int:
             rows.append((name, "publish", best(pub, args.repeat), best(raw_write, args.repeat)))
             rows.append((name, "fetch", best(fetch, args.repeat), best(raw_read, args.repeat)))
             if fsync:
-                before = rchar()
-                store.read_payload(0, 3)
-                file_rank_bytes = rchar() - before
+                # bytes brought in: read() calls (rchar) plus the payload files memory-mapped by the file store
+                import trainingrun.store.file as file_store
+
+                mapped = []
+                original = file_store._map_or_read
+
+                def counting(f):
+                    buf = original(f)
+                    mapped.append(len(buf))
+                    return buf
+
+                file_store._map_or_read = counting
+                try:
+                    before = rchar()
+                    store.read_payload(0, 3)
+                    file_rank_bytes = rchar() - before + sum(mapped)
+                finally:
+                    file_store._map_or_read = original
         # ------------------------------------------------------------------ redis
         from tests.services import redis_server
 

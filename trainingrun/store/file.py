@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import secrets
 import shutil
@@ -250,14 +251,12 @@ class FileStore:
         path = self._require_committed(rollout) / _rank_file(rank)
         try:
             with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                buf = np.empty(size, dtype=np.uint8)  # not zero-filled, unlike bytearray: half the cost
-                got = f.readinto(buf)
+                buf = _map_or_read(f)
         except FileNotFoundError:
             raise StoreError(f"store {self.url}: rollout {rollout} has no payload for rank {rank} ({path})") from None
         except OSError as exc:
             raise self._error("read", path, exc) from exc
-        return decode_payload(memoryview(buf)[:got], where=f"store {self.url}: {path}")
+        return decode_payload(buf, where=f"store {self.url}: {path}")
 
     def ack(self, rollout: int, rank: int) -> None:
         check_rollout(rollout)
@@ -303,3 +302,20 @@ class FileStore:
 
     def __repr__(self) -> str:
         return f"FileStore({self.url!r})"
+
+
+def _map_or_read(f) -> memoryview:
+    """The whole file, read-only. Payload files are immutable once written (temp file + rename; deletion unlinks),
+    so they are memory-mapped with the pages populated up front: no copy out of the page cache, and the decoded
+    arrays are views of the mapping (it lives as long as they do). Falls back to one read where mmap cannot be used.
+    """
+    size = os.fstat(f.fileno()).st_size
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    if size and populate:
+        try:
+            return memoryview(mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ))
+        except (OSError, ValueError):
+            pass  # e.g. a filesystem without mmap support
+    buf = np.empty(size, dtype=np.uint8)  # not zero-filled, unlike bytearray
+    got = f.readinto(buf)
+    return memoryview(buf)[:got]
