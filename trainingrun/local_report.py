@@ -268,7 +268,7 @@ def summary_table(summary: dict[str, Any]) -> str:
         ("loss first -> final", f"{_fmt(summary['first_loss'])} -> {_fmt(summary['final_loss'])}"),
         ("restarts", summary["restarts"]),
         ("wall seconds", f"{summary['wall_seconds']:.1f}"),
-        ("tokens/s", _fmt(summary["tokens_per_second"]) if summary["tokens_per_second"] is not None else "?"),
+        ("tokens/s", f"{summary['tokens_per_second']:.0f}" if summary["tokens_per_second"] is not None else "?"),
     ]
     for name, code in summary["exit_codes"].items():
         rows.append((f"exit {name}", "?" if code is None else code))
