@@ -20,7 +20,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainingrun", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="trainingrun",
+        description="LLM post-training whose global batch size varies from step to step: run it locally, validate "
+        "TrainingRun manifests, inspect schedules, or run the Kubernetes operator and the pods' programs.",
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
