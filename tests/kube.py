@@ -10,7 +10,11 @@ rely on and KMock lacks (each piece asserted in tests/unit/test_kube_fidelity.py
   - deletion: finalizers → deletionTimestamp, removal when the last finalizer goes; garbage collection of objects
     whose ownerReferences point at a deleted uid (recursively);
   - `/api/v1/namespaces[/name]` paths; list responses with kind/apiVersion; equality label selectors on lists;
-    `/api/v1` discovery reporting groupVersion "v1";
+    `/api/v1` discovery reporting groupVersion "v1", subresources listed without short names or categories (else
+    kubectl warns that `tr` could also mean `trainingruns/status`);
+  - server-side printing: a GET with `Accept: ...;as=Table` (what `kubectl get` sends) of a CRD resource returns a
+    meta.k8s.io/v1 Table with the CRD's additionalPrinterColumns (simple JSON paths; `date` cells as ages), so the
+    real kubectl prints the columns users see;
   - a count of requests per client (User-Agent) for the benchmark.
 Not emulated: watch resourceVersion (kopf sees replays as ADDED: its handlers must be idempotent anyway), field
 selectors, PUT, server-side apply, admission/CRD schema validation (tested elsewhere with the CRD schema).
@@ -111,6 +115,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
     _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     clients: collections.Counter = attrs.field(factory=collections.Counter, init=False)
     watched: set = attrs.field(factory=set, init=False)
+    printer_columns: dict = attrs.field(factory=dict, init=False)  # (group, version, plural) -> CRD columns
 
     def _has_status(self, resource: Any) -> bool:
         return resource in self.resources and "status" in self.resources[resource].subresources
@@ -281,13 +286,87 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         for item in result["items"]:
             item.setdefault("kind", kind)
             item.setdefault("apiVersion", result["apiVersion"])
+        columns = self.printer_columns.get((res.group, res.version, res.plural))
+        if columns and _wants_table(request):
+            return _table(columns, result["items"], result["metadata"]["resourceVersion"])
+        return result
+
+    async def _serve_fetch(self, request: kmock.Request) -> Any:
+        result = await super()._serve_fetch(request)
+        res = request.resource
+        columns = self.printer_columns.get((res.group, res.version, res.plural))
+        if columns and _wants_table(request) and isinstance(result, dict):
+            return _table(columns, [result], result["metadata"]["resourceVersion"])
         return result
 
     async def _serve_version(self, request: kmock.Request) -> Any:
         result = await super()._serve_version(request)
         if request.resource is not None and request.resource.group == "":
             result["groupVersion"] = request.resource.version
+        for entry in result.get("resources", []):
+            if "/" in entry["name"]:  # a subresource: the real API server lists no short names/categories for it
+                entry.update(shortNames=[], categories=[], singularName="")
         return result
+
+
+def _wants_table(request: kmock.Request) -> bool:
+    return "as=Table" in request.headers.get("Accept", "")
+
+
+def _json_path(obj: Any, path: str) -> Any:
+    """A CRD printer column's simple JSON path (`.status.phase`, `.a[0].b`); None when absent."""
+    for part in path.strip(".").replace("[", ".[").split("."):
+        if not part:
+            continue
+        if part.startswith("[") and part.endswith("]") and part[1:-1].isdigit():
+            idx = int(part[1:-1])
+            obj = obj[idx] if isinstance(obj, list) and idx < len(obj) else None
+        else:
+            obj = obj.get(part) if isinstance(obj, dict) else None
+        if obj is None:
+            return None
+    return obj
+
+
+def _age(timestamp: str) -> str:
+    """Like the API server's human-readable durations (5s, 2m10s, 45m, 3h4m, 26h, 3d4h, 12d)."""
+    then = dt.datetime.strptime(timestamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
+    s = max(int((dt.datetime.now(dt.timezone.utc) - then).total_seconds()), 0)
+    m, h, d = s // 60, s // 3600, s // 86400
+    if s < 120:
+        return f"{s}s"
+    if m < 10:
+        return f"{m}m{s % 60}s" if s % 60 else f"{m}m"
+    if h < 3:
+        return f"{m}m"
+    if h < 8:
+        return f"{h}h{m % 60}m" if m % 60 else f"{h}h"
+    if h < 48:
+        return f"{h}h"
+    if d < 8:
+        return f"{d}d{h % 24}h" if h % 24 else f"{d}d"
+    return f"{d}d"
+
+
+def _table(columns: list[dict], items: list[dict], resource_version: str) -> dict:
+    """A meta.k8s.io/v1 Table the way the API server renders a custom resource (Name, then the printer columns)."""
+    defs = [{"name": "Name", "type": "string", "format": "name", "priority": 0,
+             "description": "Name must be unique within a namespace."}]
+    defs += [{"name": c["name"], "type": c["type"], "format": c.get("format", ""), "priority": c.get("priority", 0),
+              "description": c.get("description", "")} for c in columns]
+    rows = []
+    for item in items:
+        cells: list[Any] = [item["metadata"]["name"]]
+        for c in columns:
+            value = _json_path(item, c["jsonPath"])
+            if value is not None and c["type"] == "date":
+                value = _age(value)
+            elif value is not None and c["type"] == "string" and not isinstance(value, str):
+                value = json.dumps(value)
+            cells.append(value)
+        rows.append({"cells": cells, "object": item})
+    return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {"resourceVersion": resource_version},
+            "columnDefinitions": defs, "rows": rows}
 
 
 def register_resources(emulator: FidelityEmulator, crd_path: Path = CRD_PATH) -> dict[str, Any]:
@@ -296,7 +375,8 @@ def register_resources(emulator: FidelityEmulator, crd_path: Path = CRD_PATH) ->
     crd = yaml.safe_load(crd_path.read_text())
     spec = crd["spec"]
     for version in spec["versions"]:
-        emulator.resources[f"{spec['group']}/{version['name']}/{spec['names']['plural']}"] = kmock.ResourceInfo(
+        key = f"{spec['group']}/{version['name']}/{spec['names']['plural']}"
+        emulator.resources[key] = kmock.ResourceInfo(
             kind=spec["names"]["kind"],
             singular=spec["names"].get("singular"),
             namespaced=spec["scope"] == "Namespaced",
@@ -305,6 +385,9 @@ def register_resources(emulator: FidelityEmulator, crd_path: Path = CRD_PATH) ->
             verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
             subresources=set((version.get("subresources") or {}).keys()),
         )
+        if version.get("additionalPrinterColumns"):
+            emulator.printer_columns[(spec["group"], version["name"], spec["names"]["plural"])] = (
+                version["additionalPrinterColumns"])
     return crd
 
 

@@ -41,8 +41,8 @@ def make_run(cluster: Cluster, name: str, **spec_overrides) -> dict:
     return cluster.create(cluster.tr_path(), doc)
 
 
-def status(cluster: Cluster, name: str) -> dict:
-    return (cluster.run(name) or {}).get("status") or {}
+def status(cluster: Cluster, name: str, ns: str = "default") -> dict:
+    return (cluster.run(name, ns) or {}).get("status") or {}
 
 
 def wait_phase(cluster: Cluster, name: str, phase: str, timeout: float = 15) -> dict:
@@ -127,6 +127,55 @@ def test_create_renders_children_with_contract(cluster):
     wait_for(lambda: cluster.run("alpha") is None, 15, "the run to be deleted")
     assert cluster.pods("alpha") == []
     assert cluster.get("/api/v1/namespaces/default/configmaps/alpha-config") is None
+
+
+def test_gpu_example_pods_volumes_store_and_scheduling_message(cluster):
+    """examples/gpu-8x.yaml as shipped (namespace ml, managed store, 8 x 1 GPU, shared claim, GPU node placement)."""
+    doc = yaml.safe_load((ROOT / "examples" / "gpu-8x.yaml").read_text())
+    ns, name, tmpl = doc["metadata"]["namespace"], doc["metadata"]["name"], doc["spec"]["podTemplate"]
+    cluster.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+    cluster.create(cluster.tr_path(ns=ns), doc)
+    pods = wait_for(lambda: (lambda ps: ps if len(ps) == 10 else None)(cluster.pods(name, ns)), 15, "9 pods + store")
+    by_name = {p["metadata"]["name"]: p for p in pods}
+    store = by_name.pop(f"{name}-store")
+    svc = cluster.get(f"/api/v1/namespaces/{ns}/services/{name}-store")
+    assert svc["spec"]["selector"].items() <= store["metadata"]["labels"].items()
+    port = store["spec"]["containers"][0]["ports"][0]["containerPort"]
+    assert svc["spec"]["ports"][0]["targetPort"] == port
+    ranks = set()
+    for pod in by_name.values():
+        spec, c = pod["spec"], pod["spec"]["containers"][0]
+        role = pod["metadata"]["labels"]["trainingrun.dev/role"]
+        env = {e["name"]: e["value"] for e in c["env"]}
+        assert env["TRAININGRUN_STORE_URL"] == f"redis://{name}-store.{ns}.svc:{svc['spec']['ports'][0]['port']}/0"
+        assert env["TRAININGRUN_RUN"] == name
+        assert spec["nodeSelector"] == tmpl["nodeSelector"] and spec["tolerations"] == tmpl["tolerations"]
+        assert spec["priorityClassName"] == tmpl["priorityClassName"]
+        claims = {v["name"]: v for v in spec["volumes"]}
+        assert claims["shared"]["persistentVolumeClaim"]["claimName"] == "grpo-llama-1b-shared"
+        mounts = [m for m in c["volumeMounts"] if m["name"] == "shared"]
+        assert mounts == tmpl["volumeMounts"]
+        gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
+        if role == "trainer":
+            ranks.add(env["RANK"])
+            assert env["RANK"] == pod["metadata"]["labels"]["trainingrun.dev/rank"] and env["WORLD_SIZE"] == "8"
+            assert env["MASTER_ADDR"] == f"trainer-0.{name}-trainers.{ns}.svc"
+            assert gpus == 1 and c["resources"]["requests"]["nvidia.com/gpu"] == 1
+            assert c["resources"]["requests"]["memory"] == "64Gi" and c["resources"]["limits"]["memory"] == "96Gi"
+        else:
+            assert role == "rollout" and gpus is None
+    assert ranks == {str(r) for r in range(8)}
+    # a pod the scheduler cannot place: its reason reaches the run's message (kubectl get tr -o wide / describe)
+    trainer = f"{name}-trainer-5-a0"
+    cluster.patch(f"/api/v1/namespaces/{ns}/pods/{trainer}/status", {"status": {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+         "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]}})
+    wait_for(lambda: "Insufficient nvidia.com/gpu" in (status(cluster, name, ns).get("message") or ""), 10,
+             f"the scheduler's reason in the message (now {status(cluster, name, ns)})")
+    assert trainer in status(cluster, name, ns)["message"]
+    created = [e for e in cluster.events(name, ns) if e.get("reason") == "Created"]
+    assert created and created[0]["source"]["component"] == "trainingrun-operator"
+    cluster.delete(cluster.tr_path(name, ns))
 
 
 def test_failure_restarts_whole_group_then_fails_sticky(cluster):

