@@ -264,7 +264,8 @@ def run_rollout(
         compute_advantages(kept, t.loss_type)
         candidates = state.carried + kept
         step_groups, carry = split_into_steps(
-            candidates, policy=r.steps.policy, groups_per_step=r.steps.global_batch_size, dp_size=dp
+            candidates, policy=r.steps.policy, groups_per_step=r.steps.global_batch_size, dp_size=dp,
+            micro_batch_size=t.micro_batch_size, microbatch_multiple=t.microbatch_multiple,
         )
         carried_in = sum(len(g) for g in state.carried)
         new_state = RolloutState(
@@ -337,6 +338,29 @@ def run_rollout(
         leftover_groups=len(state.carried), leftover_samples=leftover_samples, totals=dict(state.totals),
         resumed=resumed,
     )
+
+
+def data_report(store: Store) -> dict[str, Any] | None:
+    """What happened to the run's data so far, from the rollout's stored state (None before the first rollout):
+    samples produced, dropped by each filter, published (trained), and the groups still carried — at the end of a
+    run these were never published: they did not fill a step (`leftover_groups`, `leftover_samples`)."""
+    stored = store.get_json(STATE_KEY)
+    if stored is None:
+        return None
+    carried = stored.get("carried", [])
+    totals = stored.get("totals", {})
+    return {
+        "finished": bool(stored.get("finished")),
+        "rollouts_published": int(stored.get("next_rollout", 0)),
+        "source_rollouts": int(stored.get("source_index", 0)),
+        "steps_published": int(stored.get("step_offset", 0)),
+        "samples_published": int(stored.get("samples_offset", 0)),
+        "samples_produced": int(totals.get("produced", 0)),
+        "samples_filtered": {"max_length": int(totals.get("max_length", 0)),
+                             "zero_variance": int(totals.get("zero_variance", 0))},
+        "leftover_groups": len(carried),
+        "leftover_samples": sum(len(g["offsets"]) - 1 for g in carried),
+    }
 
 
 def _wait_for_room(store: Store, k: int, max_pending: int, metrics, say, max_wait, poll_interval) -> None:

@@ -64,15 +64,30 @@ def compute_advantages(groups: list[Group], loss_type: str) -> None:
             g.advantages = ((r - r.mean()) / (r.std() + ADV_EPS)).astype(np.float32)
 
 
-def split_into_steps(groups: list[Group], *, policy: str, groups_per_step: int | None, dp_size: int) -> tuple[list[Group], list[Group]]:
+def split_into_steps(
+    groups: list[Group],
+    *,
+    policy: str,
+    groups_per_step: int | None,
+    dp_size: int,
+    micro_batch_size: int | None = None,
+    microbatch_multiple: int = 1,
+) -> tuple[list[Group], list[Group]]:
     """(groups that form this rollout's steps, groups carried into the next rollout), order kept.
 
     fixed: as many whole steps of `groups_per_step` groups as there are; the rest is carried. dynamic: all groups
-    form one step, or, when they hold fewer than `dp_size` samples (every rank needs one), all are carried.
-    A fixed step with fewer than dp_size samples is a ConfigError (globalBatchSize too small for the ranks).
+    form one step, or, when the scheduler could not plan that step, all are carried: fewer than `dp_size` samples
+    (every rank needs one) or, with static micro-batches (`micro_batch_size`), fewer samples than the aligned
+    micro-batch count (`trainingrun.schedule.step_fits`).
+    A fixed step the scheduler cannot plan is a ConfigError (globalBatchSize too small for the ranks/micro-batches).
     """
+    from trainingrun.schedule import step_fits
+
+    def fits(n: int) -> bool:
+        return step_fits(n, dp_size=dp_size, micro_batch_size=micro_batch_size, microbatch_multiple=microbatch_multiple)
+
     if policy == "dynamic":
-        if sum(len(g) for g in groups) < dp_size:
+        if not fits(sum(len(g) for g in groups)):
             return [], list(groups)
         return list(groups), []
     assert groups_per_step is not None
@@ -84,6 +99,14 @@ def split_into_steps(groups: list[Group], *, policy: str, groups_per_step: int |
             raise ConfigError(
                 f"rollout.steps.globalBatchSize: a step of {groups_per_step} groups holds only {n} samples, fewer "
                 f"than the {dp_size} data-parallel ranks; raise globalBatchSize or groupSize"
+            )
+        if not fits(n):
+            quantum = dp_size * microbatch_multiple
+            raise ConfigError(
+                f"rollout.steps.globalBatchSize: a step of {groups_per_step} groups holds only {n} samples, too few "
+                f"for trainer.microBatchSize {micro_batch_size}: its micro-batches per step, a multiple of "
+                f"{quantum} (data-parallel ranks {dp_size} × microbatchMultiple {microbatch_multiple}), would "
+                f"outnumber its samples; raise globalBatchSize, lower microBatchSize or use maxTokensPerGPU"
             )
     return used, list(groups[n_steps * groups_per_step :])
 

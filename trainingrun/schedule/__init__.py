@@ -5,7 +5,7 @@ over data-parallel ranks; ``schedule_stats`` measures the result. Contract invar
 """
 
 from .cost import COST_MODELS, FLOPS_LINEAR_COEFF, sample_costs
-from .dp_schedule import DPSchedule, build_dp_schedule, split_steps
+from .dp_schedule import DPSchedule, build_dp_schedule, split_steps, step_fits
 from .packing import lower_bound_microbatches
 from .stats import schedule_stats
 
@@ -18,4 +18,5 @@ __all__ = [
     "sample_costs",
     "schedule_stats",
     "split_steps",
+    "step_fits",
 ]

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from .cost import check_cost, sample_costs
-from .packing import plan_step
+from .packing import aligned, plan_step
 
 
 @dataclass(frozen=True)
@@ -251,6 +251,24 @@ def split_steps(n: int, group_ids: Any, global_batch_size: int | None) -> tuple[
 
 
 # ------------------------------------------------------------------------------------------------------------ build
+
+
+def step_fits(num_samples: int, *, dp_size: int, micro_batch_size: int | None = None, microbatch_multiple: int = 1) -> bool:
+    """Whether :func:`build_dp_schedule` can plan one step of ``num_samples`` samples (instead of raising).
+
+    Every rank needs a sample (``num_samples >= dp_size``). Static mode (``micro_batch_size``) also needs a sample in
+    each of its aligned micro-batches: ``ceil(n / micro_batch_size)`` rounded up to a multiple of
+    ``dp_size × microbatch_multiple`` must not exceed ``n``. Dynamic mode has no such limit (empty micro-batches).
+    The rollout asks this before it forms a step, so a step that cannot be planned is carried (or reported), never
+    published.
+    """
+    n = int(num_samples)
+    if n < dp_size:
+        return False
+    if micro_batch_size is None:
+        return True
+    return aligned(-(-n // micro_batch_size), dp_size * microbatch_multiple) <= n
+
 
 
 def build_dp_schedule(
