@@ -7,12 +7,21 @@ atomicity and retention: docs/store.md.
 
 from __future__ import annotations
 
-from trainingrun.store.base import PAYLOAD_FIELDS, CorruptPayload, RankPayload, Store, StoreError, StoreTimeout
+from trainingrun.store.base import (
+    PAYLOAD_FIELDS,
+    CorruptPayload,
+    RankPayload,
+    RolloutReleased,
+    Store,
+    StoreError,
+    StoreTimeout,
+)
 
 __all__ = [
     "PAYLOAD_FIELDS",
     "CorruptPayload",
     "RankPayload",
+    "RolloutReleased",
     "Store",
     "StoreError",
     "StoreTimeout",

@@ -47,6 +47,11 @@ class StoreTimeout(StoreError):
     """Waited longer than the timeout for a rollout or key."""
 
 
+class RolloutReleased(StoreError):
+    """A reader asked for a rollout that was already deleted (acked by every rank and covered by a checkpoint):
+    the store holds a run that is further along than this reader (e.g. a store reused by a fresh run)."""
+
+
 class CorruptPayload(StoreError):
     """Stored bytes do not decode as the expected wire format."""
 

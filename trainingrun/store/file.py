@@ -34,7 +34,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import numpy as np
 
-from trainingrun.store.base import RankPayload, StoreError
+from trainingrun.store.base import RankPayload, RolloutReleased, StoreError
 from trainingrun.store.common import check_key, check_publish, check_rollout, poll
 from trainingrun.store.wire import decode_json, decode_payload, encode_json, encode_payload_parts
 
@@ -226,7 +226,7 @@ class FileStore:
             if marker.exists():
                 return True
             if rollout < self._released():
-                raise StoreError(f"store {self.url}: rollout {rollout} was released (deleted) after every rank acked it")
+                raise RolloutReleased(f"store {self.url}: rollout {rollout} was released (deleted) after every rank acked it")
             done = self.finished()
             if done is not None and rollout >= done:
                 return False

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
-from trainingrun.store.base import RankPayload, StoreError
+from trainingrun.store.base import RankPayload, RolloutReleased, StoreError
 from trainingrun.store.common import backoff, check_key, check_publish, check_rollout, poll
 from trainingrun.store.wire import decode_json, decode_payload, encode_json, encode_payload_parts
 
@@ -209,7 +209,7 @@ class RedisStore:
             if exists:
                 return True
             if released is not None and rollout < int(released):
-                raise StoreError(f"store {self.url}: rollout {rollout} was released (deleted) after every rank acked it")
+                raise RolloutReleased(f"store {self.url}: rollout {rollout} was released (deleted) after every rank acked it")
             if finished is not None:
                 done = int(decode_json(finished, where=f"store {self.url}: key {self._k('finished')}")["num_rollouts"])
                 if rollout >= done:

@@ -224,7 +224,7 @@ def _train(args: argparse.Namespace) -> int:
     start_step = progress.step_in_rollout
     try:
         while True:
-            if not _wait(store, k, args.wait_timeout, rank):
+            if not _wait(store, k, args.wait_timeout, rank, ckpt_root):
                 break
             schedule = store.read_schedule(k)
             payload = store.read_payload(k, dp_rank)
@@ -300,15 +300,28 @@ def _train(args: argparse.Namespace) -> int:
                 pass
 
 
-def _wait(store, k: int, timeout: float | None, rank: int) -> bool:
-    """Wait for rollout k's commit with progress output; False when the stream finished before k."""
-    from trainingrun.store import StoreTimeout
+def _wait(store, k: int, timeout: float | None, rank: int, ckpt_root: Path | None = None) -> bool:
+    """Wait for rollout k's commit with progress output; False when the stream finished before k.
+
+    Rollout k already released (deleted after a checkpoint past it): the store belongs to a run that is further
+    along than our checkpoints (a store reused by a fresh run, or checkpoints removed). No restart can fix that, so
+    it is a ConfigError naming what to change, not a crash that the launcher/operator would retry.
+    """
+    from trainingrun.store import RolloutReleased, StoreTimeout
 
     waited = 0.0
     while True:
         chunk = 30.0 if timeout is None else max(min(30.0, timeout - waited), 0.1)
         try:
             return store.wait_rollout(k, timeout=chunk)
+        except RolloutReleased as exc:
+            where = f" in {ckpt_root.resolve()}" if ckpt_root is not None else ""
+            raise ConfigError(
+                f"store {store.url}: rollout {k}, where training resumes (checkpoint{where}: "
+                f"{'none' if k == 0 else f'rollout {k}'}), was already trained and deleted by an earlier run using "
+                f"this store ({exc}); give this run a fresh store (another redis db or ?prefix=NAME, or a new "
+                "store.url) or resume with the checkpoints of the run that used it"
+            ) from None
         except StoreTimeout:
             waited += chunk
             if timeout is not None and waited >= timeout:
