@@ -92,6 +92,18 @@ def load_effective_run(path: str, trainers: int | None):
         raise ValueError(describe_errors(exc, f"{path}: invalid TrainingRun with --trainers {trainers}:")) from None
 
 
+def resolve_input_paths(run, base: Path):
+    """`run` with a relative `rollout.source.jsonl.path` made absolute against `base` (the directory the user ran
+    `trainingrun run` in). Children run in the output directory, where a relative input path would not be found;
+    output paths (`trainer.checkpoint.path`) stay relative to the output directory on purpose."""
+    source = run.spec.rollout.source
+    if source.type != "jsonl" or source.jsonl is None or Path(source.jsonl.path).is_absolute():
+        return run
+    jsonl = source.jsonl.model_copy(update={"path": str((base / source.jsonl.path).resolve())})
+    rollout = run.spec.rollout.model_copy(update={"source": source.model_copy(update={"jsonl": jsonl})})
+    return run.model_copy(update={"spec": run.spec.model_copy(update={"rollout": rollout})})
+
+
 def spec_yaml(run) -> str:
     doc = run.model_dump(by_alias=True, exclude_none=True, mode="json", exclude={"status"})
     return yaml.safe_dump(doc, sort_keys=False)
@@ -301,6 +313,23 @@ class Launcher:
             time.sleep(min(POLL_SECONDS, max(0.0, end - time.monotonic())))
         return not self.signals.received
 
+    def data_report(self, store_url: str) -> dict[str, Any] | None:
+        """The rollout's account of the data (produced, filtered, trained, left over), or None if unreadable."""
+        from trainingrun.rollout.main import data_report
+        from trainingrun.store import StoreError, open_store
+
+        try:
+            store = open_store(store_url)
+        except (ValueError, StoreError):
+            return None
+        try:
+            return data_report(store)
+        except (StoreError, ValueError, KeyError, TypeError) as exc:
+            self.progress.event(f"warning: cannot read the rollout's data report from {store_url}: {exc}")
+            return None
+        finally:
+            store.close()
+
     def stop_group(self, group: ProcessGroup) -> None:
         grace = 0.0 if self.signals.count > 1 else self.grace
         group.stop(grace=grace)
@@ -355,8 +384,13 @@ class Launcher:
         status = {"succeeded": "succeeded", "interrupted": "interrupted"}.get(outcome.status, "failed")
         summary = summarize(records, status=status, restarts=restarts, wall_seconds=wall,
                             tokens_this_run=self.tokens_this_run, attempts=self.attempts, failure=failure,
-                            name=self.name, out_dir=self.out_dir)
+                            name=self.name, out_dir=self.out_dir, data=self.data_report(store_url))
         summary["first_attempt"] = first_attempt
+        data = summary.get("data") or {}
+        if data.get("finished") and data.get("leftover_samples"):
+            self.progress.event(
+                f"note: {data['leftover_groups']} group(s) / {data['leftover_samples']} sample(s) were left over at "
+                "the end: they did not fill a step and were not trained (summary.json: data)")
         write_json_atomic(self.out_dir / "summary.json", summary)
         code = {"succeeded": 0, "config_error": EXIT_CONFIG_ERROR, "failed": 1}.get(outcome.status)
         if outcome.status == "interrupted":
@@ -379,7 +413,7 @@ def already_succeeded(the_run, out_dir: Path) -> dict[str, Any] | None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        the_run = load_effective_run(args.file, args.trainers)
+        the_run = resolve_input_paths(load_effective_run(args.file, args.trainers), Path.cwd())
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -409,4 +443,7 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
-__all__ = ["Launcher", "add_arguments", "load_effective_run", "log_path", "metrics_port_block", "next_attempt", "run"]
+__all__ = [
+    "Launcher", "add_arguments", "load_effective_run", "log_path", "metrics_port_block", "next_attempt",
+    "resolve_input_paths", "run",
+]

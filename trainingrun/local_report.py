@@ -230,8 +230,10 @@ def summarize(
     failure: dict[str, Any] | None,
     name: str,
     out_dir: Path,
+    data: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The content of summary.json."""
+    """The content of summary.json. `data`: the rollout's account of the samples (`rollout.main.data_report`:
+    produced, filtered, published, and `leftover_groups`/`leftover_samples` that never filled a step)."""
     gbs = [r.get("global_batch_size") for r in records if isinstance(r.get("global_batch_size"), (int, float))]
     last = records[-1] if records else {}
     return {
@@ -253,6 +255,7 @@ def summarize(
         "attempts": attempts,
         "exit_codes": attempts[-1]["exit_codes"] if attempts else {},
         "failure": failure,
+        "data": data,
     }
 
 
@@ -266,6 +269,7 @@ def summary_table(summary: dict[str, Any]) -> str:
         ("samples consumed", summary["samples_consumed"]),
         ("global batch size", f"{summary['global_batch_size_min']} .. {summary['global_batch_size_max']}"),
         ("loss first -> final", f"{_fmt(summary['first_loss'])} -> {_fmt(summary['final_loss'])}"),
+        *_data_rows(summary.get("data")),
         ("restarts", summary["restarts"]),
         ("wall seconds", f"{summary['wall_seconds']:.1f}"),
         ("tokens/s", f"{summary['tokens_per_second']:.0f}" if summary["tokens_per_second"] is not None else "?"),
@@ -276,3 +280,16 @@ def summary_table(summary: dict[str, Any]) -> str:
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 30)
     return "\n".join([line, *(f"{k:<{width}}  {v}" for k, v in rows), line])
+
+
+def _data_rows(data: dict[str, Any] | None) -> list[tuple[str, Any]]:
+    """Summary-table rows for the rollout's data report: what was produced, filtered, and left untrained."""
+    if not data:
+        return []
+    f = data.get("samples_filtered", {})
+    rows = [("samples produced", f"{data['samples_produced']} (filtered: max_length {f.get('max_length', 0)}, "
+                                 f"zero_variance {f.get('zero_variance', 0)})")]
+    if data.get("finished") and data.get("leftover_samples"):
+        rows.append(("left over, not trained", f"{data['leftover_samples']} samples in {data['leftover_groups']} "
+                                                f"group(s) (did not fill a step)"))
+    return rows

@@ -199,7 +199,8 @@ def load_jsonl(path: str | Path, *, vocab_size: int) -> JsonlData:
     try:
         fh = open(path, encoding="utf-8")
     except OSError as exc:
-        raise ConfigError(f"rollout.source.jsonl.path: cannot open {path}: {exc.strerror or exc}") from None
+        where = "" if path.is_absolute() else f" (relative to the working directory {Path.cwd()})"
+        raise ConfigError(f"rollout.source.jsonl.path: cannot open {path}{where}: {exc.strerror or exc}") from None
     with fh:
         for lineno, line in enumerate(fh, start=1):
             if len(errors) >= MAX_REPORTED_ERRORS:
