@@ -15,7 +15,9 @@ rely on and KMock lacks (each piece asserted in tests/unit/test_kube_fidelity.py
   - server-side printing: a GET with `Accept: ...;as=Table` (what `kubectl get` sends) of a CRD resource returns a
     meta.k8s.io/v1 Table with the CRD's additionalPrinterColumns (simple JSON paths; `date` cells as ages), so the
     real kubectl prints the columns users see;
-  - a count of requests per client (User-Agent) for the benchmark.
+  - a count of requests per client (User-Agent) for the benchmark;
+  - `deny_create[(plural, namespace)]`: creates refused with a given status and message, the way an admission plugin
+    (ResourceQuota, Priority) refuses them.
 Not emulated: watch resourceVersion (kopf sees replays as ADDED: its handlers must be idempotent anyway), field
 selectors, PUT, server-side apply, admission/CRD schema validation (tested elsewhere with the CRD schema).
 
@@ -116,6 +118,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
     clients: collections.Counter = attrs.field(factory=collections.Counter, init=False)
     watched: set = attrs.field(factory=set, init=False)
     printer_columns: dict = attrs.field(factory=dict, init=False)  # (group, version, plural) -> CRD columns
+    # (plural, namespace) -> (HTTP status, reason, message): creates refused as an admission plugin would (quota, ...)
+    deny_create: dict = attrs.field(factory=dict, init=False)
 
     def _has_status(self, resource: Any) -> bool:
         return resource in self.resources and "status" in self.resources[resource].subresources
@@ -157,6 +161,9 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         if req.action == enums.action.CREATE:
             if req.subresource:
                 return []
+            denied = self.deny_create.get((res.plural, req.namespace))
+            if denied is not None:
+                raise kmock.KubernetesError(*denied)
             return self._create(req)
         key = (res, req.namespace, req.name)
         if key not in self._objects or self._objects[key].deleted:

@@ -178,6 +178,34 @@ def test_gpu_example_pods_volumes_store_and_scheduling_message(cluster):
     cluster.delete(cluster.tr_path(name, ns))
 
 
+def test_refused_pod_creation_is_reported_then_retried(cluster):
+    """An admission refusal (here: ResourceQuota) shows as a Warning event and in the message; pods come once lifted."""
+    ns = "quota"
+    cluster.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+    refusal = ('pods "q-trainer-0-a0" is forbidden: exceeded quota: gpus, requested: nvidia.com/gpu=1, '
+               'used: nvidia.com/gpu=8, limited: nvidia.com/gpu=8')
+    assert cluster.emulator is not None
+    cluster.emulator.deny_create[("pods", ns)] = (403, "Forbidden", refusal)
+    doc = copy.deepcopy(TINY)
+    doc["metadata"] = {"name": "q", "namespace": ns}
+    cluster.create(cluster.tr_path(ns=ns), doc)
+    events = wait_for(lambda: [e for e in cluster.events("q", ns) if e.get("reason") == "FailedCreate"] or None, 10,
+                      "a FailedCreate event")
+    assert events[0]["type"] == "Warning" and "exceeded quota" in events[0]["message"]
+    wait_for(lambda: "exceeded quota" in (status(cluster, "q", ns).get("message") or ""), 10,
+             f"the refusal in the run's message (now {status(cluster, 'q', ns)})")
+    del cluster.emulator.deny_create[("pods", ns)]
+    wait_for(lambda: len(group_pods_ns(cluster, "q", ns)) == 3, 15, "the pods once the quota allows them")
+    wait_for(lambda: "waiting for 3 pod(s)" in (status(cluster, "q", ns).get("message") or ""), 10,
+             f"the refusal gone from the message (now {status(cluster, 'q', ns)})")
+    assert len([e for e in cluster.events("q", ns) if e.get("reason") == "FailedCreate"]) == 1  # not one per retry
+    cluster.delete(cluster.tr_path("q", ns))
+
+
+def group_pods_ns(cluster: Cluster, name: str, ns: str) -> list[dict]:
+    return [p for p in cluster.pods(name, ns) if p["metadata"]["labels"]["trainingrun.dev/role"] != "store"]
+
+
 def test_failure_restarts_whole_group_then_fails_sticky(cluster):
     make_run(cluster, "beta", failurePolicy={"maxRestarts": 1, "backoffSeconds": 0})
     run_all(cluster, "beta", 0)

@@ -61,6 +61,15 @@ def test_cluster_errors_name_the_field():
     doc["metadata"]["name"] = "9" + "a" * 50
     errs = render.cluster_errors(parse_trainingrun(doc))
     assert errs and all(e.startswith("metadata.name") for e in errs)
+    # the operator's own config volume and mount cannot be taken by podTemplate (the API server would refuse the pods)
+    clash = run_of(podTemplate={"volumes": [{"name": "config", "emptyDir": {}}, {"name": "ok", "emptyDir": {}}],
+                                "volumeMounts": [{"name": "ok", "mountPath": "/etc/trainingrun/"}]})
+    errs = render.cluster_errors(clash)
+    assert [e.split(":")[0] for e in errs] == ["spec.podTemplate.volumes[0].name",
+                                               "spec.podTemplate.volumeMounts[0].mountPath"], errs
+    pod = render.render_pods(run_of(podTemplate={"volumes": [{"name": "ok", "emptyDir": {}}]}), OWNER, 0)[0]
+    names = [v["name"] for v in pod["spec"]["volumes"]]
+    assert render.CONFIG_VOLUME in names and len(set(names)) == len(names)
 
 
 def test_lifecycle_new_pending_running():

@@ -27,9 +27,10 @@ class ApiError(RuntimeError):
         self.status = status
         try:
             detail = json.loads(body).get("message", body)
-        except ValueError:
+        except (ValueError, AttributeError):
             detail = body
-        super().__init__(f"{method} {path}: HTTP {status}: {str(detail)[:300]}")
+        self.detail = str(detail)[:300]  # the server's reason, e.g. 'pods "x" is forbidden: exceeded quota: ...'
+        super().__init__(f"{method} {path}: HTTP {status}: {self.detail}")
 
 
 class Conflict(ApiError):

@@ -51,6 +51,9 @@ class OperatorState:
     phases: metrics.PhaseTracker = field(default_factory=metrics.PhaseTracker)
     wakeups: dict[tuple[str, str], asyncio.Event] = field(default_factory=lambda: defaultdict(asyncio.Event))
     locks: dict[str, asyncio.Lock] = field(default_factory=lambda: defaultdict(asyncio.Lock))
+    # run uid -> (the API server's last refusal to create a child, when its Warning was posted): an observation
+    # shown in the status message of a Pending run until a create succeeds
+    create_errors: dict[str, tuple[str, float]] = field(default_factory=dict)
 
     def wake(self, key: tuple[str, str]) -> None:
         event = self.wakeups.get(key)
@@ -167,6 +170,9 @@ async def reconcile(body: kopf.Body, index: kopf.Index) -> float | None:
             run, current, pods, now=now, generation=meta.get("generation"), progress=progress,
             spec_errors=render.cluster_errors(run),
         )
+    refusal = STATE.create_errors.get(uid)
+    if refusal is not None and decision.status.get("phase") == "Pending" and decision.create_pods:
+        decision.status["message"] = refusal[0]
     changes = status.status_changes(current, decision.status)
     if changes:
         try:
@@ -220,6 +226,7 @@ async def act(decision: status.Decision, run: TrainingRun | None, body: kopf.Bod
         plan = render.plan_for(run, ns, attempt)
         wanted = set(decision.create_pods)
         objs += [render.render_process_pod(run, owner, p, attempt) for p in plan.processes if (p.role, p.rank) in wanted]
+    failed: ApiError | None = None
     for obj in objs:
         try:
             await client.create(obj)
@@ -229,7 +236,21 @@ async def act(decision: status.Decision, run: TrainingRun | None, body: kopf.Bod
                            f"(install {run.spec.gang_scheduling.provider} or disable gangScheduling)")
                 kopf.event(body, type="Warning", reason="InvalidSpec", message=message)
                 raise kopf.TemporaryError(message, delay=30) from exc
-            raise
+            if exc.status >= 500 or failed is not None:
+                failed = failed or exc
+                continue  # try the other children; report the first refusal
+            failed = exc
+            refusal = f"cannot create {obj['kind']} {obj['metadata']['name']}: {exc.detail}"
+            # e.g. an exceeded ResourceQuota, a missing PriorityClass, a rejected volume: without this the run would
+            # only say "waiting for N pod(s) to start". One Warning per distinct refusal per minute (retries are 5 s).
+            last = STATE.create_errors.get(meta["uid"])
+            if last is None or last[0] != refusal or time.monotonic() - last[1] > 60:
+                kopf.event(body, type="Warning", reason="FailedCreate", message=refusal[:1000])
+                STATE.create_errors[meta["uid"]] = (refusal, time.monotonic())
+    if failed is not None:
+        raise failed
+    if objs:
+        STATE.create_errors.pop(meta["uid"], None)
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=2.0)
@@ -267,6 +288,7 @@ async def run_daemon(body: kopf.Body, namespace: str, name: str, uid: str, stopp
             pass
         STATE.wakeups.pop(key, None)
         STATE.locks.pop(uid, None)
+        STATE.create_errors.pop(uid, None)
         STATE.phases.set(uid, None)
 
 

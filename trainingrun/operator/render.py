@@ -42,6 +42,7 @@ APP = "trainingrun"
 STORE_PORT = 6379
 DEFAULT_REDIS_IMAGE = "redis:7.2-alpine"
 GPU_RESOURCE = "nvidia.com/gpu"
+CONFIG_VOLUME = "config"  # pod volume of the run's ConfigMap (reserved: podTemplate.volumes may not use it)
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
@@ -122,6 +123,15 @@ def cluster_errors(run: TrainingRun) -> list[str]:
         run.spec.model.resolved()
     except (ValueError, KeyError) as exc:
         errors.append(f"spec.model: {exc} (after applying preset {run.spec.model.preset!r})")
+    config_dir = CONFIG_MOUNT_PATH.rsplit("/", 1)[0]
+    for i, volume in enumerate(run.spec.pod_template.volumes):
+        if volume.get("name") == CONFIG_VOLUME:
+            errors.append(f"spec.podTemplate.volumes[{i}].name: {CONFIG_VOLUME!r} is the operator's own volume (the "
+                          "run's ConfigMap); use another name")
+    for i, mount in enumerate(run.spec.pod_template.volume_mounts):
+        if str(mount.get("mountPath", "")).rstrip("/") == config_dir:
+            errors.append(f"spec.podTemplate.volumeMounts[{i}].mountPath: {config_dir!r} is where the operator mounts "
+                          "the run's manifest; use another path")
     url = run.spec.store.url
     if url is not None and url.startswith("file://"):
         errors.append(
@@ -275,7 +285,7 @@ def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, att
         "env": [{"name": k, "value": v} for k, v in sorted(process.env.items())],
         "ports": ports,
         "volumeMounts": [
-            {"name": "config", "mountPath": CONFIG_MOUNT_PATH.rsplit("/", 1)[0], "readOnly": True},
+            {"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT_PATH.rsplit("/", 1)[0], "readOnly": True},
             *t.volume_mounts,
         ],
         "securityContext": _container_security(),
@@ -287,7 +297,7 @@ def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, att
         "restartPolicy": "Never",  # restarts are the operator's: the whole group, with an attempt label
         "containers": [container],
         "volumes": [
-            {"name": "config", "configMap": {"name": names.config, "items": [{"key": "run.yaml", "path": "run.yaml"}]}},
+            {"name": CONFIG_VOLUME, "configMap": {"name": names.config, "items": [{"key": "run.yaml", "path": "run.yaml"}]}},
             *t.volumes,
         ],
     }
