@@ -193,3 +193,28 @@ def test_pending_pod_reports_the_schedulers_reason():
     # scheduled (condition True): no waiting reason, the plain count
     pod["status"]["conditions"] = [{**unschedulable, "status": "True"}]
     assert status.observe_pod(pod).waiting is None
+
+
+def test_managed_store_has_memory_guaranteed_resources_and_spec_overrides():
+    default = run_of(store={"managed": True})
+    pod = render.render_store(default, OWNER)[0]
+    res = pod["spec"]["containers"][0]["resources"]
+    assert res["requests"]["memory"] == res["limits"]["memory"]  # not the first pod evicted under memory pressure
+    sized = run_of(store={"managed": True, "resources": {"requests": {"memory": "8Gi"}, "limits": {"memory": "8Gi"}}})
+    assert render.render_store(sized, OWNER)[0]["spec"]["containers"][0]["resources"] == {
+        "requests": {"memory": "8Gi"}, "limits": {"memory": "8Gi"}}
+
+
+def test_multi_worker_trainer_pods_get_a_memory_backed_dev_shm():
+    multi = run_of(trainer={**TINY["spec"]["trainer"], "replicas": 2, "gpusPerReplica": 4})
+    for pod in render.render_pods(multi, OWNER, attempt=0):
+        mounts = {m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
+        trainer = pod["metadata"]["labels"][render.L_ROLE] == "trainer"
+        assert ("/dev/shm" in mounts) == trainer
+        if trainer:
+            assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["spec"]["volumes"]
+    single = run_of()
+    assert all("/dev/shm" not in {m["mountPath"] for m in p["spec"]["containers"][0]["volumeMounts"]}
+               for p in render.render_pods(single, OWNER, attempt=0))
+    clash = run_of(podTemplate={"volumes": [{"name": "dshm", "emptyDir": {}}]})
+    assert any("podTemplate.volumes[0].name" in e and "'dshm'" in e for e in render.cluster_errors(clash))

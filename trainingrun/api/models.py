@@ -327,6 +327,11 @@ class StoreSpec(ApiModel):
         description="file:///path or redis://host:port/db. Unset: a file store in the run directory (local runs).",
     )
     managed: bool = Field(False, description="The operator runs a Redis pod and service for this run.")
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements,
+        description="Resources of the managed Redis pod; empty: requests cpu 250m, memory 2Gi and limit memory 2Gi "
+        "(size it for maxPendingRollouts + 1 rollouts of payload).",
+    )
 
     @model_validator(mode="after")
     def _rules(self) -> StoreSpec:

@@ -43,6 +43,7 @@ STORE_PORT = 6379
 DEFAULT_REDIS_IMAGE = "redis:7.2-alpine"
 GPU_RESOURCE = "nvidia.com/gpu"
 CONFIG_VOLUME = "config"  # pod volume of the run's ConfigMap (reserved: podTemplate.volumes may not use it)
+SHM_VOLUME = "dshm"  # memory-backed /dev/shm of multi-worker trainer pods (reserved too)
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
@@ -125,9 +126,9 @@ def cluster_errors(run: TrainingRun) -> list[str]:
         errors.append(f"spec.model: {exc} (after applying preset {run.spec.model.preset!r})")
     config_dir = CONFIG_MOUNT_PATH.rsplit("/", 1)[0]
     for i, volume in enumerate(run.spec.pod_template.volumes):
-        if volume.get("name") == CONFIG_VOLUME:
-            errors.append(f"spec.podTemplate.volumes[{i}].name: {CONFIG_VOLUME!r} is the operator's own volume (the "
-                          "run's ConfigMap); use another name")
+        if volume.get("name") in (CONFIG_VOLUME, SHM_VOLUME):
+            errors.append(f"spec.podTemplate.volumes[{i}].name: {volume.get('name')!r} is one of the operator's own "
+                          f"volumes ({CONFIG_VOLUME!r}: the run's ConfigMap, {SHM_VOLUME!r}: /dev/shm); use another name")
     for i, mount in enumerate(run.spec.pod_template.volume_mounts):
         if str(mount.get("mountPath", "")).rstrip("/") == config_dir:
             errors.append(f"spec.podTemplate.volumeMounts[{i}].mountPath: {config_dir!r} is where the operator mounts "
@@ -301,6 +302,10 @@ def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, att
             *t.volumes,
         ],
     }
+    if process.role == "trainer" and process.workers > 1:
+        # G workers in one pod talk through shared memory (NCCL, gloo); the runtime's default /dev/shm is 64 MiB.
+        pod_spec["volumes"].append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
+        container["volumeMounts"].append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
     if process.role == "trainer":
         pod_spec["hostname"] = f"trainer-{process.rank}"
         pod_spec["subdomain"] = names.service
@@ -343,6 +348,7 @@ def render_store(run: TrainingRun, owner: Owner, image: str = DEFAULT_REDIS_IMAG
                     "ports": [{"name": "redis", "containerPort": STORE_PORT}],
                     "securityContext": _container_security(),
                     "readinessProbe": {"tcpSocket": {"port": STORE_PORT}, "periodSeconds": 5},
+                    "resources": _store_resources(run),
                 }
             ],
         },
@@ -354,6 +360,16 @@ def render_store(run: TrainingRun, owner: Owner, image: str = DEFAULT_REDIS_IMAG
         "spec": {"selector": labels, "ports": [{"name": "redis", "port": STORE_PORT, "targetPort": STORE_PORT}]},
     }
     return [pod, service]
+
+
+STORE_DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "2Gi"}, "limits": {"memory": "2Gi"}}
+
+
+def _store_resources(run: TrainingRun) -> dict[str, Any]:
+    """The managed Redis pod's resources: the spec's, or requests = limits for memory so it is not the first pod
+    evicted under memory pressure (it holds every unconsumed rollout and the rollout's resume state)."""
+    res = run.spec.store.resources
+    return _resources(res.requests, res.limits, 0) or STORE_DEFAULT_RESOURCES
 
 
 def render_podgroup(run: TrainingRun, owner: Owner) -> dict[str, Any] | None:
