@@ -258,6 +258,14 @@ def run_rollout(
         groups = draw(state.source_index)
         if groups is None:
             say(f"rollout: source exhausted after {state.source_index} source rollouts")
+            if state.next_rollout == 0:  # a run that trains nothing must not look like a success
+                raise ConfigError(
+                    f"rollout.source.jsonl: the source's {state.totals['produced']} samples gave no training step "
+                    f"(filtered: max_length {state.totals['max_length']}, zero_variance "
+                    f"{state.totals['zero_variance']}; {sum(len(g) for g in state.carried)} kept but too few for a "
+                    "step); check rollout.filters (zeroVariance drops groups whose rewards all equal, e.g. groups "
+                    "of one sample) and rollout.steps"
+                )
             break
         produced = sum(len(g) for g in groups)
         kept, fstats = apply_filters(groups, max_length=max_length, zero_variance=r.filters.zero_variance)
