@@ -271,14 +271,16 @@ def test_progress_from_real_redis_and_operator_restart(cluster, redis):
     import json
     import time
 
-    import redis as redis_py
-
     make_run(cluster, "zeta", store={"url": redis.url})
     run_all(cluster, "zeta", 0)
     assert cluster.pods("zeta", role="store") == []  # external store: no managed redis
     from trainingrun.store import open_store
 
-    store = open_store(redis.url)
+    # the trainers write progress to the store URL their pods were given (the run's own key prefix on a shared Redis)
+    trainer = cluster.pods("zeta", role="trainer")[0]
+    env = {e["name"]: e["value"] for e in trainer["spec"]["containers"][0]["env"]}
+    assert env["TRAININGRUN_STORE_URL"].startswith(redis.url + "?prefix=")
+    store = open_store(env["TRAININGRUN_STORE_URL"])
     store.put_json("progress", {"step": 7, "samples_consumed": 93, "last_global_batch_size": 12, "rollout": 2,
                                 "attempt": 0, "time": time.time()})
     st = wait_for(lambda: (lambda s: s if s.get("step") == 7 else None)(status(cluster, "zeta")), 10, "progress")

@@ -218,3 +218,12 @@ def test_multi_worker_trainer_pods_get_a_memory_backed_dev_shm():
                for p in render.render_pods(single, OWNER, attempt=0))
     clash = run_of(podTemplate={"volumes": [{"name": "dshm", "emptyDir": {}}]})
     assert any("podTemplate.volumes[0].name" in e and "'dshm'" in e for e in render.cluster_errors(clash))
+
+
+def test_runs_sharing_an_external_redis_get_their_own_keys():
+    from trainingrun.store import open_store
+
+    a = render.store_url(run_of(store={"url": "redis://redis.infra:6379/2"}), "ns1")
+    assert a == "redis://redis.infra:6379/2?prefix=trainingrun.ns1.tiny"
+    assert open_store(a).prefix == "trainingrun.ns1.tiny"  # the store accepts the key it is given
+    assert render.store_url(run_of(store={"url": "redis://r:6379/0?prefix=mine"}), "ns1").endswith("?prefix=mine")

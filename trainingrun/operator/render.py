@@ -100,8 +100,13 @@ def store_is_managed(run: TrainingRun) -> bool:
 def store_url(run: TrainingRun, namespace: str) -> str:
     if store_is_managed(run):
         return f"redis://{Names(run.metadata.name).store}.{namespace}.svc:{STORE_PORT}/0"
-    assert run.spec.store.url is not None
-    return run.spec.store.url
+    url = run.spec.store.url
+    assert url is not None
+    if url.startswith("redis://") and "prefix=" not in url:
+        # An external Redis may serve several runs: give each its own keys (trainingrun.<namespace>.<name>) unless
+        # the URL names a prefix itself.
+        url += ("&" if "?" in url else "?") + f"prefix=trainingrun.{namespace}.{run.metadata.name}"
+    return url
 
 
 def master_addr(run: TrainingRun, namespace: str) -> str:
