@@ -1,4 +1,5 @@
-"""`file://` store: a directory, also on a shared ReadWriteMany volume (no locks, no mmap, no flock).
+"""`file://` store: a directory, also on a shared ReadWriteMany volume (no locks, no flock; immutable payload
+files are read through read-only memory maps).
 
 Layout under the root directory:
 
