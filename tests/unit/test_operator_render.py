@@ -50,7 +50,7 @@ def test_children_gang_and_store():
     # an external store: no managed Redis
     ext = run_of(store={"url": "redis://r:6379/0"})
     assert render.render_store(ext, OWNER) == []
-    assert render.store_url(ext, "ns1") == "redis://r:6379/0"
+    assert render.store_url(ext, "ns1") == "redis://r:6379/0?prefix=trainingrun.ns1.tiny"
 
 
 def test_cluster_errors_name_the_field():
