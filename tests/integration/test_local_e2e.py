@@ -14,7 +14,6 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.parse
 import urllib.request
@@ -23,6 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import localrun
+from tests.localrun import finish, records
 from tests.services import free_port, prometheus_server, wait_for
 from trainingrun.local import metrics_port_block
 from trainingrun.metrics.names import TRAINER_COUNTERS, TRAINER_WEIGHTED
@@ -53,25 +54,7 @@ def write_spec(path: Path, *, metrics_port: int, **trainer_overrides) -> Path:
 
 
 def start(spec: Path, out: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "trainingrun", "run", str(spec), "--out", str(out), "--progress-interval", "10",
-         *extra],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-
-
-def finish(proc: subprocess.Popen) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
-        pytest.fail(f"launcher did not finish in {RUN_TIMEOUT}s:\n{out[-4000:]}")
-    return proc.returncode, out
-
-
-def records(out: Path) -> list[dict]:
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return localrun.start(spec, out, *extra)
 
 
 def first_checkpoint(out: Path) -> bool:

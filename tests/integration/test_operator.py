@@ -7,8 +7,6 @@ kubelet would (PATCH pods/status).
 from __future__ import annotations
 
 import copy
-import subprocess
-from pathlib import Path
 
 import pytest
 import yaml
@@ -268,7 +266,6 @@ def test_suspend_resume_and_ignored_spec_change(cluster):
 
 
 def test_progress_from_real_redis_and_operator_restart(cluster, redis):
-    import json
     import time
 
     make_run(cluster, "zeta", store={"url": redis.url})

@@ -13,17 +13,14 @@ filtered.
 
 from __future__ import annotations
 
-import copy
 import json
 import random
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.localrun import finish, records, start
 from tests.services import redis_server
 from trainingrun.api import parse_trainingrun
 from trainingrun.plan import EXIT_CONFIG_ERROR
@@ -69,21 +66,7 @@ VARIANT = {
 def launch(doc: dict, out: Path, *extra: str, cwd: Path = ROOT) -> tuple[int, str]:
     spec = out.with_suffix(".yaml")
     spec.write_text(yaml.safe_dump(doc))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trainingrun", "run", str(spec), "--out", str(out), "--progress-interval", "30", *extra],
-        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    try:
-        text, _ = proc.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)
-        text, _ = proc.communicate(timeout=60)
-        pytest.fail(f"launcher did not finish in {RUN_TIMEOUT}s:\n{text[-4000:]}")
-    return proc.returncode, text
-
-
-def records(out: Path) -> list[dict]:
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return finish(start(spec, out, *extra, cwd=cwd, progress_interval=30), timeout=RUN_TIMEOUT)
 
 
 def summary(out: Path) -> dict:

@@ -30,7 +30,7 @@ from typing import Any
 
 from trainingrun.api.models import TrainingRun, TrainingRunSpec
 from trainingrun.plan import EXIT_CONFIG_ERROR
-from trainingrun.rollout.pipeline import FilterStats, apply_filters, build_rollout, compute_advantages, split_into_steps
+from trainingrun.rollout.pipeline import apply_filters, build_rollout, compute_advantages, split_into_steps
 from trainingrun.rollout.sources import (
     ConfigError,
     Group,

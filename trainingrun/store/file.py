@@ -24,7 +24,6 @@ Query options: `file:///path?fsync=0` skips fsync (faster; safe against process 
 from __future__ import annotations
 
 import errno
-import json
 import mmap
 import os
 import secrets

@@ -156,7 +156,6 @@ def _train(args: argparse.Namespace) -> int:
     _log(rank, f"run {run_name} attempt {attempt}: world {world}, device {device}, store {store_url}")
     init_distributed(device, tp=ts.tensor_parallel_size, pp=1)
 
-    import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
 

@@ -3,8 +3,8 @@
     .venv/bin/python charts/trainingrun/dashboards/generate.py          # rewrite overview.json and run.json
     .venv/bin/python charts/trainingrun/dashboards/generate.py --check  # exit 1 if the files are out of date
 
-Every query uses metric names from `trainingrun.metrics.names` and the dashboard variables `$namespace`, `$run` and
-`$datasource`. Weighted metrics (per-sample values exported per rank as counters `X_sum` / `X_count`) are shown as
+Every query uses metric names defined in `trainingrun.metrics.names` (tests/integration/test_dashboards.py checks
+it) and the dashboard variables `$namespace`, `$run` and `$datasource`. Weighted metrics (per-sample values exported per rank as counters `X_sum` / `X_count`) are shown as
 `sum(rate(X_sum[$__rate_interval])) / sum(rate(X_count[$__rate_interval]))`, the correct mean over all ranks.
 The panels' expressions are evaluated against a real Prometheus scraping a real local run by
 tests/integration/test_dashboards.py.
@@ -17,9 +17,6 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[2]))  # the repository root, for `trainingrun.metrics.names`
-
-from trainingrun.metrics import names as N  # noqa: E402
 
 SCHEMA_VERSION = 39
 DS = {"type": "prometheus", "uid": "${datasource}"}
