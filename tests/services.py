@@ -135,13 +135,14 @@ class Prometheus:
 
 
 @contextmanager
-def prometheus_server(targets: list[str], *, rule_files: list[str] | None = None) -> Iterator[Prometheus]:
+def prometheus_server(targets: list[str], *, rule_files: list[str] | None = None,
+                      scrape_interval: str = "1s") -> Iterator[Prometheus]:
     binary = require_binary("prometheus")
     with tempfile.TemporaryDirectory(prefix="trainingrun-prom-") as d:
         import yaml
 
         config = {
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "global": {"scrape_interval": scrape_interval, "evaluation_interval": "1s"},
             "scrape_configs": [{"job_name": "trainingrun", "static_configs": [{"targets": targets}]}],
         }
         if rule_files:
