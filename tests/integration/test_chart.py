@@ -135,140 +135,96 @@ def test_generated_chart_files_are_in_sync():
 
 
 # ------------------------------------------------------------------------------------------ kubernetes schemas
+_DURATION = {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$"}
+_STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+
+
+def _monitoring_cr(required: list[str], spec_properties: dict) -> dict:
+    """Schema of a prometheus-operator custom resource: the envelope, and a closed `spec`."""
+    return {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "metadata": {"type": "object", "required": ["name", "namespace"]},
+            "spec": {"type": "object", "additionalProperties": False, "required": required,
+                     "properties": spec_properties},
+        },
+    }
+
+
+def _endpoints(**extra: dict) -> dict:
+    """A non-empty list of scrape endpoints, each naming its port."""
+    return {
+        "type": "array",
+        "minItems": 1,
+        "items": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["port"],
+            "properties": {"port": {"type": "string", "minLength": 1}, "path": {"type": "string", "pattern": "^/"},
+                           "interval": _DURATION, "scrapeTimeout": _DURATION, **extra},
+        },
+    }
+
+
+_LABEL_SELECTOR = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "matchLabels": _STRING_MAP,
+        "matchExpressions": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["key", "operator"],
+                "properties": {
+                    "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                    "values": {"type": "array", "items": {"type": "string"}},
+                },
+            },
+        },
+    },
+}
+_ALERT_RULE = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["alert", "expr"],
+    "properties": {
+        "alert": {"type": "string", "pattern": "^[A-Za-z][A-Za-z0-9_]*$"},
+        "expr": {"type": "string", "minLength": 1},
+        "for": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h|d|w|y))+$"},
+        "labels": _STRING_MAP,
+        "annotations": _STRING_MAP,
+    },
+}
 MONITORING_SCHEMAS = {
-    "ServiceMonitor": {
-        "type": "object",
-        "required": ["apiVersion", "kind", "metadata", "spec"],
-        "properties": {
-            "apiVersion": {"const": "monitoring.coreos.com/v1"},
-            "metadata": {"type": "object", "required": ["name", "namespace"]},
-            "spec": {
+    "ServiceMonitor": _monitoring_cr(["selector", "endpoints"], {
+        "selector": {"type": "object", "required": ["matchLabels"]},
+        "namespaceSelector": {"type": "object"},
+        "endpoints": _endpoints(honorLabels={"type": "boolean"}),
+    }),
+    "PodMonitor": _monitoring_cr(["selector", "podMetricsEndpoints"], {
+        "selector": _LABEL_SELECTOR,
+        "namespaceSelector": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}},
+        },
+        "podMetricsEndpoints": _endpoints(),
+    }),
+    "PrometheusRule": _monitoring_cr(["groups"], {
+        "groups": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
                 "type": "object",
-                "additionalProperties": False,
-                "required": ["selector", "endpoints"],
-                "properties": {
-                    "selector": {"type": "object", "required": ["matchLabels"]},
-                    "namespaceSelector": {"type": "object"},
-                    "endpoints": {
-                        "type": "array",
-                        "minItems": 1,
-                        "items": {
-                            "type": "object",
-                            "additionalProperties": False,
-                            "required": ["port"],
-                            "properties": {
-                                "port": {"type": "string", "minLength": 1},
-                                "path": {"type": "string", "pattern": "^/"},
-                                "interval": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$"},
-                                "scrapeTimeout": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$"},
-                                "honorLabels": {"type": "boolean"},
-                            },
-                        },
-                    },
-                },
+                "required": ["name", "rules"],
+                "properties": {"name": {"type": "string", "minLength": 1},
+                               "rules": {"type": "array", "items": _ALERT_RULE}},
             },
         },
-    },
-    "PodMonitor": {
-        "type": "object",
-        "required": ["apiVersion", "kind", "metadata", "spec"],
-        "properties": {
-            "apiVersion": {"const": "monitoring.coreos.com/v1"},
-            "metadata": {"type": "object", "required": ["name", "namespace"]},
-            "spec": {
-                "type": "object",
-                "additionalProperties": False,
-                "required": ["selector", "podMetricsEndpoints"],
-                "properties": {
-                    "selector": {
-                        "type": "object",
-                        "additionalProperties": False,
-                        "properties": {
-                            "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
-                            "matchExpressions": {
-                                "type": "array",
-                                "items": {
-                                    "type": "object",
-                                    "required": ["key", "operator"],
-                                    "properties": {
-                                        "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
-                                        "values": {"type": "array", "items": {"type": "string"}},
-                                    },
-                                },
-                            },
-                        },
-                    },
-                    "namespaceSelector": {
-                        "type": "object",
-                        "additionalProperties": False,
-                        "properties": {
-                            "any": {"type": "boolean"},
-                            "matchNames": {"type": "array", "items": {"type": "string"}},
-                        },
-                    },
-                    "podMetricsEndpoints": {
-                        "type": "array",
-                        "minItems": 1,
-                        "items": {
-                            "type": "object",
-                            "additionalProperties": False,
-                            "required": ["port"],
-                            "properties": {
-                                "port": {"type": "string", "minLength": 1},
-                                "path": {"type": "string", "pattern": "^/"},
-                                "interval": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$"},
-                                "scrapeTimeout": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$"},
-                            },
-                        },
-                    },
-                },
-            },
-        },
-    },
-    "PrometheusRule": {
-        "type": "object",
-        "required": ["apiVersion", "kind", "metadata", "spec"],
-        "properties": {
-            "apiVersion": {"const": "monitoring.coreos.com/v1"},
-            "metadata": {"type": "object", "required": ["name", "namespace"]},
-            "spec": {
-                "type": "object",
-                "additionalProperties": False,
-                "required": ["groups"],
-                "properties": {
-                    "groups": {
-                        "type": "array",
-                        "minItems": 1,
-                        "items": {
-                            "type": "object",
-                            "required": ["name", "rules"],
-                            "properties": {
-                                "name": {"type": "string", "minLength": 1},
-                                "rules": {
-                                    "type": "array",
-                                    "items": {
-                                        "type": "object",
-                                        "additionalProperties": False,
-                                        "required": ["alert", "expr"],
-                                        "properties": {
-                                            "alert": {"type": "string", "pattern": "^[A-Za-z][A-Za-z0-9_]*$"},
-                                            "expr": {"type": "string", "minLength": 1},
-                                            "for": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h|d|w|y))+$"},
-                                            "labels": {"type": "object", "additionalProperties": {"type": "string"}},
-                                            "annotations": {
-                                                "type": "object",
-                                                "additionalProperties": {"type": "string"},
-                                            },
-                                        },
-                                    },
-                                },
-                            },
-                        },
-                    }
-                },
-            },
-        },
-    },
+    }),
 }
 
 
