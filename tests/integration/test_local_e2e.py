@@ -80,13 +80,9 @@ def _prom_range(url: str, promql: str, start: float, end: float) -> dict[float, 
     return out
 
 
-def _prom_raw(url: str, metric: str, at: float) -> dict[str, list[tuple[float, float]]]:
-    """{rank: [(scrape time, value), ...]}: every sample Prometheus stored for `metric` in the 10 minutes to `at`."""
-    q = urllib.parse.urlencode({"query": f"{metric}[10m]", "time": at})
-    with urllib.request.urlopen(f"{url}/api/v1/query?{q}", timeout=10) as r:
-        body = json.load(r)
-    assert body["status"] == "success", body
-    return {s["metric"]["rank"]: [(float(t), float(v)) for t, v in s["values"]] for s in body["data"]["result"]}
+def _prom_raw(prom, metric: str) -> dict[str, list[tuple[float, float]]]:
+    """{rank: [(scrape time, value), ...]}: every sample Prometheus stored for `metric` in the last 10 minutes."""
+    return {s["metric"]["rank"]: [(float(t), float(v)) for t, v in s["values"]] for s in prom.query(f"{metric}[10m]")}
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +104,8 @@ def ref2(spec_dir):
             "sum": _prom_range(prom.url, f"sum({w}_sum)", t0, t1),
             "count": _prom_range(prom.url, f"sum({w}_count)", t0, t1),
             "contract": _prom_range(prom.url, f"sum(rate({w}_sum[5m])) / sum(rate({w}_count[5m]))", t0, t1),
-            "raw_sum": _prom_raw(prom.url, f"{w}_sum", t1),
-            "raw_count": _prom_raw(prom.url, f"{w}_count", t1),
+            "raw_sum": _prom_raw(prom, f"{w}_sum"),
+            "raw_count": _prom_raw(prom, f"{w}_count"),
             "gauge_step": _prom_range(prom.url, "trainingrun_trainer_step", t0, t1),
             "gauge_loss": _prom_range(prom.url, "trainingrun_trainer_loss", t0, t1),
         }
