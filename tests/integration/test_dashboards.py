@@ -10,8 +10,11 @@ Acceptance (marked `megatron`, ~1-2 min): every panel query, evaluated by a real
     reconciling a TrainingRun of the same name in the KMock API emulator of tests/kube.py — the operator's metrics
     (including the per-run series filtered by $namespace/$run) come from a real operator process, not from the local
     run, which has no operator.
-Queries are run as Grafana runs them, as range queries over the run's time span, with $namespace = All (.*),
-$run = the run's name and $__rate_interval = 4 × the 1 s scrape interval.
+Queries are run as Grafana runs them over the run's time span, with $namespace = All (.*), $run = the run's name,
+and step and $__rate_interval as Grafana computes them: on a range this short the step is the datasource's scrape
+interval (its floor), and $__rate_interval = max(step + scrape interval, 4 × scrape interval). Prometheus scrapes every
+100 ms: the local run is short (its rollout process lives one to three seconds), and with 1 s scrapes a rate() panel of
+the rollout could find fewer than the two samples it needs in any window (seen in CI).
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ from trainingrun.metrics import names
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = ROOT / "charts" / "trainingrun" / "dashboards"
-RATE_INTERVAL = "4s"
+SCRAPE_INTERVAL_MS = 100
+QUERY_STEP_MS = SCRAPE_INTERVAL_MS  # Grafana: range / max data points, floored at the scrape interval
+RATE_INTERVAL = f"{max(QUERY_STEP_MS + SCRAPE_INTERVAL_MS, 4 * SCRAPE_INTERVAL_MS)}ms"  # Grafana's rule
 RUN_NAME = "dash"
 NUM_ROLLOUTS = 6
 RUN_TIMEOUT = 300
@@ -134,7 +139,8 @@ def test_run_dashboard_covers_the_issue_panels():
 
 # --------------------------------------------------------------------------------------------------- acceptance
 def query_range(url: str, promql: str, start: float, end: float) -> list[dict]:
-    q = urllib.parse.urlencode({"query": promql, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": "1"})
+    q = urllib.parse.urlencode({"query": promql, "start": f"{start:.3f}", "end": f"{end:.3f}",
+                                "step": f"{QUERY_STEP_MS / 1000:g}"})
     with urllib.request.urlopen(f"{url}/api/v1/query_range?{q}", timeout=10) as r:
         body = json.load(r)
     assert body["status"] == "success", f"{promql}: {body}"
@@ -191,7 +197,8 @@ def test_every_panel_returns_data_from_a_real_run_and_operator(tmp_path):
     operator_exprs = [te for te in all_exprs if is_operator_panel(te[1])]
 
     log = tmp_path / "operator.log"
-    with prometheus_server(run_targets + [f"127.0.0.1:{operator_port}"]) as prom, Cluster() as cluster:
+    with prometheus_server(run_targets + [f"127.0.0.1:{operator_port}"],
+                           scrape_interval=f"{SCRAPE_INTERVAL_MS}ms") as prom, Cluster() as cluster:
         operator = cluster.start_operator("--metrics-port", str(operator_port), log=log)
         try:
             t0 = time.time()
