@@ -187,6 +187,7 @@ def test_every_panel_returns_data_from_a_real_run_and_operator(tmp_path):
     doc["spec"]["rollout"]["numRollouts"] = NUM_ROLLOUTS
     base = metrics_port_block(free_port(), 3)
     doc["spec"]["metrics"]["port"] = base
+    doc["spec"]["metrics"]["lingerSeconds"] = 1  # 10 scrapes of every process's final values
     spec = tmp_path / "dash.yaml"
     spec.write_text(yaml.safe_dump(doc))
     operator_port = free_port()

@@ -232,6 +232,38 @@ def test_metrics_count_what_was_published(tmp_path):
     assert values[("trainingrun_rollout_schedule_imbalance", None)] >= 1.0
 
 
+def test_rollout_program_lingers_serving_its_final_metrics(tmp_path):
+    """With metrics.lingerSeconds the finished rollout keeps /metrics up (final counters = its summary), then exits;
+    a short-lived rollout would otherwise end between two scrapes and its last values would never be seen."""
+    doc = make_doc(numRollouts=2)
+    doc["spec"]["metrics"] = {"lingerSeconds": 3}
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    port = free_port()
+    env = {**os.environ, "TRAININGRUN_CONFIG": str(config), "TRAININGRUN_STORE_URL": f"file://{tmp_path}/store",
+           "TRAININGRUN_RUN": "t", "TRAININGRUN_METRICS_PORT": str(port)}
+    proc = subprocess.Popen([sys.executable, "-m", "trainingrun", "rollout"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        summary = json.loads(proc.stdout.readline())  # printed when the work is done, before lingering
+        finished = time.monotonic()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert proc.poll() is None, "the rollout exited instead of lingering"
+        code = proc.wait(timeout=30)
+        lingered = time.monotonic() - finished
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=10)
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert code == 0 and summary["rollouts"] == 2
+    assert values["trainingrun_rollout_samples_published_total"] == summary["samples"] > 0
+    assert values["trainingrun_rollout_rollouts_published_total"] == 2
+    assert 2.0 < lingered < 20, lingered
+
+
 def test_jsonl_source_end_to_end(tmp_path):
     rng = np.random.default_rng(0)
     lines = []

@@ -347,7 +347,8 @@ class MetricsSpec(ApiModel):
     port: int = Field(9400, ge=1, le=65535, description="Port of /metrics (local runs use port, port+1, ...).")
     linger_seconds: int = Field(
         0, ge=0, le=3600,
-        description="Trainers keep serving /metrics this long after the last step, so a scrape sees the final values.",
+        description="Trainers (after the last step) and the rollout (after the last rollout) keep serving /metrics "
+                    "this long, so a scrape sees their final values.",
     )
 
 

@@ -423,6 +423,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"rollout: metrics on port {port}", file=sys.stderr, flush=True)
         except OSError as exc:  # metrics must never stop the run
             print(f"rollout: warning: cannot serve metrics on port {args.metrics_port}: {exc}", file=sys.stderr)
+    result = None
     try:
         result = run_rollout(the_run, store, metrics=metrics, max_wait=args.max_wait)
     except ConfigError as exc:
@@ -433,8 +434,14 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         store.close()
-        if metrics is not None:
+        if metrics is not None and result is None:  # failed: no final values worth lingering for
             metrics.close()
     print(json.dumps({"rollouts": result.rollouts, "samples": result.samples, "steps": result.steps,
                       "leftover_samples": result.leftover_samples, **result.totals}), flush=True)
+    if metrics is not None:
+        linger = the_run.spec.metrics.linger_seconds
+        if linger and metrics.server is not None:  # a scrape after the last rollout sees the final counters
+            print(f"rollout: serving final metrics for {linger}s (metrics.lingerSeconds)", file=sys.stderr, flush=True)
+            time.sleep(linger)
+        metrics.close()
     return 0
