@@ -51,10 +51,11 @@ import yaml
 from kmock._internal import enums, parsing
 
 from tests.services import free_port, stop_process, wait_for
+from trainingrun.api.constants import API_VERSION, LABEL_ATTEMPT, LABEL_RANK, LABEL_ROLE, LABEL_RUN, PLURAL
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD_PATH = ROOT / "crds" / "trainingrun.yaml"
-TR = "trainingrun.dev/v1alpha1/trainingruns"
+TR = f"{API_VERSION}/{PLURAL}"
 
 # --- KMock's path parser crashes on /api/v1/namespaces[/name[/status|finalize]]: route those to the namespaces
 # resource before it sees them (other /api/v1/namespaces/NS/... paths are namespaced resources as before).
@@ -495,13 +496,14 @@ class Cluster:
 
     # --- TrainingRun / pod helpers
     def tr_path(self, name: str | None = None, ns: str = "default") -> str:
-        return f"/apis/trainingrun.dev/v1alpha1/namespaces/{ns}/trainingruns" + (f"/{name}" if name else "")
+        return f"/apis/{API_VERSION}/namespaces/{ns}/{PLURAL}" + (f"/{name}" if name else "")
 
     def run(self, name: str, ns: str = "default") -> dict | None:
         return self.get(self.tr_path(name, ns))
 
     def pods(self, run: str, ns: str = "default", **labels: str) -> list[dict]:
-        selector = ",".join([f"trainingrun.dev/run={run}"] + [f"trainingrun.dev/{k}={v}" for k, v in labels.items()])
+        keys = {"role": LABEL_ROLE, "rank": LABEL_RANK, "attempt": LABEL_ATTEMPT}
+        selector = ",".join([f"{LABEL_RUN}={run}"] + [f"{keys[k]}={v}" for k, v in labels.items()])
         return self.items(f"/api/v1/namespaces/{ns}/pods", selector)
 
     def events(self, name: str, ns: str = "default") -> list[dict]:

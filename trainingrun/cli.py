@@ -9,7 +9,7 @@ import sys
 
 # name -> (module, help). Each module has `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("trainingrun.local", "run a TrainingRun locally: one rollout process and N trainer processes"),
+    "run": ("trainingrun.local.main", "run a TrainingRun locally: one rollout process and N trainer processes"),
     "validate": ("trainingrun.api.validate", "validate TrainingRun manifests offline (schema + CEL rules)"),
     "crd": ("trainingrun.api.crd", "print the TrainingRun CustomResourceDefinition YAML"),
     "schedule": ("trainingrun.schedule.cli", "print data-parallel schedule statistics for a list of lengths"),

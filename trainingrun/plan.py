@@ -32,12 +32,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from trainingrun.api.models import TrainingRun
+from trainingrun.failure_policy import EXIT_CONFIG_ERROR
 
 Role = Literal["rollout", "trainer"]
-
-# Exit code a process uses for a configuration error: the operator and the launcher fail the run at once instead of
-# restarting it (a restart cannot fix a bad spec).
-EXIT_CONFIG_ERROR = 78  # EX_CONFIG from sysexits.h
 
 CONFIG_MOUNT_PATH = "/etc/trainingrun/run.yaml"
 DEFAULT_MASTER_PORT = 29500
@@ -151,3 +148,6 @@ def build_plan(
         attempt=attempt,
         processes=tuple(processes),
     )
+
+
+__all__ = ["CONFIG_MOUNT_PATH", "DEFAULT_MASTER_PORT", "EXIT_CONFIG_ERROR", "ProcessPlan", "Role", "RunPlan", "build_plan"]

@@ -18,6 +18,20 @@ from trainingrun.api.validate import apply_defaults, evaluate_rule
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def test_api_constants_keep_the_contract():
+    """design.md's CRD and pod-label contract, written out literally once: every other module uses the constants."""
+    from trainingrun.api import constants as c
+
+    assert (c.GROUP, c.VERSION, c.KIND, c.PLURAL, c.SHORT_NAME) == (
+        "trainingrun.dev", "v1alpha1", "TrainingRun", "trainingruns", "tr")
+    assert c.API_VERSION == "trainingrun.dev/v1alpha1" and c.CRD_NAME == "trainingruns.trainingrun.dev"
+    assert (c.LABEL_NAME, c.APP, c.LABEL_RUN, c.LABEL_ROLE, c.LABEL_RANK) == (
+        "app.kubernetes.io/name", "trainingrun", "trainingrun.dev/run", "trainingrun.dev/role", "trainingrun.dev/rank")
+    generated = crd()
+    assert generated["metadata"]["name"] == c.CRD_NAME and generated["spec"]["versions"][0]["name"] == c.VERSION
+    assert models.TrainingRun.model_fields["api_version"].default == c.API_VERSION
+
+
 def test_checked_in_crd_is_in_sync():
     assert (ROOT / "crds/trainingrun.yaml").read_text() == crd_yaml(), "run `make crd` and commit crds/trainingrun.yaml"
 

@@ -8,7 +8,7 @@ import json
 import socket
 
 from trainingrun.local import metrics_port_block, next_attempt
-from trainingrun.local_report import MetricsTail, Progress, merge_metrics, raw_metrics_path, summarize
+from trainingrun.local.report import MetricsTail, Progress, merge_metrics, raw_metrics_path, summarize
 
 
 def _write(path, records, tail=""):

@@ -9,6 +9,7 @@ import yaml
 
 from tests.kube import ROOT
 from trainingrun.api import parse_trainingrun
+from trainingrun.api.constants import LABEL_ATTEMPT, LABEL_RANK, LABEL_ROLE
 from trainingrun.operator import render, status
 from trainingrun.plan import EXIT_CONFIG_ERROR
 
@@ -39,12 +40,12 @@ def test_children_gang_and_store():
     assert kinds == ["ConfigMap", "Service", "Pod", "Service", "PodGroup", "Pod", "Pod", "Pod", "Pod"]
     pg = children[4]
     assert pg["spec"]["minMember"] == 4
-    trainers = [c for c in children if c["kind"] == "Pod" and c["metadata"]["labels"].get(render.L_ROLE) == "trainer"]
+    trainers = [c for c in children if c["kind"] == "Pod" and c["metadata"]["labels"].get(LABEL_ROLE) == "trainer"]
     assert [t["metadata"]["name"] for t in trainers] == [f"tiny-trainer-{r}-a2" for r in range(3)]
     for t in trainers:
         assert t["spec"]["schedulerName"] == "volcano"
         assert t["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "tiny"
-        assert t["metadata"]["labels"][render.L_ATTEMPT] == "2"
+        assert t["metadata"]["labels"][LABEL_ATTEMPT] == "2"
         assert "nvidia.com/gpu" not in t["spec"]["containers"][0].get("resources", {}).get("limits", {})
     assert all(c["metadata"]["ownerReferences"][0]["uid"] == "u-1" for c in children)
     # an external store: no managed Redis
@@ -115,8 +116,8 @@ def test_exit_code_config_error_and_deleted_pod():
     run = run_of()
     st = _running(run)
     obs = status.observe_pod({
-        "metadata": {"name": "tiny-trainer-0-a0", "labels": {render.L_ROLE: "trainer", render.L_RANK: "0",
-                                                             render.L_ATTEMPT: "0"}},
+        "metadata": {"name": "tiny-trainer-0-a0", "labels": {LABEL_ROLE: "trainer", LABEL_RANK: "0",
+                                                             LABEL_ATTEMPT: "0"}},
         "status": {"phase": "Failed", "containerStatuses": [
             {"name": "trainer", "state": {"terminated": {"exitCode": EXIT_CONFIG_ERROR, "reason": "Error"}}}]},
     })
@@ -168,7 +169,7 @@ def test_pod_template_volumes_reach_every_container():
 
 def test_every_worker_of_a_multi_gpu_pod_declares_its_metrics_port():
     run = run_of(trainer={**TINY["spec"]["trainer"], "replicas": 2, "gpusPerReplica": 4})
-    trainers = [p for p in render.render_pods(run, OWNER, attempt=0) if p["metadata"]["labels"][render.L_ROLE] == "trainer"]
+    trainers = [p for p in render.render_pods(run, OWNER, attempt=0) if p["metadata"]["labels"][LABEL_ROLE] == "trainer"]
     base = run.spec.metrics.port
     for pod in trainers:
         container = pod["spec"]["containers"][0]
@@ -180,8 +181,8 @@ def test_every_worker_of_a_multi_gpu_pod_declares_its_metrics_port():
 def test_pending_pod_reports_the_schedulers_reason():
     unschedulable = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                      "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}
-    pod = {"metadata": {"name": "tiny-trainer-1-a0", "labels": {render.L_ROLE: "trainer", render.L_RANK: "1",
-                                                                 render.L_ATTEMPT: "0"}},
+    pod = {"metadata": {"name": "tiny-trainer-1-a0", "labels": {LABEL_ROLE: "trainer", LABEL_RANK: "1",
+                                                                 LABEL_ATTEMPT: "0"}},
            "status": {"phase": "Pending", "conditions": [unschedulable]}}
     obs = status.observe_pod(pod)
     assert "tiny-trainer-1-a0" in obs.waiting and "Insufficient nvidia.com/gpu" in obs.waiting
@@ -209,7 +210,7 @@ def test_multi_worker_trainer_pods_get_a_memory_backed_dev_shm():
     multi = run_of(trainer={**TINY["spec"]["trainer"], "replicas": 2, "gpusPerReplica": 4})
     for pod in render.render_pods(multi, OWNER, attempt=0):
         mounts = {m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
-        trainer = pod["metadata"]["labels"][render.L_ROLE] == "trainer"
+        trainer = pod["metadata"]["labels"][LABEL_ROLE] == "trainer"
         assert ("/dev/shm" in mounts) == trainer
         if trainer:
             assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["spec"]["volumes"]

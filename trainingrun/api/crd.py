@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from trainingrun import API_GROUP, API_VERSION, KIND, PLURAL, SHORT_NAME
+from trainingrun.api.constants import APP, CRD_NAME, GROUP, KIND, LABEL_NAME, LIST_KIND, PLURAL, SHORT_NAME, SINGULAR, VERSION
 from trainingrun.api.models import ALL_MODELS, TrainingRunSpec, TrainingRunStatus
 
 # JSON-schema keywords kept in the structural schema; everything else pydantic emits (title, ...) is dropped.
@@ -151,23 +151,23 @@ def crd() -> dict[str, Any]:
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
         "metadata": {
-            "name": f"{PLURAL}.{API_GROUP}",
-            "labels": {"app.kubernetes.io/name": "trainingrun", "app.kubernetes.io/component": "crd"},
+            "name": CRD_NAME,
+            "labels": {LABEL_NAME: APP, "app.kubernetes.io/component": "crd"},
         },
         "spec": {
-            "group": API_GROUP,
+            "group": GROUP,
             "scope": "Namespaced",
             "names": {
                 "kind": KIND,
-                "listKind": f"{KIND}List",
+                "listKind": LIST_KIND,
                 "plural": PLURAL,
-                "singular": KIND.lower(),
+                "singular": SINGULAR,
                 "shortNames": [SHORT_NAME],
-                "categories": ["all", "trainingrun"],
+                "categories": ["all", APP],
             },
             "versions": [
                 {
-                    "name": API_VERSION,
+                    "name": VERSION,
                     "served": True,
                     "storage": True,
                     "subresources": {"status": {}},

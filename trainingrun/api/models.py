@@ -16,6 +16,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from trainingrun.api.constants import API_VERSION, KIND
+
 # A Kubernetes resource quantity ("500m", "2Gi", 4). The CRD marks it x-kubernetes-int-or-string.
 Quantity = int | str
 
@@ -488,8 +490,8 @@ class TrainingRun(BaseModel):
     """A whole TrainingRun manifest."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    api_version: Literal["trainingrun.dev/v1alpha1"] = Field("trainingrun.dev/v1alpha1", alias="apiVersion")
-    kind: Literal["TrainingRun"] = "TrainingRun"
+    api_version: Literal[API_VERSION] = Field(API_VERSION, alias="apiVersion")  # type: ignore[valid-type]
+    kind: Literal[KIND] = KIND  # type: ignore[valid-type]
     metadata: ObjectMeta = Field(default_factory=ObjectMeta)
     spec: TrainingRunSpec
     status: TrainingRunStatus | None = None

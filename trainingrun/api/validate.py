@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from trainingrun import API_GROUP, API_VERSION, KIND
+from trainingrun.api.constants import API_VERSION, KIND
 
 
 @dataclass(frozen=True)
@@ -222,7 +222,7 @@ def validate_document(doc: Any) -> list[Problem]:
     if not isinstance(doc, dict):
         return [Problem("", f"a TrainingRun must be a mapping, got {type(doc).__name__}")]
     problems = []
-    expected = f"{API_GROUP}/{API_VERSION}"
+    expected = API_VERSION
     if doc.get("apiVersion") != expected:
         problems.append(Problem("apiVersion", f"must be {expected!r}, got {doc.get('apiVersion')!r}"))
     if doc.get("kind") != KIND:

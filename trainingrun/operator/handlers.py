@@ -27,6 +27,20 @@ import kopf
 from pydantic import ValidationError
 
 from trainingrun.api import parse_trainingrun
+from trainingrun.api.constants import (
+    ANNOTATION_PREFIX,
+    ANNOTATION_SPEC,
+    API_VERSION,
+    APP,
+    EVENT_SOURCE,
+    FINALIZER,
+    GROUP,
+    KIND,
+    LABEL_NAME,
+    LABEL_RUN,
+    PLURAL,
+    VERSION,
+)
 from trainingrun.api.models import TrainingRun
 from trainingrun.operator import metrics, render, status
 from trainingrun.operator.client import ApiError, Conflict, KubeClient
@@ -34,10 +48,7 @@ from trainingrun.operator.progress import ProgressReader
 
 log = logging.getLogger("trainingrun.operator")
 
-SPEC_ANNOTATION = "trainingrun.dev/spec"
-EVENT_SOURCE = "trainingrun-operator"  # source.component / reportingComponent of our Events
 MUTABLE_FIELDS = ("suspend", "activeDeadlineSeconds", "ttlSecondsAfterFinished", "failurePolicy")
-GROUP, VERSION, PLURAL = render.GROUP, render.VERSION, render.PLURAL
 
 
 @dataclass
@@ -72,10 +83,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # `kubectl describe tr` shows this in the Events' "From" column (kopf's default is "kopf").
     settings.posting.reporting_component = EVENT_SOURCE
     settings.posting.reporting_instance = os.environ.get("HOSTNAME") or socket.gethostname()
-    settings.persistence.finalizer = "trainingrun.dev/operator"
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="trainingrun.dev")
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix="trainingrun.dev", key="last-handled-configuration"
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
     settings.networking.request_timeout = 60
     settings.batching.error_delays = (1, 2, 5, 10, 30)
@@ -97,22 +108,22 @@ async def cleanup(**_: Any) -> None:
         await STATE.client.close()
 
 
-@kopf.index("v1", "pods", labels={render.L_NAME: render.APP, render.L_RUN: kopf.PRESENT})
+@kopf.index("v1", "pods", labels={LABEL_NAME: APP, LABEL_RUN: kopf.PRESENT})
 def trpods(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> dict:
-    return {(namespace, labels[render.L_RUN]): status.observe_pod(body)}
+    return {(namespace, labels[LABEL_RUN]): status.observe_pod(body)}
 
 
-@kopf.on.event("v1", "pods", labels={render.L_NAME: render.APP, render.L_RUN: kopf.PRESENT})
+@kopf.on.event("v1", "pods", labels={LABEL_NAME: APP, LABEL_RUN: kopf.PRESENT})
 def pod_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
     """Any change of a run's pod (including deletion) wakes that run's daemon."""
-    STATE.wake((namespace, labels[render.L_RUN]))
+    STATE.wake((namespace, labels[LABEL_RUN]))
 
 
 # ------------------------------------------------------------------------------------------------------ the spec
 def effective_spec(body: kopf.Body) -> dict[str, Any]:
     """The spec frozen at the first reconcile, with MUTABLE_FIELDS taken from the live spec."""
     live = dict(body.get("spec") or {})
-    raw = (body.get("metadata", {}).get("annotations") or {}).get(SPEC_ANNOTATION)
+    raw = (body.get("metadata", {}).get("annotations") or {}).get(ANNOTATION_SPEC)
     if not raw:
         return live
     try:
@@ -130,8 +141,8 @@ def effective_spec(body: kopf.Body) -> dict[str, Any]:
 def parse_run(body: kopf.Body) -> TrainingRun:
     meta = body.get("metadata", {})
     return parse_trainingrun({
-        "apiVersion": render.API_VERSION,
-        "kind": render.KIND,
+        "apiVersion": API_VERSION,
+        "kind": KIND,
         "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace")},
         "spec": effective_spec(body),
     })
@@ -176,7 +187,7 @@ async def reconcile(body: kopf.Body, index: kopf.Index) -> float | None:
     changes = status.status_changes(current, decision.status)
     if changes:
         try:
-            await client.patch(render.API_VERSION, render.KIND, ns, name,
+            await client.patch(API_VERSION, KIND, ns, name,
                                {"metadata": {"resourceVersion": meta.get("resourceVersion")}, "status": changes},
                                plural=PLURAL, subresource="status")
         except Conflict:
@@ -184,10 +195,10 @@ async def reconcile(body: kopf.Body, index: kopf.Index) -> float | None:
                       meta.get("resourceVersion"))
             return 0.2  # observed a stale object; decide again on the fresh one
         log.debug("%s/%s: status %s", ns, name, changes)
-    if run is not None and SPEC_ANNOTATION not in (meta.get("annotations") or {}):
+    if run is not None and ANNOTATION_SPEC not in (meta.get("annotations") or {}):
         frozen = json.dumps(run.spec.to_dict(), sort_keys=True, separators=(",", ":"))
-        await client.patch(render.API_VERSION, render.KIND, ns, name,
-                           {"metadata": {"annotations": {SPEC_ANNOTATION: frozen}}}, plural=PLURAL)
+        await client.patch(API_VERSION, KIND, ns, name,
+                           {"metadata": {"annotations": {ANNOTATION_SPEC: frozen}}}, plural=PLURAL)
     for type_, reason, message in decision.events:
         kopf.event(body, type=type_, reason=reason, message=message[:1000])
     if decision.restarted:
@@ -207,7 +218,7 @@ async def act(decision: status.Decision, run: TrainingRun | None, body: kopf.Bod
         await client.delete("v1", "Pod", ns, pod)
     if decision.delete_run:
         STATE.phases.set(meta["uid"], None)
-        await client.delete(render.API_VERSION, render.KIND, ns, name, plural=PLURAL)
+        await client.delete(API_VERSION, KIND, ns, name, plural=PLURAL)
         return
     if run is None:
         return

@@ -22,22 +22,21 @@ from typing import Any
 
 import yaml
 
+from trainingrun.api.constants import (
+    API_VERSION,
+    APP,
+    KIND,
+    LABEL_ATTEMPT,
+    LABEL_NAME,
+    LABEL_RANK,
+    LABEL_ROLE,
+    LABEL_RUN,
+    ROLE_CONFIG,
+    ROLE_STORE,
+    ROLE_TRAINER,
+)
 from trainingrun.api.models import TrainingRun
 from trainingrun.plan import CONFIG_MOUNT_PATH, DEFAULT_MASTER_PORT, ProcessPlan, RunPlan, build_plan
-
-GROUP = "trainingrun.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "TrainingRun"
-PLURAL = "trainingruns"
-
-# Labels (contract: the first four; attempt is this operator's).
-L_NAME = "app.kubernetes.io/name"
-L_RUN = "trainingrun.dev/run"
-L_ROLE = "trainingrun.dev/role"
-L_RANK = "trainingrun.dev/rank"
-L_ATTEMPT = "trainingrun.dev/attempt"
-APP = "trainingrun"
 
 STORE_PORT = 6379
 DEFAULT_REDIS_IMAGE = "redis:7.2-alpine"
@@ -181,14 +180,14 @@ def _meta(name: str, owner: Owner, labels: dict[str, str], annotations: dict[str
 
 
 def base_labels(run_name: str) -> dict[str, str]:
-    return {L_NAME: APP, L_RUN: run_name}
+    return {LABEL_NAME: APP, LABEL_RUN: run_name}
 
 
 def render_config_map(run: TrainingRun, owner: Owner) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(Names(owner.name).config, owner, {**base_labels(owner.name), L_ROLE: "config"}),
+        "metadata": _meta(Names(owner.name).config, owner, {**base_labels(owner.name), LABEL_ROLE: ROLE_CONFIG}),
         "data": {"run.yaml": yaml.safe_dump(run_manifest(run, owner.namespace), sort_keys=False)},
     }
 
@@ -198,11 +197,11 @@ def render_service(run: TrainingRun, owner: Owner) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(Names(owner.name).service, owner, {**base_labels(owner.name), L_ROLE: "trainer"}),
+        "metadata": _meta(Names(owner.name).service, owner, {**base_labels(owner.name), LABEL_ROLE: ROLE_TRAINER}),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
-            "selector": {**base_labels(owner.name), L_ROLE: "trainer"},
+            "selector": {**base_labels(owner.name), LABEL_ROLE: ROLE_TRAINER},
             "ports": [{"name": "rendezvous", "port": DEFAULT_MASTER_PORT, "targetPort": DEFAULT_MASTER_PORT}],
         },
     }
@@ -260,17 +259,17 @@ def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, att
     spec = run.spec
     names = Names(owner.name)
     t = spec.pod_template
-    labels = {**t.labels, **base_labels(owner.name), L_ROLE: process.role, L_ATTEMPT: str(attempt)}
+    labels = {**t.labels, **base_labels(owner.name), LABEL_ROLE: process.role, LABEL_ATTEMPT: str(attempt)}
     annotations = dict(t.annotations)
     if process.rank is not None:
-        labels[L_RANK] = str(process.rank)
+        labels[LABEL_RANK] = str(process.rank)
     gang = spec.gang_scheduling
     if gang.enabled:
         if gang.provider == "volcano":
             annotations["scheduling.k8s.io/group-name"] = names.podgroup
         else:
             labels["scheduling.x-k8s.io/pod-group"] = names.podgroup
-    if process.role == "trainer":
+    if process.role == ROLE_TRAINER:
         res = spec.trainer.resources
         resources = _resources(res.requests, res.limits, spec.trainer.gpus_per_replica)
     else:
@@ -280,7 +279,7 @@ def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, att
     # every port whose name starts with "metrics").
     ports = [{"name": "metrics" if i == 0 else f"metrics-{i}", "containerPort": port}
              for i, port in enumerate(process.metrics_ports)]
-    if process.role == "trainer" and process.rank == 0:
+    if process.role == ROLE_TRAINER and process.rank == 0:
         ports.append({"name": "rendezvous", "containerPort": DEFAULT_MASTER_PORT})
     container: dict[str, Any] = {
         "name": process.role,
@@ -307,11 +306,11 @@ def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, att
             *t.volumes,
         ],
     }
-    if process.role == "trainer" and process.workers > 1:
+    if process.role == ROLE_TRAINER and process.workers > 1:
         # G workers in one pod talk through shared memory (NCCL, gloo); the runtime's default /dev/shm is 64 MiB.
         pod_spec["volumes"].append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
         container["volumeMounts"].append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
-    if process.role == "trainer":
+    if process.role == ROLE_TRAINER:
         pod_spec["hostname"] = f"trainer-{process.rank}"
         pod_spec["subdomain"] = names.service
     return {
@@ -333,7 +332,7 @@ def render_store(run: TrainingRun, owner: Owner, image: str = DEFAULT_REDIS_IMAG
     if not store_is_managed(run):
         return []
     names = Names(owner.name)
-    labels = {**base_labels(owner.name), L_ROLE: "store"}
+    labels = {**base_labels(owner.name), LABEL_ROLE: ROLE_STORE}
     t = run.spec.pod_template
     common = _pod_spec_common(run)
     common.pop("schedulerName", None)  # the store is not part of the gang

@@ -10,7 +10,8 @@ rollout/trainer pod deleted; `suspend: false` starts a new attempt (trainers res
 Terminal phases are sticky: nothing observed afterwards moves a run out of Succeeded or Failed.
 
 Failure policy:
-  - a failed container with exit code `trainingrun.plan.EXIT_CONFIG_ERROR` (78) fails the run at once (ConfigError);
+  (the rules themselves: `trainingrun.failure_policy`)
+  - a failed container with exit code `EXIT_CONFIG_ERROR` (78) fails the run at once (ConfigError);
   - otherwise a whole-group restart while `restarts < maxRestarts`, else Failed (BackoffLimitExceeded) with the failing
     pod, container, exit code and reason in the message;
   - `activeDeadlineSeconds` counted from startTime (reset on resume) → Failed (DeadlineExceeded);
@@ -24,11 +25,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainingrun.api.constants import GROUP_ROLES, LABEL_ATTEMPT, LABEL_RANK, LABEL_ROLE
 from trainingrun.api.models import TERMINAL_PHASES, TrainingRun
 from trainingrun.operator import render
-from trainingrun.plan import EXIT_CONFIG_ERROR
+from trainingrun import failure_policy as policy
 
-GROUP_ROLES = ("rollout", "trainer")
 CONDITION_TYPES = ("Running", "Restarting", "Suspended", "Succeeded", "Failed")
 
 
@@ -60,6 +61,13 @@ class PodObs:
     exit_codes: tuple[int, ...] = ()
     waiting: str | None = None  # e.g. "container trainer waiting: ImagePullBackOff (...)"
 
+    def as_failure(self) -> policy.Failure:
+        """This (Failed) pod as the failure policy sees it."""
+        codes = [c for c in self.exit_codes if c != 0]
+        code = policy.EXIT_CONFIG_ERROR if policy.EXIT_CONFIG_ERROR in codes else (codes[0] if codes else None)
+        return policy.Failure(name=self.name, kind=policy.classify(code), description=self.failure or
+                              f"pod {self.name} failed", role=self.role, rank=self.rank, code=code)
+
 
 def observe_pod(pod: Mapping[str, Any]) -> PodObs:
     """Summarise a Pod object (as served by the API) into a PodObs."""
@@ -67,8 +75,8 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObs:
     labels = meta.get("labels") or {}
     status = pod.get("status") or {}
     name = meta.get("name", "?")
-    rank = labels.get(render.L_RANK)
-    attempt = labels.get(render.L_ATTEMPT)
+    rank = labels.get(LABEL_RANK)
+    attempt = labels.get(LABEL_ATTEMPT)
     phase = status.get("phase") or "Pending"
     codes: list[int] = []
     failure = None
@@ -101,7 +109,7 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObs:
         failure = f"pod {name} failed (reason {reason}{msg})"
     return PodObs(
         name=name,
-        role=labels.get(render.L_ROLE, "?"),
+        role=labels.get(LABEL_ROLE, "?"),
         rank=int(rank) if rank is not None and str(rank).isdigit() else None,
         attempt=int(attempt) if attempt is not None and str(attempt).isdigit() else None,
         phase=phase,
@@ -285,14 +293,8 @@ def decide(
 
     by_key = {(p.role, p.rank): p for p in current if not p.deleting}
     expected = expected_group(run)
-    failure: str | None = None
-    config_error = False
-    for p in sorted(current, key=lambda p: (p.role != "trainer", p.rank or 0)):
-        if p.phase == "Failed":
-            failure = p.failure or f"pod {p.name} failed"
-            config_error = EXIT_CONFIG_ERROR in p.exit_codes
-            if config_error:
-                break
+    cause = policy.root_cause(p.as_failure() for p in current if p.phase == "Failed")
+    failure = cause.description if cause is not None else None
     if failure is None and phase == "Running":
         for role, rank in expected:
             p = by_key.get((role, rank))
@@ -300,6 +302,8 @@ def decide(
                 gone = next((q for q in current if (q.role, q.rank) == (role, rank)), None)
                 name = gone.name if gone else render.Names(run.metadata.name).pod(role, rank, attempt)
                 failure = f"pod {name} was deleted while the run was running"
+                cause = policy.Failure(name=name, kind=policy.ExitKind.FAILURE, description=failure, role=role,
+                                       rank=rank)
                 break
     if failure is None and phase == "Running" and fp.progress_deadline_seconds:
         running_since = parse_time((_condition(conds, "Running") or {}).get("lastTransitionTime")) or now
@@ -307,27 +311,27 @@ def decide(
         ptime = progress.get("time") if progress else None
         if isinstance(ptime, (int, float)):
             last = max(last, dt.datetime.fromtimestamp(ptime, dt.timezone.utc))
-        idle = (now - last).total_seconds()
-        if idle > fp.progress_deadline_seconds:
+        left = policy.seconds_left(last.timestamp(), fp.progress_deadline_seconds, now.timestamp())
+        assert left is not None
+        if left < 0:
+            idle = (now - last).total_seconds()
             failure = (f"no progress for {int(idle)}s (progressDeadlineSeconds={fp.progress_deadline_seconds}, "
                        f"last step {st['step']})")
+            cause = policy.Failure(name="progress deadline", kind=policy.ExitKind.FAILURE, description=failure)
         else:
-            left = fp.progress_deadline_seconds - idle
             d.requeue_after = left if d.requeue_after is None else min(d.requeue_after, left)
 
-    if failure is not None:
-        if config_error:
-            return fail("ConfigError", f"{failure}: exit code {EXIT_CONFIG_ERROR} is a configuration error; "
-                        "not restarting (fix the spec and create a new run)")
-        if st["restarts"] >= fp.max_restarts:
-            return fail("BackoffLimitExceeded", f"{failure}; all {fp.max_restarts} restart(s) of "
-                        f"failurePolicy.maxRestarts used")
+    if cause is not None and failure is not None:
+        verdict = policy.on_failure(cause, restarts=st["restarts"], max_restarts=fp.max_restarts)
+        if not verdict.restart:
+            sep = ": " if cause.kind is policy.ExitKind.CONFIG_ERROR else "; "
+            return fail(verdict.reason, f"{failure}{sep}{verdict.why}")
         st["restarts"] += 1
         st["attempt"] = attempt + 1
         st["phase"] = "Restarting"
         st["message"] = (f"{failure}; restarting the whole group as attempt {attempt + 1} "
                          f"(restart {st['restarts']} of {fp.max_restarts}) in {fp.backoff_seconds}s")
-        _only(conds, "Restarting", "PodFailed", st["message"], now_s)
+        _only(conds, "Restarting", verdict.reason, st["message"], now_s)
         d.events.append(("Warning", "Restarting", st["message"]))
         d.delete_pods = sorted({p.name for p in group_live})
         d.restarted = True

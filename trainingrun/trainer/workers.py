@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainingrun.plan import EXIT_CONFIG_ERROR
+from trainingrun import failure_policy as policy
 
 POLL_SECONDS = 0.1
 STOP_GRACE_SECONDS = 5.0  # a failed peer leaves the others blocked in a collective: they get this long after SIGTERM
@@ -141,9 +141,13 @@ class Supervisor:
             else:
                 failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
                 if failed:
-                    # Several may fail in one poll (a rank's death breaks its peers' collectives): a configuration
-                    # error wins, then a worker killed by a signal, then the lowest local rank.
-                    i, code = min(failed, key=lambda ic: (ic[1] != EXIT_CONFIG_ERROR, ic[1] >= 0, ic[0]))
+                    # Several may fail in one poll (a rank's death breaks its peers' collectives): the failure
+                    # policy names the one to report (a configuration error, then a worker killed by a signal, then
+                    # the lowest local rank).
+                    cause = policy.root_cause(policy.Failure(name=f"worker {i}", kind=policy.classify(c),
+                                                             description="", rank=i, code=c) for i, c in failed)
+                    assert cause is not None and cause.rank is not None and cause.code is not None
+                    i, code = cause.rank, cause.code
                     self.log(f"worker {i} (rank {self.node_rank * self.nproc + i}) failed with "
                              f"{'signal ' + str(-code) if code < 0 else 'exit ' + str(code)}; stopping the others")
                     self._stop(STOP_GRACE_SECONDS)
@@ -178,7 +182,7 @@ class Supervisor:
 
 def worker_command(argv: list[str]) -> list[str]:
     """`python -m trainingrun trainer ARGV` (or `$TRAININGRUN_CHILD_COMMAND trainer ARGV`, as the local launcher)."""
-    from trainingrun.local_procs import child_command_prefix
+    from trainingrun.local.procs import child_command_prefix
 
     return [*child_command_prefix(), "trainer", *argv]
 

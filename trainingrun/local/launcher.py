@@ -1,38 +1,18 @@
-"""`trainingrun run FILE.yaml [--out DIR] [--trainers N]`: run a whole TrainingRun on this machine.
+"""The local launcher: runs the attempts of one TrainingRun as processes in a run directory, applying the failure
+policy (`trainingrun.failure_policy`) the operator applies to pods.
 
-The launcher renders the same RunPlan the operator renders into pods (`trainingrun.plan.build_plan`) into local
-processes: one rollout and N trainer ranks (`python -m trainingrun rollout|trainer`), all with cwd DIR, a file store
-under DIR/store (or the spec's store URL), distinct metrics ports and a fresh torch.distributed master port per
-attempt. It shows live progress, applies the operator's failure policy, and writes DIR/metrics.jsonl and
-DIR/summary.json. See docs/local.md.
-
-Run directory (DIR, default runs/<name>):
-  run.yaml          the effective spec (TRAININGRUN_CONFIG of every process)
-  store/            the file store (unless spec.store.url is set)
-  checkpoints/      trainer checkpoints (spec.trainer.checkpoint.path is relative to DIR)
-  logs/<name>.log   one log per process and attempt (<name>.attempt<k>.log after a restart)
-  raw/              rank 0's per-attempt step records
-  pids.json         the current attempt's process ids and metrics ports
-  metrics.jsonl     one JSON object per training step (the last attempt's record of a re-run step wins)
-  summary.json      steps, samples, first/final loss, restarts, wall time, tokens/s, status, exit codes
-
-Failure policy (spec.failurePolicy, as the operator): a process that exits non-zero (or a run without a new step for
-progressDeadlineSeconds) stops the whole group; after backoffSeconds the rollout and all trainers start again with
-attempt+1 (trainers resume from their newest checkpoint, the rollout from its state in the store), at most
-maxRestarts times. Exit code 78 (a configuration error) fails the run at once.
-
-Exit status: 0 succeeded; 1 bad spec or failed run; 78 a process reported a configuration error; 130/143 stopped
-by SIGINT/SIGTERM (every child is stopped first).
+An attempt is the plan's processes (`trainingrun.plan.build_plan`) started by `trainingrun.local.procs`; `watch`
+polls them and rank 0's step records (`trainingrun.local.report`) until the attempt succeeds, fails, stalls or the
+launcher is signalled; `execute` restarts the group while the policy allows and writes metrics.jsonl and
+summary.json.
 """
 
 from __future__ import annotations
 
-import argparse
+import json
 import os
 import re
 import signal
-import socket
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,14 +20,15 @@ from typing import Any
 
 import yaml
 
-from trainingrun.local_procs import (
+from trainingrun.local.procs import (
     ProcessGroup,
     describe_exit,
-    log_path,
+    free_port,
+    metrics_port_block,
     tail,
     write_json_atomic,
 )
-from trainingrun.local_report import (
+from trainingrun.local.report import (
     REQUIRED_FIELDS,
     MetricsTail,
     Progress,
@@ -58,50 +39,10 @@ from trainingrun.local_report import (
     summary_table,
     write_metrics,
 )
-from trainingrun.plan import EXIT_CONFIG_ERROR, build_plan
+from trainingrun import failure_policy as policy
+from trainingrun.plan import build_plan
 
 POLL_SECONDS = 0.2
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", help="TrainingRun manifest (YAML)")
-    parser.add_argument("--out", metavar="DIR", help="run directory (default: runs/<metadata.name>); "
-                        "running again with the same DIR resumes from its checkpoints")
-    parser.add_argument("--trainers", type=int, metavar="N", help="trainer processes (overrides spec.trainer.replicas)")
-    parser.add_argument("--grace-seconds", type=float, default=15.0, metavar="S",
-                        help="how long children get to exit after SIGTERM before SIGKILL (default 15)")
-    parser.add_argument("--progress-interval", type=float, default=5.0, metavar="S",
-                        help="seconds between plain progress lines when stdout is not a terminal (default 5)")
-
-
-# ------------------------------------------------------------------------------------------------ spec handling
-def load_effective_run(path: str, trainers: int | None):
-    """The TrainingRun in `path` with `--trainers` applied, validated; ValueError with one line per bad field."""
-    from pydantic import ValidationError
-
-    from trainingrun.api import describe_errors, load_trainingrun, parse_trainingrun
-
-    run = load_trainingrun(path)  # ValueError naming file and fields
-    if trainers is None:
-        return run
-    doc = run.model_dump(by_alias=True, exclude_none=True, mode="json")
-    doc["spec"]["trainer"]["replicas"] = trainers
-    try:
-        return parse_trainingrun(doc)
-    except ValidationError as exc:
-        raise ValueError(describe_errors(exc, f"{path}: invalid TrainingRun with --trainers {trainers}:")) from None
-
-
-def resolve_input_paths(run, base: Path):
-    """`run` with a relative `rollout.source.jsonl.path` made absolute against `base` (the directory the user ran
-    `trainingrun run` in). Children run in the output directory, where a relative input path would not be found;
-    output paths (`trainer.checkpoint.path`) stay relative to the output directory on purpose."""
-    source = run.spec.rollout.source
-    if source.type != "jsonl" or source.jsonl is None or Path(source.jsonl.path).is_absolute():
-        return run
-    jsonl = source.jsonl.model_copy(update={"path": str((base / source.jsonl.path).resolve())})
-    rollout = run.spec.rollout.model_copy(update={"source": source.model_copy(update={"jsonl": jsonl})})
-    return run.model_copy(update={"spec": run.spec.model_copy(update={"rollout": rollout})})
 
 
 def spec_yaml(run) -> str:
@@ -109,33 +50,10 @@ def spec_yaml(run) -> str:
     return yaml.safe_dump(doc, sort_keys=False)
 
 
-# ------------------------------------------------------------------------------------------------------- ports
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
-    return True
-
-
-def metrics_port_block(base: int, count: int, tries: int = 200) -> int:
-    """The first port p >= base with p .. p+count-1 all free (the spec's port when it is free)."""
-    p = base
-    for _ in range(tries):
-        if p + count - 1 > 65535:
-            break
-        if all(_port_free(p + i) for i in range(count)):
-            return p
-        p += count
-    raise RuntimeError(f"no {count} free consecutive metrics ports from {base} (spec.metrics.port)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def stalled(last_progress: float, deadline_s: float | None) -> bool:
+    """No new step for longer than progressDeadlineSeconds (monotonic clock)."""
+    left = policy.seconds_left(last_progress, deadline_s, time.monotonic())
+    return left is not None and left < 0
 
 
 _ATTEMPT_LOG_RE = re.compile(r"\.attempt(\d+)\.log$")
@@ -180,6 +98,7 @@ class Outcome:
     culprit: str | None = None  # process name, or "progress deadline"
     reason: str = ""
     log: Path | None = None
+    failure: policy.Failure | None = None  # what the failure policy decides on (failed, config_error)
 
 
 class Launcher:
@@ -274,14 +193,17 @@ class Launcher:
                 self.tokens_this_run += sum(float(r.get("tokens", 0) or 0) for r in records)
                 self._check_fields(records[-1])
             self.progress.tick()
-            failed = [c for c in group.children if c.returncode not in (None, 0)]
+            failed = {c.name: c for c in group.children if c.returncode not in (None, 0)}
             if failed:
-                config = [c for c in failed if c.returncode == EXIT_CONFIG_ERROR]
-                # Several may have died in one poll (a rank's death breaks its peers' collectives): name the one that
-                # was killed by a signal before those that exited with an error.
-                c = config[0] if config else sorted(failed, key=lambda c: c.returncode >= 0)[0]
-                status = "config_error" if config else "failed"
-                return Outcome(status, culprit=c.name, reason=describe_exit(c.returncode), log=c.log)
+                # Several may have died in one poll (a rank's death breaks its peers' collectives): the policy names
+                # the one to report.
+                cause = policy.root_cause(
+                    policy.Failure(name=c.name, kind=policy.classify(c.returncode), description=describe_exit(c.returncode),
+                                   role=c.plan.role, rank=c.plan.rank, code=c.returncode) for c in failed.values())
+                assert cause is not None
+                c = failed[cause.name]
+                status = "config_error" if cause.kind is policy.ExitKind.CONFIG_ERROR else "failed"
+                return Outcome(status, culprit=c.name, reason=cause.description, log=c.log, failure=cause)
             if all(c.returncode == 0 for c in trainers):
                 # Training is complete; the rollout normally has finished too. Give it a moment, then stop it.
                 trainers_done_at = trainers_done_at or time.monotonic()
@@ -292,10 +214,10 @@ class Launcher:
                         self.progress.add(follower_tail)
                         self.tokens_this_run += sum(float(r.get("tokens", 0) or 0) for r in follower_tail)
                     return Outcome("succeeded")
-            elif deadline_s and time.monotonic() - last_progress > deadline_s:
-                return Outcome("failed", culprit="progress deadline",
-                               reason=f"no new training step for {deadline_s}s "
-                                      "(spec.failurePolicy.progressDeadlineSeconds)")
+            elif stalled(last_progress, deadline_s):
+                reason = f"no new training step for {deadline_s}s (spec.failurePolicy.progressDeadlineSeconds)"
+                return Outcome("failed", culprit="progress deadline", reason=reason, failure=policy.Failure(
+                    name="progress deadline", kind=policy.ExitKind.FAILURE, description=reason))
             time.sleep(POLL_SECONDS)
 
     def _check_fields(self, rec: dict[str, Any]) -> None:
@@ -337,7 +259,7 @@ class Launcher:
     # -- the whole run
     def execute(self) -> tuple[int, dict[str, Any]]:
         started = time.monotonic()
-        policy = self.spec.failure_policy
+        fp = self.spec.failure_policy
         store_url, config = self.prepare()
         attempt = next_attempt(self.out_dir)
         first_attempt = attempt
@@ -357,17 +279,21 @@ class Launcher:
                                       "reason": outcome.reason, "exit_codes": group.exit_codes(),
                                       "pids": group.pids()})
                 write_metrics(self.out_dir, merge_metrics(self.out_dir))
-                if outcome.status in ("succeeded", "interrupted", "config_error"):
+                if outcome.status in ("succeeded", "interrupted") or outcome.failure is None:
                     break
-                self.progress.event(f"attempt {attempt} failed: {outcome.culprit}: {outcome.reason}")
-                if restarts >= policy.max_restarts:
-                    self.progress.event(f"no restarts left ({restarts}/{policy.max_restarts} used)")
+                verdict = policy.on_failure(outcome.failure, restarts=restarts, max_restarts=fp.max_restarts)
+                if outcome.status == "failed":
+                    self.progress.event(f"attempt {attempt} failed: {outcome.culprit}: {outcome.reason}")
+                if not verdict.restart:
+                    if outcome.status == "failed":
+                        self.progress.event(f"no restarts left ({restarts}/{fp.max_restarts} used)")
                     break
-                restarts += 1
+                restarts += int(verdict.counted)
                 attempt += 1
-                self.progress.event(f"restarting the group in {policy.backoff_seconds}s "
-                                    f"(restart {restarts}/{policy.max_restarts}, attempt {attempt})")
-                if not self._sleep(policy.backoff_seconds):
+                backoff = policy.backoff_seconds(fp.backoff_seconds, restarts)
+                self.progress.event(f"restarting the group in {backoff:g}s "
+                                    f"(restart {restarts}/{fp.max_restarts}, attempt {attempt})")
+                if not self._sleep(backoff):
                     outcome = Outcome("interrupted", reason="signal received during backoff")
                     break
         finally:
@@ -392,7 +318,7 @@ class Launcher:
                 f"note: {data['leftover_groups']} group(s) / {data['leftover_samples']} sample(s) were left over at "
                 "the end: they did not fill a step and were not trained (summary.json: data)")
         write_json_atomic(self.out_dir / "summary.json", summary)
-        code = {"succeeded": 0, "config_error": EXIT_CONFIG_ERROR, "failed": 1}.get(outcome.status)
+        code = {"succeeded": 0, "config_error": policy.EXIT_CONFIG_ERROR, "failed": 1}.get(outcome.status)
         if outcome.status == "interrupted":
             code = 128 + (self.signals.received or signal.SIGINT)
         return int(code), summary
@@ -401,49 +327,9 @@ class Launcher:
 def already_succeeded(the_run, out_dir: Path) -> dict[str, Any] | None:
     """The summary of an earlier invocation in `out_dir` that succeeded with exactly this spec, else None.
     (With a changed spec, e.g. more rollouts, the run continues from its checkpoints instead.)"""
-    import json
-
     try:
         summary = json.loads((out_dir / "summary.json").read_text())
         same = (out_dir / "run.yaml").read_text() == spec_yaml(the_run)
     except (OSError, ValueError):
         return None
     return summary if same and summary.get("status") == "succeeded" else None
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        the_run = resolve_input_paths(load_effective_run(args.file, args.trainers), Path.cwd())
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    out_dir = Path(args.out) if args.out else Path("runs") / the_run.metadata.name
-    progress = Progress(num_rollouts=the_run.spec.rollout.num_rollouts, interval=args.progress_interval)
-    t = the_run.spec.trainer
-    progress.event(f"trainingrun run {the_run.metadata.name}: {t.replicas} trainer(s), "
-                   f"{the_run.spec.rollout.num_rollouts} rollouts of {the_run.spec.rollout.samples_per_rollout} "
-                   f"samples, output in {out_dir}")
-    done = already_succeeded(the_run, out_dir)
-    if done is not None:
-        print(summary_table(done))
-        print(f"run {the_run.metadata.name} in {out_dir} already succeeded with this spec; nothing to do "
-              f"(remove {out_dir} or use another --out to train again)", file=sys.stderr)
-        return 0
-    launcher = Launcher(the_run, out_dir, grace=args.grace_seconds, progress=progress)
-    code, summary = launcher.execute()
-    print(summary_table(summary))
-    if summary["failure"]:
-        f = summary["failure"]
-        print(f"error: run {summary['run']} failed: {f['process']}: {f['reason']}", file=sys.stderr)
-        if f["log"]:
-            print(f"--- last lines of {f['log']} ---\n{f['log_tail']}\n---", file=sys.stderr)
-    elif summary["status"] == "interrupted":
-        print(f"run {summary['run']} stopped; run the same command again to resume from the last checkpoint",
-              file=sys.stderr)
-    return code
-
-
-__all__ = [
-    "Launcher", "add_arguments", "load_effective_run", "log_path", "metrics_port_block", "next_attempt",
-    "resolve_input_paths", "run",
-]

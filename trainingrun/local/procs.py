@@ -1,4 +1,5 @@
-"""Child processes of a local run: start one attempt's processes, watch them, stop them without leaving orphans.
+"""Child processes of a local run: start one attempt's processes, watch them, stop them without leaving orphans;
+the metrics ports they serve on.
 
 Each child runs in its own session (its own process group), so a Ctrl-C in the terminal reaches only the launcher,
 which then stops the children in order: SIGTERM to every child's process group, a grace period, then SIGKILL to
@@ -13,6 +14,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -174,3 +176,31 @@ def tail(path: Path, lines: int = 20) -> str:
     except OSError:
         return ""
     return "\n".join(data.splitlines()[-lines:])
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def metrics_port_block(base: int, count: int, tries: int = 200) -> int:
+    """The first port p >= base with p .. p+count-1 all free (the spec's port when it is free)."""
+    p = base
+    for _ in range(tries):
+        if p + count - 1 > 65535:
+            break
+        if all(_port_free(p + i) for i in range(count)):
+            return p
+        p += count
+    raise RuntimeError(f"no {count} free consecutive metrics ports from {base} (spec.metrics.port)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,56 @@
+"""The identity of the TrainingRun API and the names its objects carry: one place, used by the CRD generator, the
+operator's renderers and status code, the local launcher and the tests (in the manner of JobSet's
+`jobset_types.go`). Values marked *contract* are relied on outside the test suite (design.md): never change them.
+
+API identity
+  GROUP         "trainingrun.dev"                 (contract) the API group
+  VERSION       "v1alpha1"                        (contract) the version within the group
+  API_VERSION   "trainingrun.dev/v1alpha1"        the `apiVersion` field of a manifest: GROUP/VERSION
+  KIND          "TrainingRun"                     (contract)
+  PLURAL        "trainingruns"                    (contract) the resource name in URLs and RBAC rules
+  SHORT_NAME    "tr"                              (contract) `kubectl get tr`
+
+Labels of every child object (pods also carry LABEL_ROLE; trainers LABEL_RANK; rollout/trainer pods LABEL_ATTEMPT):
+  LABEL_NAME    "app.kubernetes.io/name" = APP    (contract)
+  LABEL_RUN     "trainingrun.dev/run" = <run>     (contract)
+  LABEL_ROLE    "trainingrun.dev/role"            (contract) rollout | trainer | store | config
+  LABEL_RANK    "trainingrun.dev/rank"            (contract) trainer node rank
+  LABEL_ATTEMPT "trainingrun.dev/attempt"         the restart attempt the pod belongs to
+
+Annotations and other names the operator writes on a TrainingRun:
+  ANNOTATION_SPEC  the spec frozen at the first reconcile
+  FINALIZER        kopf's finalizer on every TrainingRun it handles (docs/operator.md: removing it by hand)
+  EVENT_SOURCE     source.component / reportingComponent of the operator's Events
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+GROUP: Final = "trainingrun.dev"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+KIND: Final = "TrainingRun"
+LIST_KIND: Final = f"{KIND}List"
+PLURAL: Final = "trainingruns"
+SINGULAR: Final = "trainingrun"
+SHORT_NAME: Final = "tr"
+CRD_NAME: Final = f"{PLURAL}.{GROUP}"
+
+APP: Final = "trainingrun"
+LABEL_NAME: Final = "app.kubernetes.io/name"
+LABEL_RUN: Final = f"{GROUP}/run"
+LABEL_ROLE: Final = f"{GROUP}/role"
+LABEL_RANK: Final = f"{GROUP}/rank"
+LABEL_ATTEMPT: Final = f"{GROUP}/attempt"
+
+ROLE_ROLLOUT: Final = "rollout"
+ROLE_TRAINER: Final = "trainer"
+ROLE_STORE: Final = "store"
+ROLE_CONFIG: Final = "config"
+GROUP_ROLES: Final = (ROLE_ROLLOUT, ROLE_TRAINER)  # the pods of one attempt (the store outlives attempts)
+
+ANNOTATION_SPEC: Final = f"{GROUP}/spec"
+ANNOTATION_PREFIX: Final = GROUP  # kopf's progress and diff-base annotations
+FINALIZER: Final = f"{GROUP}/operator"
+EVENT_SOURCE: Final = "trainingrun-operator"
