@@ -342,8 +342,35 @@ class StoreSpec(ApiModel):
         return self
 
 
+class TensorBoardSpec(ApiModel):
+    """TensorBoard event files written by trainer rank 0, one scalar per numeric field of the step record."""
+
+    enabled: bool = Field(True, description="Write event files.")
+    path: str | None = Field(
+        None, min_length=1,
+        description="Directory of the event files; relative paths are inside the output directory (a local run's "
+                    "directory, in a cluster trainer.checkpoint.path). Unset: <output directory>/tensorboard.",
+    )
+
+
+class WandbSpec(ApiModel):
+    """Weights & Biases logging from trainer rank 0 (the same per-step fields as TensorBoard). The run id is kept
+    with the checkpoints, so a restarted or resumed run continues the same W&B run. Online mode needs
+    WANDB_API_KEY in the trainers' environment."""
+
+    project: str = Field(..., min_length=1, max_length=128, description="W&B project.")
+    entity: str | None = Field(None, min_length=1, description="W&B entity (user or team); unset: your default.")
+    mode: Literal["online", "offline"] = Field(
+        "online", description="online: stream to W&B; offline: write files under <output directory>/wandb for "
+                              "`wandb sync` later."
+    )
+    name: str | None = Field(None, min_length=1, description="Display name (default: metadata.name).")
+    group: str | None = Field(None, min_length=1, description="W&B group.")
+    tags: list[str] = Field(default_factory=list, max_length=64, description="W&B tags.")
+
+
 class MetricsSpec(ApiModel):
-    """Prometheus metrics served by every trainer and the rollout pod."""
+    """Prometheus metrics served by every trainer and the rollout pod, and experiment tracking by step."""
 
     enabled: bool = Field(True, description="Serve /metrics.")
     port: int = Field(9400, ge=1, le=65535, description="Port of /metrics (local runs use port, port+1, ...).")
@@ -352,6 +379,8 @@ class MetricsSpec(ApiModel):
         description="Trainers (after the last step) and the rollout (after the last rollout) keep serving /metrics "
                     "this long, so a scrape sees their final values.",
     )
+    tensorboard: TensorBoardSpec = Field(default_factory=TensorBoardSpec, description="TensorBoard event files.")
+    wandb: WandbSpec | None = Field(None, description="Weights & Biases logging (off when unset).")
 
 
 class FailurePolicy(ApiModel):
@@ -509,6 +538,8 @@ ALL_MODELS: tuple[type[ApiModel], ...] = (
     StepPolicy,
     RolloutSpec,
     StoreSpec,
+    TensorBoardSpec,
+    WandbSpec,
     MetricsSpec,
     FailurePolicy,
     Toleration,
