@@ -106,3 +106,33 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_json_from_stdin_matches_the_schedule_and_warns_about_samples_over_the_cap():
+    lengths = [100, 5000, 300, 200, 80, 7000, 60, 90]
+    proc = subprocess.run([sys.executable, "-m", "trainingrun", "schedule", "-", "--dp", "2", "--max-tokens", "1024",
+                           "--json"], input=json.dumps(lengths), cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    sched = build_dp_schedule(lengths, dp_size=2, max_tokens_per_gpu=1024)
+    assert out["steps"] == json.loads(json.dumps(schedule_stats(sched, lengths)))
+    assert out["schedule"]["partitions"] == [[int(i) for i in p] for p in sched.partitions]
+    assert out["schedule"]["num_microbatches"] == list(sched.num_microbatches)
+    assert out["num_steps"] == 1 and out["samples_scheduled"] == 8 and out["dp_size"] == 2
+    warning = "2 of 8 samples are longer than --max-tokens 1024 (longest 7000)"
+    assert out["warnings"] and warning in out["warnings"][0]
+    assert warning in proc.stderr and proc.stderr.startswith("trainingrun schedule: warning:")
+    # plain text on stdin, no sample over the cap: no warning
+    ok = subprocess.run([sys.executable, "-m", "trainingrun", "schedule", "-", "--max-tokens", "8192"],
+                        input="100 200\n300", cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and ok.stderr == "" and "3 samples scheduled" in ok.stdout
+
+
+def test_help_explains_every_column():
+    from trainingrun.schedule.cli import _COLUMNS
+
+    proc = run_cli("--help")
+    assert proc.returncode == 0
+    explained = proc.stdout.split("columns of the table", 1)[1]
+    for title, _, _ in _COLUMNS:
+        assert f"\n  {title} " in explained, title

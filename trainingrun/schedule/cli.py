@@ -1,7 +1,10 @@
 """`trainingrun schedule LENGTHS ...`: print a data-parallel schedule's per-step statistics as a table.
 
-LENGTHS (and ``--groups``) is a file of values: a JSON list (or an object with a ``lengths`` / ``group_ids`` list),
-JSON Lines (one value, or one list of values, per line), or plain text (values separated by whitespace or commas).
+LENGTHS (and ``--groups``) is a file of values, or ``-`` for standard input: a JSON list (or an object with a
+``lengths`` / ``group_ids`` list), JSON Lines (one value, or one list of values, per line), or plain text (values
+separated by whitespace or commas). ``--json`` prints the statistics, the totals and the schedule itself (each rank's
+sample indices per micro-batch) as one JSON object instead of the table. Samples longer than ``--max-tokens`` each get
+a micro-batch of their own above the cap: a warning on stderr says how many (and ``warnings`` in ``--json``).
 Bad input prints one line ``trainingrun schedule: error: <argument>: <reason>`` and exits 2.
 """
 
@@ -43,9 +46,27 @@ def _positive_int(text: str) -> int:
     return value
 
 
+COLUMNS_HELP = """\
+columns of the table (one row per step; --json gives the same fields by their long names):
+  step           step index within these lengths (0-based)
+  gbs            global batch size: samples in the step, over all ranks
+  mb/rank        micro-batches every rank runs in the step (the same on every rank)
+  lower bd       lower bound on mb/rank for these samples (token cap or micro-batch size, per rank)
+  max rank tok   tokens of the most loaded rank in the step
+  mean rank tok  mean tokens per rank in the step
+  tok imb        token imbalance: max rank tokens / mean rank tokens (1 = balanced)
+  flops imb      the same for the FLOPs proxy a*L + L^2 per sample of length L
+  fill           step tokens / (micro-batches x ranks x --max-tokens): how full the micro-batches are
+                 (- with static --micro-batch-size)
+"""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the sub-command's arguments on ``parser`` (and make its errors one line, exit code 2)."""
-    parser.add_argument("lengths", metavar="LENGTHS", help="file of sample lengths in tokens (JSON, JSONL or text)")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = COLUMNS_HELP
+    parser.add_argument("lengths", metavar="LENGTHS",
+                        help="file of sample lengths in tokens (JSON, JSONL or text); - reads standard input")
     parser.add_argument("--dp", type=_positive_int, default=1, metavar="N", help="data-parallel ranks (default 1)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--max-tokens", type=_positive_int, metavar="C", help="dynamic micro-batches: token cap per GPU")
@@ -57,6 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="micro-batches per rank must be a multiple of K (virtual pipeline stages)")
     parser.add_argument("--cost", choices=("tokens", "flops"), default="tokens",
                         help="load balanced across ranks (default tokens)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object (steps, totals, warnings, the schedule) instead of the table")
 
     def one_line_error(message: str) -> NoReturn:
         print(f"{parser.prog}: error: {message}", file=sys.stderr)
@@ -91,11 +114,42 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise _UsageError(_flag_message(str(exc))) from None
     stats = schedule_stats(schedule, lengths, cost=args.cost)
-    print(format_table(stats))
     placed = sum(schedule.global_batch_sizes)
+    warnings = []
+    if args.max_tokens is not None:
+        over = [n for n in lengths if n > args.max_tokens]
+        if over:
+            warnings.append(f"{len(over)} of {len(lengths)} samples are longer than --max-tokens {args.max_tokens} "
+                            f"(longest {max(over)}): each runs as a micro-batch of its own above the cap")
+    for w in warnings:
+        print(f"trainingrun schedule: warning: {w}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({
+            "steps": stats,
+            "num_steps": schedule.num_steps,
+            "samples_scheduled": placed,
+            "leftover": list(schedule.leftover),
+            "dp_size": schedule.dp_size,
+            "warnings": warnings,
+            "schedule": {
+                "num_microbatches": list(schedule.num_microbatches),
+                "global_batch_sizes": list(schedule.global_batch_sizes),
+                "partitions": [list(p) for p in schedule.partitions],
+                "micro_batch_indices": [[list(mb) for mb in ranks] for ranks in schedule.micro_batch_indices],
+            },
+        }, default=_json_default))
+        return 0
+    print(format_table(stats))
     print(f"{schedule.num_steps} steps, {placed} samples scheduled, {len(schedule.leftover)} leftover, "
           f"dp {schedule.dp_size}")
     return 0
+
+
+def _json_default(value: Any) -> Any:
+    """numpy scalars (the schedule's indices) as plain numbers."""
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
 def _flag_message(message: str) -> str:
@@ -110,7 +164,7 @@ def _flag_message(message: str) -> str:
 def _read_values(path: str, name: str, *, key: str) -> list[Any]:
     """Values from a JSON / JSONL / text file; ``_UsageError`` naming ``name`` if unreadable or malformed."""
     try:
-        text = Path(path).read_text()
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
     except OSError as exc:
         raise _UsageError(f"{name}: cannot read {path}: {exc.strerror or exc}") from None
     try:
