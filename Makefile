@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 TOOLS_VENV ?= .venv-tools
 
-.PHONY: demo test e2e crd bench tools clean
+.PHONY: demo test services e2e crd bench tools clean
 
 # The virtual environment is rebuilt when pyproject.toml changes. torch is installed first and pinned: an open range
 # may pull a multi-GB CUDA build.
@@ -18,7 +18,7 @@ $(VENV)/.base: pyproject.toml
 	touch $@
 
 $(VENV)/.run: $(VENV)/.base
-	$(PIP) install -q -e '.[validate,store,metrics,train]'
+	$(PIP) install -q -e '.[validate,store,metrics,train,local]'
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.base
@@ -30,12 +30,17 @@ demo: $(VENV)/.run
 	rm -rf runs/tiny
 	$(VENV)/bin/trainingrun run examples/tiny.yaml --out runs/tiny
 
-test: $(VENV)/.dev
+# A fresh machine: the venv, the system services (.ci/services: apt-get install redis-server prometheus when root or
+# passwordless sudo, else an error naming the packages) and checkov's own venv; then the whole suite.
+test: $(VENV)/.dev services tools
 	$(PY) -m pytest -q tests
+
+services:
+	.ci/services
 
 # checkov lives in its own environment: resolved together with the dev extras pip backtracks for many minutes.
 $(TOOLS_VENV)/.ok:
-	$(PYTHON) -m venv $(TOOLS_VENV)
+	test -x $(TOOLS_VENV)/bin/python || $(PYTHON) -m venv $(TOOLS_VENV)
 	$(TOOLS_VENV)/bin/python -m pip install -q checkov
 	touch $@
 
