@@ -75,7 +75,8 @@ def test_targets_operator_and_trainer_with_pinned_bases():
     assert "cuda" in s["trainer"]["base"] and s["trainer"]["base"].startswith("pytorch/pytorch:")
 
 
-@pytest.mark.parametrize("target, extra, command", [("operator", "operator", "operator"), ("trainer", "train", "trainer")])
+@pytest.mark.parametrize("target, extra, command", [("operator", "operator", "operator"),
+                                                    ("trainer", "train,wandb", "trainer")])
 def test_each_image_runs_as_user_10001_with_its_extras(target, extra, command):
     s = stages()
     lines = s[target]["lines"]
