@@ -45,9 +45,10 @@ def main() -> None:
     import torch
 
     from trainingrun.schedule import build_dp_schedule
+    from trainingrun.rollout.published import rank_payload
     from trainingrun.trainer.batch import step_microbatches
     from trainingrun.trainer.step import train_step
-    from trainingrun.trainer.synthetic import loss_tokens_of, make_samples, payload_for
+    from trainingrun.trainer.synthetic import loss_tokens_of, make_samples
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     set_seed(0)
@@ -77,11 +78,13 @@ def main() -> None:
             start += n
             lens = [len(pool.tokens[i]) for i in idx]
             s = build_dp_schedule(lens, dp_size=1, max_tokens_per_gpu=args.max_tokens).to_dict()
-            payload = payload_for(pool, [idx[p] for p in s["partitions"][0]])
-            schedule = {"schedule": s}
+            payload = rank_payload(pool, [idx[p] for p in s["partitions"][0]])
             gbs = sum(s["global_batch_sizes"])
-            for step in range(len(s["num_microbatches"])):
-                mbs = step_microbatches(schedule, payload, 0, step, device, pad_to_longest=padded)
+            first = 0
+            for m in s["num_microbatches"]:
+                positions = s["micro_batch_indices"][0][first:first + m]
+                first += m
+                mbs = step_microbatches(payload, positions, device, pad_to_longest=padded)
                 t0 = time.perf_counter()
                 train_step(ddp, opt, sched, mbs, loss_type="sft", normalization="sample", global_batch_size=gbs,
                            loss_tokens=loss_tokens_of(pool, idx), dp_size=1)

@@ -47,6 +47,7 @@ REQUIRED = ("step", "rollout", "global_batch_size", "num_microbatches", "loss", 
 
 
 def _publish(url: str, rollouts: range, finish: bool) -> None:
+    from trainingrun.rollout import published
     from trainingrun.store import open_store
     from trainingrun.trainer.synthetic import make_samples, schedule_and_payloads
 
@@ -54,12 +55,13 @@ def _publish(url: str, rollouts: range, finish: bool) -> None:
     step_offset = samples_offset = 0
     for k in range(max(rollouts) + 1):
         s = make_samples(COUNTS[k], vocab=32, seed=100 + k, group_size=2, id_base=k * 1000)
-        sched, payloads = schedule_and_payloads(s, dp_size=2, rollout=k, step_offset=step_offset,
-                                                samples_offset=samples_offset, groups_per_step=2, max_tokens_per_gpu=48)
+        rollout, payloads = schedule_and_payloads(s, dp_size=2, rollout=k, step_offset=step_offset,
+                                                  samples_offset=samples_offset, groups_per_step=2,
+                                                  max_tokens_per_gpu=48)
         if k in rollouts:
-            store.publish_rollout(k, payloads, sched)
-        step_offset += len(sched["global_batch_sizes"])
-        samples_offset += sum(sched["global_batch_sizes"])
+            published.publish(store, rollout, payloads)
+        step_offset += rollout.num_steps
+        samples_offset += rollout.num_samples
     if finish:
         store.finish(len(COUNTS))
 

@@ -81,9 +81,10 @@ def _worker(out_path: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from trainingrun.rollout.published import rank_payload
     from trainingrun.trainer.batch import pack
     from trainingrun.trainer.step import forward_backward
-    from trainingrun.trainer.synthetic import loss_tokens_of, make_samples, payload_for
+    from trainingrun.trainer.synthetic import loss_tokens_of, make_samples
 
     rank = dist.get_rank()
     set_seed(11)
@@ -94,7 +95,7 @@ def _worker(out_path: str) -> None:
     all_idx = sorted(i for mbs in SPLIT.values() for mb in mbs for i in mb)
     gbs, loss_tokens = len(all_idx), loss_tokens_of(samples, all_idx)
     mine = [i for mb in SPLIT[rank] for i in mb]
-    payload = payload_for(samples, mine)
+    payload = rank_payload(samples, mine)
     positions, p = [], 0
     for mb in SPLIT[rank]:
         positions.append(list(range(p, p + len(mb))))

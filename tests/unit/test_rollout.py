@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from trainingrun.rollout.pipeline import apply_filters, build_rollout, compute_advantages, split_into_steps
+from trainingrun.rollout.pipeline import apply_filters, as_samples, compute_advantages, split_into_steps
+from trainingrun.rollout.published import PublishedRollout, build_published
 from trainingrun.rollout.sources import (
     EOS,
     SEP,
@@ -124,13 +125,14 @@ def test_split_into_steps_fixed_and_dynamic():
 
 @pytest.mark.parametrize("batching", [dict(max_tokens_per_gpu=24, micro_batch_size=None),
                                       dict(max_tokens_per_gpu=None, micro_batch_size=2)])
-def test_build_rollout_payloads_match_the_schedule(batching):
+def test_published_rollout_payloads_match_the_schedule(batching):
     groups = _groups([4, 3, 4, 2, 4, 4])
-    built = build_rollout(5, groups, dp_size=3, policy="fixed", groups_per_step=2, microbatch_multiple=1,
-                          step_offset=10, samples_offset=100, **batching)
-    sched = built.schedule
-    assert sched["rollout"] == 5 and sched["step_offset"] == 10 and sched["samples_offset"] == 100
-    assert sched["global_batch_sizes"] == [7, 6, 8] and built.num_samples == 21
+    published, payloads, leftover = build_published(5, as_samples(groups), dp_size=3, groups_per_step=2,
+                                                    microbatch_multiple=1, step_offset=10, samples_offset=100,
+                                                    **batching)
+    assert leftover == []
+    assert published.rollout == 5 and published.step_offset == 10 and published.samples_offset == 100
+    assert published.global_batch_sizes == [7, 6, 8] and published.num_samples == 21
     by_id = {int(i): (t, m) for g in groups for i, t, m in zip(g.sample_ids, g.tokens, g.loss_masks)}
     seen = []
     step_of = {}
@@ -138,8 +140,8 @@ def test_build_rollout_payloads_match_the_schedule(batching):
         for g in gs:
             step_of.update({int(i): s for i in g.sample_ids})
     loss_tokens = [0, 0, 0]
-    for r, p in built.payloads.items():
-        part = sched["schedule"]["partitions"][r]
+    for r, p in payloads.items():
+        part = published.schedule.partitions[r]
         assert len(p["sample_ids"]) == len(part)
         for j, sid in enumerate(p["sample_ids"]):
             tokens, mask = by_id[int(sid)]
@@ -149,9 +151,32 @@ def test_build_rollout_payloads_match_the_schedule(batching):
             loss_tokens[step_of[int(sid)]] += int(mask.sum())
             seen.append(int(sid))
     assert sorted(seen) == sorted(by_id)
-    assert sched["loss_tokens"] == loss_tokens
-    assert sched["step_tokens"] == [sum(len(by_id[i][0]) for i in by_id if step_of[i] == s) for s in range(3)]
-    assert all(x >= 1.0 for x in sched["imbalance"])
+    assert list(published.loss_tokens) == loss_tokens
+    assert list(published.step_tokens) == [sum(len(by_id[i][0]) for i in by_id if step_of[i] == s) for s in range(3)]
+    assert all(x >= 1.0 for x in published.imbalance)
+    # each step's micro-batches, as the trainer reads them, hold exactly that step's samples
+    for step in published.steps():
+        ids = [int(payloads[r]["sample_ids"][pos]) for r in range(3)
+               for mb in published.microbatch_positions(r, step) for pos in mb]
+        assert len(ids) == step.global_batch_size and {step_of[i] for i in ids} == {step.index}
+        assert step.global_step == 10 + step.index
+        assert step.samples_before == 100 + sum(published.global_batch_sizes[: step.index])
+
+
+def test_published_rollout_json_round_trip_and_malformed_documents():
+    published, _, _ = build_published(2, as_samples(_groups([4, 3, 4])), dp_size=2, groups_per_step=None,
+                                      max_tokens_per_gpu=32, micro_batch_size=None, step_offset=3, samples_offset=7)
+    doc = json.loads(json.dumps(published.to_json()))
+    assert PublishedRollout.from_json(doc) == published
+    for change, field in [(lambda d: d.pop("loss_tokens"), "loss_tokens"),
+                          (lambda d: d.update(loss_tokens=[1, 2, 3]), "schedule.loss_tokens"),
+                          (lambda d: d.update(dp_size=3), "schedule.dp_size"),
+                          (lambda d: d.update(global_batch_sizes=[1]), "schedule.global_batch_sizes"),
+                          (lambda d: d["schedule"]["partitions"][0].append(99), "schedule")]:
+        bad = json.loads(json.dumps(doc))
+        change(bad)
+        with pytest.raises(ValueError, match=field):
+            PublishedRollout.from_json(bad)
 
 
 def test_group_json_round_trip():

@@ -1,4 +1,4 @@
-"""From a rollout's groups to what is published: filters → advantages → steps → DP schedule → per-rank payloads.
+"""The pure stages between a source's groups and a published rollout: filters → advantages → steps → flat samples.
 
 Pure functions (numpy + the scheduler), no I/O, so each stage is unit-tested on its own.
 
@@ -17,13 +17,12 @@ position t-1 is token t where loss_mask[t] = 1), so a sample occupies len(tokens
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
+from trainingrun.rollout.published import Samples
 from trainingrun.rollout.sources import ConfigError, Group
-from trainingrun.store.base import RankPayload
 
 ADV_EPS = 1e-6
 
@@ -111,87 +110,13 @@ def split_into_steps(
     return used, list(groups[n_steps * groups_per_step :])
 
 
-@dataclass
-class BuiltRollout:
-    """A rollout ready to publish."""
-
-    schedule: dict[str, Any]
-    payloads: dict[int, RankPayload]
-    num_samples: int
-    num_steps: int
-    imbalance: list[float] = field(default_factory=list)
-
-
-def build_rollout(
-    rollout: int,
-    groups: list[Group],
-    *,
-    dp_size: int,
-    policy: str,
-    groups_per_step: int | None,
-    max_tokens_per_gpu: int | None,
-    micro_batch_size: int | None,
-    microbatch_multiple: int,
-    step_offset: int,
-    samples_offset: int,
-    extra: dict[str, Any] | None = None,
-) -> BuiltRollout:
-    """Schedule `groups` (which form whole steps) over `dp_size` ranks and cut the per-rank payloads."""
-    from trainingrun.schedule import build_dp_schedule
-
-    tokens = [t for g in groups for t in g.tokens]
-    masks = [m for g in groups for m in g.loss_masks]
-    rewards = np.concatenate([g.rewards for g in groups]).astype(np.float32)
-    advantages = np.concatenate([g.advantages for g in groups]).astype(np.float32)
-    sample_ids = np.concatenate([g.sample_ids for g in groups]).astype(np.int64)
-    group_ids = [g.group_id for g in groups for _ in range(len(g))]
-    lengths = np.array([len(t) for t in tokens], dtype=np.int64)
-    sched = build_dp_schedule(
-        lengths,
-        dp_size=dp_size,
-        global_batch_size=groups_per_step if policy == "fixed" else None,
-        group_ids=group_ids,
-        max_tokens_per_gpu=max_tokens_per_gpu,
-        micro_batch_size=micro_batch_size,
-        microbatch_multiple=microbatch_multiple,
+def as_samples(groups: list[Group]) -> Samples:
+    """The groups' samples as one flat batch, in group order (what `published.build_published` schedules)."""
+    return Samples(
+        tokens=[t for g in groups for t in g.tokens],
+        loss_masks=[m for g in groups for m in g.loss_masks],
+        rewards=np.concatenate([g.rewards for g in groups]).astype(np.float32),
+        advantages=np.concatenate([g.advantages for g in groups]).astype(np.float32),
+        sample_ids=np.concatenate([g.sample_ids for g in groups]).astype(np.int64),
+        group_ids=[g.group_id for g in groups for _ in range(len(g))],
     )
-    if sched.leftover:  # split_into_steps passes whole steps only
-        raise AssertionError(f"scheduler left {len(sched.leftover)} samples over from whole steps")
-    loss_counts = np.array([int(m.sum()) for m in masks], dtype=np.int64)
-    loss_tokens = sched.step_loss_tokens(loss_counts)
-    imbalance, step_tokens = [], []
-    for s in range(sched.num_steps):
-        load = [sum(int(lengths[i]) for mb in sched.step_microbatches(r, s) for i in mb) for r in range(dp_size)]
-        step_tokens.append(sum(load))
-        mean = sum(load) / dp_size
-        imbalance.append(max(load) / mean if mean else 1.0)
-    payloads = {}
-    for r, part in enumerate(sched.partitions):
-        idx = np.asarray(part, dtype=np.int64)
-        offsets = np.zeros(len(idx) + 1, dtype=np.int64)
-        np.cumsum(lengths[idx], out=offsets[1:])
-        payloads[r] = {
-            "tokens": np.concatenate([tokens[i] for i in idx]).astype(np.int32) if len(idx) else np.zeros(0, np.int32),
-            "offsets": offsets,
-            "loss_mask": np.concatenate([masks[i] for i in idx]).astype(np.uint8) if len(idx) else np.zeros(0, np.uint8),
-            "advantages": advantages[idx],
-            "rewards": rewards[idx],
-            "sample_ids": sample_ids[idx],
-        }
-    schedule = {
-        "rollout": rollout,
-        "dp_size": dp_size,
-        "schedule": sched.to_dict(),
-        "global_batch_sizes": list(map(int, sched.global_batch_sizes)),
-        "loss_tokens": list(map(int, loss_tokens)),
-        "step_tokens": step_tokens,
-        "imbalance": [round(x, 6) for x in imbalance],
-        "num_steps": sched.num_steps,
-        "num_samples": len(tokens),
-        "num_groups": len(groups),
-        "step_offset": step_offset,
-        "samples_offset": samples_offset,
-        "mean_reward": float(rewards.mean()) if len(rewards) else 0.0,
-        **(extra or {}),
-    }
-    return BuiltRollout(schedule, payloads, len(tokens), sched.num_steps, imbalance)

@@ -20,10 +20,9 @@ from __future__ import annotations
 import base64
 import json
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -317,11 +316,57 @@ def _validate_line(obj: dict, where: str, vocab: int, errors: list[str]):
     return arr.astype(np.int32), mask, reward, advantage
 
 
-def jsonl_rollouts(data: JsonlData, groups_per_rollout: int) -> Iterator[tuple[int, list[Group]]]:
-    """(source index, groups) for each rollout: consecutive runs of `groups_per_rollout` groups in file order."""
-    for i, start in enumerate(range(0, len(data.groups), groups_per_rollout)):
-        yield i, data.groups[start : start + groups_per_rollout]
+# ------------------------------------------------------------------------------------------------------ sources
+class Source(Protocol):
+    """The first three stages of a rollout: draw prompts → generate → score.
+
+    `draw(i)` returns source rollout i's prompts (None: the source is exhausted); `generate` turns them into groups
+    of samples; `score` sets the groups' rewards. A source rollout is a pure function of (spec, i) for the replay
+    sources, so a restarted rollout rebuilds it bit for bit. The replay sources (`synthetic`, `jsonl`) draw samples
+    that are already generated and scored: their `generate` and `score` pass them through.
+    """
+
+    def draw(self, index: int) -> Any | None: ...
+
+    def generate(self, prompts: Any) -> list[Group]: ...
+
+    def score(self, groups: list[Group]) -> None: ...
 
 
-def jsonl_num_source_rollouts(data: JsonlData, groups_per_rollout: int) -> int:
-    return -(-len(data.groups) // groups_per_rollout)
+class SyntheticSource:
+    """`rollout.source.type: synthetic` (see the module docstring)."""
+
+    def __init__(self, cfg: SyntheticConfig):
+        self.cfg = cfg
+
+    def draw(self, index: int) -> list[Group]:
+        return synthetic_rollout(self.cfg, index)
+
+    def generate(self, prompts: list[Group]) -> list[Group]:
+        return prompts
+
+    def score(self, groups: list[Group]) -> None:
+        pass
+
+
+class JsonlSource:
+    """`rollout.source.type: jsonl`: source rollout i = the next `groups_per_rollout` groups in file order."""
+
+    def __init__(self, data: JsonlData, groups_per_rollout: int):
+        self.data = data
+        self.groups_per_rollout = groups_per_rollout
+
+    def draw(self, index: int) -> list[Group] | None:
+        start = index * self.groups_per_rollout
+        if start >= len(self.data.groups):
+            return None
+        # copies: filters/advantages must not change the loaded data (a rebuilt rollout must be identical)
+        return [Group(g.group_id, g.tokens, g.loss_masks, g.rewards.copy(), g.sample_ids,
+                      None if g.advantages is None else g.advantages.copy(), g.has_reward)
+                for g in self.data.groups[start : start + self.groups_per_rollout]]
+
+    def generate(self, prompts: list[Group]) -> list[Group]:
+        return prompts
+
+    def score(self, groups: list[Group]) -> None:
+        pass

@@ -15,10 +15,9 @@ order, flat over the rollout's steps):
   rewards     float32 [n]              per-sample raw reward
   sample_ids  int64   [n]              global sample ids (rollout-unique), for exactly-once checks
 
-Schedule (JSON dict) of rollout k:
-  rollout: k, dp_size, schedule: DPSchedule.to_dict(), global_batch_sizes: [..], loss_tokens: [..] (per step),
-  step_offset: global optimizer step index of this rollout's first step, samples_offset: samples before it,
-  num_samples, plus whatever the rollout adds (source stats, filter counts).
+Schedule (JSON dict) of rollout k: the document `trainingrun.rollout.published.PublishedRollout` writes and reads
+(rollout, dp_size, schedule: DPSchedule.to_dict(), global_batch_sizes, loss_tokens per step, step_offset,
+samples_offset, ...). The store only checks `rollout` and `dp_size`; nothing else reads the document by its keys.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Packed (THD) micro-batches from a rank's payload and the rollout's schedule.
 
-A rank's payload holds its samples in `partitions[r]` order (flat over the rollout's steps);
-`micro_batch_indices[r][k]` are positions into it, micro-batches flat over steps, step s owning the
-`num_microbatches[s]` micro-batches after those of earlier steps. A micro-batch packs its samples back to back
+A rank's payload holds its samples in `partitions[r]` order (flat over the rollout's steps); a step's micro-batches
+are lists of positions into it (`PublishedRollout.microbatch_positions(rank, step)`). A micro-batch packs its samples back to back
 (no padding) with `cu_seqlens` marking the documents. A micro-batch with no sample (possible when a rank has fewer
 samples than the step's micro-batch count) becomes a single dummy token with no targets: its loss and gradient are 0.
 """
@@ -10,8 +9,6 @@ samples than the step's micro-batch count) becomes a single dummy token with no 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
 import numpy as np
 import torch
 
@@ -43,15 +40,6 @@ class MicroBatch:
             max_seqlen_q=self.max_seqlen,
             max_seqlen_kv=self.max_seqlen,
         )
-
-
-def step_microbatch_ranges(num_microbatches: list[int]) -> list[range]:
-    """For each step, the range of its micro-batches in the flat per-rank list."""
-    out, start = [], 0
-    for m in num_microbatches:
-        out.append(range(start, start + m))
-        start += m
-    return out
 
 
 def pack(payload: dict[str, np.ndarray], positions: list[int], device: torch.device, pad_to: int | None = None) -> MicroBatch:
@@ -105,22 +93,15 @@ def pack(payload: dict[str, np.ndarray], positions: list[int], device: torch.dev
     )
 
 
-def step_microbatches(
-    schedule: dict[str, Any], payload: dict[str, np.ndarray], dp_rank: int, step: int, device: torch.device,
-    pad_to_longest: bool = False,
-) -> list[MicroBatch]:
-    """Rank `dp_rank`'s micro-batches of step `step` (index within the rollout), packed."""
-    sched = schedule["schedule"] if "schedule" in schedule else schedule
-    ranges = step_microbatch_ranges(list(sched["num_microbatches"]))
-    if not 0 <= step < len(ranges):
-        raise ValueError(f"step: {step} outside the rollout's {len(ranges)} steps")
-    mbs = sched["micro_batch_indices"][dp_rank]
+def step_microbatches(payload: dict[str, np.ndarray], positions: list[list[int]], device: torch.device,
+                      pad_to_longest: bool = False) -> list[MicroBatch]:
+    """One packed micro-batch per entry of `positions` (a rank's micro-batches of one step, as positions into its
+    payload: `PublishedRollout.microbatch_positions`)."""
     out = []
-    for k in ranges[step]:
-        positions = [int(p) for p in mbs[k]] if k < len(mbs) else []
+    for pos in positions:
         pad = None
-        if pad_to_longest and positions:
+        if pad_to_longest and pos:
             off = payload["offsets"]
-            pad = max(int(off[p + 1] - off[p]) for p in positions)
-        out.append(pack(payload, positions, device, pad_to=pad))
+            pad = max(int(off[p + 1] - off[p]) for p in pos)
+        out.append(pack(payload, [int(p) for p in pos], device, pad_to=pad))
     return out

@@ -1,0 +1,376 @@
+"""The rollout loop: one small stage per step of the data flow, for rollout k = 0, 1, ...
+
+    draw prompts → generate → score        (the source, `rollout/sources.py`)
+    → filter → advantages                  (`rollout/pipeline.py`)
+    → split into steps (carried groups first; a source rollout that fills no step is carried whole)
+    → schedule + per-rank payloads         (`rollout/published.py`)
+    → wait for room (maxPendingRollouts) → publish → save the resume state
+
+A source rollout whose groups do not fill a step publishes nothing: its groups are carried and the next source
+rollout is drawn, so every published rollout has at least one step and k counts published rollouts (numRollouts of
+them; a jsonl source may end earlier). At the end, `finish(k)`; groups still carried are reported, never silently
+dropped. A restarted rollout reads its state (store key "rollout_state": next k, next source index, carried groups,
+offsets, totals) and continues; the rollout it was publishing when it died is rebuilt from the same state, bit for
+bit (the replay sources depend only on seed and source index), and re-publishing a committed rollout is a no-op.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainingrun.api.models import TrainingRun, TrainingRunSpec
+from trainingrun.rollout import published as contract
+from trainingrun.rollout.pipeline import FilterStats, apply_filters, as_samples, compute_advantages, split_into_steps
+from trainingrun.rollout.sources import (
+    ConfigError,
+    Group,
+    JsonlSource,
+    Source,
+    SyntheticConfig,
+    SyntheticSource,
+    load_jsonl,
+)
+from trainingrun.store.base import Store, StoreError
+
+STATE_KEY = "rollout_state"
+STATE_VERSION = 1
+MAX_EMPTY_SOURCE_ROLLOUTS = 100
+
+
+# ------------------------------------------------------------------------------------------------------ state
+@dataclass
+class RolloutState:
+    """What a restarted rollout needs to continue exactly where it was (stored as JSON under STATE_KEY)."""
+
+    fingerprint: str
+    next_rollout: int = 0  # index of the next rollout to publish
+    source_index: int = 0  # next source rollout to draw
+    step_offset: int = 0  # optimizer steps published so far
+    samples_offset: int = 0  # samples published so far
+    carried: list[Group] = field(default_factory=list)  # filtered groups waiting for a step
+    empty_streak: int = 0  # consecutive source rollouts that published nothing
+    totals: dict[str, int] = field(default_factory=lambda: {"produced": 0, "max_length": 0, "zero_variance": 0})
+    finished: bool = False
+
+    @property
+    def carried_samples(self) -> int:
+        return sum(len(g) for g in self.carried)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION, "fingerprint": self.fingerprint, "next_rollout": self.next_rollout,
+            "source_index": self.source_index, "step_offset": self.step_offset,
+            "samples_offset": self.samples_offset, "carried": [g.to_json() for g in self.carried],
+            "empty_streak": self.empty_streak, "totals": dict(self.totals), "finished": self.finished,
+            "updated_at": time.time(),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RolloutState:
+        if d.get("version") != STATE_VERSION:
+            raise StoreError(f"{STATE_KEY}: unknown state version {d.get('version')!r} (expected {STATE_VERSION})")
+        return cls(
+            fingerprint=d["fingerprint"], next_rollout=int(d["next_rollout"]), source_index=int(d["source_index"]),
+            step_offset=int(d["step_offset"]), samples_offset=int(d["samples_offset"]),
+            carried=[Group.from_json(g) for g in d["carried"]], empty_streak=int(d.get("empty_streak", 0)),
+            totals={k: int(v) for k, v in d["totals"].items()}, finished=bool(d["finished"]),
+        )
+
+
+def config_fingerprint(spec: TrainingRunSpec, dp_size: int) -> str:
+    """Hash of everything that decides the published data (not numRollouts/maxPendingRollouts, which may change)."""
+    rollout = spec.rollout.to_dict()
+    for volatile in ("numRollouts", "maxPendingRollouts", "resources"):
+        rollout.pop(volatile, None)
+    t = spec.trainer
+    relevant = {
+        "seed": spec.seed, "rollout": rollout, "dp_size": dp_size, "model": spec.model.resolved(),
+        "trainer": [t.max_tokens_per_gpu, t.micro_batch_size, t.microbatch_multiple, t.loss_type],
+    }
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class RolloutResult:
+    rollouts: int  # published
+    samples: int  # published
+    steps: int
+    leftover_groups: int  # carried at the end, not published
+    leftover_samples: int
+    totals: dict[str, int]
+    resumed: bool
+
+
+def data_report(store: Store) -> dict[str, Any] | None:
+    """What happened to the run's data so far, from the rollout's stored state (None before the first rollout):
+    samples produced, dropped by each filter, published (trained), and the groups still carried — at the end of a
+    run these were never published: they did not fill a step (`leftover_groups`, `leftover_samples`)."""
+    stored = store.get_json(STATE_KEY)
+    if stored is None:
+        return None
+    carried = stored.get("carried", [])
+    totals = stored.get("totals", {})
+    return {
+        "finished": bool(stored.get("finished")),
+        "rollouts_published": int(stored.get("next_rollout", 0)),
+        "source_rollouts": int(stored.get("source_index", 0)),
+        "steps_published": int(stored.get("step_offset", 0)),
+        "samples_published": int(stored.get("samples_offset", 0)),
+        "samples_produced": int(totals.get("produced", 0)),
+        "samples_filtered": {"max_length": int(totals.get("max_length", 0)),
+                             "zero_variance": int(totals.get("zero_variance", 0))},
+        "leftover_groups": len(carried),
+        "leftover_samples": sum(len(g["offsets"]) - 1 for g in carried),
+    }
+
+
+# ------------------------------------------------------------------------------------------------------ set-up
+def check_config(spec: TrainingRunSpec, dp_size: int) -> None:
+    """Settings that can never work; ConfigError naming the field."""
+    r = spec.rollout
+    if r.filters.zero_variance and r.group_size < 2:
+        raise ConfigError(
+            "rollout.filters.zeroVariance: with groupSize 1 every group has zero reward variance and would be "
+            "dropped; set groupSize >= 2 or zeroVariance: false"
+        )
+    if r.steps.policy == "fixed" and r.steps.global_batch_size * r.group_size < dp_size and r.source.type == "synthetic":
+        raise ConfigError(
+            f"rollout.steps.globalBatchSize: {r.steps.global_batch_size} groups of {r.group_size} samples per step "
+            f"are fewer than the {dp_size} data-parallel ranks (each rank needs a sample per step)"
+        )
+    if r.source.type == "synthetic":
+        vocab = r.source.synthetic.vocab_size
+        model_vocab = int(spec.model.resolved()["vocab_size"])
+        if vocab is not None and vocab > model_vocab:
+            raise ConfigError(
+                f"rollout.source.synthetic.vocabSize: {vocab} exceeds model vocabSize {model_vocab}"
+            )
+
+
+def make_source(spec: TrainingRunSpec, say: Callable[[str], None]) -> Source:
+    """The source `spec.rollout.source` names."""
+    r = spec.rollout
+    model = spec.model.resolved()
+    groups_per_rollout = r.samples_per_rollout // r.group_size
+    if r.source.type == "jsonl":
+        assert r.source.jsonl is not None
+        data = load_jsonl(r.source.jsonl.path, vocab_size=int(model["vocab_size"]))
+        say(f"rollout: {data.path}: {data.num_samples} samples in {len(data.groups)} groups")
+        return JsonlSource(data, groups_per_rollout)
+    s = r.source.synthetic
+    return SyntheticSource(SyntheticConfig(
+        task=s.task, min_length=s.min_length, max_length=s.max_length,
+        vocab_size=s.vocab_size or int(model["vocab_size"]), group_size=r.group_size,
+        groups_per_rollout=groups_per_rollout, seed=spec.seed,
+    ))
+
+
+# ------------------------------------------------------------------------------------------------------ the loop
+class RolloutLoop:
+    """Produces, filters, schedules and publishes every rollout of a run into a store (see the module docstring).
+
+    `run()` raises ConfigError for configuration/input errors, StoreError for store errors, TimeoutError when trainers
+    consumed nothing for `max_wait` seconds.
+    """
+
+    def __init__(self, spec: TrainingRunSpec, store: Store, *, dp_size: int | None = None, metrics=None,
+                 progress: Callable[[str], None] | None = None, max_wait: float | None = None,
+                 poll_interval: float = 0.1):
+        self.spec = spec
+        self.store = store
+        self.dp = spec.trainer.data_parallel_size if dp_size is None else dp_size
+        self.metrics = metrics
+        self.say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.max_wait = max_wait
+        self.poll_interval = poll_interval
+        check_config(spec, self.dp)
+        seq_length = int(spec.model.resolved()["seq_length"])
+        self.max_length = min(spec.rollout.filters.max_length or seq_length, seq_length)
+        self.source = make_source(spec, self.say)
+        self.fingerprint = config_fingerprint(spec, self.dp)
+
+    def run(self) -> RolloutResult:
+        state, resumed = self.resume()
+        while not state.finished and state.next_rollout < self.spec.rollout.num_rollouts:
+            prompts = self.source.draw(state.source_index)
+            if prompts is None:
+                self.exhausted(state)
+                break
+            groups = self.source.generate(prompts)
+            self.source.score(groups)
+            kept, fstats = self.filter(groups)
+            step_groups, carry = self.split(state.carried + kept)
+            after = self.account(state, groups, fstats, carry)
+            if not step_groups:
+                state = self.carry_over(state, after, groups, fstats)
+                continue
+            stats = contract.SourceStats(
+                source_index=state.source_index, produced=sum(len(g) for g in groups), filtered=fstats.as_dict(),
+                carried_in=state.carried_samples, carried_out=after.carried_samples, seed=self.spec.seed,
+            )
+            published, payloads = self.schedule(state, step_groups, stats)
+            state = self.publish(after, published, payloads)
+        return self.finish(state, resumed)
+
+    # ---- stages
+    def resume(self) -> tuple[RolloutState, bool]:
+        stored = self.store.get_json(STATE_KEY)
+        if stored is None:
+            return RolloutState(fingerprint=self.fingerprint), False
+        state = RolloutState.from_json(stored)
+        if state.fingerprint != self.fingerprint:
+            raise ConfigError(
+                f"store {self.store.url} holds rollout state of a different configuration (fingerprint "
+                f"{state.fingerprint}, this spec {self.fingerprint}): seed, rollout, model or trainer batching "
+                "changed; use a fresh store for a changed run"
+            )
+        self.say(f"rollout: resuming at rollout {state.next_rollout} (source rollout {state.source_index}, "
+                 f"{state.carried_samples} carried samples)")
+        return state, True
+
+    def filter(self, groups: list[Group]) -> tuple[list[Group], FilterStats]:
+        kept, fstats = apply_filters(groups, max_length=self.max_length,
+                                     zero_variance=self.spec.rollout.filters.zero_variance)
+        compute_advantages(kept, self.spec.trainer.loss_type)
+        if self.metrics is not None:
+            self.metrics.produced.inc(sum(len(g) for g in groups))
+            for name, n in fstats.as_dict().items():
+                self.metrics.filtered[name].inc(n)
+        return kept, fstats
+
+    def split(self, candidates: list[Group]) -> tuple[list[Group], list[Group]]:
+        r, t = self.spec.rollout, self.spec.trainer
+        return split_into_steps(
+            candidates, policy=r.steps.policy, groups_per_step=r.steps.global_batch_size, dp_size=self.dp,
+            micro_batch_size=t.micro_batch_size, microbatch_multiple=t.microbatch_multiple,
+        )
+
+    def account(self, state: RolloutState, groups: list[Group], fstats: FilterStats,
+                carry: list[Group]) -> RolloutState:
+        """The state after this source rollout, before anything of it is published."""
+        tot = state.totals
+        return RolloutState(
+            fingerprint=self.fingerprint, next_rollout=state.next_rollout, source_index=state.source_index + 1,
+            step_offset=state.step_offset, samples_offset=state.samples_offset, carried=carry,
+            totals={"produced": tot["produced"] + sum(len(g) for g in groups),
+                    "max_length": tot["max_length"] + fstats.max_length,
+                    "zero_variance": tot["zero_variance"] + fstats.zero_variance},
+        )
+
+    def carry_over(self, state: RolloutState, after: RolloutState, groups: list[Group],
+                   fstats: FilterStats) -> RolloutState:
+        """No step formed: everything kept is carried and the next source rollout is drawn."""
+        after.empty_streak = state.empty_streak + 1
+        self.say(f"rollout: source rollout {state.source_index}: {sum(len(g) for g in groups)} produced, filtered "
+                 f"{fstats.as_dict()}, {after.carried_samples} samples carried: not enough for a step, drawing the "
+                 "next one")
+        if after.empty_streak >= MAX_EMPTY_SOURCE_ROLLOUTS:
+            raise ConfigError(
+                f"rollout.filters: {MAX_EMPTY_SOURCE_ROLLOUTS} source rollouts in a row did not fill one step "
+                f"(filtered so far: {after.totals}); the filters drop (nearly) everything"
+            )
+        self.store.put_json(STATE_KEY, after.to_json())
+        return after
+
+    def schedule(self, state: RolloutState, step_groups: list[Group],
+                 stats: contract.SourceStats) -> tuple[contract.PublishedRollout, dict]:
+        r, t = self.spec.rollout, self.spec.trainer
+        published, payloads, _ = contract.build_published(
+            state.next_rollout, as_samples(step_groups), dp_size=self.dp,
+            groups_per_step=r.steps.global_batch_size if r.steps.policy == "fixed" else None,
+            max_tokens_per_gpu=t.max_tokens_per_gpu, micro_batch_size=t.micro_batch_size,
+            microbatch_multiple=t.microbatch_multiple, step_offset=state.step_offset,
+            samples_offset=state.samples_offset, stats=stats,
+        )
+        return published, payloads
+
+    def publish(self, after: RolloutState, published: contract.PublishedRollout, payloads: dict) -> RolloutState:
+        k = published.rollout
+        self.wait_for_room(k)
+        t0 = time.perf_counter()
+        fresh = contract.publish(self.store, published, payloads)
+        seconds = time.perf_counter() - t0
+        after.next_rollout = k + 1
+        after.step_offset = published.step_offset + published.num_steps
+        after.samples_offset = published.samples_offset + published.num_samples
+        self.store.put_json(STATE_KEY, after.to_json())
+        if self.metrics is not None:
+            self.metrics.published.inc(published.num_samples)
+            self.metrics.rollouts.inc()
+            self.metrics.imbalance.set(published.imbalance[-1])
+            self.metrics.publish_seconds.observe(seconds)
+        st = published.stats
+        assert st is not None
+        self.say(
+            f"rollout {k}{'' if fresh else ' (already committed: re-publish skipped)'}: {st.produced} produced, "
+            f"filtered {st.filtered}, {st.carried_in} carried in, {published.num_samples} samples in "
+            f"{published.num_steps} step(s) (global batch sizes {published.global_batch_sizes}), "
+            f"{st.carried_out} carried out, imbalance {max(published.imbalance):.3f}, published in {seconds:.3f}s"
+        )
+        return after
+
+    def wait_for_room(self, k: int) -> None:
+        """Backpressure: block while `maxPendingRollouts` or more published rollouts are unconsumed."""
+        is_committed = getattr(self.store, "is_committed", None)
+        if is_committed is not None and is_committed(k):
+            return  # restarted after publishing k: nothing new goes into the store
+        max_pending = self.spec.rollout.max_pending_rollouts
+        waited = False
+        t0 = time.monotonic()
+        while True:
+            pending = self.store.pending_rollouts()
+            if self.metrics is not None:
+                self.metrics.pending.set(pending)
+            if pending < max_pending:
+                if waited:
+                    self.say(f"rollout {k}: trainers caught up after {time.monotonic() - t0:.1f}s")
+                return
+            if not waited:
+                self.say(f"rollout {k}: waiting for trainers ({pending} rollouts pending >= "
+                         f"maxPendingRollouts={max_pending})")
+                waited = True
+            if self.max_wait is not None and time.monotonic() - t0 > self.max_wait:
+                raise TimeoutError(f"rollout {k}: trainers consumed nothing for {self.max_wait:g}s ({pending} "
+                                   "rollouts pending)")
+            time.sleep(self.poll_interval)
+
+    def exhausted(self, state: RolloutState) -> None:
+        self.say(f"rollout: source exhausted after {state.source_index} source rollouts")
+        if state.next_rollout == 0:  # a run that trains nothing must not look like a success
+            raise ConfigError(
+                f"rollout.source.jsonl: the source's {state.totals['produced']} samples gave no training step "
+                f"(filtered: max_length {state.totals['max_length']}, zero_variance "
+                f"{state.totals['zero_variance']}; {state.carried_samples} kept but too few for a step); check "
+                "rollout.filters (zeroVariance drops groups whose rewards all equal, e.g. groups of one sample) and "
+                "rollout.steps"
+            )
+
+    def finish(self, state: RolloutState, resumed: bool) -> RolloutResult:
+        if not state.finished:
+            state.finished = True
+            self.store.put_json(STATE_KEY, state.to_json())
+        self.store.finish(state.next_rollout)
+        leftover = state.carried_samples
+        if leftover:
+            self.say(f"rollout: {len(state.carried)} group(s) / {leftover} sample(s) left over at the end: they did "
+                     "not fill a step and were not published")
+        self.say(f"rollout: finished: {state.next_rollout} rollouts, {state.step_offset} steps, "
+                 f"{state.samples_offset} samples published; produced {state.totals['produced']}, filtered "
+                 f"max_length {state.totals['max_length']}, zero_variance {state.totals['zero_variance']}")
+        return RolloutResult(
+            rollouts=state.next_rollout, samples=state.samples_offset, steps=state.step_offset,
+            leftover_groups=len(state.carried), leftover_samples=leftover, totals=dict(state.totals),
+            resumed=resumed,
+        )
+
+
+def run_rollout(run: TrainingRun | TrainingRunSpec, store: Store, **kwargs) -> RolloutResult:
+    """In-process use: `RolloutLoop(spec, store, **kwargs).run()`."""
+    spec = run.spec if isinstance(run, TrainingRun) else run
+    return RolloutLoop(spec, store, **kwargs).run()

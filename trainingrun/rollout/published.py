@@ -1,0 +1,256 @@
+"""The rollout → trainer contract: `PublishedRollout`, built, written and read only through this module.
+
+A published rollout k is, in the store (`trainingrun.store.base`): one `RankPayload` per data-parallel rank (the
+rank's samples in `partitions[r]` order, flat over the rollout's steps) and one JSON document, the schedule, that
+`PublishedRollout.to_json` writes and `PublishedRollout.from_json` reads back (validated: a document that does not
+describe a well-formed rollout is a `ValueError` naming the field). Everything the trainer needs per step is
+computed here once, on the rollout side, and travels in that document; the trainer never re-derives it:
+
+  StepPlan        index in the rollout, global step, GBS_s (samples), T_s (loss tokens), micro-batches per rank, the
+                  range of the step's micro-batches in the rank's flat list, samples consumed before the step.
+
+Writers: the rollout program (`rollout.loop`) and hand-built rollouts for tests (`trainer.synthetic`), both through
+`build_published` + `publish`. Reader: the trainer, through `read`. The JSON keys are documented in docs/store.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from trainingrun.schedule import DPSchedule, build_dp_schedule
+from trainingrun.store.base import RankPayload, Store
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One optimizer step of a published rollout, as the trainer runs it."""
+
+    index: int  # step within the rollout
+    global_step: int  # optimizer steps of the run before this one
+    global_batch_size: int  # GBS_s: samples in the step, all ranks
+    loss_tokens: int  # T_s: loss tokens in the step, all ranks (denominator of token normalisation)
+    num_microbatches: int  # per rank, the same on every rank
+    microbatches: range  # positions of the step's micro-batches in a rank's flat micro-batch list
+    samples_before: int  # samples consumed by the run before this step
+
+
+@dataclass(frozen=True)
+class SourceStats:
+    """How the rollout's samples came to be (absent in hand-built rollouts): accounting for reports and tests."""
+
+    source_index: int  # source rollout drawn for this rollout
+    produced: int  # samples the source produced
+    filtered: dict[str, int]  # samples dropped, by filter
+    carried_in: int  # samples carried from earlier source rollouts (first in the rollout)
+    carried_out: int  # samples carried into the next rollout
+    seed: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"source_index": self.source_index, "produced": self.produced, "filtered": dict(self.filtered),
+                "carried_in": self.carried_in, "carried_out": self.carried_out, "seed": self.seed}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SourceStats | None:
+        if "source_index" not in d:
+            return None
+        return cls(source_index=int(d["source_index"]), produced=int(d["produced"]),
+                   filtered={str(k): int(v) for k, v in d["filtered"].items()}, carried_in=int(d["carried_in"]),
+                   carried_out=int(d["carried_out"]), seed=int(d["seed"]))
+
+
+@dataclass(frozen=True)
+class PublishedRollout:
+    """What rollout `rollout` hands the trainers besides the per-rank payloads."""
+
+    rollout: int
+    schedule: DPSchedule
+    loss_tokens: tuple[int, ...]  # per step
+    step_offset: int  # optimizer steps published before this rollout
+    samples_offset: int  # samples published before this rollout
+    num_groups: int = 0
+    step_tokens: tuple[int, ...] = ()  # tokens per step, all ranks
+    imbalance: tuple[float, ...] = ()  # per step: max / mean rank token load
+    mean_reward: float = 0.0  # mean reward of the published samples
+    stats: SourceStats | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # further keys a writer adds (kept, never interpreted)
+
+    # ------------------------------------------------------------------------------------------ derived, once
+    @property
+    def dp_size(self) -> int:
+        return self.schedule.dp_size
+
+    @property
+    def num_steps(self) -> int:
+        return self.schedule.num_steps
+
+    @property
+    def global_batch_sizes(self) -> list[int]:
+        return list(self.schedule.global_batch_sizes)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(self.schedule.global_batch_sizes)
+
+    def steps(self) -> list[StepPlan]:
+        out, mb_start, before = [], 0, self.samples_offset
+        for s, (gbs, m) in enumerate(zip(self.schedule.global_batch_sizes, self.schedule.num_microbatches)):
+            out.append(StepPlan(index=s, global_step=self.step_offset + s, global_batch_size=int(gbs),
+                                loss_tokens=int(self.loss_tokens[s]), num_microbatches=int(m),
+                                microbatches=range(mb_start, mb_start + m), samples_before=before))
+            mb_start += m
+            before += int(gbs)
+        return out
+
+    def microbatch_positions(self, rank: int, step: StepPlan) -> list[list[int]]:
+        """Rank `rank`'s micro-batches of `step`, each a list of positions into the rank's payload (may be empty)."""
+        mbs = self.schedule.micro_batch_indices[rank]
+        return [list(mbs[k]) for k in step.microbatches]
+
+    # ------------------------------------------------------------------------------------------ JSON
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.extra,
+            "rollout": self.rollout,
+            "dp_size": self.dp_size,
+            "schedule": self.schedule.to_dict(),
+            "global_batch_sizes": self.global_batch_sizes,
+            "loss_tokens": list(self.loss_tokens),
+            "step_tokens": list(self.step_tokens),
+            "imbalance": [round(float(x), 6) for x in self.imbalance],
+            "num_steps": self.num_steps,
+            "num_samples": self.num_samples,
+            "num_groups": self.num_groups,
+            "step_offset": self.step_offset,
+            "samples_offset": self.samples_offset,
+            "mean_reward": self.mean_reward,
+            **(self.stats.to_json() if self.stats is not None else {}),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> PublishedRollout:
+        """ValueError naming the field when `d` is not a well-formed published rollout."""
+        if not isinstance(d, dict):
+            raise ValueError(f"schedule: must be a JSON object, got {type(d).__name__}")
+        missing = [k for k in ("rollout", "dp_size", "schedule", "loss_tokens", "step_offset", "samples_offset")
+                   if k not in d]
+        if missing:
+            raise ValueError(f"schedule: missing field(s) {missing}")
+        sched = DPSchedule.from_dict(d["schedule"])
+        if int(d["dp_size"]) != sched.dp_size:
+            raise ValueError(f"schedule.dp_size: {d['dp_size']} != the schedule's {sched.dp_size} ranks")
+        loss_tokens = tuple(int(x) for x in d["loss_tokens"])
+        if len(loss_tokens) != sched.num_steps:
+            raise ValueError(f"schedule.loss_tokens: {len(loss_tokens)} entries for {sched.num_steps} steps")
+        if "global_batch_sizes" in d and [int(x) for x in d["global_batch_sizes"]] != list(sched.global_batch_sizes):
+            raise ValueError("schedule.global_batch_sizes: differs from schedule.schedule.global_batch_sizes")
+        known = {"rollout", "dp_size", "schedule", "global_batch_sizes", "loss_tokens", "step_tokens", "imbalance",
+                 "num_steps", "num_samples", "num_groups", "step_offset", "samples_offset", "mean_reward",
+                 "source_index", "produced", "filtered", "carried_in", "carried_out", "seed"}
+        return cls(
+            rollout=int(d["rollout"]), schedule=sched, loss_tokens=loss_tokens, step_offset=int(d["step_offset"]),
+            samples_offset=int(d["samples_offset"]), num_groups=int(d.get("num_groups", 0)),
+            step_tokens=tuple(int(x) for x in d.get("step_tokens", ())),
+            imbalance=tuple(float(x) for x in d.get("imbalance", ())), mean_reward=float(d.get("mean_reward", 0.0)),
+            stats=SourceStats.from_json(d), extra={k: v for k, v in d.items() if k not in known},
+        )
+
+
+# ---------------------------------------------------------------------------------------------------- building
+@dataclass
+class Samples:
+    """A rollout's samples in publish order (flat lists, one entry per sample), before scheduling."""
+
+    tokens: list[np.ndarray]  # int32 each
+    loss_masks: list[np.ndarray]  # uint8 each, same length as the tokens
+    rewards: np.ndarray  # float32 [n]
+    advantages: np.ndarray  # float32 [n]
+    sample_ids: np.ndarray  # int64 [n], run-unique
+    group_ids: list[int]  # [n]; a group is never split across steps
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def build_published(
+    rollout: int,
+    samples: Samples,
+    *,
+    dp_size: int,
+    groups_per_step: int | None,
+    max_tokens_per_gpu: int | None,
+    micro_batch_size: int | None,
+    microbatch_multiple: int = 1,
+    step_offset: int,
+    samples_offset: int,
+    stats: SourceStats | None = None,
+    allow_leftover: bool = False,
+) -> tuple[PublishedRollout, dict[int, RankPayload], list[int]]:
+    """Schedule `samples` over `dp_size` ranks (`build_dp_schedule`) and cut the per-rank payloads.
+
+    `groups_per_step` None: all complete groups form one step. Returns (published rollout, {rank: payload}, indices of
+    leftover samples). Leftover samples are an AssertionError unless `allow_leftover` (the rollout splits whole steps
+    before scheduling, so it never has any).
+    """
+    lengths = np.array([len(t) for t in samples.tokens], dtype=np.int64)
+    sched = build_dp_schedule(
+        lengths, dp_size=dp_size, global_batch_size=groups_per_step, group_ids=samples.group_ids,
+        max_tokens_per_gpu=max_tokens_per_gpu, micro_batch_size=micro_batch_size,
+        microbatch_multiple=microbatch_multiple,
+    )
+    if sched.leftover and not allow_leftover:
+        raise AssertionError(f"scheduler left {len(sched.leftover)} samples over from whole steps")
+    # a sample's first token is never a target (nothing precedes it), so it never counts as a loss token
+    loss_counts = np.array([int(m[1:].sum()) for m in samples.loss_masks], dtype=np.int64)
+    imbalance, step_tokens = [], []
+    for s in range(sched.num_steps):
+        load = [sum(int(lengths[i]) for mb in sched.step_microbatches(r, s) for i in mb) for r in range(dp_size)]
+        step_tokens.append(sum(load))
+        mean = sum(load) / dp_size
+        imbalance.append(max(load) / mean if mean else 1.0)
+    payloads = {r: rank_payload(samples, part) for r, part in enumerate(sched.partitions)}
+    placed = [i for part in sched.partitions for i in part]
+    rewards = samples.rewards[placed] if placed else np.zeros(0, np.float32)
+    published = PublishedRollout(
+        rollout=rollout, schedule=sched, loss_tokens=tuple(sched.step_loss_tokens(loss_counts)),
+        step_offset=step_offset, samples_offset=samples_offset, num_groups=len(set(samples.group_ids[i] for i in placed)),
+        step_tokens=tuple(step_tokens), imbalance=tuple(imbalance),
+        mean_reward=float(rewards.mean()) if len(rewards) else 0.0, stats=stats,
+    )
+    return published, payloads, list(sched.leftover)
+
+
+def rank_payload(samples: Samples, indices: list[int]) -> RankPayload:
+    """The RankPayload of the samples at `indices`, in that order."""
+    idx = np.asarray(indices, dtype=np.int64)
+    offsets = np.zeros(len(idx) + 1, dtype=np.int64)
+    np.cumsum([len(samples.tokens[i]) for i in idx], out=offsets[1:])
+    return {
+        "tokens": np.concatenate([samples.tokens[i] for i in idx]).astype(np.int32) if len(idx) else np.zeros(0, np.int32),
+        "offsets": offsets,
+        "loss_mask": np.concatenate([samples.loss_masks[i] for i in idx]).astype(np.uint8) if len(idx)
+        else np.zeros(0, np.uint8),
+        "advantages": samples.advantages[idx].astype(np.float32),
+        "rewards": samples.rewards[idx].astype(np.float32),
+        "sample_ids": samples.sample_ids[idx].astype(np.int64),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- store I/O
+def publish(store: Store, published: PublishedRollout, payloads: dict[int, RankPayload]) -> bool:
+    """Publish atomically (payloads, schedule, commit); False when the rollout was already committed."""
+    return bool(store.publish_rollout(published.rollout, payloads, published.to_json()))
+
+
+def read(store: Store, rollout: int) -> PublishedRollout:
+    """The committed rollout's published form; ValueError naming the field if the stored document is malformed."""
+    d = store.read_schedule(rollout)
+    try:
+        published = PublishedRollout.from_json(d)
+    except ValueError as exc:
+        raise ValueError(f"store {store.url}: rollout {rollout}: {exc}") from None
+    if published.rollout != rollout:
+        raise ValueError(f"store {store.url}: rollout {rollout}: schedule.rollout says {published.rollout}")
+    return published

@@ -1,0 +1,94 @@
+"""What a trainer rank reports after each step: the per-step record and where it goes.
+
+The record (rank 0's dict, docs/trainer.md "JSONL record") is the one source for `metrics.jsonl`, the store's
+`progress` key, the log line and the exported gauges; every rank exports its own (sum, count) pairs and counters.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+from trainingrun.trainer.loss import STAT_NAMES
+
+
+def step_record(*, res, step, rollout: int, global_step: int, samples_consumed: int, scheduler_consumed: int,
+                attempt: int, dp_size: int) -> dict[str, Any]:
+    """The record of one trained step (`res`: step.StepResult, `step`: published.StepPlan)."""
+    gbs = step.global_batch_size
+    return {
+        "step": global_step, "rollout": rollout, "step_in_rollout": step.index,
+        "global_batch_size": gbs, "num_microbatches": step.num_microbatches,
+        "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm,
+        "samples_consumed": samples_consumed, "tokens": res.tokens,
+        "loss_tokens": step.loss_tokens,
+        "sample_loss": res.mean("sample_loss"), "token_loss": res.mean("token_loss"),
+        "reward": res.mean("sample_reward"),
+        "attempt": attempt, "step_seconds": res.seconds,
+        "samples_per_second": gbs / res.seconds if res.seconds > 0 else 0.0,
+        "tokens_per_second": res.tokens / res.seconds if res.seconds > 0 else 0.0,
+        "scheduler_consumed_samples": scheduler_consumed,
+        "samples_trained": res.samples, "sample_id_sum": res.sample_id_sum,
+        "dp_size": dp_size, "time": time.time(),
+    }
+
+
+class StepReporter:
+    """Exports every rank's metrics; on rank 0 also writes the JSONL line, the `progress` key and a log line."""
+
+    def __init__(self, exporter, store, *, rank: int, jsonl_path: str | None):
+        self.exporter = exporter
+        self.store = store
+        self.rank = rank
+        self.jsonl_path = jsonl_path
+
+    def report(self, res, record: dict[str, Any]) -> None:
+        self.export(res, record)
+        if self.rank == 0:
+            self.write(record)
+
+    def export(self, res, record: dict[str, Any]) -> None:
+        exporter = self.exporter
+        local = {name: tuple(res.local_stats[i].tolist()) for i, name in enumerate(STAT_NAMES)}
+        exporter.add_weighted({
+            "trainingrun_trainer_sample_loss": local["sample_loss"],
+            "trainingrun_trainer_token_loss": local["token_loss"],
+            "trainingrun_trainer_sample_reward": local["sample_reward"],
+            "trainingrun_trainer_sample_tokens": local["sample_tokens"],
+        })
+        exporter.inc("trainingrun_trainer_rank_tokens", res.local_tokens)
+        exporter.inc("trainingrun_trainer_rank_samples", res.local_samples)
+        exporter.inc("trainingrun_trainer_steps", 1)
+        exporter.set_gauges({
+            "trainingrun_trainer_loss": record["loss"],
+            "trainingrun_trainer_global_batch_size": record["global_batch_size"],
+            "trainingrun_trainer_lr": record["lr"],
+            "trainingrun_trainer_grad_norm": record["grad_norm"],
+            "trainingrun_trainer_step_seconds": record["step_seconds"],
+            "trainingrun_trainer_samples_per_second": record["samples_per_second"],
+            "trainingrun_trainer_tokens_per_second": record["tokens_per_second"],
+            "trainingrun_trainer_step": record["step"],
+            "trainingrun_trainer_samples_consumed": record["samples_consumed"],
+            "trainingrun_trainer_rollout": record["rollout"],
+            "trainingrun_trainer_num_microbatches": record["num_microbatches"],
+        })
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Rank 0: one JSON line per step (local runs) and the progress key the launcher/operator read."""
+        if self.jsonl_path:
+            with open(self.jsonl_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        # The operator reads this key into the TrainingRun's status (trainingrun/operator/progress.py).
+        self.store.put_json("progress", {
+            **{k: record[k] for k in ("step", "rollout", "global_batch_size", "loss", "lr", "samples_consumed",
+                                      "tokens", "attempt", "samples_per_second", "time")},
+            "last_global_batch_size": record["global_batch_size"],
+        })
+        print(
+            f"[trainer 0] step {record['step']} rollout {record['rollout']} gbs {record['global_batch_size']} "
+            f"mb {record['num_microbatches']} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+            f"gnorm {record['grad_norm']:.3f} {record['samples_per_second']:.1f} samples/s",
+            file=sys.stderr, flush=True,
+        )

@@ -1,0 +1,321 @@
+"""The `Trainer` of one rank: build → resume → fit (train_rollout, sync_weights, per rollout) → close.
+
+Read top to bottom, `fit` is the whole loop:
+
+    for each rollout k from where the checkpoint left off (stop when the stream finished):
+        train_rollout(k):  for each step not yet trained: its micro-batches through Megatron, the loss scaled by the
+                           step's real global batch size (or loss tokens), LR scheduler += GBS_s, optimizer step,
+                           (sum, count) metrics reduced and reported; checkpoint when due
+                           → ack k → checkpoint when due
+        sync_weights():    the new weights to the generator (`spec.weightSync`; nothing without a publisher)
+    final checkpoint, `trainer_done`
+
+Everything the loop needs per step comes from the published rollout (`rollout/published.py`): the schedule, GBS_s,
+T_s, micro-batch positions, the run's step and sample offsets. Megatron is imported only after `prepare_device` has
+installed the CPU shim (CPU mode), so this module imports it lazily.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from trainingrun.rollout import published as contract
+from trainingrun.rollout.published import PublishedRollout, StepPlan
+from trainingrun.store.base import RankPayload
+from trainingrun.trainer.config import ConfigError, TrainerEnv
+
+
+def log(rank: int, msg: str) -> None:
+    print(f"[trainer {rank}] {msg}", file=sys.stderr, flush=True)
+
+
+class Trainer:
+    """One trainer rank (see the module docstring). Build it with `Trainer.build(env)`."""
+
+    def __init__(self, *, env: TrainerEnv, spec, run_name: str, device, model, ddp, optimizer, scheduler, store,
+                 reporter, publisher=None):
+        from megatron.core import parallel_state
+
+        from trainingrun.trainer.checkpoint import Progress
+
+        self.env, self.spec, self.run_name, self.device = env, spec, run_name, device
+        self.model, self.ddp, self.optimizer, self.scheduler = model, ddp, optimizer, scheduler
+        self.store, self.reporter, self.publisher = store, reporter, publisher
+        self.rank = env.rank
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.shard = f"tp{self.tp_rank}_pp0"
+        self.ckpt_root = Path(spec.trainer.checkpoint.path)  # relative: the launcher runs us in the run directory
+        self.progress = Progress()
+        self.last_saved = -1  # global step of the newest checkpoint on disk
+
+    # ------------------------------------------------------------------------------------------------ build
+    @classmethod
+    def build(cls, env: TrainerEnv) -> Trainer:
+        """Spec, device, process groups, model, DDP, optimizer + samples-based LR schedule, store, metrics."""
+        from trainingrun.api import load_trainingrun
+
+        try:
+            tr = load_trainingrun(env.config_path)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        spec, ts = tr.spec, tr.spec.trainer
+        run_name = env.run_name or tr.metadata.name
+        if ts.pipeline_parallel_size != 1:
+            raise ConfigError(
+                f"trainer.pipelineParallelSize: {ts.pipeline_parallel_size} is not supported by this trainer yet; "
+                "allowed: 1"
+            )
+        if env.world_size % ts.tensor_parallel_size:
+            raise ConfigError(
+                f"WORLD_SIZE: {env.world_size} not divisible by trainer.tensorParallelSize {ts.tensor_parallel_size}"
+            )
+        try:
+            sizes = spec.model.resolved()
+        except ValueError as exc:
+            raise ConfigError(f"model: {exc}") from None
+
+        # Import order: the device decision installs the CPU shim before megatron is imported.
+        from trainingrun.trainer.model import (
+            build_gpt, build_optimizer, init_distributed, optim_settings, prepare_device, set_seed, wrap_ddp,
+        )
+
+        try:
+            device = prepare_device(ts.gpus_per_replica)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        log(env.rank, f"run {run_name} attempt {env.attempt}: world {env.world_size}, device {device}, "
+                      f"store {env.store_url}")
+        init_distributed(device, tp=ts.tensor_parallel_size, pp=1)
+
+        from megatron.core import parallel_state
+
+        from trainingrun.metrics.exporter import TrainerExporter
+        from trainingrun.store import open_store
+        from trainingrun.trainer.report import StepReporter
+        from trainingrun.trainer.weights import make_publisher
+
+        set_seed(spec.seed)
+        try:
+            model = build_gpt(sizes, device)
+        except (ValueError, AssertionError, TypeError) as exc:
+            raise ConfigError(f"model: cannot build the GPT model from {sizes}: {exc}") from None
+        ddp = wrap_ddp(model)
+        optimizer, scheduler = build_optimizer(ddp, optim_settings(ts.optimizer), str(sizes["precision"]))
+        n_params = sum(p.numel() for p in model.parameters())
+        log(env.rank, f"model: {n_params / 1e6:.2f}M parameters {sizes}; dp "
+                      f"{parallel_state.get_data_parallel_world_size()} (dp rank "
+                      f"{parallel_state.get_data_parallel_rank()}), tp {ts.tensor_parallel_size}")
+
+        store = open_store(env.store_url)
+        exporter = TrainerExporter(run_name, env.rank)
+        if env.metrics_port and spec.metrics.enabled:
+            try:
+                exporter.serve(env.metrics_port)
+            except OSError as exc:  # metrics must never stop training
+                log(env.rank, f"warning: cannot serve metrics on port {env.metrics_port}: {exc}")
+        reporter = StepReporter(exporter, store, rank=env.rank, jsonl_path=env.metrics_jsonl)
+        return cls(env=env, spec=spec, run_name=run_name, device=device, model=model, ddp=ddp, optimizer=optimizer,
+                   scheduler=scheduler, store=store, reporter=reporter,
+                   publisher=make_publisher(spec, store, rank=env.rank))
+
+    # ------------------------------------------------------------------------------------------------ resume
+    def resume(self) -> None:
+        """Model, optimizer, scheduler, RNG and progress from the newest complete checkpoint (if any)."""
+        from trainingrun.trainer import checkpoint as ckpt
+
+        latest = ckpt.latest_checkpoint(self.ckpt_root)
+        if latest is None:
+            return
+        self.progress = ckpt.load(latest, module=self.ddp.module, optimizer=self.optimizer,
+                                  scheduler=self.scheduler, shard=self.shard)
+        self.last_saved = self.progress.global_step
+        p = self.progress
+        log(self.rank, f"resumed from {latest}: step {p.global_step}, rollout {p.rollout}+{p.step_in_rollout}, "
+                       f"samples {p.samples_consumed}")
+
+    # ------------------------------------------------------------------------------------------------ the loop
+    def fit(self) -> None:
+        while (rollout := self.next_rollout()) is not None:
+            self.train_rollout(*rollout)
+            self.sync_weights()
+        self.finish()
+
+    def next_rollout(self) -> tuple[PublishedRollout, RankPayload] | None:
+        """The next rollout to train and this rank's payload; None when the stream finished before it."""
+        k = self.progress.rollout
+        if not self.wait(k):
+            return None
+        try:
+            published = contract.read(self.store, k)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self.check_continues(published)
+        return published, self.store.read_payload(k, self.dp_rank)
+
+    def train_rollout(self, published: PublishedRollout, payload: RankPayload) -> None:
+        steps = published.steps()
+        for step in steps[self.progress.step_in_rollout:]:
+            self.train_step(published, payload, step)
+            if self.checkpoint_due() and step is not steps[-1]:
+                self.save_checkpoint()
+        if self.tp_rank == 0:
+            self.store.ack(published.rollout, self.dp_rank)
+        self.progress.rollout, self.progress.step_in_rollout = published.rollout + 1, 0
+        if self.checkpoint_due() and self.last_saved != self.progress.global_step:
+            self.save_checkpoint()
+
+    def train_step(self, published: PublishedRollout, payload: RankPayload, step: StepPlan) -> dict:
+        from trainingrun.trainer.batch import step_microbatches
+        from trainingrun.trainer.report import step_record
+        from trainingrun.trainer.step import train_step
+
+        ts = self.spec.trainer
+        mbs = step_microbatches(payload, published.microbatch_positions(self.dp_rank, step), self.device)
+        res = train_step(
+            self.ddp, self.optimizer, self.scheduler, mbs, loss_type=ts.loss_type, normalization=ts.loss_normalization,
+            global_batch_size=step.global_batch_size, loss_tokens=step.loss_tokens, dp_size=self.dp_size,
+            dp_group=self.dp_group,
+        )
+        p = self.progress
+        p.global_step += 1
+        p.samples_consumed += step.global_batch_size
+        p.tokens_consumed += res.tokens
+        p.rollout, p.step_in_rollout = published.rollout, step.index + 1
+        k, s = published.rollout, step.index
+        if res.samples != step.global_batch_size:
+            raise RuntimeError(f"rollout {k} step {s}: trained {res.samples} samples, schedule says "
+                               f"{step.global_batch_size}")
+        if self.scheduler.num_steps != p.samples_consumed:
+            raise RuntimeError(f"LR scheduler consumed {self.scheduler.num_steps} samples, trainer {p.samples_consumed}")
+        record = step_record(res=res, step=step, rollout=k, global_step=p.global_step,
+                             samples_consumed=p.samples_consumed, scheduler_consumed=int(self.scheduler.num_steps),
+                             attempt=self.env.attempt, dp_size=self.dp_size)
+        self.reporter.report(res, record)
+        return record
+
+    def sync_weights(self) -> None:
+        """Hand the weights after this rollout to the generator (`spec.weightSync`); a no-op without a publisher.
+
+        Collective: every rank calls it (a publisher may gather tensor-parallel shards); the publisher writes from
+        rank 0. The version is the number of rollouts trained (`progress.rollout`)."""
+        if self.publisher is not None:
+            self.publisher.publish(self.progress.rollout, self.ddp.module)
+
+    def finish(self) -> None:
+        p = self.progress
+        if self.last_saved != p.global_step and p.global_step > 0:
+            self.save_checkpoint()
+        elif self.rank == 0 and p.global_step > 0:
+            self.store.release_upto(p.rollout)
+        if self.rank == 0:
+            self.store.put_json("trainer_done", {"step": p.global_step, "samples_consumed": p.samples_consumed,
+                                                 "rollouts": p.rollout, "attempt": self.env.attempt,
+                                                 "time": time.time()})
+        log(self.rank, f"done: {p.global_step} steps, {p.samples_consumed} samples, {p.rollout} rollouts")
+        self.barrier()
+
+    def linger(self) -> None:
+        """Keep serving the final metrics for `metrics.lingerSeconds` (a last scrape sees the final values)."""
+        linger = self.spec.metrics.linger_seconds
+        if linger and self.reporter.exporter.server is not None:
+            log(self.rank, f"serving final metrics for {linger}s (metrics.lingerSeconds)")
+            time.sleep(linger)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        if self.publisher is not None:
+            self.publisher.close()
+        self.reporter.exporter.close()
+        self.store.close()
+        if dist.is_initialized():
+            try:
+                parallel_state.destroy_model_parallel()
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+
+    # ------------------------------------------------------------------------------------------------ helpers
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def checkpoint_due(self) -> bool:
+        interval = self.spec.trainer.checkpoint.interval
+        return bool(interval) and self.progress.global_step % interval == 0
+
+    def save_checkpoint(self) -> None:
+        from trainingrun.trainer import checkpoint as ckpt
+
+        t0 = time.perf_counter()
+        p, attempt = self.progress, self.env.attempt
+        ckpt.save(
+            self.ckpt_root, p, module=self.ddp.module, optimizer=self.optimizer, scheduler=self.scheduler,
+            keep=self.spec.trainer.checkpoint.keep, attempt=attempt, shard=self.shard, writes_shard=self.dp_rank == 0,
+            is_rank0=self.rank == 0, barrier=self.barrier, extra={"attempt": attempt, "run": self.run_name},
+        )
+        self.last_saved = p.global_step
+        if self.rank == 0:
+            # Everything before p.rollout is covered by the checkpoint: the store may drop it once all acked.
+            self.store.release_upto(p.rollout)
+            log(self.rank, f"checkpoint step {p.global_step} (rollout {p.rollout}+{p.step_in_rollout}) "
+                           f"in {time.perf_counter() - t0:.2f}s")
+
+    def wait(self, k: int) -> bool:
+        """Wait for rollout k's commit with progress output; False when the stream finished before k.
+
+        Rollout k already released (deleted after a checkpoint past it): the store belongs to a run that is further
+        along than our checkpoints (a store reused by a fresh run, or checkpoints removed). No restart can fix that,
+        so it is a ConfigError naming what to change, not a crash that the launcher/operator would retry.
+        """
+        from trainingrun.store import RolloutReleased, StoreTimeout
+
+        timeout = self.env.wait_timeout
+        waited = 0.0
+        while True:
+            chunk = 30.0 if timeout is None else max(min(30.0, timeout - waited), 0.1)
+            try:
+                return self.store.wait_rollout(k, timeout=chunk)
+            except RolloutReleased as exc:
+                raise ConfigError(
+                    f"store {self.store.url}: rollout {k}, where training resumes (checkpoint in "
+                    f"{self.ckpt_root.resolve()}: {'none' if k == 0 else f'rollout {k}'}), was already trained and "
+                    f"deleted by an earlier run using this store ({exc}); give this run a fresh store (another redis "
+                    "db or ?prefix=NAME, or a new store.url) or resume with the checkpoints of the run that used it"
+                ) from None
+            except StoreTimeout:
+                waited += chunk
+                if timeout is not None and waited >= timeout:
+                    raise
+                log(self.rank, f"waiting for rollout {k} ({waited:.0f}s)")
+
+    def check_continues(self, published: PublishedRollout) -> None:
+        """The rollout must fit this trainer group and continue where training stands."""
+        k, p = published.rollout, self.progress
+        if published.dp_size != self.dp_size:
+            raise ConfigError(
+                f"rollout {k}: schedule is for dp_size {published.dp_size}, this trainer group has {self.dp_size} "
+                "data-parallel ranks (trainer.replicas must match the rollout's plan)"
+            )
+        start = p.step_in_rollout
+        if start > published.num_steps:
+            raise ConfigError(f"rollout {k}: checkpoint resumes at step {start} of a rollout with "
+                              f"{published.num_steps} steps (the store does not continue this run's checkpoint)")
+        if published.step_offset + start != p.global_step:
+            raise ConfigError(
+                f"rollout {k}: step_offset {published.step_offset} + {start} != steps trained {p.global_step} "
+                "(the store does not continue this run's checkpoint)"
+            )
+        before = sum(published.global_batch_sizes[:start])
+        if published.samples_offset + before != p.samples_consumed:
+            raise ConfigError(
+                f"rollout {k}: samples_offset {published.samples_offset} + {before} != samples consumed "
+                f"{p.samples_consumed} (the store does not continue this run's checkpoint)"
+            )
