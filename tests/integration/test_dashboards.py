@@ -28,12 +28,16 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import yaml
 
 from trainingrun.metrics import names
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "charts" / "trainingrun" / "dashboards"))
+from generate import DCGM_SEL  # noqa: E402 - the generator is a script beside the dashboards
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = ROOT / "charts" / "trainingrun" / "dashboards"
@@ -52,9 +56,24 @@ def dashboards() -> dict[str, dict]:
     return {p.name: json.loads(p.read_text()) for p in sorted(DASHBOARDS.glob("*.json"))}
 
 
+def all_panels(dashboard: dict) -> list[dict]:
+    """Every panel, including those inside collapsed rows."""
+    out = []
+    for p in dashboard["panels"]:
+        out.append(p)
+        out.extend(p.get("panels", []))
+    return out
+
+
 def targets(dashboard: dict) -> list[tuple[str, str]]:
-    """(panel title, expr) of every query of every panel."""
-    return [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]
+    """(panel title, expr) of every query of every panel, and of every Prometheus annotation."""
+    exprs = [(p["title"], t["expr"]) for p in all_panels(dashboard) for t in p.get("targets", [])]
+    exprs += [(f"annotation {a['name']}", a["expr"]) for a in dashboard["annotations"]["list"] if "expr" in a]
+    return exprs
+
+
+def is_dcgm(expr: str) -> bool:
+    return "DCGM_FI_" in expr
 
 
 def is_operator_panel(expr: str) -> bool:
@@ -91,12 +110,17 @@ def test_dashboard_structure(name):
     assert d["schemaVersion"] >= 39 and d["uid"].startswith("trainingrun-")
     variables = {v["name"]: v for v in d["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
-    for var in ("namespace", "run"):
-        assert variables[var]["type"] == "query" and variables[var]["includeAll"] and variables[var]["allValue"] == ".*"
-    assert "$namespace" in variables["run"]["definition"]
-    ids = [p["id"] for p in d["panels"]]
+    assert variables["namespace"]["type"] == "query" and variables["namespace"]["includeAll"]
+    assert variables["namespace"]["allValue"] == ".*"
+    run = variables["run"]
+    assert run["type"] == "query" and "$namespace" in run["definition"]
+    if name == "run.json":  # one run: no "All" that would mix runs in the per-step panels
+        assert not run["includeAll"] and not run["multi"] and "allValue" not in run and run["current"] == {}
+    else:
+        assert run["includeAll"] and run["multi"] and run["allValue"] == ".*"
+    ids = [p["id"] for p in all_panels(d)]
     assert len(ids) == len(set(ids))
-    for p in d["panels"]:
+    for p in all_panels(d):
         assert 0 <= p["gridPos"]["x"] and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24
         if p["type"] != "row":
             assert p["datasource"]["uid"] == "${datasource}" and p["targets"], p["title"]
@@ -106,6 +130,10 @@ def test_dashboard_structure(name):
 @pytest.mark.parametrize("name", ["overview.json", "run.json"])
 def test_every_query_uses_known_metrics_and_the_variables(name):
     for title, expr in targets(dashboards()[name]):
+        if is_dcgm(expr):  # dcgm-exporter's GPU metrics, selected by the run's pod names
+            for s in re.findall(r"\b(DCGM_FI_[A-Z_]+)\b", expr):
+                assert re.search(rf'{s}\{{namespace=~"\$namespace", pod=~"\$run-\(trainer\|rollout\)-\.\+"\}}', expr), expr
+            continue
         series = set(re.findall(r"\b(trainingrun_[a-z_]+)\b", expr))
         assert series, f"{title}: no trainingrun metric in {expr}"
         for s in series:
@@ -135,6 +163,43 @@ def test_run_dashboard_covers_the_issue_panels():
     assert re.search(rf"sum by \(phase\) \(max by \(namespace, run, phase\) \(trainingrun_operator_run_phase{sel}\)\)",
                      overview), "runs by phase from the per-run gauge, filtered by namespace and run"
     assert re.search(rf"max by \(namespace, run\) \(trainingrun_operator_run_restarts{sel}\)", overview)
+
+
+def test_per_step_panels_plot_against_the_step_and_throughput_has_two_axes():
+    run = {p["title"]: p for p in all_panels(dashboards()["run.json"])}
+    per_step = {"Loss per step": "step", "Global batch size per step": "step", "Micro-batches per rank": "step",
+                "Step time": "step", "Gradient norm per step": "step",
+                "Learning rate vs samples consumed": "samples consumed"}
+    x_metric = {"step": "trainingrun_trainer_step", "samples consumed": "trainingrun_trainer_samples_consumed"}
+    for title, x in per_step.items():
+        p = run[title]
+        assert p["type"] == "trend" and p["options"]["xField"] == x, title
+        assert p["fieldConfig"]["defaults"]["custom"]["drawStyle"] in ("points", "bars")
+        assert p["fieldConfig"]["defaults"]["custom"]["showPoints"] == "always"
+        x_targets = [t for t in p["targets"] if t["legendFormat"] == x]
+        assert len(x_targets) == 1 and x_metric[x] in x_targets[0]["expr"]
+        assert p["transformations"][0] == {"id": "joinByField", "options": {"byField": "Time", "mode": "inner"}}
+    assert run["Global batch size per step"]["fieldConfig"]["defaults"]["custom"]["drawStyle"] == "bars"
+    tp = run["Samples and tokens per second"]
+    (override,) = tp["fieldConfig"]["overrides"]
+    assert override["matcher"] == {"id": "byName", "options": "tokens/s"}
+    assert {"id": "custom.axisPlacement", "value": "right"} in override["properties"]
+    assert [t["legendFormat"] for t in tp["targets"]] == ["samples/s", "tokens/s"]
+
+
+def test_run_table_restart_annotations_and_gpu_rows():
+    overview = {p["title"]: p for p in all_panels(dashboards()["overview.json"])}
+    table = overview["TrainingRuns"]
+    assert table["type"] == "table" and all(t["format"] == "table" and t["instant"] for t in table["targets"])
+    rename = table["transformations"][1]["options"]["renameByName"]
+    assert list(rename.values()) == ["NAMESPACE", "NAME", "PHASE", "STEP", "GBS", "SAMPLES", "RESTARTS"]
+    for d in dashboards().values():
+        (restarts,) = [a for a in d["annotations"]["list"] if a.get("name") == "Restarts"]
+        assert "trainingrun_operator_run_restarts" in restarts["expr"] and restarts["enable"]
+        (gpu,) = [p for p in d["panels"] if p["title"].startswith("GPU")]
+        assert gpu["type"] == "row" and gpu["collapsed"]
+        exprs = " ".join(t["expr"] for p in gpu["panels"] for t in p["targets"])
+        assert "DCGM_FI_DEV_GPU_UTIL" in exprs and "DCGM_FI_DEV_FB_USED" in exprs
 
 
 # --------------------------------------------------------------------------------------------------- acceptance
@@ -176,6 +241,71 @@ def variable_values(url: str, definition: str, start: float, end: float) -> list
     return body["data"]
 
 
+DCGM_EXPOSITION = """\
+# HELP DCGM_FI_DEV_GPU_UTIL GPU utilization (in %).
+# TYPE DCGM_FI_DEV_GPU_UTIL gauge
+# HELP DCGM_FI_DEV_FB_USED Framebuffer memory used (in MiB).
+# TYPE DCGM_FI_DEV_FB_USED gauge
+# HELP DCGM_FI_DEV_FB_FREE Framebuffer memory free (in MiB).
+# TYPE DCGM_FI_DEV_FB_FREE gauge
+""" + "".join(
+    f'{m}{{gpu="{g}",UUID="GPU-{g}",device="nvidia{g}",modelName="NVIDIA H100 80GB HBM3",Hostname="node-1",'
+    f'container="trainer",namespace="default",pod="{RUN_NAME}-trainer-{g}-a0"}} {v}\n'
+    for g in (0, 1) for m, v in (("DCGM_FI_DEV_GPU_UTIL", 87 + g), ("DCGM_FI_DEV_FB_USED", 40960),
+                                 ("DCGM_FI_DEV_FB_FREE", 40000))) + (
+    'DCGM_FI_DEV_GPU_UTIL{gpu="0",UUID="GPU-9",device="nvidia0",modelName="NVIDIA H100 80GB HBM3",'
+    'Hostname="node-2",container="main",namespace="default",pod="someone-else-0"} 5\n')
+
+
+@contextmanager
+def dcgm_exporter_standin():
+    """A static dcgm-exporter exposition (two GPUs of the run's trainer pods, one GPU of another pod) served over
+    HTTP, for a real Prometheus to scrape: this machine has no GPU and no dcgm-exporter. Yields its host:port."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = DCGM_EXPOSITION.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def check_per_step_panels(url: str, start: float, end: float) -> None:
+    """Each trend panel, joined as Grafana joins it (its queries' samples at the same timestamps): the x values are
+    real steps (or samples consumed) that never go back, and more than one step was seen."""
+    for p in all_panels(dashboards()["run.json"]):
+        if p["type"] != "trend":
+            continue
+        x_name = p["options"]["xField"]
+        frames = {}
+        for t in p["targets"]:
+            (series,) = query_range(url, substitute(t["expr"], RUN_NAME), start, end)
+            frames[t["legendFormat"]] = {float(ts): float(v) for ts, v in series["values"]}
+        xs = frames.pop(x_name)
+        for legend, ys in frames.items():
+            joined = sorted((ts, xs[ts], y) for ts, y in ys.items() if ts in xs)
+            assert len(joined) >= 2, f"{p['title']}: {legend} shares no scrape with {x_name}"
+            x_values = [x for _, x, _ in joined]
+            assert x_values == sorted(x_values), f"{p['title']}: {x_name} went back"
+            assert len(set(x_values)) >= 2, f"{p['title']}: only one {x_name} seen"
+
+
 @pytest.mark.megatron
 def test_every_panel_returns_data_from_a_real_run_and_operator(tmp_path):
     from tests.kube import Cluster
@@ -198,8 +328,9 @@ def test_every_panel_returns_data_from_a_real_run_and_operator(tmp_path):
     operator_exprs = [te for te in all_exprs if is_operator_panel(te[1])]
 
     log = tmp_path / "operator.log"
-    with prometheus_server(run_targets + [f"127.0.0.1:{operator_port}"],
-                           scrape_interval=f"{SCRAPE_INTERVAL_MS}ms") as prom, Cluster() as cluster:
+    with dcgm_exporter_standin() as dcgm, prometheus_server(
+            run_targets + [f"127.0.0.1:{operator_port}", dcgm],
+            scrape_interval=f"{SCRAPE_INTERVAL_MS}ms") as prom, Cluster() as cluster:
         operator = cluster.start_operator("--metrics-port", str(operator_port), log=log)
         try:
             t0 = time.time()
@@ -210,6 +341,12 @@ def test_every_panel_returns_data_from_a_real_run_and_operator(tmp_path):
             wait_for(lambda: len(cluster.pods(RUN_NAME, role="trainer")) == 2, 30, "the operator's trainer pods")
             for pod in cluster.pods(RUN_NAME):  # rollout, trainers and the managed store
                 cluster.set_pod(pod["metadata"]["name"], "Running")
+            # a trainer pod fails: the operator restarts the group (the restart annotation's source)
+            trainer0 = next(p["metadata"]["name"] for p in cluster.pods(RUN_NAME, role="trainer")
+                            if p["metadata"]["labels"]["trainingrun.dev/rank"] == "0")
+            cluster.set_pod(trainer0, "Failed", exit_code=1)
+            wait_for(lambda: (cluster.run(RUN_NAME).get("status") or {}).get("restarts") == 1, 60,
+                     "the operator to restart the group")
             # meanwhile: a real local run, scraped by the same Prometheus
             print(f"local run {RUN_NAME}: {NUM_ROLLOUTS} rollouts, metrics ports {base}..{base + 2}", flush=True)
             proc = subprocess.run(
@@ -222,6 +359,10 @@ def test_every_panel_returns_data_from_a_real_run_and_operator(tmp_path):
             t1 = time.time()
             run_points = check_panels(prom.url, run_exprs, t0, t1)
             operator_points = check_panels(prom.url, operator_exprs, t0, t1)
+            check_per_step_panels(prom.url, t0, t1)
+            gpu = query_range(prom.url, substitute(f'max by (pod, gpu) (DCGM_FI_DEV_GPU_UTIL{{{DCGM_SEL}}})',
+                                                   RUN_NAME), t0, t1)
+            assert sorted(s["metric"]["pod"] for s in gpu) == [f"{RUN_NAME}-trainer-0-a0", f"{RUN_NAME}-trainer-1-a0"]
             # the pickers list the run and the operator's namespace of it (the local run has no namespace label)
             for d in dashboards().values():
                 variables = {v["name"]: v for v in d["templating"]["list"]}

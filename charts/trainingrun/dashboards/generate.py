@@ -8,6 +8,12 @@ it) and the dashboard variables `$namespace`, `$run` and `$datasource`. Weighted
 `sum(rate(X_sum[$__rate_interval])) / sum(rate(X_count[$__rate_interval]))`, the correct mean over all ranks.
 The panels' expressions are evaluated against a real Prometheus scraping a real local run by
 tests/integration/test_dashboards.py.
+
+Per-step values (loss, global batch size, lr, grad norm, micro-batches, step time) are rank 0's gauges of the last
+step. They are drawn against the step, not against wall-clock time: a `trend` panel joins each gauge with
+`trainingrun_trainer_step` (or `trainingrun_trainer_samples_consumed` for the learning rate) scraped at the same
+instant and plots points (bars for the batch size) at x = step. A scrape still sees only the steps that were current
+when it ran; every step is in TensorBoard / W&B / `trainingrun plot` (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -43,8 +49,10 @@ def target(expr: str, legend: str, ref: str) -> dict:
 
 
 def panel(title: str, description: str, exprs: list[tuple[str, str]], *, unit: str = "short",
-          kind: str = "timeseries", stack: bool = False, decimals: int | None = None) -> dict:
-    """One panel; position and id are assigned by `layout`."""
+          kind: str = "timeseries", stack: bool = False, decimals: int | None = None,
+          right_axis: dict[str, str] | None = None) -> dict:
+    """One panel; position and id are assigned by `layout`. `right_axis`: {legend: unit} of series drawn on a second
+    y axis on the right (e.g. tokens/s beside samples/s)."""
     defaults: dict = {"unit": unit, "color": {"mode": "palette-classic"}}
     if decimals is not None:
         defaults["decimals"] = decimals
@@ -71,15 +79,120 @@ def panel(title: str, description: str, exprs: list[tuple[str, str]], *, unit: s
             "textMode": "auto",
             "orientation": "auto",
         }
+    overrides = [
+        {"matcher": {"id": "byName", "options": legend},
+         "properties": [{"id": "custom.axisPlacement", "value": "right"}, {"id": "unit", "value": axis_unit},
+                        {"id": "custom.axisLabel", "value": legend}]}
+        for legend, axis_unit in (right_axis or {}).items()
+    ]
     return {
         "type": kind,
         "title": title,
         "description": description,
         "datasource": DS,
-        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "fieldConfig": {"defaults": defaults, "overrides": overrides},
         "options": options,
         "targets": [target(e, legend, chr(ord("A") + i)) for i, (e, legend) in enumerate(exprs)],
     }
+
+
+STEP_X = ("trainingrun_trainer_step", "step")
+SAMPLES_X = ("trainingrun_trainer_samples_consumed", "samples consumed")
+
+
+def per_step_panel(title: str, description: str, exprs: list[tuple[str, str]], *, x: tuple[str, str] = STEP_X,
+                   unit: str = "short", bars: bool = False, decimals: int | None = None) -> dict:
+    """A trend panel: each rank-0 gauge in `exprs` against another gauge of the same scrape (x: the step, or the
+    samples consumed), joined on the scrape time. Points (or bars) at each scraped step, not a wall-clock line."""
+    metric, x_name = x
+    p = panel(title, description, [*exprs, (f"max({metric}{{{RUN_SEL}}})", x_name)], unit=unit, decimals=decimals)
+    p["type"] = "trend"
+    p["fieldConfig"]["defaults"]["custom"] = {
+        "drawStyle": "bars" if bars else "points",
+        "pointSize": 6,
+        "lineWidth": 1,
+        "fillOpacity": 60 if bars else 0,
+        "showPoints": "always",
+        "spanNulls": False,
+        "axisLabel": "",
+    }
+    p["options"] = {
+        "xField": x_name,
+        "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+        "tooltip": {"mode": "multi", "sort": "none"},
+    }
+    # One row per scrape: every gauge of a step is scraped from rank 0 at the same instant.
+    p["transformations"] = [{"id": "joinByField", "options": {"byField": "Time", "mode": "inner"}},
+                            {"id": "organize", "options": {"excludeByName": {"Time": True}}}]
+    return p
+
+
+def run_table() -> dict:
+    """Runs as `kubectl get tr` lists them: namespace, name, phase, step, last global batch size, samples, restarts."""
+    exprs = [
+        (f"max by (namespace, run, phase) (trainingrun_operator_run_phase{{{RUN_SEL}}}) == 1", "phase"),
+        (f"max by (namespace, run) (trainingrun_operator_run_step{{{RUN_SEL}}})", "step"),
+        (f"max by (namespace, run) (trainingrun_trainer_global_batch_size{{{RUN_SEL}}})", "gbs"),
+        (f"max by (namespace, run) (trainingrun_trainer_samples_consumed{{{RUN_SEL}}})", "samples"),
+        (f"max by (namespace, run) (trainingrun_operator_run_restarts{{{RUN_SEL}}})", "restarts"),
+    ]
+    p = panel("TrainingRuns", "The selected runs as `kubectl get tr` lists them (the operator's view of phase, step "
+              "and restarts; global batch size and samples from the trainers).", exprs, kind="table")
+    for t in p["targets"]:
+        t.update({"format": "table", "instant": True, "range": False})
+    p["options"] = {"showHeader": True, "cellHeight": "sm", "footer": {"show": False, "reducer": ["sum"]},
+                    "sortBy": [{"displayName": "NAME", "desc": False}]}
+    p["transformations"] = [
+        {"id": "merge", "options": {}},
+        {"id": "organize", "options": {
+            "excludeByName": {"Time": True, "Value #A": True},
+            "indexByName": {"namespace": 0, "run": 1, "phase": 2, "Value #B": 3, "Value #C": 4, "Value #D": 5,
+                            "Value #E": 6},
+            "renameByName": {"namespace": "NAMESPACE", "run": "NAME", "phase": "PHASE", "Value #B": "STEP",
+                             "Value #C": "GBS", "Value #D": "SAMPLES", "Value #E": "RESTARTS"},
+        }},
+    ]
+    p["fieldConfig"]["defaults"]["decimals"] = 0
+    return p
+
+
+# dcgm-exporter's metrics (https://github.com/NVIDIA/dcgm-exporter), labelled with the pod that uses the GPU. The
+# run's pods are named <run>-trainer-<rank>-a<attempt> and <run>-rollout-a<attempt> (operator/render.py).
+DCGM_SEL = 'namespace=~"$namespace", pod=~"$run-(trainer|rollout)-.+"'
+DCGM_METRICS = ("DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE")
+
+
+def gpu_row() -> dict:
+    """A collapsed row of GPU panels from dcgm-exporter, for clusters that run it (empty otherwise)."""
+    r = row("GPU (dcgm-exporter)")
+    r["collapsed"] = True
+    r["panels"] = [
+        panel("GPU utilisation", "DCGM_FI_DEV_GPU_UTIL of each GPU of the run's pods (needs dcgm-exporter with "
+              "pod labels).", [(f"max by (pod, gpu) (DCGM_FI_DEV_GPU_UTIL{{{DCGM_SEL}}})", "{{pod}} gpu {{gpu}}")],
+              unit="percent"),
+        panel("GPU memory used", "Frame-buffer memory in use per GPU (DCGM_FI_DEV_FB_USED, MiB) against the "
+              "GPU's total (used + free).",
+              [(f"max by (pod, gpu) (DCGM_FI_DEV_FB_USED{{{DCGM_SEL}}}) * 1048576", "{{pod}} gpu {{gpu}}"),
+               (f"max by (pod, gpu) (DCGM_FI_DEV_FB_USED{{{DCGM_SEL}}} + DCGM_FI_DEV_FB_FREE{{{DCGM_SEL}}})"
+                " * 1048576", "{{pod}} gpu {{gpu}} total")], unit="bytes"),
+    ]
+    return r
+
+
+# Restarts as annotations: a mark wherever the operator's restart count of a selected run went up in the last minute.
+RESTART_ANNOTATION = {
+    "name": "Restarts",
+    "datasource": DS,
+    "enable": True,
+    "hide": False,
+    "iconColor": "red",
+    "expr": f"changes(trainingrun_operator_run_restarts{{{RUN_SEL}}}[1m]) > 0",
+    "step": "30s",
+    "titleFormat": "restart",
+    "textFormat": "{{namespace}}/{{run}}: the group was restarted",
+    "tagKeys": "namespace,run",
+    "useValueForTime": False,
+}
 
 
 def row(title: str) -> dict:
@@ -91,11 +204,19 @@ def layout(items: list[dict]) -> list[dict]:
     x = y = 0
     line_h = 0
     out = []
-    for pid, item in enumerate(items, start=1):
-        w, h = {"row": (24, 1), "stat": (6, 4)}.get(item["type"], (12, 8))
+    pid = 0
+    for item in items:
+        pid += 1
+        w, h = {"row": (24, 1), "stat": (6, 4), "table": (24, 7)}.get(item["type"], (12, 8))
         if item["type"] == "row" or x + w > 24:
             x, y, line_h = 0, y + line_h, 0
         item = {**item, "id": pid, "gridPos": {"h": h, "w": w, "x": x, "y": y}}
+        if item["type"] == "row" and item.get("panels"):  # a collapsed row: its panels sit below it when opened
+            nested = []
+            for i, sub in enumerate(item["panels"]):
+                pid += 1
+                nested.append({**sub, "id": pid, "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": y + 1 + 8 * (i // 2)}})
+            item["panels"] = nested
         out.append(item)
         x += w
         line_h = max(line_h, h)
@@ -111,7 +232,7 @@ def variables(run_multi: bool) -> dict:
     run_query = f"label_values({{{runs}, {NS_SEL}}}, run)"
 
     def query_var(name: str, label: str, query: str, multi: bool) -> dict:
-        return {
+        var = {
             "name": name,
             "label": label,
             "type": "query",
@@ -120,14 +241,16 @@ def variables(run_multi: bool) -> dict:
             "query": {"query": query, "refId": f"{name}-variable"},
             "refresh": 2,  # on time range change
             "sort": 1,
-            "includeAll": True,
-            "allValue": ".*",
+            "includeAll": multi,
             "multi": multi,
-            "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+            "current": {"selected": True, "text": ["All"], "value": ["$__all"]} if multi else {},
             "hide": 0,
             "options": [],
             "regex": "",
         }
+        if multi:
+            var["allValue"] = ".*"
+        return var
 
     return {
         "list": [
@@ -145,6 +268,7 @@ def variables(run_multi: bool) -> dict:
                 "regex": "",
             },
             query_var("namespace", "Namespace", ns_query, True),
+            # One run on the run-detail dashboard (its per-step panels would mix runs); several on the overview.
             query_var("run", "Run", run_query, run_multi),
         ]
     }
@@ -177,7 +301,8 @@ def dashboard(uid: str, title: str, description: str, items: list[dict], run_mul
                     "iconColor": "rgba(0, 211, 255, 1)",
                     "name": "Annotations & Alerts",
                     "type": "dashboard",
-                }
+                },
+                RESTART_ANNOTATION,
             ]
         },
         "links": [
@@ -194,6 +319,8 @@ def overview() -> dict:
     # labels (two series for a moment when the operator pod is replaced). Reconcile latency and errors describe the
     # operator itself and are not filtered.
     items = [
+        row("Runs"),
+        run_table(),
         row("Operator"),
         panel("Runs by phase", "Selected TrainingRuns per phase, as the operator observes them.",
               [(f"sum by (phase) (max by (namespace, run, phase) (trainingrun_operator_run_phase{{{RUN_SEL}}}))",
@@ -207,7 +334,7 @@ def overview() -> dict:
         panel("Operator errors", "Handler errors per second, by handler (0 when no handler ever failed).",
               [("sum by (handler) (rate(" + counter("trainingrun_operator_errors") + "[$__rate_interval]))"
                 " or on() vector(0)", "{{handler}}")], unit="ops"),
-        row("Runs"),
+        row("Progress"),
         panel("Optimizer step", "Steps completed, per run.",
               [(f"max by (namespace, run) (trainingrun_trainer_step{{{RUN_SEL}}})", "{{namespace}}/{{run}}")],
               decimals=0),
@@ -219,6 +346,7 @@ def overview() -> dict:
         panel("Tokens per second", "Training throughput per run (all ranks).",
               [(f"sum by (namespace, run) (rate({counter('trainingrun_trainer_rank_tokens')}{{{RUN_SEL}}}"
                 f"[$__rate_interval]))", "{{namespace}}/{{run}}")], unit="short"),
+        gpu_row(),
     ]
     return dashboard("trainingrun-overview", "TrainingRun overview",
                      "All TrainingRuns: phases, restarts, operator health and per-run progress.", items, True)
@@ -236,34 +364,40 @@ def run_detail() -> dict:
         panel("Pending rollouts", "Published rollouts not yet consumed by the trainers.",
               [(f"max(trainingrun_rollout_pending{{{sel}}})", "pending")], kind="stat", decimals=0),
         row("Loss"),
+        per_step_panel("Loss per step", "The step's loss (the objective J_s, rank 0, reduced over all ranks) at "
+                       "each scraped step.", [(f"max(trainingrun_trainer_loss{{{sel}}})", "step loss")]),
         panel("Loss (weighted over ranks)",
-              "Per-sample loss: Σ rate(sum) / Σ rate(count) over all ranks; the reported per-step loss for comparison.",
+              "Per-sample and per-token loss over time: Σ rate(sum) / Σ rate(count) over all ranks (every step "
+              "counts, weighted by its samples).",
               [(weighted_mean("trainingrun_trainer_sample_loss"), "sample loss (weighted)"),
-               (weighted_mean("trainingrun_trainer_token_loss"), "token loss (weighted)"),
-               (f"max(trainingrun_trainer_loss{{{sel}}})", "step loss (rank 0)")]),
+               (weighted_mean("trainingrun_trainer_token_loss"), "token loss (weighted)")]),
         panel("Reward (weighted over ranks)", "Mean sample reward: Σ rate(sum) / Σ rate(count).",
               [(weighted_mean("trainingrun_trainer_sample_reward"), "reward")]),
         row("Batch"),
-        panel("Global batch size per step", "Samples in the last step (varies per step with dynamic sampling).",
-              [(f"max(trainingrun_trainer_global_batch_size{{{sel}}})", "global batch size")], decimals=0),
-        panel("Micro-batches per rank", "Micro-batches each rank ran in the last step.",
-              [(f"max(trainingrun_trainer_num_microbatches{{{sel}}})", "micro-batches")], decimals=0),
+        per_step_panel("Global batch size per step", "Samples in each scraped step (varies per step with dynamic "
+                       "sampling).", [(f"max(trainingrun_trainer_global_batch_size{{{sel}}})", "global batch size")],
+                       bars=True, decimals=0),
+        per_step_panel("Micro-batches per rank", "Micro-batches each rank ran in each scraped step.",
+                       [(f"max(trainingrun_trainer_num_microbatches{{{sel}}})", "micro-batches")], decimals=0),
         row("Throughput"),
-        panel("Samples and tokens per second", "Throughput of the last step over all ranks.",
+        panel("Samples and tokens per second", "Throughput of the last step over all ranks: samples/s on the left "
+              "axis, tokens/s on the right.",
               [(f"max(trainingrun_trainer_samples_per_second{{{sel}}})", "samples/s"),
-               (f"max(trainingrun_trainer_tokens_per_second{{{sel}}})", "tokens/s")]),
+               (f"max(trainingrun_trainer_tokens_per_second{{{sel}}})", "tokens/s")],
+              right_axis={"tokens/s": "short"}),
         panel("Per-rank throughput", "Tokens per second of each data-parallel rank (a slow rank stands out).",
               [(f"sum by (rank) (rate({counter('trainingrun_trainer_rank_tokens')}{{{sel}}}[$__rate_interval]))",
                 "rank {{rank}}")]),
-        panel("Step time", "Wall time of the last step.",
-              [(f"max(trainingrun_trainer_step_seconds{{{sel}}})", "step time")], unit="s"),
+        per_step_panel("Step time", "Wall time of each scraped step.",
+                       [(f"max(trainingrun_trainer_step_seconds{{{sel}}})", "step time")], unit="s"),
         panel("Schedule imbalance", "max / mean rank token load of the last published step (1 = balanced).",
               [(f"max(trainingrun_rollout_schedule_imbalance{{{sel}}})", "imbalance")]),
         row("Optimizer"),
-        panel("Learning rate", "LR used by the last step (the scheduler advances by each step's batch size).",
-              [(f"max(trainingrun_trainer_lr{{{sel}}})", "lr")], unit="sci"),
-        panel("Gradient norm", "Gradient norm of the last step, before clipping.",
-              [(f"max(trainingrun_trainer_grad_norm{{{sel}}})", "grad norm")]),
+        per_step_panel("Learning rate vs samples consumed", "LR of each scraped step against the samples consumed "
+                       "(the scheduler advances by each step's batch size).",
+                       [(f"max(trainingrun_trainer_lr{{{sel}}})", "lr")], x=SAMPLES_X, unit="sci"),
+        per_step_panel("Gradient norm per step", "Gradient norm of each scraped step, before clipping.",
+                       [(f"max(trainingrun_trainer_grad_norm{{{sel}}})", "grad norm")]),
         row("Rollout"),
         panel("Samples produced, filtered, published", "Rollout sample flow per second.",
               [(f"sum(rate({counter('trainingrun_rollout_samples_produced')}{{{sel}}}[$__rate_interval]))",
@@ -272,6 +406,7 @@ def run_detail() -> dict:
                 "filtered"),
                (f"sum(rate({counter('trainingrun_rollout_samples_published')}{{{sel}}}[$__rate_interval]))",
                 "published")], unit="ops"),
+        gpu_row(),
     ]
     return dashboard("trainingrun-run", "TrainingRun run detail",
                      "One TrainingRun: weighted loss, batch sizes, throughput, optimizer and schedule balance.",
