@@ -14,7 +14,7 @@ from typing import Any
 
 def step_records(run_dir: Path) -> list[dict[str, Any]]:
     """One record per step, in step order (the last attempt's record of a step wins); [] if there is none."""
-    from trainingrun.local_report import merge_metrics, read_records
+    from trainingrun.local.report import merge_metrics, read_records
 
     merged = merge_metrics(run_dir)
     if merged:
