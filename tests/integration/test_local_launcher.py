@@ -256,7 +256,7 @@ def test_bad_spec_exits_1_naming_the_field_and_starts_nothing(tmp_path, fake):
     assert code == 1 and "samplesPerRollout" in stderr
     assert not out.exists()
     code, _, stderr = finish(launch(make_spec(tmp_path), out, fake, "--trainers", "0"))
-    assert code == 1 and "replicas" in stderr and "greater than or equal to 1" in stderr
+    assert code == 1 and "spec.trainer.replicas: invalid value 0" in stderr and "minimum of 1" in stderr
     assert not out.exists()
 
 

@@ -74,8 +74,11 @@ def test_multi_document_stream_reports_each_document():
     good = (ROOT / "examples/tiny.yaml").read_text()
     doc = yaml.safe_load(good)
     doc["spec"]["trainer"]["replicas"] = 0
-    lines = validate_text(good + "---\n" + yaml.safe_dump(doc), "runs.yaml")
-    assert lines and all(line.startswith("runs.yaml#2: spec.trainer.replicas") for line in lines)
+    second = yaml.safe_dump(doc, sort_keys=False)
+    lines = validate_text(good + "---\n" + second, "runs.yaml")
+    # the line and column of the field in the second document
+    line_no = len(good.splitlines()) + 1 + second.splitlines().index("    replicas: 0") + 1
+    assert lines and all(line.startswith(f"runs.yaml:{line_no}:5: spec.trainer.replicas:") for line in lines), lines
 
 
 def test_message_says_what_is_allowed():

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from trainingrun.api.manifest import ManifestError
 from trainingrun.api.models import (
     MODEL_PRESETS,
     PHASES,
@@ -23,6 +23,7 @@ __all__ = [
     "TrainingRun",
     "TrainingRunSpec",
     "TrainingRunStatus",
+    "ManifestError",
     "describe_errors",
     "load_trainingrun",
     "parse_trainingrun",
@@ -30,29 +31,19 @@ __all__ = [
 
 
 def parse_trainingrun(doc: dict[str, Any]) -> TrainingRun:
-    """A TrainingRun from a parsed manifest; raises pydantic.ValidationError on bad input."""
-    return TrainingRun.model_validate(doc)
+    """A TrainingRun from a decoded manifest (plain JSON values), validated strictly: no type coercion (`true` or
+    `"2"` is not an integer), as the CRD's schema; raises pydantic.ValidationError on bad input."""
+    return TrainingRun.model_validate(doc, strict=True)
 
 
-def load_trainingrun(path: str | Path) -> TrainingRun:
-    """The single TrainingRun in a YAML file. Raises ValueError with the file name on anything wrong; use
-    `trainingrun validate` for a full, per-field report."""
-    path = Path(path)
-    try:
-        docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"{path}: cannot read TrainingRun: {exc}") from exc
-    runs = [d for d in docs if isinstance(d, dict) and d.get("kind") == "TrainingRun"]
-    if len(runs) != 1:
-        raise ValueError(f"{path}: expected exactly one TrainingRun document, found {len(runs)}")
-    from pydantic import ValidationError
+def load_trainingrun(path: str | Path, *, overrides: Mapping[str, Any] | None = None) -> TrainingRun:
+    """The single TrainingRun in a YAML file, through the one strict loader (`trainingrun.api.manifest`: limits,
+    duplicate keys, CRD schema and CEL rules, strict models), with `overrides` (`{"spec.trainer.replicas": 2}`)
+    applied before validation. Raises `ManifestError` (a ValueError) whose lines are exactly what
+    `trainingrun validate` prints."""
+    from trainingrun.api.manifest import load_file
 
-    try:
-        return parse_trainingrun(runs[0])
-    except ValidationError as exc:
-        raise ValueError(
-            describe_errors(exc, f"{path}: invalid TrainingRun (run `trainingrun validate {path}` for details):")
-        ) from None
+    return load_file(path, overrides=overrides)
 
 
 def describe_errors(exc: Any, header: str) -> str:

@@ -21,6 +21,16 @@ from trainingrun.api.constants import API_VERSION, KIND
 # A Kubernetes resource quantity ("500m", "2Gi", 4). The CRD marks it x-kubernetes-int-or-string.
 Quantity = int | str
 
+# Every number of the API has bounds (a test walks the CRD schema to keep it so): a manifest cannot carry a value
+# that some later computation overflows (a seed of 1e29, a clip threshold of 1e309).
+INT64_MAX = 2**63 - 1
+MAX_SEED = 2**32 - 1  # numpy's and torch's seeding accept it on every platform
+MAX_SAMPLES = 2**53  # sample counts pass through float64 (LR schedule): exact up to 2^53
+MAX_SECONDS = 2**31 - 1  # durations in seconds (~68 years)
+MAX_TOKENS = 2**31 - 1  # token counts (token ids and offsets of one rank's payload are int32/int64)
+MAX_LENGTH = 1_048_576  # sample length in tokens (= the largest model.seqLength)
+MAX_SAMPLES_PER_ROLLOUT = 10_000_000
+
 
 class Rule(BaseModel):
     """One cross-field rule: a CEL expression over `self` (the object it is attached to) and its message."""
@@ -38,6 +48,7 @@ class ApiModel(BaseModel):
         populate_by_name=True,
         extra="forbid",
         validate_assignment=True,
+        allow_inf_nan=False,
     )
     # CEL rules attached to this object in the CRD (x-kubernetes-validations). Python twins: model validators.
     CEL_RULES: ClassVar[tuple[Rule, ...]] = ()
@@ -87,7 +98,7 @@ class ModelSpec(ApiModel):
     num_layers: int | None = Field(None, ge=1, le=1024, description="Transformer layers.")
     hidden_size: int | None = Field(None, ge=8, le=65536, description="Hidden size.")
     num_attention_heads: int | None = Field(None, ge=1, le=1024, description="Attention heads.")
-    ffn_hidden_size: int | None = Field(None, ge=8, description="MLP hidden size (default 4 × hiddenSize).")
+    ffn_hidden_size: int | None = Field(None, ge=8, le=1048576, description="MLP hidden size (default 4 × hiddenSize).")
     vocab_size: int | None = Field(None, ge=2, le=1048576, description="Vocabulary size (token ids < vocabSize).")
     seq_length: int | None = Field(None, ge=8, le=1048576, description="Longest sample in tokens (positions).")
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Parameter and compute precision.")
@@ -131,13 +142,14 @@ class OptimizerSpec(ApiModel):
 
     lr: float = Field(3e-4, gt=0, le=1, description="Peak learning rate.")
     min_lr: float = Field(0.0, ge=0, le=1, description="Learning rate at the end of the decay.")
-    warmup_samples: int = Field(0, ge=0, description="Samples of linear warmup from 0 to lr.")
+    warmup_samples: int = Field(0, ge=0, le=MAX_SAMPLES, description="Samples of linear warmup from 0 to lr.")
     decay_samples: int | None = Field(
-        None, ge=1, description="Samples (warmup included) after which lr reaches minLr; unset: no decay."
+        None, ge=1, le=MAX_SAMPLES,
+        description="Samples (warmup included) after which lr reaches minLr; unset: no decay."
     )
     decay_style: Literal["cosine", "linear", "constant"] = Field("cosine", description="Shape of the decay.")
     weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay.")
-    clip_grad: float = Field(1.0, ge=0, description="Gradient norm clipping; 0 turns clipping off.")
+    clip_grad: float = Field(1.0, ge=0, le=1e6, description="Gradient norm clipping; 0 turns clipping off.")
     adam_beta1: float = Field(0.9, gt=0, lt=1, description="AdamW beta1.")
     adam_beta2: float = Field(0.999, gt=0, lt=1, description="AdamW beta2.")
 
@@ -153,9 +165,9 @@ class OptimizerSpec(ApiModel):
 class CheckpointSpec(ApiModel):
     """Periodic checkpoints of model, optimizer, scheduler and progress; trainers resume from the newest."""
 
-    interval: int = Field(0, ge=0, description="Save every `interval` optimizer steps; 0 saves only at the end.")
+    interval: int = Field(0, ge=0, le=MAX_SECONDS, description="Save every `interval` optimizer steps; 0 saves only at the end.")
     path: str = Field("/checkpoints", min_length=1, description="Directory (a shared volume in a cluster).")
-    keep: int = Field(2, ge=1, description="Complete checkpoints kept; older ones are deleted.")
+    keep: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept; older ones are deleted.")
 
 
 class TrainerSpec(ApiModel):
@@ -179,9 +191,9 @@ class TrainerSpec(ApiModel):
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="Megatron tensor-parallel size.")
     pipeline_parallel_size: int = Field(1, ge=1, le=256, description="Megatron pipeline-parallel size.")
     max_tokens_per_gpu: int | None = Field(
-        None, ge=1, alias="maxTokensPerGPU", description="Dynamic micro-batches: token cap per micro-batch."
+        None, ge=1, le=MAX_TOKENS, alias="maxTokensPerGPU", description="Dynamic micro-batches: token cap per micro-batch."
     )
-    micro_batch_size: int | None = Field(None, ge=1, description="Static micro-batches: samples per micro-batch.")
+    micro_batch_size: int | None = Field(None, ge=1, le=MAX_SAMPLES_PER_ROLLOUT, description="Static micro-batches: samples per micro-batch.")
     microbatch_multiple: int = Field(
         1, ge=1, le=1024, description="Micro-batches per rank per step are a multiple of this (virtual pipeline)."
     )
@@ -220,9 +232,9 @@ class SyntheticSource(ApiModel):
     CEL_RULES = (Rule(rule="self.minLength <= self.maxLength", message="minLength must be <= maxLength"),)
 
     task: Literal["reverse", "sort", "copy"] = Field("reverse", description="What the response does to the prompt.")
-    min_length: int = Field(4, ge=1, description="Shortest prompt in tokens.")
-    max_length: int = Field(48, ge=1, description="Longest prompt in tokens (lengths are heavy-tailed up to it).")
-    vocab_size: int | None = Field(None, ge=4, description="Token ids used (default: the model's vocabSize).")
+    min_length: int = Field(4, ge=1, le=MAX_LENGTH, description="Shortest prompt in tokens.")
+    max_length: int = Field(48, ge=1, le=MAX_LENGTH, description="Longest prompt in tokens (lengths are heavy-tailed up to it).")
+    vocab_size: int | None = Field(None, ge=4, le=1048576, description="Token ids used (default: the model's vocabSize).")
 
     @model_validator(mode="after")
     def _rules(self) -> SyntheticSource:
@@ -262,7 +274,7 @@ class FilterSpec(ApiModel):
     """Filters applied to each rollout before it is split into steps; they make the sample count vary."""
 
     zero_variance: bool = Field(True, description="Drop groups whose rewards all equal (dynamic sampling).")
-    max_length: int | None = Field(None, ge=1, description="Drop samples longer than this many tokens.")
+    max_length: int | None = Field(None, ge=1, le=MAX_LENGTH, description="Drop samples longer than this many tokens.")
 
 
 class StepPolicy(ApiModel):
@@ -279,7 +291,7 @@ class StepPolicy(ApiModel):
     policy: Literal["fixed", "dynamic"] = Field(
         "dynamic", description="fixed: globalBatchSize groups per step, leftover carried over; dynamic: one step per rollout."
     )
-    global_batch_size: int | None = Field(None, ge=1, description="Groups per step with policy fixed.")
+    global_batch_size: int | None = Field(None, ge=1, le=MAX_SAMPLES_PER_ROLLOUT, description="Groups per step with policy fixed.")
 
     @model_validator(mode="after")
     def _rules(self) -> StepPolicy:
@@ -300,11 +312,11 @@ class RolloutSpec(ApiModel):
     )
 
     source: SourceSpec = Field(default_factory=SourceSpec, description="Where samples come from.")
-    samples_per_rollout: int = Field(64, ge=1, le=10_000_000, description="Samples produced per rollout, before filters.")
+    samples_per_rollout: int = Field(64, ge=1, le=MAX_SAMPLES_PER_ROLLOUT, description="Samples produced per rollout, before filters.")
     group_size: int = Field(4, ge=1, le=4096, description="Samples per prompt (a group; never split across steps).")
     filters: FilterSpec = Field(default_factory=FilterSpec, description="Sample filters.")
     steps: StepPolicy = Field(default_factory=StepPolicy, description="Step policy.")
-    num_rollouts: int = Field(10, ge=1, description="Rollouts in the run.")
+    num_rollouts: int = Field(10, ge=1, le=1_000_000_000, description="Rollouts in the run.")
     max_pending_rollouts: int = Field(2, ge=1, le=1024, description="Published but unconsumed rollouts allowed.")
     resources: ResourceRequirements = Field(
         default_factory=ResourceRequirements, description="Resources of the rollout container."
@@ -389,7 +401,8 @@ class FailurePolicy(ApiModel):
     max_restarts: int = Field(3, ge=0, le=1000, description="Whole-group restarts before the run is Failed.")
     backoff_seconds: int = Field(10, ge=0, le=86400, description="Wait before each restart.")
     progress_deadline_seconds: int | None = Field(
-        None, ge=1, description="No new step for this long counts as a failure (hang detection); unset: off."
+        None, ge=1, le=MAX_SECONDS,
+        description="No new step for this long counts as a failure (hang detection); unset: off."
     )
 
 
@@ -400,7 +413,7 @@ class Toleration(ApiModel):
     operator: Literal["Exists", "Equal"] | None = None
     value: str | None = None
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = None
+    toleration_seconds: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
 
 
 class PodTemplateOverrides(ApiModel):
@@ -455,7 +468,7 @@ class TrainingRunSpec(ApiModel):
 
     image: str = Field("ghcr.io/trainingrun/trainer:0.1.0", min_length=1, description="Image of rollout and trainers.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="Pull policy.")
-    seed: int = Field(1234, ge=0, description="Seed of data, model init and sampling.")
+    seed: int = Field(1234, ge=0, le=MAX_SEED, description="Seed of data, model init and sampling.")
     model: ModelSpec = Field(..., description="Model to train.")
     trainer: TrainerSpec = Field(..., description="Trainer pods.")
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Rollout pod.")
@@ -463,8 +476,8 @@ class TrainingRunSpec(ApiModel):
     metrics: MetricsSpec = Field(default_factory=MetricsSpec, description="Metrics.")
     failure_policy: FailurePolicy = Field(default_factory=FailurePolicy, description="Restarts and hang detection.")
     suspend: bool = Field(False, description="Delete the pods and keep the run (resume from checkpoint on false).")
-    active_deadline_seconds: int | None = Field(None, ge=1, description="Fail the run after this long running.")
-    ttl_seconds_after_finished: int | None = Field(None, ge=0, description="Delete the run this long after it ends.")
+    active_deadline_seconds: int | None = Field(None, ge=1, le=MAX_SECONDS, description="Fail the run after this long running.")
+    ttl_seconds_after_finished: int | None = Field(None, ge=0, le=MAX_SECONDS, description="Delete the run this long after it ends.")
     scheduler_name: str | None = Field(None, description="Pod schedulerName (e.g. volcano).")
     gang_scheduling: GangScheduling = Field(default_factory=GangScheduling, description="Gang scheduling.")
     pod_template: PodTemplateOverrides = Field(
@@ -493,15 +506,15 @@ class TrainingRunStatus(ApiModel):
 
     phase: Phase | None = Field(None, description="Pending, Running, Restarting, Succeeded, Failed or Suspended.")
     conditions: list[Condition] = Field(default_factory=list, description="Conditions.")
-    restarts: int = Field(0, ge=0, description="Whole-group restarts so far.")
-    attempt: int = Field(0, ge=0, description="Current attempt (pods carry it as a label).")
-    step: int = Field(0, ge=0, description="Optimizer steps completed.")
-    samples_consumed: int = Field(0, ge=0, description="Samples trained on so far.")
-    last_global_batch_size: int = Field(0, ge=0, description="Samples in the last step.")
-    rollout: int = Field(0, ge=0, description="Rollouts consumed.")
+    restarts: int = Field(0, ge=0, le=INT64_MAX, description="Whole-group restarts so far.")
+    attempt: int = Field(0, ge=0, le=INT64_MAX, description="Current attempt (pods carry it as a label).")
+    step: int = Field(0, ge=0, le=INT64_MAX, description="Optimizer steps completed.")
+    samples_consumed: int = Field(0, ge=0, le=INT64_MAX, description="Samples trained on so far.")
+    last_global_batch_size: int = Field(0, ge=0, le=INT64_MAX, description="Samples in the last step.")
+    rollout: int = Field(0, ge=0, le=INT64_MAX, description="Rollouts consumed.")
     start_time: str | None = Field(None, description="When the run started (RFC 3339).")
     completion_time: str | None = Field(None, description="When the run ended (RFC 3339).")
-    observed_generation: int | None = Field(None, description="The spec generation this status reflects.")
+    observed_generation: int | None = Field(None, ge=0, le=INT64_MAX, description="The spec generation this status reflects.")
     message: str | None = Field(None, description="Last important message (e.g. why the run failed).")
 
 

@@ -1,10 +1,15 @@
 """`trainingrun validate FILE...`: check TrainingRun manifests offline, as the API server would.
 
+The YAML is decoded by the one manifest loader (`trainingrun.api.manifest`: limits, duplicate keys, no coercion).
 The checks are the CRD's own: its OpenAPI schema (types, bounds, enums, required fields; unknown fields rejected as
 `kubectl apply`'s strict field validation does) and its `x-kubernetes-validations` CEL rules, evaluated with a real
-CEL engine (cel-python) on the object after defaulting, as the API server does. One line per error:
+CEL engine (cel-python) on the object after defaulting, as the API server does, then the strict models. One line
+per error, with the line and column of the field where it is known:
 
-    FILE[#doc]: FIELD.PATH: what was wrong (allowed: what is allowed)
+    FILE:LINE:COL: FIELD.PATH: what was wrong (allowed: what is allowed)
+
+`trainingrun run`, the trainer, the rollout and the operator load manifests through the same checks
+(`validate_document`), so they accept and refuse exactly what this command does.
 
 Exit 0 when every document is valid, 1 otherwise. Needs the `validate` extra (jsonschema, cel-python).
 """
@@ -13,24 +18,27 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
-
-import yaml
 
 from trainingrun.api.constants import API_VERSION, KIND
 
 
 @dataclass(frozen=True)
 class Problem:
-    path: str  # dotted field path, e.g. spec.trainer.replicas
+    parts: tuple[str | int, ...]  # field path, e.g. ("spec", "trainer", "replicas")
     message: str
 
+    @property
+    def path(self) -> str:
+        """Dotted field path, e.g. spec.trainer.replicas or spec.podTemplate.volumes[0]."""
+        return _dotted(self.parts)
+
     def __str__(self) -> str:
-        return f"{self.path}: {self.message}" if self.path else self.message
+        return f"{self.path}: {self.message}" if self.parts else self.message
 
 
 # ------------------------------------------------------------------------------------------------ schema helpers
@@ -102,22 +110,36 @@ def _schema_problems(spec: Any) -> list[Problem]:
     validator = jsonschema.Draft4Validator(strict)
     problems = []
     for error in sorted(validator.iter_errors(spec), key=lambda e: (list(map(str, e.absolute_path)), e.message)):
-        path = _dotted(["spec", *error.absolute_path])
+        parts = ("spec", *error.absolute_path)
         if error.validator == "additionalProperties":
             unknown = sorted(set(error.instance) - set(error.schema.get("properties", {})))
             for field in unknown:
-                problems.append(
-                    Problem(f"{path}.{field}", f"unknown field (allowed: {_allowed(error)})")
-                )
+                problems.append(Problem((*parts, field), f"unknown field (allowed: {_allowed(error)})"))
             continue
         if error.validator == "required":
             missing = error.message.split("'")[1] if "'" in error.message else error.message
-            problems.append(Problem(f"{path}.{missing}", "required field is missing"))
+            problems.append(Problem((*parts, missing), "required field is missing"))
             continue
         got = error.instance
-        shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
-        problems.append(Problem(path, f"invalid value {shown}: {error.message} (allowed: {_allowed(error)})"))
+        shown = json.dumps(got) if not isinstance(got, (dict, list)) else type(got).__name__
+        message = error.message
+        if error.validator == "type":
+            message = f"{_type_name(got)}, not {_allowed(error)}{_bool_hint(got, error.schema)}"
+        problems.append(Problem(parts, f"invalid value {shown}: {message} (allowed: {_allowed(error)})"))
     return problems
+
+
+def _type_name(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "a mapping",
+            list: "a list", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _bool_hint(value: Any, schema: dict[str, Any]) -> str:
+    if isinstance(value, bool) and schema.get("type") == "string":
+        return " (YAML reads an unquoted y/n/yes/no/on/off/true/false as a boolean: quote it)"
+    if isinstance(value, str) and schema.get("type") in ("integer", "number"):
+        return " (numbers are not quoted; a quoted value is a string and is not converted)"
+    return ""
 
 
 # --------------------------------------------------------------------------------------------- defaults and CEL
@@ -183,13 +205,14 @@ def evaluate_rule(rule: str, obj: Any, schema: dict[str, Any]) -> bool:
     return bool(result)
 
 
-def _cel_problems(value: Any, schema: dict[str, Any], path: str, broken: frozenset[str] = frozenset()) -> list[Problem]:
+def _cel_problems(value: Any, schema: dict[str, Any], path: tuple[str | int, ...],
+                  broken: frozenset[tuple[str | int, ...]] = frozenset()) -> list[Problem]:
     """CEL failures under `path`. Rules of an object holding a schema error (a path in `broken`) are not run: the
     API server reports the schema error, and a rule over a mistyped field would only add noise."""
-    if any(b == path or b.startswith(path + ".") or b.startswith(path + "[") for b in broken):
+    if any(b[: len(path)] == path for b in broken):
         if isinstance(value, dict):
             return [p for name, sub in schema.get("properties", {}).items() if name in value
-                    for p in _cel_problems(value[name], sub, f"{path}.{name}", broken)]
+                    for p in _cel_problems(value[name], sub, (*path, name), broken)]
         return []
     problems = []
     if isinstance(value, dict):
@@ -200,14 +223,14 @@ def _cel_problems(value: Any, schema: dict[str, Any], path: str, broken: frozens
                 problems.append(Problem(path, str(exc)))
                 continue
             if not ok:
-                where = path + rule.get("fieldPath", "")
-                problems.append(Problem(where, f"{rule['message']} (rule: {rule['rule']})"))
+                extra = tuple(p for p in rule.get("fieldPath", "").split(".") if p)
+                problems.append(Problem((*path, *extra), f"{rule['message']} (rule: {rule['rule']})"))
         for name, sub in schema.get("properties", {}).items():
             if name in value:
-                problems.extend(_cel_problems(value[name], sub, f"{path}.{name}"))
+                problems.extend(_cel_problems(value[name], sub, (*path, name)))
     elif isinstance(value, list) and isinstance(schema.get("items"), dict):
         for i, item in enumerate(value):
-            problems.extend(_cel_problems(item, schema["items"], f"{path}[{i}]"))
+            problems.extend(_cel_problems(item, schema["items"], (*path, i)))
     return problems
 
 
@@ -215,47 +238,60 @@ def _cel_problems(value: Any, schema: dict[str, Any], path: str, broken: frozens
 _NAME_RE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 
+def extras_installed() -> bool:
+    """Whether the `validate` extra (jsonschema, cel-python) is importable."""
+    try:
+        import celpy  # noqa: F401
+        import jsonschema  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def validate_document(doc: Any) -> list[Problem]:
-    """Every problem of one parsed manifest (empty when valid)."""
+    """Every problem of one decoded manifest (empty when valid): top-level fields and metadata, the CRD schema and
+    CEL rules (when the `validate` extra is installed), then the strict models (always)."""
     import re
 
     if not isinstance(doc, dict):
-        return [Problem("", f"a TrainingRun must be a mapping, got {type(doc).__name__}")]
+        return [Problem((), f"a TrainingRun must be a mapping, got {type(doc).__name__}")]
     problems = []
     expected = API_VERSION
     if doc.get("apiVersion") != expected:
-        problems.append(Problem("apiVersion", f"must be {expected!r}, got {doc.get('apiVersion')!r}"))
+        problems.append(Problem(("apiVersion",), f"must be {expected!r}, got {doc.get('apiVersion')!r}"))
     if doc.get("kind") != KIND:
-        problems.append(Problem("kind", f"must be {KIND!r}, got {doc.get('kind')!r}"))
+        problems.append(Problem(("kind",), f"must be {KIND!r}, got {doc.get('kind')!r}"))
     for field in sorted(set(doc) - {"apiVersion", "kind", "metadata", "spec", "status"}):
-        problems.append(Problem(field, "unknown field (allowed: apiVersion, kind, metadata, spec, status)"))
+        problems.append(Problem((field,), "unknown field (allowed: apiVersion, kind, metadata, spec, status)"))
     meta = doc.get("metadata")
     if not isinstance(meta, dict):
-        problems.append(Problem("metadata", "required mapping with at least `name`"))
+        problems.append(Problem(("metadata",), "required mapping with at least `name`"))
     else:
         name = meta.get("name")
         if not isinstance(name, str) or not re.match(_NAME_RE, name) or len(name) > 63:
             problems.append(
-                Problem("metadata.name", f"invalid name {name!r} (allowed: a DNS label: lower-case letters, digits, "
-                        "'-', at most 63 characters, starting and ending alphanumeric)")
+                Problem(("metadata", "name"), f"invalid name {name!r} (allowed: a DNS label: lower-case letters, "
+                        "digits, '-', at most 63 characters, starting and ending alphanumeric)")
             )
     if "spec" not in doc:
-        problems.append(Problem("spec", "required field is missing"))
+        problems.append(Problem(("spec",), "required field is missing"))
         return problems
     spec = doc["spec"]
-    schema_problems = _schema_problems(spec)
-    problems.extend(schema_problems)
-    if isinstance(spec, dict):
-        served, _ = _schemas()
-        broken = frozenset(p.path for p in schema_problems)
-        problems.extend(_cel_problems(apply_defaults(spec, served), served, "spec", broken))
+    if extras_installed():
+        schema_problems = _schema_problems(spec)
+        problems.extend(schema_problems)
+        if isinstance(spec, dict):
+            served, _ = _schemas()
+            broken = frozenset(p.parts for p in schema_problems)
+            problems.extend(_cel_problems(apply_defaults(spec, served), served, ("spec",), broken))
     if not problems:
         problems.extend(_model_problems(doc))
     return problems
 
 
 def _model_problems(doc: dict[str, Any]) -> list[Problem]:
-    """The pydantic models hold the same rules; anything they still reject is reported too (belt and braces)."""
+    """The strict pydantic models hold the same rules; anything they still reject is reported too (and they are
+    the only check where the `validate` extra is not installed)."""
     from pydantic import ValidationError
 
     from trainingrun.api import parse_trainingrun
@@ -263,28 +299,22 @@ def _model_problems(doc: dict[str, Any]) -> list[Problem]:
     try:
         parse_trainingrun(doc)
     except ValidationError as exc:
-        return [Problem(_dotted(e["loc"]), e["msg"]) for e in exc.errors()]
+        return [Problem(tuple(e["loc"]), e["msg"]) for e in exc.errors()]
     return []
 
 
 # ---------------------------------------------------------------------------------------------------- files / CLI
-def validate_text(text: str, source: str = "<stdin>") -> list[str]:
+def validate_text(text: str | bytes, source: str = "<stdin>") -> list[str]:
     """Error lines for a YAML stream (empty list when every document is a valid TrainingRun)."""
+    from trainingrun.api.manifest import ManifestError, parse_yaml, problems
+
     try:
-        docs = list(yaml.safe_load_all(text))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        return [f"{source}{where}: invalid YAML: {problem}"]
-    docs = [d for d in docs if d is not None]
+        docs = parse_yaml(text, source)
+    except ManifestError as exc:
+        return exc.lines
     if not docs:
         return [f"{source}: no YAML document found (expected a TrainingRun manifest)"]
-    lines = []
-    for i, doc in enumerate(docs):
-        label = source if len(docs) == 1 else f"{source}#{i + 1}"
-        lines.extend(f"{label}: {p}" for p in validate_document(doc))
-    return lines
+    return [line for doc in docs for line in problems(doc)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -300,12 +330,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"trainingrun validate needs the 'validate' extra: pip install 'trainingrun[validate]' ({exc})",
               file=sys.stderr)
         return 2
+    from trainingrun.api.manifest import ManifestError, read_text
+
     failed = False
     for name in args.files:
         try:
-            text = sys.stdin.read() if name == "-" else Path(name).read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            print(f"{name}: cannot read: {exc}", file=sys.stderr)
+            text = read_text(name)
+        except ManifestError as exc:
+            for line in exc.lines:
+                print(line, file=sys.stderr)
             failed = True
             continue
         lines = validate_text(text, name)

@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from trainingrun.api.manifest import dump_yaml
 from trainingrun.local.procs import (
     ProcessGroup,
     describe_exit,
@@ -47,7 +46,7 @@ POLL_SECONDS = 0.2
 
 def spec_yaml(run) -> str:
     doc = run.model_dump(by_alias=True, exclude_none=True, mode="json", exclude={"status"})
-    return yaml.safe_dump(doc, sort_keys=False)
+    return dump_yaml(doc, sort_keys=False)
 
 
 def stalled(last_progress: float, deadline_s: float | None) -> bool:

@@ -28,20 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ------------------------------------------------------------------------------------------------ spec handling
 def load_effective_run(path: str, trainers: int | None):
-    """The TrainingRun in `path` with `--trainers` applied, validated; ValueError with one line per bad field."""
-    from pydantic import ValidationError
+    """The TrainingRun in `path` with `--trainers` applied before validation, through the one strict loader;
+    ManifestError (a ValueError) with the same one-line errors `trainingrun validate` prints."""
+    from trainingrun.api import load_trainingrun
 
-    from trainingrun.api import describe_errors, load_trainingrun, parse_trainingrun
-
-    run = load_trainingrun(path)  # ValueError naming file and fields
-    if trainers is None:
-        return run
-    doc = run.model_dump(by_alias=True, exclude_none=True, mode="json")
-    doc["spec"]["trainer"]["replicas"] = trainers
-    try:
-        return parse_trainingrun(doc)
-    except ValidationError as exc:
-        raise ValueError(describe_errors(exc, f"{path}: invalid TrainingRun with --trainers {trainers}:")) from None
+    return load_trainingrun(path, overrides=None if trainers is None else {"spec.trainer.replicas": trainers})
 
 
 def resolve_input_paths(run, base: Path):
@@ -59,8 +50,8 @@ def resolve_input_paths(run, base: Path):
 def run(args: argparse.Namespace) -> int:
     try:
         the_run = resolve_input_paths(load_effective_run(args.file, args.trainers), Path.cwd())
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except ValueError as exc:  # ManifestError: one line per problem, as `trainingrun validate` prints them
+        print(str(exc), file=sys.stderr)
         return 1
     out_dir = Path(args.out) if args.out else Path("runs") / the_run.metadata.name
     progress = Progress(num_rollouts=the_run.spec.rollout.num_rollouts, interval=args.progress_interval)

@@ -20,8 +20,6 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
 from trainingrun.api.constants import (
     API_VERSION,
     APP,
@@ -35,6 +33,7 @@ from trainingrun.api.constants import (
     ROLE_STORE,
     ROLE_TRAINER,
 )
+from trainingrun.api.manifest import dump_yaml
 from trainingrun.api.models import TrainingRun
 from trainingrun.plan import CONFIG_MOUNT_PATH, DEFAULT_MASTER_PORT, ProcessPlan, RunPlan, build_plan
 
@@ -188,7 +187,7 @@ def render_config_map(run: TrainingRun, owner: Owner) -> dict[str, Any]:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(Names(owner.name).config, owner, {**base_labels(owner.name), LABEL_ROLE: ROLE_CONFIG}),
-        "data": {"run.yaml": yaml.safe_dump(run_manifest(run, owner.namespace), sort_keys=False)},
+        "data": {"run.yaml": dump_yaml(run_manifest(run, owner.namespace), sort_keys=False)},
     }
 
 
