@@ -66,64 +66,195 @@ class ResourceRequirements(ApiModel):
 
 
 # --------------------------------------------------------------------------------------------------------- model
-MODEL_PRESETS: dict[str, dict[str, int]] = {
-    # name: numLayers, hiddenSize, numAttentionHeads, vocabSize, seqLength
-    "tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=256),
-    "small": dict(num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=1024, seq_length=1024),
-    "gpt-125m": dict(num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=50304, seq_length=2048),
-    "llama-1b": dict(num_layers=16, hidden_size=2048, num_attention_heads=32, vocab_size=128256, seq_length=8192),
-    "llama-8b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, vocab_size=128256, seq_length=8192),
+# Architecture fields of a model (snake_case names, as `ModelSpec.resolved()` returns them) and what each architecture
+# defaults them to. `gpt`: LayerNorm + GELU (the original preset family, no Hugging Face counterpart); `llama`: RMSNorm +
+# SwiGLU + grouped-query attention (Llama, Mistral, Qwen2, SmolLM2, ...; exports to Hugging Face).
+ARCHITECTURES = ("gpt", "llama")
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gpt": dict(normalization="LayerNorm", activation="gelu", norm_epsilon=1e-5, rope_base=10000.0,
+                tie_embeddings=False, add_bias_linear=False, add_qkv_bias=False),
+    "llama": dict(normalization="RMSNorm", activation="swiglu", norm_epsilon=1e-5, rope_base=10000.0,
+                  tie_embeddings=False, add_bias_linear=False, add_qkv_bias=False),
 }
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    # GPT family (LayerNorm + GELU)
+    "tiny": dict(architecture="gpt", num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256,
+                 seq_length=256),
+    "small": dict(architecture="gpt", num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=1024,
+                  seq_length=1024),
+    "gpt-125m": dict(architecture="gpt", num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=50304,
+                     seq_length=2048),
+    # Llama family (RMSNorm + SwiGLU + GQA); sizes of Llama 3.2 1B and Llama 3.1 8B (without their RoPE scaling)
+    "tiny-llama": dict(architecture="llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                       ffn_hidden_size=192, vocab_size=256, seq_length=256),
+    "llama-1b": dict(architecture="llama", num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8,
+                     ffn_hidden_size=8192, vocab_size=128256, seq_length=8192, rope_base=500000.0,
+                     tie_embeddings=True),
+    "llama-8b": dict(architecture="llama", num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                     ffn_hidden_size=14336, vocab_size=128256, seq_length=8192, rope_base=500000.0),
+}
+# Fields that describe the architecture and its sizes: with `hf` they come from the directory's config.json.
+ARCH_FIELDS = ("architecture", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
+               "ffn_hidden_size", "vocab_size", "normalization", "norm_epsilon", "activation", "rope_base",
+               "tie_embeddings", "add_bias_linear", "add_qkv_bias")
+
+
+def _camel(name: str) -> str:
+    return to_camel(name)
+
+
+def default_ffn_hidden_size(architecture: str, hidden_size: int) -> int:
+    """4·hidden for GPT; for SwiGLU models 8/3·hidden rounded up to a multiple of 64 (same parameter count)."""
+    if architecture == "llama":
+        return -(-(8 * hidden_size // 3) // 64) * 64
+    return 4 * hidden_size
 
 
 class ModelSpec(ApiModel):
-    """The GPT model to train: a preset, explicit sizes, or a preset with some sizes overridden."""
+    """The model to train: a Hugging Face directory (`hf`), a preset, explicit sizes, or a preset with some fields
+    overridden. Architecture `gpt` is LayerNorm + GELU; `llama` is RMSNorm + SwiGLU + grouped-query attention (the
+    Llama family, which exports to Hugging Face)."""
 
     CEL_RULES = (
         Rule(
-            rule="has(self.preset) || (has(self.numLayers) && has(self.hiddenSize) && has(self.numAttentionHeads)"
-            " && has(self.vocabSize) && has(self.seqLength))",
-            message="set model.preset, or all of numLayers, hiddenSize, numAttentionHeads, vocabSize and seqLength",
+            rule="has(self.hf) || has(self.preset) || (has(self.numLayers) && has(self.hiddenSize)"
+            " && has(self.numAttentionHeads) && has(self.vocabSize) && has(self.seqLength))",
+            message="set model.hf, model.preset, or all of numLayers, hiddenSize, numAttentionHeads, vocabSize and "
+            "seqLength",
         ),
         Rule(
-            rule="!has(self.hiddenSize) || !has(self.numAttentionHeads) || self.hiddenSize % self.numAttentionHeads == 0",
-            message="hiddenSize must be divisible by numAttentionHeads",
+            rule="!has(self.hiddenSize) || !has(self.numAttentionHeads) || has(self.headDim)"
+            " || self.hiddenSize % self.numAttentionHeads == 0",
+            message="hiddenSize must be divisible by numAttentionHeads (or set headDim)",
             fieldPath=".hiddenSize",
+        ),
+        Rule(
+            rule="!has(self.numQueryGroups) || !has(self.numAttentionHeads)"
+            " || self.numAttentionHeads % self.numQueryGroups == 0",
+            message="numAttentionHeads must be divisible by numQueryGroups",
+            fieldPath=".numQueryGroups",
+        ),
+        Rule(
+            rule="!has(self.hf) || (!has(self.preset) && !has(self.architecture) && !has(self.numLayers)"
+            " && !has(self.hiddenSize) && !has(self.numAttentionHeads) && !has(self.numQueryGroups)"
+            " && !has(self.headDim) && !has(self.ffnHiddenSize) && !has(self.vocabSize) && !has(self.normalization)"
+            " && !has(self.normEpsilon) && !has(self.activation) && !has(self.ropeBase) && !has(self.tieEmbeddings)"
+            " && !has(self.addBiasLinear) && !has(self.addQkvBias))",
+            message="with model.hf the architecture and sizes come from its config.json: set only seqLength, "
+            "precision and transformerImpl beside it (not preset or architecture fields)",
+            fieldPath=".hf",
         ),
     )
 
-    preset: Literal["tiny", "small", "gpt-125m", "llama-1b", "llama-8b"] | None = Field(
-        None, description="Named model size; explicit fields below override its values."
+    hf: str | None = Field(
+        None, min_length=1,
+        description="Local Hugging Face model directory (config.json, *.safetensors, tokenizer.json; in a cluster a "
+        "path on a mounted volume): architecture, sizes, initial weights and the run's tokenizer. Nothing is "
+        "downloaded.",
+    )
+    preset: Literal["tiny", "small", "gpt-125m", "tiny-llama", "llama-1b", "llama-8b"] | None = Field(
+        None, description="Named model; explicit fields below override its values."
+    )
+    architecture: Literal["gpt", "llama"] | None = Field(
+        None, description="gpt: LayerNorm + GELU; llama: RMSNorm + SwiGLU + grouped-query attention. Default: the "
+        "preset's, else gpt. Sets the defaults of the fields below."
     )
     num_layers: int | None = Field(None, ge=1, le=1024, description="Transformer layers.")
     hidden_size: int | None = Field(None, ge=8, le=65536, description="Hidden size.")
-    num_attention_heads: int | None = Field(None, ge=1, le=1024, description="Attention heads.")
-    ffn_hidden_size: int | None = Field(None, ge=8, le=1048576, description="MLP hidden size (default 4 × hiddenSize).")
+    num_attention_heads: int | None = Field(None, ge=1, le=1024, description="Attention (query) heads.")
+    num_query_groups: int | None = Field(
+        None, ge=1, le=1024, description="Key/value heads (grouped-query attention); default numAttentionHeads."
+    )
+    head_dim: int | None = Field(None, ge=1, le=4096, description="Size of one head (default hiddenSize / heads).")
+    ffn_hidden_size: int | None = Field(
+        None, ge=8, le=1048576, description="MLP hidden size (default 4 × hiddenSize for gpt, 8/3 × hiddenSize rounded up to a "
+        "multiple of 64 for llama)."
+    )
     vocab_size: int | None = Field(None, ge=2, le=1048576, description="Vocabulary size (token ids < vocabSize).")
-    seq_length: int | None = Field(None, ge=8, le=1048576, description="Longest sample in tokens (positions).")
+    seq_length: int | None = Field(
+        None, ge=8, le=1048576,
+        description="Longest sample in tokens (positions). With hf: default and upper bound its max_position_embeddings.",
+    )
+    normalization: Literal["LayerNorm", "RMSNorm"] | None = Field(None, description="Norm layers (gpt: LayerNorm, "
+                                                                              "llama: RMSNorm).")
+    norm_epsilon: float | None = Field(None, gt=0, le=1, description="Epsilon of the norm layers (default 1e-5).")
+    activation: Literal["gelu", "swiglu"] | None = Field(
+        None, description="MLP activation: gelu, or swiglu (gated SiLU, as Llama). Default: gpt gelu, llama swiglu."
+    )
+    rope_base: float | None = Field(None, gt=0, le=1e12, description="Rotary position embedding base (theta; default 10000).")
+    tie_embeddings: bool | None = Field(
+        None, description="Share the input embedding with the output layer (default false)."
+    )
+    add_bias_linear: bool | None = Field(None, description="Biases in every linear layer (default false).")
+    add_qkv_bias: bool | None = Field(
+        None, description="Bias on the query/key/value projection only, as Qwen2 (default false)."
+    )
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Parameter and compute precision.")
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = Field(
+        "auto",
+        description="Megatron layer implementation. auto: TransformerEngine on GPU in bf16/fp16 when it is "
+        "installed, else local (Megatron's own layers with an SDPA core attention that handles packed sequences); "
+        "transformer_engine: required (the trainer refuses to start without it or on CPU).",
+    )
 
     @model_validator(mode="after")
     def _rules(self) -> ModelSpec:
         explicit = (self.num_layers, self.hidden_size, self.num_attention_heads, self.vocab_size, self.seq_length)
-        if self.preset is None and any(v is None for v in explicit):
+        if self.hf is None and self.preset is None and any(v is None for v in explicit):
             raise ValueError(self.CEL_RULES[0].message)
-        if self.hidden_size is not None and self.num_attention_heads is not None:
+        if self.hidden_size is not None and self.num_attention_heads is not None and self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(self.CEL_RULES[1].message)
+        if self.num_query_groups is not None and self.num_attention_heads is not None:
+            if self.num_attention_heads % self.num_query_groups:
+                raise ValueError(self.CEL_RULES[2].message)
+        if self.hf is not None:
+            clash = [_camel(k) for k in ("preset", *ARCH_FIELDS) if getattr(self, k) is not None]
+            if clash:
+                raise ValueError(f"{self.CEL_RULES[3].message}; remove {', '.join(clash)}")
         return self
 
-    def resolved(self) -> dict[str, int | str]:
-        """Sizes after applying the preset: num_layers, hidden_size, num_attention_heads, ffn_hidden_size,
-        vocab_size, seq_length, precision."""
-        out: dict[str, Any] = dict(MODEL_PRESETS[self.preset]) if self.preset else {}
-        for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length", "ffn_hidden_size"):
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
-        out.setdefault("ffn_hidden_size", 4 * out["hidden_size"])
-        if out["hidden_size"] % out["num_attention_heads"]:
-            raise ValueError("model: hiddenSize must be divisible by numAttentionHeads")
+    def resolved(self, read_hf: bool = True) -> dict[str, Any]:
+        """The full architecture as plain values (see `ARCH_FIELDS`) plus kv_channels (= head size), seq_length,
+        precision, transformer_impl and hf (None or the directory). With `hf`, the architecture is read from its
+        config.json (`trainingrun.modeling.hf_config`); `read_hf=False` skips that I/O and returns only what the spec
+        itself says (for checks made where the directory is not mounted, e.g. the operator)."""
+        out: dict[str, Any]
+        if self.hf is not None:
+            if not read_hf:
+                return {"hf": self.hf, "seq_length": self.seq_length, "precision": self.precision,
+                        "transformer_impl": self.transformer_impl}
+            from trainingrun.modeling.hf_config import read_hf_architecture
+
+            out = read_hf_architecture(self.hf)
+            limit = int(out["seq_length"])
+            if self.seq_length is not None:
+                if self.seq_length > limit:
+                    raise ValueError(f"model.seqLength: {self.seq_length} exceeds the model's max_position_embeddings "
+                                     f"{limit} (config.json of {self.hf})")
+                out["seq_length"] = self.seq_length
+        else:
+            out = dict(MODEL_PRESETS[self.preset]) if self.preset else {}
+            for key in (*ARCH_FIELDS, "seq_length"):
+                if getattr(self, key) is not None:
+                    out[key] = getattr(self, key)
+            out.setdefault("architecture", "gpt")
+            for key, value in ARCH_DEFAULTS[out["architecture"]].items():
+                out.setdefault(key, value)
+            out.setdefault("ffn_hidden_size", default_ffn_hidden_size(out["architecture"], int(out["hidden_size"])))
+            out.setdefault("num_query_groups", out["num_attention_heads"])
+            out.setdefault("rope_scaling_factor", None)
+        heads, groups = int(out["num_attention_heads"]), int(out["num_query_groups"])
+        if out.get("head_dim") is None:
+            if out["hidden_size"] % heads:
+                raise ValueError("model: hiddenSize must be divisible by numAttentionHeads (or set headDim)")
+            out["head_dim"] = out["hidden_size"] // heads
+        if heads % groups:
+            raise ValueError(f"model: numAttentionHeads {heads} must be divisible by numQueryGroups {groups}")
+        out["kv_channels"] = out["head_dim"]
         out["precision"] = self.precision
+        out["transformer_impl"] = self.transformer_impl
+        out["hf"] = self.hf
         return out
 
 

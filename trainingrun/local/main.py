@@ -36,15 +36,19 @@ def load_effective_run(path: str, trainers: int | None):
 
 
 def resolve_input_paths(run, base: Path):
-    """`run` with a relative `rollout.source.jsonl.path` made absolute against `base` (the directory the user ran
-    `trainingrun run` in). Children run in the output directory, where a relative input path would not be found;
-    output paths (`trainer.checkpoint.path`) stay relative to the output directory on purpose."""
-    source = run.spec.rollout.source
-    if source.type != "jsonl" or source.jsonl is None or Path(source.jsonl.path).is_absolute():
-        return run
-    jsonl = source.jsonl.model_copy(update={"path": str((base / source.jsonl.path).resolve())})
-    rollout = run.spec.rollout.model_copy(update={"source": source.model_copy(update={"jsonl": jsonl})})
-    return run.model_copy(update={"spec": run.spec.model_copy(update={"rollout": rollout})})
+    """`run` with a relative `rollout.source.jsonl.path` and `model.hf` made absolute against `base` (the directory
+    the user ran `trainingrun run` in). Children run in the output directory, where a relative input path would not
+    be found; output paths (`trainer.checkpoint.path`) stay relative to the output directory on purpose."""
+    spec = run.spec
+    source = spec.rollout.source
+    if source.type == "jsonl" and source.jsonl is not None and not Path(source.jsonl.path).is_absolute():
+        jsonl = source.jsonl.model_copy(update={"path": str((base / source.jsonl.path).resolve())})
+        rollout = spec.rollout.model_copy(update={"source": source.model_copy(update={"jsonl": jsonl})})
+        spec = spec.model_copy(update={"rollout": rollout})
+    if spec.model.hf is not None and not Path(spec.model.hf).is_absolute():
+        spec = spec.model_copy(update={"model": spec.model.model_copy(
+            update={"hf": str((base / spec.model.hf).resolve())})})
+    return run.model_copy(update={"spec": spec})
 
 
 def run(args: argparse.Namespace) -> int:

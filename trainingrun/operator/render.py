@@ -124,7 +124,7 @@ def cluster_errors(run: TrainingRun) -> list[str]:
                 "characters that starts with a letter"
             )
     try:
-        run.spec.model.resolved()
+        run.spec.model.resolved(read_hf=False)  # the HF directory is on the pods' volume, not here
     except (ValueError, KeyError) as exc:
         errors.append(f"spec.model: {exc} (after applying preset {run.spec.model.preset!r})")
     config_dir = CONFIG_MOUNT_PATH.rsplit("/", 1)[0]

@@ -5,7 +5,8 @@ Layout under `spec.trainer.checkpoint.path` (relative paths resolve against the 
     model_tp0_pp0.pt        model state of that model-parallel shard (written by its data-parallel rank 0)
     optim_tp0_pp0.pt        optimizer state of that shard
     state.pt                scheduler state + RNG states (rank 0)
-    progress.json           {global_step, rollout, step_in_rollout, samples_consumed, ...}
+    progress.json           {global_step, rollout, step_in_rollout, samples_consumed, ..., model: resolved spec}
+    hf/                     config.json + tokenizer files of the HF directory the run started from (if any)
     COMPLETE                marker, written last
   .tmp-step_00000010-a1/   being written (attempt 1); never loaded, removed by the next save
 
@@ -128,6 +129,7 @@ def save(
     is_rank0: bool = True,
     barrier=lambda: None,
     extra: dict[str, Any] | None = None,
+    hf_assets: str | Path | None = None,
 ) -> Path:
     """Collective save of a checkpoint at `progress` (every rank calls it; see the module doc for the protocol)."""
     root = Path(root)
@@ -146,6 +148,10 @@ def save(
     barrier()
     if is_rank0:
         torch.save({"scheduler": scheduler.state_dict(), "rng": rng_state()}, tmp / "state.pt")
+        if hf_assets is not None:  # what export-hf needs besides the weights: HF config and tokenizer
+            from trainingrun.modeling.hf_io import copy_assets
+
+            copy_assets(hf_assets, tmp / "hf")
         _fsync_file(tmp / "progress.json", json.dumps({**progress.to_dict(), **(extra or {})}, indent=1).encode())
         _fsync_file(tmp / MARKER, b"ok\n")
         _fsync_dir(tmp)

@@ -67,36 +67,71 @@ def _dtype(precision: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
-def layer_spec(device: torch.device):
-    """TransformerEngine spec on GPU when TE is installed; else the local spec with the packed SDPA core attention."""
+def layer_impl(sizes: dict[str, Any], device: torch.device) -> str:
+    """Which Megatron layer implementation `build_model` uses: "transformer_engine" or "local".
+
+    `transformerImpl: auto` takes TransformerEngine on CUDA in bf16/fp16 when it imports, else the local spec.
+    fp32 stays local under auto: TE's fused/flash attention kernels (the ones that take packed THD input) run only in
+    fp16/bf16. `transformer_engine` insists (ValueError on CPU or without the package)."""
+    want = str(sizes.get("transformer_impl", "auto"))
+    have_te = False
     if device.type == "cuda":
         try:
             import transformer_engine  # noqa: F401
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-            return get_gpt_layer_with_transformer_engine_spec()
+            have_te = True
         except ImportError:
             pass
+    if want == "transformer_engine":
+        if not have_te:
+            raise ValueError("model.transformerImpl: transformer_engine needs CUDA and the transformer_engine package "
+                             f"(device {device}; package {'present' if have_te else 'not importable here'}); allowed "
+                             "here: local or auto")
+        return "transformer_engine"
+    if want == "auto" and have_te and str(sizes.get("precision", "fp32")) in ("bf16", "fp16"):
+        return "transformer_engine"
+    return "local"
+
+
+def layer_spec(sizes: dict[str, Any], device: torch.device):
+    """Megatron's TransformerEngine layer spec, or its local spec with the packed SDPA core attention
+    (`layer_impl` decides). The norm type comes from the architecture (RMSNorm for llama)."""
+    if layer_impl(sizes, device) == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from trainingrun.trainer.attention import PackedSDPAttention
 
-    spec = get_gpt_layer_local_spec()
+    spec = get_gpt_layer_local_spec(normalization=str(sizes.get("normalization", "LayerNorm")))
     spec.submodules.self_attention.submodules.core_attention = PackedSDPAttention
     return spec
 
 
-def build_gpt(sizes: dict[str, Any], device: torch.device):
-    """A Megatron `GPTModel` (RoPE, untied output layer, no dropout: runs are reproducible) from resolved sizes."""
-    from megatron.core.models.gpt import GPTModel
+def transformer_config(sizes: dict[str, Any], device: torch.device):
+    """Megatron `TransformerConfig` of a resolved model spec (`ModelSpec.resolved()`); no dropout, so runs are
+    reproducible, and no fusions that need CUDA kernels."""
+    import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
     dtype = _dtype(str(sizes.get("precision", "fp32")))
-    config = TransformerConfig(
+    swiglu = sizes.get("activation", "gelu") == "swiglu"
+    bias = bool(sizes.get("add_bias_linear", False))
+    heads = int(sizes["num_attention_heads"])
+    return TransformerConfig(
         num_layers=int(sizes["num_layers"]),
         hidden_size=int(sizes["hidden_size"]),
-        num_attention_heads=int(sizes["num_attention_heads"]),
+        num_attention_heads=heads,
+        num_query_groups=int(sizes.get("num_query_groups") or heads),
+        kv_channels=int(sizes.get("kv_channels") or int(sizes["hidden_size"]) // heads),
         ffn_hidden_size=int(sizes["ffn_hidden_size"]),
+        normalization=str(sizes.get("normalization", "LayerNorm")),
+        layernorm_epsilon=float(sizes.get("norm_epsilon", 1e-5)),
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else F.gelu,
+        add_bias_linear=bias,
+        add_qkv_bias=bias or bool(sizes.get("add_qkv_bias", False)),
         use_cpu_initialization=device.type == "cpu",
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -105,7 +140,6 @@ def build_gpt(sizes: dict[str, Any], device: torch.device):
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=0.02,
-        add_bias_linear=False,
         gradient_accumulation_fusion=False,
         masked_softmax_fusion=False,
         bias_activation_fusion=False,
@@ -114,17 +148,73 @@ def build_gpt(sizes: dict[str, Any], device: torch.device):
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
     )
+
+
+def build_model(sizes: dict[str, Any], device: torch.device, *, load_weights: bool = True,
+                parallel_output: bool = True):
+    """THE model builder (trainer, scoring, in-process inference): a Megatron `GPTModel` of a resolved model spec
+    (`ModelSpec.resolved()`), this rank's tensor-parallel shard.
+
+    gpt: LayerNorm + GELU; llama: RMSNorm + SwiGLU + grouped-query attention; both with RoPE (base `rope_base`;
+    Llama-3 scaling when `rope_scaling_factor` is set), tied or untied output layer, optional biases. With `hf` set
+    and `load_weights`, the Hugging Face weights are converted and this rank's shard is loaded
+    (`trainingrun.modeling.hf_io.load_megatron_state`); else the parameters keep Megatron's seeded initialisation.
+    `parallel_output=False` gathers the logits over the vocabulary (full [.., V] on every TP rank)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    from trainingrun.modeling import convert
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    convert.check_tp(sizes, tp)
+    scaling = sizes.get("rope_scaling_factor")
     model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec(device),
+        config=transformer_config(sizes, device),
+        transformer_layer_spec=layer_spec(sizes, device),
         vocab_size=int(sizes["vocab_size"]),
         max_sequence_length=int(sizes["seq_length"]),
         pre_process=True,
         post_process=True,
-        share_embeddings_and_output_weights=False,
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=bool(sizes.get("tie_embeddings", False)),
         position_embedding_type="rope",
+        rotary_base=sizes.get("rope_base", 10000),
+        rope_scaling=scaling is not None,
+        rope_scaling_factor=float(scaling) if scaling is not None else 8.0,
     )
-    return model.to(device)
+    model = model.to(device)
+    if sizes.get("hf") and load_weights:
+        from trainingrun.modeling.hf_io import load_megatron_state
+
+        state = load_megatron_state(sizes["hf"], sizes, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                                    tp_size=tp)
+        load_canonical_state(model, state)
+    return model
+
+
+def build_gpt(sizes: dict[str, Any], device: torch.device):
+    """Former name of `build_model` (callers that build a preset)."""
+    return build_model(sizes, device)
+
+
+def load_canonical_state(model, state: dict[str, torch.Tensor]) -> None:
+    """Copy a canonical (local-spec names) state dict of this rank's shard into `model` (either spec), casting to
+    each parameter's dtype; ValueError naming missing, unexpected or misshapen tensors."""
+    from trainingrun.modeling.convert import model_names
+
+    own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    renamed = model_names(state, own.keys())
+    missing = sorted(set(own) - set(renamed))
+    unexpected = sorted(set(renamed) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"weights do not fit the model: missing {missing[:6]}, unexpected {unexpected[:6]}")
+    with torch.no_grad():
+        for key, value in renamed.items():
+            target = own[key]
+            if target.shape != value.shape:
+                raise ValueError(f"weights do not fit the model: {key} has shape {tuple(value.shape)}, the model "
+                                 f"needs {tuple(target.shape)}")
+            target.copy_(value.to(device=target.device, dtype=target.dtype))
 
 
 def wrap_ddp(model):

@@ -32,6 +32,7 @@ def step_record(*, res, step, rollout: int, global_step: int, samples_consumed: 
         "scheduler_consumed_samples": scheduler_consumed,
         "samples_trained": res.samples, "sample_id_sum": res.sample_id_sum,
         "dp_size": dp_size, "time": time.time(),
+        "loss_scale": res.loss_scale, "skipped_step": int(res.skipped),
     }
 
 

@@ -35,7 +35,7 @@ class Trainer:
     """One trainer rank (see the module docstring). Build it with `Trainer.build(env)`."""
 
     def __init__(self, *, env: TrainerEnv, spec, run_name: str, device, model, ddp, optimizer, scheduler, store,
-                 reporter, publisher=None):
+                 reporter, publisher=None, sizes: dict | None = None):
         from megatron.core import parallel_state
 
         from trainingrun.trainer.checkpoint import Progress
@@ -43,6 +43,7 @@ class Trainer:
         self.env, self.spec, self.run_name, self.device = env, spec, run_name, device
         self.model, self.ddp, self.optimizer, self.scheduler = model, ddp, optimizer, scheduler
         self.store, self.reporter, self.publisher = store, reporter, publisher
+        self.sizes = sizes if sizes is not None else spec.model.resolved()  # the model spec checkpoints record
         self.rank = env.rank
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
@@ -81,7 +82,8 @@ class Trainer:
 
         # Import order: the device decision installs the CPU shim before megatron is imported.
         from trainingrun.trainer.model import (
-            build_gpt, build_optimizer, init_distributed, optim_settings, prepare_device, set_seed, wrap_ddp,
+            build_model, build_optimizer, init_distributed, layer_impl, optim_settings, prepare_device, set_seed,
+            wrap_ddp,
         )
 
         try:
@@ -101,13 +103,14 @@ class Trainer:
 
         set_seed(spec.seed)
         try:
-            model = build_gpt(sizes, device)
-        except (ValueError, AssertionError, TypeError) as exc:
-            raise ConfigError(f"model: cannot build the GPT model from {sizes}: {exc}") from None
+            impl = layer_impl(sizes, device)
+            model = build_model(sizes, device)
+        except (ValueError, AssertionError, TypeError, OSError) as exc:
+            raise ConfigError(f"model: cannot build the model from {sizes}: {exc}") from None
         ddp = wrap_ddp(model)
         optimizer, scheduler = build_optimizer(ddp, optim_settings(ts.optimizer), str(sizes["precision"]))
         n_params = sum(p.numel() for p in model.parameters())
-        log(env.rank, f"model: {n_params / 1e6:.2f}M parameters {sizes}; dp "
+        log(env.rank, f"model: {n_params / 1e6:.2f}M parameters {sizes}; {impl} layers; dp "
                       f"{parallel_state.get_data_parallel_world_size()} (dp rank "
                       f"{parallel_state.get_data_parallel_rank()}), tp {ts.tensor_parallel_size}")
 
@@ -121,7 +124,7 @@ class Trainer:
         reporter = StepReporter(exporter, store, rank=env.rank, jsonl_path=env.metrics_jsonl)
         return cls(env=env, spec=spec, run_name=run_name, device=device, model=model, ddp=ddp, optimizer=optimizer,
                    scheduler=scheduler, store=store, reporter=reporter,
-                   publisher=make_publisher(spec, store, rank=env.rank))
+                   publisher=make_publisher(spec, store, rank=env.rank), sizes=sizes)
 
     # ------------------------------------------------------------------------------------------------ resume
     def resume(self) -> None:
@@ -259,7 +262,8 @@ class Trainer:
         ckpt.save(
             self.ckpt_root, p, module=self.ddp.module, optimizer=self.optimizer, scheduler=self.scheduler,
             keep=self.spec.trainer.checkpoint.keep, attempt=attempt, shard=self.shard, writes_shard=self.dp_rank == 0,
-            is_rank0=self.rank == 0, barrier=self.barrier, extra={"attempt": attempt, "run": self.run_name},
+            is_rank0=self.rank == 0, barrier=self.barrier,
+            extra={"attempt": attempt, "run": self.run_name, "model": self.sizes}, hf_assets=self.sizes.get("hf"),
         )
         self.last_saved = p.global_step
         if self.rank == 0:

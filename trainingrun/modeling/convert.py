@@ -1,0 +1,360 @@
+"""Megatron ↔ Hugging Face weights: one table of name/shape rules per direction, and the tensor-parallel layout.
+
+Names. Megatron names here are *canonical*: those of `GPTModel` with the local layer spec. The TransformerEngine
+spec fuses the pre-attention and pre-MLP norms into the following linear layer (`linear_qkv.layer_norm_weight`,
+`linear_fc1.layer_norm_weight`) and adds `_extra_state` blobs; `canonical_names` / `model_names` map between the two,
+so checkpoints written with either spec convert alike.
+
+Shapes (h hidden, n query heads, g key/value groups, d head size, f MLP size; Megatron rows first):
+  linear_qkv.weight [g·(n/g + 2)·d, h]   per group: its n/g query heads, then its key head, then its value head —
+                                         `fuse_qkv` / `split_qkv` interleave HF's q_proj [n·d, h], k_proj and v_proj
+                                         [g·d, h] (a key/value head j serves query heads j·n/g … (j+1)·n/g − 1, as
+                                         HF's repeat_kv); biases alike without the h axis
+  linear_fc1.weight [2f, h]              SwiGLU: gate_proj rows, then up_proj rows (`cat` / `chunk`)
+  everything else                        copied as is (no transpose: both store Linear weights [out, in])
+
+Tensor parallelism (`TP_RULES`): column-parallel weights (embedding, output layer, linear_qkv, linear_fc1 and their
+biases) are split along dim 0, row-parallel weights (linear_proj, linear_fc2) along dim 1, everything else is
+replicated. Two exceptions make a plain split wrong: the SwiGLU linear_fc1 holds [gate; up], and each rank holds
+[its gate rows; its up rows] (`gated=True` splits each half); linear_qkv is split contiguously, which hands each rank
+whole query groups because g is divisible by the TP size (checked by `check_tp`).
+
+Every conversion is a pure reshuffle of the same numbers (no arithmetic), so HF → Megatron → HF is bit-exact.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+Arch = dict[str, Any]  # ModelSpec.resolved()
+
+
+class ConversionError(ValueError):
+    """The weights do not match the architecture (missing, unexpected or misshapen tensors); names them."""
+
+
+# ------------------------------------------------------------------------------------------------ shape transforms
+def _groups(arch: Arch) -> tuple[int, int, int]:
+    n, g, d = int(arch["num_attention_heads"]), int(arch["num_query_groups"]), int(arch["kv_channels"])
+    return n, g, d
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Arch) -> torch.Tensor:
+    n, g, d = _groups(arch)
+    rest = q.shape[1:]
+    q = q.reshape(g, (n // g) * d, *rest)
+    k = k.reshape(g, d, *rest)
+    v = v.reshape(g, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(g * (n // g + 2) * d, *rest).contiguous()
+
+
+def split_qkv(qkv: torch.Tensor, arch: Arch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, g, d = _groups(arch)
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(g, (n // g + 2) * d, *rest)
+    q, k, v = torch.split(grouped, [(n // g) * d, d, d], dim=1)
+    return (q.reshape(n * d, *rest).contiguous(), k.reshape(g * d, *rest).contiguous(),
+            v.reshape(g * d, *rest).contiguous())
+
+
+def _cat(*parts: torch.Tensor, arch: Arch) -> torch.Tensor:  # noqa: ARG001 - same signature as fuse_qkv
+    return torch.cat(parts, dim=0).contiguous()
+
+
+def _chunk2(t: torch.Tensor, arch: Arch) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ARG001
+    a, b = torch.chunk(t, 2, dim=0)
+    return a.contiguous(), b.contiguous()
+
+
+def _same(t: torch.Tensor, arch: Arch) -> torch.Tensor:  # noqa: ARG001
+    return t
+
+
+def _same1(t: torch.Tensor, arch: Arch) -> tuple[torch.Tensor]:  # noqa: ARG001
+    return (t,)
+
+
+# --------------------------------------------------------------------------------------------------- the two tables
+# `when`: which architectures have the tensor — "always", "untied" (separate output layer), "bias" (addBiasLinear),
+# "qkv_bias" (addBiasLinear or addQkvBias).
+@dataclass(frozen=True)
+class ImportRule:
+    """HF → Megatron: the Megatron tensor `megatron` is `combine(*hf tensors)`."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    combine: Callable[..., torch.Tensor]
+    when: str = "always"
+
+
+@dataclass(frozen=True)
+class ExportRule:
+    """Megatron → HF: `split(megatron tensor)` gives the HF tensors `hf`, in order."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    split: Callable[..., tuple[torch.Tensor, ...]]
+    when: str = "always"
+
+
+L, HL = "decoder.layers.{i}.", "model.layers.{i}."
+
+IMPORT_RULES: tuple[ImportRule, ...] = (
+    ImportRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), _same),
+    ImportRule(L + "input_layernorm.weight", (HL + "input_layernorm.weight",), _same),
+    ImportRule(L + "self_attention.linear_qkv.weight",
+               (HL + "self_attn.q_proj.weight", HL + "self_attn.k_proj.weight", HL + "self_attn.v_proj.weight"),
+               fuse_qkv),
+    ImportRule(L + "self_attention.linear_qkv.bias",
+               (HL + "self_attn.q_proj.bias", HL + "self_attn.k_proj.bias", HL + "self_attn.v_proj.bias"),
+               fuse_qkv, "qkv_bias"),
+    ImportRule(L + "self_attention.linear_proj.weight", (HL + "self_attn.o_proj.weight",), _same),
+    ImportRule(L + "self_attention.linear_proj.bias", (HL + "self_attn.o_proj.bias",), _same, "bias"),
+    ImportRule(L + "pre_mlp_layernorm.weight", (HL + "post_attention_layernorm.weight",), _same),
+    ImportRule(L + "mlp.linear_fc1.weight", (HL + "mlp.gate_proj.weight", HL + "mlp.up_proj.weight"), _cat),
+    ImportRule(L + "mlp.linear_fc1.bias", (HL + "mlp.gate_proj.bias", HL + "mlp.up_proj.bias"), _cat, "bias"),
+    ImportRule(L + "mlp.linear_fc2.weight", (HL + "mlp.down_proj.weight",), _same),
+    ImportRule(L + "mlp.linear_fc2.bias", (HL + "mlp.down_proj.bias",), _same, "bias"),
+    ImportRule("decoder.final_layernorm.weight", ("model.norm.weight",), _same),
+    ImportRule("output_layer.weight", ("lm_head.weight",), _same, "untied"),
+)
+
+EXPORT_RULES: tuple[ExportRule, ...] = (
+    ExportRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), _same1),
+    ExportRule(L + "input_layernorm.weight", (HL + "input_layernorm.weight",), _same1),
+    ExportRule(L + "self_attention.linear_qkv.weight",
+               (HL + "self_attn.q_proj.weight", HL + "self_attn.k_proj.weight", HL + "self_attn.v_proj.weight"),
+               split_qkv),
+    ExportRule(L + "self_attention.linear_qkv.bias",
+               (HL + "self_attn.q_proj.bias", HL + "self_attn.k_proj.bias", HL + "self_attn.v_proj.bias"),
+               split_qkv, "qkv_bias"),
+    ExportRule(L + "self_attention.linear_proj.weight", (HL + "self_attn.o_proj.weight",), _same1),
+    ExportRule(L + "self_attention.linear_proj.bias", (HL + "self_attn.o_proj.bias",), _same1, "bias"),
+    ExportRule(L + "pre_mlp_layernorm.weight", (HL + "post_attention_layernorm.weight",), _same1),
+    ExportRule(L + "mlp.linear_fc1.weight", (HL + "mlp.gate_proj.weight", HL + "mlp.up_proj.weight"), _chunk2),
+    ExportRule(L + "mlp.linear_fc1.bias", (HL + "mlp.gate_proj.bias", HL + "mlp.up_proj.bias"), _chunk2, "bias"),
+    ExportRule(L + "mlp.linear_fc2.weight", (HL + "mlp.down_proj.weight",), _same1),
+    ExportRule(L + "mlp.linear_fc2.bias", (HL + "mlp.down_proj.bias",), _same1, "bias"),
+    ExportRule("decoder.final_layernorm.weight", ("model.norm.weight",), _same1),
+    ExportRule("output_layer.weight", ("lm_head.weight",), _same1, "untied"),
+)
+
+# HF keys that carry no weights of ours and may be present in a checkpoint: skipped on import.
+IGNORED_HF = (re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$"), re.compile(r"^model\.rotary_emb\."))
+
+
+def _applies(when: str, arch: Arch) -> bool:
+    if when == "always":
+        return True
+    if when == "untied":
+        return not arch["tie_embeddings"]
+    if when == "bias":
+        return bool(arch["add_bias_linear"])
+    if when == "qkv_bias":
+        return bool(arch["add_bias_linear"] or arch["add_qkv_bias"])
+    raise AssertionError(when)
+
+
+def _expand(template: str, layers: int) -> list[tuple[int | None, str]]:
+    if "{i}" in template:
+        return [(i, template.format(i=i)) for i in range(layers)]
+    return [(None, template)]
+
+
+def import_plan(arch: Arch) -> list[tuple[str, tuple[str, ...], Callable[..., torch.Tensor]]]:
+    """(Megatron name, HF source names, combine) for every Megatron tensor of `arch`."""
+    out = []
+    for rule in IMPORT_RULES:
+        if not _applies(rule.when, arch):
+            continue
+        for i, name in _expand(rule.megatron, int(arch["num_layers"])):
+            out.append((name, tuple(h.format(i=i) for h in rule.hf), rule.combine))
+    return out
+
+
+def export_plan(arch: Arch) -> list[tuple[str, tuple[str, ...], Callable[..., tuple[torch.Tensor, ...]]]]:
+    out = []
+    for rule in EXPORT_RULES:
+        if not _applies(rule.when, arch):
+            continue
+        for i, name in _expand(rule.megatron, int(arch["num_layers"])):
+            out.append((name, tuple(h.format(i=i) for h in rule.hf), rule.split))
+    return out
+
+
+def expected_shapes(arch: Arch) -> dict[str, tuple[int, ...]]:
+    """Full (TP 1) Megatron shape of every canonical tensor of `arch`."""
+    n, g, d = _groups(arch)
+    h, f, v = int(arch["hidden_size"]), int(arch["ffn_hidden_size"]), int(arch["vocab_size"])
+    fc1 = 2 * f if arch["activation"] == "swiglu" else f
+    qkv = (n + 2 * g) * d
+    shapes = {
+        "embedding.word_embeddings.weight": (v, h), "decoder.final_layernorm.weight": (h,),
+        "output_layer.weight": (v, h),
+    }
+    for i in range(int(arch["num_layers"])):
+        p = f"decoder.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "self_attention.linear_qkv.weight": (qkv, h),
+            p + "self_attention.linear_qkv.bias": (qkv,), p + "self_attention.linear_proj.weight": (h, n * d),
+            p + "self_attention.linear_proj.bias": (h,), p + "pre_mlp_layernorm.weight": (h,),
+            p + "mlp.linear_fc1.weight": (fc1, h), p + "mlp.linear_fc1.bias": (fc1,),
+            p + "mlp.linear_fc2.weight": (h, f), p + "mlp.linear_fc2.bias": (h,),
+        })
+        if arch["normalization"] == "LayerNorm":
+            shapes[p + "input_layernorm.bias"] = (h,)
+            shapes[p + "pre_mlp_layernorm.bias"] = (h,)
+    if arch["normalization"] == "LayerNorm":
+        shapes["decoder.final_layernorm.bias"] = (h,)
+    return shapes
+
+
+def check_hf_names(hf_names: Iterable[str], arch: Arch) -> None:
+    """ConversionError naming the HF tensors `arch` needs but are absent, and those present that it has no use for."""
+    present = set(hf_names)
+    wanted = {h for _, hs, _ in import_plan(arch) for h in hs}
+    missing = sorted(wanted - present)
+    unexpected = sorted(n for n in present - wanted if not any(p.search(n) for p in IGNORED_HF)
+                        and not (n == "lm_head.weight" and arch["tie_embeddings"]))
+    if missing or unexpected:
+        raise ConversionError(f"Hugging Face weights do not match the architecture: missing {missing[:8]}"
+                              f"{' …' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+                              f"{' …' if len(unexpected) > 8 else ''}")
+
+
+def iter_hf_to_megatron(get_hf: Callable[[str], torch.Tensor], hf_names: Iterable[str], arch: Arch):
+    """(Megatron name, full tensor) for every canonical tensor of `arch`, built one at a time from HF tensors;
+    `get_hf(name)` loads one HF tensor (lazily: a safetensors file is read a tensor at a time)."""
+    check_hf_names(hf_names, arch)
+    shapes = expected_shapes(arch)
+    for name, sources, combine in import_plan(arch):
+        tensor = combine(*(get_hf(s) for s in sources), arch=arch)
+        if tuple(tensor.shape) != shapes[name]:
+            raise ConversionError(f"{name} (from {', '.join(sources)}): shape {tuple(tensor.shape)}, the "
+                                  f"architecture needs {shapes[name]}")
+        yield name, tensor
+
+
+def hf_to_megatron(hf_state: dict[str, torch.Tensor], arch: Arch) -> dict[str, torch.Tensor]:
+    """Full (TP 1) canonical Megatron state dict from an HF state dict."""
+    return dict(iter_hf_to_megatron(hf_state.__getitem__, hf_state.keys(), arch))
+
+
+def megatron_to_hf(state: dict[str, torch.Tensor], arch: Arch) -> dict[str, torch.Tensor]:
+    """HF state dict from a full (TP-gathered) canonical Megatron state dict."""
+    state = canonical_names(state)
+    plan = export_plan(arch)
+    wanted = {m for m, _, _ in plan}
+    missing = sorted(wanted - set(state))
+    unexpected = sorted(set(state) - wanted)
+    if missing or unexpected:
+        raise ConversionError(f"Megatron weights do not match the architecture: missing {missing[:8]}, unexpected "
+                              f"{unexpected[:8]}")
+    shapes = expected_shapes(arch)
+    out = {}
+    for name, targets, split in plan:
+        tensor = state[name]
+        if tuple(tensor.shape) != shapes[name]:
+            raise ConversionError(f"{name}: shape {tuple(tensor.shape)}, the architecture needs {shapes[name]}")
+        for target, part in zip(targets, split(tensor, arch=arch), strict=True):
+            out[target] = part
+    return out
+
+
+# -------------------------------------------------------------------------------------------- TE ↔ canonical names
+_TE_TO_CANON = (
+    (re.compile(r"\.self_attention\.linear_qkv\.layer_norm_(weight|bias)$"), r".input_layernorm.\1"),
+    (re.compile(r"\.mlp\.linear_fc1\.layer_norm_(weight|bias)$"), r".pre_mlp_layernorm.\1"),
+)
+
+
+def canonical_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Local-spec names for a state dict of either spec; `_extra_state` entries (TE's FP8 metadata) dropped."""
+    out = {}
+    for key, value in state.items():
+        if key.endswith("_extra_state"):
+            continue
+        for pattern, repl in _TE_TO_CANON:
+            key = pattern.sub(repl, key)
+        out[key] = value
+    return out
+
+
+def model_names(state: dict[str, torch.Tensor], model_keys: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Rename a canonical state dict to the names a model actually uses (TE spec: fused norm names)."""
+    keys = set(model_keys)
+    out = {}
+    for key, value in state.items():
+        if key not in keys:
+            m = re.match(r"^(.*)\.(input_layernorm|pre_mlp_layernorm)\.(weight|bias)$", key)
+            if m:
+                fused = "self_attention.linear_qkv" if m.group(2) == "input_layernorm" else "mlp.linear_fc1"
+                te_key = f"{m.group(1)}.{fused}.layer_norm_{m.group(3)}"
+                if te_key in keys:
+                    key = te_key
+        out[key] = value
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- tensor parallelism
+TP_RULES: tuple[tuple[re.Pattern[str], int], ...] = (
+    (re.compile(r"^embedding\.word_embeddings\.weight$"), 0),
+    (re.compile(r"^output_layer\.weight$"), 0),
+    (re.compile(r"\.self_attention\.linear_qkv\.(weight|bias)$"), 0),
+    (re.compile(r"\.self_attention\.linear_proj\.weight$"), 1),
+    (re.compile(r"\.mlp\.linear_fc1\.(weight|bias)$"), 0),
+    (re.compile(r"\.mlp\.linear_fc2\.weight$"), 1),
+)
+
+
+def tp_layout(name: str, arch: Arch) -> tuple[int | None, bool]:
+    """(partition dim or None when replicated, gated) of a canonical Megatron tensor."""
+    for pattern, dim in TP_RULES:
+        if pattern.search(name):
+            return dim, (".mlp.linear_fc1." in name and arch["activation"] == "swiglu")
+    return None, False
+
+
+def check_tp(arch: Arch, tp: int) -> None:
+    """ValueError naming the size that tensor-parallel size `tp` does not divide."""
+    if tp == 1:
+        return
+    for key, label in (("num_attention_heads", "numAttentionHeads"), ("num_query_groups", "numQueryGroups"),
+                       ("ffn_hidden_size", "ffnHiddenSize"), ("vocab_size", "vocabSize")):
+        if int(arch[key]) % tp:
+            raise ValueError(f"model.{label}: {arch[key]} is not divisible by trainer.tensorParallelSize {tp}; "
+                             "allowed: a tensorParallelSize that divides it")
+
+
+def split_tp(name: str, full: torch.Tensor, arch: Arch, rank: int, size: int) -> torch.Tensor:
+    """Rank `rank`'s shard of a full canonical tensor."""
+    dim, gated = tp_layout(name, arch)
+    if dim is None or size == 1:
+        return full
+    if gated:
+        gate, up = torch.chunk(full, 2, dim=0)
+        return torch.cat([torch.chunk(gate, size, dim=0)[rank], torch.chunk(up, size, dim=0)[rank]], dim=0).contiguous()
+    if full.shape[dim] % size:
+        raise ValueError(f"{name}: dim {dim} of size {full.shape[dim]} does not split over {size} ranks")
+    return torch.chunk(full, size, dim=dim)[rank].contiguous()
+
+
+def gather_tp(name: str, shards: list[torch.Tensor], arch: Arch) -> torch.Tensor:
+    """The full canonical tensor from its TP shards (rank order); replicated tensors must agree exactly."""
+    dim, gated = tp_layout(name, arch)
+    if len(shards) == 1:
+        return shards[0]
+    if dim is None:
+        for r, s in enumerate(shards[1:], start=1):
+            if not torch.equal(s, shards[0]):
+                raise ConversionError(f"{name}: replicated tensor differs between TP rank 0 and {r}")
+        return shards[0]
+    if gated:
+        halves = [torch.chunk(s, 2, dim=0) for s in shards]
+        return torch.cat([torch.cat([h[0] for h in halves], 0), torch.cat([h[1] for h in halves], 0)], 0)
+    return torch.cat(shards, dim=dim)

@@ -1,0 +1,68 @@
+"""`trainingrun export-hf CHECKPOINT_DIR --out DIR`: a trainer checkpoint as a Hugging Face model directory.
+
+Reads the checkpoint's model shards in one process (`trainingrun.trainer.full_state.load_full_state`: tensor-parallel
+shards gathered), converts the names and shapes (`trainingrun.modeling.convert`, the export table) and writes
+config.json, model.safetensors (sharded above 4 GiB, with an index) and the tokenizer files the checkpoint keeps from
+the directory the run started from (`hf/` inside the checkpoint; `--tokenizer DIR` supplies them otherwise).
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` and vLLM load the result. Nothing is half-written: the
+directory is assembled beside `--out` and renamed into place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
+                        help="a checkpoint (…/step_00000010) or a checkpoint root (its newest complete checkpoint)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="the Hugging Face directory to write (replaced)")
+    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+                        help="weight dtype in the export (default auto: as the checkpoint stores them)")
+    parser.add_argument("--tokenizer", metavar="HF_DIR", default=None,
+                        help="take config/tokenizer files from this HF directory (default: those kept in the "
+                        "checkpoint; a run initialised from model.hf keeps them)")
+
+
+def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "auto", tokenizer: str | Path | None = None,
+              log=lambda msg: None) -> Path:
+    import torch
+
+    from trainingrun.modeling.hf_io import write_hf_dir
+    from trainingrun.trainer.full_state import load_full_state
+
+    t0 = time.perf_counter()
+    full = load_full_state(checkpoint)
+    log(f"export-hf: read {full.path} ({len(full.state)} tensors, step {full.progress.get('global_step')}) in "
+        f"{time.perf_counter() - t0:.1f}s")
+    assets = Path(tokenizer) if tokenizer is not None else full.assets_dir
+    if assets is None:
+        log("export-hf: warning: the checkpoint keeps no tokenizer (the run did not start from model.hf) and "
+            "--tokenizer was not given: the export has weights and config.json only")
+    torch_dtype = None if dtype == "auto" else getattr(torch, DTYPES[dtype])
+    t1 = time.perf_counter()
+    path = write_hf_dir(out, full.state, full.arch, assets_dir=assets, dtype=torch_dtype)
+    size = sum(f.stat().st_size for f in path.iterdir())
+    log(f"export-hf: wrote {path} ({size / 1e6:.1f} MB: {', '.join(sorted(f.name for f in path.iterdir()))}) in "
+        f"{time.perf_counter() - t1:.1f}s")
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    from trainingrun.modeling.convert import ConversionError
+    from trainingrun.modeling.hf_config import HFConfigError
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    try:
+        export_hf(args.checkpoint, args.out, dtype=args.dtype, tokenizer=args.tokenizer, log=log)
+    except (HFConfigError, ConversionError, ValueError, OSError) as exc:
+        log(f"export-hf: error: {exc}")
+        return 1
+    return 0

@@ -1,0 +1,170 @@
+"""Reading and writing Hugging Face model directories: safetensors weights (one file or an indexed set of shards),
+config.json, and the tokenizer files that travel with them. Nothing here downloads anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainingrun.modeling import convert
+from trainingrun.modeling.hf_config import hf_config_for, read_config
+
+# Files of an HF directory that are not weights and belong to the model (tokenizer, chat template, generation).
+ASSET_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+               "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt",
+               "added_tokens.json")
+SHARD_BYTES = 4 * 1024**3
+
+
+class HFWeights:
+    """Lazy access to the tensors of an HF directory's safetensors files (`with HFWeights(dir) as w: w.get(name)`)."""
+
+    def __init__(self, hf_dir: str | Path):
+        self.dir = Path(hf_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.dir.glob("*.safetensors"))
+            weight_map = None
+        if not files:
+            raise FileNotFoundError(f"model.hf: no *.safetensors weights in {self.dir} (a .bin or .gguf directory "
+                                    "needs converting first: see docs/trainer.md, 'Real models')")
+        self.files = files
+        self._stack = ExitStack()
+        self._handles: dict[str, Any] = {}
+        self._where: dict[str, str] = {}
+        from safetensors import safe_open
+
+        for f in files:
+            h = self._stack.enter_context(safe_open(str(self.dir / f), framework="pt"))
+            self._handles[f] = h
+            for key in h.keys():
+                self._where[key] = f
+        if weight_map is not None:
+            missing = sorted(k for k in weight_map if k not in self._where)
+            if missing:
+                raise FileNotFoundError(f"model.hf: {index} names tensors no shard holds: {missing[:5]}")
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handles[self._where[name]].get_tensor(name)
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> HFWeights:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def load_megatron_state(hf_dir: str | Path, arch: dict[str, Any], *, tp_rank: int = 0, tp_size: int = 1,
+                        dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The canonical Megatron state dict of an HF directory, as TP rank `tp_rank` of `tp_size` holds it.
+
+    Reads and converts one Megatron tensor at a time, so peak memory is the shard plus one full tensor."""
+    out = {}
+    with HFWeights(hf_dir) as w:
+        for name, full in convert.iter_hf_to_megatron(w.get, w.names(), arch):
+            shard = convert.split_tp(name, full, arch, tp_rank, tp_size)
+            out[name] = shard.to(dtype) if dtype is not None else shard.clone()
+    return out
+
+
+def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
+    out: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if out[-1] and size + nbytes > limit:
+            out.append({})
+            size = 0
+        out[-1][name] = t
+        size += nbytes
+    return out
+
+
+def write_hf_dir(out_dir: str | Path, state: dict[str, torch.Tensor], arch: dict[str, Any], *,
+                 assets_dir: str | Path | None = None, dtype: torch.dtype | None = None,
+                 shard_bytes: int = SHARD_BYTES) -> Path:
+    """Write an HF directory from a full canonical Megatron state dict: config.json, model.safetensors (or shards +
+    index), and the tokenizer/generation files found in `assets_dir` (the directory the run started from, or the
+    copy a checkpoint keeps). Written into a temporary sibling and renamed, so `out_dir` is whole or absent."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    hf_state = convert.megatron_to_hf(state, arch)
+    if dtype is not None:
+        hf_state = {k: v.to(dtype) for k, v in hf_state.items()}
+    # safetensors refuses tensors sharing memory and non-contiguous ones
+    hf_state = {k: v.detach().cpu().contiguous().clone() for k, v in hf_state.items()}
+    dtypes = {v.dtype for v in hf_state.values()}
+    dtype_name = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else "float32"
+    base = None
+    if assets_dir is not None and (Path(assets_dir) / "config.json").is_file():
+        base = read_config(assets_dir)
+    config = hf_config_for(arch, base=base, dtype=dtype_name)
+
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        shards = _shards(hf_state, shard_bytes)
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map, total = {}, 0
+            for i, shard in enumerate(shards, start=1):
+                fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+                for k, v in shard.items():
+                    weight_map[k] = fname
+                    total += v.numel() * v.element_size()
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if assets_dir is not None:
+            for name in ASSET_FILES:
+                src = Path(assets_dir) / name
+                if src.is_file():
+                    shutil.copyfile(src, tmp / name)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def copy_assets(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
+    """Copy config.json and the tokenizer/generation files of an HF directory (no weights); returns their names."""
+    src, dst = Path(src_dir), Path(dst_dir)
+    dst.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in ("config.json", *ASSET_FILES):
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def iter_assets(src_dir: str | Path) -> Iterator[Path]:
+    for name in ("config.json", *ASSET_FILES):
+        p = Path(src_dir) / name
+        if p.is_file():
+            yield p

@@ -1,0 +1,84 @@
+"""A checkpoint directory → the full (tensor-parallel-gathered) Megatron state dict and the model spec, in one
+process and without Megatron or torch.distributed: what `trainingrun export-hf` and `trainingrun score` read.
+
+`load_full_state(path)` accepts a checkpoint (`…/step_00000010`) or a checkpoint root (its newest complete
+checkpoint is taken). It reads the per-TP-rank model shards (`model_tp{t}_pp0.pt`, weights_only), maps them to the
+canonical local-spec names (a checkpoint written with the TransformerEngine spec converts alike) and joins the shards
+with the tensor-parallel rules of `trainingrun.modeling.convert` (column-parallel along dim 0, row-parallel along
+dim 1, SwiGLU gate/up halves gathered separately; replicated tensors must agree).
+
+The checkpoint format belongs to `trainer/checkpoint.py`; when it changes, this function changes with it and keeps
+its signature.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainingrun.trainer import checkpoint as ckpt
+
+_SHARD = re.compile(r"^model_tp(\d+)_pp(\d+)\.pt$")
+
+
+@dataclass
+class FullState:
+    state: dict[str, torch.Tensor]  # canonical Megatron names, full (TP 1) shapes
+    arch: dict[str, Any]  # ModelSpec.resolved() of the run
+    assets_dir: Path | None  # HF config + tokenizer files kept with the checkpoint (None if the run had none)
+    path: Path  # the checkpoint directory read
+    progress: dict[str, Any]
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A complete checkpoint directory: `path` itself, or the newest complete one under it."""
+    path = Path(path)
+    if (path / ckpt.MARKER).is_file() and (path / "progress.json").is_file():
+        return path
+    if path.is_dir() and (path / "progress.json").is_file():
+        raise ValueError(f"checkpoint {path}: not complete (no {ckpt.MARKER} marker); refusing to read it")
+    latest = ckpt.latest_checkpoint(path)
+    if latest is None:
+        raise ValueError(f"checkpoint {path}: not a checkpoint directory and holds no complete step_<N> checkpoint")
+    return latest
+
+
+def load_full_state(path: str | Path) -> FullState:
+    from trainingrun.modeling import convert
+
+    path = resolve_checkpoint(path)
+    progress = json.loads((path / "progress.json").read_text())
+    arch = progress.get("model")
+    if not isinstance(arch, dict):
+        raise ValueError(f"checkpoint {path}: progress.json has no model spec (written by an older trainer); "
+                         "cannot tell its architecture")
+    shards: dict[int, Path] = {}
+    for f in path.iterdir():
+        m = _SHARD.match(f.name)
+        if m:
+            if int(m.group(2)) != 0:
+                raise ValueError(f"checkpoint {path}: pipeline-parallel shard {f.name} is not supported")
+            shards[int(m.group(1))] = f
+    if not shards or sorted(shards) != list(range(len(shards))):
+        raise ValueError(f"checkpoint {path}: model shards model_tp<t>_pp0.pt missing or not numbered 0..T-1 "
+                         f"(found {sorted(f.name for f in shards.values())})")
+    parts = [convert.canonical_names(torch.load(shards[t], map_location="cpu", weights_only=True))
+             for t in range(len(shards))]
+    names = list(parts[0])
+    for t, p in enumerate(parts[1:], start=1):
+        if set(p) != set(names):
+            raise ValueError(f"checkpoint {path}: TP shard {t} holds other tensors than shard 0")
+    state = {n: convert.gather_tp(n, [p[n] for p in parts], arch) for n in names}
+    shapes = convert.expected_shapes(arch)
+    for n, t in state.items():
+        if n in shapes and tuple(t.shape) != shapes[n]:
+            raise ValueError(f"checkpoint {path}: {n} gathers to shape {tuple(t.shape)}, the model spec says "
+                             f"{shapes[n]}")
+    assets = path / "hf"
+    return FullState(state=state, arch=arch, assets_dir=assets if assets.is_dir() else None, path=path,
+                     progress=progress)
