@@ -88,6 +88,11 @@ CASES: dict[tuple[str, int], tuple[dict, dict]] = {
         {"preset": "tiny", "hiddenSize": 64, "numAttentionHeads": 4},
         {"preset": "tiny", "hiddenSize": 66, "numAttentionHeads": 4},
     ),
+    ("model", 2): (
+        {"preset": "tiny-llama", "numAttentionHeads": 4, "numQueryGroups": 2},
+        {"preset": "tiny-llama", "numAttentionHeads": 4, "numQueryGroups": 3},
+    ),
+    ("model", 3): ({"hf": "/models/smollm2", "seqLength": 512}, {"hf": "/models/smollm2", "preset": "tiny"}),
     ("trainer.optimizer", 0): ({"lr": 0.01, "minLr": 0.001}, {"lr": 0.001, "minLr": 0.01}),
     ("trainer.optimizer", 1): ({"warmupSamples": 10, "decaySamples": 100}, {"warmupSamples": 100, "decaySamples": 10}),
     ("trainer", 0): ({"replicas": 1, "maxTokensPerGPU": 64}, {"replicas": 1, "maxTokensPerGPU": 64, "microBatchSize": 2}),

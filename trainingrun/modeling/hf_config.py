@@ -96,7 +96,7 @@ def hf_architecture(cfg: dict[str, Any], where: str = "config.json") -> dict[str
     else:
         attn_bias, mlp_bias = bool(cfg.get("attention_bias", False)), bool(cfg.get("mlp_bias", False))
         if attn_bias != mlp_bias:
-            raise HFConfigError(f"{where}: attention_bias={attn_bias} with mlp_bias={mlp_bias} is not supported: "
+            raise HFConfigError(f"{where}: attention_bias: {attn_bias} with mlp_bias {mlp_bias} is not supported: "
                                 "Megatron puts biases on every linear layer or on none (set both alike)")
         bias, qkv_bias = attn_bias, False
     window = cfg.get("sliding_window")

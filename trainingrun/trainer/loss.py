@@ -32,8 +32,21 @@ NORMALIZATIONS = ("sample", "token")
 STAT_NAMES = ("objective", "sample_loss", "token_loss", "sample_reward", "sample_tokens")
 
 
-def token_nll(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """−log p(tokens[t] | logits[t−1]) for t ≥ 1, 0 at t = 0; float32 log-softmax. logits [T, V], tokens [T]."""
+def token_nll(logits: torch.Tensor, tokens: torch.Tensor, vocab_parallel: bool = False) -> torch.Tensor:
+    """−log p(tokens[t] | logits[t−1]) for t ≥ 1, 0 at t = 0, in float32. logits [T, V], tokens [T].
+
+    `vocab_parallel=True`: `logits` is this tensor-parallel rank's vocabulary slice [T, V/tp] (Megatron's
+    `parallel_output`), and the log-softmax is taken over the whole vocabulary with Megatron's
+    `vocab_parallel_cross_entropy` (max and sum-exp all-reduced over the TP group; its backward gives each rank the
+    gradient of its slice). With TP 1 it equals the plain form. It works in place on a float32 `logits` (as Megatron's
+    own loss does): compute it once per forward and do not read the logits afterwards."""
+    if vocab_parallel:
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        # position t predicts token t+1; the last position has no target (a dummy 0, dropped)
+        target = torch.cat([tokens[1:], tokens.new_zeros(1)]).long()
+        nll = vocab_parallel_cross_entropy(logits.float(), target)
+        return torch.cat([nll.new_zeros(1), nll[:-1]])
     logp = torch.log_softmax(logits.float(), dim=-1)
     picked = logp[:-1].gather(-1, tokens[1:].long().unsqueeze(-1)).squeeze(-1)
     return torch.cat([picked.new_zeros(1), -picked])
@@ -67,8 +80,10 @@ def micro_batch_objective(
     normalization: str,
     global_batch_size: int,
     loss_tokens: int,
+    vocab_parallel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This micro-batch's part J_{r,m} of the contract objective, and its statistics.
+    """This micro-batch's part J_{r,m} of the contract objective, and its statistics. `vocab_parallel`: logits are
+    this TP rank's vocabulary slice (see `token_nll`).
 
     Returns (objective, stats) where stats is a float64 tensor [len(STAT_NAMES), 2] of (sum, count) pairs, detached.
     """
@@ -80,7 +95,7 @@ def micro_batch_objective(
     stats = torch.zeros(len(STAT_NAMES), 2, dtype=torch.float64)
     if n == 0:  # empty micro-batch: zero contribution, but keep the graph connected for Megatron's backward
         return logits.float().sum() * 0.0, stats
-    nll = token_nll(logits, inputs.tokens)
+    nll = token_nll(logits, inputs.tokens, vocab_parallel=vocab_parallel)
     mask = inputs.target_mask.float()
     per_token = nll if loss_type == "sft" else nll * inputs.advantages.float()[inputs.sample_of]
     masked = per_token * mask

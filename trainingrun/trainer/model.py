@@ -233,6 +233,11 @@ def wrap_ddp(model):
     return ddp
 
 
+# fp16 dynamic loss scaling starts here (Megatron's default 2^32 would skip ~16 steps before it is usable; 2^16 is
+# torch.amp's default). Halved after 2 consecutive overflows (hysteresis), doubled after 1000 clean steps.
+FP16_INITIAL_LOSS_SCALE = 2.0**16
+
+
 @dataclass
 class OptimSettings:
     lr: float
@@ -252,6 +257,11 @@ def build_optimizer(ddp_model, opt: OptimSettings, precision: str = "fp32"):
     The scheduler counts samples: warmup over `warmup_samples`, decay until `decay_samples`, and the trainer calls
     `step(increment=GBS_s)`. Megatron requires warmup < decay: with decay unset the LR stays constant after warmup
     (style constant, decay length warmup + 1); with warmup == decay the decay length is warmup + 1 sample.
+
+    As Megatron's own training loop does, the model config's `grad_scale_func` is the optimizer's `scale_loss`: the
+    forward/backward schedule multiplies each micro-batch's loss by the current loss scale before backward, and the
+    optimizer divides the gradients by it again (fp16: dynamic scaling from `FP16_INITIAL_LOSS_SCALE`, halved after
+    overflows, a step with inf/nan gradients skipped; bf16/fp32: scale 1).
     """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -268,8 +278,10 @@ def build_optimizer(ddp_model, opt: OptimSettings, precision: str = "fp32"):
         fp16=precision == "fp16",
         params_dtype=_dtype(precision),
         use_distributed_optimizer=False,
+        initial_loss_scale=FP16_INITIAL_LOSS_SCALE,
     )
     optimizer = get_megatron_optimizer(config, [ddp_model])
+    ddp_model.config.grad_scale_func = optimizer.scale_loss
     if opt.decay_samples is None:
         style, decay = "constant", opt.warmup_samples + 1
     else:

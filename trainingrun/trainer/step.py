@@ -35,6 +35,8 @@ class StepResult:
     local_samples: int
     samples: int = 0  # samples of the step over all ranks (= GBS_s when the schedule is whole)
     sample_id_sum: int = 0  # Σ global sample ids of the step (exactly-once checks)
+    loss_scale: float = 1.0  # fp16 dynamic loss scale used by this step (1 for bf16/fp32)
+    skipped: bool = False  # fp16: gradients overflowed at this loss scale; the update was skipped (scale lowered)
 
     def mean(self, name: str) -> float:
         s, c = self.stats[STAT_NAMES.index(name)].tolist()
@@ -63,7 +65,7 @@ def forward_backward(
     def loss_func(mb: MicroBatch, logits: torch.Tensor):
         objective, mb_stats = micro_batch_objective(
             logits[0], mb.loss, loss_type=loss_type, normalization=normalization,
-            global_batch_size=global_batch_size, loss_tokens=loss_tokens,
+            global_batch_size=global_batch_size, loss_tokens=loss_tokens, vocab_parallel=True,
         )
         stats.add_(mb_stats)
         # Megatron divides this tensor in place by M: hand it a fresh one, never the logged value.
@@ -117,8 +119,10 @@ def train_step(
     )
     scheduler.step(increment=global_batch_size)
     lr = float(optimizer.param_groups[0]["lr"])
+    loss_scale = float(optimizer.get_loss_scale())
     ok, grad_norm, _ = optimizer.step()
-    if not ok:
+    skipped = not ok
+    if skipped and getattr(optimizer, "grad_scaler", None) is None:
         raise FloatingPointError("optimizer step skipped (non-finite gradients)")
     local_tokens = sum(mb.num_tokens for mb in microbatches)
     local_samples = sum(mb.loss.num_samples for mb in microbatches)
@@ -142,4 +146,6 @@ def train_step(
         local_samples=local_samples,
         samples=int(totals[1]),
         sample_id_sum=int(ids[0]),
+        loss_scale=loss_scale,
+        skipped=skipped,
     )
