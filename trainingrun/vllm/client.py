@@ -1,0 +1,163 @@
+"""HTTP client of a vLLM OpenAI server (standard library only; safe to call from several threads).
+
+Generation: `complete(prompt_ids, n=..., ...)` posts one prompt (token ids) to `/v1/completions` with `n` samples,
+`logprobs: 0` (the sampled token's log probability) and `return_token_ids: true`, and returns `n` `Completion`s
+(token ids, per-token logprobs, finish reason). The logprobs are vLLM's default `raw_logprobs`: log-softmax of the
+model's logits before temperature/top-p, i.e. the policy's own log probabilities, what the trainer computes.
+
+Weight updates use the development endpoints (the server runs with VLLM_SERVER_DEV_MODE=1): `pause` (mode "wait":
+in-flight requests finish first), `collective_rpc`, `reset_prefix_cache`, `resume`, and the engine's weight-version
+label (`set_weight_version` / `weight_version`) which vLLM resets to "default" when the server restarts.
+
+Errors: `EngineUnavailable` when the server cannot be reached or answers that its engine died (5xx) — the caller
+waits for it to come back and retries; `VLLMError` for a request the server refused (4xx), which retrying cannot fix.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+
+class VLLMError(RuntimeError):
+    """The server refused a request (bad arguments, unknown method): not retried."""
+
+
+class EngineUnavailable(VLLMError):
+    """The server is down, restarting, or its engine died: retry after it is healthy again."""
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+
+
+class VLLMClient:
+    def __init__(self, url: str, *, model: str | None = None, timeout: float = 600.0):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self._model = model
+
+    # ------------------------------------------------------------------ plumbing
+    def _request(self, method: str, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"} if data is not None else {})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout if timeout is None else timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:2000]
+            if exc.code >= 500:
+                raise EngineUnavailable(f"{method} {path}: HTTP {exc.code}: {detail}") from None
+            raise VLLMError(f"{method} {path}: HTTP {exc.code}: {detail}") from None
+        except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError,
+                http.client.HTTPException) as exc:
+            raise EngineUnavailable(f"{method} {path}: {self.url} unreachable: {exc}") from None
+        if not raw:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise EngineUnavailable(f"{method} {path}: not JSON: {raw[:200]!r}") from None
+
+    # ------------------------------------------------------------------ health and identity
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                return resp.status == 200
+        except (OSError, http.client.HTTPException):
+            return False
+
+    def wait_healthy(self, timeout: float, interval: float = 0.5) -> float:
+        t0 = time.monotonic()
+        while not self.healthy():
+            if time.monotonic() - t0 > timeout:
+                raise EngineUnavailable(f"{self.url}: not healthy after {timeout:.0f}s")
+            time.sleep(interval)
+        return time.monotonic() - t0
+
+    @property
+    def model(self) -> str:
+        if self._model is None:
+            models = self._request("GET", "/v1/models")["data"]
+            if not models:
+                raise VLLMError(f"{self.url}: serves no model")
+            self._model = models[0]["id"]
+        return self._model
+
+    # ------------------------------------------------------------------ generation
+    def complete(self, prompt_ids: list[int], *, n: int = 1, max_tokens: int = 16, temperature: float = 1.0,
+                 top_p: float = 1.0, stop_token_ids: list[int] | None = None, seed: int | None = None,
+                 timeout: float | None = None) -> list[Completion]:
+        body: dict[str, Any] = {
+            "model": self.model, "prompt": [int(t) for t in prompt_ids], "n": n, "max_tokens": max_tokens,
+            "temperature": temperature, "top_p": top_p, "logprobs": 0, "return_token_ids": True,
+        }
+        if stop_token_ids:
+            body["stop_token_ids"] = [int(t) for t in stop_token_ids]
+        if seed is not None:
+            body["seed"] = int(seed)
+        out = self._request("POST", "/v1/completions", body, timeout=timeout)
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        if len(choices) != n:
+            raise EngineUnavailable(f"/v1/completions: asked for {n} samples, got {len(choices)}")
+        result = []
+        for c in choices:
+            ids = [int(t) for t in c["token_ids"]]
+            lps = [float(x) for x in (c.get("logprobs") or {}).get("token_logprobs") or []]
+            if len(lps) != len(ids):
+                raise VLLMError(f"/v1/completions: {len(ids)} tokens but {len(lps)} logprobs")
+            result.append(Completion(ids, lps, c.get("finish_reason") or "length"))
+        return result
+
+    def prompt_logprobs(self, token_ids: list[int], *, timeout: float | None = None) -> list[float]:
+        """log p(token i | tokens < i) for i >= 1 under the engine's current weights (a scoring call)."""
+        body = {"model": self.model, "prompt": [int(t) for t in token_ids], "max_tokens": 1, "temperature": 0.0,
+                "prompt_logprobs": 0, "return_token_ids": True}
+        out = self._request("POST", "/v1/completions", body, timeout=timeout)
+        entries = out["choices"][0]["prompt_logprobs"]
+        result = []
+        for i, entry in enumerate(entries[1:], start=1):
+            result.append(float(entry[str(int(token_ids[i]))]["logprob"]))
+        return result
+
+    # ------------------------------------------------------------------ weight updates (VLLM_SERVER_DEV_MODE=1)
+    def pause(self, mode: str = "wait") -> None:
+        self._request("POST", f"/pause?mode={urllib.parse.quote(mode)}")
+
+    def resume(self) -> None:
+        self._request("POST", "/resume")
+
+    def is_paused(self) -> bool:
+        return bool(self._request("GET", "/is_paused")["is_paused"])
+
+    def collective_rpc(self, method: str, kwargs: dict[str, Any] | None = None, *,
+                       timeout: float | None = None) -> list[Any]:
+        body: dict[str, Any] = {"method": method, "kwargs": kwargs or {}}
+        if timeout is not None:
+            body["timeout"] = timeout
+        out = self._request("POST", "/collective_rpc", body,
+                            timeout=None if timeout is None else timeout + 30)
+        return [] if out is None else list(out.get("results", []))
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self._request("POST", "/reset_prefix_cache")["success"])
+
+    def weight_version(self) -> str:
+        return str(self._request("GET", "/weight_info")["weight_version"])
+
+    def set_weight_version(self, version: str) -> None:
+        self._request("POST", "/update_weight_version", {"new_version": version})
+
+    def world_size(self) -> int:
+        return int(self._request("GET", "/get_world_size?include_dp=false")["world_size"])

@@ -1,0 +1,71 @@
+"""Loading new weights into a running vLLM server: from an HF directory (`disk`) or from trainer rank 0 (`broadcast`).
+
+Both follow one sequence, driven by the rollout between its generate calls:
+  label "loading:<label>"  →  POST /pause?mode=wait (in-flight requests finish)  →  load  →  POST /reset_prefix_cache
+  (cached prefixes were computed with the old weights)  →  label "<label>"  →  POST /resume
+The engine's weight-version label (`/update_weight_version`, `/weight_info`) is what makes "never half-applied"
+checkable: it names a version only after that version loaded completely. A load that fails or is interrupted leaves
+"loading:..." (or, when the server restarts, vLLM's "default"), and the rollout's engine refuses to generate until a
+load succeeds (`trainingrun.vllm.engine`).
+
+disk:      `collective_rpc("trainingrun_load_dir", path=DIR)` — the worker extension reads the whole directory
+           (safetensors, HF checkpoint names), checks names and shapes, then calls vLLM's `reload_weights` with the
+           tensors, which shards and repacks them. Not vLLM's `reload_weights(weights_path=DIR)` directly: that one
+           replaces weights while reading, so a missing or unreadable directory leaves the model half-replaced and
+           the engine dead (vLLM 0.32.0). The trainer writes the directory beside its final name and renames it
+           into place, so a complete name is a complete directory.
+broadcast: `collective_rpc("trainingrun_receive_weights", request=...)` — the worker extension joins a process group
+           with trainer rank 0, receives every bucket, and only then applies them (`worker_ext.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from trainingrun.vllm.client import VLLMClient
+
+LOADING = "loading:"
+
+
+def _apply(client: VLLMClient, marker: str, load: Callable[[], dict[str, Any]],
+           label: Callable[[dict[str, Any]], str]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    client.set_weight_version(LOADING + marker)
+    client.pause("wait")
+    try:
+        t1 = time.perf_counter()
+        result = load()
+        t2 = time.perf_counter()
+        client.reset_prefix_cache()
+        result["label"] = label(result)
+        client.set_weight_version(result["label"])
+    finally:
+        client.resume()
+    return {"load_seconds": t2 - t1, "total_seconds": time.perf_counter() - t0, **result}
+
+
+def load_from_disk(client: VLLMClient, path: str, label: str, *, timeout: float = 600) -> dict[str, Any]:
+    """Load the HF directory `path` and label the engine `label`; raises (label left "loading:...") on failure."""
+    return _apply(client, label, lambda: {"path": path, "results": client.collective_rpc(
+        "trainingrun_load_dir", {"path": path}, timeout=timeout)}, lambda _: label)
+
+
+def load_from_broadcast(client: VLLMClient, *, host: str, port: int, group: str, label: Callable[[int], str],
+                        backend: str = "gloo", timeout: float = 300) -> dict[str, Any]:
+    """Receive the weights trainer rank 0 serves at host:port (`BroadcastSender`); the engine is labelled
+    `label(version received)` (the sender serves its newest version, which the caller learns only here)."""
+    world = 1 + client.world_size()
+    request = json.dumps({"host": host, "port": int(port), "group": group, "world_size": world,
+                          "backend": backend, "timeout": timeout})
+
+    def load() -> dict[str, Any]:
+        results = client.collective_rpc("trainingrun_receive_weights", {"request": request}, timeout=timeout)
+        versions = {r.get("version") for r in results if isinstance(r, dict)}
+        if len(versions) != 1 or len(results) != world - 1:
+            raise RuntimeError(f"broadcast weight load: unexpected worker results {results}")
+        return {"version": int(versions.pop()), "results": results}
+
+    return _apply(client, group, load, lambda r: label(r["version"]))

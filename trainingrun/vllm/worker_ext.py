@@ -1,0 +1,201 @@
+"""vLLM worker extension: receive new weights from trainer rank 0 over torch.distributed (the `broadcast` weight sync).
+
+Loaded INSIDE the vLLM server (`--worker-extension-cls trainingrun.vllm.worker_ext.WeightSyncExtension`), whose
+environment has torch and vLLM but not trainingrun's dependencies: this module imports only the standard library and
+torch, and `trainingrun.vllm.server.extension_files()` ships it (with empty package files) to the server as a
+directory on PYTHONPATH (a temporary directory locally, a ConfigMap in a cluster).
+
+Protocol (the sender is `trainingrun.vllm.broadcast.BroadcastSender` on trainer rank 0, which hosts a TCPStore):
+  1. The rollout asks the engine over HTTP: `POST /collective_rpc {"method": "trainingrun_receive_weights",
+     "kwargs": {"request": JSON}}`, JSON = {host, port, group, world_size, backend, timeout}; `group` is a fresh
+     name for this transfer, `world_size` = 1 + the engine's workers.
+  2. Engine worker 0 queues the request in the trainer's store: n = add("trainingrun/requests", 1) - 1,
+     set("trainingrun/request/<n>", {group, world_size}). The sender takes requests in order.
+  3. The sender writes "<group>/manifest" (the names, dtypes and shapes, sent ahead; the buckets; the version) and
+     joins the process group "<group>/pg" as rank 0; engine worker i joins as rank 1 + i.
+  4. Each bucket (a flat tensor per dtype, at most `bucket_bytes`) is broadcast from rank 0 into a buffer.
+  5. Only after EVERY bucket arrived (and the names and shapes match the model's checkpoint) are they handed to vLLM
+     (`model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)`, which shards and repacks them
+     for this worker): a transfer that breaks halfway (trainer died, timeout) raises before anything is applied, so
+     the engine keeps its previous weights whole. Then "<group>/done/<rank>" tells the sender the version is loaded.
+The group is created for one transfer and dropped: an engine or trainer restart never leaves a stale group behind.
+
+`trainingrun_load_dir(path)` (the `disk` weight sync) reads a whole HF directory the same way before applying it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+from pathlib import Path
+
+REQUESTS_KEY = "trainingrun/requests"
+REQUEST_KEY = "trainingrun/request/{n}"
+MANIFEST_KEY = "{group}/manifest"
+DONE_KEY = "{group}/done/{rank}"
+PG_PREFIX = "{group}/pg"
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def make_group(store, rank: int, world_size: int, backend: str, timeout: float, device=None):
+    """A process group of its own on `store` (not the default group: vLLM's workers already have one)."""
+    import torch.distributed as dist
+
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout))
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timedelta(seconds=timeout)
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    raise ValueError(f"backend: {backend!r} is not supported; allowed: gloo, nccl")
+
+
+def split_buckets(manifest: dict, buffers: list) -> list:
+    """(name, tensor) views into the received flat buffers, in manifest order."""
+    import torch
+
+    out = []
+    offsets = [0] * len(buffers)
+    for name, dtype, shape, bucket in manifest["tensors"]:
+        n = 1
+        for d in shape:
+            n *= int(d)
+        buf = buffers[bucket]
+        if str(buf.dtype).removeprefix("torch.") != dtype:
+            raise ValueError(f"manifest: {name} is {dtype} but bucket {bucket} holds {buf.dtype}")
+        start = offsets[bucket]
+        if start + n > buf.numel():
+            raise ValueError(f"manifest: {name} overruns bucket {bucket} ({start}+{n} > {buf.numel()})")
+        out.append((name, buf[start : start + n].view(torch.Size(shape))))
+        offsets[bucket] = start + n
+    for i, (off, buf) in enumerate(zip(offsets, buffers)):
+        if off != buf.numel():
+            raise ValueError(f"manifest: bucket {i} has {buf.numel()} elements, tensors use {off}")
+    return out
+
+
+def receive(request: dict, *, rank: int, device) -> tuple[dict, list, object]:
+    """Join the transfer described by `request` as `rank` (>= 1); return (manifest, [(name, tensor)], store)."""
+    import torch
+    import torch.distributed as dist
+
+    timeout = float(request.get("timeout", 300))
+    store = dist.TCPStore(request["host"], int(request["port"]), is_master=False,
+                          timeout=timedelta(seconds=timeout))
+    group = request["group"]
+    world = int(request["world_size"])
+    if rank == 1:
+        n = store.add(REQUESTS_KEY, 1) - 1
+        store.set(REQUEST_KEY.format(n=n), json.dumps({"group": group, "world_size": world}))
+    manifest = json.loads(store.get(MANIFEST_KEY.format(group=group)))
+    pg = make_group(dist.PrefixStore(PG_PREFIX.format(group=group), store), rank, world, request["backend"],
+                    timeout)
+    buffers = []
+    for dtype, numel in manifest["buckets"]:
+        if dtype not in DTYPES:
+            raise ValueError(f"manifest: dtype {dtype!r} not allowed ({', '.join(DTYPES)})")
+        buf = torch.empty(int(numel), dtype=getattr(torch, dtype), device=device)
+        pg.broadcast(buf, 0).wait()
+        buffers.append(buf)
+    named = split_buckets(manifest, buffers)
+    return manifest, named, store
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The weight files of an HF directory: those its index names, else every *.safetensors."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return [directory / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return sorted(directory.glob("*.safetensors"))
+
+
+def read_header(path: Path) -> dict[str, list[int]]:
+    """{tensor name: shape} from a safetensors file's header (no tensor data is read)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if not 0 < size < 100 << 20:
+            raise ValueError(f"{path}: not a safetensors file (header size {size})")
+        header = json.loads(f.read(size))
+    return {k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def check_complete(named: list, reference: dict[str, list[int]], what: str) -> None:
+    """The tensors must be exactly the model's checkpoint tensors, with their shapes: a load with a tensor missing,
+    extra or misshapen would fail inside vLLM after it has started replacing weights (and kill the engine)."""
+    got = {name: list(t.shape) for name, t in named}
+    missing = sorted(set(reference) - set(got))
+    extra = sorted(set(got) - set(reference))
+    bad = sorted(n for n in set(got) & set(reference) if got[n] != reference[n])
+    if missing or extra or bad:
+        raise ValueError(
+            f"{what}: not this model's weights: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {extra[:5]}{'...' if len(extra) > 5 else ''}, wrong shape "
+            f"{[(n, got[n], reference[n]) for n in bad[:5]]}; nothing was loaded")
+
+
+def read_dir(directory: Path) -> list:
+    """Every tensor of an HF directory, read into memory (a missing or truncated file raises here, before any
+    weight of the model is touched)."""
+    from safetensors.torch import load_file
+
+    files = safetensors_files(directory)
+    if not files:
+        raise FileNotFoundError(f"{directory}: no *.safetensors weights")
+    named = []
+    for f in files:
+        named += list(load_file(str(f)).items())
+    return named
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker class; methods are called through `collective_rpc`.
+
+    Both loads read or receive EVERYTHING first and check it against the names and shapes of the checkpoint the
+    server started from, and only then call vLLM's `reload_weights` with the tensors in memory. vLLM's own
+    `reload_weights(weights_path=...)` replaces weights while it reads the files: a missing or unreadable
+    directory leaves the model half-replaced (its parameters on the meta device) and the engine dies at the next
+    request (seen with vLLM 0.32.0; tests/integration/test_vllm.py keeps the regression test).
+    """
+
+    def _trainingrun_reference(self) -> dict[str, list[int]]:
+        ref = getattr(self, "_trainingrun_ref", None)
+        if ref is None:
+            model_dir = Path(self.vllm_config.model_config.model)
+            ref = {}
+            for f in safetensors_files(model_dir):
+                ref.update(read_header(f))
+            self._trainingrun_ref = ref
+        return ref
+
+    def _trainingrun_apply(self, named: list, what: str) -> float:
+        check_complete(named, self._trainingrun_reference(), what)
+        t0 = time.perf_counter()
+        if hasattr(self, "reload_weights"):
+            self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+        else:  # pragma: no cover - older vLLM
+            self.model_runner.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+        return time.perf_counter() - t0
+
+    def trainingrun_receive_weights(self, request: str) -> dict:
+        req = json.loads(request)
+        t0 = time.perf_counter()
+        rank = 1 + int(getattr(self, "rank", 0))
+        device = "cpu" if req["backend"] == "gloo" else getattr(self, "device", None)
+        manifest, named, store = receive(req, rank=rank, device=device)
+        t1 = time.perf_counter()
+        load_seconds = self._trainingrun_apply(named, f"broadcast version {manifest['version']}")
+        store.set(DONE_KEY.format(group=req["group"], rank=rank), "ok")
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        return {"version": manifest["version"], "bytes": nbytes, "tensors": len(named),
+                "receive_seconds": round(t1 - t0, 6), "load_seconds": round(load_seconds, 6)}
+
+    def trainingrun_load_dir(self, path: str) -> dict:
+        t0 = time.perf_counter()
+        named = read_dir(Path(path))
+        t1 = time.perf_counter()
+        load_seconds = self._trainingrun_apply(named, path)
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        return {"path": path, "bytes": nbytes, "tensors": len(named), "read_seconds": round(t1 - t0, 6),
+                "load_seconds": round(load_seconds, 6)}
