@@ -1,0 +1,117 @@
+"""The vLLM pieces that need no server: weight packing for broadcast, the completeness check, the server command and
+the worker extension's files (tests/integration/test_vllm.py runs them against a real vLLM)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainingrun.vllm.broadcast import pack
+from trainingrun.vllm.server import EXTENSION_CLS, extension_files, server_args, server_env, write_extension
+from trainingrun.vllm.worker_ext import check_complete, read_header, split_buckets
+
+
+def _named():
+    g = torch.Generator().manual_seed(0)
+    return [("a.weight", torch.randn(3, 4, generator=g)), ("b.bias", torch.randn(5, generator=g)),
+            ("c.weight", torch.randn(2, 2, 2, generator=g)), ("ids", torch.arange(6).reshape(2, 3)),
+            ("d.weight", torch.randn(7, generator=g))]
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 40, 1 << 20])
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_pack_and_split_round_trip(bucket_bytes, dtype):
+    named = _named()
+    snap = pack(3, named, dtype=dtype, device="cpu", bucket_bytes=bucket_bytes)
+    assert snap.manifest["version"] == 3
+    assert sum(b.numel() * b.element_size() for b in snap.buckets) == snap.nbytes == snap.manifest["bytes"]
+    if bucket_bytes == 1:  # every tensor its own bucket
+        assert len(snap.buckets) == len(named)
+    # what a receiver gets: buffers of the announced dtypes and sizes, filled by the broadcast
+    received = [torch.empty(n, dtype=getattr(torch, d)) for d, n in snap.manifest["buckets"]]
+    for dst, src in zip(received, snap.buckets):
+        dst.copy_(src)
+    out = dict(split_buckets(snap.manifest, received))
+    assert sorted(out) == sorted(n for n, _ in named)
+    for name, t in named:
+        want = t.to(torch.bfloat16) if dtype and t.is_floating_point() else t
+        assert out[name].dtype == want.dtype and torch.equal(out[name], want), name
+
+
+def test_pack_copies_so_training_may_continue():
+    t = torch.ones(4)
+    snap = pack(0, [("w", t)], dtype=None, device="cpu")
+    t.add_(1)
+    assert torch.equal(snap.buckets[0], torch.ones(4))
+
+
+def test_split_refuses_a_manifest_that_does_not_fit_the_buffers():
+    snap = pack(0, _named()[:2], dtype=None, device="cpu", bucket_bytes=1 << 20)
+    short = [snap.buckets[0][:-1].clone()]
+    with pytest.raises(ValueError, match="overruns bucket 0"):
+        split_buckets(snap.manifest, short)
+    long = [torch.cat([snap.buckets[0], torch.zeros(1)])]
+    with pytest.raises(ValueError, match="bucket 0 has"):
+        split_buckets(snap.manifest, long)
+
+
+def test_check_complete_names_what_is_missing_extra_or_misshapen():
+    ref = {"a": [2, 2], "b": [3]}
+    check_complete([("a", torch.zeros(2, 2)), ("b", torch.zeros(3))], ref, "x")
+    with pytest.raises(ValueError, match=r"missing \['b'\]"):
+        check_complete([("a", torch.zeros(2, 2))], ref, "x")
+    with pytest.raises(ValueError, match=r"unexpected \['c'\]"):
+        check_complete([("a", torch.zeros(2, 2)), ("b", torch.zeros(3)), ("c", torch.zeros(1))], ref, "x")
+    with pytest.raises(ValueError, match="wrong shape"):
+        check_complete([("a", torch.zeros(2, 3)), ("b", torch.zeros(3))], ref, "x")
+
+
+def test_read_header_gives_names_and_shapes_without_the_data(tmp_path: Path):
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(3, 5), "y": torch.zeros(2, dtype=torch.bfloat16)}, str(tmp_path / "m.safetensors"))
+    assert read_header(tmp_path / "m.safetensors") == {"x": [3, 5], "y": [2]}
+    (tmp_path / "bad.safetensors").write_bytes(b"\xff" * 16)
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        read_header(tmp_path / "bad.safetensors")
+
+
+def test_server_command_and_environment():
+    args = server_args("/models/m", port=8000, host="0.0.0.0", dtype="bfloat16", max_model_len=1024)
+    assert args[:2] == ["-m", "vllm.entrypoints.openai.api_server"]
+    pairs = dict(zip(args[2::2], args[3::2]))
+    assert pairs["--model"] == "/models/m" and pairs["--port"] == "8000" and pairs["--host"] == "0.0.0.0"
+    assert pairs["--worker-extension-cls"] == EXTENSION_CLS
+    env = server_env("/ext", base={"PYTHONPATH": "/other"}, omp_threads=1)
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HF_HUB_OFFLINE"] == "1" and env["OMP_NUM_THREADS"] == "1"
+    assert env["PYTHONPATH"] == "/ext:/other"
+
+
+def test_worker_extension_imports_with_torch_alone(tmp_path: Path):
+    """The extension runs in vLLM's environment, which lacks trainingrun's dependencies: its files must import with
+    the standard library and torch only (pydantic, numpy, yaml blocked here)."""
+    write_extension(tmp_path)
+    assert set(extension_files()) == {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.py")}
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in {'pydantic', 'yaml', 'numpy'}:\n"
+        "            raise ImportError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "import importlib\n"
+        "mod, _, cls = " + json.dumps(EXTENSION_CLS) + ".rpartition('.')\n"
+        "ext = getattr(importlib.import_module(mod), cls)\n"
+        "print(importlib.import_module(mod).__file__)\n"
+        "print(ext.__module__, sorted(m for m in vars(ext) if m.startswith('trainingrun_')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == str(tmp_path / "trainingrun" / "vllm" / "worker_ext.py")
+    assert "trainingrun.vllm.worker_ext ['trainingrun_load_dir', 'trainingrun_receive_weights']" in out.stdout
