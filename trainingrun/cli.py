@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
+    if args.command in ("rollout", "trainer"):  # a local run's children: every log line starts with the time
+        from trainingrun.childlog import install_timestamps
+
+        install_timestamps()
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:

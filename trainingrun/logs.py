@@ -89,7 +89,7 @@ class _Follower:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainingrun.rundir import live_owner
+    from trainingrun.local.rundir import live_owner
 
     run_dir = Path(args.run_dir)
     try:

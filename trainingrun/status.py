@@ -1,6 +1,6 @@
 """`trainingrun status RUN_DIR [-o json]`: where a local run stands, live or finished.
 
-Phase: Running while a launcher holds the run directory's lock (`trainingrun.rundir`); otherwise the status of the
+Phase: Running while a launcher holds the run directory's lock (`trainingrun.local.rundir`); otherwise the status of the
 last summary.json (Succeeded, Failed, Interrupted); Stopped when steps were trained but the launcher ended without a
 summary (killed); NotStarted when the directory has neither. Step, rollout, samples, loss and global batch size come
 from the newest step record (also while the run is live); attempt and processes from pids.json; restarts from
@@ -49,7 +49,7 @@ def run_status(run_dir: Path) -> dict[str, Any]:
     import yaml
 
     from trainingrun.history import step_records
-    from trainingrun.rundir import live_owner
+    from trainingrun.local.rundir import live_owner
 
     owner = live_owner(run_dir)
     summary = _read_json(run_dir / "summary.json")

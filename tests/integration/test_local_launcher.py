@@ -139,8 +139,8 @@ def test_successful_run_writes_outputs(tmp_path, fake):
     assert all(summary["exit_codes"][f"trainer-{r}"] == 0 for r in range(3))
     # --trainers overrides the spec's replicas in the effective spec every process reads
     assert yaml.safe_load((out / "run.yaml").read_text())["spec"]["trainer"]["replicas"] == 3
-    assert sorted(p.name for p in (out / "logs").iterdir()) == ["rollout.log", "trainer-0.log", "trainer-1.log",
-                                                                "trainer-2.log"]
+    assert sorted(p.name for p in (out / "logs").iterdir()) == ["launcher.log", "rollout.log", "trainer-0.log",
+                                                                "trainer-1.log", "trainer-2.log"]
     assert "fake done" in (out / "logs" / "trainer-2.log").read_text()
     pids = json.loads((out / "pids.json").read_text())
     ports = [p["metrics_port"] for p in pids["processes"].values()]

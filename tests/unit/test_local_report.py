@@ -3,12 +3,11 @@ attempt numbering and metrics port selection."""
 
 from __future__ import annotations
 
-import io
 import json
 import socket
 
 from trainingrun.local import metrics_port_block, next_attempt
-from trainingrun.local.report import MetricsTail, Progress, merge_metrics, raw_metrics_path, summarize
+from trainingrun.local.report import MetricsTail, merge_metrics, raw_metrics_path, summarize
 
 
 def _write(path, records, tail=""):
@@ -38,29 +37,13 @@ def test_tail_returns_only_complete_lines(tmp_path):
     assert follower.poll() == []
 
 
-def test_plain_progress_lines_and_summary(tmp_path):
-    buf = io.StringIO()
-    p = Progress(num_rollouts=4, stream=buf, interval=0.0, tty=False)
-    p.tick()
-    assert "waiting for the first step" in buf.getvalue()
+def test_summary(tmp_path):
     recs = [{"step": s, "rollout": s // 2, "loss": 2.0 - s / 10, "global_batch_size": 4 + s, "samples_consumed": 10 * s,
              "tokens": 100} for s in range(4)]
-    p.add(recs)
-    p.tick()
-    last = buf.getvalue().splitlines()[-1]
-    assert "rollout 2/4" in last and "step 3" in last and "loss 1.7000" in last and "gbs 7" in last
     s = summarize(recs, status="succeeded", restarts=0, wall_seconds=2.0, tokens_this_run=400, attempts=[],
                   failure=None, name="x", out_dir=tmp_path)
     assert (s["steps"], s["first_loss"], s["final_loss"]) == (4, 2.0, recs[-1]["loss"])
     assert (s["global_batch_size_min"], s["global_batch_size_max"], s["tokens_per_second"]) == (4, 7, 200.0)
-
-
-def test_tty_progress_draws_a_bar(tmp_path):
-    buf = io.StringIO()
-    p = Progress(num_rollouts=2, stream=buf, tty=True)
-    p.add([{"step": 0, "rollout": 0, "loss": 1.0, "global_batch_size": 4, "samples_consumed": 4}])
-    p.tick(force=True)
-    assert "\r" in buf.getvalue() and "[" + "#" * 12 + "." * 12 + "]" in buf.getvalue()
 
 
 def test_next_attempt_counts_logs_and_raw_files(tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from trainingrun.cli import main as cli
-from trainingrun.rundir import LOCK_FILE, RunDirBusy, RunDirLock, live_owner
+from trainingrun.local.rundir import LOCK_FILE, RunDirBusy, RunDirLock, live_owner
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -162,7 +162,7 @@ def test_status_sees_a_live_launcher_through_the_lock(tmp_path, capsys):
 LOCK_HOLDER = """
 import sys, time
 from pathlib import Path
-from trainingrun.rundir import RunDirLock
+from trainingrun.local.rundir import RunDirLock
 lock = RunDirLock(Path(sys.argv[1])).acquire()
 print("locked", flush=True)
 time.sleep(120)

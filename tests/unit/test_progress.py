@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from trainingrun import progress as progress_mod
-from trainingrun.progress import STARTING, Progress
+from trainingrun.local import progress as progress_mod
+from trainingrun.local.progress import STARTING, Progress
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 

@@ -30,7 +30,6 @@ from trainingrun.local.procs import (
 from trainingrun.local.report import (
     REQUIRED_FIELDS,
     MetricsTail,
-    Progress,
     merge_metrics,
     raw_metrics_files,
     raw_metrics_path,
@@ -39,7 +38,10 @@ from trainingrun.local.report import (
     write_metrics,
 )
 from trainingrun import failure_policy as policy
+from trainingrun.local.progress import Progress
+from trainingrun.childlog import TIMESTAMPS_ENV
 from trainingrun.plan import build_plan
+from trainingrun.tracking import OUTPUT_DIR_ENV
 
 POLL_SECONDS = 0.2
 
@@ -56,6 +58,7 @@ def stalled(last_progress: float, deadline_s: float | None) -> bool:
 
 
 _ATTEMPT_LOG_RE = re.compile(r"\.attempt(\d+)\.log$")
+LAUNCHER_LOG = "launcher.log"
 
 
 def next_attempt(out_dir: Path) -> int:
@@ -64,6 +67,8 @@ def next_attempt(out_dir: Path) -> int:
     logs = out_dir / "logs"
     if logs.is_dir():
         for p in logs.glob("*.log"):
+            if p.name == LAUNCHER_LOG:  # the launcher's own events, over all attempts
+                continue
             m = _ATTEMPT_LOG_RE.search(p.name)
             seen.append(int(m.group(1)) if m else 0)
     return max(seen) + 1 if seen else 0
@@ -151,8 +156,13 @@ class Launcher:
             attempt=attempt,
             metrics_port=base,
             distinct_ports=True,
-            extra_env={"TRAININGRUN_METRICS_JSONL": str(raw.resolve())},
+            extra_env={"TRAININGRUN_METRICS_JSONL": str(raw.resolve()),
+                       # TensorBoard / W&B files go into the run directory (trainingrun.tracking)
+                       OUTPUT_DIR_ENV: str(self.out_dir.resolve()),
+                       # children start every line with the time (trainingrun.childlog)
+                       TIMESTAMPS_ENV: "1"},
         )
+        self.progress.reopen()
         group = ProcessGroup.start(plan, cwd=self.out_dir.resolve(), log_dir=self.out_dir / "logs")
         write_json_atomic(self.out_dir / "pids.json", {
             "launcher": os.getpid(),

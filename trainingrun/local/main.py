@@ -11,8 +11,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from trainingrun.local.launcher import Launcher, already_succeeded
-from trainingrun.local.report import Progress, summary_table
+from trainingrun.local.launcher import LAUNCHER_LOG, Launcher, already_succeeded, spec_yaml
+from trainingrun.local.report import summary_table
+from trainingrun.local.progress import Progress
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long children get to exit after SIGTERM before SIGKILL (default 15)")
     parser.add_argument("--progress-interval", type=float, default=5.0, metavar="S",
                         help="seconds between plain progress lines when stdout is not a terminal (default 5)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true",
+                      help="continue the run in DIR from its checkpoints, also when the spec changed (e.g. more "
+                           "rollouts); without it a changed spec is refused, showing the difference")
+    mode.add_argument("--fresh", action="store_true",
+                      help="delete the earlier run in DIR (checkpoints, store, logs, metrics) and start over")
 
 
 # ------------------------------------------------------------------------------------------------ spec handling
@@ -51,26 +58,85 @@ def resolve_input_paths(run, base: Path):
     return run.model_copy(update={"spec": spec})
 
 
+def local_checkpoint_path(run):
+    """`run` with `trainer.checkpoint.path` = "checkpoints" (inside the run directory) when the spec does not set it:
+    the API's default, /checkpoints, is a cluster volume's mount point, not a place on this machine."""
+    ckpt = run.spec.trainer.checkpoint
+    if "path" in ckpt.model_fields_set:
+        return run
+    trainer = run.spec.trainer.model_copy(update={"checkpoint": ckpt.model_copy(update={"path": "checkpoints"})})
+    return run.model_copy(update={"spec": run.spec.model_copy(update={"trainer": trainer})})
+
+
 def run(args: argparse.Namespace) -> int:
+    from trainingrun.local.rundir import RunDirBusy, RunDirLock, check_out_dir
+
     try:
         the_run = resolve_input_paths(load_effective_run(args.file, args.trainers), Path.cwd())
     except ValueError as exc:  # ManifestError: one line per problem, as `trainingrun validate` prints them
         print(str(exc), file=sys.stderr)
         return 1
+    the_run = local_checkpoint_path(the_run)
     out_dir = Path(args.out) if args.out else Path("runs") / the_run.metadata.name
-    progress = Progress(num_rollouts=the_run.spec.rollout.num_rollouts, interval=args.progress_interval)
+    problem = check_out_dir(out_dir)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
+    try:
+        lock = RunDirLock(out_dir).acquire()
+    except RunDirBusy as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"error: --out {out_dir}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    try:
+        return _run_locked(args, the_run, out_dir)
+    finally:
+        lock.release()
+
+
+def _run_locked(args: argparse.Namespace, the_run, out_dir: Path) -> int:
+    from trainingrun.history import step_records
+    from trainingrun.local.rundir import clear_for_fresh, is_run_dir, spec_change
+
+    progress = Progress(num_rollouts=the_run.spec.rollout.num_rollouts, interval=args.progress_interval,
+                        log_path=out_dir / "logs" / LAUNCHER_LOG)
+    name = the_run.metadata.name
+    if args.fresh:
+        removed = clear_for_fresh(out_dir)
+        if removed:
+            progress.event(f"--fresh: removed the earlier run in {out_dir} ({', '.join(removed)})")
+            if the_run.spec.store.url:
+                progress.event(f"note: --fresh does not clear the external store {the_run.spec.store.url}")
+    elif args.resume and not (out_dir / "run.yaml").exists():
+        print(f"error: --resume: {out_dir} holds no earlier run to resume (no run.yaml)", file=sys.stderr)
+        return 1
+    elif not args.resume:
+        diff = spec_change(out_dir, spec_yaml(the_run))
+        if diff is not None:
+            print(f"error: {out_dir} holds an earlier run of a different spec; its results are kept. Pass --resume "
+                  f"to continue it with the new spec, --fresh to delete it and start over, or another --out.\n{diff}",
+                  file=sys.stderr)
+            return 1
     t = the_run.spec.trainer
-    progress.event(f"trainingrun run {the_run.metadata.name}: {t.replicas} trainer(s), "
-                   f"{the_run.spec.rollout.num_rollouts} rollouts of {the_run.spec.rollout.samples_per_rollout} "
-                   f"samples, output in {out_dir}")
+    progress.event(f"trainingrun run {name}: {t.replicas} trainer(s), {the_run.spec.rollout.num_rollouts} rollouts "
+                   f"of {the_run.spec.rollout.samples_per_rollout} samples, output in {out_dir}")
     done = already_succeeded(the_run, out_dir)
     if done is not None:
         print(summary_table(done))
-        print(f"run {the_run.metadata.name} in {out_dir} already succeeded with this spec; nothing to do "
-              f"(remove {out_dir} or use another --out to train again)", file=sys.stderr)
+        print(f"run {name} in {out_dir} already succeeded with this spec; nothing to do "
+              f"(--fresh to train again from scratch, or another --out)", file=sys.stderr)
         return 0
+    if is_run_dir(out_dir):
+        earlier = step_records(out_dir)
+        if earlier:
+            progress.resume_from(earlier[-1])
+            progress.event(f"resuming in {out_dir}: {len(earlier)} step(s) trained before, the trainers continue "
+                           "from their newest checkpoint")
     launcher = Launcher(the_run, out_dir, grace=args.grace_seconds, progress=progress)
     code, summary = launcher.execute()
+    write_run_plot(out_dir, progress)
     print(summary_table(summary))
     if summary["failure"]:
         f = summary["failure"]
@@ -81,3 +147,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"run {summary['run']} stopped; run the same command again to resume from the last checkpoint",
               file=sys.stderr)
     return code
+
+
+def write_run_plot(out_dir: Path, progress: Progress) -> None:
+    """The finished (or stopped) run's plot, RUN_DIR/plot.png; a failure to plot never fails the run."""
+    from trainingrun.history import step_records
+
+    records = step_records(out_dir)
+    if not records:
+        return
+    try:
+        from trainingrun.plot import PLOT_FILE, write_plot
+
+        path = write_plot(records, out_dir / PLOT_FILE, title=out_dir.resolve().name)
+    except Exception as exc:  # noqa: BLE001 - matplotlib missing, disk full: the run's results are written already
+        progress.event(f"warning: no plot written: {type(exc).__name__}: {exc}")
+        return
+    progress.event(f"plot: {path}  (trainingrun plot {out_dir} redraws it; tensorboard --logdir "
+                   f"{out_dir / 'tensorboard'})")

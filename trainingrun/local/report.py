@@ -11,12 +11,8 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
-import time
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 # Fields every per-step record carries (contract: design.md, CLI `trainingrun run`).
 REQUIRED_FIELDS = (
@@ -118,99 +114,6 @@ class MetricsTail:
             if isinstance(rec, dict) and isinstance(rec.get("step"), int):
                 out.append(rec)
         return out
-
-
-@dataclass
-class Progress:
-    """Live progress: a bar redrawn in place on a TTY, otherwise one plain line every `interval` seconds."""
-
-    num_rollouts: int
-    stream: TextIO = field(default_factory=lambda: sys.stdout)
-    interval: float = 5.0
-    tty: bool | None = None
-    last: dict[str, Any] | None = None
-    steps_seen: int = 0
-    _window: deque = field(default_factory=lambda: deque(maxlen=20))
-    _last_print: float = 0.0
-    _printed_step: object = "nothing yet"
-    _bar_drawn: bool = False
-
-    def __post_init__(self) -> None:
-        if self.tty is None:
-            self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-
-    def add(self, records: list[dict[str, Any]]) -> None:
-        now = time.monotonic()
-        for rec in records:
-            self.last = rec
-            self.steps_seen += 1
-            if isinstance(rec.get("samples_consumed"), (int, float)):
-                self._window.append((now, rec["samples_consumed"]))
-
-    def samples_per_second(self) -> float | None:
-        """Throughput over the last (up to 20) steps as seen by the launcher, waits included; before two steps
-        arrived, the trainer's own figure for the last step."""
-        if len(self._window) >= 2:
-            (t0, s0), (t1, s1) = self._window[0], self._window[-1]
-            if t1 > t0:
-                return (s1 - s0) / (t1 - t0)
-        if self.last and isinstance(self.last.get("samples_per_second"), (int, float)):
-            return float(self.last["samples_per_second"])
-        return None
-
-    def line(self) -> str:
-        rec = self.last
-        if rec is None:
-            return f"rollout 0/{self.num_rollouts}  waiting for the first step"
-        rollout_done = min(int(rec.get("rollout", 0)) + 1, self.num_rollouts)
-        sps = self.samples_per_second()
-        parts = [
-            f"rollout {rollout_done}/{self.num_rollouts}",
-            f"step {rec['step']}",
-            f"loss {_fmt(rec.get('loss'))}",
-            f"gbs {rec.get('global_batch_size', '?')}",
-            f"samples {rec.get('samples_consumed', '?')}",
-            f"{sps:.1f} samples/s" if sps is not None else "",
-        ]
-        return "  ".join(p for p in parts if p)
-
-    def bar(self, width: int = 24) -> str:
-        done = 0.0
-        if self.last is not None:
-            done = min(1.0, (int(self.last.get("rollout", 0)) + 1) / max(1, self.num_rollouts))
-        filled = int(round(done * width))
-        return f"[{'#' * filled}{'.' * (width - filled)}] {done * 100:5.1f}%  {self.line()}"
-
-    def tick(self, force: bool = False) -> None:
-        """Redraw (TTY) or print a plain line when `interval` passed and something changed."""
-        now = time.monotonic()
-        if self.tty:
-            if force or now - self._last_print >= 0.2:
-                self.stream.write("\r\x1b[2K" + self.bar())
-                self.stream.flush()
-                self._bar_drawn = True
-                self._last_print = now
-            return
-        step = self.last["step"] if self.last else None
-        if force or (now - self._last_print >= self.interval and step != self._printed_step):
-            self.stream.write(self.line() + "\n")
-            self.stream.flush()
-            self._last_print = now
-            self._printed_step = step
-
-    def event(self, message: str) -> None:
-        """A one-off message (start, failure, restart) on its own line."""
-        if self.tty and self._bar_drawn:
-            self.stream.write("\r\x1b[2K")
-            self._bar_drawn = False
-        self.stream.write(message + "\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.tty and self._bar_drawn:
-            self.stream.write("\r\x1b[2K" + self.bar() + "\n")
-            self.stream.flush()
-            self._bar_drawn = False
 
 
 def _fmt(v: Any) -> str:

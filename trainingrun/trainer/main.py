@@ -90,10 +90,14 @@ def _supervise(args: argparse.Namespace, nproc: int) -> int:
 def _train(args: argparse.Namespace) -> int:
     from trainingrun.trainer.trainer import Trainer
 
+    from trainingrun.childlog import quiet_known_warnings
+
     env = TrainerEnv.from_environ(config=args.config, store=args.store, wait_timeout=args.wait_timeout)
+    quiet_known_warnings(env.rank)  # before megatron is imported: its start-up warnings once, from rank 0
     trainer = Trainer.build(env)
     try:
         trainer.resume()
+        trainer.start_tracking()
         trainer.fit()
         trainer.linger()
         return 0

@@ -39,11 +39,12 @@ def step_record(*, res, step, rollout: int, global_step: int, samples_consumed: 
 class StepReporter:
     """Exports every rank's metrics; on rank 0 also writes the JSONL line, the `progress` key and a log line."""
 
-    def __init__(self, exporter, store, *, rank: int, jsonl_path: str | None):
+    def __init__(self, exporter, store, *, rank: int, jsonl_path: str | None, tracker=None):
         self.exporter = exporter
         self.store = store
         self.rank = rank
         self.jsonl_path = jsonl_path
+        self.tracker = tracker  # rank 0: trainingrun.tracking.Tracker (TensorBoard / W&B), set after resume
 
     def report(self, res, record: dict[str, Any]) -> None:
         self.export(res, record)
@@ -81,6 +82,8 @@ class StepReporter:
         if self.jsonl_path:
             with open(self.jsonl_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+        if self.tracker is not None:
+            self.tracker.log(record)
         # The operator reads this key into the TrainingRun's status (trainingrun/operator/progress.py).
         self.store.put_json("progress", {
             **{k: record[k] for k in ("step", "rollout", "global_batch_size", "loss", "lr", "samples_consumed",

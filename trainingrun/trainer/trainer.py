@@ -53,6 +53,13 @@ class Trainer:
         self.ckpt_root = Path(spec.trainer.checkpoint.path)  # relative: the launcher runs us in the run directory
         self.progress = Progress()
         self.last_saved = -1  # global step of the newest checkpoint on disk
+        self.tracking = None  # rank 0: where TensorBoard / W&B / the cluster's metrics.jsonl go (trainingrun.tracking)
+        if self.rank == 0:
+            from trainingrun.tracking import tracking_paths
+
+            self.tracking = tracking_paths(spec.metrics, checkpoint_dir=self.ckpt_root)
+            if env.metrics_jsonl is None:  # in a cluster: the history next to the checkpoints
+                reporter.jsonl_path = str(self.tracking.metrics_jsonl)
 
     # ------------------------------------------------------------------------------------------------ build
     @classmethod
@@ -140,6 +147,23 @@ class Trainer:
         p = self.progress
         log(self.rank, f"resumed from {latest}: step {p.global_step}, rollout {p.rollout}+{p.step_in_rollout}, "
                        f"samples {p.samples_consumed}")
+
+    def start_tracking(self) -> None:
+        """Rank 0, after `resume`: open TensorBoard / W&B (the steps after the resumed checkpoint replace a failed
+        attempt's). A W&B section without the wandb package is a ConfigError."""
+        if self.tracking is None:
+            return
+        from trainingrun.tracking import TrackingConfigError, open_tracker
+
+        if self.tracking.metrics_jsonl is not None:
+            self.tracking.metrics_jsonl.parent.mkdir(parents=True, exist_ok=True)
+        config = {"run": self.run_name, "spec": self.spec.to_dict()}
+        try:
+            self.reporter.tracker = open_tracker(self.spec.metrics, self.tracking, run_name=self.run_name,
+                                                 resume_step=self.progress.global_step, config=config,
+                                                 warn=lambda msg: log(self.rank, msg))
+        except TrackingConfigError as exc:
+            raise ConfigError(str(exc)) from None
 
     # ------------------------------------------------------------------------------------------------ the loop
     def fit(self) -> None:
@@ -235,6 +259,8 @@ class Trainer:
 
         if self.publisher is not None:
             self.publisher.close()
+        if self.reporter.tracker is not None:
+            self.reporter.tracker.close()
         self.reporter.exporter.close()
         self.store.close()
         if dist.is_initialized():

@@ -1,4 +1,13 @@
-"""The run-directory lock: one live `trainingrun run` per run directory.
+"""Run directories: what `trainingrun run --out DIR` may do with DIR, and the lock that keeps one launcher per DIR.
+
+Safety rules (`check_out_dir`, `spec_change`, `clear_for_fresh`):
+  * `--out` naming a file, or a directory that is neither empty nor a run directory (no `run.yaml`), is refused
+    with one line; nothing is written.
+  * An earlier run in DIR with a different spec is refused, showing the difference, unless `--resume` (continue its
+    checkpoints with the changed spec, e.g. more rollouts) or `--fresh` (delete the earlier run's files and start
+    over) says what to do. `--fresh` deletes only inside a run directory.
+
+The lock:
 
 The launcher holds an exclusive `flock` on `DIR/launcher.lock` for as long as it runs, and writes its identity
 (pid, host, start time, command line) into the file. A second launcher on the same directory fails to take the lock
@@ -13,9 +22,11 @@ store's claim, not this file.
 
 from __future__ import annotations
 
+import difflib
 import fcntl
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -104,3 +115,52 @@ def live_owner(run_dir: Path) -> dict[str, Any] | None:
         return None
     finally:
         os.close(fd)
+
+
+# Files and directories a run directory may hold (trainingrun.local: run.yaml, logs/, raw/, store/, checkpoints/, ...)
+RUN_MARKERS = ("run.yaml", "summary.json", "pids.json", "metrics.jsonl", LOCK_FILE)
+
+
+def is_run_dir(path: Path) -> bool:
+    return any((path / m).exists() for m in RUN_MARKERS)
+
+
+def check_out_dir(path: Path) -> str | None:
+    """None when `path` may be a run directory (absent, empty or a run directory), else the one-line reason."""
+    if path.exists() and not path.is_dir():
+        return f"--out {path}: is a file, not a directory"
+    if path.is_dir() and not is_run_dir(path) and any(path.iterdir()):
+        return (f"--out {path}: the directory is not empty and is not a run directory (no run.yaml); "
+                "use an empty or new directory")
+    return None
+
+
+def spec_change(path: Path, spec_text: str, max_lines: int = 40) -> str | None:
+    """The unified difference between DIR/run.yaml and `spec_text`, or None when equal or there is no run.yaml."""
+    try:
+        old = (path / "run.yaml").read_text()
+    except OSError:
+        return None
+    if old == spec_text:
+        return None
+    diff = list(difflib.unified_diff(old.splitlines(), spec_text.splitlines(), f"{path / 'run.yaml'} (earlier run)",
+                                     "the spec given now", lineterm="", n=1))
+    if len(diff) > max_lines:
+        diff = diff[:max_lines] + [f"... ({len(diff) - max_lines} more lines)"]
+    return "\n".join(diff)
+
+
+def clear_for_fresh(path: Path) -> list[str]:
+    """`--fresh`: delete everything in the run directory `path` but the lock this launcher holds; the names deleted."""
+    if not is_run_dir(path):
+        return []
+    removed = []
+    for entry in sorted(path.iterdir()):
+        if entry.name == LOCK_FILE:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+        removed.append(entry.name)
+    return removed

@@ -14,12 +14,14 @@ the local time, like the children's log lines.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TextIO
+
+from trainingrun.local.report import _fmt
 
 STARTING = "starting: loading torch / Megatron-core"
 REDRAW_SECONDS = 1.0
@@ -28,12 +30,6 @@ REDRAW_SECONDS = 1.0
 def timestamp() -> str:
     """The prefix of every launcher line: local time to the second."""
     return time.strftime("%H:%M:%S")
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4f}" if math.isfinite(v) else str(v)
-    return "?" if v is None else str(v)
 
 
 @dataclass
@@ -51,6 +47,7 @@ class Progress:
     _drawn_text: str | None = None
     _last_draw: float = 0.0
     _closed: bool = False
+    log_path: Path | None = None  # events are also appended here (logs/launcher.log), with the date
 
     def __post_init__(self) -> None:
         if self.tty is None:
@@ -153,6 +150,13 @@ class Progress:
     def event(self, message: str) -> None:
         """A one-off message (start, failure, restart) on its own timestamped line, above the live line."""
         text = f"{timestamp()} {message}"
+        if self.log_path is not None:
+            try:
+                self.log_path.parent.mkdir(parents=True, exist_ok=True)
+                with open(self.log_path, "a") as fh:
+                    fh.write(f"{time.strftime('%Y-%m-%d')} {text}\n")
+            except OSError:
+                pass  # the terminal line below still says it
         if self.tty and self._bar is not None and not self._closed:
             self._bar.write(text, file=self.stream)
         else:
