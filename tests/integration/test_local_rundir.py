@@ -155,3 +155,23 @@ def test_progress_line_fits_an_80_column_terminal(tmp_path, fake):
     assert "\r" in raw  # redrawn in place
     # redrawn when something changed, not 5 times a second: at most ~2 draws per step or elapsed second
     assert len(bars) <= 3 * 12 + 30
+
+
+def test_set_overrides_are_validated_like_the_file(tmp_path, fake):
+    spec = make_spec(tmp_path)
+    out = tmp_path / "run"
+    code, _, stderr = finish(launch(spec, out, fake, "--set", "trainer.optimizer.lr=1e-3", "--set",
+                                    "rollout.numRollouts=5", "--set", "metadata.name=renamed"))
+    assert code == 0, stderr
+    doc = yaml.safe_load((out / "run.yaml").read_text())
+    assert doc["spec"]["trainer"]["optimizer"]["lr"] == 0.001 and doc["spec"]["rollout"]["numRollouts"] == 5
+    assert doc["metadata"]["name"] == "renamed"
+    for bad, message in ((["--set", "rollout.numRollouts=eight"],
+                          '--set spec.rollout.numRollouts: spec.rollout.numRollouts: invalid value "eight"'),
+                         (["--set", "trainer.optimizer.bogus=1"], "spec.trainer.optimizer.bogus: unknown field"),
+                         (["--set", "nothing"], "--set nothing: expected PATH=VALUE"),
+                         (["--set", "trainer.optimizer.lr=1e-5"], "minLr must be <= lr")):
+        fresh = tmp_path / f"bad{len(message)}"
+        code, _, stderr = finish(launch(spec, fresh, fake, *bad))
+        assert code == 1 and message in stderr, stderr
+        assert len(stderr.strip().splitlines()) == 1 and not fresh.exists()

@@ -21,6 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="DIR", help="run directory (default: runs/<metadata.name>); "
                         "running again with the same DIR resumes from its checkpoints")
     parser.add_argument("--trainers", type=int, metavar="N", help="trainer processes (overrides spec.trainer.replicas)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                        help="override one field before validation, e.g. --set trainer.optimizer.lr=1e-4 (PATH is "
+                             "under spec unless it starts with spec. or metadata.; VALUE is a YAML scalar); "
+                             "repeatable")
     parser.add_argument("--grace-seconds", type=float, default=15.0, metavar="S",
                         help="how long children get to exit after SIGTERM before SIGKILL (default 15)")
     parser.add_argument("--progress-interval", type=float, default=5.0, metavar="S",
@@ -34,12 +38,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ spec handling
-def load_effective_run(path: str, trainers: int | None):
-    """The TrainingRun in `path` with `--trainers` applied before validation, through the one strict loader;
-    ManifestError (a ValueError) with the same one-line errors `trainingrun validate` prints."""
-    from trainingrun.api import load_trainingrun
+def parse_overrides(items: list[str]) -> dict[str, object]:
+    """`--set PATH=VALUE` arguments as {"spec.PATH": value}. VALUE goes through the manifest loader's YAML parser
+    (its limits and scalar rules: `8` is an integer, `1e-4` a float, `true` a boolean, `"8"` a string);
+    ValueError naming the argument when one is malformed."""
+    from trainingrun.api.manifest import ManifestError, parse_yaml
 
-    return load_trainingrun(path, overrides=None if trainers is None else {"spec.trainer.replicas": trainers})
+    out: dict[str, object] = {}
+    for item in items:
+        path, sep, text = item.partition("=")
+        path = path.strip()
+        if not sep or not path or any(not part for part in path.split(".")):
+            raise ValueError(f"--set {item}: expected PATH=VALUE, e.g. --set trainer.optimizer.lr=1e-4")
+        if not path.startswith(("spec.", "metadata.")):
+            path = f"spec.{path}"
+        try:
+            docs = parse_yaml(text, f"--set {path}")
+        except ManifestError as exc:
+            raise ValueError(str(exc)) from None
+        if len(docs) != 1:
+            raise ValueError(f"--set {item}: VALUE must be one YAML value (empty or several documents given)")
+        out[path] = docs[0].value
+    return out
+
+
+def load_effective_run(path: str, trainers: int | None, overrides: list[str] | None = None):
+    """The TrainingRun in `path` with `--set` and `--trainers` applied before validation, through the one strict
+    loader; ManifestError (a ValueError) with the same one-line errors `trainingrun validate` prints."""
+    from trainingrun.api import load_trainingrun
+    from trainingrun.api.manifest import ManifestError
+
+    changes = parse_overrides(overrides or [])
+    if trainers is not None:
+        changes["spec.trainer.replicas"] = trainers
+    try:
+        return load_trainingrun(path, overrides=changes or None)
+    except ManifestError as exc:
+        # a problem with an overridden value is the command line's, not the file line that held the old value
+        flags = {p: ("--trainers" if p == "spec.trainer.replicas" and trainers is not None else f"--set {p}")
+                 for p in changes}
+        lines = []
+        for line in exc.lines:
+            where, sep, rest = line.partition(": ")
+            field = rest.partition(": ")[0]
+            lines.append(f"{flags[field]}: {rest}" if sep and field in flags else line)
+        raise ManifestError(lines) from None
 
 
 def resolve_input_paths(run, base: Path):
@@ -72,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     from trainingrun.local.rundir import RunDirBusy, RunDirLock, check_out_dir
 
     try:
-        the_run = resolve_input_paths(load_effective_run(args.file, args.trainers), Path.cwd())
+        the_run = resolve_input_paths(load_effective_run(args.file, args.trainers, args.overrides), Path.cwd())
     except ValueError as exc:  # ManifestError: one line per problem, as `trainingrun validate` prints them
         print(str(exc), file=sys.stderr)
         return 1
