@@ -228,3 +228,19 @@ def test_runs_sharing_an_external_redis_get_their_own_keys():
     assert a == "redis://redis.infra:6379/2?prefix=trainingrun.ns1.tiny"
     assert open_store(a).prefix == "trainingrun.ns1.tiny"  # the store accepts the key it is given
     assert render.store_url(run_of(store={"url": "redis://r:6379/0?prefix=mine"}), "ns1").endswith("?prefix=mine")
+
+
+def test_wandb_api_key_reaches_the_trainers_from_a_secret_only():
+    metrics = {"port": 9400, "wandb": {"project": "p", "apiKeySecret": {"name": "wandb"}}}
+    pods = render.render_pods(run_of(metrics=metrics), OWNER, attempt=0)
+    for pod in pods:
+        env = pod["spec"]["containers"][0]["env"]
+        keys = [e for e in env if e["name"] == "WANDB_API_KEY"]
+        if pod["metadata"]["labels"][LABEL_ROLE] == "trainer":
+            assert keys == [{"name": "WANDB_API_KEY",
+                             "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "api-key"}}}]
+        else:
+            assert keys == []
+    plain = render.render_pods(run_of(metrics={"port": 9400, "wandb": {"project": "p", "mode": "offline"}}), OWNER,
+                               attempt=0)
+    assert not any(e["name"] == "WANDB_API_KEY" for p in plain for e in p["spec"]["containers"][0]["env"])

@@ -496,6 +496,13 @@ class TensorBoardSpec(ApiModel):
     )
 
 
+class SecretKeySelector(ApiModel):
+    """A key of a Secret in the run's namespace."""
+
+    name: str = Field(..., min_length=1, max_length=253, description="Secret name.")
+    key: str = Field("api-key", min_length=1, max_length=253, description="Key in the Secret.")
+
+
 class WandbSpec(ApiModel):
     """Weights & Biases logging from trainer rank 0 (the same per-step fields as TensorBoard). The run id is kept
     with the checkpoints, so a restarted or resumed run continues the same W&B run. Online mode needs
@@ -510,6 +517,10 @@ class WandbSpec(ApiModel):
     name: str | None = Field(None, min_length=1, description="Display name (default: metadata.name).")
     group: str | None = Field(None, min_length=1, description="W&B group.")
     tags: list[str] = Field(default_factory=list, max_length=64, description="W&B tags.")
+    api_key_secret: SecretKeySelector | None = Field(
+        None, description="Secret holding the W&B API key, given to the trainer pods as WANDB_API_KEY (online mode "
+                          "in a cluster). Local runs use the launcher's environment."
+    )
 
 
 class MetricsSpec(ApiModel):
@@ -683,6 +694,7 @@ ALL_MODELS: tuple[type[ApiModel], ...] = (
     RolloutSpec,
     StoreSpec,
     TensorBoardSpec,
+    SecretKeySelector,
     WandbSpec,
     MetricsSpec,
     FailurePolicy,

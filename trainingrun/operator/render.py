@@ -294,6 +294,11 @@ def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, att
         ],
         "securityContext": _container_security(),
     }
+    wandb = spec.metrics.wandb
+    if process.role == ROLE_TRAINER and wandb is not None and wandb.api_key_secret is not None:
+        # W&B online mode: the API key from a Secret (never in the spec or the ConfigMap)
+        container["env"].append({"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {
+            "name": wandb.api_key_secret.name, "key": wandb.api_key_secret.key}}})
     if resources:
         container["resources"] = resources
     pod_spec = {
