@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import time
@@ -228,6 +229,31 @@ def test_killed_trainer_restarts_group(spec_dir, ref2):
     recs = records(out)
     assert_same_run(recs, ref2["records"], rel=1e-5)
     assert {r["attempt"] for r in recs} == {0, 1}
+    # TensorBoard, read with its own reader, shows each step once: the steps attempt 0 logged after its checkpoint
+    # are purged, the re-run ones replace them (the same values metrics.jsonl keeps)
+    from tests.integration.test_tracking import read_scalars
+
+    tb = read_scalars(out / "tensorboard")
+    assert sorted(tb["loss"]) == [r["step"] for r in recs]
+    assert [tb["attempt"][r["step"]] for r in recs] == [r["attempt"] for r in recs]
+    assert [tb["loss"][r["step"]] for r in recs] == pytest.approx([r["loss"] for r in recs], rel=1e-6)
+    assert (out / "plot.png").stat().st_size > 10_000
+
+
+def test_reference_run_leaves_tensorboard_events_a_plot_and_stamped_logs(ref2):
+    from tests.integration.test_tracking import read_scalars
+
+    out, recs = ref2["out"], ref2["records"]
+    tb = read_scalars(out / "tensorboard")
+    for field in ("loss", "global_batch_size", "lr", "grad_norm", "samples_consumed", "tokens", "reward"):
+        assert [tb[field][r["step"]] for r in recs] == pytest.approx([r[field] for r in recs], rel=1e-6), field
+    assert (out / "plot.png").stat().st_size > 10_000
+    logs = {name: (out / "logs" / f"{name}.log").read_text() for name in ("rollout", "trainer-0", "trainer-1")}
+    for name, text in logs.items():
+        lines = [ln for ln in text.splitlines() if not ln.startswith("# trainingrun local:")]
+        assert lines and all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ", ln) for ln in lines), name
+    # Megatron-core's start-up warnings once, from rank 0
+    assert "Apex is not installed" in logs["trainer-0"] and "Apex is not installed" not in logs["trainer-1"]
 
 
 def test_prometheus_weighted_mean_matches_metrics_jsonl(ref2):
