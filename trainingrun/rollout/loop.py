@@ -153,6 +153,19 @@ def check_config(spec: TrainingRunSpec, dp_size: int) -> None:
             )
 
 
+def _run_tokenizer(model: dict):
+    """The run's tokenizer (model.hf's tokenizer.json) for text jsonl lines; ConfigError without one."""
+    if not model.get("hf"):
+        raise ConfigError("text lines need the run's tokenizer: set model.hf to a Hugging Face directory with "
+                          "tokenizer.json")
+    from trainingrun.modeling.tokenizer import TokenizerError, run_tokenizer
+
+    try:
+        return run_tokenizer(model["hf"])
+    except (TokenizerError, OSError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def make_source(spec: TrainingRunSpec, say: Callable[[str], None]) -> Source:
     """The source `spec.rollout.source` names."""
     r = spec.rollout
@@ -160,7 +173,8 @@ def make_source(spec: TrainingRunSpec, say: Callable[[str], None]) -> Source:
     groups_per_rollout = r.samples_per_rollout // r.group_size
     if r.source.type == "jsonl":
         assert r.source.jsonl is not None
-        data = load_jsonl(r.source.jsonl.path, vocab_size=int(model["vocab_size"]))
+        data = load_jsonl(r.source.jsonl.path, vocab_size=int(model["vocab_size"]),
+                          tokenizer=lambda: _run_tokenizer(model))
         say(f"rollout: {data.path}: {data.num_samples} samples in {len(data.groups)} groups")
         return JsonlSource(data, groups_per_rollout)
     s = r.source.synthetic

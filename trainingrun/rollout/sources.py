@@ -22,6 +22,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -161,7 +162,9 @@ def synthetic_rollout(cfg: SyntheticConfig, source_index: int) -> list[Group]:
 
 
 # ------------------------------------------------------------------------------------------------------------ jsonl
-JSONL_FIELDS = ("group", "tokens", "loss_mask", "prompt_length", "reward", "advantage", "meta")
+JSONL_FIELDS = ("group", "tokens", "loss_mask", "prompt_length", "prompt", "response", "messages", "reward",
+                "advantage", "meta")
+TEXT_FIELDS = ("prompt", "response", "messages")
 MAX_REPORTED_ERRORS = 20
 
 
@@ -181,13 +184,21 @@ class JsonlData:
         return sum(len(g) for g in self.groups)
 
 
-def load_jsonl(path: str | Path, *, vocab_size: int) -> JsonlData:
-    """Read and validate a pre-tokenized rollout file, line by line.
+def load_jsonl(path: str | Path, *, vocab_size: int, tokenizer: Callable[[], Any] | None = None) -> JsonlData:
+    """Read and validate a rollout file, line by line.
 
-    Each non-empty line is a JSON object with: `group` (int or string; a group's lines are contiguous), `tokens`
-    (list of >= 2 ints in [0, vocab_size)), exactly one of `loss_mask` (list of 0/1, same length, loss_mask[0] == 0)
-    and `prompt_length` (int in [1, len(tokens)): targets are the tokens after the prompt), at least one of `reward`
-    and `advantage` (finite numbers), and optionally `meta` (ignored). Any other field is an error.
+    Each non-empty line is a JSON object with at least one of `reward` and `advantage` (finite numbers), optionally
+    `meta` (ignored), and one of three sample forms:
+      * tokens: `group` (int or string; a group's lines are contiguous), `tokens` (list of >= 2 ints in
+        [0, vocab_size)), exactly one of `loss_mask` (list of 0/1, same length, loss_mask[0] == 0) and
+        `prompt_length` (int in [1, len(tokens)): targets are the tokens after the prompt);
+      * text: `prompt` and `response` (strings), tokenised with the run's tokenizer: prompt tokens (with the
+        tokenizer's own special tokens, e.g. BOS) + response tokens + EOS; the loss mask covers response and EOS;
+      * chat: `messages` (a list of {"role", "content"} with at least one assistant message), rendered with the
+        tokenizer's chat template; the loss mask covers the assistant messages.
+    In the text and chat forms `group` is optional (default: the line is a group of its own).
+    `tokenizer()` returns the run's tokenizer (`trainingrun.modeling.tokenizer.RunTokenizer`) or raises ConfigError;
+    it is called only when a text or chat line appears. Any other field is an error.
     Raises ConfigError listing up to 20 errors as `FILE:LINE: FIELD: what is wrong (what is allowed)`.
     """
     path = Path(path)
@@ -220,10 +231,13 @@ def load_jsonl(path: str | Path, *, vocab_size: int) -> JsonlData:
             if bad:
                 errors.extend(bad)
                 continue
-            sample = _validate_line(obj, where, vocab_size, errors)
+            if any(k in obj for k in TEXT_FIELDS):
+                sample = _text_line(obj, where, vocab_size, errors, tokenizer)
+            else:
+                sample = _validate_line(obj, where, vocab_size, errors)
             if sample is None:
                 continue
-            key = obj["group"]
+            key = obj.get("group", f"\0line {lineno}")
             if key != current_key:
                 if key in seen_groups:
                     errors.append(
@@ -259,6 +273,59 @@ def load_jsonl(path: str | Path, *, vocab_size: int) -> JsonlData:
                 )
             g.advantages = None
     return data
+
+
+def _reward_fields(obj: dict, where: str, errors: list[str]) -> tuple[Any, Any]:
+    reward, advantage = obj.get("reward"), obj.get("advantage")
+    if reward is None and advantage is None:
+        errors.append(f"{where}: reward: give reward or advantage (or both)")
+    for name, value in (("reward", reward), ("advantage", advantage)):
+        if value is not None and not _number(value):
+            errors.append(f"{where}: {name}: must be a finite number, got {value!r}")
+    return reward, advantage
+
+
+def _text_line(obj: dict, where: str, vocab: int, errors: list[str], tokenizer: Callable[[], Any] | None):
+    """A `prompt`/`response` or `messages` line → (tokens, mask, reward, advantage), or None with errors added."""
+    start = len(errors)
+    for k in ("tokens", "loss_mask", "prompt_length"):
+        if k in obj:
+            errors.append(f"{where}: {k}: not allowed in a text line (give tokens, prompt/response or messages)")
+    if "group" in obj and (not isinstance(obj["group"], (int, str)) or isinstance(obj["group"], bool)):
+        errors.append(f"{where}: group: must be an int or a string, got {type(obj['group']).__name__}")
+    chat = "messages" in obj
+    if chat and ("prompt" in obj or "response" in obj):
+        errors.append(f"{where}: messages: give either messages or prompt and response, not both")
+    elif chat:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs):
+            errors.append(f"{where}: messages: must be a non-empty list of {{\"role\": str, \"content\": str}}")
+    else:
+        for k in ("prompt", "response"):
+            if not isinstance(obj.get(k), str) or not obj.get(k):
+                errors.append(f"{where}: {k}: must be a non-empty string (a text line needs prompt and response)")
+    reward, advantage = _reward_fields(obj, where, errors)
+    if len(errors) > start:
+        return None
+    if tokenizer is None:
+        errors.append(f"{where}: {'messages' if chat else 'prompt'}: text lines need the run's tokenizer: set "
+                      "model.hf to a Hugging Face directory with tokenizer.json")
+        return None
+    from trainingrun.modeling.tokenizer import TokenizerError
+
+    try:
+        tok = tokenizer()
+        tokens, mask = tok.chat(obj["messages"]) if chat else tok.prompt_response(obj["prompt"], obj["response"])
+    except (TokenizerError, ConfigError) as exc:
+        errors.append(f"{where}: {exc}")
+        return None
+    if int(tokens.max()) >= vocab:
+        errors.append(f"{where}: tokens: the tokenizer gave id {int(tokens.max())}, outside the model's vocabulary "
+                      f"[0, {vocab})")
+        return None
+    return tokens, mask, reward, advantage
 
 
 def _validate_line(obj: dict, where: str, vocab: int, errors: list[str]):
@@ -305,12 +372,7 @@ def _validate_line(obj: dict, where: str, vocab: int, errors: list[str]):
         elif arr is not None:
             mask = np.zeros(len(arr), np.uint8)
             mask[pl:] = 1
-    reward, advantage = obj.get("reward"), obj.get("advantage")
-    if reward is None and advantage is None:
-        errors.append(f"{where}: reward: give reward or advantage (or both)")
-    for name, value in (("reward", reward), ("advantage", advantage)):
-        if value is not None and not _number(value):
-            errors.append(f"{where}: {name}: must be a finite number, got {value!r}")
+    reward, advantage = _reward_fields(obj, where, errors)
     if len(errors) > start or arr is None or mask is None:
         return None
     return arr.astype(np.int32), mask, reward, advantage
