@@ -62,30 +62,22 @@ def _select(run_dir: Path, process: str | None, attempt: int | None) -> tuple[in
 
 
 class _Follower:
+    """One log file from its start (or its last `tail` lines), each line prefixed with `prefix`."""
+
     def __init__(self, path: Path, prefix: str, tail: int | None):
+        from trainingrun.local.report import LineTail
+
         self.path, self.prefix = path, prefix
-        self.pos = 0
-        self.partial = b""
+        start = 0
         if tail is not None:
             data = path.read_bytes() if path.exists() else b""
             lines = data.split(b"\n")
             keep = lines[-(tail + 1):] if tail else [lines[-1]]
-            self.pos = len(data) - len(b"\n".join(keep))
+            start = len(data) - len(b"\n".join(keep))
+        self.tail = LineTail(path, start)
 
     def lines(self, final: bool = False) -> list[str]:
-        try:
-            with open(self.path, "rb") as fh:
-                fh.seek(self.pos)
-                data = fh.read()
-        except OSError:
-            return []
-        self.pos += len(data)
-        parts = (self.partial + data).split(b"\n")
-        self.partial = parts.pop()
-        if final and self.partial:
-            parts.append(self.partial)
-            self.partial = b""
-        return [self.prefix + p.decode("utf-8", "replace") for p in parts]
+        return [self.prefix + p.decode("utf-8", "replace") for p in self.tail.lines(final)]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -86,15 +86,16 @@ def write_metrics(out_dir: Path, records: list[dict[str, Any]]) -> Path:
     return path
 
 
-class MetricsTail:
-    """Follows one raw metrics file as rank 0 appends to it; only complete lines are returned."""
+class LineTail:
+    """Follows a file another process appends to: each call returns the complete lines written since the last one
+    (`final=True` also returns a last line without its newline). `start` skips what is in the file already."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, start: int = 0):
         self.path = path
-        self._pos = 0
+        self._pos = start
         self._partial = b""
 
-    def poll(self) -> list[dict[str, Any]]:
+    def lines(self, final: bool = False) -> list[bytes]:
         try:
             with open(self.path, "rb") as fh:
                 fh.seek(self._pos)
@@ -102,11 +103,20 @@ class MetricsTail:
         except OSError:
             return []
         self._pos += len(data)
-        data = self._partial + data
-        lines = data.split(b"\n")
+        lines = (self._partial + data).split(b"\n")
         self._partial = lines.pop()
+        if final and self._partial:
+            lines.append(self._partial)
+            self._partial = b""
+        return lines
+
+
+class MetricsTail(LineTail):
+    """Follows one raw metrics file as rank 0 appends to it; only complete lines are returned."""
+
+    def poll(self) -> list[dict[str, Any]]:
         out = []
-        for line in lines:
+        for line in self.lines():
             try:
                 rec = json.loads(line)
             except (json.JSONDecodeError, UnicodeDecodeError):
