@@ -146,7 +146,7 @@ def test_progress_line_fits_an_80_column_terminal(tmp_path, fake):
         stop(proc)
         term.close()
     lines = [ln for ln in screen_lines(raw) if ln.strip()]
-    bars = [ln for ln in lines if re.match(r"\d+/\d+ rollouts ", ln)]
+    bars = [ln for ln in lines if re.match(r"rollout \d+/\d+ ", ln)]
     assert bars, raw[-2000:]
     widest = max(bars, key=len)
     assert len(widest.rstrip()) <= 80, widest

@@ -80,7 +80,7 @@ def test_the_live_line_never_exceeds_80_columns(term, monkeypatch):
     raw = term.read()
     lines = [ln for ln in screen_lines(raw) if ln.strip()]
     assert any(STARTING in ln for ln in lines), "says what it is doing before the first step"
-    bars = [ln for ln in lines if "rollouts" in ln]
+    bars = [ln for ln in lines if ln.startswith("rollout ")]
     assert bars and all(len(ln.rstrip()) <= 80 for ln in bars), max(bars, key=len)
     assert any("step 30" in ln and "<" in ln for ln in bars), "step, elapsed<remaining"
     assert any(re.search(r"\d\d:\d\d<", ln) for ln in bars)
@@ -105,8 +105,8 @@ def test_resume_starts_at_the_resumed_step(term):
     p = Progress(num_rollouts=40, stream=term.stream)
     p.resume_from(records(1, start=25)[0])
     p.tick(force=True)
-    first = [ln for ln in screen_lines(term.read()) if "rollouts" in ln][0]
-    assert first.startswith("25/40 rollouts") and "step 25" in first
+    first = [ln for ln in screen_lines(term.read()) if ln.startswith("rollout ")][0]
+    assert first.startswith("rollout 25/40 ") and "step 25" in first
 
 
 def test_plain_lines_when_not_a_terminal():

@@ -86,8 +86,9 @@ class Progress:
             return float(self.last["samples_per_second"])
         return None
 
-    def fields(self) -> str:
-        """The last step's figures, most important first (the end is what a narrow terminal cuts)."""
+    def fields(self, compact: bool = False) -> str:
+        """The last step's figures, most important first (the end is what a narrow terminal cuts); `compact`: the
+        live line's (single spaces, without the samples consumed)."""
         rec = self.last
         if rec is None:
             return STARTING
@@ -97,9 +98,9 @@ class Progress:
             f"loss {_fmt(rec.get('loss'))}",
             f"gbs {rec.get('global_batch_size', '?')}",
             f"{sps:.1f} samples/s" if sps is not None else "",
-            f"samples {rec.get('samples_consumed', '?')}",
+            "" if compact else f"samples {rec.get('samples_consumed', '?')}",
         ]
-        return "  ".join(p for p in parts if p)
+        return (" " if compact else "  ").join(p for p in parts if p)
 
     def line(self) -> str:
         """The plain (non-terminal) progress line."""
@@ -113,10 +114,11 @@ class Progress:
             from tqdm import tqdm
 
             self._bar = tqdm(
-                total=self.num_rollouts, initial=self.rollouts_done(), desc=self.fields(), file=self.stream,
+                total=self.num_rollouts, initial=self.rollouts_done(), desc=self.fields(compact=True),
+                file=self.stream,
                 dynamic_ncols=True,
                 unit="rollout", leave=True, mininterval=0, miniters=0, smoothing=0.1, delay=0,
-                bar_format="{n_fmt}/{total_fmt} rollouts {bar} {elapsed}<{remaining}  {desc}",
+                bar_format="rollout {n_fmt}/{total_fmt} {bar} {elapsed}<{remaining} {desc}",
             )
         return self._bar
 
@@ -131,7 +133,7 @@ class Progress:
                 return
             bar = self._ensure_bar()
             bar.n = self.rollouts_done()
-            bar.set_description_str(self.fields(), refresh=False)
+            bar.set_description_str(self.fields(compact=True), refresh=False)
             text = str(bar)
             if text != self._drawn_text:
                 bar.refresh()
@@ -167,7 +169,7 @@ class Progress:
         """Leave the final state of the line on screen (terminal)."""
         if self._bar is not None and not self._closed:
             self._bar.n = self.rollouts_done()
-            self._bar.set_description_str(self.fields(), refresh=False)
+            self._bar.set_description_str(self.fields(compact=True), refresh=False)
             self._bar.close()
         self._closed = True
 
