@@ -74,10 +74,11 @@ def run_status(run_dir: Path) -> dict[str, Any]:
     attempts = sorted({r.get("attempt") for r in records if isinstance(r.get("attempt"), int)})
     if owner is None and summary is not None:
         restarts = summary.get("restarts", 0)
-    else:  # live: attempts started by this launcher (it writes its first attempt into the lock's owner record)
-        first = owner.get("first_attempt") if owner else None
+    else:  # live, or killed without a summary: the attempts the last launcher started (pids.json)
+        first = pids.get("first_attempt")
         first = first if isinstance(first, int) else (attempts[0] if attempts else 0)
-        restarts = max(0, int(pids.get("attempt", first)) - first) if pids else 0
+        attempt = pids.get("attempt")
+        restarts = max(0, attempt - first) if isinstance(attempt, int) else 0
     processes = {}
     for pname, p in (pids.get("processes") or {}).items():
         processes[pname] = {"pid": p.get("pid"), "alive": phase == "Running" and _alive(p.get("pid")),

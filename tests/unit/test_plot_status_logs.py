@@ -150,10 +150,13 @@ def test_status_phases(tmp_path, capsys):
 
 def test_status_sees_a_live_launcher_through_the_lock(tmp_path, capsys):
     make_run_dir(tmp_path)
+    pids = json.loads((tmp_path / "pids.json").read_text())
+    (tmp_path / "pids.json").write_text(json.dumps({**pids, "attempt": 3, "first_attempt": 1}))
     with RunDirLock(tmp_path):
         assert cli(["status", str(tmp_path), "-o", "json"]) == 0
         st = json.loads(capsys.readouterr().out)
         assert st["phase"] == "Running" and st["launcher"]["pid"] == os.getpid()
+        assert st["attempt"] == 3 and st["restarts"] == 2  # restarts of the live launcher: attempts 1 -> 3
     assert cli(["status", str(tmp_path), "-o", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["phase"] == "Succeeded"
 

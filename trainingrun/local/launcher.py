@@ -119,6 +119,7 @@ class Launcher:
         self.attempts: list[dict[str, Any]] = []
         self.tokens_this_run = 0.0
         self.missing_warned = False
+        self.first_attempt = 0
 
     # -- setup
     def prepare(self) -> tuple[str, Path]:
@@ -167,6 +168,7 @@ class Launcher:
         write_json_atomic(self.out_dir / "pids.json", {
             "launcher": os.getpid(),
             "attempt": attempt,
+            "first_attempt": self.first_attempt,  # this invocation's first (attempt - first_attempt = its restarts)
             "store_url": store_url,
             "master_port": int(plan.trainers[0].env["MASTER_PORT"]) if plan.trainers else None,
             "processes": {
@@ -271,7 +273,7 @@ class Launcher:
         fp = self.spec.failure_policy
         store_url, config = self.prepare()
         attempt = next_attempt(self.out_dir)
-        first_attempt = attempt
+        first_attempt = self.first_attempt = attempt
         restarts = 0
         outcome = Outcome("failed", reason="not started")
         self.signals.install()
