@@ -5,8 +5,9 @@ Every numeric field of rank 0's per-step record (the object that goes to metrics
 `step` itself and the wall-clock `time` are not logged.
 
 Where the history goes (`TrackingPaths`): the output directory is `TRAININGRUN_OUTPUT_DIR` when set (a local run sets
-it to its run directory) and the checkpoint directory otherwise (in a cluster that is the shared checkpoint volume,
-so the history survives pod restarts). Inside it: `tensorboard/` (or `spec.metrics.tensorboard.path`, relative to it),
+it to its run directory), else the directory of `TRAININGRUN_METRICS_JSONL` when that is set (a trainer started by
+hand), else the checkpoint directory (in a cluster that is the shared checkpoint volume, so the history survives pod
+restarts). Inside it: `tensorboard/` (or `spec.metrics.tensorboard.path`, relative to it),
 `wandb/` (W&B's own files; offline runs are synced later with `wandb sync`), and in a cluster `metrics.jsonl` (each
 attempt appends; the last record of a step wins, as in a local run's merge).
 
@@ -56,12 +57,18 @@ def tracking_paths(metrics_spec, *, checkpoint_dir: Path, environ: dict[str, str
     """Where rank 0 writes its history (see the module docstring)."""
     env = os.environ if environ is None else environ
     local_out = env.get(OUTPUT_DIR_ENV)
-    out = Path(local_out) if local_out else checkpoint_dir
+    jsonl_env = env.get("TRAININGRUN_METRICS_JSONL")
+    if local_out:
+        out = Path(local_out)
+    elif jsonl_env:  # a trainer started by hand with its JSONL path: the other history goes beside it
+        out = Path(jsonl_env).parent
+    else:  # a pod: the checkpoint volume
+        out = checkpoint_dir
     tb = metrics_spec.tensorboard
     tb_dir = None
     if tb.enabled:
         tb_dir = out / (tb.path or "tensorboard")  # an absolute path replaces `out`
-    jsonl = None if (local_out or env.get("TRAININGRUN_METRICS_JSONL")) else out / "metrics.jsonl"
+    jsonl = None if (local_out or jsonl_env) else out / "metrics.jsonl"
     return TrackingPaths(out, tb_dir, out, checkpoint_dir / WANDB_ID_FILE, jsonl)
 
 

@@ -85,6 +85,13 @@ def test_tensorboard_resume_purges_the_failed_attempts_later_steps(tmp_path):
     assert [attempt[s] for s in range(1, 10)] == [0, 0, 0, 0, 1, 1, 1, 1, 1]
 
 
+def test_a_trainer_given_only_its_jsonl_path_keeps_the_history_beside_it(tmp_path):
+    paths = tracking_paths(MetricsSpec(), checkpoint_dir=tmp_path / "ckpt",
+                           environ={"TRAININGRUN_METRICS_JSONL": str(tmp_path / "out" / "m.jsonl")})
+    assert paths.tensorboard == tmp_path / "out" / "tensorboard" and paths.metrics_jsonl is None
+    assert paths.wandb_id_file == tmp_path / "ckpt" / "wandb-run-id"  # the W&B run id stays with the checkpoints
+
+
 def test_tensorboard_off_and_custom_path(tmp_path):
     off = MetricsSpec.model_validate({"tensorboard": {"enabled": False}})
     assert tracking_paths(off, checkpoint_dir=tmp_path, environ={}).tensorboard is None
