@@ -375,7 +375,9 @@ class SyntheticSource(ApiModel):
 
 
 class JsonlSource(ApiModel):
-    """Pre-tokenized rollouts, one sample per line: group, tokens, loss_mask or prompt_length, reward or advantage."""
+    """Samples, one per line, each with reward or advantage: pre-tokenized (group, tokens, loss_mask or
+    prompt_length), text (prompt, response) or chat (messages); text and chat lines are tokenised with the tokenizer
+    of model.hf, the loss mask covering the response or the assistant turns."""
 
     path: str = Field(..., min_length=1, description="Path of the .jsonl file (inside the rollout pod).")
 
