@@ -1,11 +1,14 @@
 """`trainingrun trainer` end to end on a real file store, 2 ranks over gloo (Megatron in subprocesses).
 
-One scenario, three launches of the 2-rank group:
+One scenario, five launches of the 2-rank group:
   A. uninterrupted: 3 rollouts (sample counts vary, so steps per rollout vary) → metrics JSONL;
   B1. a second store gets the same rollouts 0 and 1 only; the group trains them, checkpoints, and gives up waiting
       for rollout 2 (exit non-zero, as a crashed group would);
-  B2. rollout 2 is published, the group restarts (attempt 1), resumes from the newest complete checkpoint — a
-      half-written checkpoint directory newer than it is planted and must be ignored — and finishes.
+  B2. rollout 2 is published, the group restarts (attempt 1). A half-written checkpoint directory newer than the
+      newest complete one is planted and must be ignored; the newest complete one has a truncated shard, so the
+      group falls back to the previous complete checkpoint (naming the path and why) and finishes;
+  C. every checkpoint damaged: exit 78 naming each path, no traceback;
+  D. a trainer of an older attempt than the one recorded with the checkpoints: refused, exit 78.
 Checks: the JSONL records (fields, cumulative samples, the LR scheduler's consumed samples = samples consumed, every
 step trained once with the scheduled global batch), and that B's per-step loss equals A's (≤1e-5 relative) with the
 same final samples_consumed and the same sample ids per step (nothing trained twice or skipped).
@@ -105,8 +108,8 @@ def test_trainer_end_to_end_and_exact_resume(tmp_path: Path) -> None:
         r["global_batch_size"] for r in rec_a))
     assert rec_a[-1]["samples_consumed"] == sum(COUNTS)
     assert rec_a[0]["lr"] < rec_a[1]["lr"]  # warmup over samples
-    # keep: 2 (the checkpoint root also holds the TensorBoard events, trainingrun/tracking.py)
-    assert sorted(p.name for p in (a / "ckpt").iterdir() if p.name.startswith("step_")) == ["step_00000008", "step_00000009"]
+    # keep: 2 (the checkpoint root also holds the fence and the TensorBoard events, trainingrun/tracking.py)
+    assert sorted(p.name for p in (a / "ckpt").glob("step_*")) == ["step_00000008", "step_00000009"]
     # the progress rank 0 leaves in the store is what the operator turns into the TrainingRun's status
     from trainingrun.api import parse_trainingrun
     from trainingrun.operator.status import decide
@@ -127,24 +130,34 @@ def test_trainer_end_to_end_and_exact_resume(tmp_path: Path) -> None:
     assert all(rc != 0 for rc, _ in results)
     done_b1 = _records(b)
     assert [r["step"] for r in done_b1] == [1, 2, 3, 4, 5]
-    ckpts = sorted(p.name for p in (b / "ckpt").iterdir() if p.name != "tensorboard")
+    ckpts = sorted(p.name for p in (b / "ckpt").glob("step_*"))
     assert ckpts == ["step_00000002", "step_00000004"], ckpts
     # a newer but incomplete checkpoint (no COMPLETE marker, garbage inside) must never be loaded
     bad = b / "ckpt" / "step_00000005"
     bad.mkdir()
     (bad / "progress.json").write_text(json.dumps({"global_step": 5, "rollout": 2, "step_in_rollout": 0,
                                                    "samples_consumed": 20}))
-    (bad / "model_tp0_pp0.pt").write_bytes(b"half-written")
+    (bad / "dist").mkdir()
+    (bad / "dist" / "__0_0.distcp").write_bytes(b"half-written")
+    # and the newest complete one has a truncated shard (its COMPLETE marker is there): attempt 1 must fall back to
+    # step 2, whose data (rollout 0) the store still holds (it releases only what every kept checkpoint covers)
+    shard = max((b / "ckpt" / "step_00000004" / "dist").glob("__*.distcp"), key=lambda p: p.stat().st_size)
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[: size // 3])
 
-    # ---- B2: the rest arrives, attempt 1 resumes from step 4 (rollout 1, step 1 within it)
+    # ---- B2: the rest arrives, attempt 1 resumes from step 2 (rollout 0, step 2 within it)
     _publish(f"file://{b}/store", range(2, 3), finish=True)
     results = _launch(b, f"file://{b}/store", attempt=1)
     for rc, out in results:
         assert rc == 0, out[-3000:]
-    assert "resumed from" in results[0][1] and "step_00000004" in results[0][1]
+    log0 = results[0][1]
+    assert (f"checkpoint ckpt/step_00000004 cannot be loaded: dist/{shard.name} has {size // 3} bytes, {size} were "
+            "written (truncated or replaced)") in log0, log0[-3000:]
+    assert "resumed from ckpt/step_00000002" in log0
+    assert (b / "ckpt" / "step_00000004.unloadable-a1").is_dir()
     rec_b = _records(b)
     resumed = [r for r in rec_b if r["attempt"] == 1]
-    assert [r["step"] for r in resumed] == [5, 6, 7, 8, 9]
+    assert [r["step"] for r in resumed] == [3, 4, 5, 6, 7, 8, 9]
     final = {r["step"]: r for r in rec_b}  # the last attempt's record of each step wins
     assert sorted(final) == list(range(1, 10))
     for step in range(1, 10):
@@ -157,6 +170,21 @@ def test_trainer_end_to_end_and_exact_resume(tmp_path: Path) -> None:
     # every sample id of every rollout trained exactly once: Σ ids over steps = Σ of all published ids
     all_ids = sum(k * 1000 * n + n * (n - 1) // 2 for k, n in enumerate(COUNTS))
     assert sum(final[s]["sample_id_sum"] for s in final) == all_ids
+
+    # ---- C: every checkpoint damaged: attempt 2 fails once with exit 78 (a configuration/data error, not retried)
+    # naming each path and why, instead of a traceback that a restart would repeat
+    for d in sorted((b / "ckpt").glob("step_0*")):
+        for f in (d / "dist").glob("__*.distcp"):
+            f.write_bytes(f.read_bytes()[:10])
+    results = _launch(b, f"file://{b}/store", attempt=2)
+    assert [rc for rc, _ in results] == [78, 78], results[0][1][-3000:]
+    assert "no checkpoint in" in results[0][1] and "step_00000009: dist/__" in results[0][1]
+    assert "step_00000008: dist/__" in results[0][1] and "Traceback" not in results[0][1]
+
+    # ---- D: a trainer of an older attempt (a zombie: attempt 2 has resumed here since) is refused, exit 78
+    results = _launch(b, f"file://{b}/store", attempt=1)
+    assert [rc for rc, _ in results] == [78, 78], results[0][1][-3000:]
+    assert "attempt 1 may not resume: attempt 2 has resumed from them since" in results[0][1]
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -83,14 +83,18 @@ class RolloutState:
         )
 
 
-def config_fingerprint(spec: TrainingRunSpec, dp_size: int) -> str:
-    """Hash of everything that decides the published data (not numRollouts/maxPendingRollouts, which may change)."""
+def config_fingerprint(spec: TrainingRunSpec) -> str:
+    """Hash of everything that decides the published data (not numRollouts/maxPendingRollouts, which may change).
+
+    Not the data-parallel size either: a run may be resized (elastic data parallelism). The rollouts published
+    after a resize are scheduled for the new size; those published before it are re-scheduled by the trainers
+    (`trainer/reshard.py`), with the same steps and samples."""
     rollout = spec.rollout.to_dict()
     for volatile in ("numRollouts", "maxPendingRollouts", "resources"):
         rollout.pop(volatile, None)
     t = spec.trainer
     relevant = {
-        "seed": spec.seed, "rollout": rollout, "dp_size": dp_size, "model": spec.model.resolved(),
+        "seed": spec.seed, "rollout": rollout, "model": spec.model.resolved(),
         "trainer": [t.max_tokens_per_gpu, t.micro_batch_size, t.microbatch_multiple, t.loss_type],
     }
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
@@ -207,7 +211,7 @@ class RolloutLoop:
         seq_length = int(spec.model.resolved()["seq_length"])
         self.max_length = min(spec.rollout.filters.max_length or seq_length, seq_length)
         self.source = make_source(spec, self.say)
-        self.fingerprint = config_fingerprint(spec, self.dp)
+        self.fingerprint = config_fingerprint(spec)
 
     def run(self) -> RolloutResult:
         state, resumed = self.resume()
@@ -246,7 +250,19 @@ class RolloutLoop:
             )
         self.say(f"rollout: resuming at rollout {state.next_rollout} (source rollout {state.source_index}, "
                  f"{state.carried_samples} carried samples)")
+        self.note_resize(state)
         return state, True
+
+    def note_resize(self, state: RolloutState) -> None:
+        """Say so when the run was resized since the last published rollout."""
+        try:
+            last = self.store.read_schedule(state.next_rollout - 1) if state.next_rollout else None
+        except StoreError:  # released already
+            return
+        old = int(last.get("dp_size", self.dp)) if last else self.dp
+        if old != self.dp:
+            self.say(f"rollout: data-parallel size changed from {old} to {self.dp}: rollouts from {state.next_rollout} "
+                     f"on are scheduled for {self.dp} ranks; the trainers re-schedule those published for {old}")
 
     def filter(self, groups: list[Group]) -> tuple[list[Group], FilterStats]:
         kept, fstats = apply_filters(groups, max_length=self.max_length,

@@ -1,35 +1,75 @@
-"""Checkpoints: model, optimizer, LR scheduler and progress, written atomically; resume from the newest complete one.
+"""Checkpoints on disk: layout, atomic commit, verification, fallback, keep-N and attempt fencing.
+
+This module is the file protocol; the model and optimizer shards are written and read by Megatron's distributed
+checkpointing (`checkpoint_megatron.py`), handed in as two callables, so everything here is tested without Megatron.
 
 Layout under `spec.trainer.checkpoint.path` (relative paths resolve against the process's working directory):
-  step_00000010/           a complete checkpoint (global step 10)
-    model_tp0_pp0.pt        model state of that model-parallel shard (written by its data-parallel rank 0)
-    optim_tp0_pp0.pt        optimizer state of that shard
-    state.pt                scheduler state + RNG states (rank 0)
-    progress.json           {global_step, rollout, step_in_rollout, samples_consumed, ..., model: resolved spec}
-    hf/                     config.json + tokenizer files of the HF directory the run started from (if any)
-    COMPLETE                marker, written last
-  .tmp-step_00000010-a1/   being written (attempt 1); never loaded, removed by the next save
+  step_00000010/             a complete checkpoint (global step 10)
+    dist/                    Megatron `dist_checkpointing` directory (torch_dist format: .metadata, __<r>_<i>.distcp,
+                             common.pt, metadata.json): model and optimizer, sharded so that any data-/tensor-parallel
+                             size can load it
+    state.pt                 LR scheduler state + RNG state (rank 0; `torch.load(weights_only=True)`)
+    meta.json                who wrote it: run, attempt, data/tensor-parallel sizes, the model spec
+    progress.json            {global_step, rollout, step_in_rollout, samples_consumed, tokens_consumed, ...}
+    COMPLETE                 written last: {"format": 2, "attempt", "files": {path: {"size", "sha256"}}}
+  .tmp-step_00000010-a1/     being written by attempt 1; never loaded, removed by the next save
+  step_00000012.unloadable-a3/  a checkpoint attempt 3 could not load and fell back from (kept for inspection)
+  .attempts/<attempt>        one empty file per attempt that resumed here (the fence, below)
+  (a run started from a Hugging Face directory also keeps its config + tokenizer files in step_*/hf/)
 
-Protocol: rank 0 creates the temporary directory; the shards are written; barrier; rank 0 writes progress.json and
-COMPLETE (each fsynced), renames the directory to its final name and fsyncs the parent; barrier. A directory without
-COMPLETE, or with a name that is not `step_<digits>`, is never loaded — so a crash at any point leaves either the old
-newest checkpoint or the new one. Loading uses `torch.load(weights_only=True)` only.
+Save (every rank calls it): rank 0 checks the fence and creates the temporary directory → every rank writes its
+shards (`write_shards`, collective) → every rank hashes its share of the files (rank r: files r, r+W, ...) →
+rank 0 writes state.pt, meta.json, progress.json and finally COMPLETE with the size and SHA-256 of every file
+(each fsynced), checks the fence again, renames the directory to its final name, fsyncs the parent, prunes.
+A crash at any point leaves either the old newest checkpoint or the new one complete: a directory without COMPLETE,
+or not named `step_<digits>`, is never loaded.
+
+Resume: rank 0 records this attempt in the fence; then the complete checkpoints are tried newest first. Each is
+verified before anything is loaded (COMPLETE parses, every listed file exists with its size and hash, the torch
+metadata pickle references only checkpoint classes), each rank checking its share, and the ranks agree on the
+result. A checkpoint that fails (or whose load raises) is named with the reason, and the previous one is tried;
+after a successful fallback the failed ones are renamed `*.unloadable-a<attempt>` so that keep-N and the next resume
+skip them. When checkpoints exist but none loads, `CheckpointError` names every path and why (the trainer exits 78:
+a restart cannot repair them). The previous checkpoint's data must still be in the store: after a save the trainer
+releases only rollouts older than the *oldest* kept checkpoint (`SaveResult.release_upto`).
+
+Fencing: a checkpoint commit carries its attempt (COMPLETE, meta.json). The newest recorded attempt is the largest
+name in `.attempts/` (created, never rewritten, so recording is race-free); a commit — or a prune — from an older
+attempt is refused with `CheckpointFenced`, so a zombie trainer of an old attempt cannot commit over, or delete, a
+newer attempt's checkpoints. A trainer that starts with an older attempt than the recorded one is refused the same
+way (a zombie, or a new run reusing the directory: the message says how to tell and what to do).
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
+import pickle
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import Any, Protocol
 
 MARKER = "COMPLETE"
+FORMAT = 2
+DIST_DIR = "dist"
+FENCE_DIR = ".attempts"
 _NAME = re.compile(r"^step_(\d{8,})$")
+_HASH_PREFIX = ".hash-"
+_CHUNK = 1 << 22
+_FENCED = "[fenced] "  # marks a fencing refusal among the reasons the ranks exchange
+
+
+class CheckpointError(Exception):
+    """No checkpoint under a root can be loaded (the message names each path and why), or one cannot be written."""
+
+
+class CheckpointFenced(CheckpointError):
+    """A newer attempt owns these checkpoints: this (older) attempt may not commit, prune or resume here."""
 
 
 @dataclass
@@ -51,6 +91,37 @@ class Progress:
                    tokens_consumed=int(d.get("tokens_consumed", 0)))
 
 
+class Group(Protocol):
+    """The collective operations the protocol needs (torch.distributed in the trainer, `Solo` in one process)."""
+
+    rank: int
+    world: int
+
+    def barrier(self) -> None: ...
+
+    def gather_reasons(self, reason: str | None) -> list[str | None]:
+        """Every rank's `reason` (None = fine), on every rank."""
+
+    def broadcast_ints(self, values: list[int] | None) -> list[int]:
+        """Rank 0's list, on every rank (the others pass None)."""
+
+
+class Solo:
+    """A one-process group."""
+
+    rank, world = 0, 1
+
+    def barrier(self) -> None:
+        pass
+
+    def gather_reasons(self, reason: str | None) -> list[str | None]:
+        return [reason]
+
+    def broadcast_ints(self, values: list[int] | None) -> list[int]:
+        return list(values or [])
+
+
+# ------------------------------------------------------------------------------------------------ small file helpers
 def _fsync_file(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
@@ -66,16 +137,25 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def step_name(global_step: int) -> str:
+    return f"step_{global_step:08d}"
+
+
+def step_of(path: Path) -> int | None:
+    m = _NAME.match(path.name)
+    return int(m.group(1)) if m else None
+
+
 def complete_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first."""
+    """Checkpoints under `root` that carry the COMPLETE marker, oldest first (not yet verified)."""
     root = Path(root)
     if not root.is_dir():
         return []
     found = []
     for d in root.iterdir():
-        m = _NAME.match(d.name)
-        if m and d.is_dir() and (d / MARKER).is_file() and (d / "progress.json").is_file():
-            found.append((int(m.group(1)), d))
+        step = step_of(d)
+        if step is not None and d.is_dir() and (d / MARKER).is_file():
+            found.append((step, d))
     return [d for _, d in sorted(found)]
 
 
@@ -84,25 +164,430 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
-def _model_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    # TransformerEngine keeps `_extra_state` blobs (BytesIO) that weights_only loading refuses; they hold FP8 metadata
-    # we do not use, so they are not saved.
-    return {k: v.detach().cpu() for k, v in module.state_dict().items() if not k.endswith("_extra_state")}
+def read_json(path: Path) -> dict[str, Any]:
+    value = json.loads(path.read_text())
+    if not isinstance(value, dict):
+        raise ValueError(f"{path.name} is not a JSON object")
+    return value
 
 
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_cpu(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_to_cpu(v) for v in obj)
-    return obj
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """meta.json of a checkpoint directory: run, attempt, dp/tp sizes, model spec."""
+    return read_json(Path(path) / "meta.json")
+
+
+def read_progress(path: str | Path) -> Progress:
+    return Progress.from_dict(read_json(Path(path) / "progress.json"))
+
+
+# ------------------------------------------------------------------------------------------------ fencing
+def newest_attempt(root: str | Path) -> int | None:
+    """The newest attempt recorded in `root`'s fence, None if none."""
+    try:
+        names = os.listdir(Path(root) / FENCE_DIR)
+    except FileNotFoundError:
+        return None
+    attempts = [int(n) for n in names if n.isdigit()]
+    return max(attempts) if attempts else None
+
+
+def record_attempt(root: str | Path, attempt: int) -> None:
+    """Record `attempt` in the fence (an empty file named after it: creating it never races with another writer)."""
+    fence = Path(root) / FENCE_DIR
+    fence.mkdir(parents=True, exist_ok=True)
+    (fence / f"{attempt:08d}").touch()
+    _fsync_dir(fence)
+
+
+def fence_reason(root: str | Path, attempt: int, what: str) -> str | None:
+    """Why attempt `attempt` may not `what` in `root` (a newer attempt is recorded), or None."""
+    newest = newest_attempt(root)
+    if newest is None or newest <= attempt:
+        return None
+    return (f"checkpoints in {Path(root).resolve()}: attempt {attempt} may not {what}: attempt {newest} has resumed "
+            "from them since (this process belongs to an older attempt that should have stopped)")
+
+
+# ------------------------------------------------------------------------------------------------ manifest
+def digest(path: Path) -> dict[str, Any]:
+    """Size and SHA-256 of a file (and fsync it: the hash is only worth writing down for data on disk)."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+        os.fsync(f.fileno())
+    return {"size": size, "sha256": h.hexdigest()}
+
+
+def _listed_files(directory: Path) -> list[str]:
+    """Regular files under `directory` (relative, sorted), without the marker and the per-rank hash notes."""
+    out = []
+    for p in sorted(directory.rglob("*")):
+        rel = p.relative_to(directory).as_posix()
+        if p.is_file() and rel != MARKER and not p.name.startswith(_HASH_PREFIX):
+            out.append(rel)
+    return out
+
+
+def _share(items: list[str], rank: int, world: int) -> list[str]:
+    return items[rank::world]
+
+
+# Only these globals may appear in the torch-distributed-checkpoint metadata pickle (`dist/.metadata`), which torch
+# reads with a plain `pickle.load`: the checkpoint's own descriptor classes, torch.Size, dtypes and layouts.
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+                "torch.distributed.checkpoint.filesystem")
+_OTHER_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                  ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module in _DCP_MODULES and not name.startswith("__")) or (module, name) in _OTHER_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch":
+            import torch
+
+            value = getattr(torch, name, None)
+            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+                return value
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in checkpoint metadata")
+
+
+def check_metadata_pickle(path: Path) -> None:
+    """Refuse a `.metadata` file that would make torch's `pickle.load` build anything but checkpoint descriptors."""
+    with open(path, "rb") as f:
+        _MetadataUnpickler(io.BufferedReader(f)).load()
+
+
+def verify(path: Path, *, rank: int = 0, world: int = 1) -> str | None:
+    """Why the checkpoint at `path` cannot be loaded, from this rank's share of its files (None: it can).
+
+    Every rank reads COMPLETE; rank r checks size and SHA-256 of files r, r+W, ... of its manifest (the torch metadata
+    pickle also against the allow-list); rank 0 also parses progress.json and meta.json."""
+    try:
+        marker = read_json(path / MARKER)
+        files = marker["files"]
+        if marker.get("format") != FORMAT or not isinstance(files, dict):
+            return f"{MARKER}: format {marker.get('format')!r} (this trainer reads format {FORMAT} only)"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{MARKER} is unreadable ({exc.__class__.__name__}: {exc})"
+    for rel in _share(sorted(files), rank, world):
+        want = files[rel]
+        p = path / rel
+        try:
+            if not p.is_file():
+                return f"{rel} is missing"
+            size = p.stat().st_size
+            if size != want.get("size"):
+                return f"{rel} has {size} bytes, {want.get('size')} were written (truncated or replaced)"
+            got = digest(p)["sha256"]
+            if got != want.get("sha256"):
+                return f"{rel} does not match its SHA-256 (corrupted: {got[:12]}… != {str(want.get('sha256'))[:12]}…)"
+            if p.name == ".metadata":
+                check_metadata_pickle(p)
+        except OSError as exc:
+            return f"{rel} cannot be read ({exc})"
+        except (pickle.UnpicklingError, EOFError, ValueError, AttributeError, ImportError, TypeError) as exc:
+            return f"{rel} is not a valid checkpoint metadata file ({exc})"
+    if rank == 0:
+        for name in ("progress.json", "meta.json"):
+            if name not in files:
+                return f"{name} is not in the manifest"
+        try:
+            read_progress(path)
+            read_meta(path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return f"progress.json/meta.json unreadable ({exc})"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ save
+@dataclass
+class SaveResult:
+    path: Path
+    release_upto: int  # rollouts below this are covered by every kept checkpoint: the store may drop them
+    seconds_shards: float = 0.0
+    seconds_total: float = 0.0
+    bytes: int = 0
+
+
+def save(
+    root: str | Path,
+    progress: Progress,
+    *,
+    group: Group,
+    write_shards: Callable[[Path], None],
+    state: Callable[[], dict[str, Any]],
+    meta: dict[str, Any],
+    attempt: int,
+    keep: int,
+) -> SaveResult:
+    """Collective save of a checkpoint at `progress` (every rank calls it; see the module docstring).
+
+    `write_shards(dir)` writes the model/optimizer shards into `dir` (collective); `state()` gives rank 0's small
+    state (scheduler, RNG) for state.pt. Raises `CheckpointFenced` on every rank when a newer attempt owns `root`.
+    """
+    import time
+
+    import torch
+
+    t0 = time.perf_counter()
+    root = Path(root)
+    name = step_name(progress.global_step)
+    tmp = root / f".tmp-{name}-a{attempt}"
+    final = root / name
+    reason = None
+    if group.rank == 0:
+        reason = _fenced(fence_reason(root, attempt, f"commit {name}"))
+        if reason is None:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            (tmp / DIST_DIR).mkdir(parents=True)
+    _raise_any(group.gather_reasons(reason))
+    t1 = time.perf_counter()
+    write_shards(tmp / DIST_DIR)
+    group.barrier()
+    t2 = time.perf_counter()
+    # Each rank hashes (and fsyncs) its share of the shard files; rank 0 collects the notes.
+    shard_files = [f"{DIST_DIR}/{rel}" for rel in _listed_files(tmp / DIST_DIR)]
+    notes = {rel: digest(tmp / rel) for rel in _share(shard_files, group.rank, group.world)}
+    (tmp / f"{_HASH_PREFIX}{group.rank}.json").write_text(json.dumps(notes))
+    group.barrier()
+    error = None
+    total = 0
+    release = progress.rollout
+    if group.rank == 0:
+        try:
+            files: dict[str, Any] = {}
+            for r in range(group.world):
+                note = tmp / f"{_HASH_PREFIX}{r}.json"
+                files.update(json.loads(note.read_text()))
+                note.unlink()
+            missing = sorted(set(shard_files) - set(files))
+            if missing:
+                raise CheckpointError(f"{tmp}: shard files without a hash: {missing[:5]}")
+            torch.save(state(), tmp / "state.pt")
+            _fsync_file(tmp / "meta.json", json.dumps({**meta, "attempt": attempt}, indent=1).encode())
+            _fsync_file(tmp / "progress.json", json.dumps({**progress.to_dict(), "attempt": attempt}, indent=1).encode())
+            for rel in ("state.pt", "meta.json", "progress.json"):
+                files[rel] = digest(tmp / rel)
+            _fsync_file(tmp / MARKER, json.dumps({"format": FORMAT, "attempt": attempt, "step": progress.global_step,
+                                                  "files": files}, indent=1, sort_keys=True).encode())
+            _fsync_dir(tmp / DIST_DIR)
+            _fsync_dir(tmp)
+            total = sum(f["size"] for f in files.values())
+            reason = fence_reason(root, attempt, f"commit {name}")  # a newer attempt may have started meanwhile
+            if reason is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointFenced(reason)
+            trash = None
+            if final.exists():  # the same step saved by an earlier attempt: swap it out
+                trash = root / f".old-{name}-a{attempt}"
+                if trash.exists():
+                    shutil.rmtree(trash)
+                final.rename(trash)
+            tmp.rename(final)
+            _fsync_dir(root)
+            if trash is not None:
+                shutil.rmtree(trash, ignore_errors=True)
+            prune(root, keep, attempt=attempt)
+            release = release_point(root, default=progress.rollout)
+        except CheckpointFenced as exc:
+            error = _fenced(str(exc))
+        except CheckpointError as exc:
+            error = str(exc)
+        except OSError as exc:
+            error = f"{tmp}: cannot commit checkpoint {name}: {exc}"
+    _raise_any(group.gather_reasons(error))
+    release = group.broadcast_ints([release] if group.rank == 0 else None)[0]
+    return SaveResult(final, release, seconds_shards=t2 - t1, seconds_total=time.perf_counter() - t0, bytes=total)
+
+
+def _fenced(reason: str | None) -> str | None:
+    return None if reason is None else _FENCED + reason
+
+
+def _raise_any(reasons: list[str | None]) -> None:
+    """Raise the first reason given by any rank (on every rank): CheckpointFenced for a fencing refusal."""
+    for reason in reasons:
+        if reason is not None:
+            if reason.startswith(_FENCED):
+                raise CheckpointFenced(reason[len(_FENCED):])
+            raise CheckpointError(reason)
+
+
+def release_point(root: str | Path, *, default: int) -> int:
+    """The rollout of the oldest complete checkpoint under `root` (`default` if none): rollouts below it may be
+    dropped from the store, every checkpoint a resume may fall back to still finds its data there."""
+    rollouts = []
+    for d in complete_checkpoints(root):
+        try:
+            rollouts.append(read_progress(d).rollout)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # an unreadable one will be skipped by resume anyway
+    return min(rollouts, default=default)
+
+
+def prune(root: str | Path, keep: int, *, attempt: int | None = None) -> list[Path]:
+    """Keep the `keep` newest complete checkpoints; remove older ones and leftovers of interrupted saves.
+    Returns the kept ones (oldest first). With `attempt`, refuses (`CheckpointFenced`) when a newer attempt owns
+    `root`, and leaves the temporary directories of newer attempts alone."""
+    root = Path(root)
+    if attempt is not None:
+        reason = fence_reason(root, attempt, "prune")
+        if reason is not None:
+            raise CheckpointFenced(reason)
+    complete = complete_checkpoints(root)
+    cut = max(len(complete) - keep, 0)
+    for d in complete[:cut]:
+        shutil.rmtree(d, ignore_errors=True)
+    newest = complete[-1].name if complete else None
+    for d in root.iterdir():
+        if d.name.startswith((".tmp-", ".old-")) and d.is_dir():
+            m = re.search(r"-a(\d+)$", d.name)
+            if attempt is not None and m and int(m.group(1)) > attempt:
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+        elif step_of(d) is not None and d.is_dir() and not (d / MARKER).is_file() and d.name != newest:
+            shutil.rmtree(d, ignore_errors=True)
+    return complete[cut:]
+
+
+# ------------------------------------------------------------------------------------------------ resume
+@dataclass
+class Resumed:
+    path: Path
+    progress: Progress
+    state: dict[str, Any]
+    meta: dict[str, Any]
+    skipped: list[tuple[Path, str]]  # newer checkpoints that could not be loaded, and why
+
+
+def resume(
+    root: str | Path,
+    *,
+    group: Group,
+    load_shards: Callable[[Path], None],
+    attempt: int,
+    log: Callable[[str], None] = lambda _m: None,
+) -> Resumed | None:
+    """Load the newest loadable checkpoint under `root` (collective); None when there is none at all.
+
+    Records `attempt` in the fence first (rank 0). `load_shards(dir)` loads model and optimizer from a dist
+    directory (collective; it raises on any rank → that checkpoint is skipped on every rank). Raises
+    `CheckpointFenced` for an older attempt, `CheckpointError` when checkpoints exist and none can be loaded.
+    """
+    import torch
+
+    root = Path(root)
+    reason = None
+    steps: list[int] | None = None
+    if group.rank == 0:
+        reason = fence_reason(root, attempt, "resume")
+        if reason is not None:
+            reason = _fenced(reason + "; if this is a new run that reuses the directory on purpose, give it another "
+                             f"trainer.checkpoint.path or remove {(root / FENCE_DIR).resolve()}")
+        else:
+            record_attempt(root, attempt)
+            steps = [int(step_of(d)) for d in reversed(complete_checkpoints(root))]  # type: ignore[arg-type]
+    _raise_any(group.gather_reasons(reason))
+    steps = group.broadcast_ints(steps)
+    if not steps:
+        return None
+    skipped: list[tuple[Path, str]] = []
+    for step in steps:
+        path = root / step_name(step)
+        reasons = group.gather_reasons(verify(path, rank=group.rank, world=group.world))
+        why = _describe(reasons)
+        loaded: Resumed | None = None
+        if why is None:
+            error = None
+            try:
+                load_shards(path / DIST_DIR)
+                state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+                loaded = Resumed(path, read_progress(path), state, read_meta(path), skipped)
+            except Exception as exc:  # noqa: BLE001 - any failure to load makes this checkpoint unusable
+                error = f"loading failed: {exc.__class__.__name__}: {str(exc)[:400]}"
+            why = _describe(group.gather_reasons(error))
+        if why is None and loaded is not None:
+            if skipped and group.rank == 0:
+                for bad, _ in skipped:
+                    _quarantine(bad, attempt, log)
+            return loaded
+        log(f"checkpoint {path} cannot be loaded: {why}" + ("; trying the previous one" if step != steps[-1] else ""))
+        skipped.append((path, why))
+    listing = "; ".join(f"{p}: {w}" for p, w in skipped)
+    raise CheckpointError(f"no checkpoint in {root.resolve()} can be loaded ({listing}); restore a good checkpoint "
+                          "there, or remove the directory to start the run from scratch (with a fresh store)")
+
+
+def _describe(reasons: list[str | None]) -> str | None:
+    bad = [(r, why) for r, why in enumerate(reasons) if why is not None]
+    if not bad:
+        return None
+    seen: list[str] = []
+    for _, why in bad:
+        if why not in seen:
+            seen.append(why)
+    ranks = ",".join(str(r) for r, _ in bad)
+    return f"{'; '.join(seen)} (found by rank {ranks})" if len(reasons) > 1 else seen[0]
+
+
+def _quarantine(path: Path, attempt: int, log: Callable[[str], None]) -> None:
+    target = path.with_name(f"{path.name}.unloadable-a{attempt}")
+    try:
+        path.rename(target)
+        log(f"renamed the unloadable {path} to {target.name} (kept for inspection; delete it when done)")
+    except OSError as exc:
+        log(f"warning: cannot rename the unloadable {path}: {exc}")
+
+
+# ------------------------------------------------------------------------------------------------ one process
+def read_tensors(path: str | Path, *, model_only: bool = False) -> dict[str, Any]:
+    """Every tensor of a verified checkpoint at full (tensor-parallel-gathered) shape, in this process and without
+    torch.distributed: {Megatron's sharded key: tensor}. Model keys are the GPT model's (layers stacked along a first
+    axis: `decoder.layers.<name>` [num_layers, ...]; `model_tensors` unstacks them), optimizer keys start with
+    `optimizer.` (`optimizer.state.exp_avg.<model key>`, ...). CheckpointError naming the path and why if the
+    checkpoint does not verify."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    why = verify(path)
+    if why is not None:
+        raise CheckpointError(f"checkpoint {path} cannot be loaded: {why}")
+    reader = FileSystemReader(str(path / DIST_DIR))
+    out = {k: torch.empty(md.size, dtype=md.properties.dtype)
+           for k, md in reader.read_metadata().state_dict_metadata.items()
+           if isinstance(md, TensorStorageMetadata) and not (model_only and k.startswith("optimizer."))}
+    dcp_load(out, storage_reader=reader, no_dist=True)
+    return out
+
+
+def model_tensors(path: str | Path) -> dict[str, Any]:
+    """The model's tensors of a checkpoint at full shape, one entry per layer (`decoder.layers.<i>.<name>`), named as
+    Megatron's sharded state dict names them (TransformerEngine-style names, e.g. `linear_qkv.layer_norm_weight`,
+    whichever layer spec wrote it)."""
+    out = {}
+    for key, t in read_tensors(path, model_only=True).items():
+        if key.startswith("decoder.layers."):
+            rest = key[len("decoder.layers."):]
+            for i in range(t.shape[0]):
+                out[f"decoder.layers.{i}.{rest}"] = t[i].clone()
+        else:
+            out[key] = t
+    return out
 
 
 def rng_state() -> dict[str, Any]:
+    import torch
+
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -110,90 +595,8 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    import torch
+
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def save(
-    root: str | Path,
-    progress: Progress,
-    *,
-    module: torch.nn.Module,
-    optimizer,
-    scheduler,
-    keep: int,
-    attempt: int = 0,
-    shard: str = "tp0_pp0",
-    writes_shard: bool = True,
-    is_rank0: bool = True,
-    barrier=lambda: None,
-    extra: dict[str, Any] | None = None,
-    hf_assets: str | Path | None = None,
-) -> Path:
-    """Collective save of a checkpoint at `progress` (every rank calls it; see the module doc for the protocol)."""
-    root = Path(root)
-    name = f"step_{progress.global_step:08d}"
-    tmp = root / f".tmp-{name}-a{attempt}"
-    final = root / name
-    if is_rank0:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    barrier()
-    if writes_shard:
-        torch.save(_model_state(module), tmp / f"model_{shard}.pt")
-        torch.save(_to_cpu(optimizer.state_dict()), tmp / f"optim_{shard}.pt")
-    barrier()
-    if is_rank0:
-        torch.save({"scheduler": scheduler.state_dict(), "rng": rng_state()}, tmp / "state.pt")
-        if hf_assets is not None:  # what export-hf needs besides the weights: HF config and tokenizer
-            from trainingrun.modeling.hf_io import copy_assets
-
-            copy_assets(hf_assets, tmp / "hf")
-        _fsync_file(tmp / "progress.json", json.dumps({**progress.to_dict(), **(extra or {})}, indent=1).encode())
-        _fsync_file(tmp / MARKER, b"ok\n")
-        _fsync_dir(tmp)
-        trash = None
-        if final.exists():  # the same step saved by an earlier attempt: swap it out
-            trash = root / f".old-{name}-a{attempt}"
-            final.rename(trash)
-        tmp.rename(final)
-        _fsync_dir(root)
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
-        prune(root, keep)
-    barrier()
-    return final
-
-
-def prune(root: str | Path, keep: int) -> None:
-    """Keep the `keep` newest complete checkpoints; remove older ones and leftovers of interrupted saves."""
-    root = Path(root)
-    complete = complete_checkpoints(root)
-    for d in complete[: max(len(complete) - keep, 0)]:
-        shutil.rmtree(d, ignore_errors=True)
-    newest = complete[-1].name if complete else None
-    for d in root.iterdir():
-        if d.name.startswith((".tmp-", ".old-")) and d.is_dir():
-            shutil.rmtree(d, ignore_errors=True)
-        elif _NAME.match(d.name) and d.is_dir() and not (d / MARKER).is_file() and d.name != newest:
-            shutil.rmtree(d, ignore_errors=True)
-
-
-def load(path: str | Path, *, module: torch.nn.Module, optimizer, scheduler, shard: str = "tp0_pp0") -> Progress:
-    """Restore module, optimizer, scheduler and RNG from a complete checkpoint; return its progress."""
-    path = Path(path)
-    if not (path / MARKER).is_file():
-        raise ValueError(f"checkpoint {path}: not complete (no {MARKER} marker); refusing to load it")
-    model_state = torch.load(path / f"model_{shard}.pt", map_location="cpu", weights_only=True)
-    missing, unexpected = module.load_state_dict(model_state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {path}: model does not match (missing {missing[:5]}, unexpected {unexpected[:5]})")
-    optimizer.load_state_dict(torch.load(path / f"optim_{shard}.pt", map_location="cpu", weights_only=True))
-    state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
-    scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"])
-    return Progress.from_dict(json.loads((path / "progress.json").read_text()))

@@ -16,8 +16,11 @@ megatron-core assumes CUDA in a handful of places that have nothing to do with t
   3. ``torch.cuda.current_device()`` returns 0, ``torch.cuda.device_count()`` 1, and the CUDA RNG functions act on
      the CPU generator (the tracker's "CUDA" state is the CPU state), so seeding is deterministic.
 
-Nothing here runs on a GPU machine: `install()` refuses when CUDA is available. It touches no stream, event or
-synchronize API (tracing the trainer showed none are hit on the code paths we use). Never install it in the pytest
+  4. ``torch.cuda.synchronize()`` returns at once (Megatron's distributed-checkpoint writer calls it before copying
+     tensors out; there is no device to wait for).
+
+Nothing here runs on a GPU machine: `install()` refuses when CUDA is available. It touches no stream or event API
+(tracing the trainer showed none are hit on the code paths we use). Never install it in the pytest
 process; the trainer and the Megatron tests run in subprocesses.
 """
 
@@ -92,6 +95,8 @@ def install() -> None:
     torch.cuda.current_device = lambda: 0
     torch.cuda.device_count = lambda: 1
     torch.cuda.set_device = lambda device: None
+    # Megatron's checkpoint writer waits for the device before copying tensors out (nothing to wait for here).
+    torch.cuda.synchronize = lambda device=None: None
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
     torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)

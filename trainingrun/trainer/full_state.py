@@ -2,10 +2,14 @@
 process and without Megatron or torch.distributed: what `trainingrun export-hf` and `trainingrun score` read.
 
 `load_full_state(path)` accepts a checkpoint (`…/step_00000010`) or a checkpoint root (its newest complete
-checkpoint is taken). It reads the per-TP-rank model shards (`model_tp{t}_pp0.pt`, weights_only), maps them to the
-canonical local-spec names (a checkpoint written with the TransformerEngine spec converts alike) and joins the shards
-with the tensor-parallel rules of `trainingrun.modeling.convert` (column-parallel along dim 0, row-parallel along
-dim 1, SwiGLU gate/up halves gathered separately; replicated tensors must agree).
+checkpoint is taken). A checkpoint in the current format (`dist/`, Megatron distributed checkpointing) is verified
+(`checkpoint.verify`: sizes and SHA-256 of every file) and its model tensors are read at full shape with torch's
+distributed-checkpoint reader in this process (`checkpoint.model_tensors`: dist_checkpointing stores every tensor
+under its global, TP-1 layout, so there is nothing to gather), then mapped to the canonical local-spec names. An
+older checkpoint (per-TP-rank `model_tp{t}_pp0.pt`, weights_only) has its shards mapped to the canonical names (a
+checkpoint written with the TransformerEngine spec converts alike) and joined with the tensor-parallel rules of
+`trainingrun.modeling.convert` (column-parallel along dim 0, row-parallel along dim 1, SwiGLU gate/up halves gathered
+separately; replicated tensors must agree).
 
 The checkpoint format belongs to `trainer/checkpoint.py`; when it changes, this function changes with it and keeps
 its signature.
@@ -53,10 +57,34 @@ def load_full_state(path: str | Path) -> FullState:
 
     path = resolve_checkpoint(path)
     progress = json.loads((path / "progress.json").read_text())
-    arch = progress.get("model")
-    if not isinstance(arch, dict):
-        raise ValueError(f"checkpoint {path}: progress.json has no model spec (written by an older trainer); "
-                         "cannot tell its architecture")
+    if (path / ckpt.DIST_DIR).is_dir():
+        try:
+            arch = ckpt.read_meta(path).get("model")
+            state = convert.canonical_names(ckpt.model_tensors(path))  # verifies the checkpoint first
+        except ckpt.CheckpointError as exc:
+            raise ValueError(str(exc)) from None
+        if not isinstance(arch, dict):
+            raise ValueError(f"checkpoint {path}: meta.json has no model spec; cannot tell its architecture")
+    else:
+        arch = progress.get("model")
+        if not isinstance(arch, dict):
+            raise ValueError(f"checkpoint {path}: progress.json has no model spec (written by an older trainer); "
+                             "cannot tell its architecture")
+        state = _legacy_shards(path, arch)
+    shapes = convert.expected_shapes(arch)
+    for n, t in state.items():
+        if n in shapes and tuple(t.shape) != shapes[n]:
+            raise ValueError(f"checkpoint {path}: {n} gathers to shape {tuple(t.shape)}, the model spec says "
+                             f"{shapes[n]}")
+    assets = path / "hf"
+    return FullState(state=state, arch=arch, assets_dir=assets if assets.is_dir() else None, path=path,
+                     progress=progress)
+
+
+def _legacy_shards(path: Path, arch: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The full state of a checkpoint written before the distributed format (per-TP-rank `model_tp<t>_pp0.pt`)."""
+    from trainingrun.modeling import convert
+
     shards: dict[int, Path] = {}
     for f in path.iterdir():
         m = _SHARD.match(f.name)
@@ -73,12 +101,4 @@ def load_full_state(path: str | Path) -> FullState:
     for t, p in enumerate(parts[1:], start=1):
         if set(p) != set(names):
             raise ValueError(f"checkpoint {path}: TP shard {t} holds other tensors than shard 0")
-    state = {n: convert.gather_tp(n, [p[n] for p in parts], arch) for n in names}
-    shapes = convert.expected_shapes(arch)
-    for n, t in state.items():
-        if n in shapes and tuple(t.shape) != shapes[n]:
-            raise ValueError(f"checkpoint {path}: {n} gathers to shape {tuple(t.shape)}, the model spec says "
-                             f"{shapes[n]}")
-    assets = path / "hf"
-    return FullState(state=state, arch=arch, assets_dir=assets if assets.is_dir() else None, path=path,
-                     progress=progress)
+    return {n: convert.gather_tp(n, [p[n] for p in parts], arch) for n in names}

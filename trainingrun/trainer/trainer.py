@@ -24,11 +24,19 @@ from pathlib import Path
 from trainingrun.rollout import published as contract
 from trainingrun.rollout.published import PublishedRollout, StepPlan
 from trainingrun.store.base import RankPayload
+from trainingrun.trainer.checkpoint_megatron import TrainerCheckpoints
 from trainingrun.trainer.config import ConfigError, TrainerEnv
 
 
 def log(rank: int, msg: str) -> None:
     print(f"[trainer {rank}] {msg}", file=sys.stderr, flush=True)
+
+
+def _copy_hf_assets(hf: str, checkpoint_dir: Path) -> None:
+    """What export-hf needs besides the weights: the HF config and tokenizer the run started from, in `hf/`."""
+    from trainingrun.modeling.hf_io import copy_assets
+
+    copy_assets(hf, checkpoint_dir / "hf")
 
 
 class Trainer:
@@ -49,7 +57,6 @@ class Trainer:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        self.shard = f"tp{self.tp_rank}_pp0"
         self.ckpt_root = Path(spec.trainer.checkpoint.path)  # relative: the launcher runs us in the run directory
         self.progress = Progress()
         self.last_saved = -1  # global step of the newest checkpoint on disk
@@ -60,6 +67,14 @@ class Trainer:
             self.tracking = tracking_paths(spec.metrics, checkpoint_dir=self.ckpt_root)
             if env.metrics_jsonl is None:  # in a cluster: the history next to the checkpoints
                 reporter.jsonl_path = str(self.tracking.metrics_jsonl)
+        hf = self.sizes.get("hf")
+        self.checkpoints = TrainerCheckpoints(
+            self.ckpt_root, ddp.module, optimizer, scheduler, attempt=env.attempt, keep=spec.trainer.checkpoint.keep,
+            meta={"run": run_name, "dp_size": self.dp_size, "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
+                  "model": self.sizes},
+            log=lambda msg: log(self.rank, msg) if self.rank == 0 else None,
+            assets=(lambda d: _copy_hf_assets(hf, d)) if hf else None,
+        )
 
     # ------------------------------------------------------------------------------------------------ build
     @classmethod
@@ -135,17 +150,21 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ resume
     def resume(self) -> None:
-        """Model, optimizer, scheduler, RNG and progress from the newest complete checkpoint (if any)."""
-        from trainingrun.trainer import checkpoint as ckpt
+        """Model, optimizer, scheduler, RNG and progress from the newest loadable checkpoint (if any; resharded when
+        it was written at another data-/tensor-parallel size). Checkpoints that exist but none loads, or a newer
+        attempt owning them: ConfigError (exit 78) naming the paths — a restart cannot repair them."""
+        from trainingrun.trainer.checkpoint import CheckpointError
 
-        latest = ckpt.latest_checkpoint(self.ckpt_root)
-        if latest is None:
+        try:
+            resumed = self.checkpoints.resume()
+        except CheckpointError as exc:
+            raise ConfigError(str(exc)) from None
+        if resumed is None:
             return
-        self.progress = ckpt.load(latest, module=self.ddp.module, optimizer=self.optimizer,
-                                  scheduler=self.scheduler, shard=self.shard)
+        self.progress = resumed.progress
         self.last_saved = self.progress.global_step
         p = self.progress
-        log(self.rank, f"resumed from {latest}: step {p.global_step}, rollout {p.rollout}+{p.step_in_rollout}, "
+        log(self.rank, f"resumed from {resumed.path}: step {p.global_step}, rollout {p.rollout}+{p.step_in_rollout}, "
                        f"samples {p.samples_consumed}")
 
     def start_tracking(self) -> None:
@@ -182,7 +201,30 @@ class Trainer:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.check_continues(published)
+        if published.dp_size != self.dp_size:
+            return self.reschedule(published)
         return published, self.store.read_payload(k, self.dp_rank)
+
+    def reschedule(self, published: PublishedRollout) -> tuple[PublishedRollout, RankPayload]:
+        """A rollout published for another data-parallel size (the group was resized): re-planned here over this
+        group's ranks with the same steps (`trainer/reshard.py`); every rank computes the same plan."""
+        import dataclasses
+
+        from trainingrun.trainer.reshard import reschedule
+
+        k = published.rollout
+        old = {r: self.store.read_payload(k, r) for r in range(published.dp_size)}
+        try:
+            schedule, payloads = reschedule(published.schedule, old, self.dp_size)
+        except ValueError as exc:
+            raise ConfigError(f"rollout {k}: published for {published.dp_size} data-parallel ranks, cannot be "
+                              f"re-scheduled for {self.dp_size}: {exc}") from None
+        if self.rank == 0:
+            log(self.rank, f"rollout {k}: published for {published.dp_size} data-parallel ranks, re-scheduled for "
+                           f"{self.dp_size} (same steps and samples)")
+        return dataclasses.replace(published, schedule=schedule, step_tokens=(), imbalance=(),
+                                   extra={**published.extra, "published_dp_size": published.dp_size}), \
+            payloads[self.dp_rank]
 
     def train_rollout(self, published: PublishedRollout, payload: RankPayload) -> None:
         steps = published.steps()
@@ -191,7 +233,12 @@ class Trainer:
             if self.checkpoint_due() and step is not steps[-1]:
                 self.save_checkpoint()
         if self.tp_rank == 0:
-            self.store.ack(published.rollout, self.dp_rank)
+            # in the terms of the published rollout: after a resize, this rank acks its share of the old ranks
+            from trainingrun.trainer.reshard import acked_ranks
+
+            old_dp = int(published.extra.get("published_dp_size", self.dp_size))
+            for r in acked_ranks(old_dp, self.dp_size, self.dp_rank):
+                self.store.ack(published.rollout, r)
         self.progress.rollout, self.progress.step_in_rollout = published.rollout + 1, 0
         if self.checkpoint_due() and self.last_saved != self.progress.global_step:
             self.save_checkpoint()
@@ -238,7 +285,9 @@ class Trainer:
         if self.last_saved != p.global_step and p.global_step > 0:
             self.save_checkpoint()
         elif self.rank == 0 and p.global_step > 0:
-            self.store.release_upto(p.rollout)
+            from trainingrun.trainer.checkpoint import release_point
+
+            self.store.release_upto(release_point(self.ckpt_root, default=p.rollout))
         if self.rank == 0:
             self.store.put_json("trainer_done", {"step": p.global_step, "samples_consumed": p.samples_consumed,
                                                  "rollouts": p.rollout, "attempt": self.env.attempt,
@@ -281,22 +330,22 @@ class Trainer:
         return bool(interval) and self.progress.global_step % interval == 0
 
     def save_checkpoint(self) -> None:
-        from trainingrun.trainer import checkpoint as ckpt
+        """Collective checkpoint of the current progress (trainer/checkpoint.py). A newer attempt owning the
+        checkpoints (this process is a leftover of an older attempt): ConfigError, nothing written."""
+        from trainingrun.trainer.checkpoint import CheckpointFenced
 
-        t0 = time.perf_counter()
-        p, attempt = self.progress, self.env.attempt
-        ckpt.save(
-            self.ckpt_root, p, module=self.ddp.module, optimizer=self.optimizer, scheduler=self.scheduler,
-            keep=self.spec.trainer.checkpoint.keep, attempt=attempt, shard=self.shard, writes_shard=self.dp_rank == 0,
-            is_rank0=self.rank == 0, barrier=self.barrier,
-            extra={"attempt": attempt, "run": self.run_name, "model": self.sizes}, hf_assets=self.sizes.get("hf"),
-        )
+        p = self.progress
+        try:
+            res = self.checkpoints.save(p)
+        except CheckpointFenced as exc:
+            raise ConfigError(str(exc)) from None
         self.last_saved = p.global_step
         if self.rank == 0:
-            # Everything before p.rollout is covered by the checkpoint: the store may drop it once all acked.
-            self.store.release_upto(p.rollout)
-            log(self.rank, f"checkpoint step {p.global_step} (rollout {p.rollout}+{p.step_in_rollout}) "
-                           f"in {time.perf_counter() - t0:.2f}s")
+            # Rollouts older than the oldest kept checkpoint are covered by every checkpoint a resume may fall back
+            # to: the store may drop them once all acked.
+            self.store.release_upto(res.release_upto)
+            log(self.rank, f"checkpoint step {p.global_step} (rollout {p.rollout}+{p.step_in_rollout}) in "
+                           f"{res.seconds_total:.2f}s (shards {res.seconds_shards:.2f}s, {res.bytes / 2**20:.1f} MiB)")
 
     def wait(self, k: int) -> bool:
         """Wait for rollout k's commit with progress output; False when the stream finished before k.
@@ -329,11 +378,6 @@ class Trainer:
     def check_continues(self, published: PublishedRollout) -> None:
         """The rollout must fit this trainer group and continue where training stands."""
         k, p = published.rollout, self.progress
-        if published.dp_size != self.dp_size:
-            raise ConfigError(
-                f"rollout {k}: schedule is for dp_size {published.dp_size}, this trainer group has {self.dp_size} "
-                "data-parallel ranks (trainer.replicas must match the rollout's plan)"
-            )
         start = p.step_in_rollout
         if start > published.num_steps:
             raise ConfigError(f"rollout {k}: checkpoint resumes at step {start} of a rollout with "

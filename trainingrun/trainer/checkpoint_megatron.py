@@ -1,0 +1,216 @@
+"""Model and optimizer checkpoints through Megatron's distributed checkpointing (`megatron.core.dist_checkpointing`).
+
+The file protocol (atomic commit, verification, fallback, keep-N, fencing) is `checkpoint.py`; this module supplies
+what it writes into a checkpoint's `dist/` directory and how the trainer group agrees (torch.distributed).
+
+Format: Megatron's `torch_dist` sharded format. The state is {"model": GPTModel.sharded_state_dict(),
+"optimizer": optimizer.sharded_state_dict(model)}: every tensor is stored once under its global (unsharded) key
+with its shape, and each rank reads exactly the slices its own data-/tensor-parallel layout needs — so a checkpoint
+written at one DP/TP size loads at any other (the plain optimizer's Adam moments are sharded like the parameters).
+Saving is spread over the data-parallel ranks (`FullyParallelSaveStrategyWrapper`: each replica writes a share);
+loading reads each tensor once per data-parallel group and exchanges it (`FullyParallelLoadStrategyWrapper`).
+TransformerEngine's `_extra_state` objects (FP8 metadata we do not use, pickled BytesIO) are left out, so every
+file loads with `torch.load(weights_only=True)`.
+
+Not covered on CPU: the *distributed* optimizer's sharded state (its reload fails on gloo in megatron-core 0.16.1);
+the trainer uses the plain optimizer, and resharding the distributed optimizer is a GPU check.
+
+The async writer of `dist_checkpointing` starts a helper process with the `spawn` method, which re-imports the main
+module: entry points must be guarded by `if __name__ == "__main__"` (trainingrun/__main__.py is).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from trainingrun.trainer import checkpoint as ckpt
+
+_REASON_BYTES = 1024
+
+
+class DistGroup:
+    """`checkpoint.Group` over the default torch.distributed group (gloo on CPU, NCCL on GPU)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+            else torch.device("cpu")
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+    def gather_reasons(self, reason: str | None) -> list[str | None]:
+        # A [world, N] byte matrix, each rank filling its row, summed: no pickled objects cross the wire.
+        table = torch.zeros(self.world, _REASON_BYTES + 1, dtype=torch.uint8, device=self.device)
+        if reason is not None:
+            data = reason.encode()[:_REASON_BYTES]
+            table[self.rank, 0] = 1
+            table[self.rank, 1:1 + len(data)] = torch.tensor(list(data), dtype=torch.uint8, device=self.device)
+        self.dist.all_reduce(table)
+        out: list[str | None] = []
+        for row in table.cpu().tolist():
+            out.append(bytes(b for b in row[1:] if b).decode(errors="replace") if row[0] else None)
+        return out
+
+    def broadcast_ints(self, values: list[int] | None) -> list[int]:
+        n = torch.tensor([len(values) if values is not None else 0], dtype=torch.int64, device=self.device)
+        self.dist.broadcast(n, 0)
+        buf = torch.zeros(int(n.item()), dtype=torch.int64, device=self.device)
+        if self.rank == 0 and values:
+            buf.copy_(torch.tensor(values, dtype=torch.int64))
+        if len(buf):
+            self.dist.broadcast(buf, 0)
+        return [int(x) for x in buf.cpu().tolist()]
+
+
+def _without_extra_state(sharded: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in sharded.items() if not k.endswith("_extra_state")}
+
+
+def sharded_state(module, optimizer=None, *, is_loading: bool = False) -> dict[str, Any]:
+    """The state dist_checkpointing writes/reads: the model's sharded state dict (+ the optimizer's)."""
+    model_sd = _without_extra_state(module.sharded_state_dict())
+    state = {"model": model_sd}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    return state
+
+
+def _strategies(load_dir: Path | None = None):
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.serialization import (
+        get_default_load_sharded_strategy,
+        get_default_save_sharded_strategy,
+    )
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    dp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if load_dir is None:
+        return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), dp)
+    return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(load_dir)), dp)
+
+
+def write_shards(module, optimizer, directory: Path) -> None:
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(sharded_state(module, optimizer), str(directory), sharded_strategy=_strategies())
+
+
+def load_shards(module, optimizer, directory: Path) -> None:
+    """Load model and optimizer from a dist directory into `module`/`optimizer` (strict for the model)."""
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load(sharded_state(module, optimizer, is_loading=True), str(directory),
+                                     sharded_strategy=_strategies(directory))
+    missing, unexpected = module.load_state_dict(loaded["model"], strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"the model does not match the checkpoint (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    optimizer.load_state_dict(loaded["optimizer"])
+
+
+@dataclass
+class TrainerCheckpoints:
+    """The trainer's view: resume at start, save every `interval` steps (see `checkpoint.py` for the protocol)."""
+
+    root: Path
+    module: Any  # the GPTModel (ddp.module)
+    optimizer: Any
+    scheduler: Any
+    attempt: int
+    meta: dict[str, Any]  # run, data/tensor-parallel sizes, model spec: written to meta.json
+    keep: int
+    log: Callable[[str], None] = print
+
+    def __post_init__(self) -> None:
+        self.group = DistGroup()
+
+    def resume(self) -> ckpt.Resumed | None:
+        """Restore from the newest loadable checkpoint (None: there is none). CheckpointError: none loads."""
+        t0 = time.perf_counter()
+        resumed = ckpt.resume(
+            self.root, group=self.group, attempt=self.attempt, log=self.log,
+            load_shards=lambda d: load_shards(self.module, self.optimizer, d),
+        )
+        if resumed is None:
+            return None
+        self.scheduler.load_state_dict(resumed.state["scheduler"])
+        ckpt.set_rng_state(resumed.state["rng"])
+        was = resumed.meta
+        now = self.meta
+        if (was.get("dp_size"), was.get("tp_size")) != (now.get("dp_size"), now.get("tp_size")):
+            self.log(f"resharded {resumed.path.name}: written at data-parallel {was.get('dp_size')} / tensor-parallel "
+                     f"{was.get('tp_size')}, loaded at {now.get('dp_size')} / {now.get('tp_size')}")
+        self.log(f"loaded {resumed.path} in {time.perf_counter() - t0:.2f}s")
+        return resumed
+
+    def save(self, progress: ckpt.Progress) -> ckpt.SaveResult:
+        return ckpt.save(
+            self.root, progress, group=self.group, attempt=self.attempt, keep=self.keep, meta=self.meta,
+            write_shards=lambda d: write_shards(self.module, self.optimizer, d),
+            state=lambda: {"scheduler": self.scheduler.state_dict(), "rng": ckpt.rng_state()},
+        )
+
+
+# ------------------------------------------------------------------------------------------------ one process
+def load_full_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A checkpoint (a `step_*` directory, or a checkpoint root: its newest complete one) → (the full,
+    tensor-parallel-gathered model state dict, the model spec it was trained with), in this process.
+
+    Builds the model at TP 1 in a one-rank process group (started here if none is running; gloo on CPU with the CPU
+    shim) and lets dist_checkpointing gather every tensor-parallel shard. Verifies the checkpoint first
+    (`CheckpointError` naming the path and why). Used by `trainingrun export-hf` and `trainingrun score`.
+    """
+    path = Path(path)
+    if ckpt.step_of(path) is None:
+        latest = ckpt.latest_checkpoint(path)
+        if latest is None:
+            raise ckpt.CheckpointError(f"{path}: no complete checkpoint (step_<digits>/ with {ckpt.MARKER}) there")
+        path = latest
+    why = ckpt.verify(path)
+    if why is not None:
+        raise ckpt.CheckpointError(f"checkpoint {path} cannot be loaded: {why}")
+    meta = ckpt.read_meta(path)
+    spec = meta.get("model")
+    if not isinstance(spec, dict):
+        raise ckpt.CheckpointError(f"checkpoint {path}: meta.json has no model spec")
+
+    import torch.distributed as dist
+
+    from trainingrun.trainer.model import build_gpt, init_distributed, prepare_device
+
+    device = prepare_device(0)
+    started = not dist.is_initialized()
+    if started:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    init_distributed(device, tp=1, pp=1)
+    from megatron.core import dist_checkpointing, parallel_state
+
+    try:
+        model = build_gpt(spec, device)
+        loaded = dist_checkpointing.load(sharded_state(model), str(path / ckpt.DIST_DIR))
+        model.load_state_dict(loaded["model"], strict=False)
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    finally:
+        if started:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+    return state, spec
