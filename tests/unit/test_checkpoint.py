@@ -62,6 +62,18 @@ def test_save_commits_a_verified_manifest_and_keeps_n(tmp_path):
     assert result.release_upto == 4
 
 
+def test_assets_are_part_of_the_checkpoint(tmp_path):
+    def assets(d: Path) -> None:
+        (d / "hf").mkdir()
+        (d / "hf" / "config.json").write_text('{"model_type": "llama"}')
+
+    result = ckpt.save(tmp_path, Progress(global_step=3), group=Solo(), write_shards=_shards("a"),
+                       state=lambda: {}, meta={}, attempt=0, keep=2, assets=assets)
+    assert "hf/config.json" in json.loads((result.path / ckpt.MARKER).read_text())["files"]
+    (result.path / "hf" / "config.json").write_text('{"model_type": "llamb"}')  # same size, other bytes
+    assert "hf/config.json does not match its SHA-256" in ckpt.verify(result.path)
+
+
 def test_resume_loads_the_newest(tmp_path):
     for step in (2, 4):
         save(tmp_path, step)

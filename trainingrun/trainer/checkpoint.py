@@ -324,11 +324,14 @@ def save(
     meta: dict[str, Any],
     attempt: int,
     keep: int,
+    assets: Callable[[Path], None] | None = None,
 ) -> SaveResult:
     """Collective save of a checkpoint at `progress` (every rank calls it; see the module docstring).
 
     `write_shards(dir)` writes the model/optimizer shards into `dir` (collective); `state()` gives rank 0's small
-    state (scheduler, RNG) for state.pt. Raises `CheckpointFenced` on every rank when a newer attempt owns `root`.
+    state (scheduler, RNG) for state.pt; `assets(dir)`, if given, lets rank 0 add files to the checkpoint directory
+    (e.g. the HF config and tokenizer a run started from; they are hashed with the rest). Raises `CheckpointFenced`
+    on every rank when a newer attempt owns `root`.
     """
     import time
 
@@ -371,10 +374,12 @@ def save(
             if missing:
                 raise CheckpointError(f"{tmp}: shard files without a hash: {missing[:5]}")
             torch.save(state(), tmp / "state.pt")
+            if assets is not None:
+                assets(tmp)
             _fsync_file(tmp / "meta.json", json.dumps({**meta, "attempt": attempt}, indent=1).encode())
             _fsync_file(tmp / "progress.json", json.dumps({**progress.to_dict(), "attempt": attempt}, indent=1).encode())
-            for rel in ("state.pt", "meta.json", "progress.json"):
-                files[rel] = digest(tmp / rel)
+            for rel in _listed_files(tmp):
+                files.setdefault(rel, digest(tmp / rel))
             _fsync_file(tmp / MARKER, json.dumps({"format": FORMAT, "attempt": attempt, "step": progress.global_step,
                                                   "files": files}, indent=1, sort_keys=True).encode())
             _fsync_dir(tmp / DIST_DIR)

@@ -134,6 +134,7 @@ class TrainerCheckpoints:
     meta: dict[str, Any]  # run, data/tensor-parallel sizes, model spec: written to meta.json
     keep: int
     log: Callable[[str], None] = print
+    assets: Callable[[Path], None] | None = None  # rank 0 adds files to each checkpoint (checkpoint.save)
 
     def __post_init__(self) -> None:
         self.group = DistGroup()
@@ -160,6 +161,7 @@ class TrainerCheckpoints:
     def save(self, progress: ckpt.Progress) -> ckpt.SaveResult:
         return ckpt.save(
             self.root, progress, group=self.group, attempt=self.attempt, keep=self.keep, meta=self.meta,
+            assets=self.assets,
             write_shards=lambda d: write_shards(self.module, self.optimizer, d),
             state=lambda: {"scheduler": self.scheduler.state_dict(), "rng": ckpt.rng_state()},
         )
