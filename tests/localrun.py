@@ -6,9 +6,12 @@ import json
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from tests.services import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT = 300
@@ -32,6 +35,21 @@ def finish(proc: subprocess.Popen, timeout: float = RUN_TIMEOUT) -> tuple[int, s
         out, _ = proc.communicate(timeout=60)
         pytest.fail(f"launcher did not finish in {timeout}s:\n{out[-4000:]}")
     return proc.returncode, out
+
+
+def stop_when(proc: subprocess.Popen, ready: Callable[[], object], what: str, *, timeout: float = RUN_TIMEOUT,
+              before_stop: Callable[[], None] | None = None) -> tuple[int, str]:
+    """Wait until `ready()` while the launcher runs (it must not end first), SIGTERM it; its exit code and output."""
+    try:
+        wait_for(lambda: ready() or proc.poll() is not None, timeout, what, interval=0.1)
+        assert proc.poll() is None, f"the run ended before {what}:\n{proc.stdout.read()[-3000:]}"
+        if before_stop is not None:
+            before_stop()
+        proc.send_signal(signal.SIGTERM)
+        return finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def records(out: Path) -> list[dict]:

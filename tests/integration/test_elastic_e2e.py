@@ -15,14 +15,13 @@ really trained at its size with re-scheduled rollouts (2→3 and 3→2).
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.localrun import finish, records, start
-from tests.services import free_port, wait_for
+from tests.localrun import finish, records, start, stop_when
+from tests.services import free_port
 from trainingrun.local import metrics_port_block
 
 pytestmark = pytest.mark.megatron
@@ -65,15 +64,8 @@ def _published_dp(out: Path) -> dict[int, int]:
 
 
 def _run_until(spec: Path, out: Path, trainers: int, ready) -> None:
-    proc = start(spec, out, "--trainers", str(trainers))
-    try:
-        wait_for(lambda: ready() or proc.poll() is not None, TIMEOUT, f"the {trainers}-trainer segment", interval=0.1)
-        assert proc.poll() is None, f"the run ended before the resize:\n{proc.stdout.read()[-3000:]}"
-        proc.send_signal(signal.SIGTERM)
-        code, log = finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    code, log = stop_when(start(spec, out, "--trainers", str(trainers)), ready,
+                          f"the end of the {trainers}-trainer segment", timeout=TIMEOUT)
     assert code == 143, log[-3000:]
 
 

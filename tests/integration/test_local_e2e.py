@@ -181,17 +181,13 @@ def test_dp_invariance(ref1, ref2):
 
 def test_stop_after_checkpoint_and_resume(spec_dir, ref2):
     out = spec_dir / "resumed"
-    proc = start(ref2["spec"], out)
-    try:
-        wait_for(lambda: first_checkpoint(out) or proc.poll() is not None, RUN_TIMEOUT, "first checkpoint",
-                 interval=0.1)
-        assert proc.poll() is None, "the run ended before its first checkpoint"
-        children = [p["pid"] for p in json.loads((out / "pids.json").read_text())["processes"].values()]
-        proc.send_signal(signal.SIGTERM)
-        code, log = finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    children: list[int] = []
+
+    def note_children() -> None:
+        children.extend(p["pid"] for p in json.loads((out / "pids.json").read_text())["processes"].values())
+
+    code, log = localrun.stop_when(start(ref2["spec"], out), lambda: first_checkpoint(out), "its first checkpoint",
+                                   before_stop=note_children)
     assert code == 143, log[-3000:]
     assert not [p for p in children if Path(f"/proc/{p}").exists()], "children left behind"
     partial = records(out)
