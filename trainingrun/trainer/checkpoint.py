@@ -49,6 +49,7 @@ import os
 import pickle
 import re
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -333,8 +334,6 @@ def save(
     (e.g. the HF config and tokenizer a run started from; they are hashed with the rest). Raises `CheckpointFenced`
     on every rank when a newer attempt owns `root`.
     """
-    import time
-
     import torch
 
     t0 = time.perf_counter()

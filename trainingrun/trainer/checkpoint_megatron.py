@@ -21,7 +21,6 @@ module: entry points must be guarded by `if __name__ == "__main__"` (trainingrun
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,54 +164,3 @@ class TrainerCheckpoints:
             write_shards=lambda d: write_shards(self.module, self.optimizer, d),
             state=lambda: {"scheduler": self.scheduler.state_dict(), "rng": ckpt.rng_state()},
         )
-
-
-# ------------------------------------------------------------------------------------------------ one process
-def load_full_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """A checkpoint (a `step_*` directory, or a checkpoint root: its newest complete one) → (the full,
-    tensor-parallel-gathered model state dict, the model spec it was trained with), in this process.
-
-    Builds the model at TP 1 in a one-rank process group (started here if none is running; gloo on CPU with the CPU
-    shim) and lets dist_checkpointing gather every tensor-parallel shard. Verifies the checkpoint first
-    (`CheckpointError` naming the path and why). Used by `trainingrun export-hf` and `trainingrun score`.
-    """
-    path = Path(path)
-    if ckpt.step_of(path) is None:
-        latest = ckpt.latest_checkpoint(path)
-        if latest is None:
-            raise ckpt.CheckpointError(f"{path}: no complete checkpoint (step_<digits>/ with {ckpt.MARKER}) there")
-        path = latest
-    why = ckpt.verify(path)
-    if why is not None:
-        raise ckpt.CheckpointError(f"checkpoint {path} cannot be loaded: {why}")
-    meta = ckpt.read_meta(path)
-    spec = meta.get("model")
-    if not isinstance(spec, dict):
-        raise ckpt.CheckpointError(f"checkpoint {path}: meta.json has no model spec")
-
-    import torch.distributed as dist
-
-    from trainingrun.trainer.model import build_gpt, init_distributed, prepare_device
-
-    device = prepare_device(0)
-    started = not dist.is_initialized()
-    if started:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    init_distributed(device, tp=1, pp=1)
-    from megatron.core import dist_checkpointing, parallel_state
-
-    try:
-        model = build_gpt(spec, device)
-        loaded = dist_checkpointing.load(sharded_state(model), str(path / ckpt.DIST_DIR))
-        model.load_state_dict(loaded["model"], strict=False)
-        state = {k: v.detach().cpu() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    finally:
-        if started:
-            parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
-    return state, spec
