@@ -88,6 +88,24 @@ def test_changed_spec_is_refused_with_the_difference_then_resume_or_fresh(tmp_pa
     assert code == 2 and "not allowed with argument" in stderr
 
 
+def test_another_trainers_count_resumes_without_resume_but_other_changes_do_not(tmp_path, fake):
+    """Rerunning with another --trainers is a resize (elastic data parallelism): it continues the run as it is, so it
+    needs no --resume (issue: it used to exit 78); the same resize with any other change is still refused."""
+    out = tmp_path / "run"
+    spec = make_spec(tmp_path)
+    assert finish(launch(spec, out, fake, "--trainers", "2"))[0] == 0
+    doc = yaml.safe_load(spec.read_text())
+    doc["spec"]["trainer"]["optimizer"]["lr"] = 0.001
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(yaml.safe_dump(doc))
+    code, _, stderr = finish(launch(changed, out, fake, "--trainers", "3"))
+    assert code == 1 and "holds an earlier run of a different spec" in stderr and "+      lr: 0.001" in stderr
+    code, stdout, stderr = finish(launch(spec, out, fake, "--trainers", "3"))
+    assert code == 0, stderr
+    assert "resizing the run in" in stdout and "2 -> 3 trainer(s)" in stdout
+    assert "replicas: 3" in (out / "run.yaml").read_text()
+
+
 def test_out_that_is_a_file_or_a_foreign_directory_is_refused(tmp_path, fake):
     spec = make_spec(tmp_path)
     afile = tmp_path / "notes.txt"

@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_locked(args: argparse.Namespace, the_run, out_dir: Path) -> int:
     from trainingrun.history import step_records
-    from trainingrun.local.rundir import clear_for_fresh, is_run_dir, spec_change
+    from trainingrun.local.rundir import clear_for_fresh, is_run_dir, resize_only, spec_change
 
     progress = Progress(num_rollouts=the_run.spec.rollout.num_rollouts, interval=args.progress_interval,
                         log_path=out_dir / "logs" / LAUNCHER_LOG)
@@ -155,6 +155,9 @@ def _run_locked(args: argparse.Namespace, the_run, out_dir: Path) -> int:
     elif args.resume and not (out_dir / "run.yaml").exists():
         print(f"error: --resume: {out_dir} holds no earlier run to resume (no run.yaml)", file=sys.stderr)
         return 1
+    elif (resize := resize_only(out_dir, spec_yaml(the_run))) is not None:
+        progress.event(f"resizing the run in {out_dir}: {resize[0]} -> {resize[1]} trainer(s); the trainers reshard "
+                       "the last checkpoint and re-schedule the rollouts published for the old size")
     elif not args.resume:
         diff = spec_change(out_dir, spec_yaml(the_run))
         if diff is not None:

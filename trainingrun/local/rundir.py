@@ -5,7 +5,9 @@ Safety rules (`check_out_dir`, `spec_change`, `clear_for_fresh`):
     with one line; nothing is written.
   * An earlier run in DIR with a different spec is refused, showing the difference, unless `--resume` (continue its
     checkpoints with the changed spec, e.g. more rollouts) or `--fresh` (delete the earlier run's files and start
-    over) says what to do. `--fresh` deletes only inside a run directory.
+    over) says what to do. `--fresh` deletes only inside a run directory. A spec that differs only in
+    `trainer.replicas` (another `--trainers`) resumes without `--resume` (`resize_only`): resizing continues the
+    run exactly.
 
 The lock:
 
@@ -148,6 +150,22 @@ def spec_change(path: Path, spec_text: str, max_lines: int = 40) -> str | None:
     if len(diff) > max_lines:
         diff = diff[:max_lines] + [f"... ({len(diff) - max_lines} more lines)"]
     return "\n".join(diff)
+
+
+def resize_only(path: Path, spec_text: str) -> tuple[int, int] | None:
+    """(earlier, now) `spec.trainer.replicas` when DIR/run.yaml differs from `spec_text` in nothing else: the run is
+    being resized (another `--trainers`), which continues it exactly (elastic data parallelism, docs/trainer.md)."""
+    import yaml
+
+    try:
+        old, new = yaml.safe_load((path / "run.yaml").read_text()), yaml.safe_load(spec_text)
+        before, after = old["spec"]["trainer"]["replicas"], new["spec"]["trainer"]["replicas"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return None
+    if before == after:
+        return None
+    old["spec"]["trainer"]["replicas"] = after
+    return (before, after) if old == new else None
 
 
 def clear_for_fresh(path: Path) -> list[str]:
