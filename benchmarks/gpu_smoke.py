@@ -106,6 +106,20 @@ def parity(name: str, a: list[dict] | None, b: list[dict] | None, tol: float) ->
     check(name, worst <= tol, f"max per-step |Δloss|/loss {worst:.2e} (tolerance {tol:g}) over {len(la)} steps")
 
 
+def random_hf_model(out: Path, m: dict) -> Path:
+    """A random Llama of the sizes in `m`, saved by transformers (the same start for the CUDA and the CPU run)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=m["vocabSize"], hidden_size=m["hiddenSize"], intermediate_size=m["ffnHiddenSize"],
+                      num_hidden_layers=m["numLayers"], num_attention_heads=m["numAttentionHeads"],
+                      num_key_value_heads=m["numQueryGroups"], max_position_embeddings=m["seqLength"],
+                      tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
 def n_params(m: dict) -> int:
     """Parameters without the input embedding (the matmul parameters of 6·N)."""
     h, L, f, v = m["hiddenSize"], m["numLayers"], m["ffnHiddenSize"], m["vocabSize"]
@@ -192,7 +206,10 @@ def main() -> int:
             say(f"te-fp32: {'trained' if te32 else 'refused/failed'} (informational; see docs/trainer.md)")
         else:
             say("te-vs-local: skipped (transformer_engine absent); the TE spec is selected only when it imports")
-        model = {**small, "precision": "fp32", "transformerImpl": "local"}
+        # Both runs start from the same weights (an HF directory): Megatron initialises weights with the device's
+        # RNG, so a CUDA-initialised model and a CPU-initialised one differ before the first step.
+        model = {"hf": str(random_hf_model(tmp / "small-hf", small)), "seqLength": small["seqLength"],
+                 "precision": "fp32", "transformerImpl": "local"}
         dev = train(tmp, "small-fp32-device", spec("small-fp32-device", model=model, gpus=gpus, **small_kw), timeout)
         if cuda:
             ref = train(tmp, "small-fp32-cpu", spec("small-fp32-cpu", model=model, gpus=0, **small_kw), timeout,
