@@ -38,6 +38,11 @@ def run(args: argparse.Namespace) -> int:
         return 1
     out = Path(args.output) if args.output else run_dir / PLOT_FILE
     try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("error: trainingrun plot needs matplotlib: pip install 'trainingrun[local]'", file=sys.stderr)
+        return 1
+    try:
         write_plot(records, out, title=run_dir.resolve().name)
     except OSError as exc:
         print(f"error: cannot write {out}: {exc.strerror or exc}", file=sys.stderr)

@@ -113,11 +113,15 @@ def test_plot_reads_a_clusters_appended_metrics_jsonl(tmp_path):
     assert [(r["step"], r["attempt"]) for r in step_records(tmp_path)] == [(1, 0), (2, 1), (3, 1)]
 
 
-def test_plot_errors_are_one_line(tmp_path, capsys):
+def test_plot_errors_are_one_line(tmp_path, capsys, monkeypatch):
     assert cli(["plot", str(tmp_path / "nope")]) == 1
     assert cli(["plot", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "not a directory" in err[0] and "no step records" in err[1]
+    make_run_dir(tmp_path / "run")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # an image with only the train extras
+    assert cli(["plot", str(tmp_path / "run")]) == 1
+    assert capsys.readouterr().err.strip() == "error: trainingrun plot needs matplotlib: pip install 'trainingrun[local]'"
 
 
 # ---------------------------------------------------------------------------------------------------- status
