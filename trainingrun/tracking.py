@@ -102,9 +102,6 @@ class _TensorBoard:
             self.writer.add_scalar(key, value, global_step=step)
         self.writer.flush()
 
-    def text(self, tag: str, text: str) -> None:
-        self.writer.add_text(tag, text, global_step=0)
-
     def close(self) -> None:
         self.writer.close()
 
@@ -128,9 +125,6 @@ class _Wandb:
     def log(self, step: int, fields: dict[str, float]) -> None:
         self.run.log({k: v for k, v in fields.items() if math.isfinite(v)}, step=step)
 
-    def text(self, tag: str, text: str) -> None:  # the spec is in the run's config already
-        pass
-
     def close(self) -> None:
         self.run.finish()
 
@@ -147,10 +141,6 @@ class Tracker:
         step = int(record["step"])
         for w in list(self.writers):
             self._call(w, "log", step, fields)
-
-    def text(self, tag: str, text: str) -> None:
-        for w in list(self.writers):
-            self._call(w, "text", tag, text)
 
     def close(self) -> None:
         for w in list(self.writers):

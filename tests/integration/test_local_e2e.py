@@ -200,7 +200,8 @@ def test_stop_after_checkpoint_and_resume(spec_dir, ref2):
 
 def test_killed_trainer_restarts_group(spec_dir, ref2):
     out = spec_dir / "killed"
-    proc = start(ref2["spec"], out)
+    # with W&B offline too: both attempts log to one W&B run, whose id is kept with the checkpoints
+    proc = start(ref2["spec"], out, "--set", "metrics.wandb.project=e2e", "--set", "metrics.wandb.mode=offline")
     try:
         raw = out / "raw" / "trainer-metrics.attempt0.jsonl"
 
@@ -234,6 +235,21 @@ def test_killed_trainer_restarts_group(spec_dir, ref2):
     assert [tb["attempt"][r["step"]] for r in recs] == [r["attempt"] for r in recs]
     assert [tb["loss"][r["step"]] for r in recs] == pytest.approx([r["loss"] for r in recs], rel=1e-6)
     assert (out / "plot.png").stat().st_size > 10_000
+    # W&B's offline files, read with W&B's own tool: one run id over both attempts, every step (the re-run ones
+    # from attempt 1) with metrics.jsonl's values
+    from tests.integration.test_tracking import inspect_wandb
+
+    run_id = (out / "checkpoints" / "wandb-run-id").read_text().strip()
+    files = sorted((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 2 and all(f.name == f"run-{run_id}.wandb" for f in files), files
+    history = {}
+    for f in files:  # oldest attempt first: a re-run step's later record wins, as in metrics.jsonl
+        for r in inspect_wandb(f):
+            if r["type"] == "history":
+                history[int(r["history"]["step"]["num"])] = r["history"]["item"]
+    assert sorted(history) == [r["step"] for r in recs]
+    assert [history[r["step"]]["loss"] for r in recs] == pytest.approx([r["loss"] for r in recs], rel=1e-6)
+    assert [history[r["step"]]["attempt"] for r in recs] == [r["attempt"] for r in recs]
 
 
 def test_reference_run_leaves_tensorboard_events_a_plot_and_stamped_logs(ref2):
