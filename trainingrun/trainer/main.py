@@ -94,6 +94,7 @@ def _train(args: argparse.Namespace) -> int:
 
     env = TrainerEnv.from_environ(config=args.config, store=args.store, wait_timeout=args.wait_timeout)
     quiet_known_warnings(env.rank)  # before megatron is imported: its start-up warnings once, from rank 0
+    _exit_cleanly_on_sigterm()
     trainer = Trainer.build(env)
     try:
         trainer.resume()
@@ -103,3 +104,16 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     finally:
         trainer.close()
+
+
+def _exit_cleanly_on_sigterm() -> None:
+    """SIGTERM (the launcher stopping the group, Kubernetes stopping the pod) ends the trainer through its `finally`
+    blocks, so rank 0 closes its TensorBoard and W&B writers (W&B keeps buffered records otherwise) and the store;
+    exit status 143 as before. A second SIGTERM, or the SIGKILL after the grace period, ends it at once."""
+    import signal
+
+    def handler(signum, frame):  # noqa: ARG001
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
