@@ -26,14 +26,15 @@ import pytest
 from tests.services import free_port
 
 MODEL = {"architecture": "llama", "numLayers": 2, "hiddenSize": 32, "numAttentionHeads": 4, "numQueryGroups": 2,
-         "ffnHiddenSize": 64, "vocabSize": 40, "seqLength": 64, "precision": "fp32"}
+         "ffnHiddenSize": 64, "vocabSize": 40, "seqLength": 64,
+         "precision": os.environ.get("CKPT_TEST_PRECISION", "fp32")}
 STEPS = 6
 SAMPLES = 12
 
 
-def _group(tmp: Path, world: int, *args: str) -> list[str]:
+def _group(tmp: Path, world: int, *args: str, precision: str = "fp32") -> list[str]:
     port = free_port()
-    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    env = {**os.environ, "CKPT_TEST_PRECISION": precision, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, __file__, *args], env={**env, "RANK": str(r)}, cwd=tmp,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
@@ -91,6 +92,26 @@ def test_checkpoints_reshard_and_fall_back(tmp_path: Path) -> None:
     assert model["decoder.layers.1.self_attention.linear_qkv.weight"].shape == ((4 + 2 * 2) * 8, 32)
 
 
+@pytest.mark.megatron
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_checkpoints_save_and_resume_exactly(tmp_path: Path, precision: str) -> None:
+    """bf16/fp16 models checkpoint (the optimizer's fp32 main parameters and moments included) and resume to the
+    uninterrupted run's losses. Regression: the local spec's norms stayed fp32 in a half-precision model, and
+    Megatron's optimizer could not map them ("Param id ... does not match any model sharded param"): no half-precision
+    run could write a checkpoint (seen first on an H200, then here)."""
+    from trainingrun.trainer import checkpoint as ckpt
+
+    root = tmp_path / "ckpt"
+    _group(tmp_path, 1, "save", str(root), "1", precision=precision)
+    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_00000002", "step_00000004"]
+    ref = json.loads((tmp_path / "losses-save.json").read_text())
+    _group(tmp_path, 1, "dp1", str(root), "1", precision=precision)
+    got = json.loads((tmp_path / "losses-dp1.json").read_text())
+    assert sorted(got, key=int) == ["5", "6"]
+    for s in ("5", "6"):  # same layout, same fp32 main parameters: the very same numbers
+        assert got[s] == ref[s], (s, got, ref)
+
+
 # ---------------------------------------------------------------------------------------------- subprocess worker
 def _batch(step: int, dp: int, dp_rank: int, device):
     """Step `step`'s micro-batches of this rank: 12 seeded samples, scheduled over `dp` ranks."""
@@ -140,7 +161,7 @@ def _worker(mode: str, root: str, tp: int, out_root: str | None) -> None:
     ddp = wrap_ddp(model)
     opt = OptimSettings(lr=3e-3, min_lr=3e-4, warmup_samples=12, decay_samples=100, decay_style="cosine",
                         weight_decay=0.01, clip_grad=1.0, beta1=0.9, beta2=0.95)
-    optimizer, scheduler = build_optimizer(ddp, opt, "fp32")
+    optimizer, scheduler = build_optimizer(ddp, opt, MODEL["precision"])
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     meta = {"run": "t", "dp_size": dp, "tp_size": tp, "model": sizes}
 

@@ -183,6 +183,7 @@ def build_model(sizes: dict[str, Any], device: torch.device, *, load_weights: bo
         rope_scaling_factor=float(scaling) if scaling is not None else 8.0,
     )
     model = model.to(device)
+    _params_to_dtype(model, _dtype(str(sizes.get("precision", "fp32"))))
     if sizes.get("hf") and load_weights:
         from trainingrun.modeling.hf_io import load_megatron_state
 
@@ -190,6 +191,20 @@ def build_model(sizes: dict[str, Any], device: torch.device, *, load_weights: bo
                                     tp_size=tp)
         load_canonical_state(model, state)
     return model
+
+
+def _params_to_dtype(model, dtype: torch.dtype) -> None:
+    """Every floating-point parameter in `dtype`, as Megatron's `Float16Module` leaves a half-precision model.
+
+    Megatron's linear layers honour `params_dtype`, but the local spec's norms are plain torch modules created in
+    fp32. A bf16/fp16 model with fp32 norm weights computes them in fp32 and — worse — its optimizer keeps them in a
+    separate fp32 group that Megatron's `sharded_state_dict` cannot map, so no checkpoint could be written. Only
+    parameters are cast: RoPE's inverse frequencies are a plain fp32 attribute and stay so."""
+    if dtype == torch.float32:
+        return
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def build_gpt(sizes: dict[str, Any], device: torch.device):
