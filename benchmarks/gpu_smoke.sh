@@ -11,7 +11,7 @@
 # reported, not a failure). On a machine without CUDA: `bash benchmarks/gpu_smoke.sh --cpu` runs the same script
 # path with tiny models on the CPU (gloo) in about two minutes (what the tests can check here).
 #
-# Packages: the trainer needs megatron-core (and pydantic). When they do not import and wheels were carried in
+# Packages: the trainer needs megatron-core, pydantic and psutil (Megatron's checkpoint writer). When they do not import and wheels were carried in
 # .whl/ (see docs/trainer.md, "GPU smoke check"), they are installed without network into /tmp/site first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,13 +19,13 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ -x .venv/bin/python ] && ! command -v nvidia-smi >/dev/null 2>&1; then PY=.venv/bin/python; fi
 
-if ! "$PY" -c "import megatron.core, pydantic" >/dev/null 2>&1; then
+if ! "$PY" -c "import megatron.core, pydantic, psutil" >/dev/null 2>&1; then
   if ls .whl/*.whl >/dev/null 2>&1; then
-    echo "SMOKE setup: megatron-core/pydantic missing: installing $(ls .whl/*.whl | wc -l) carried wheels into /tmp/site"
+    echo "SMOKE setup: megatron-core/pydantic/psutil missing: installing $(ls .whl/*.whl | wc -l) carried wheels into /tmp/site"
     "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
   else
-    echo "SMOKE setup: megatron-core or pydantic does not import and no wheels in .whl/ (see docs/trainer.md)"
+    echo "SMOKE setup: megatron-core, pydantic or psutil does not import and no wheels in .whl/ (see docs/trainer.md)"
     echo "SMOKE RESULT FAIL"
     exit 1
   fi

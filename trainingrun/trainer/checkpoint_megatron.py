@@ -136,6 +136,11 @@ class TrainerCheckpoints:
     assets: Callable[[Path], None] | None = None  # rank 0 adds files to each checkpoint (checkpoint.save)
 
     def __post_init__(self) -> None:
+        try:  # Megatron's checkpoint writer needs it (and megatron-core does not declare it): say so before training
+            import psutil  # noqa: F401
+        except ImportError:
+            raise ckpt.CheckpointError("the psutil package is not installed: Megatron's distributed checkpointing "
+                                       "needs it (pip install psutil; it is in trainingrun's train extra)") from None
         self.group = DistGroup()
 
     def resume(self) -> ckpt.Resumed | None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from trainingrun.rollout import published as contract
 from trainingrun.rollout.published import PublishedRollout, StepPlan
 from trainingrun.store.base import RankPayload
+from trainingrun.trainer.checkpoint import CheckpointError
 from trainingrun.trainer.checkpoint_megatron import TrainerCheckpoints
 from trainingrun.trainer.config import ConfigError, TrainerEnv
 
@@ -68,13 +69,17 @@ class Trainer:
             if env.metrics_jsonl is None:  # in a cluster: the history next to the checkpoints
                 reporter.jsonl_path = str(self.tracking.metrics_jsonl)
         hf = self.sizes.get("hf")
-        self.checkpoints = TrainerCheckpoints(
-            self.ckpt_root, ddp.module, optimizer, scheduler, attempt=env.attempt, keep=spec.trainer.checkpoint.keep,
-            meta={"run": run_name, "dp_size": self.dp_size, "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
-                  "model": self.sizes},
-            log=lambda msg: log(self.rank, msg) if self.rank == 0 else None,
-            assets=(lambda d: _copy_hf_assets(hf, d)) if hf else None,
-        )
+        try:
+            tp_size = parallel_state.get_tensor_model_parallel_world_size()
+            self.checkpoints = TrainerCheckpoints(
+                self.ckpt_root, ddp.module, optimizer, scheduler, attempt=env.attempt,
+                keep=spec.trainer.checkpoint.keep,
+                meta={"run": run_name, "dp_size": self.dp_size, "tp_size": tp_size, "model": self.sizes},
+                log=lambda msg: log(self.rank, msg) if self.rank == 0 else None,
+                assets=(lambda d: _copy_hf_assets(hf, d)) if hf else None,
+            )
+        except CheckpointError as exc:
+            raise ConfigError(str(exc)) from None
 
     # ------------------------------------------------------------------------------------------------ build
     @classmethod
@@ -153,8 +158,6 @@ class Trainer:
         """Model, optimizer, scheduler, RNG and progress from the newest loadable checkpoint (if any; resharded when
         it was written at another data-/tensor-parallel size). Checkpoints that exist but none loads, or a newer
         attempt owning them: ConfigError (exit 78) naming the paths — a restart cannot repair them."""
-        from trainingrun.trainer.checkpoint import CheckpointError
-
         try:
             resumed = self.checkpoints.resume()
         except CheckpointError as exc:
