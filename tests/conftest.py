@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import ast
+import sys
+import threading
+
 import pytest
 
 from tests.services import RedisServer, make_tiny_llama, redis_server, require_vllm, vllm_server
+
+if sys.version_info < (3, 13):
+    # CPython < 3.13 keeps one global recursion counter for building AST objects: two threads in `ast.parse` at once
+    # fail with "SystemError: AST constructor recursion depth mismatch". Python 3.11's traceback module parses source
+    # lines to place its carets, so a traceback formatted by the in-process operator's thread (tests/kube.py) while
+    # pytest formats a failure crashed pytest itself. One lock around ast.parse in the test process avoids it.
+    _parse, _parse_lock = ast.parse, threading.Lock()
+
+    def _locked_parse(*args, **kwargs):
+        with _parse_lock:
+            return _parse(*args, **kwargs)
+
+    ast.parse = _locked_parse
 
 
 @pytest.fixture

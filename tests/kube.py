@@ -41,11 +41,13 @@ import threading
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
 import jsonpatch
+import jsonschema
 import kmock
 import yaml
 from kmock._internal import enums, parsing
@@ -118,9 +120,26 @@ class FidelityEmulator(kmock.KubernetesEmulator):
     _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     clients: collections.Counter = attrs.field(factory=collections.Counter, init=False)
     watched: set = attrs.field(factory=set, init=False)
+    # "group/version/plural" -> the query parameters of the last watch request (labelSelector, ...)
+    watch_params: dict = attrs.field(factory=dict, init=False)
+    # client (User-Agent product) -> the Authorization headers it sent
+    authorization: dict = attrs.field(factory=lambda: collections.defaultdict(set), init=False)
     printer_columns: dict = attrs.field(factory=dict, init=False)  # (group, version, plural) -> CRD columns
-    # (plural, namespace) -> (HTTP status, reason, message): creates refused as an admission plugin would (quota, ...)
-    deny_create: dict = attrs.field(factory=dict, init=False)
+    schemas: dict = attrs.field(factory=dict, init=False)  # (group, version, plural) -> CRD openAPIV3Schema
+    # Admission: callables (request, object) run on every create, in order; they may change the object (a mutating
+    # webhook) or raise kmock.KubernetesError (a refusal: ResourceQuota, a validating webhook, ...). `refuse` adds one.
+    admission: list = attrs.field(factory=list, init=False)
+
+    async def _render_error(self, exc: Exception) -> Any:
+        """An API error as the server sends it (a Status object), without KMock's traceback in `details`."""
+        if isinstance(exc, kmock.KubernetesError):
+            import aiohttp.web
+
+            return aiohttp.web.json_response({
+                "apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure", "code": exc.status,
+                "reason": exc.reason or "", "message": exc.message or "", "details": exc.details or {},
+            }, status=exc.status)
+        return await super()._render_error(exc)
 
     def _has_status(self, resource: Any) -> bool:
         return resource in self.resources and "status" in self.resources[resource].subresources
@@ -128,10 +147,63 @@ class FidelityEmulator(kmock.KubernetesEmulator):
     def _namespaced(self, resource: Any) -> bool:
         return resource in self.resources and self.resources[resource].namespaced is not False
 
+    def refuse(self, plural: str, namespace: str | None, status: int, reason: str, message: str,
+               times: int | None = None) -> Callable[[], None]:
+        """Refuse creates of `plural` in `namespace` with an API error, `times` times (None: until lifted); returns
+        the function that lifts the refusal."""
+        left = [times]
+
+        def hook(request: kmock.Request, obj: dict) -> None:
+            if request.resource.plural != plural or request.namespace != namespace or left[0] == 0:
+                return
+            if left[0] is not None:
+                left[0] -= 1
+            raise kmock.KubernetesError(status, reason, message)
+
+        self.admission.append(hook)
+        return lambda: self.admission.remove(hook) if hook in self.admission else None
+
+    def enforce_owner_references(self, rules: list[dict]) -> Callable[[], None]:
+        """The OwnerReferencesPermissionEnforcement admission plugin (on in OpenShift) for a client holding `rules`
+        (RBAC PolicyRules): an ownerReference with blockOwnerDeletion needs `update` on the owner's finalizers
+        subresource, else the create is refused with 403. Returns the function that turns it off."""
+        def plural_of(api_version: str, kind: str) -> str:
+            group, _, version = api_version.rpartition("/")
+            for res, info in self.resources.items():
+                if res.group == group and res.version == version and info.kind == kind and "/" not in res.plural:
+                    return res.plural
+            return kind.lower() + "s"
+
+        def hook(request: kmock.Request, obj: dict) -> None:
+            for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+                if not ref.get("blockOwnerDeletion"):
+                    continue
+                group = ref["apiVersion"].rpartition("/")[0]
+                resource = plural_of(ref["apiVersion"], ref["kind"]) + "/finalizers"
+                if not any(group in r["apiGroups"] and resource in r["resources"] and "update" in r["verbs"]
+                           for r in rules):
+                    raise kmock.KubernetesError(403, "Forbidden", (
+                        f"{request.resource.plural} {obj['metadata'].get('name')!r} is forbidden: cannot set "
+                        "blockOwnerDeletion if an ownerReference refers to a resource you can't set finalizers on: "
+                        f"cannot update resource {resource!r} in API group {group!r}"))
+
+        self.admission.append(hook)
+        return lambda: self.admission.remove(hook) if hook in self.admission else None
+
     async def _handle(self, request: kmock.Request) -> Any:
-        self.clients[request.headers.get("User-Agent", "?").split("/")[0]] += 1
+        client = request.headers.get("User-Agent", "?").split("/")[0]
+        self.clients[client] += 1
+        if request.headers.get("Authorization"):
+            self.authorization[client].add(request.headers["Authorization"])
+        if request.resource is not None and request.resource not in self.resources and request.resource.plural:
+            # A real API server answers 404 for a group/version/resource it does not serve (e.g. a PodGroup without
+            # Volcano installed); KMock would store it.
+            return await self._render_error(kmock.KubernetesError(
+                404, "NotFound", "the server could not find the requested resource"))
         if request.action == enums.action.WATCH and request.resource is not None:
-            self.watched.add(f"{request.resource.group}/{request.resource.version}/{request.resource.plural}")
+            key = f"{request.resource.group}/{request.resource.version}/{request.resource.plural}"
+            self.watched.add(key)
+            self.watch_params[key] = dict(request.params)
         if request.resource is not None and request.action in (
             enums.action.CREATE, enums.action.UPDATE, enums.action.DELETE
         ):
@@ -162,9 +234,9 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         if req.action == enums.action.CREATE:
             if req.subresource:
                 return []
-            denied = self.deny_create.get((res.plural, req.namespace))
-            if denied is not None:
-                raise kmock.KubernetesError(*denied)
+            if isinstance(req.data, dict):
+                for hook in list(self.admission):
+                    hook(req, req.data)
             return self._create(req)
         key = (res, req.namespace, req.name)
         if key not in self._objects or self._objects[key].deleted:
@@ -197,6 +269,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             obj["status"] = {"phase": "Pending"}
         elif self._has_status(res):
             obj.pop("status", None)
+        self._validate(res, obj)
         if key in self._objects:
             self._objects[key].create(obj)
         else:
@@ -240,6 +313,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             meta["deletionTimestamp"] = old["metadata"]["deletionTimestamp"]
         if new == old:
             return []
+        self._validate(res, new)
         if {k: v for k, v in new.items() if k not in ("metadata", "status")} != {
             k: v for k, v in old.items() if k not in ("metadata", "status")
         }:
@@ -250,6 +324,21 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         if meta.get("deletionTimestamp") and not meta.get("finalizers"):
             events += self._remove(key)
         return events
+
+    def _validate(self, res: Any, obj: dict) -> None:
+        """A custom resource against its CRD's openAPIV3Schema (OpenAPI 3.0: draft-4 keywords such as a boolean
+        exclusiveMinimum), as the API server validates every write (including
+        status subresource writes): 422 Invalid naming the field."""
+        schema = self.schemas.get((res.group, res.version, res.plural))
+        if schema is None:
+            return
+        body = {k: v for k, v in obj.items() if k != "metadata"}
+        error = next(iter(sorted(jsonschema.Draft4Validator(schema).iter_errors(body), key=lambda e: list(e.path))),
+                     None)
+        if error is not None:
+            where = ".".join(str(p) for p in error.path) or "<root>"
+            raise kmock.KubernetesError(422, "Invalid", f"{res.plural} {obj['metadata'].get('name')!r} is invalid: "
+                                        f"{where}: Invalid value: {error.message[:200]}")
 
     def _delete(self, key: tuple) -> list[tuple[Any, dict]]:
         obj = self._objects[key].raw
@@ -298,6 +387,15 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         if columns and _wants_table(request):
             return _table(columns, result["items"], result["metadata"]["resourceVersion"])
         return result
+
+    async def _serve_watch(self, request: kmock.Request) -> Any:
+        """KMock's watch stream, filtered by the request's labelSelector as the API server does."""
+        selector = request.params.get("labelSelector")
+        async for event in super()._serve_watch(request):
+            if selector and isinstance(event, dict) and not _selector_matches(
+                    selector, ((event.get("object") or {}).get("metadata") or {}).get("labels") or {}):
+                continue
+            yield event
 
     async def _serve_fetch(self, request: kmock.Request) -> Any:
         result = await super()._serve_fetch(request)
@@ -393,6 +491,8 @@ def register_resources(emulator: FidelityEmulator, crd_path: Path = CRD_PATH) ->
             verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
             subresources=set((version.get("subresources") or {}).keys()),
         )
+        emulator.schemas[(spec["group"], version["name"], spec["names"]["plural"])] = (
+            version["schema"]["openAPIV3Schema"])
         if version.get("additionalPrinterColumns"):
             emulator.printer_columns[(spec["group"], version["name"], spec["names"]["plural"])] = (
                 version["additionalPrinterColumns"])
@@ -511,11 +611,15 @@ class Cluster:
                 if (e.get("involvedObject") or {}).get("name") == name]
 
     def set_pod(self, name: str, phase: str, *, exit_code: int | None = None, reason: str | None = None,
-                ns: str = "default", container: str | None = None) -> Any:
-        """What a kubelet would report: the pod phase, and for terminated pods the container's exit code/reason."""
+                ns: str = "default", container: str | None = None, pod_reason: str | None = None) -> Any:
+        """What a kubelet would report: the pod phase, and for terminated pods the container's exit code/reason
+        (`pod_reason`: the pod's own status.reason, e.g. Evicted for a node-pressure eviction)."""
         pod = self.get(f"/api/v1/namespaces/{ns}/pods/{name}")
         cname = container or pod["spec"]["containers"][0]["name"]
         status: dict[str, Any] = {"phase": phase}
+        if pod_reason:
+            status["reason"] = pod_reason
+            status["message"] = f"The node was low on resource: memory. ({pod_reason})"
         if phase == "Running":
             status["containerStatuses"] = [{"name": cname, "ready": True, "restartCount": 0,
                                             "state": {"running": {"startedAt": _now()}}}]
@@ -526,13 +630,65 @@ class Cluster:
                                "finishedAt": _now()}}}]
         return self.patch(f"/api/v1/namespaces/{ns}/pods/{name}/status", {"status": status})
 
+    # --- scenario helpers (tests/integration/test_operator*.py)
+    def new_run(self, name: str, ns: str = "default", **spec: Any) -> dict:
+        """examples/tiny.yaml as `name` in `ns` with backoffSeconds 0 and the given spec fields replaced."""
+        doc = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+        doc["metadata"] = {"name": name, "namespace": ns}
+        doc["spec"]["failurePolicy"]["backoffSeconds"] = 0
+        doc["spec"].update(spec)
+        if ns != "default" and self.get(f"/api/v1/namespaces/{ns}") is None:
+            self.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+        return self.create(self.tr_path(ns=ns), doc)
+
+    def status(self, name: str, ns: str = "default") -> dict:
+        return (self.run(name, ns) or {}).get("status") or {}
+
+    def condition(self, name: str, type_: str, ns: str = "default") -> dict:
+        return next((c for c in self.status(name, ns).get("conditions") or [] if c.get("type") == type_), {})
+
+    def wait_phase(self, name: str, phase: str, ns: str = "default", timeout: float = 15) -> dict:
+        return wait_for(lambda: self.status(name, ns) if self.status(name, ns).get("phase") == phase else None,
+                        timeout, f"{name} phase {phase} (now {self.status(name, ns)})")
+
+    def group_pods(self, name: str, attempt: int, ns: str = "default") -> list[dict]:
+        """The rollout and trainer pods of one attempt that are not being deleted."""
+        return [p for p in self.pods(name, ns, attempt=str(attempt)) if not p["metadata"].get("deletionTimestamp")]
+
+    def wait_group(self, name: str, attempt: int, n: int = 3, ns: str = "default", timeout: float = 15) -> list[dict]:
+        return wait_for(lambda: (lambda ps: ps if len(ps) == n else None)(self.group_pods(name, attempt, ns)),
+                        timeout, f"{n} pods of {name} attempt {attempt}")
+
+    def run_all(self, name: str, attempt: int, ns: str = "default", n: int = 3) -> None:
+        """Every pod of the attempt Running (as the kubelet reports it), then wait for phase Running."""
+        for pod in self.wait_group(name, attempt, n, ns):
+            self.set_pod(pod["metadata"]["name"], "Running", ns=ns)
+        self.wait_phase(name, "Running", ns)
+
+    def reasons(self, name: str, ns: str = "default") -> list[str]:
+        return [e.get("reason") for e in self.events(name, ns)]
+
+    def evict(self, pod: str, ns: str = "default", reason: str = "EvictionByEvictionAPI") -> None:
+        """What the Eviction API (kubectl drain) does: condition DisruptionTarget=True, then delete the pod."""
+        path = f"/api/v1/namespaces/{ns}/pods/{pod}"
+        conditions = (self.get(path).get("status") or {}).get("conditions") or []
+        self.patch(path + "/status", {"status": {"conditions": [*conditions, {
+            "type": "DisruptionTarget", "status": "True", "reason": reason,
+            "message": "Eviction API: evicting", "lastTransitionTime": _now()}]}})
+        self.delete(path)
+
     def operator_ready(self) -> bool:
         assert self.emulator is not None
         return {f"{TR}", "/v1/pods"} <= self.emulator.watched
 
-    def start_operator(self, *args: str, interval: float = 1.0, log: Path | None = None) -> subprocess.Popen:
+    def operator(self, interval: float = 1.0) -> InProcessOperator:
+        """The operator's kopf handlers run in this process against this emulator (see `InProcessOperator`)."""
+        return InProcessOperator(self, interval=interval)
+
+    def start_operator(self, *args: str, interval: float = 1.0, log: Path | None = None,
+                       kubeconfig: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
         """The real operator (`python -m trainingrun operator`) against this emulator; returns once it watches."""
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig or self.kubeconfig), "PYTHONUNBUFFERED": "1", **(env or {})}
         self.metrics_url = f"http://127.0.0.1:{free_port()}/metrics"
         args = ("--bind", "127.0.0.1", "--metrics-port", self.metrics_url.split(":")[2].split("/")[0], *args)
         out = open(log, "ab") if log else subprocess.DEVNULL
@@ -551,3 +707,77 @@ class Cluster:
         if proc.poll() is not None:
             raise RuntimeError(f"operator exited with {proc.returncode} (log: {log})")
         return proc
+
+
+class InProcessOperator:
+    """`trainingrun.operator.handlers` run by `kopf.operator()` in a thread of the test process (what
+    `kopf.testing.KopfTask`/`KopfThread` do in newer kopf releases; 1.45 has neither), logged in through the
+    cluster's kubeconfig. Starts in well under a second (no interpreter to start); kopf takes ~5 s to stop.
+
+    `restart()` stops it, forgets every in-memory cache (a new `OperatorState`, as a new process would have) and
+    starts it again. `reconciles(name)` counts the finished reconciles of a run, so a test can prove the operator
+    looked at a run again before asserting that something did *not* change.
+    """
+
+    def __init__(self, cluster: Cluster, interval: float = 1.0):
+        self.cluster = cluster
+        self.interval = interval
+        self._thread: threading.Thread | None = None
+        self._stop: threading.Event | None = None
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> InProcessOperator:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        import kopf
+
+        from trainingrun.operator import handlers
+
+        os.environ["KUBECONFIG"] = str(self.cluster.kubeconfig)
+        handlers.STATE = handlers.OperatorState(interval=self.interval)
+        self._stop = threading.Event()
+        stop = self._stop
+        assert self.cluster.emulator is not None
+        self.cluster.emulator.watched.clear()
+
+        def target() -> None:
+            loop = asyncio.new_event_loop()
+            try:
+                loop.run_until_complete(kopf.operator(clusterwide=True, standalone=True, stop_flag=stop))
+            except BaseException as exc:  # noqa: BLE001 - reported by wait_ready / stop
+                self.error = exc
+            finally:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.close()
+
+        self._thread = threading.Thread(target=target, name="operator", daemon=True)
+        self._thread.start()
+        wait_for(lambda: self.cluster.operator_ready() or self.error is not None or not self._thread.is_alive(),
+                 60, "the in-process operator to watch")
+        if self.error is not None or not self._thread.is_alive():
+            raise RuntimeError(f"the operator stopped: {self.error!r}")
+
+    def stop(self) -> None:
+        if self._stop is not None and self._thread is not None:
+            self._stop.set()
+            self._thread.join(60)
+            self._thread = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def reconciles(self, name: str, ns: str = "default") -> int:
+        from trainingrun.operator import handlers
+
+        return handlers.STATE.reconciles.get((ns, name), 0)
+
+    def settle(self, name: str, ns: str = "default", count: int = 2, timeout: float = 15) -> None:
+        """Wait until the run was reconciled `count` more times (its state was looked at again)."""
+        target = self.reconciles(name, ns) + count
+        wait_for(lambda: self.reconciles(name, ns) >= target, timeout, f"{count} more reconciles of {name}")

@@ -19,11 +19,16 @@ disruption (peers of an evicted process die because their collectives break); th
 (exit code < 0 locally, > 128 in a container: the OOM killer, a SIGKILL) before one that exited with an error (its
 peers' broken collectives); then trainers before the rollout, lower rank first.
 
-Budget (`on_failure`): CONFIG_ERROR → fail (reason ConfigError); FAILURE → restart while `restarts <
-maxRestarts`, else fail (reason BackoffLimitExceeded). Every restart waits `backoff_seconds` first.
+Budget (`on_failure`): CONFIG_ERROR → fail (reason ConfigError); DISRUPTION → restart, never counted (the
+operator counts it in status.disruptions); FAILURE → restart while `restarts < maxRestarts` (counted), else fail
+(reason BackoffLimitExceeded).
 
-Deadlines: `seconds_left(since, limit, now)` for `activeDeadlineSeconds` (from the start of the run) and
-`progressDeadlineSeconds` (from the last progress).
+Backoff (`backoff_seconds`): a restart waits `backoffSeconds` after a disruption; after the n-th counted restart
+`backoffSeconds × 2^(n-1)`, capped at `max(backoffSeconds, MAX_BACKOFF_SECONDS)` (360 s, as Kubernetes Jobs), so a
+crash-looping run does not hammer the scheduler while a single failure restarts quickly.
+
+Deadlines: `seconds_left(since, limit, now)` for `activeDeadlineSeconds` (from the start of the run),
+`progressDeadlineSeconds` (from the last progress) and `terminatingTimeoutSeconds` (from a pod's deletion).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from dataclasses import dataclass
 # Exit code a process uses for a configuration or unrecoverable data error (EX_CONFIG from sysexits.h): the operator
 # and the launcher fail the run at once instead of restarting it.
 EXIT_CONFIG_ERROR = 78
+MAX_BACKOFF_SECONDS = 360.0
 
 
 class ExitKind(enum.Enum):
@@ -101,7 +107,7 @@ class Verdict:
     """What to do about the group's failure."""
 
     restart: bool  # True: restart the whole group; False: the run fails
-    reason: str  # condition/event reason: ConfigError, BackoffLimitExceeded, PodFailed
+    reason: str  # condition/event reason: ConfigError, BackoffLimitExceeded, PodFailed, Disrupted
     why: str  # the policy's half of the message, e.g. "all 3 restart(s) of failurePolicy.maxRestarts used"
     counted: bool = False  # the restart uses one of maxRestarts
 
@@ -111,14 +117,21 @@ def on_failure(failure: Failure, *, restarts: int, max_restarts: int) -> Verdict
     if failure.kind is ExitKind.CONFIG_ERROR:
         return Verdict(False, "ConfigError", f"exit code {EXIT_CONFIG_ERROR} is a configuration error; not restarting "
                        "(fix the spec and create a new run)")
+    if failure.kind is ExitKind.DISRUPTION:
+        return Verdict(True, "Disrupted", "a disruption, not the run's fault: not counted against "
+                       "failurePolicy.maxRestarts")
     if restarts >= max_restarts:
         return Verdict(False, "BackoffLimitExceeded", f"all {max_restarts} restart(s) of failurePolicy.maxRestarts used")
     return Verdict(True, "PodFailed", f"restart {restarts + 1} of {max_restarts}", counted=True)
 
 
-def backoff_seconds(base: float, restarts: int) -> float:  # noqa: ARG001 - restarts: see the module docstring
-    """Seconds to wait before the group restarts, after `restarts` counted restarts."""
-    return float(base)
+def backoff_seconds(base: float, restarts: int, *, counted: bool = True) -> float:
+    """Seconds to wait before the group restarts: `base` after a disruption (`counted` False) or before the first
+    restart; `base × 2^(restarts-1)` after the `restarts`-th counted restart, at most max(base, MAX_BACKOFF_SECONDS)."""
+    if not counted or restarts <= 1 or base <= 0:
+        return float(base)
+    cap = max(float(base), MAX_BACKOFF_SECONDS)
+    return min(float(base) * 2.0 ** min(restarts - 1, 32), cap)
 
 
 def seconds_left(since: float | None, limit: float | None, now: float) -> float | None:

@@ -1,70 +1,31 @@
-"""The real operator (subprocess, kopf over HTTP) against the KMock emulator with the fidelity layer (tests/kube.py).
-
-One emulator + operator per module; each test is a scenario on its own TrainingRun. Pod phases are set the way a
-kubelet would (PATCH pods/status).
+"""The operator's contract and lifecycle, scenario by scenario, against the KMock emulator with the fidelity layer
+(tests/kube.py): the operator runs in-process (`InProcessOperator`); pod phases are set the way a kubelet would
+(PATCH pods/status). tests/integration/test_operator_cli.py runs `trainingrun operator` as a process;
+test_operator_faults.py covers refusals, disruptions and other cluster faults.
 """
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import yaml
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.kube import ROOT, Cluster
-from tests.services import stop_process, wait_for
+from tests.services import wait_for
 
 TINY = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    with Cluster() as c:
-        c.log = log
-        c.operator = c.start_operator(log=log)
-        try:
-            yield c
-        finally:
-            stop_process(c.operator)
-            print(log.read_text()[-3000:])
+def cluster():
+    with Cluster() as c, c.operator(interval=1.0) as op:
+        c.op = op
+        yield c
 
 
 def make_run(cluster: Cluster, name: str, **spec_overrides) -> dict:
-    doc = copy.deepcopy(TINY)
-    doc["metadata"] = {"name": name}
-    doc["spec"]["failurePolicy"]["backoffSeconds"] = 0
-    for key, value in spec_overrides.items():
-        doc["spec"][key] = value
-    return cluster.create(cluster.tr_path(), doc)
-
-
-def status(cluster: Cluster, name: str, ns: str = "default") -> dict:
-    return (cluster.run(name, ns) or {}).get("status") or {}
-
-
-def wait_phase(cluster: Cluster, name: str, phase: str, timeout: float = 15) -> dict:
-    return wait_for(lambda: status(cluster, name) if status(cluster, name).get("phase") == phase else None,
-                    timeout, f"{name} phase {phase} (now {status(cluster, name)})")
-
-
-def group_pods(cluster: Cluster, name: str, attempt: int) -> list[dict]:
-    return [p for p in cluster.pods(name, attempt=str(attempt)) if not p["metadata"].get("deletionTimestamp")]
-
-
-def wait_group(cluster: Cluster, name: str, attempt: int, n: int = 3) -> list[dict]:
-    return wait_for(lambda: (lambda ps: ps if len(ps) == n else None)(group_pods(cluster, name, attempt)),
-                    15, f"{n} pods of {name} attempt {attempt}")
-
-
-def run_all(cluster: Cluster, name: str, attempt: int) -> None:
-    for pod in wait_group(cluster, name, attempt):
-        cluster.set_pod(pod["metadata"]["name"], "Running")
-    wait_phase(cluster, name, "Running")
-
-
-def reasons(cluster: Cluster, name: str) -> list[str]:
-    return [e.get("reason") for e in cluster.events(name)]
+    return cluster.new_run(name, **spec_overrides)
 
 
 def test_create_renders_children_with_contract(cluster):
@@ -73,7 +34,7 @@ def test_create_renders_children_with_contract(cluster):
                    podTemplate={"nodeSelector": {"pool": "gpu"}, "priorityClassName": "high"},
                    schedulerName="custom-sched")
     uid = run["metadata"]["uid"]
-    pods = wait_group(cluster, "alpha", 0)
+    pods = cluster.wait_group("alpha", 0)
     by_role = {(p["metadata"]["labels"]["trainingrun.dev/role"], p["metadata"]["labels"].get("trainingrun.dev/rank")): p
                for p in pods}
     assert set(by_role) == {("rollout", None), ("trainer", "0"), ("trainer", "1")}
@@ -88,11 +49,11 @@ def test_create_renders_children_with_contract(cluster):
     spec = trainer0["spec"]
     assert spec["restartPolicy"] == "Never" and spec["schedulerName"] == "custom-sched"
     assert spec["nodeSelector"] == {"pool": "gpu"} and spec["priorityClassName"] == "high"
-    assert spec["hostname"] == "trainer-0" and spec["subdomain"] == "alpha-trainers"
+    assert spec["hostname"] == "trainer-0-a0" and spec["subdomain"] == "alpha-trainers"
     c = spec["containers"][0]
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env["RANK"] == "0" and env["WORLD_SIZE"] == "2" and env["TRAININGRUN_RUN"] == "alpha"
-    assert env["MASTER_ADDR"] == "trainer-0.alpha-trainers.default.svc"
+    assert env["MASTER_ADDR"] == "trainer-0-a0.alpha-trainers.default.svc" and env["TRAININGRUN_ATTEMPT"] == "0"
     assert env["TRAININGRUN_STORE_URL"] == "redis://alpha-store.default.svc:6379/0"
     assert env["TRAININGRUN_CONFIG"] == "/etc/trainingrun/run.yaml"
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and c["resources"]["requests"]["cpu"] == "2"
@@ -103,22 +64,22 @@ def test_create_renders_children_with_contract(cluster):
     cm = cluster.get("/api/v1/namespaces/default/configmaps/alpha-config")
     assert yaml.safe_load(cm["data"]["run.yaml"])["spec"]["trainer"]["replicas"] == 2
     assert cluster.get("/api/v1/namespaces/default/services/alpha-store") is not None
-    st = wait_phase(cluster, "alpha", "Pending")
+    st = cluster.wait_phase("alpha", "Pending")
     assert st["observedGeneration"] == 1 and st["startTime"]
-    wait_for(lambda: "Created" in reasons(cluster, "alpha"), 10, "Created event")
+    wait_for(lambda: "Created" in cluster.reasons("alpha"), 10, "Created event")
 
     # simulated pod phases → status; all trainers Succeeded → Succeeded, sticky
-    run_all(cluster, "alpha", 0)
+    cluster.run_all("alpha", 0)
     for pod in pods:
         cluster.set_pod(pod["metadata"]["name"], "Succeeded")
-    st = wait_phase(cluster, "alpha", "Succeeded")
+    st = cluster.wait_phase("alpha", "Succeeded")
     assert st["completionTime"] and st["restarts"] == 0
     assert any(c["type"] == "Succeeded" and c["status"] == "True" for c in st["conditions"])
     cluster.set_pod(by_role[("trainer", "1")]["metadata"]["name"], "Failed", exit_code=1)
-    wait_for(lambda: "Succeeded" in reasons(cluster, "alpha"), 10, "Succeeded event")
-    import time; time.sleep(2.5)
-    assert status(cluster, "alpha")["phase"] == "Succeeded"
-    assert len(group_pods(cluster, "alpha", 1)) == 0
+    wait_for(lambda: "Succeeded" in cluster.reasons("alpha"), 10, "Succeeded event")
+    cluster.op.settle("alpha")  # the operator saw the late failure and kept the run Succeeded
+    assert cluster.status("alpha")["phase"] == "Succeeded"
+    assert len(cluster.group_pods("alpha", 1)) == 0
 
     # deletion → children garbage-collected
     cluster.delete(cluster.tr_path("alpha"))
@@ -157,7 +118,7 @@ def test_gpu_example_pods_volumes_store_and_scheduling_message(cluster):
         if role == "trainer":
             ranks.add(env["RANK"])
             assert env["RANK"] == pod["metadata"]["labels"]["trainingrun.dev/rank"] and env["WORLD_SIZE"] == "8"
-            assert env["MASTER_ADDR"] == f"trainer-0.{name}-trainers.{ns}.svc"
+            assert env["MASTER_ADDR"] == f"trainer-0-a0.{name}-trainers.{ns}.svc"
             assert gpus == 1 and c["resources"]["requests"]["nvidia.com/gpu"] == 1
             assert c["resources"]["requests"]["memory"] == "64Gi" and c["resources"]["limits"]["memory"] == "96Gi"
         else:
@@ -168,9 +129,9 @@ def test_gpu_example_pods_volumes_store_and_scheduling_message(cluster):
     cluster.patch(f"/api/v1/namespaces/{ns}/pods/{trainer}/status", {"status": {"phase": "Pending", "conditions": [
         {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
          "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]}})
-    wait_for(lambda: "Insufficient nvidia.com/gpu" in (status(cluster, name, ns).get("message") or ""), 10,
-             f"the scheduler's reason in the message (now {status(cluster, name, ns)})")
-    assert trainer in status(cluster, name, ns)["message"]
+    wait_for(lambda: "Insufficient nvidia.com/gpu" in (cluster.status(name, ns).get("message") or ""), 10,
+             f"the scheduler's reason in the message (now {cluster.status(name, ns)})")
+    assert trainer in cluster.status(name, ns)["message"]
     created = [e for e in cluster.events(name, ns) if e.get("reason") == "Created"]
     assert created and created[0]["source"]["component"] == "trainingrun-operator"
     cluster.delete(cluster.tr_path(name, ns))
@@ -179,23 +140,23 @@ def test_gpu_example_pods_volumes_store_and_scheduling_message(cluster):
 def test_refused_pod_creation_is_reported_then_retried(cluster):
     """An admission refusal (here: ResourceQuota) shows as a Warning event and in the message; pods come once lifted."""
     ns = "quota"
-    cluster.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
     refusal = ('pods "q-trainer-0-a0" is forbidden: exceeded quota: gpus, requested: nvidia.com/gpu=1, '
                'used: nvidia.com/gpu=8, limited: nvidia.com/gpu=8')
     assert cluster.emulator is not None
-    cluster.emulator.deny_create[("pods", ns)] = (403, "Forbidden", refusal)
-    doc = copy.deepcopy(TINY)
-    doc["metadata"] = {"name": "q", "namespace": ns}
-    cluster.create(cluster.tr_path(ns=ns), doc)
+    cluster.new_run("q", ns)
+    cluster.delete(cluster.tr_path("q", ns))
+    wait_for(lambda: cluster.run("q", ns) is None and not cluster.pods("q", ns), 10, "a clean namespace")
+    lift = cluster.emulator.refuse("pods", ns, 403, "Forbidden", refusal)
+    cluster.new_run("q", ns)
     events = wait_for(lambda: [e for e in cluster.events("q", ns) if e.get("reason") == "FailedCreate"] or None, 10,
                       "a FailedCreate event")
     assert events[0]["type"] == "Warning" and "exceeded quota" in events[0]["message"]
-    wait_for(lambda: "exceeded quota" in (status(cluster, "q", ns).get("message") or ""), 10,
-             f"the refusal in the run's message (now {status(cluster, 'q', ns)})")
-    del cluster.emulator.deny_create[("pods", ns)]
+    wait_for(lambda: "exceeded quota" in (cluster.status("q", ns).get("message") or ""), 10,
+             f"the refusal in the run's message (now {cluster.status('q', ns)})")
+    lift()
     wait_for(lambda: len(group_pods_ns(cluster, "q", ns)) == 3, 15, "the pods once the quota allows them")
-    wait_for(lambda: "waiting for 3 pod(s)" in (status(cluster, "q", ns).get("message") or ""), 10,
-             f"the refusal gone from the message (now {status(cluster, 'q', ns)})")
+    wait_for(lambda: "waiting for 3 pod(s)" in (cluster.status("q", ns).get("message") or ""), 10,
+             f"the refusal gone from the message (now {cluster.status('q', ns)})")
     assert len([e for e in cluster.events("q", ns) if e.get("reason") == "FailedCreate"]) == 1  # not one per retry
     cluster.delete(cluster.tr_path("q", ns))
 
@@ -206,37 +167,37 @@ def group_pods_ns(cluster: Cluster, name: str, ns: str) -> list[dict]:
 
 def test_failure_restarts_whole_group_then_fails_sticky(cluster):
     make_run(cluster, "beta", failurePolicy={"maxRestarts": 1, "backoffSeconds": 0})
-    run_all(cluster, "beta", 0)
-    first = {p["metadata"]["name"] for p in group_pods(cluster, "beta", 0)}
+    cluster.run_all("beta", 0)
+    first = {p["metadata"]["name"] for p in cluster.group_pods("beta", 0)}
     cluster.set_pod("beta-trainer-1-a0", "Failed", exit_code=137, reason="OOMKilled")
-    new = wait_group(cluster, "beta", 1)
+    new = cluster.wait_group("beta", 1)
     assert not first & {p["metadata"]["name"] for p in new}
-    st = status(cluster, "beta")
+    st = cluster.status("beta")
     assert st["restarts"] == 1 and st["attempt"] == 1
     # the whole previous group was deleted, not only the failed pod
     assert wait_for(lambda: [p for p in cluster.pods("beta", attempt="0")
                              if p["status"]["phase"] != "Failed"] == [], 10, "attempt-0 pods deleted")
-    assert "Restarting" in reasons(cluster, "beta")
-    run_all(cluster, "beta", 1)
+    assert "Restarting" in cluster.reasons("beta")
+    cluster.run_all("beta", 1)
     cluster.set_pod("beta-rollout-a1", "Failed", exit_code=2)
-    st = wait_phase(cluster, "beta", "Failed")
+    st = cluster.wait_phase("beta", "Failed")
     assert "beta-rollout-a1" in st["message"] and "code 2" in st["message"] and "maxRestarts" in st["message"]
     assert st["restarts"] == 1
     # running pods of a failed run are deleted (GPUs freed); the failed pod stays for its logs
-    wait_for(lambda: group_pods(cluster, "beta", 1) == [cluster.get("/api/v1/namespaces/default/pods/beta-rollout-a1")],
+    wait_for(lambda: cluster.group_pods("beta", 1) == [cluster.get("/api/v1/namespaces/default/pods/beta-rollout-a1")],
              10, "live pods of the failed run deleted")
     # sticky: later pod changes never move it
     cluster.set_pod("beta-rollout-a1", "Succeeded")
-    import time; time.sleep(2.5)
-    assert status(cluster, "beta")["phase"] == "Failed"
-    assert group_pods(cluster, "beta", 2) == []
+    cluster.op.settle("beta")
+    assert cluster.status("beta")["phase"] == "Failed"
+    assert cluster.group_pods("beta", 2) == []
 
 
 def test_config_error_exit_code_fails_at_once(cluster):
     make_run(cluster, "gamma")
-    run_all(cluster, "gamma", 0)
+    cluster.run_all("gamma", 0)
     cluster.set_pod("gamma-trainer-0-a0", "Failed", exit_code=78)
-    st = wait_phase(cluster, "gamma", "Failed")
+    st = cluster.wait_phase("gamma", "Failed")
     assert st["restarts"] == 0 and "78" in st["message"]
     assert any(c["type"] == "Failed" and c["reason"] == "ConfigError" for c in st["conditions"])
 
@@ -244,32 +205,58 @@ def test_config_error_exit_code_fails_at_once(cluster):
 def test_runtime_invalid_spec_fails_with_event(cluster):
     # passes the schema (numAttentionHeads alone is fine) but the preset's hiddenSize 64 is not divisible by 5
     make_run(cluster, "delta", model={"preset": "tiny", "numAttentionHeads": 5})
-    st = wait_phase(cluster, "delta", "Failed")
+    st = cluster.wait_phase("delta", "Failed")
     assert "spec.model" in st["message"] and "divisible" in st["message"]
-    wait_for(lambda: "InvalidSpec" in reasons(cluster, "delta"), 10, "InvalidSpec event")
+    wait_for(lambda: "InvalidSpec" in cluster.reasons("delta"), 10, "InvalidSpec event")
     assert cluster.pods("delta") == []
 
 
 def test_suspend_resume_and_ignored_spec_change(cluster):
     make_run(cluster, "eps")
-    run_all(cluster, "eps", 0)
-    cluster.patch(cluster.tr_path("eps"), {"spec": {"suspend": True, "trainer": {"replicas": 4}}})
-    wait_phase(cluster, "eps", "Suspended")
-    wait_for(lambda: group_pods(cluster, "eps", 0) == [], 10, "pods deleted on suspend")
-    wait_for(lambda: "SpecChangeIgnored" in reasons(cluster, "eps"), 10, "SpecChangeIgnored event")
+    cluster.run_all("eps", 0)
+    cluster.patch(cluster.tr_path("eps"), {"spec": {"suspend": True, "seed": 99}})
+    cluster.wait_phase("eps", "Suspended")
+    wait_for(lambda: cluster.group_pods("eps", 0) == [], 10, "pods deleted on suspend")
+    wait_for(lambda: "SpecChangeIgnored" in cluster.reasons("eps"), 10, "SpecChangeIgnored event")
     cluster.patch(cluster.tr_path("eps"), {"spec": {"suspend": False}})
-    pods = wait_group(cluster, "eps", 1)  # still 2 trainers: replicas is frozen for the run
+    pods = cluster.wait_group("eps", 1)
     assert len([p for p in pods if p["metadata"]["labels"]["trainingrun.dev/role"] == "trainer"]) == 2
-    st = status(cluster, "eps")
+    cm = cluster.get("/api/v1/namespaces/default/configmaps/eps-config")
+    assert yaml.safe_load(cm["data"]["run.yaml"])["spec"]["seed"] == 1234  # the frozen spec: seed is not mutable
+    st = cluster.status("eps")
     assert st["restarts"] == 0 and st["attempt"] == 1 and st["observedGeneration"] >= 3
-    assert "Resumed" in reasons(cluster, "eps")
+    assert "Resumed" in cluster.reasons("eps")
+
+
+def test_changing_replicas_restarts_the_group_at_the_new_size(cluster):
+    """Elastic data parallelism (operator side): a new spec.trainer.replicas restarts the group at that size from
+    the last checkpoint; not counted as a restart; an Event says so; the pods read the new size."""
+    make_run(cluster, "rho", failurePolicy={"maxRestarts": 0, "backoffSeconds": 0})
+    cluster.run_all("rho", 0)
+    cluster.patch(cluster.tr_path("rho"), {"spec": {"trainer": {"replicas": 3}}})
+    pods = cluster.wait_group("rho", 1, n=4)
+    st = cluster.status("rho")
+    assert st["restarts"] == 0 and st["disruptions"] == 0 and st["trainerReplicas"] == 3
+    resized = [e["message"] for e in cluster.events("rho") if e.get("reason") == "Resized"]
+    assert len(resized) == 1 and "from 2 to 3" in resized[0] and "checkpoint" in resized[0]
+    assert "SpecUpdated" in cluster.reasons("rho") and "SpecChangeIgnored" not in cluster.reasons("rho")
+    cm = cluster.get("/api/v1/namespaces/default/configmaps/rho-config")
+    assert yaml.safe_load(cm["data"]["run.yaml"])["spec"]["trainer"]["replicas"] == 3
+    # the ConfigMap was up to date before the new attempt's pods were created
+    assert int(cm["metadata"]["resourceVersion"]) < min(int(p["metadata"]["resourceVersion"]) for p in pods)
+    for pod in pods:
+        env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+        if "WORLD_SIZE" in env:
+            assert env["WORLD_SIZE"] == "3"
+    cluster.run_all("rho", 1, n=4)
+    assert cluster.status("rho")["phase"] == "Running"
 
 
 def test_progress_from_real_redis_and_operator_restart(cluster, redis):
     import time
 
     make_run(cluster, "zeta", store={"url": redis.url})
-    run_all(cluster, "zeta", 0)
+    cluster.run_all("zeta", 0)
     assert cluster.pods("zeta", role="store") == []  # external store: no managed redis
     from trainingrun.store import open_store
 
@@ -280,28 +267,21 @@ def test_progress_from_real_redis_and_operator_restart(cluster, redis):
     store = open_store(env["TRAININGRUN_STORE_URL"])
     store.put_json("progress", {"step": 7, "samples_consumed": 93, "last_global_batch_size": 12, "rollout": 2,
                                 "attempt": 0, "time": time.time()})
-    st = wait_for(lambda: (lambda s: s if s.get("step") == 7 else None)(status(cluster, "zeta")), 10, "progress")
+    st = wait_for(lambda: (lambda s: s if s.get("step") == 7 else None)(cluster.status("zeta")), 10, "progress")
     assert st["samplesConsumed"] == 93 and st["lastGlobalBatchSize"] == 12 and st["rollout"] == 2
 
     # operator restarted mid-run: no duplicate pods, status continues
     names = sorted(p["metadata"]["name"] for p in cluster.pods("zeta"))
-    stop_process(cluster.operator)
-    cluster.operator = cluster.start_operator(log=cluster.log)
+    cluster.op.restart()  # a new operator: nothing in memory
     store.put_json("progress", {"step": 8, "samples_consumed": 105, "last_global_batch_size": 12, "rollout": 2,
                                 "attempt": 0, "time": time.time()})
-    wait_for(lambda: status(cluster, "zeta").get("step") == 8, 15, "progress after operator restart")
+    wait_for(lambda: cluster.status("zeta").get("step") == 8, 15, "progress after operator restart")
     assert sorted(p["metadata"]["name"] for p in cluster.pods("zeta")) == names
-    assert status(cluster, "zeta")["phase"] == "Running" and status(cluster, "zeta")["restarts"] == 0
+    assert cluster.status("zeta")["phase"] == "Running" and cluster.status("zeta")["restarts"] == 0
     store.close()
 
-    # operator metrics on its own port
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(cluster.metrics_url, timeout=5).read().decode()
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for fam in text_string_to_metric_families(text) for s in fam.samples}
+    # operator metrics
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in families() for s in fam.samples}
     assert samples[("trainingrun_operator_runs", (("phase", "Running"),))] >= 1
     assert samples[("trainingrun_operator_reconcile_seconds_count", (("handler", "reconcile"),))] > 0
     # the run's progress as a per-run gauge (what the new operator process read from the store)
@@ -311,15 +291,17 @@ def test_progress_from_real_redis_and_operator_restart(cluster, redis):
 PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
 
 
+def families():
+    """The operator's metrics as Prometheus would scrape them (the in-process operator's registry)."""
+    from trainingrun.operator import metrics
+
+    return list(text_string_to_metric_families(generate_latest(metrics.REGISTRY).decode()))
+
+
 def run_series(cluster: Cluster, run: str, ns: str = "default") -> dict[str, dict[tuple, float]]:
     """The operator's per-run series of one run: {metric: {labels other than namespace/run: value}}."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(cluster.metrics_url, timeout=5).read().decode()
     out: dict[str, dict[tuple, float]] = {}
-    for fam in text_string_to_metric_families(text):
+    for fam in families():
         for s in fam.samples:
             if s.labels.get("run") == run and s.labels.get("namespace") == ns:
                 rest = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("namespace", "run")))
@@ -343,24 +325,73 @@ def wait_run_series(cluster: Cluster, run: str, phase: str, restarts: int) -> di
 
 def test_per_run_metrics_follow_phase_and_restarts_and_go_with_the_run(cluster):
     make_run(cluster, "eta", failurePolicy={"maxRestarts": 1, "backoffSeconds": 0})
-    wait_phase(cluster, "eta", "Pending")
+    cluster.wait_phase("eta", "Pending")
     series = wait_run_series(cluster, "eta", "Pending", 0)
     assert series["trainingrun_operator_run_step"] == {(): 0}  # status.step before any progress
-    run_all(cluster, "eta", 0)
+    cluster.run_all("eta", 0)
     wait_run_series(cluster, "eta", "Running", 0)
     cluster.set_pod("eta-trainer-0-a0", "Failed", exit_code=1)
-    wait_group(cluster, "eta", 1)
-    assert status(cluster, "eta")["restarts"] == 1
-    run_all(cluster, "eta", 1)
+    cluster.wait_group("eta", 1)
+    assert cluster.status("eta")["restarts"] == 1
+    cluster.run_all("eta", 1)
     wait_run_series(cluster, "eta", "Running", 1)
     cluster.set_pod("eta-rollout-a1", "Failed", exit_code=2)
-    wait_phase(cluster, "eta", "Failed")
+    cluster.wait_phase("eta", "Failed")
     wait_run_series(cluster, "eta", "Failed", 1)
     # the aggregate gauge still counts it
-    import urllib.request
-    text = urllib.request.urlopen(cluster.metrics_url, timeout=5).read().decode()
-    assert 'trainingrun_operator_runs{phase="Failed"}' in text
+    runs = {s.labels["phase"]: s.value for fam in families() for s in fam.samples if s.name == "trainingrun_operator_runs"}
+    assert runs["Failed"] >= 1
 
     cluster.delete(cluster.tr_path("eta"))
     wait_for(lambda: cluster.run("eta") is None, 15, "the run to be deleted")
     wait_for(lambda: run_series(cluster, "eta") == {}, 10, f"no series of eta (now {run_series(cluster, 'eta')})")
+
+
+def test_kueue_pod_group_waits_for_admission(cluster):
+    """spec.queueName: the pods carry Kueue's pod-group labels (per attempt) and wait, gated, until Kueue admits the
+    workload; the run says so meanwhile (here the emulator plays Kueue's webhook and its admission)."""
+    def kueue_webhook(request, obj):
+        labels = (obj.get("metadata") or {}).get("labels") or {}
+        if request.resource.plural == "pods" and "kueue.x-k8s.io/queue-name" in labels:
+            obj["spec"]["schedulingGates"] = [{"name": "kueue.x-k8s.io/admission"}]
+
+    cluster.emulator.admission.append(kueue_webhook)
+    try:
+        make_run(cluster, "kappa", queueName="team-a")
+        pods = cluster.wait_group("kappa", 0)
+    finally:
+        cluster.emulator.admission.remove(kueue_webhook)
+    for pod in pods:
+        labels = pod["metadata"]["labels"]
+        assert labels["kueue.x-k8s.io/queue-name"] == "team-a" and labels["kueue.x-k8s.io/pod-group-name"] == "kappa-a0"
+        assert pod["metadata"]["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "3"
+    ready = wait_for(lambda: (lambda c: c if c.get("reason") == "WaitingForAdmission" else None)(
+        cluster.condition("kappa", "PodsReady")), 10, f"WaitingForAdmission (now {cluster.status('kappa')})")
+    assert "team-a" in ready["message"] and cluster.status("kappa")["phase"] == "Pending"
+    for pod in pods:  # Kueue admits the workload: gates removed, the scheduler places the pods
+        cluster.patch(f"/api/v1/namespaces/default/pods/{pod['metadata']['name']}", {"spec": {"schedulingGates": None}})
+    cluster.run_all("kappa", 0)
+
+
+def test_gang_scheduling_podgroup_per_attempt(cluster):
+    """Volcano gang scheduling: the attempt's PodGroup exists before its pods; a restart replaces it; without the
+    PodGroup API (404) the run reports it and creates no pod."""
+    import kmock
+
+    make_run(cluster, "pg-missing", gangScheduling={"enabled": True, "provider": "volcano"})
+    wait_for(lambda: "not served" in (cluster.status("pg-missing").get("message") or ""), 10,
+             f"the missing PodGroup API in the message (now {cluster.status('pg-missing')})")
+    assert cluster.group_pods("pg-missing", 0) == [] and "FailedCreate" in cluster.reasons("pg-missing")
+    cluster.emulator.resources["scheduling.volcano.sh/v1beta1/podgroups"] = kmock.ResourceInfo(
+        kind="PodGroup", namespaced=True, verbs={"get", "list", "watch", "create", "delete", "patch"})
+    pods = cluster.wait_group("pg-missing", 0, timeout=30)  # retried with backoff until the API exists
+    pg_path = "/apis/scheduling.volcano.sh/v1beta1/namespaces/default/podgroups"
+    pg = cluster.get(f"{pg_path}/pg-missing-a0")
+    assert pg["spec"]["minMember"] == 3 and int(pg["metadata"]["resourceVersion"]) < min(
+        int(p["metadata"]["resourceVersion"]) for p in pods)
+    assert all(p["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "pg-missing-a0" for p in pods)
+    cluster.run_all("pg-missing", 0)
+    cluster.set_pod("pg-missing-trainer-0-a0", "Failed", exit_code=1)
+    cluster.wait_group("pg-missing", 1)
+    assert cluster.get(f"{pg_path}/pg-missing-a1") is not None
+    wait_for(lambda: cluster.get(f"{pg_path}/pg-missing-a0") is None, 10, "the old attempt's PodGroup deleted")

@@ -14,6 +14,7 @@ import yaml
 from tests.kube import ROOT, Cluster
 from trainingrun.api import parse_trainingrun
 from trainingrun.operator import status
+from trainingrun.operator.observe import Observed, PodObs, ProgressObs
 
 KUBECTL = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "kubectl"
 
@@ -44,12 +45,14 @@ def test_kubectl_apply_and_get_example():
         # `kubectl get tr` columns (server-side printing from the CRD) show the status the operator writes: a
         # running attempt after one restart, with trainer progress read from the store.
         run = parse_trainingrun(want)
-        st = status.decide(run, None, [], now=dt.datetime.now(dt.timezone.utc), generation=1).status
+        now = dt.datetime.now(dt.timezone.utc)
+        st = status.decide(run, None, Observed(generation=1), now=now).status
         st.update(phase="Running", restarts=1, attempt=1)
-        pods = [status.PodObs(name=f"p{i}", role=role, rank=rank, attempt=1, phase="Running")
+        pods = [PodObs(name=f"p{i}", role=role, rank=rank, attempt=1, phase="Running")
                 for i, (role, rank) in enumerate(status.expected_group(run))]
-        st = status.decide(run, st, pods, now=dt.datetime.now(dt.timezone.utc), progress={
-            "step": 12, "samples_consumed": 540, "last_global_batch_size": 48, "rollout": 3, "time": 0}).status
+        progress = ProgressObs({"step": 12, "samples_consumed": 540, "last_global_batch_size": 48, "rollout": 3,
+                                "time": 0})
+        st = status.decide(run, st, Observed(pods=tuple(pods), progress=progress), now=now).status
         assert st["phase"] == "Running"
         kube.patch(kube.tr_path("tiny") + "/status", {"status": st})
         table = kubectl("get", "tr").splitlines()

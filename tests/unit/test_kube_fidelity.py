@@ -6,9 +6,17 @@ import urllib.error
 
 import pytest
 
-from tests.kube import Cluster, merge_patch
+import yaml
+
+from tests.kube import ROOT, Cluster, merge_patch
 
 PODS = "/api/v1/namespaces/default/pods"
+TINY = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+
+
+def _tr(name, **meta):
+    return {"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun", "metadata": {"name": name, **meta},
+            "spec": dict(TINY["spec"])}
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +36,7 @@ def test_merge_patch_rfc7386():
 
 
 def test_ids_versions_generation_and_status_subresource(kube):
-    tr = kube.create(kube.tr_path(), {"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun",
-                                      "metadata": {"name": "f1"}, "spec": {"seed": 1}, "status": {"phase": "X"}})
+    tr = kube.create(kube.tr_path(), {**_tr("f1"), "status": {"phase": "X"}})
     meta = tr["metadata"]
     assert meta["uid"] and meta["creationTimestamp"] and meta["generation"] == 1 and meta["namespace"] == "default"
     assert "status" not in tr  # status in a create is ignored
@@ -40,6 +47,13 @@ def test_ids_versions_generation_and_status_subresource(kube):
     # a status patch changes only status
     out = kube.patch(kube.tr_path("f1") + "/status", {"spec": {"seed": 3}, "status": {"phase": "Running"}})
     assert out["status"] == {"phase": "Running"} and out["spec"]["seed"] == 2 and out["metadata"]["generation"] == 2
+    # writes are validated against the CRD schema, the status subresource too (here: a message over maxLength)
+    with pytest.raises(urllib.error.HTTPError) as err:
+        kube.patch(kube.tr_path("f1") + "/status", {"status": {"message": "x" * 5000}})
+    assert err.value.code == 422 and "status.message" in err.value.body
+    with pytest.raises(urllib.error.HTTPError) as err:
+        kube.patch(kube.tr_path("f1"), {"spec": {"trainer": {"replicas": 0}}})
+    assert err.value.code == 422 and "spec.trainer.replicas" in err.value.body
     # annotations change: generation unchanged
     out = kube.patch(kube.tr_path("f1"), {"metadata": {"annotations": {"a": "b"}}})
     assert out["metadata"]["generation"] == 2
@@ -59,8 +73,7 @@ def test_ids_versions_generation_and_status_subresource(kube):
 
 
 def test_finalizers_and_garbage_collection(kube):
-    tr = kube.create(kube.tr_path(), {"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun",
-                                      "metadata": {"name": "f2", "finalizers": ["keep"]}, "spec": {}})
+    tr = kube.create(kube.tr_path(), _tr("f2", finalizers=["keep"]))
     owner = {"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun", "name": "f2",
              "uid": tr["metadata"]["uid"], "controller": True}
     child = _pod("f2-child", app="x")
@@ -93,3 +106,69 @@ def test_lists_selectors_namespaces_generate_name(kube):
     ev = kube.create("/api/v1/namespaces/default/events", {"apiVersion": "v1", "kind": "Event",
                                                             "metadata": {"generateName": "x-"}, "reason": "R"})
     assert ev["metadata"]["name"].startswith("x-") and len(ev["metadata"]["name"]) > 2
+
+
+def test_admission_refusals_and_owner_reference_enforcement(kube):
+    lift = kube.emulator.refuse("pods", "default", 403, "Forbidden", "exceeded quota: pods", times=2)
+    for _ in range(2):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            kube.create(PODS, _pod("a1"))
+        assert err.value.code == 403 and "exceeded quota" in err.value.body
+    kube.create(PODS, _pod("a1"))  # the third create passes
+    lift()
+    # a hook may change what is created (a mutating webhook, e.g. Kueue's scheduling gate)
+    kube.emulator.admission.append(lambda req, obj: obj["spec"].setdefault("schedulingGates", [{"name": "g"}]))
+    assert kube.create(PODS, _pod("a2"))["spec"]["schedulingGates"] == [{"name": "g"}]
+    kube.emulator.admission.pop()
+    # OwnerReferencesPermissionEnforcement: blockOwnerDeletion needs update on the owner's finalizers
+    owner = kube.create(kube.tr_path(), _tr("f3"))
+    child = _pod("a3")
+    child["metadata"]["ownerReferences"] = [{"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun",
+                                             "name": "f3", "uid": owner["metadata"]["uid"], "controller": True,
+                                             "blockOwnerDeletion": True}]
+    off = kube.emulator.enforce_owner_references([{"apiGroups": ["trainingrun.dev"], "resources": ["trainingruns"],
+                                                   "verbs": ["update"]}])
+    with pytest.raises(urllib.error.HTTPError) as err:
+        kube.create(PODS, child)
+    assert err.value.code == 403 and "trainingruns/finalizers" in err.value.body
+    off()
+    kube.emulator.enforce_owner_references([{"apiGroups": ["trainingrun.dev"], "resources": ["trainingruns/finalizers"],
+                                             "verbs": ["update"]}])
+    assert kube.create(PODS, child)["metadata"]["name"] == "a3"
+    kube.emulator.admission.clear()
+
+
+def test_finalizer_held_pod_stays_terminating(kube):
+    """A pod on a lost node never confirms its end: a finalizer holds it the same way."""
+    kube.create(PODS, {**_pod("held"), "metadata": {"name": "held", "finalizers": ["example.com/hold"]}})
+    kube.delete(f"{PODS}/held")
+    pod = kube.get(f"{PODS}/held")
+    assert pod["metadata"]["deletionTimestamp"]
+    kube.delete(f"{PODS}/held")  # deleting again changes nothing
+    assert kube.get(f"{PODS}/held")["metadata"]["deletionTimestamp"] == pod["metadata"]["deletionTimestamp"]
+    kube.patch(f"{PODS}/held", {"metadata": {"finalizers": None}})
+    assert kube.get(f"{PODS}/held") is None
+
+
+def test_unknown_api_group_is_404_and_watches_filter_by_label(kube):
+    import json
+    import urllib.request
+
+    for path in ("/apis/scheduling.volcano.sh/v1beta1/namespaces/default/podgroups",
+                 "/apis/scheduling.volcano.sh/v1beta1/namespaces/default/podgroups/pg"):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            kube.request("POST" if path.endswith("podgroups") else "GET", path, {"metadata": {"name": "pg"}})
+        assert err.value.code == 404
+    kube.create(PODS, _pod("w-yes", app="watched"))
+    kube.create(PODS, _pod("w-no", app="other"))
+    req = urllib.request.Request(f"{kube.url}{PODS}?watch=true&labelSelector=app%3Dwatched",
+                                 headers={"User-Agent": "watcher/1"})
+    names = []
+    with urllib.request.urlopen(req, timeout=5) as stream:
+        for line in stream:
+            if line.strip():
+                names.append(json.loads(line)["object"]["metadata"]["name"])
+            if "w-yes" in names:
+                break
+    assert names == ["w-yes"]
+    assert kube.emulator.watch_params["/v1/pods"]["labelSelector"] == "app=watched"

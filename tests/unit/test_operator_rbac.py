@@ -31,11 +31,16 @@ def _granted(rules, group, resource, verb):
         ("trainingrun.dev", "trainingruns", "watch"),
         ("trainingrun.dev", "trainingruns", "delete"),  # ttlSecondsAfterFinished
         ("trainingrun.dev", "trainingruns/status", "patch"),
+        ("trainingrun.dev", "trainingruns/finalizers", "update"),  # blockOwnerDeletion (OwnerReferencesPermission...)
         ("", "pods", "create"),
         ("", "pods", "delete"),
         ("", "pods", "watch"),
         ("", "services", "create"),
+        ("", "services", "watch"),  # the children index: missing children are created on every reconcile
         ("", "configmaps", "create"),
+        ("", "configmaps", "watch"),
+        ("", "configmaps", "patch"),  # a resize updates the run's manifest
+        ("scheduling.volcano.sh", "podgroups", "delete"),  # a PodGroup per attempt
         ("", "events", "create"),
         ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
     ],

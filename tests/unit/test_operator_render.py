@@ -11,6 +11,7 @@ from tests.kube import ROOT
 from trainingrun.api import parse_trainingrun
 from trainingrun.api.constants import LABEL_ATTEMPT, LABEL_RANK, LABEL_ROLE
 from trainingrun.operator import render, status
+from trainingrun.operator.observe import Observed, PodObs, ProgressObs, Refusal, observe_pod
 from trainingrun.plan import EXIT_CONFIG_ERROR
 
 TINY = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
@@ -28,23 +29,42 @@ def pods_of(run, attempt, phase="Running", **overrides):
     out = []
     for role, rank in status.expected_group(run):
         name = render.Names("tiny").pod(role, rank, attempt)
-        out.append(status.PodObs(name=name, role=role, rank=rank, attempt=attempt,
-                                 phase=overrides.get(name, phase)))
+        out.append(PodObs(name=name, role=role, rank=rank, attempt=attempt, phase=overrides.get(name, phase)))
     return out
 
 
+def all_children(run, attempt=0):
+    """Observed: every base child of the attempt exists."""
+    return frozenset(c.key for c in render.base_children(run, attempt) if c.kind != "Pod")
+
+
+def decide(run, st, pods=(), *, now=T0, attempt=0, **obs):
+    """status.decide with every base child (and the store pod) observed, unless `children` is given."""
+    store = [PodObs(name="tiny-store", role="store", rank=None, attempt=None, phase="Running")]
+    obs.setdefault("children", all_children(run, attempt))
+    obs.setdefault("config_hash", render.config_hash(run))
+    return status.decide(run, st, Observed(pods=tuple(pods) + tuple(store), **obs), now=now)
+
+
 def test_children_gang_and_store():
-    run = run_of(gangScheduling={"enabled": True, "provider": "volcano"}, trainer={**TINY["spec"]["trainer"], "replicas": 3})
+    run = run_of(gangScheduling={"enabled": True, "provider": "volcano", "queue": "research"},
+                 trainer={**TINY["spec"]["trainer"], "replicas": 3,
+                          "resources": {"requests": {"cpu": "2", "memory": "4Gi"}}},
+                 rollout={**TINY["spec"]["rollout"], "resources": {"requests": {"cpu": "500m"}}},
+                 podTemplate={"priorityClassName": "training"})
     children = render.render_children(run, OWNER, attempt=2)
     kinds = [c["kind"] for c in children]
-    assert kinds == ["ConfigMap", "Service", "Pod", "Service", "PodGroup", "Pod", "Pod", "Pod", "Pod"]
+    assert kinds == ["ConfigMap", "Service", "Service", "Pod", "PodGroup", "Pod", "Pod", "Pod", "Pod"]
     pg = children[4]
-    assert pg["spec"]["minMember"] == 4
+    assert pg["metadata"]["name"] == "tiny-a2" and pg["apiVersion"] == "scheduling.volcano.sh/v1beta1"
+    # minResources: 3 trainers x (2 cpu, 4Gi) + the rollout's 500m
+    assert pg["spec"] == {"minMember": 4, "minResources": {"cpu": "6500m", "memory": str(3 * 4 * 2**30)},
+                          "queue": "research", "priorityClassName": "training"}
     trainers = [c for c in children if c["kind"] == "Pod" and c["metadata"]["labels"].get(LABEL_ROLE) == "trainer"]
     assert [t["metadata"]["name"] for t in trainers] == [f"tiny-trainer-{r}-a2" for r in range(3)]
     for t in trainers:
         assert t["spec"]["schedulerName"] == "volcano"
-        assert t["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "tiny"
+        assert t["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "tiny-a2"
         assert t["metadata"]["labels"][LABEL_ATTEMPT] == "2"
         assert "nvidia.com/gpu" not in t["spec"]["containers"][0].get("resources", {}).get("limits", {})
     assert all(c["metadata"]["ownerReferences"][0]["uid"] == "u-1" for c in children)
@@ -52,6 +72,56 @@ def test_children_gang_and_store():
     ext = run_of(store={"url": "redis://r:6379/0"})
     assert render.render_store(ext, OWNER) == []
     assert render.store_url(ext, "ns1") == "redis://r:6379/0?prefix=trainingrun.ns1.tiny"
+
+
+def test_gang_providers_are_pluggable_renderers():
+    from trainingrun.operator import gang
+
+    cosched = run_of(gangScheduling={"enabled": True, "provider": "coscheduling"}, schedulerName="scheduler-plugins",
+                     trainer={**TINY["spec"]["trainer"], "gpusPerReplica": 2})
+    pg = render.render_podgroup(cosched, OWNER, 0)
+    assert pg["apiVersion"] == "scheduling.x-k8s.io/v1alpha1"
+    assert pg["spec"] == {"minMember": 3, "minResources": {"nvidia.com/gpu": "4"}}  # 2 trainers x 2 GPUs
+    pod = render.render_pods(cosched, OWNER, 0)[1]
+    assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == "tiny-a0"
+    assert pod["spec"]["schedulerName"] == "scheduler-plugins"
+    assert set(gang.PROVIDERS) == {"volcano", "coscheduling"}
+    assert render.render_podgroup(run_of(), OWNER, 0) is None
+
+
+def test_kueue_pod_group_labels_per_attempt_and_real_pod_schema():
+    import kubernetes_validate
+
+    run = run_of(queueName="team-a")
+    for attempt in (0, 3):
+        pods = render.render_pods(run, OWNER, attempt)
+        for pod in pods:
+            labels, annotations = pod["metadata"]["labels"], pod["metadata"]["annotations"]
+            assert labels["kueue.x-k8s.io/queue-name"] == "team-a"
+            assert labels["kueue.x-k8s.io/pod-group-name"] == f"tiny-a{attempt}"
+            assert annotations["kueue.x-k8s.io/pod-group-total-count"] == str(len(pods))
+    # every child the operator creates is valid for the real Kubernetes schemas (strict: no unknown fields)
+    for child in render.render_children(run_of(queueName="team-a", store={"managed": True}), OWNER, 1):
+        for version in ("1.29.0", "1.33.0"):
+            kubernetes_validate.validate(child, version, strict=True)
+    assert "kueue.x-k8s.io/queue-name" not in render.render_pods(run_of(), OWNER, 0)[0]["metadata"]["labels"]
+
+
+def test_every_pod_knows_its_attempt_and_trainer_hostnames_are_per_attempt():
+    run = run_of()
+    for attempt in (0, 2):
+        for pod in render.render_pods(run, OWNER, attempt):
+            env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+            assert env["TRAININGRUN_ATTEMPT"] == pod["metadata"]["labels"][LABEL_ATTEMPT] == str(attempt)
+            if "RANK" in env:
+                assert env["MASTER_ADDR"] == f"trainer-0-a{attempt}.tiny-trainers.ns1.svc"
+            if pod["metadata"]["labels"][LABEL_ROLE] == "trainer":
+                assert pod["spec"]["hostname"] == f"trainer-{pod['metadata']['labels'][LABEL_RANK]}-a{attempt}"
+    # the ConfigMap carries a hash of its content: a resize changes it
+    cm = render.render_config_map(run, OWNER)
+    bigger = run_of(trainer={**TINY["spec"]["trainer"], "replicas": 4})
+    assert cm["metadata"]["annotations"]["trainingrun.dev/spec-hash"] == render.config_hash(run)
+    assert render.config_hash(bigger) != render.config_hash(run)
 
 
 def test_cluster_errors_name_the_field():
@@ -73,49 +143,111 @@ def test_cluster_errors_name_the_field():
     assert render.CONFIG_VOLUME in names and len(set(names)) == len(names)
 
 
+def _pods(ds):
+    return [c for c in ds.create if c.kind == "Pod" and c.role in ("rollout", "trainer")]
+
+
 def test_lifecycle_new_pending_running():
     run = run_of()
-    d = status.decide(run, None, [], now=T0, generation=1)
-    assert d.status["phase"] == "Pending" and d.create_base and len(d.create_pods) == 3 and d.create_store_pod
+    d = status.decide(run, None, Observed(generation=1), now=T0)
+    assert d.status["phase"] == "Pending" and d.status["trainerReplicas"] == 2
+    # base children first (what pods mount and resolve), then the three pods
+    assert [c.key for c in d.create] == ["ConfigMap/tiny-config", "Service/tiny-trainers", "Service/tiny-store",
+                                         "Pod/tiny-store", "Pod/tiny-rollout-a0", "Pod/tiny-trainer-0-a0",
+                                         "Pod/tiny-trainer-1-a0"]
     st = d.status
-    d = status.decide(run, st, pods_of(run, 0, phase="Pending"), now=T0)
-    assert d.status["phase"] == "Pending" and not d.create_pods
-    d = status.decide(run, st, pods_of(run, 0), now=T0)
+    d = decide(run, st, pods_of(run, 0, phase="Pending"))
+    assert d.status["phase"] == "Pending" and not d.create
+    ready = next(c for c in d.status["conditions"] if c["type"] == "PodsReady")
+    assert ready["status"] == "False" and ready["reason"] == "WaitingForPods" and "3 pod(s)" in ready["message"]
+    d = decide(run, st, pods_of(run, 0), generation=2)
     assert d.status["phase"] == "Running" and d.events[-1][1] == "Running"
+    assert {c["type"]: c.get("observedGeneration") for c in d.status["conditions"]} == {"PodsReady": 2, "Running": 2}
+
+
+def test_every_reconcile_creates_missing_children():
+    run = run_of()
+    st = status.decide(run, None, Observed(), now=T0).status
+    # the ConfigMap was refused: pods exist without it; the next reconcile asks for it again
+    d = decide(run, st, pods_of(run, 0, phase="Pending"), children=frozenset({"Service/tiny-trainers",
+                                                                              "Service/tiny-store"}))
+    assert [c.key for c in d.create] == ["ConfigMap/tiny-config"]
+    # Running with the headless Service deleted: recreated (base children only, never pods of a running attempt)
+    running = decide(run, st, pods_of(run, 0)).status
+    d = decide(run, running, pods_of(run, 0), children=frozenset({"ConfigMap/tiny-config", "Service/tiny-store"}))
+    assert d.status["phase"] == "Running" and [c.key for c in d.create] == ["Service/tiny-trainers"]
+    # a refusal shows in the Pending run's message and condition; a permanent one fails the run
+    refusal = Refusal("Pod", "tiny-rollout-a0", 403, "exceeded quota: gpus", permanent=False)
+    d = decide(run, st, [], refusal=refusal)
+    assert d.status["phase"] == "Pending" and "exceeded quota" in d.status["message"]
+    invalid = Refusal("Pod", "tiny-rollout-a0", 422, "spec.containers[0].image: Invalid value", permanent=True)
+    d = decide(run, st, [], refusal=invalid)
+    assert d.status["phase"] == "Failed" and "Invalid value" in d.status["message"] and not d.create
+    assert d.status["conditions"][-1]["reason"] == "InvalidSpec" or any(
+        c["reason"] == "InvalidSpec" and c["status"] == "True" for c in d.status["conditions"])
 
 
 def _running(run):
-    st = status.decide(run, None, [], now=T0).status
-    return status.decide(run, st, pods_of(run, 0), now=T0).status
+    st = status.decide(run, None, Observed(), now=T0).status
+    return decide(run, st, pods_of(run, 0)).status
 
 
-def test_restart_budget_and_backoff():
-    run = run_of(failurePolicy={"maxRestarts": 1, "backoffSeconds": 10})
+def test_restart_budget_and_exponential_backoff():
+    run = run_of(failurePolicy={"maxRestarts": 3, "backoffSeconds": 10})
     st = _running(run)
     failed = pods_of(run, 0, **{"tiny-trainer-1-a0": "Failed"})
-    d = status.decide(run, st, failed, now=T0)
+    d = decide(run, st, failed)
     assert d.status["phase"] == "Restarting" and d.status["restarts"] == 1 and d.status["attempt"] == 1
     assert sorted(d.delete_pods) == sorted(p.name for p in failed if p.phase == "Running")
     st = d.status
     # backoff not elapsed: nothing created
-    d = status.decide(run, st, [], now=T0 + dt.timedelta(seconds=5))
-    assert d.status["phase"] == "Restarting" and not d.create_pods and d.requeue_after == 5
-    d = status.decide(run, st, [], now=T0 + dt.timedelta(seconds=10))
-    assert d.status["phase"] == "Pending" and len(d.create_pods) == 3
-    st = status.decide(run, d.status, pods_of(run, 1), now=T0).status
+    d = decide(run, st, [], now=T0 + dt.timedelta(seconds=5), attempt=1)
+    assert d.status["phase"] == "Restarting" and not _pods(d) and d.requeue_after == 5
+    d = decide(run, st, [], now=T0 + dt.timedelta(seconds=10), attempt=1)
+    assert d.status["phase"] == "Pending" and len(_pods(d)) == 3
+    st = decide(run, d.status, pods_of(run, 1), attempt=1).status
     assert st["phase"] == "Running"
+    # the second restart waits 2 x backoffSeconds
+    d = decide(run, st, pods_of(run, 1, **{"tiny-rollout-a1": "Failed"}), attempt=1)
+    assert d.status["restarts"] == 2 and "in 20s" in d.status["message"]
     # budget used: Failed with the failing pod in the message; terminal is sticky
-    pods = pods_of(run, 1, **{"tiny-rollout-a1": "Failed"})
-    d = status.decide(run, st, pods, now=T0)
+    st = {**d.status, "restarts": 3, "phase": "Running", "attempt": 1}
+    d = decide(run, st, pods_of(run, 1, **{"tiny-rollout-a1": "Failed"}), attempt=1)
     assert d.status["phase"] == "Failed" and "tiny-rollout-a1" in d.status["message"]
-    d2 = status.decide(run, d.status, pods_of(run, 1, phase="Succeeded"), now=T0)
-    assert d2.status["phase"] == "Failed" and not d2.create_pods
+    d2 = decide(run, d.status, pods_of(run, 1, phase="Succeeded"), attempt=1)
+    assert d2.status["phase"] == "Failed" and not d2.create
 
 
-def test_exit_code_config_error_and_deleted_pod():
+def test_disruptions_do_not_use_the_budget_and_success_wins():
+    run = run_of(failurePolicy={"maxRestarts": 0, "backoffSeconds": 7})
+    st = _running(run)
+    evicted = observe_pod({"metadata": {"name": "tiny-trainer-0-a0", "labels": {LABEL_ROLE: "trainer", LABEL_RANK: "0",
+                                                                              LABEL_ATTEMPT: "0"}},
+                           "status": {"phase": "Failed", "reason": "Evicted", "message": "low on memory"}})
+    assert evicted.disruption and "Evicted" in evicted.disruption
+    pods = [p for p in pods_of(run, 0) if p.name != evicted.name] + [evicted]
+    d = decide(run, st, pods)
+    assert d.status["phase"] == "Restarting" and d.status["restarts"] == 0 and d.status["disruptions"] == 1
+    assert d.requeue_after == 7 and d.events[-1][1] == "Disrupted"
+    # DisruptionTarget on a pod that was deleted (the Eviction API): known from its last state
+    preempted = observe_pod({"metadata": {"name": "tiny-rollout-a0", "labels": {LABEL_ROLE: "rollout",
+                                                                               LABEL_ATTEMPT: "0"}},
+                             "status": {"phase": "Running", "conditions": [
+                                 {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}]}})
+    d = decide(run, st, [p for p in pods_of(run, 0) if p.name != preempted.name], gone=(preempted,))
+    assert d.status["phase"] == "Restarting" and d.status["disruptions"] == 1
+    # a deleted pod without a disruption is a failure (budget 0: Failed)
+    d = decide(run, st, pods_of(run, 0)[:-1])
+    assert d.status["phase"] == "Failed" and "was deleted" in d.status["message"]
+    # every trainer Succeeded and the rollout Failed in one observation: Succeeded
+    d = decide(run, st, pods_of(run, 0, phase="Succeeded", **{"tiny-rollout-a0": "Failed"}))
+    assert d.status["phase"] == "Succeeded"
+
+
+def test_exit_code_config_error():
     run = run_of()
     st = _running(run)
-    obs = status.observe_pod({
+    obs = observe_pod({
         "metadata": {"name": "tiny-trainer-0-a0", "labels": {LABEL_ROLE: "trainer", LABEL_RANK: "0",
                                                              LABEL_ATTEMPT: "0"}},
         "status": {"phase": "Failed", "containerStatuses": [
@@ -123,34 +255,72 @@ def test_exit_code_config_error_and_deleted_pod():
     })
     assert "code 78" in obs.failure
     pods = [p for p in pods_of(run, 0) if p.name != obs.name] + [obs]
-    d = status.decide(run, st, pods, now=T0)
+    d = decide(run, st, pods)
     assert d.status["phase"] == "Failed" and d.status["restarts"] == 0
-    assert d.status["conditions"][-1]["reason"] == "ConfigError" or any(
-        c["reason"] == "ConfigError" and c["status"] == "True" for c in d.status["conditions"])
-    # a pod deleted while running counts as a failure
-    d = status.decide(run, st, pods_of(run, 0)[:-1], now=T0)
-    assert d.status["phase"] == "Restarting" and "was deleted" in d.status["message"]
+    assert any(c["reason"] == "ConfigError" and c["status"] == "True" for c in d.status["conditions"])
 
 
-def test_hang_detection_deadline_suspend_ttl():
+def test_terminating_pods_block_until_the_timeout():
+    run = run_of(failurePolicy={"maxRestarts": 2, "backoffSeconds": 0, "terminatingTimeoutSeconds": 60})
+    st = decide(run, _running(run), pods_of(run, 0, **{"tiny-trainer-0-a0": "Failed"})).status
+    assert st["phase"] == "Restarting"
+    lost = PodObs(name="tiny-trainer-1-a0", role="trainer", rank=1, attempt=0, phase="Running", deleting=True,
+                  deleted_at=T0.timestamp())
+    d = decide(run, st, [lost], now=T0 + dt.timedelta(seconds=30), attempt=1)
+    assert d.status["phase"] == "Restarting" and "tiny-trainer-1-a0" in d.status["message"] and not _pods(d)
+    d = decide(run, st, [lost], now=T0 + dt.timedelta(seconds=61), attempt=1)
+    assert d.status["phase"] == "Pending" and len(_pods(d)) == 3
+    assert any(e[1] == "TerminatingTimeout" and "tiny-trainer-1-a0" in e[2] for e in d.events)
+
+
+def test_progress_unknown_pauses_hang_detection_and_resize_restarts():
     run = run_of(failurePolicy={"maxRestarts": 0, "progressDeadlineSeconds": 60}, activeDeadlineSeconds=3600,
                  ttlSecondsAfterFinished=30)
     st = _running(run)
-    fresh = {"step": 3, "time": (T0 + dt.timedelta(seconds=50)).timestamp()}
-    d = status.decide(run, st, pods_of(run, 0), now=T0 + dt.timedelta(seconds=100), progress=fresh)
+    fresh = ProgressObs({"step": 3, "time": (T0 + dt.timedelta(seconds=50)).timestamp()})
+    d = decide(run, st, pods_of(run, 0), now=T0 + dt.timedelta(seconds=100), progress=fresh)
     assert d.status["phase"] == "Running" and d.status["step"] == 3
-    d = status.decide(run, st, pods_of(run, 0), now=T0 + dt.timedelta(seconds=111), progress=fresh)
+    d = decide(run, st, pods_of(run, 0), now=T0 + dt.timedelta(seconds=111), progress=fresh)
     assert d.status["phase"] == "Failed" and "no progress" in d.status["message"]
-    d = status.decide(run, st, pods_of(run, 0), now=T0 + dt.timedelta(seconds=3600), progress={"time": 1e12})
+    unknown = ProgressObs(fresh.value, error="ConnectionError: Authentication required")
+    d = decide(run, st, pods_of(run, 0), now=T0 + dt.timedelta(seconds=500), progress=unknown)
+    assert d.status["phase"] == "Running"
+    cond = next(c for c in d.status["conditions"] if c["type"] == "ProgressUnknown")
+    assert cond["status"] == "True" and "Authentication required" in cond["message"]
+    # readable again at 500 s: the deadline counts from then, not from the last step at 50 s
+    back = decide(run, d.status, pods_of(run, 0), now=T0 + dt.timedelta(seconds=500), progress=fresh).status
+    assert back["phase"] == "Running"
+    assert decide(run, back, pods_of(run, 0), now=T0 + dt.timedelta(seconds=550), progress=fresh).status["phase"] == (
+        "Running")
+    assert decide(run, back, pods_of(run, 0), now=T0 + dt.timedelta(seconds=561), progress=fresh).status["phase"] == (
+        "Failed")
+    # a resize restarts the group at the new size, not counted
+    bigger = run_of(trainer={**TINY["spec"]["trainer"], "replicas": 4}, failurePolicy={"maxRestarts": 0})
+    d = decide(bigger, st, pods_of(run, 0))
+    assert d.status["phase"] == "Restarting" and d.status["restarts"] == 0 and d.status["disruptions"] == 0
+    assert d.events[-1][:2] == ("Normal", "Resized") and "from 2 to 4" in d.events[-1][2]
+    d = decide(bigger, d.status, [], attempt=1)
+    assert d.status["phase"] == "Pending" and len(_pods(d)) == 5 and d.status["trainerReplicas"] == 4
+
+
+def test_deadline_suspend_ttl_and_long_messages():
+    run = run_of(activeDeadlineSeconds=3600, ttlSecondsAfterFinished=30)
+    st = _running(run)
+    d = decide(run, st, pods_of(run, 0), now=T0 + dt.timedelta(seconds=3600))
     assert d.status["phase"] == "Failed" and any(c["reason"] == "DeadlineExceeded" for c in d.status["conditions"])
     done = d.status
-    assert not status.decide(run, done, [], now=T0 + dt.timedelta(seconds=3620)).delete_run
-    assert status.decide(run, done, [], now=T0 + dt.timedelta(seconds=3631)).delete_run
+    assert not decide(run, done, [], now=T0 + dt.timedelta(seconds=3620)).delete_run
+    assert decide(run, done, [], now=T0 + dt.timedelta(seconds=3631)).delete_run
     suspended = run_of(suspend=True)
-    d = status.decide(suspended, _running(run), pods_of(run, 0), now=T0)
+    d = decide(suspended, _running(run), pods_of(run, 0))
     assert d.status["phase"] == "Suspended" and len(d.delete_pods) == 3
-    d = status.decide(run, d.status, [], now=T0)
+    d = decide(run, d.status, [])
     assert d.status["phase"] == "Pending" and d.status["attempt"] == 1 and d.status["restarts"] == 0
+    # a message longer than the CRD admits is cut to fit, and says so
+    d = decide(run, None, [], spec_errors=tuple(f"spec.x[{i}]: bad" * 20 for i in range(100)))
+    assert d.status["phase"] == "Failed" and len(d.status["message"]) <= 4096
+    assert d.status["message"].endswith("more characters)")
+    assert all(len(c["message"]) <= 4096 for c in d.status["conditions"])
 
 
 def test_pod_template_volumes_reach_every_container():
@@ -184,16 +354,22 @@ def test_pending_pod_reports_the_schedulers_reason():
     pod = {"metadata": {"name": "tiny-trainer-1-a0", "labels": {LABEL_ROLE: "trainer", LABEL_RANK: "1",
                                                                  LABEL_ATTEMPT: "0"}},
            "status": {"phase": "Pending", "conditions": [unschedulable]}}
-    obs = status.observe_pod(pod)
+    obs = observe_pod(pod)
     assert "tiny-trainer-1-a0" in obs.waiting and "Insufficient nvidia.com/gpu" in obs.waiting
     run = run_of()
-    st = status.decide(run, None, [], now=T0).status
+    st = status.decide(run, None, Observed(), now=T0).status
     pods = [p for p in pods_of(run, 0, phase="Pending") if p.name != obs.name] + [obs]
-    d = status.decide(run, st, pods, now=T0)
+    d = decide(run, st, pods)
     assert d.status["phase"] == "Pending" and d.status["message"] == obs.waiting
+    # Kueue holds the pods (scheduling gate) until it admits the workload
+    gated = [PodObs(name=p.name, role=p.role, rank=p.rank, attempt=0, phase="Pending",
+                    gated=("kueue.x-k8s.io/admission",)) for p in pods_of(run, 0)]
+    d = decide(run_of(queueName="team-a"), st, gated)
+    ready = next(c for c in d.status["conditions"] if c["type"] == "PodsReady")
+    assert ready["reason"] == "WaitingForAdmission" and "team-a" in ready["message"]
     # scheduled (condition True): no waiting reason, the plain count
     pod["status"]["conditions"] = [{**unschedulable, "status": "True"}]
-    assert status.observe_pod(pod).waiting is None
+    assert observe_pod(pod).waiting is None
 
 
 def test_managed_store_has_memory_guaranteed_resources_and_spec_overrides():

@@ -19,6 +19,7 @@ Labels of every child object (pods also carry LABEL_ROLE; trainers LABEL_RANK; r
 
 Annotations and other names the operator writes on a TrainingRun:
   ANNOTATION_SPEC  the spec frozen at the first reconcile
+  ANNOTATION_CONFIG_HASH  on the run's ConfigMap: a hash of the manifest it holds (a resize changes it)
   FINALIZER        kopf's finalizer on every TrainingRun it handles (docs/operator.md: removing it by hand)
   EVENT_SOURCE     source.component / reportingComponent of the operator's Events
 """
@@ -51,6 +52,7 @@ ROLE_CONFIG: Final = "config"
 GROUP_ROLES: Final = (ROLE_ROLLOUT, ROLE_TRAINER)  # the pods of one attempt (the store outlives attempts)
 
 ANNOTATION_SPEC: Final = f"{GROUP}/spec"
+ANNOTATION_CONFIG_HASH: Final = f"{GROUP}/spec-hash"  # on the run's ConfigMap: a hash of the manifest it holds
 ANNOTATION_PREFIX: Final = GROUP  # kopf's progress and diff-base annotations
 FINALIZER: Final = f"{GROUP}/operator"
 EVENT_SOURCE: Final = "trainingrun-operator"

@@ -23,7 +23,7 @@ from trainingrun.api.models import ALL_MODELS, TrainingRunSpec, TrainingRunStatu
 _KEEP = {
     "type", "description", "properties", "required", "items", "enum", "default", "minimum", "maximum",
     "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "pattern", "additionalProperties",
-    "minItems", "maxItems", "format",
+    "minItems", "maxItems", "format", "x-kubernetes-list-type", "x-kubernetes-list-map-keys",
 }
 
 # CEL cost estimation needs bounds on strings, lists and maps reached by rules; these caps apply to every

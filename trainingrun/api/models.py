@@ -540,14 +540,22 @@ class MetricsSpec(ApiModel):
 
 
 class FailurePolicy(ApiModel):
-    """What happens when a pod fails or the run stops making progress."""
+    """What happens when a pod fails or the run stops making progress (`trainingrun.failure_policy`)."""
 
-    max_restarts: int = Field(3, ge=0, le=1000, description="Whole-group restarts before the run is Failed.")
-    backoff_seconds: int = Field(10, ge=0, le=86400, description="Wait before each restart.")
+    max_restarts: int = Field(
+        3, ge=0, le=1000, description="Whole-group restarts after application failures before the run is Failed; "
+        "evicted or preempted pods restart the group without using one (counted in status.disruptions).")
+    backoff_seconds: int = Field(
+        10, ge=0, le=86400, description="Wait before a restart: backoffSeconds after a disruption; after the n-th "
+        "counted restart backoffSeconds × 2^(n-1), at most max(backoffSeconds, 360).")
     progress_deadline_seconds: int | None = Field(
         None, ge=1, le=MAX_SECONDS,
-        description="No new step for this long counts as a failure (hang detection); unset: off."
+        description="No new step for this long counts as a failure (hang detection); time in which the operator could "
+        "not read progress from the store does not count. Unset: off."
     )
+    terminating_timeout_seconds: int = Field(
+        120, ge=0, le=MAX_SECONDS, description="How long pods of an older attempt that are still terminating (e.g. on a "
+        "lost node) may delay a restart; after it they no longer block the next attempt (the message names them).")
 
 
 class Toleration(ApiModel):
@@ -603,8 +611,11 @@ class PodTemplateOverrides(ApiModel):
 class GangScheduling(ApiModel):
     """Create a PodGroup so all pods of the run are scheduled together (Volcano or scheduler-plugins)."""
 
-    enabled: bool = Field(False, description="Create a PodGroup for the run.")
+    enabled: bool = Field(False, description="Create a PodGroup per attempt for the rollout and trainer pods.")
     provider: Literal["volcano", "coscheduling"] = Field("volcano", description="Which PodGroup API to use.")
+    queue: str | None = Field(
+        None, min_length=1, max_length=253,
+        description="Volcano queue of the PodGroup (unset: Volcano's default queue); not used by coscheduling.")
 
 
 class TrainingRunSpec(ApiModel):
@@ -623,6 +634,11 @@ class TrainingRunSpec(ApiModel):
     active_deadline_seconds: int | None = Field(None, ge=1, le=MAX_SECONDS, description="Fail the run after this long running.")
     ttl_seconds_after_finished: int | None = Field(None, ge=0, le=MAX_SECONDS, description="Delete the run this long after it ends.")
     scheduler_name: str | None = Field(None, description="Pod schedulerName (e.g. volcano).")
+    queue_name: str | None = Field(
+        None, min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="Kueue LocalQueue in the run's namespace: the rollout and trainer pods of each attempt carry "
+        "Kueue's pod-group labels (kueue.x-k8s.io/queue-name, pod-group-name, pod-group-total-count), so Kueue admits "
+        "them as one workload; until then they wait, gated, and the run is Pending (WaitingForAdmission).")
     gang_scheduling: GangScheduling = Field(default_factory=GangScheduling, description="Gang scheduling.")
     pod_template: PodTemplateOverrides = Field(
         default_factory=PodTemplateOverrides, description="Pod settings for every pod of the run."
@@ -635,31 +651,53 @@ PHASES: tuple[str, ...] = ("Pending", "Running", "Restarting", "Succeeded", "Fai
 TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
 
 
-class Condition(ApiModel):
-    """A standard Kubernetes condition."""
+# Longest status.message / condition message the CRD admits; the operator cuts longer ones to fit (a status patch
+# with a longer one would be refused as a whole).
+MESSAGE_MAX_LENGTH = 4096
+CONDITION_TYPES: tuple[str, ...] = (
+    "Running", "Restarting", "Suspended", "Succeeded", "Failed", "PodsReady", "ProgressUnknown")
 
-    type: str = Field(..., description="Condition type, e.g. Running, Succeeded, Failed, Suspended.")
+
+class Condition(ApiModel):
+    """A Kubernetes condition (metav1.Condition conventions): one per type, keyed by type."""
+
+    type: str = Field(..., max_length=316, pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                      r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$",
+                      description="Running, Restarting, Suspended, Succeeded, Failed (lifecycle: one is True at a "
+                      "time), PodsReady (False while Pending: why), ProgressUnknown (True while the store's progress "
+                      "cannot be read).")
     status: Literal["True", "False", "Unknown"] = Field(..., description="True, False or Unknown.")
-    reason: str | None = Field(None, description="CamelCase reason.")
-    message: str | None = Field(None, description="Human-readable detail.")
-    last_transition_time: str | None = Field(None, description="RFC 3339 time of the last change.")
+    observed_generation: int | None = Field(None, ge=0, le=INT64_MAX,
+                                            description="The spec generation the condition was set from.")
+    reason: str | None = Field(None, max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
+                               description="CamelCase reason.")
+    message: str | None = Field(None, max_length=MESSAGE_MAX_LENGTH, description="Human-readable detail.")
+    last_transition_time: str | None = Field(None, description="RFC 3339 time of the last change of status.")
 
 
 class TrainingRunStatus(ApiModel):
     """Observed state of a TrainingRun, written by the operator from what it observes."""
 
     phase: Phase | None = Field(None, description="Pending, Running, Restarting, Succeeded, Failed or Suspended.")
-    conditions: list[Condition] = Field(default_factory=list, description="Conditions.")
-    restarts: int = Field(0, ge=0, le=INT64_MAX, description="Whole-group restarts so far.")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Conditions, one per type.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+    restarts: int = Field(0, ge=0, le=INT64_MAX, description="Whole-group restarts after application failures so far.")
+    disruptions: int = Field(0, ge=0, le=INT64_MAX, description="Whole-group restarts after evicted, preempted or lost "
+                             "pods (not counted against maxRestarts).")
     attempt: int = Field(0, ge=0, le=INT64_MAX, description="Current attempt (pods carry it as a label).")
+    trainer_replicas: int | None = Field(None, ge=1, le=4096, description="Trainer pods of the current attempt "
+                                         "(spec.trainer.replicas when it started).")
     step: int = Field(0, ge=0, le=INT64_MAX, description="Optimizer steps completed.")
     samples_consumed: int = Field(0, ge=0, le=INT64_MAX, description="Samples trained on so far.")
     last_global_batch_size: int = Field(0, ge=0, le=INT64_MAX, description="Samples in the last step.")
     rollout: int = Field(0, ge=0, le=INT64_MAX, description="Rollouts consumed.")
     start_time: str | None = Field(None, description="When the run started (RFC 3339).")
     completion_time: str | None = Field(None, description="When the run ended (RFC 3339).")
-    observed_generation: int | None = Field(None, ge=0, le=INT64_MAX, description="The spec generation this status reflects.")
-    message: str | None = Field(None, description="Last important message (e.g. why the run failed).")
+    observed_generation: int | None = Field(None, ge=0, le=INT64_MAX,
+                                            description="The spec generation this status reflects.")
+    message: str | None = Field(None, max_length=MESSAGE_MAX_LENGTH,
+                                description="Last important message (e.g. why the run failed).")
 
 
 class ObjectMeta(BaseModel):

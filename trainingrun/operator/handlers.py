@@ -1,11 +1,16 @@
 """Kopf handlers. Importing this module registers them in kopf's default registry (`trainingrun operator` does).
 
-  - `trpods` (index): every pod labelled app.kubernetes.io/name=trainingrun, summarised (`status.PodObs`) and keyed
-    by (namespace, run); pod events wake the run's daemon.
+  - `login`: credentials through the official `kubernetes` client (`trainingrun.operator.kube`): $KUBECONFIG, else
+    the in-cluster service account, else the default kubeconfig; the same identity for kopf and our own calls.
+  - `trpods`, `trconfigmaps`, `trservices` (indexes): the run's pods (summarised, `observe.PodObs`), ConfigMap and
+    Services, keyed by (namespace, run). Every watch asks the API server for the runs' objects only (a server-side
+    label selector), so the operator never lists every pod of the cluster. Their events wake the run's daemon; a
+    pod's DELETED event leaves its last state (`STATE.gone`), so a pod evicted and removed is still known as evicted.
   - `run_daemon` (daemon per TrainingRun): reconcile at once (children within milliseconds of creation), then on
-    every pod change of the run, on spec changes, at deadlines, and at least every `--interval` seconds (progress
-    refresh, hang detection). One reconcile: observe (index + store progress) → `status.decide` → write the status
-    with the observed resourceVersion as precondition → post events → act (create/delete children).
+    every change of the run's pods or children, on spec changes, at deadlines, and at least every `--interval`
+    seconds (progress refresh, hang detection). One reconcile: observe (indexes, the store's progress, the API
+    server's last refusal) → `status.decide` → write the status with the observed resourceVersion as
+    precondition → post events → act (delete, update, create children; pods only after what they need exists).
   - `spec_changed` (on.update of spec): mutable fields take effect; other changes are ignored with a Warning event.
 
 The run's spec is frozen at its first reconcile (annotation `trainingrun.dev/spec`), except MUTABLE_FIELDS.
@@ -19,7 +24,7 @@ import logging
 import os
 import socket
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +33,7 @@ from pydantic import ValidationError
 
 from trainingrun.api import parse_trainingrun
 from trainingrun.api.constants import (
+    ANNOTATION_CONFIG_HASH,
     ANNOTATION_PREFIX,
     ANNOTATION_SPEC,
     API_VERSION,
@@ -42,29 +48,49 @@ from trainingrun.api.constants import (
     VERSION,
 )
 from trainingrun.api.models import TrainingRun
-from trainingrun.operator import metrics, render, status
-from trainingrun.operator.client import ApiError, Conflict, KubeClient
+from trainingrun.operator import kube, metrics, render, status
+from trainingrun.operator.kube import ApiError, Conflict, KubeApi
+from trainingrun.operator.observe import Observed, PodObs, Refusal, is_permanent, observe_pod
 from trainingrun.operator.progress import ProgressReader
 
 log = logging.getLogger("trainingrun.operator")
 
-MUTABLE_FIELDS = ("suspend", "activeDeadlineSeconds", "ttlSecondsAfterFinished", "failurePolicy")
+# Spec fields that take effect while a run exists (paths under spec); everything else is frozen at the first reconcile.
+MUTABLE_FIELDS: tuple[tuple[str, ...], ...] = (
+    ("suspend",), ("activeDeadlineSeconds",), ("ttlSecondsAfterFinished",), ("failurePolicy",),
+    ("trainer", "replicas"),  # elastic data parallelism: the group restarts at the new size
+)
+RUN_SELECTOR = f"{LABEL_NAME}={APP},{LABEL_RUN}"  # server-side: the runs' children only
+CHILD_FILTER = {LABEL_NAME: APP, LABEL_RUN: kopf.PRESENT}
+CREATE_RETRY_MAX = 60.0  # seconds between retries of a refused create, at most
+
+
+@dataclass
+class RefusalRecord:
+    """The API server's last refusal to create a child of one run, and when to try again."""
+
+    refusal: Refusal
+    tries: int
+    retry_at: float  # monotonic
+    event_at: float  # monotonic time of the last FailedCreate event for this refusal
 
 
 @dataclass
 class OperatorState:
-    """Process-wide plumbing (no run state: every decision is made from observations)."""
+    """Process-wide plumbing and caches of observations (no run state: every decision is made from observations)."""
 
     interval: float = 10.0
     redis_image: str = render.DEFAULT_REDIS_IMAGE
-    client: KubeClient | None = None
+    api_workers: int = 8
+    api: KubeApi | None = None
     progress: ProgressReader = field(default_factory=ProgressReader)
     phases: metrics.PhaseTracker = field(default_factory=metrics.PhaseTracker)
     wakeups: dict[tuple[str, str], asyncio.Event] = field(default_factory=lambda: defaultdict(asyncio.Event))
     locks: dict[str, asyncio.Lock] = field(default_factory=lambda: defaultdict(asyncio.Lock))
-    # run uid -> (the API server's last refusal to create a child, when its Warning was posted): an observation
-    # shown in the status message of a Pending run until a create succeeds
-    create_errors: dict[str, tuple[str, float]] = field(default_factory=dict)
+    refusals: dict[str, RefusalRecord] = field(default_factory=dict)  # run uid -> last refusal
+    gone: dict[tuple[str, str], dict[str, PodObs]] = field(default_factory=lambda: defaultdict(dict))
+    podgroups: set[tuple[str, str]] = field(default_factory=set)  # (namespace, name) created or found existing
+    reconciles: Counter = field(default_factory=Counter)  # (namespace, run) -> reconciles done (tests, debugging)
 
     def wake(self, key: tuple[str, str]) -> None:
         event = self.wakeups.get(key)
@@ -89,33 +115,64 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
     settings.networking.request_timeout = 60
-    settings.batching.error_delays = (1, 2, 5, 10, 30)
+    settings.queueing.error_delays = (1, 2, 5, 10, 30)
+    # kopf's `labels=` filters are client-side: without these, every pod, ConfigMap and Service of the cluster would
+    # be listed and watched.
+    for plural in ("pods", "configmaps", "services"):
+        settings.watching.label_selectors["v1", plural] = RUN_SELECTOR
 
 
 @kopf.on.login()
-def login(**kwargs: Any) -> kopf.ConnectionInfo:
-    """In-cluster service account first, then the kubeconfig ($KUBECONFIG); our own client shares the credentials."""
-    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
-    if info is None:
-        raise kopf.LoginError("no service account token and no kubeconfig ($KUBECONFIG) found")
-    STATE.client = KubeClient.from_connection_info(info)
-    return info
+def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+    """The official client's configuration ($KUBECONFIG, in-cluster, default kubeconfig) for kopf and our calls."""
+    import kubernetes.config
+
+    try:
+        cfg = kube.load_configuration()
+    except kubernetes.config.ConfigException as exc:
+        raise kopf.LoginError(f"no credentials: {exc} (set KUBECONFIG, or run in a pod with a service account)")
+    old, STATE.api = STATE.api, KubeApi(cfg, workers=STATE.api_workers)
+    if old is not None:
+        old.close()
+    return kube.connection_info(cfg, trust_env=settings.networking.trust_env)
 
 
 @kopf.on.cleanup()
 async def cleanup(**_: Any) -> None:
-    if STATE.client is not None:
-        await STATE.client.close()
+    if STATE.api is not None:
+        STATE.api.close()
+        STATE.api = None
 
 
-@kopf.index("v1", "pods", labels={LABEL_NAME: APP, LABEL_RUN: kopf.PRESENT})
+@kopf.index("v1", "pods", labels=CHILD_FILTER)
 def trpods(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> dict:
-    return {(namespace, labels[LABEL_RUN]): status.observe_pod(body)}
+    return {(namespace, labels[LABEL_RUN]): observe_pod(body)}
 
 
-@kopf.on.event("v1", "pods", labels={LABEL_NAME: APP, LABEL_RUN: kopf.PRESENT})
-def pod_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
-    """Any change of a run's pod (including deletion) wakes that run's daemon."""
+@kopf.index("v1", "configmaps", labels=CHILD_FILTER)
+def trconfigmaps(namespace: str, name: str, labels: dict[str, str], annotations: dict[str, str], **_: Any) -> dict:
+    return {(namespace, labels[LABEL_RUN]): (name, annotations.get(ANNOTATION_CONFIG_HASH))}
+
+
+@kopf.index("v1", "services", labels=CHILD_FILTER)
+def trservices(namespace: str, name: str, labels: dict[str, str], **_: Any) -> dict:
+    return {(namespace, labels[LABEL_RUN]): name}
+
+
+@kopf.on.event("v1", "pods", labels=CHILD_FILTER)
+def pod_event(event: dict, namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> None:
+    """Any change of a run's pod wakes that run's daemon; a deleted pod's last state is kept (was it evicted?)."""
+    key = (namespace, labels[LABEL_RUN])
+    if event.get("type") == "DELETED":
+        pod = observe_pod(body)
+        STATE.gone[key][pod.name] = pod
+    STATE.wake(key)
+
+
+@kopf.on.event("v1", "configmaps", labels=CHILD_FILTER)
+@kopf.on.event("v1", "services", labels=CHILD_FILTER)
+def child_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
+    """A run's ConfigMap or Service appeared, changed or went away: look at the run again."""
     STATE.wake((namespace, labels[LABEL_RUN]))
 
 
@@ -130,11 +187,17 @@ def effective_spec(body: kopf.Body) -> dict[str, Any]:
         frozen = json.loads(raw)
     except ValueError:
         return live
-    for key in MUTABLE_FIELDS:
-        if key in live:
-            frozen[key] = live[key]
+    for path in MUTABLE_FIELDS:
+        source: Any = live
+        for part in path[:-1]:
+            source = source.get(part) if isinstance(source, dict) else None
+        target = frozen
+        for part in path[:-1]:
+            target = target.setdefault(part, {})
+        if isinstance(source, dict) and path[-1] in source:
+            target[path[-1]] = source[path[-1]]
         else:
-            frozen.pop(key, None)
+            target.pop(path[-1], None)
     return frozen
 
 
@@ -157,10 +220,38 @@ def describe_validation(exc: ValidationError) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ reconcile
-async def reconcile(body: kopf.Body, index: kopf.Index) -> float | None:
+def observe(run: TrainingRun, body: kopf.Body, current: dict[str, Any], indexes: dict[str, kopf.Index]) -> Observed:
+    meta = body.get("metadata", {})
+    ns, name, uid = meta.get("namespace"), meta.get("name"), meta.get("uid")
+    key = (ns, name)
+    names = render.Names(name)
+    children = {f"Service/{svc}" for svc in indexes["trservices"].get(key, [])}
+    config_hash = None
+    for cm, digest in indexes["trconfigmaps"].get(key, []):
+        children.add(f"ConfigMap/{cm}")
+        if cm == names.config:
+            config_hash = digest
+    children |= {f"PodGroup/{pg}" for pg_ns, pg in STATE.podgroups if pg_ns == ns and names.is_podgroup(pg)}
+    progress = None
+    if current.get("phase") in ("Running", "Restarting"):
+        progress = STATE.progress.peek(render.store_url(run, ns), lambda: STATE.wake(key))
+    record = STATE.refusals.get(uid)
+    return Observed(
+        pods=tuple(indexes["trpods"].get(key, [])),
+        gone=tuple(STATE.gone.get(key, {}).values()),
+        children=frozenset(children),
+        config_hash=config_hash,
+        progress=progress,
+        refusal=record.refusal if record is not None else None,
+        spec_errors=tuple(render.cluster_errors(run)),
+        generation=meta.get("generation"),
+    )
+
+
+async def reconcile(body: kopf.Body, indexes: dict[str, kopf.Index]) -> float | None:
     """One observe → decide → write → act step. Returns a wake-up hint (seconds) or None."""
-    client = STATE.client
-    assert client is not None, "login handler has not run"
+    api = STATE.api
+    assert api is not None, "login handler has not run"
     meta = body.get("metadata", {})
     ns, name, uid = meta.get("namespace"), meta.get("name"), meta.get("uid")
     if meta.get("deletionTimestamp"):
@@ -173,23 +264,13 @@ async def reconcile(body: kopf.Body, index: kopf.Index) -> float | None:
     except ValidationError as exc:
         decision = status.invalid_spec(current, describe_validation(exc), now=now, generation=meta.get("generation"))
     else:
-        pods = list(index.get((ns, name), []))
-        progress = None
-        if current.get("phase") in ("Running", "Restarting"):
-            progress = STATE.progress.peek(render.store_url(run, ns), lambda: STATE.wake((ns, name)))
-        decision = status.decide(
-            run, current, pods, now=now, generation=meta.get("generation"), progress=progress,
-            spec_errors=render.cluster_errors(run),
-        )
-    refusal = STATE.create_errors.get(uid)
-    if refusal is not None and decision.status.get("phase") == "Pending" and decision.create_pods:
-        decision.status["message"] = refusal[0]
+        decision = status.decide(run, current, observe(run, body, current, indexes), now=now)
     changes = status.status_changes(current, decision.status)
     if changes:
         try:
-            await client.patch(API_VERSION, KIND, ns, name,
-                               {"metadata": {"resourceVersion": meta.get("resourceVersion")}, "status": changes},
-                               plural=PLURAL, subresource="status")
+            await api.patch(API_VERSION, KIND, ns, name,
+                            {"metadata": {"resourceVersion": meta.get("resourceVersion")}, "status": changes},
+                            subresource="status")
         except Conflict:
             log.debug("%s/%s: stale observation (resourceVersion %s); deciding again", ns, name,
                       meta.get("resourceVersion"))
@@ -197,79 +278,122 @@ async def reconcile(body: kopf.Body, index: kopf.Index) -> float | None:
         log.debug("%s/%s: status %s", ns, name, changes)
     if run is not None and ANNOTATION_SPEC not in (meta.get("annotations") or {}):
         frozen = json.dumps(run.spec.to_dict(), sort_keys=True, separators=(",", ":"))
-        await client.patch(API_VERSION, KIND, ns, name,
-                           {"metadata": {"annotations": {ANNOTATION_SPEC: frozen}}}, plural=PLURAL)
+        await api.patch(API_VERSION, KIND, ns, name, {"metadata": {"annotations": {ANNOTATION_SPEC: frozen}}})
     for type_, reason, message in decision.events:
-        kopf.event(body, type=type_, reason=reason, message=message[:1000])
+        kopf.event(body, type=type_, reason=reason, message=message)
     if decision.restarted:
         metrics.RESTARTS.inc()
+    attempt = int(decision.status.get("attempt") or 0)
+    gone = STATE.gone.get((ns, name))
+    if gone:
+        STATE.gone[(ns, name)] = {n: p for n, p in gone.items() if p.attempt is not None and p.attempt >= attempt}
     STATE.phases.set(uid, decision.status.get("phase"), namespace=ns, name=name,
                      restarts=decision.status.get("restarts"), step=decision.status.get("step"))
-    await act(decision, run, body)
+    hint = await act(decision, run, body)
+    if hint is not None:
+        decision.wake_in(hint)
     return decision.requeue_after
 
 
-async def act(decision: status.Decision, run: TrainingRun | None, body: kopf.Body) -> None:
-    client = STATE.client
-    assert client is not None
+async def act(decision: status.Decision, run: TrainingRun | None, body: kopf.Body) -> float | None:
+    """Delete, update and create what the decision says; returns a retry hint after a refused create."""
+    api = STATE.api
+    assert api is not None
     meta = body["metadata"]
-    ns, name = meta["namespace"], meta["name"]
-    for pod in decision.delete_pods:
-        await client.delete("v1", "Pod", ns, pod)
+    ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
+    await asyncio.gather(*(api.delete("v1", "Pod", ns, pod) for pod in decision.delete_pods))
     if decision.delete_run:
-        STATE.phases.set(meta["uid"], None)
-        await client.delete(API_VERSION, KIND, ns, name, plural=PLURAL)
-        return
+        STATE.phases.set(uid, None)
+        await api.delete(API_VERSION, KIND, ns, name)
+        return None
     if run is None:
-        return
-    owner = render.Owner(name=name, namespace=ns, uid=meta["uid"])
+        return None
+    provider = render.gang.provider(run)
+    for child in decision.delete:  # PodGroups of earlier attempts
+        if provider is not None:
+            await api.delete(provider.api_version, child.kind, ns, child.name)
+        STATE.podgroups.discard((ns, child.name))
+    if not decision.create and not decision.update:
+        return None
+    record = STATE.refusals.get(uid)
+    if record is not None and time.monotonic() < record.retry_at:
+        return record.retry_at - time.monotonic()  # backing off after a refusal
+    owner = render.Owner(name=name, namespace=ns, uid=uid)
     attempt = int(decision.status.get("attempt") or 0)
-    objs: list[dict[str, Any]] = []
-    if decision.create_base:
-        objs += [render.render_config_map(run, owner), render.render_service(run, owner)]
-        objs += [o for o in render.render_store(run, owner, STATE.redis_image) if o["kind"] == "Service"]
-        pg = render.render_podgroup(run, owner)
-        if pg is not None:
-            objs.append(pg)
-    if decision.create_store_pod:
-        objs += [o for o in render.render_store(run, owner, STATE.redis_image) if o["kind"] == "Pod"]
-    if decision.create_pods:
-        plan = render.plan_for(run, ns, attempt)
-        wanted = set(decision.create_pods)
-        objs += [render.render_process_pod(run, owner, p, attempt) for p in plan.processes if (p.role, p.rank) in wanted]
-    failed: ApiError | None = None
-    for obj in objs:
-        try:
-            await client.create(obj)
-        except ApiError as exc:
-            if obj["kind"] == "PodGroup" and exc.status == 404:
-                message = (f"spec.gangScheduling: the PodGroup API {obj['apiVersion']} is not served by this cluster "
-                           f"(install {run.spec.gang_scheduling.provider} or disable gangScheduling)")
-                kopf.event(body, type="Warning", reason="InvalidSpec", message=message)
-                raise kopf.TemporaryError(message, delay=30) from exc
-            if exc.status >= 500 or failed is not None:
-                failed = failed or exc
-                continue  # try the other children; report the first refusal
-            failed = exc
-            refusal = f"cannot create {obj['kind']} {obj['metadata']['name']}: {exc.detail}"
-            # e.g. an exceeded ResourceQuota, a missing PriorityClass, a rejected volume: without this the run would
-            # only say "waiting for N pod(s) to start". One Warning per distinct refusal per minute (retries are 5 s).
-            last = STATE.create_errors.get(meta["uid"])
-            if last is None or last[0] != refusal or time.monotonic() - last[1] > 60:
-                kopf.event(body, type="Warning", reason="FailedCreate", message=refusal[:1000])
-                STATE.create_errors[meta["uid"]] = (refusal, time.monotonic())
-    if failed is not None:
-        raise failed
-    if objs:
-        STATE.create_errors.pop(meta["uid"], None)
+    try:
+        for child in decision.update:
+            obj = render.render_child(run, owner, child, attempt, redis_image=STATE.redis_image)
+            await api.patch("v1", child.kind, ns, child.name,
+                            {"metadata": {"annotations": obj["metadata"].get("annotations")}, "data": obj["data"]})
+        base = [c for c in decision.create if c.role not in ("rollout", "trainer")]
+        group = [c for c in decision.create if c.role in ("rollout", "trainer")]
+        for child in base:  # in order: what the pods mount and resolve first
+            await create(run, owner, child, attempt)
+        results = await asyncio.gather(*(create(run, owner, c, attempt) for c in group), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+    except _Refused as refused:
+        return refused_create(body, refused)
+    if record is not None:
+        del STATE.refusals[uid]  # the creates went through
+        STATE.wake((ns, name))
+    return None
+
+
+class _Refused(Exception):
+    def __init__(self, refusal: Refusal):
+        super().__init__(refusal.describe())
+        self.refusal = refusal
+
+
+async def create(run: TrainingRun, owner: render.Owner, child: render.Child, attempt: int) -> None:
+    api = STATE.api
+    assert api is not None
+    obj = render.render_child(run, owner, child, attempt, redis_image=STATE.redis_image)
+    try:
+        await api.create(obj)
+    except ApiError as exc:
+        message = exc.detail
+        if child.kind == "PodGroup" and exc.status == 404:
+            message = (f"the PodGroup API {obj['apiVersion']} is not served by this cluster (spec.gangScheduling: "
+                       f"install {run.spec.gang_scheduling.provider} or turn gang scheduling off)")
+        raise _Refused(Refusal(kind=child.kind, name=child.name, code=exc.status, message=message,
+                               permanent=is_permanent(exc.status))) from exc
+    if child.kind == "PodGroup":
+        STATE.podgroups.add((owner.namespace, child.name))
+
+
+def refused_create(body: kopf.Body, refused: _Refused) -> float:
+    """Remember the refusal (an observation for the next decision), post a FailedCreate Warning (once per distinct
+    refusal per minute) and back off exponentially (1 s, 2 s, ... 60 s) before the next try."""
+    meta = body["metadata"]
+    uid, key = meta["uid"], (meta["namespace"], meta["name"])
+    now = time.monotonic()
+    old = STATE.refusals.get(uid)
+    same = old is not None and old.refusal == refused.refusal
+    tries = old.tries + 1 if old is not None else 1
+    delay = min(2.0 ** (tries - 1), CREATE_RETRY_MAX)
+    event_at = old.event_at if same and old is not None else -1e9
+    if now - event_at > 60:
+        kopf.event(body, type="Warning", reason="FailedCreate",
+                   message=status.bounded(refused.refusal.describe(), status.EVENT_MESSAGE_MAX))
+        event_at = now
+    STATE.refusals[uid] = RefusalRecord(refused.refusal, tries=tries, retry_at=now + delay, event_at=event_at)
+    log.info("%s/%s: %s (retrying in %.0fs)", *key, refused.refusal.describe(), delay)
+    if refused.refusal.permanent:
+        STATE.wake(key)  # decide at once: the run fails with the server's message
+        return 0.05
+    return delay
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=2.0)
 async def run_daemon(body: kopf.Body, namespace: str, name: str, uid: str, stopped: kopf.DaemonStopped,
-                     trpods: kopf.Index, **_: Any) -> None:
+                     trpods: kopf.Index, trconfigmaps: kopf.Index, trservices: kopf.Index, **_: Any) -> None:
     """Reconciles one TrainingRun for as long as it exists."""
     key = (namespace, name)
     wakeup = STATE.wakeups[key]
+    indexes = {"trpods": trpods, "trconfigmaps": trconfigmaps, "trservices": trservices}
     STATE.progress.max_age = min(max(STATE.interval / 2, 0.5), 5.0)
     try:
         while not stopped:
@@ -278,7 +402,7 @@ async def run_daemon(body: kopf.Body, namespace: str, name: str, uid: str, stopp
             hint: float | None = None
             try:
                 async with STATE.locks[uid]:
-                    hint = await asyncio.wait_for(reconcile(body, trpods), timeout=120)
+                    hint = await asyncio.wait_for(reconcile(body, indexes), timeout=120)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - logged, counted, retried after a pause
@@ -287,6 +411,7 @@ async def run_daemon(body: kopf.Body, namespace: str, name: str, uid: str, stopp
                 hint = 5.0
             finally:
                 metrics.RECONCILE_SECONDS.labels(handler="reconcile").observe(time.perf_counter() - started)
+                STATE.reconciles[key] += 1
             wait = STATE.interval if hint is None else max(0.05, min(hint, STATE.interval))
             try:
                 await asyncio.wait_for(wakeup.wait(), timeout=wait)
@@ -299,7 +424,8 @@ async def run_daemon(body: kopf.Body, namespace: str, name: str, uid: str, stopp
             pass
         STATE.wakeups.pop(key, None)
         STATE.locks.pop(uid, None)
-        STATE.create_errors.pop(uid, None)
+        STATE.refusals.pop(uid, None)
+        STATE.gone.pop(key, None)
         STATE.phases.set(uid, None)
 
 
@@ -307,16 +433,18 @@ async def run_daemon(body: kopf.Body, namespace: str, name: str, uid: str, stopp
 def spec_changed(diff: kopf.Diff, body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
     """Mutable fields take effect; other changes are ignored (the run keeps its frozen spec) with a Warning."""
     applied, ignored = [], []
-    for op, path, _old, _new in diff:
-        parts = [str(p) for p in path]
+    for _op, path, _old, _new in diff:
+        parts = tuple(str(p) for p in path)
         if parts and parts[0] == "spec":
             parts = parts[1:]
         dotted = "spec." + ".".join(parts) if parts else "spec"
-        (applied if parts and parts[0] in MUTABLE_FIELDS else ignored).append(dotted)
+        mutable = any(parts[:len(m)] == m for m in MUTABLE_FIELDS)
+        (applied if mutable else ignored).append(dotted)
     if applied:
         kopf.event(body, type="Normal", reason="SpecUpdated", message=f"applied: {', '.join(sorted(set(applied)))}")
     if ignored:
+        allowed = ", ".join("spec." + ".".join(m) for m in MUTABLE_FIELDS)
         kopf.event(body, type="Warning", reason="SpecChangeIgnored", message=(
-            f"ignored during the run: {', '.join(sorted(set(ignored)))}; only spec."
-            f"{', spec.'.join(MUTABLE_FIELDS)} can change (create a new TrainingRun for other changes)"))
+            f"ignored during the run: {', '.join(sorted(set(ignored)))}; only {allowed} can change (create a new "
+            "TrainingRun for other changes)"))
     STATE.wake((namespace, name))

@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interval", type=float, default=10.0,
                         help="reconcile every run at least this often, in seconds (progress refresh, hang detection)")
     parser.add_argument("--redis-image", default=None, help="image of managed stores (default redis:7.2-alpine)")
+    parser.add_argument("--api-workers", type=int, default=8, metavar="N",
+                        help="the operator's own API calls run in a pool of N threads (default 8): at most N in "
+                        "flight; kopf's watches are separate")
     parser.add_argument("-v", "--verbose", action="store_true", help="more logs")
     parser.add_argument("--debug", action="store_true", help="kopf debug logs")
 
@@ -36,12 +39,15 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.interval <= 30:
         raise SystemExit(f"--interval: {args.interval} is out of range; allowed: 0 < interval <= 30 seconds "
                          "(progress must reach the status at least every 30 s)")
+    if not 1 <= args.api_workers <= 64:
+        raise SystemExit(f"--api-workers: {args.api_workers} is out of range; allowed: 1 to 64")
     for opt in ("liveness_port", "metrics_port"):
         if not 0 <= getattr(args, opt) <= 65535:
             raise SystemExit(f"--{opt.replace('_', '-')}: {getattr(args, opt)} is not a port (0-65535)")
     kopf.configure(verbose=args.verbose, debug=args.debug)
     logging.getLogger("trainingrun").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     handlers.STATE.interval = args.interval
+    handlers.STATE.api_workers = args.api_workers
     if args.redis_image:
         handlers.STATE.redis_image = args.redis_image
     if args.metrics_port:

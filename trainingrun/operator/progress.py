@@ -9,6 +9,10 @@ Contract (key `PROGRESS_KEY` via `Store.put_json`, written by trainer rank 0 aft
    "time": float}                  unix time of the write (hang detection: progressDeadlineSeconds)
 camelCase keys (samplesConsumed, lastGlobalBatchSize) are accepted too.
 
+A store that cannot be read (a NetworkPolicy, a password the operator lacks, an outage) is observed as such
+(`ProgressObs.error`): the status gets a ProgressUnknown condition naming the error, and hang detection
+(progressDeadlineSeconds) pauses until progress can be read again.
+
 Why through the store: trainer pods then need no Kubernetes API permission at all (no service account token is
 mounted), and the operator needs no pod exec/log/proxy permission. Only redis:// stores (an external URL or the
 managed store) can be read by the operator; a file:// store lives inside the pods and is refused by the operator
@@ -23,23 +27,30 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from trainingrun.operator.observe import ProgressObs
+
 PROGRESS_KEY = "progress"
 log = logging.getLogger(__name__)
 
 
 class ProgressReader:
-    """Reads the progress key of each run's store (one open store per URL, opened lazily, closed on `forget`)."""
+    """Reads the progress key of each run's store (one open store per URL, opened lazily, closed on `forget`).
+
+    A read that fails is an observation too: `peek` then returns the last value read with the error, and the
+    status shows a ProgressUnknown condition instead of treating "cannot read" as "no progress".
+    """
 
     def __init__(self, timeout: float = 3.0, max_age: float = 2.0):
         self.timeout = timeout
         self.max_age = max_age
         self._stores: dict[str, Any] = {}
-        self._cache: dict[str, tuple[float, dict[str, Any] | None]] = {}
+        self._cache: dict[str, tuple[float, ProgressObs]] = {}
         self._tasks: dict[str, asyncio.Task] = {}
 
-    def peek(self, url: str, on_change: Callable[[], None] | None = None) -> dict[str, Any] | None:
-        """The last progress read from `url` without waiting (a reconcile never blocks on a slow store); starts a
-        background refresh when the value is older than `max_age`, and calls `on_change` when it changed."""
+    def peek(self, url: str, on_change: Callable[[], None] | None = None) -> ProgressObs | None:
+        """The last observation of `url` without waiting (a reconcile never blocks on a slow store); starts a
+        background refresh when it is older than `max_age`, and calls `on_change` when it changed. None before the
+        first read finished, and for stores the operator cannot read (not redis://)."""
         cached = self._cache.get(url)
         if url.startswith("redis://") and url not in self._tasks and (
             cached is None or time.monotonic() - cached[0] >= self.max_age
@@ -48,15 +59,17 @@ class ProgressReader:
         return cached[1] if cached else None
 
     async def _refresh(self, url: str, on_change: Callable[[], None] | None) -> None:
+        old = self._cache.get(url)
         try:
-            value = await self.read(url)
+            value, error = await self.read(url), None
+        except Exception as exc:  # noqa: BLE001 - any failure to read is reported, not raised
+            value, error = (old[1].value if old else None), f"{type(exc).__name__}: {exc}"[:1000]
+            log.info("progress from %s cannot be read: %s", url, error)
         finally:
             self._tasks.pop(url, None)
-        old = self._cache.get(url)
-        if value is None and old is not None:
-            value = old[1]  # unreachable for now: keep the last known progress
-        self._cache[url] = (time.monotonic(), value)
-        if on_change is not None and (old is None or old[1] != value) and value is not None:
+        obs = ProgressObs(value=value, error=error)
+        self._cache[url] = (time.monotonic(), obs)
+        if on_change is not None and (old is None or old[1] != obs):
             on_change()
 
     def _read(self, url: str) -> dict[str, Any] | None:
@@ -65,6 +78,14 @@ class ProgressReader:
             from trainingrun.store import open_store
 
             store = open_store(url)
+            # Report an outage, don't wait it out: the store's own retries (and redis-py's) are for the pods.
+            if hasattr(store, "retry_seconds"):
+                store.retry_seconds = min(store.retry_seconds, self.timeout / 3)
+            if hasattr(getattr(store, "client", None), "set_retry"):
+                from redis.backoff import NoBackoff
+                from redis.retry import Retry
+
+                store.client.set_retry(Retry(NoBackoff(), 0))
             self._stores[url] = store
         try:
             return store.get_json(PROGRESS_KEY)
@@ -77,14 +98,13 @@ class ProgressReader:
             raise
 
     async def read(self, url: str) -> dict[str, Any] | None:
-        """The progress dict, or None when the store has none yet or cannot be reached (logged, not raised)."""
+        """The progress dict, or None when the store has none yet; raises when the store cannot be read."""
         if not url.startswith("redis://"):
             return None
         try:
             return await asyncio.wait_for(asyncio.to_thread(self._read, url), self.timeout)
-        except Exception as exc:  # noqa: BLE001 - the store may not be up yet; status keeps the last progress
-            log.debug("progress from %s not available: %s", url, exc)
-            return None
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no answer from the store within {self.timeout:g}s") from None
 
     def forget(self, url: str) -> None:
         self._cache.pop(url, None)

@@ -5,13 +5,18 @@ Each rule is a plain dict as in a Kubernetes PolicyRule (apiGroups / resources /
 
 - trainingruns: kopf watches them (list, watch), patches its own annotations/finalizers (patch) and the operator
   deletes finished runs for `ttlSecondsAfterFinished` (delete); `trainingruns/status` is where the status is written.
+- trainingruns/finalizers (update): every child carries an owner reference with `blockOwnerDeletion: true`; with the
+  OwnerReferencesPermissionEnforcement admission plugin (on in OpenShift) creating such a child needs `update` on the
+  owner's finalizers, or every create is refused with 403.
 - pods: the rollout, trainer and managed-store pods are created and deleted by the operator (restarts, suspend,
-  terminal clean-up) and watched to observe their phases and exit codes.
-- services, configmaps: the headless rendezvous service, the managed store's service and the run's config are created
-  once per run (get, create); they are garbage-collected with the run through their owner references.
+  terminal clean-up) and watched (with a label selector) to observe their phases, exit codes and disruptions.
+- services, configmaps: the headless rendezvous service, the managed store's service and the run's config are watched
+  (with a label selector: every reconcile creates whichever is missing) and created; the ConfigMap is patched when
+  the run's spec changes (a resize). They are garbage-collected with the run through their owner references.
 - events: kopf posts Kubernetes Events on the TrainingRun for every lifecycle change.
 - customresourcedefinitions, namespaces: kopf's discovery of served resources and of the namespaces it watches.
-- podgroups: only with `spec.gangScheduling.enabled` (Volcano or scheduler-plugins' coscheduling).
+- podgroups: only with `spec.gangScheduling.enabled` (Volcano or scheduler-plugins' coscheduling): one per attempt,
+  created, and deleted when the attempt ends.
 - kopf.dev peerings: only when the operator runs with `--peering` (HA, see docs/operator.md); the default is
   `--standalone` with one replica.
 
@@ -29,8 +34,10 @@ Rule = dict[str, list[str]]
 NAMESPACED_RULES: tuple[Rule, ...] = (
     {"apiGroups": ["trainingrun.dev"], "resources": ["trainingruns"], "verbs": ["get", "list", "watch", "patch", "delete"]},
     {"apiGroups": ["trainingrun.dev"], "resources": ["trainingruns/status"], "verbs": ["get", "patch", "update"]},
+    {"apiGroups": ["trainingrun.dev"], "resources": ["trainingruns/finalizers"], "verbs": ["update"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "create", "delete"]},
-    {"apiGroups": [""], "resources": ["services", "configmaps"], "verbs": ["get", "create"]},
+    {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "list", "watch", "create"]},
+    {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch", "create", "patch"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
 )
 
@@ -42,8 +49,8 @@ CLUSTER_RULES: tuple[Rule, ...] = (
 
 # Only with gang scheduling (spec.gangScheduling.enabled).
 GANG_RULES: tuple[Rule, ...] = (
-    {"apiGroups": ["scheduling.volcano.sh"], "resources": ["podgroups"], "verbs": ["get", "create"]},
-    {"apiGroups": ["scheduling.x-k8s.io"], "resources": ["podgroups"], "verbs": ["get", "create"]},
+    {"apiGroups": ["scheduling.volcano.sh"], "resources": ["podgroups"], "verbs": ["get", "create", "delete"]},
+    {"apiGroups": ["scheduling.x-k8s.io"], "resources": ["podgroups"], "verbs": ["get", "create", "delete"]},
 )
 
 # Only with --peering (several replicas; one active). ClusterKopfPeering is cluster-scoped.

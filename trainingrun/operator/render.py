@@ -4,18 +4,23 @@ Nothing here talks to the API server; `trainingrun.operator.handlers` creates wh
 owner reference to its TrainingRun (controller: true), so deleting the run garbage-collects them.
 
 Children of a run `R` in namespace `NS`:
-  ConfigMap  R-config           the run manifest as YAML, mounted at `trainingrun.plan.CONFIG_MOUNT_PATH`
-  Service    R-trainers         headless; trainer pods set hostname trainer-<rank> + subdomain R-trainers, so
-                                MASTER_ADDR = trainer-0.R-trainers.NS.svc is trainer 0's stable DNS name
+  ConfigMap  R-config           the run manifest as YAML, mounted at `trainingrun.plan.CONFIG_MOUNT_PATH`; annotated
+                                with a hash of it (`config_hash`), so a changed spec (a resize) is noticed
+  Service    R-trainers         headless; trainer pods of attempt k set hostname trainer-<rank>-a<k> + subdomain
+                                R-trainers, so MASTER_ADDR = trainer-0-a<k>.R-trainers.NS.svc is the current
+                                attempt's trainer 0 and never a pod of an older attempt still terminating
   Pod        R-rollout-a<k>     the rollout (attempt k)
   Pod        R-trainer-<i>-a<k> trainer rank i (attempt k)
   Pod+Svc    R-store            Redis, only with `store.managed: true` (or no store configured)
-  PodGroup   R                  only with `gangScheduling.enabled`
-Pod names carry the attempt so a restarted group never collides with pods of the previous attempt still terminating.
+  PodGroup   R-a<k>             only with `gangScheduling.enabled` (`trainingrun.operator.gang`), per attempt
+Pod names carry the attempt so a restarted group never collides with pods of the previous attempt still terminating;
+every pod's TRAININGRUN_ATTEMPT is its attempt, which the store and checkpoints use to refuse an older attempt's
+writes. `Child` names one child for `status.decide`; `render_child` renders it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -33,13 +38,15 @@ from trainingrun.api.constants import (
     ROLE_STORE,
     ROLE_TRAINER,
 )
+from trainingrun.api.constants import ANNOTATION_CONFIG_HASH
 from trainingrun.api.manifest import dump_yaml
 from trainingrun.api.models import TrainingRun
+from trainingrun.operator import gang
 from trainingrun.plan import CONFIG_MOUNT_PATH, DEFAULT_MASTER_PORT, ProcessPlan, RunPlan, build_plan
 
 STORE_PORT = 6379
 DEFAULT_REDIS_IMAGE = "redis:7.2-alpine"
-GPU_RESOURCE = "nvidia.com/gpu"
+GPU_RESOURCE = gang.GPU_RESOURCE
 CONFIG_VOLUME = "config"  # pod volume of the run's ConfigMap (reserved: podTemplate.volumes may not use it)
 SHM_VOLUME = "dshm"  # memory-backed /dev/shm of multi-worker trainer pods (reserved too)
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -82,12 +89,46 @@ class Names:
     def store(self) -> str:
         return f"{self.run}-store"
 
-    @property
-    def podgroup(self) -> str:
-        return self.run
+    def podgroup(self, attempt: int) -> str:
+        return f"{self.run}-a{attempt}"
+
+    def is_podgroup(self, name: str) -> bool:
+        """Whether `name` is one of this run's PodGroups (of any attempt)."""
+        prefix = f"{self.run}-a"
+        return name.startswith(prefix) and name[len(prefix):].isdigit()
 
     def pod(self, role: str, rank: int | None, attempt: int) -> str:
         return f"{self.run}-{role}-a{attempt}" if rank is None else f"{self.run}-{role}-{rank}-a{attempt}"
+
+    @staticmethod
+    def hostname(rank: int, attempt: int) -> str:
+        """A trainer pod's hostname: per attempt, so the rendezvous name never resolves to an older attempt's pod."""
+        return f"trainer-{rank}-a{attempt}"
+
+
+@dataclass(frozen=True)
+class Child:
+    """One child object of a run, by kind and name (pods of the attempt also by role and rank)."""
+
+    kind: str  # ConfigMap, Service, Pod, PodGroup
+    name: str
+    role: str | None = None
+    rank: int | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}/{self.name}"
+
+
+def base_children(run: TrainingRun, attempt: int) -> list[Child]:
+    """What the attempt's pods need before they are created, in creation order (plus the managed store's pod)."""
+    names = Names(run.metadata.name)
+    out = [Child("ConfigMap", names.config), Child("Service", names.service)]
+    if store_is_managed(run):
+        out += [Child("Service", names.store), Child("Pod", names.store, role=ROLE_STORE)]
+    if gang.provider(run) is not None:
+        out.append(Child("PodGroup", names.podgroup(attempt)))
+    return out
 
 
 def store_is_managed(run: TrainingRun) -> bool:
@@ -107,8 +148,8 @@ def store_url(run: TrainingRun, namespace: str) -> str:
     return url
 
 
-def master_addr(run: TrainingRun, namespace: str) -> str:
-    return f"trainer-0.{Names(run.metadata.name).service}.{namespace}.svc"
+def master_addr(run: TrainingRun, namespace: str, attempt: int) -> str:
+    return f"{Names.hostname(0, attempt)}.{Names(run.metadata.name).service}.{namespace}.svc"
 
 
 def cluster_errors(run: TrainingRun) -> list[str]:
@@ -160,7 +201,7 @@ def plan_for(run: TrainingRun, namespace: str, attempt: int) -> RunPlan:
         run,
         store_url=store_url(run, namespace),
         config_path=CONFIG_MOUNT_PATH,
-        master_addr=master_addr(run, namespace),
+        master_addr=master_addr(run, namespace, attempt),
         master_port=DEFAULT_MASTER_PORT,
         attempt=attempt,
     )
@@ -182,12 +223,22 @@ def base_labels(run_name: str) -> dict[str, str]:
     return {LABEL_NAME: APP, LABEL_RUN: run_name}
 
 
+def _config_text(run: TrainingRun, namespace: str) -> str:
+    return dump_yaml(run_manifest(run, namespace), sort_keys=False)
+
+
+def config_hash(run: TrainingRun) -> str:
+    """A short hash of the run's manifest (the ConfigMap's content, whatever the namespace)."""
+    return hashlib.sha256(_config_text(run, "").encode()).hexdigest()[:16]
+
+
 def render_config_map(run: TrainingRun, owner: Owner) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(Names(owner.name).config, owner, {**base_labels(owner.name), LABEL_ROLE: ROLE_CONFIG}),
-        "data": {"run.yaml": dump_yaml(run_manifest(run, owner.namespace), sort_keys=False)},
+        "metadata": _meta(Names(owner.name).config, owner, {**base_labels(owner.name), LABEL_ROLE: ROLE_CONFIG},
+                          {ANNOTATION_CONFIG_HASH: config_hash(run)}),
+        "data": {"run.yaml": _config_text(run, owner.namespace)},
     }
 
 
@@ -228,9 +279,8 @@ def _pod_spec_common(run: TrainingRun) -> dict[str, Any]:
         spec["priorityClassName"] = t.priority_class_name
     if t.service_account_name:
         spec["serviceAccountName"] = t.service_account_name
-    scheduler = run.spec.scheduler_name
-    if scheduler is None and run.spec.gang_scheduling.enabled and run.spec.gang_scheduling.provider == "volcano":
-        scheduler = "volcano"
+    provider = gang.provider(run)
+    scheduler = run.spec.scheduler_name or (provider.scheduler_name if provider is not None else None)
     if scheduler:
         spec["schedulerName"] = scheduler
     return spec
@@ -262,12 +312,13 @@ def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, att
     annotations = dict(t.annotations)
     if process.rank is not None:
         labels[LABEL_RANK] = str(process.rank)
-    gang = spec.gang_scheduling
-    if gang.enabled:
-        if gang.provider == "volcano":
-            annotations["scheduling.k8s.io/group-name"] = names.podgroup
-        else:
-            labels["scheduling.x-k8s.io/pod-group"] = names.podgroup
+    provider = gang.provider(run)
+    for extra_labels, extra_annotations in (
+        provider.pod_metadata(names.podgroup(attempt)) if provider is not None else ({}, {}),
+        gang.kueue_metadata(run, names.podgroup(attempt)),
+    ):
+        labels.update(extra_labels)
+        annotations.update(extra_annotations)
     if process.role == ROLE_TRAINER:
         res = spec.trainer.resources
         resources = _resources(res.requests, res.limits, spec.trainer.gpus_per_replica)
@@ -315,7 +366,8 @@ def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, att
         pod_spec["volumes"].append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
         container["volumeMounts"].append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
     if process.role == ROLE_TRAINER:
-        pod_spec["hostname"] = f"trainer-{process.rank}"
+        assert process.rank is not None
+        pod_spec["hostname"] = Names.hostname(process.rank, attempt)
         pod_spec["subdomain"] = names.service
     return {
         "apiVersion": "v1",
@@ -380,27 +432,45 @@ def _store_resources(run: TrainingRun) -> dict[str, Any]:
     return _resources(res.requests, res.limits, 0) or STORE_DEFAULT_RESOURCES
 
 
-def render_podgroup(run: TrainingRun, owner: Owner) -> dict[str, Any] | None:
-    """A PodGroup for all rollout + trainer pods (minMember = replicas + 1), or None without gang scheduling."""
-    gang = run.spec.gang_scheduling
-    if not gang.enabled:
+def render_podgroup(run: TrainingRun, owner: Owner, attempt: int) -> dict[str, Any] | None:
+    """The attempt's PodGroup for its rollout + trainer pods (`trainingrun.operator.gang`), or None without gang
+    scheduling."""
+    provider = gang.provider(run)
+    if provider is None:
         return None
-    min_member = run.spec.trainer.replicas + 1
-    api = "scheduling.volcano.sh/v1beta1" if gang.provider == "volcano" else "scheduling.x-k8s.io/v1alpha1"
     return {
-        "apiVersion": api,
+        "apiVersion": provider.api_version,
         "kind": "PodGroup",
-        "metadata": _meta(Names(owner.name).podgroup, owner, base_labels(owner.name)),
-        "spec": {"minMember": min_member},
+        "metadata": _meta(Names(owner.name).podgroup(attempt), owner,
+                          {**base_labels(owner.name), LABEL_ATTEMPT: str(attempt)}),
+        "spec": provider.podgroup_spec(run),
     }
 
 
+def render_child(run: TrainingRun, owner: Owner, child: Child, attempt: int, *,
+                 redis_image: str = DEFAULT_REDIS_IMAGE) -> dict[str, Any]:
+    """The object of one `Child` of attempt `attempt`."""
+    names = Names(owner.name)
+    if child.kind == "ConfigMap":
+        return render_config_map(run, owner)
+    if child.kind == "Service":
+        if child.name == names.service:
+            return render_service(run, owner)
+        return next(o for o in render_store(run, owner, redis_image) if o["kind"] == "Service")
+    if child.kind == "PodGroup":
+        pg = render_podgroup(run, owner, attempt)
+        assert pg is not None, "a PodGroup child without gang scheduling"
+        return pg
+    if child.role == ROLE_STORE:
+        return next(o for o in render_store(run, owner, redis_image) if o["kind"] == "Pod")
+    plan = plan_for(run, owner.namespace, attempt)
+    process = next(p for p in plan.processes if (p.role, p.rank) == (child.role, child.rank))
+    return render_process_pod(run, owner, process, attempt)
+
+
 def render_children(run: TrainingRun, owner: Owner, attempt: int, *, redis_image: str = DEFAULT_REDIS_IMAGE) -> list[dict]:
-    """Every child of one attempt, in creation order: config, service, store, podgroup, then the pods."""
-    out = [render_config_map(run, owner), render_service(run, owner)]
-    out += render_store(run, owner, redis_image)
-    pg = render_podgroup(run, owner)
-    if pg is not None:
-        out.append(pg)
-    out += render_pods(run, owner, attempt)
-    return out
+    """Every child of one attempt, in creation order: config, services, store, podgroup, then the pods."""
+    children = base_children(run, attempt)
+    children += [Child("Pod", Names(owner.name).pod(p.role, p.rank, attempt), role=p.role, rank=p.rank)
+                 for p in plan_for(run, owner.namespace, attempt).processes]
+    return [render_child(run, owner, c, attempt, redis_image=redis_image) for c in children]

@@ -1,36 +1,52 @@
-"""The lifecycle of a TrainingRun as a pure function: (spec, current status, observed pods, store progress, now) →
-the next status, the actions to take and the events to post. `trainingrun.operator.handlers` feeds it observations
-(kopf's pod index, the store) and performs the actions; nothing here does I/O, so every rule is unit-tested.
+"""The lifecycle of a TrainingRun as a pure function: (spec, current status, observations, now) → the next status,
+the children to create, update or delete, and the events to post. `trainingrun.operator.handlers` gathers the
+observations (`trainingrun.operator.observe`) and performs the actions; nothing here does I/O.
 
-Phases: Pending (pods of the attempt created, not all running) → Running (every pod of the attempt running or the
-rollout already done) → Succeeded (all trainers Succeeded) | Failed. Restarting: a pod of the attempt failed or was
-deleted, or no progress for `progressDeadlineSeconds`; all its pods are deleted and, after `backoffSeconds` (counted
-from the Restarting condition's transition time) and once they are gone, the next attempt starts. Suspended: every
-rollout/trainer pod deleted; `suspend: false` starts a new attempt (trainers resume from the last checkpoint).
-Terminal phases are sticky: nothing observed afterwards moves a run out of Succeeded or Failed.
+`decide` is a dispatch on the current phase; each phase handler is a short list of one-rule helpers, each of which
+either settles the reconcile (returns True) or lets the next one look:
 
-Failure policy:
-  (the rules themselves: `trainingrun.failure_policy`)
-  - a failed container with exit code `EXIT_CONFIG_ERROR` (78) fails the run at once (ConfigError);
-  - otherwise a whole-group restart while `restarts < maxRestarts`, else Failed (BackoffLimitExceeded) with the failing
-    pod, container, exit code and reason in the message;
-  - `activeDeadlineSeconds` counted from startTime (reset on resume) → Failed (DeadlineExceeded);
-  - a schema-valid spec that cannot run in a cluster (`render.cluster_errors`) → Failed (InvalidSpec) at once.
+  (any)        terminal phases are sticky: only clean up running pods and honour ttlSecondsAfterFinished
+  (non-terminal) invalid_spec → Failed/InvalidSpec;  permanent_refusal (the API server answered 400/422 to a
+               create) → Failed/InvalidSpec with the server's message;  suspend → Suspended
+  new          → Pending: create the children of attempt 0
+  Suspended    → Pending: resume as attempt k+1 (not a restart)
+  Pending      active_deadline; resize; group_exit; ensure_children (ConfigMap, Services, PodGroup, store, then the
+               attempt's pods); pods_ready → Running, else a PodsReady=False condition saying why
+  Running      active_deadline; resize; group_exit; progress_deadline; ensure_children (base only)
+  Restarting   active_deadline; wait for the backoff and for the old attempt's pods to go (a pod still terminating
+               after terminatingTimeoutSeconds no longer blocks); then Pending with the next attempt's children
+
+group_exit checks success before failure: every trainer Succeeded → Succeeded, even if the rollout failed in the same
+observation. Otherwise the failure to act on is `failure_policy.root_cause` of the attempt's failed, disrupted or
+deleted pods, and `failure_policy.on_failure` decides: exit code 78 → Failed/ConfigError; a disruption (evicted,
+preempted, lost node) → restart, counted in status.disruptions, not in restarts; any other failure → restart while
+restarts < maxRestarts, else Failed/BackoffLimitExceeded. The backoff before a restart is
+`failure_policy.backoff_seconds`. Changing spec.trainer.replicas restarts the group at the new size from the last
+checkpoint (reason Resized; not counted either).
+
+Conditions follow the Kubernetes conventions: one per type with observedGeneration, reason, message (cut to fit the
+CRD) and lastTransitionTime. The lifecycle types (Running, Restarting, Suspended, Succeeded, Failed) have one True at a
+time; PodsReady says why a Pending run is not running yet; ProgressUnknown is True while the store's progress cannot
+be read (the progress deadline does not count that time).
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainingrun.api.constants import GROUP_ROLES, LABEL_ATTEMPT, LABEL_RANK, LABEL_ROLE
-from trainingrun.api.models import TERMINAL_PHASES, TrainingRun
-from trainingrun.operator import render
 from trainingrun import failure_policy as policy
+from trainingrun.api.constants import GROUP_ROLES, ROLE_STORE, ROLE_TRAINER
+from trainingrun.api.models import MESSAGE_MAX_LENGTH, TERMINAL_PHASES, TrainingRun
+from trainingrun.operator import render
+from trainingrun.operator.observe import KUEUE_GATE, Observed, PodObs, parse_time
 
-CONDITION_TYPES = ("Running", "Restarting", "Suspended", "Succeeded", "Failed")
+LIFECYCLE_CONDITIONS = ("Running", "Restarting", "Suspended", "Succeeded", "Failed")
+EVENT_MESSAGE_MAX = 1024
+_REASON = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
 
 
 def now_utc() -> dt.datetime:
@@ -41,83 +57,13 @@ def fmt_time(t: dt.datetime) -> str:
     return t.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def parse_time(s: str | None) -> dt.datetime | None:
-    if not s:
-        return None
-    return dt.datetime.fromisoformat(s.replace("Z", "+00:00"))
-
-
-@dataclass(frozen=True)
-class PodObs:
-    """What the operator needs to know about one pod of a run."""
-
-    name: str
-    role: str
-    rank: int | None
-    attempt: int | None
-    phase: str  # Pending, Running, Succeeded, Failed, Unknown
-    deleting: bool = False
-    failure: str | None = None  # "pod P container C exited with code N (reason R)" for a Failed pod
-    exit_codes: tuple[int, ...] = ()
-    waiting: str | None = None  # e.g. "container trainer waiting: ImagePullBackOff (...)"
-
-    def as_failure(self) -> policy.Failure:
-        """This (Failed) pod as the failure policy sees it."""
-        codes = [c for c in self.exit_codes if c != 0]
-        code = policy.EXIT_CONFIG_ERROR if policy.EXIT_CONFIG_ERROR in codes else (codes[0] if codes else None)
-        return policy.Failure(name=self.name, kind=policy.classify(code), description=self.failure or
-                              f"pod {self.name} failed", role=self.role, rank=self.rank, code=code)
-
-
-def observe_pod(pod: Mapping[str, Any]) -> PodObs:
-    """Summarise a Pod object (as served by the API) into a PodObs."""
-    meta = pod.get("metadata") or {}
-    labels = meta.get("labels") or {}
-    status = pod.get("status") or {}
-    name = meta.get("name", "?")
-    rank = labels.get(LABEL_RANK)
-    attempt = labels.get(LABEL_ATTEMPT)
-    phase = status.get("phase") or "Pending"
-    codes: list[int] = []
-    failure = None
-    waiting = None
-    for cs in status.get("containerStatuses") or []:
-        state = cs.get("state") or {}
-        term = state.get("terminated") or (cs.get("lastState") or {}).get("terminated")
-        if term and term.get("exitCode") is not None:
-            code = int(term["exitCode"])
-            codes.append(code)
-            if code != 0 and failure is None:
-                reason = term.get("reason") or "Error"
-                msg = f"; {term['message'].strip()[:200]}" if term.get("message") else ""
-                failure = f"pod {name} container {cs.get('name', '?')} exited with code {code} (reason {reason}{msg})"
-        wait = state.get("waiting")
-        if wait and wait.get("reason") not in (None, "ContainerCreating", "PodInitializing") and waiting is None:
-            detail = f": {wait['message'][:200]}" if wait.get("message") else ""
-            waiting = f"pod {name} container {cs.get('name', '?')} waiting: {wait['reason']}{detail}"
-    if phase == "Pending" and waiting is None:
-        # The scheduler's verdict (e.g. "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.") is the reason a
-        # GPU run sits in Pending; without it the status would only say "waiting for N pod(s) to start".
-        for cond in status.get("conditions") or []:
-            if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
-                detail = f": {cond['message'][:200]}" if cond.get("message") else ""
-                waiting = f"pod {name} not scheduled ({cond.get('reason') or 'Unschedulable'}){detail}"
-                break
-    if phase == "Failed" and failure is None:
-        reason = status.get("reason") or "Failed"
-        msg = f": {status['message'][:200]}" if status.get("message") else ""
-        failure = f"pod {name} failed (reason {reason}{msg})"
-    return PodObs(
-        name=name,
-        role=labels.get(LABEL_ROLE, "?"),
-        rank=int(rank) if rank is not None and str(rank).isdigit() else None,
-        attempt=int(attempt) if attempt is not None and str(attempt).isdigit() else None,
-        phase=phase,
-        deleting=bool(meta.get("deletionTimestamp")),
-        failure=failure,
-        exit_codes=tuple(codes),
-        waiting=waiting,
-    )
+def bounded(message: str, limit: int = MESSAGE_MAX_LENGTH) -> str:
+    """`message` cut to at most `limit` characters, saying how much was cut."""
+    if len(message) <= limit:
+        return message
+    cut = len(message) - limit
+    tail = f"... ({cut + 40} more characters)"
+    return message[: limit - len(tail)] + tail
 
 
 @dataclass
@@ -125,253 +71,502 @@ class Decision:
     """The next status (full, camelCase) and what to do."""
 
     status: dict[str, Any]
-    create_base: bool = False  # config map, services, store, podgroup (idempotent)
-    create_pods: list[tuple[str, int | None]] = field(default_factory=list)  # (role, rank) of `status.attempt`
-    create_store_pod: bool = False
+    create: list[render.Child] = field(default_factory=list)  # in order: base children, then the attempt's pods
+    update: list[render.Child] = field(default_factory=list)  # children to bring up to date (the ConfigMap)
+    delete: list[render.Child] = field(default_factory=list)  # children other than pods to delete
     delete_pods: list[str] = field(default_factory=list)
     delete_run: bool = False
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
-    restarted: bool = False
+    restarted: bool = False  # a counted restart (the operator's restart counter)
     requeue_after: float | None = None  # wake-up hint for backoff/ttl/deadlines
 
-
-def _set_condition(conds: list[dict], type_: str, status: str, reason: str, message: str, now: str) -> None:
-    for c in conds:
-        if c["type"] == type_:
-            if c.get("status") != status:
-                c["lastTransitionTime"] = now
-            c.update(status=status, reason=reason, message=message)
-            return
-    conds.append({"type": type_, "status": status, "reason": reason, "message": message, "lastTransitionTime": now})
+    def wake_in(self, seconds: float) -> None:
+        seconds = max(seconds, 0.05)
+        self.requeue_after = seconds if self.requeue_after is None else min(self.requeue_after, seconds)
 
 
-def _condition(conds: list[dict], type_: str) -> dict | None:
-    return next((c for c in conds if c.get("type") == type_), None)
+@dataclass
+class _Ctx:
+    """One reconcile: the run, the status being built, the observations, the decision."""
+
+    run: TrainingRun
+    st: dict[str, Any]
+    obs: Observed
+    now: dt.datetime
+    d: Decision
+
+    @property
+    def spec(self):
+        return self.run.spec
+
+    @property
+    def fp(self):
+        return self.run.spec.failure_policy
+
+    @property
+    def now_s(self) -> str:
+        return fmt_time(self.now)
+
+    @property
+    def attempt(self) -> int:
+        return int(self.st["attempt"])
+
+    @property
+    def names(self) -> render.Names:
+        return render.Names(self.run.metadata.name)
+
+    # -- conditions
+    def condition(self, type_: str) -> dict | None:
+        return next((c for c in self.st["conditions"] if c.get("type") == type_), None)
+
+    def set_condition(self, type_: str, status: str, reason: str, message: str) -> None:
+        reason = reason if _REASON.match(reason or "") else "Unknown"
+        message = bounded(message)
+        for c in self.st["conditions"]:
+            if c["type"] == type_:
+                if c.get("status") != status:
+                    c["lastTransitionTime"] = self.now_s
+                c.update(status=status, reason=reason, message=message)
+                if self.obs.generation is not None:
+                    c["observedGeneration"] = self.obs.generation
+                return
+        cond = {"type": type_, "status": status, "reason": reason, "message": message,
+                "lastTransitionTime": self.now_s}
+        if self.obs.generation is not None:
+            cond["observedGeneration"] = self.obs.generation
+        self.st["conditions"].append(cond)
+
+    def phase_to(self, phase: str, reason: str, message: str, *, condition: str | None = None,
+                 event: tuple[str, str] | None = None) -> None:
+        """Set phase and message; mark lifecycle condition `condition` True and the others False; post an event."""
+        self.st["phase"] = phase
+        self.st["message"] = bounded(message)
+        for t in LIFECYCLE_CONDITIONS:
+            if t == condition:
+                self.set_condition(t, "True", reason, message)
+            elif self.condition(t) is not None:
+                self.set_condition(t, "False", reason, message)
+        if event is not None:
+            self.d.events.append((event[0], event[1], bounded(message, EVENT_MESSAGE_MAX)))
+
+    def pods_ready(self, ready: bool, reason: str, message: str) -> None:
+        self.set_condition("PodsReady", "True" if ready else "False", reason, message)
+
+    def fail(self, reason: str, message: str) -> bool:
+        self.st["completionTime"] = self.now_s
+        self.phase_to("Failed", reason, message, condition="Failed", event=("Warning", reason))
+        self.pods_ready(False, reason, "the run failed")
+        self.d.create, self.d.update = [], []
+        self.d.delete_pods = sorted({p.name for p in _live(self.obs.pods)})
+        return True
+
+    # -- the attempt's pods
+    def current(self) -> dict[tuple[str, int | None], PodObs]:
+        """The attempt's rollout and trainer pods by (role, rank): the live pod, else one being deleted, else the
+        last state of one seen deleted."""
+        out: dict[tuple[str, int | None], PodObs] = {}
+        for source in (self.obs.gone, [p for p in self.obs.pods if p.deleting],
+                       [p for p in self.obs.pods if not p.deleting]):
+            for p in source:
+                if p.role in GROUP_ROLES and p.attempt == self.attempt:
+                    out[(p.role, p.rank)] = p
+        return out
 
 
-def _only(conds: list[dict], type_: str | None, reason: str, message: str, now: str) -> None:
-    """Mark `type_` True and every other lifecycle condition False."""
-    for t in CONDITION_TYPES:
-        if t == type_:
-            _set_condition(conds, t, "True", reason, message, now)
-        elif _condition(conds, t) is not None:
-            _set_condition(conds, t, "False", reason, message, now)
+def _live(pods) -> list[PodObs]:
+    return [p for p in pods if p.phase not in ("Succeeded", "Failed") and not p.deleting]
 
 
 def expected_group(run: TrainingRun) -> list[tuple[str, int | None]]:
-    return [("rollout", None)] + [("trainer", r) for r in range(run.spec.trainer.replicas)]
-
-
-def decide(
-    run: TrainingRun,
-    status: Mapping[str, Any] | None,
-    pods: list[PodObs],
-    *,
-    now: dt.datetime,
-    generation: int | None = None,
-    progress: Mapping[str, Any] | None = None,
-    spec_errors: list[str] | None = None,
-) -> Decision:
-    """One reconcile step. `status` is the TrainingRun's current status (or None for a new run); `pods` every pod
-    labelled with the run; `progress` the store's "progress" value (or None)."""
-    st: dict[str, Any] = {
-        "phase": None, "conditions": [], "restarts": 0, "attempt": 0,
-        "step": 0, "samplesConsumed": 0, "lastGlobalBatchSize": 0, "rollout": 0,
-    }
-    st.update({k: v for k, v in dict(status or {}).items() if k in _STATUS_KEYS})
-    st["conditions"] = [dict(c) for c in st.get("conditions") or []]
-    conds = st["conditions"]
-    now_s = fmt_time(now)
-    d = Decision(status=st)
-    spec = run.spec
-    fp = spec.failure_policy
-    phase = st["phase"]
-    if generation is not None:
-        st["observedGeneration"] = generation
-    if progress:
-        for key, src in (("step", "step"), ("samplesConsumed", "samples_consumed"),
-                         ("lastGlobalBatchSize", "last_global_batch_size"), ("rollout", "rollout")):
-            value = progress.get(src, progress.get(key))
-            if isinstance(value, int) and value >= 0:
-                st[key] = value
-
-    group = [p for p in pods if p.role in GROUP_ROLES]
-    live = [p for p in pods if p.phase not in ("Succeeded", "Failed") and not p.deleting]
-
-    def fail(reason: str, message: str) -> Decision:
-        st["phase"] = "Failed"
-        st["message"] = message
-        st["completionTime"] = now_s
-        _only(conds, "Failed", reason, message, now_s)
-        d.events.append(("Warning", reason, message))
-        d.delete_pods = [p.name for p in live]
-        d.create_base = d.create_store_pod = False
-        d.create_pods = []
-        return d
-
-    # --- terminal: sticky; only clean up running pods and honour ttlSecondsAfterFinished.
-    if phase in TERMINAL_PHASES:
-        d.delete_pods = [p.name for p in live]
-        ttl = spec.ttl_seconds_after_finished
-        done = parse_time(st.get("completionTime"))
-        if ttl is not None and done is not None:
-            left = (done + dt.timedelta(seconds=ttl) - now).total_seconds()
-            if left <= 0:
-                d.delete_run = True
-                d.events.append(("Normal", "Deleted", f"ttlSecondsAfterFinished={ttl} elapsed; deleting the run"))
-            else:
-                d.requeue_after = left
-        return d
-
-    if spec_errors:
-        return fail("InvalidSpec", "the spec cannot run in a cluster: " + "; ".join(spec_errors))
-
-    group_live = [p for p in group if p.phase not in ("Succeeded", "Failed") and not p.deleting]
-
-    # --- suspend / resume
-    if spec.suspend:
-        d.delete_pods = [p.name for p in group_live]
-        if phase != "Suspended":
-            st["phase"] = "Suspended"
-            st["message"] = "suspended: pods deleted; set suspend: false to resume from the last checkpoint"
-            _only(conds, "Suspended", "Suspended", st["message"], now_s)
-            d.events.append(("Normal", "Suspended", f"deleting {len(d.delete_pods)} pod(s)"))
-        return d
-    if phase == "Suspended":
-        st["attempt"] += 1
-        phase = st["phase"] = "Pending"
-        st["startTime"] = now_s
-        st["message"] = f"resumed: attempt {st['attempt']} starting from the last checkpoint"
-        _only(conds, None, "Resumed", st["message"], now_s)
-        d.events.append(("Normal", "Resumed", st["message"]))
-        d.create_base = True
-        d.create_pods = expected_group(run)
-        d.create_store_pod = render.store_is_managed(run)
-        return d
-    if phase is None:
-        st["phase"] = "Pending"
-        st["startTime"] = now_s
-        st["message"] = f"creating {spec.trainer.replicas} trainer pod(s) and the rollout pod"
-        d.events.append(("Normal", "Created", st["message"]))
-        d.create_base = True
-        d.create_pods = expected_group(run)
-        d.create_store_pod = render.store_is_managed(run)
-        return d
-
-    # --- activeDeadlineSeconds
-    start = parse_time(st.get("startTime"))
-    if spec.active_deadline_seconds is not None and start is not None:
-        left = (start + dt.timedelta(seconds=spec.active_deadline_seconds) - now).total_seconds()
-        if left <= 0:
-            return fail("DeadlineExceeded", f"the run was active longer than activeDeadlineSeconds="
-                        f"{spec.active_deadline_seconds}")
-        d.requeue_after = left
-
-    attempt = st["attempt"]
-    current = [p for p in group if p.attempt == attempt]
-    stale = [p for p in group_live if p.attempt != attempt]
-    d.delete_pods = [p.name for p in stale]
-
-    if render.store_is_managed(run) and not any(p.role == "store" and not p.deleting for p in pods):
-        d.create_store_pod = True
-
-    # --- Restarting: wait for backoff and for the previous attempt's pods to be gone.
-    if phase == "Restarting":
-        since = parse_time((_condition(conds, "Restarting") or {}).get("lastTransitionTime")) or now
-        wait = (since + dt.timedelta(seconds=fp.backoff_seconds) - now).total_seconds()
-        leftovers = [p for p in group if p.attempt != attempt and p.phase not in ("Succeeded", "Failed")]
-        if wait > 0 or leftovers:
-            d.requeue_after = max(wait, 1.0)
-            return d
-        st["phase"] = "Pending"
-        st["message"] = f"attempt {attempt} starting (restart {st['restarts']} of maxRestarts={fp.max_restarts})"
-        _set_condition(conds, "Restarting", "False", "Restarted", st["message"], now_s)
-        d.events.append(("Normal", "Restarted", st["message"]))
-        d.create_base = True
-        d.create_pods = expected_group(run)
-        return d
-
-    by_key = {(p.role, p.rank): p for p in current if not p.deleting}
-    expected = expected_group(run)
-    cause = policy.root_cause(p.as_failure() for p in current if p.phase == "Failed")
-    failure = cause.description if cause is not None else None
-    if failure is None and phase == "Running":
-        for role, rank in expected:
-            p = by_key.get((role, rank))
-            if p is None:
-                gone = next((q for q in current if (q.role, q.rank) == (role, rank)), None)
-                name = gone.name if gone else render.Names(run.metadata.name).pod(role, rank, attempt)
-                failure = f"pod {name} was deleted while the run was running"
-                cause = policy.Failure(name=name, kind=policy.ExitKind.FAILURE, description=failure, role=role,
-                                       rank=rank)
-                break
-    if failure is None and phase == "Running" and fp.progress_deadline_seconds:
-        running_since = parse_time((_condition(conds, "Running") or {}).get("lastTransitionTime")) or now
-        last = running_since
-        ptime = progress.get("time") if progress else None
-        if isinstance(ptime, (int, float)):
-            last = max(last, dt.datetime.fromtimestamp(ptime, dt.timezone.utc))
-        left = policy.seconds_left(last.timestamp(), fp.progress_deadline_seconds, now.timestamp())
-        assert left is not None
-        if left < 0:
-            idle = (now - last).total_seconds()
-            failure = (f"no progress for {int(idle)}s (progressDeadlineSeconds={fp.progress_deadline_seconds}, "
-                       f"last step {st['step']})")
-            cause = policy.Failure(name="progress deadline", kind=policy.ExitKind.FAILURE, description=failure)
-        else:
-            d.requeue_after = left if d.requeue_after is None else min(d.requeue_after, left)
-
-    if cause is not None and failure is not None:
-        verdict = policy.on_failure(cause, restarts=st["restarts"], max_restarts=fp.max_restarts)
-        if not verdict.restart:
-            sep = ": " if cause.kind is policy.ExitKind.CONFIG_ERROR else "; "
-            return fail(verdict.reason, f"{failure}{sep}{verdict.why}")
-        st["restarts"] += 1
-        st["attempt"] = attempt + 1
-        st["phase"] = "Restarting"
-        st["message"] = (f"{failure}; restarting the whole group as attempt {attempt + 1} "
-                         f"(restart {st['restarts']} of {fp.max_restarts}) in {fp.backoff_seconds}s")
-        _only(conds, "Restarting", verdict.reason, st["message"], now_s)
-        d.events.append(("Warning", "Restarting", st["message"]))
-        d.delete_pods = sorted({p.name for p in group_live})
-        d.restarted = True
-        d.requeue_after = max(float(fp.backoff_seconds), 1.0)
-        return d
-
-    trainers = [by_key.get(("trainer", r)) for r in range(spec.trainer.replicas)]
-    if all(t is not None and t.phase == "Succeeded" for t in trainers):
-        st["phase"] = "Succeeded"
-        st["completionTime"] = now_s
-        st["message"] = f"all {len(trainers)} trainer(s) succeeded"
-        _only(conds, "Succeeded", "Completed", st["message"], now_s)
-        d.events.append(("Normal", "Succeeded", st["message"]))
-        d.delete_pods = [p.name for p in live]
-        return d
-
-    if phase == "Pending":
-        missing = [(role, rank) for role, rank in expected if (role, rank) not in by_key]
-        if missing:
-            d.create_pods = missing  # idempotent: a 409 means it exists already
-            return d
-        started = all(
-            p.phase == "Running" or (p.phase == "Succeeded") for p in by_key.values()
-        )
-        if started:
-            st["phase"] = "Running"
-            st["message"] = f"attempt {attempt}: rollout and {len(trainers)} trainer(s) running"
-            _only(conds, "Running", "PodsRunning", st["message"], now_s)
-            d.events.append(("Normal", "Running", st["message"]))
-        else:
-            waiting = next((p.waiting for p in by_key.values() if p.waiting), None)
-            not_running = sum(1 for p in by_key.values() if p.phase == "Pending")
-            st["message"] = waiting or f"attempt {attempt}: waiting for {not_running} pod(s) to start"
-    return d
+    return [("rollout", None)] + [(ROLE_TRAINER, r) for r in range(run.spec.trainer.replicas)]
 
 
 _STATUS_KEYS = {
-    "phase", "conditions", "restarts", "attempt", "step", "samplesConsumed", "lastGlobalBatchSize", "rollout",
-    "startTime", "completionTime", "observedGeneration", "message",
+    "phase", "conditions", "restarts", "disruptions", "attempt", "trainerReplicas", "step", "samplesConsumed",
+    "lastGlobalBatchSize", "rollout", "startTime", "completionTime", "observedGeneration", "message",
 }
+
+
+def decide(run: TrainingRun, status: Mapping[str, Any] | None, obs: Observed, *, now: dt.datetime) -> Decision:
+    """One reconcile step. `status` is the TrainingRun's current status (None for a new run)."""
+    st: dict[str, Any] = {"phase": None, "conditions": [], "restarts": 0, "disruptions": 0, "attempt": 0,
+                          "step": 0, "samplesConsumed": 0, "lastGlobalBatchSize": 0, "rollout": 0}
+    st.update({k: v for k, v in dict(status or {}).items() if k in _STATUS_KEYS})
+    st["conditions"] = [dict(c) for c in st.get("conditions") or []]
+    if obs.generation is not None:
+        st["observedGeneration"] = obs.generation
+    ctx = _Ctx(run, st, obs, now, Decision(status=st))
+    _read_progress(ctx)
+    phase = st["phase"]
+    if phase in TERMINAL_PHASES:
+        _terminal(ctx)
+        return ctx.d
+    if _invalid_spec(ctx) or _permanent_refusal(ctx) or _suspend(ctx):
+        return ctx.d
+    handler: Callable[[_Ctx], Any] = {
+        None: _start, "Suspended": _resume, "Pending": _pending, "Running": _running, "Restarting": _restarting,
+    }[phase]
+    handler(ctx)
+    return ctx.d
+
+
+# ------------------------------------------------------------------------------------------------ phase handlers
+def _terminal(ctx: _Ctx) -> None:
+    """Sticky: delete still-running pods (the store, a rollout that outlived the trainers) and PodGroups; TTL."""
+    ctx.d.delete_pods = [p.name for p in _live(ctx.obs.pods)]
+    _delete_podgroups(ctx, keep=None)
+    ttl = ctx.spec.ttl_seconds_after_finished
+    done = parse_time(ctx.st.get("completionTime"))
+    if ttl is None or done is None:
+        return
+    left = policy.seconds_left(done.timestamp(), ttl, ctx.now.timestamp())
+    assert left is not None
+    if left <= 0:
+        ctx.d.delete_run = True
+        ctx.d.events.append(("Normal", "Deleted", f"ttlSecondsAfterFinished={ttl} elapsed; deleting the run"))
+    else:
+        ctx.d.wake_in(left)
+
+
+def _start(ctx: _Ctx) -> None:
+    ctx.st["startTime"] = ctx.now_s
+    ctx.st["trainerReplicas"] = ctx.spec.trainer.replicas
+    ctx.phase_to("Pending", "Created", f"creating {ctx.spec.trainer.replicas} trainer pod(s) and the rollout pod",
+                 event=("Normal", "Created"))
+    _ensure_children(ctx, pods=True)
+    ctx.pods_ready(False, "Creating", ctx.st["message"])
+
+
+def _resume(ctx: _Ctx) -> None:
+    ctx.st["attempt"] += 1
+    ctx.st["startTime"] = ctx.now_s
+    ctx.st["trainerReplicas"] = ctx.spec.trainer.replicas
+    ctx.phase_to("Pending", "Resumed", f"resumed: attempt {ctx.attempt} starting from the last checkpoint",
+                 event=("Normal", "Resumed"))
+    _ensure_children(ctx, pods=True)
+    ctx.pods_ready(False, "Creating", ctx.st["message"])
+
+
+def _pending(ctx: _Ctx) -> None:
+    if _active_deadline(ctx) or _resize(ctx) or _group_exit(ctx):
+        return
+    _delete_stale(ctx)
+    _ensure_children(ctx, pods=True)
+    _pods_ready(ctx)
+
+
+def _running(ctx: _Ctx) -> None:
+    if _active_deadline(ctx) or _resize(ctx) or _group_exit(ctx) or _progress_deadline(ctx):
+        return
+    _delete_stale(ctx)
+    _ensure_children(ctx, pods=False)
+
+
+def _restarting(ctx: _Ctx) -> None:
+    if _active_deadline(ctx):
+        return
+    _delete_stale(ctx)
+    _ensure_children(ctx, pods=False)
+    if _wait_backoff(ctx) or _wait_terminating(ctx):
+        return
+    restarts = ctx.st["restarts"]
+    message = f"attempt {ctx.attempt} starting (restart {restarts} of maxRestarts={ctx.fp.max_restarts}"
+    message += f", disruptions {ctx.st['disruptions']})" if ctx.st["disruptions"] else ")"
+    ctx.st["trainerReplicas"] = ctx.spec.trainer.replicas
+    ctx.st["phase"] = "Pending"
+    ctx.st["message"] = message
+    ctx.set_condition("Restarting", "False", "Restarted", message)
+    ctx.d.events.append(("Normal", "Restarted", message))
+    _ensure_children(ctx, pods=True)
+    ctx.pods_ready(False, "Creating", message)
+
+
+# --------------------------------------------------------------------------------------------- one-rule helpers
+def _invalid_spec(ctx: _Ctx) -> bool:
+    """A schema-valid spec that cannot run in a cluster (`render.cluster_errors`) fails at once."""
+    if not ctx.obs.spec_errors:
+        return False
+    return ctx.fail("InvalidSpec", "the spec cannot run in a cluster: " + "; ".join(ctx.obs.spec_errors))
+
+
+def _permanent_refusal(ctx: _Ctx) -> bool:
+    """The API server refused a child as invalid (400/422, e.g. a validating webhook): retrying cannot help."""
+    refusal = ctx.obs.refusal
+    if refusal is None or not refusal.permanent:
+        return False
+    return ctx.fail("InvalidSpec", f"{refusal.describe()} (the API server refused it as invalid; fix the spec and "
+                    "create a new run)")
+
+
+def _suspend(ctx: _Ctx) -> bool:
+    if not ctx.spec.suspend:
+        return False
+    group_live = [p for p in _live(ctx.obs.pods) if p.role in GROUP_ROLES]
+    ctx.d.delete_pods = [p.name for p in group_live]
+    _delete_podgroups(ctx, keep=None)
+    if ctx.st["phase"] != "Suspended":
+        ctx.phase_to("Suspended", "Suspended", "suspended: pods deleted; set suspend: false to resume from the last "
+                     "checkpoint", condition="Suspended")
+        ctx.d.events.append(("Normal", "Suspended", f"deleting {len(ctx.d.delete_pods)} pod(s)"))
+        ctx.pods_ready(False, "Suspended", "suspended")
+    return True
+
+
+def _active_deadline(ctx: _Ctx) -> bool:
+    start = parse_time(ctx.st.get("startTime"))
+    left = policy.seconds_left(start.timestamp() if start else None, ctx.spec.active_deadline_seconds,
+                               ctx.now.timestamp())
+    if left is None:
+        return False
+    if left <= 0:
+        return ctx.fail("DeadlineExceeded", f"the run was active longer than activeDeadlineSeconds="
+                        f"{ctx.spec.active_deadline_seconds}")
+    ctx.d.wake_in(left)
+    return False
+
+
+def _resize(ctx: _Ctx) -> bool:
+    """spec.trainer.replicas changed: restart the group at the new size from the last checkpoint (not a failure)."""
+    size = ctx.st.get("trainerReplicas")
+    wanted = ctx.spec.trainer.replicas
+    if size is None:
+        ctx.st["trainerReplicas"] = wanted
+        return False
+    if size == wanted:
+        return False
+    message = (f"spec.trainer.replicas changed from {size} to {wanted}: restarting the group at the new size as "
+               f"attempt {ctx.attempt + 1} from the last checkpoint (not counted as a restart)")
+    _begin_restart(ctx, "Resized", message, event=("Normal", "Resized"), wait=0.0)
+    return True
+
+
+def _group_exit(ctx: _Ctx) -> bool:
+    """Success of every trainer first; then the attempt's failed, disrupted or deleted pods (the failure policy)."""
+    current = ctx.current()
+    trainers = [current.get((ROLE_TRAINER, r)) for r in range(ctx.spec.trainer.replicas)]
+    if all(t is not None and t.phase == "Succeeded" for t in trainers):
+        ctx.st["completionTime"] = ctx.now_s
+        ctx.phase_to("Succeeded", "Completed", f"all {len(trainers)} trainer(s) succeeded", condition="Succeeded",
+                     event=("Normal", "Succeeded"))
+        ctx.pods_ready(False, "Completed", "the run succeeded")
+        ctx.d.delete_pods = [p.name for p in _live(ctx.obs.pods)]
+        return True
+    gone = {p.name for p in ctx.obs.gone}
+    phase = str(ctx.st["phase"]).lower()
+    failures = []
+    for (role, rank), p in current.items():
+        if p.phase == "Failed" or p.disruption is not None:
+            failures.append(p.as_failure())
+        elif (p.deleting or p.name in gone) and p.phase != "Succeeded":
+            failures.append(policy.Failure(name=p.name, kind=policy.ExitKind.FAILURE, role=role, rank=rank,
+                                           description=f"pod {p.name} was deleted while the run was {phase}"))
+    if ctx.st["phase"] == "Running":
+        for role, rank in expected_group(ctx.run):
+            if (role, rank) not in current:  # gone while the operator was not looking
+                name = ctx.names.pod(role, rank, ctx.attempt)
+                failures.append(policy.Failure(name=name, kind=policy.ExitKind.FAILURE, role=role, rank=rank,
+                                               description=f"pod {name} was deleted while the run was running"))
+    cause = policy.root_cause(failures)
+    if cause is None:
+        return False
+    verdict = policy.on_failure(cause, restarts=ctx.st["restarts"], max_restarts=ctx.fp.max_restarts)
+    if not verdict.restart:
+        sep = ": " if cause.kind is policy.ExitKind.CONFIG_ERROR else "; "
+        return ctx.fail(verdict.reason, f"{cause.description}{sep}{verdict.why}")
+    _restart_after(ctx, cause, verdict)
+    return True
+
+
+def _progress_deadline(ctx: _Ctx) -> bool:
+    """No new step for progressDeadlineSeconds while progress could be read → a failure (hang)."""
+    limit = ctx.fp.progress_deadline_seconds
+    if not limit:
+        return False
+    if ctx.obs.progress is not None and ctx.obs.progress.error is not None:
+        ctx.d.wake_in(float(limit))
+        return False  # unknown is not idle: the deadline does not count while progress cannot be read
+    candidates = [parse_time((ctx.condition("Running") or {}).get("lastTransitionTime"))]
+    unknown = ctx.condition("ProgressUnknown")
+    if unknown is not None and unknown.get("status") == "False":
+        candidates.append(parse_time(unknown.get("lastTransitionTime")))  # readable again since then
+    ptime = (ctx.obs.progress.value or {}).get("time") if ctx.obs.progress is not None else None
+    if isinstance(ptime, (int, float)) and not isinstance(ptime, bool):
+        candidates.append(dt.datetime.fromtimestamp(ptime, dt.timezone.utc))
+    last = max((c for c in candidates if c is not None), default=ctx.now)
+    left = policy.seconds_left(last.timestamp(), limit, ctx.now.timestamp())
+    assert left is not None
+    if left >= 0:
+        ctx.d.wake_in(left)
+        return False
+    idle = int((ctx.now - last).total_seconds())
+    cause = policy.Failure(name="progress deadline", kind=policy.ExitKind.FAILURE, description=(
+        f"no progress for {idle}s (progressDeadlineSeconds={limit}, last step {ctx.st['step']})"))
+    verdict = policy.on_failure(cause, restarts=ctx.st["restarts"], max_restarts=ctx.fp.max_restarts)
+    if not verdict.restart:
+        return ctx.fail(verdict.reason, f"{cause.description}; {verdict.why}")
+    _restart_after(ctx, cause, verdict)
+    return True
+
+
+def _restart_after(ctx: _Ctx, cause: policy.Failure, verdict: policy.Verdict) -> None:
+    if verdict.counted:
+        ctx.st["restarts"] += 1
+        ctx.d.restarted = True
+        wait = policy.backoff_seconds(ctx.fp.backoff_seconds, ctx.st["restarts"])
+        what = f"restart {ctx.st['restarts']} of {ctx.fp.max_restarts}"
+        event = ("Warning", "Restarting")
+    else:
+        ctx.st["disruptions"] += 1
+        wait = policy.backoff_seconds(ctx.fp.backoff_seconds, ctx.st["restarts"], counted=False)
+        what = f"disruption {ctx.st['disruptions']}, not counted against maxRestarts={ctx.fp.max_restarts}"
+        event = ("Warning", "Disrupted")
+    message = (f"{cause.description}; restarting the whole group as attempt {ctx.attempt + 1} ({what}) "
+               f"in {wait:g}s")
+    _begin_restart(ctx, verdict.reason, message, event=event, wait=wait)
+
+
+def _begin_restart(ctx: _Ctx, reason: str, message: str, *, event: tuple[str, str], wait: float) -> None:
+    """Delete the attempt's pods and go to Restarting with the next attempt number."""
+    group_live = [p for p in _live(ctx.obs.pods) if p.role in GROUP_ROLES]
+    ctx.st["attempt"] += 1
+    ctx.phase_to("Restarting", reason, message, condition="Restarting", event=event)
+    ctx.pods_ready(False, reason, message)
+    ctx.d.delete_pods = sorted({p.name for p in group_live})
+    ctx.d.wake_in(max(wait, 0.05))
+
+
+def _wait_backoff(ctx: _Ctx) -> bool:
+    cond = ctx.condition("Restarting") or {}
+    since = parse_time(cond.get("lastTransitionTime")) or ctx.now
+    reason = cond.get("reason")
+    if reason == "Resized":
+        wait = 0.0
+    else:
+        wait = policy.backoff_seconds(ctx.fp.backoff_seconds, ctx.st["restarts"], counted=reason == "PodFailed")
+    left = policy.seconds_left(since.timestamp(), wait, ctx.now.timestamp())
+    assert left is not None
+    if left > 0:
+        ctx.d.wake_in(left)
+        return True
+    return False
+
+
+def _wait_terminating(ctx: _Ctx) -> bool:
+    """Pods of older attempts still running or terminating block the next attempt, except those terminating for
+    longer than terminatingTimeoutSeconds (a lost node may never confirm their end: they are fenced instead)."""
+    timeout = ctx.fp.terminating_timeout_seconds
+    blocking, zombies = [], []
+    for p in ctx.obs.pods:
+        if p.role not in GROUP_ROLES or p.attempt == ctx.attempt or p.phase in ("Succeeded", "Failed"):
+            continue
+        left = policy.seconds_left(p.deleted_at, timeout, ctx.now.timestamp())
+        if left is not None and left <= 0:
+            zombies.append(p.name)
+        else:
+            blocking.append(p)
+            if left is not None:
+                ctx.d.wake_in(left)
+    if blocking:
+        names = ", ".join(sorted(p.name for p in blocking))
+        message = (f"waiting for {len(blocking)} pod(s) of an earlier attempt to terminate before attempt "
+                   f"{ctx.attempt} starts: {names} (they stop blocking terminatingTimeoutSeconds={timeout}s after "
+                   "their deletion)")
+        ctx.st["message"] = bounded(message)
+        ctx.pods_ready(False, "TerminatingPods", message)
+        ctx.d.wake_in(1.0)
+        return True
+    if zombies:
+        ctx.d.events.append(("Warning", "TerminatingTimeout", bounded(
+            f"pod(s) {', '.join(sorted(zombies))} still terminating after terminatingTimeoutSeconds={timeout}s "
+            f"(a lost node?): starting attempt {ctx.attempt} without waiting; they are fenced off by their older "
+            "attempt number and per-attempt hostnames", EVENT_MESSAGE_MAX)))
+    return False
+
+
+def _delete_stale(ctx: _Ctx) -> None:
+    """Rollout/trainer pods and PodGroups of other attempts are deleted."""
+    stale = [p.name for p in _live(ctx.obs.pods) if p.role in GROUP_ROLES and p.attempt != ctx.attempt]
+    ctx.d.delete_pods = sorted(set(ctx.d.delete_pods) | set(stale))
+    _delete_podgroups(ctx, keep=ctx.names.podgroup(ctx.attempt))
+
+
+def _delete_podgroups(ctx: _Ctx, keep: str | None) -> None:
+    for key in sorted(ctx.obs.children):
+        kind, _, name = key.partition("/")
+        if kind == "PodGroup" and name != keep:
+            ctx.d.delete.append(render.Child("PodGroup", name))
+
+
+def _ensure_children(ctx: _Ctx, *, pods: bool) -> None:
+    """Create whatever child of the run is missing: the ConfigMap, the Services, the attempt's PodGroup and the
+    managed store first; the attempt's pods (`pods`) after them (handlers stop at the first refused create, so a
+    pod never exists before what it mounts or resolves). A ConfigMap whose content is out of date (after a resize)
+    is updated before the pods that read it."""
+    run, names, obs = ctx.run, ctx.names, ctx.obs
+    base = render.base_children(run, ctx.attempt)
+    ctx.d.create = [c for c in base if c.key not in obs.children and not _store_pod_exists(c, obs)]
+    config = next(c for c in base if c.kind == "ConfigMap")
+    if pods and config.key in obs.children and obs.config_hash != render.config_hash(run):
+        ctx.d.update.append(config)
+    if not pods:
+        return
+    current = ctx.current()
+    for role, rank in expected_group(run):
+        pod = current.get((role, rank))
+        if pod is None:
+            ctx.d.create.append(render.Child("Pod", names.pod(role, rank, ctx.attempt), role=role, rank=rank))
+
+
+def _store_pod_exists(child: render.Child, obs: Observed) -> bool:
+    return child.kind == "Pod" and any(p.role == ROLE_STORE and p.name == child.name and not p.deleting
+                                       for p in obs.pods)
+
+
+def _pods_ready(ctx: _Ctx) -> None:
+    """Pending → Running once every pod of the attempt runs (or already finished); else say why not."""
+    gone = {p.name for p in ctx.obs.gone}
+    current = {k: p for k, p in ctx.current().items() if not p.deleting and p.name not in gone}
+    expected = expected_group(ctx.run)
+    if len(current) == len(expected) and all(p.phase in ("Running", "Succeeded") for p in current.values()):
+        message = f"attempt {ctx.attempt}: rollout and {ctx.spec.trainer.replicas} trainer(s) running"
+        ctx.phase_to("Running", "PodsRunning", message, condition="Running", event=("Normal", "Running"))
+        ctx.pods_ready(True, "PodsRunning", message)
+        return
+    refusal = ctx.obs.refusal
+    gated = [p for p in current.values() if KUEUE_GATE in p.gated]
+    waiting = next((p for p in sorted(current.values(), key=lambda p: p.name) if p.waiting), None)
+    not_running = sum(1 for p in current.values() if p.phase == "Pending") + len(expected) - len(current)
+    if refusal is not None:
+        reason, message = "FailedCreate", refusal.describe()
+    elif gated:
+        reason = "WaitingForAdmission"
+        message = (f"attempt {ctx.attempt}: {len(gated)} pod(s) wait for Kueue to admit the workload "
+                   f"(LocalQueue {ctx.spec.queue_name or '?'})")
+    elif waiting is not None:
+        reason, message = waiting.waiting_reason or "ContainersWaiting", waiting.waiting or ""
+    else:
+        reason, message = "WaitingForPods", f"attempt {ctx.attempt}: waiting for {not_running} pod(s) to start"
+    ctx.st["message"] = bounded(message)
+    ctx.pods_ready(False, reason, message)
+
+
+def _read_progress(ctx: _Ctx) -> None:
+    """Copy the store's progress into the status; ProgressUnknown says whether it could be read."""
+    obs = ctx.obs.progress
+    if obs is None:
+        return
+    for key, src in (("step", "step"), ("samplesConsumed", "samples_consumed"),
+                     ("lastGlobalBatchSize", "last_global_batch_size"), ("rollout", "rollout")):
+        value = (obs.value or {}).get(src, (obs.value or {}).get(key))
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            ctx.st[key] = value
+    if ctx.st.get("phase") in TERMINAL_PHASES:
+        return
+    if obs.error is not None:
+        ctx.set_condition("ProgressUnknown", "True", "StoreUnreadable", f"cannot read progress from the store: "
+                          f"{obs.error} (hang detection pauses while it cannot be read)")
+    elif ctx.condition("ProgressUnknown") is not None:
+        ctx.set_condition("ProgressUnknown", "False", "ProgressRead", "progress read from the store")
 
 
 def status_changes(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict[str, Any]:
@@ -387,13 +582,11 @@ def invalid_spec(status: Mapping[str, Any] | None, message: str, *, now: dt.date
     st["conditions"] = [dict(c) for c in st.get("conditions") or []]
     if generation is not None:
         st["observedGeneration"] = generation
-    d = Decision(status=st)
+    ctx = _Ctx(None, st, Observed(generation=generation), now, Decision(status=st))  # type: ignore[arg-type]
     if st.get("phase") in TERMINAL_PHASES:
-        return d
-    now_s = fmt_time(now)
-    st.update(phase="Failed", message=message, completionTime=now_s)
+        return ctx.d
     st.setdefault("restarts", 0)
     st.setdefault("attempt", 0)
-    _only(st["conditions"], "Failed", "InvalidSpec", message, now_s)
-    d.events.append(("Warning", "InvalidSpec", message))
-    return d
+    st["completionTime"] = ctx.now_s
+    ctx.phase_to("Failed", "InvalidSpec", message, condition="Failed", event=("Warning", "InvalidSpec"))
+    return ctx.d

@@ -1,0 +1,171 @@
+"""What the operator observes about a run, as plain values: its pods (`PodObs`, summarised from Pod objects), the
+children that exist, the store's progress (or why it could not be read) and the API server's last refusal to create
+a child. `trainingrun.operator.handlers` gathers them (kopf indexes, pod events, the store, its own create calls);
+`trainingrun.operator.status.decide` decides from them. Pure: nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainingrun import failure_policy as policy
+from trainingrun.api.constants import LABEL_ATTEMPT, LABEL_RANK, LABEL_ROLE
+
+# Pod status reasons of a pod ended by the platform, not by its program: the kubelet's node-pressure eviction,
+# preemption, a lost node, a node shutting down. (Pod conditions DisruptionTarget / TerminationTarget say the same.)
+DISRUPTION_REASONS = frozenset({"Evicted", "Preempting", "NodeLost", "Shutdown", "NodeShutdown"})
+DISRUPTION_CONDITIONS = ("DisruptionTarget", "TerminationTarget")
+KUEUE_GATE = "kueue.x-k8s.io/admission"
+
+
+def parse_time(s: str | None) -> dt.datetime | None:
+    if not s:
+        return None
+    return dt.datetime.fromisoformat(s.replace("Z", "+00:00"))
+
+
+def _unix(s: str | None) -> float | None:
+    t = parse_time(s)
+    return t.timestamp() if t is not None else None
+
+
+@dataclass(frozen=True)
+class PodObs:
+    """What the operator needs to know about one pod of a run."""
+
+    name: str
+    role: str
+    rank: int | None
+    attempt: int | None
+    phase: str  # Pending, Running, Succeeded, Failed, Unknown
+    deleting: bool = False
+    deleted_at: float | None = None  # unix time of metadata.deletionTimestamp
+    failure: str | None = None  # "pod P container C exited with code N (reason R)" for a Failed pod
+    exit_codes: tuple[int, ...] = ()
+    finished_at: float | None = None  # unix time the first failing container finished
+    waiting: str | None = None  # e.g. "pod P container trainer waiting: ImagePullBackOff (...)"
+    waiting_reason: str | None = None  # e.g. ImagePullBackOff, Unschedulable
+    disruption: str | None = None  # e.g. "pod P was evicted (DisruptionTarget EvictionByEvictionAPI: ...)"
+    gated: tuple[str, ...] = ()  # spec.schedulingGates (Kueue holds the pods of a workload until it is admitted)
+
+    def as_failure(self) -> policy.Failure:
+        """This pod, which failed or was disrupted, as the failure policy sees it."""
+        codes = [c for c in self.exit_codes if c != 0]
+        code = policy.EXIT_CONFIG_ERROR if policy.EXIT_CONFIG_ERROR in codes else (codes[0] if codes else None)
+        description = self.disruption or self.failure or f"pod {self.name} failed"
+        return policy.Failure(name=self.name, kind=policy.classify(code, disrupted=self.disruption is not None),
+                              description=description, role=self.role, rank=self.rank, code=code,
+                              finished_at=self.finished_at)
+
+
+def _detail(message: str | None) -> str:
+    return f": {message.strip()[:200]}" if message else ""
+
+
+def observe_pod(pod: Mapping[str, Any]) -> PodObs:
+    """Summarise a Pod object (as served by the API) into a PodObs."""
+    meta = pod.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    status = pod.get("status") or {}
+    spec = pod.get("spec") or {}
+    name = meta.get("name", "?")
+    rank = labels.get(LABEL_RANK)
+    attempt = labels.get(LABEL_ATTEMPT)
+    phase = status.get("phase") or "Pending"
+    codes: list[int] = []
+    failure = finished = waiting = waiting_reason = None
+    for cs in status.get("containerStatuses") or []:
+        state = cs.get("state") or {}
+        term = state.get("terminated") or (cs.get("lastState") or {}).get("terminated")
+        if term and term.get("exitCode") is not None:
+            code = int(term["exitCode"])
+            codes.append(code)
+            if code != 0 and failure is None:
+                failure = (f"pod {name} container {cs.get('name', '?')} exited with code {code} "
+                           f"(reason {term.get('reason') or 'Error'}{'; ' + term['message'].strip()[:200] if term.get('message') else ''})")
+                finished = _unix(term.get("finishedAt"))
+        wait = state.get("waiting")
+        if wait and wait.get("reason") not in (None, "ContainerCreating", "PodInitializing") and waiting is None:
+            waiting = f"pod {name} container {cs.get('name', '?')} waiting: {wait['reason']}{_detail(wait.get('message'))}"
+            waiting_reason = wait["reason"]
+    conditions = status.get("conditions") or []
+    if phase == "Pending" and waiting is None:
+        # The scheduler's verdict (e.g. "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.") is the reason a
+        # GPU run sits in Pending; without it the status would only say "waiting for N pod(s) to start".
+        for cond in conditions:
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+                waiting_reason = cond.get("reason") or "Unschedulable"
+                waiting = f"pod {name} not scheduled ({waiting_reason}){_detail(cond.get('message'))}"
+                break
+    disruption = None
+    for cond in conditions:
+        if cond.get("type") in DISRUPTION_CONDITIONS and cond.get("status") == "True":
+            disruption = (f"pod {name} was disrupted ({cond['type']} {cond.get('reason') or ''}"
+                          f"{_detail(cond.get('message'))})")
+            break
+    if disruption is None and status.get("reason") in DISRUPTION_REASONS:
+        disruption = f"pod {name} was disrupted (reason {status['reason']}{_detail(status.get('message'))})"
+    if phase == "Failed" and failure is None:
+        failure = f"pod {name} failed (reason {status.get('reason') or 'Failed'}{_detail(status.get('message'))})"
+    return PodObs(
+        name=name,
+        role=labels.get(LABEL_ROLE, "?"),
+        rank=int(rank) if rank is not None and str(rank).isdigit() else None,
+        attempt=int(attempt) if attempt is not None and str(attempt).isdigit() else None,
+        phase=phase,
+        deleting=bool(meta.get("deletionTimestamp")),
+        deleted_at=_unix(meta.get("deletionTimestamp")),
+        failure=failure,
+        exit_codes=tuple(codes),
+        finished_at=finished,
+        waiting=waiting,
+        waiting_reason=waiting_reason,
+        disruption=disruption,
+        gated=tuple(g.get("name", "") for g in spec.get("schedulingGates") or []),
+    )
+
+
+@dataclass(frozen=True)
+class ProgressObs:
+    """The store's progress of a run: its value (None: nothing written yet), or the error that kept the operator
+    from reading it (then `value` is the last value read, if any)."""
+
+    value: Mapping[str, Any] | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The API server's last refusal to create one of the run's children."""
+
+    kind: str
+    name: str
+    code: int  # HTTP status; 0 for a transport error (timeout, connection refused)
+    message: str
+    permanent: bool  # 400/422: the object itself is invalid, retrying cannot help
+
+    def describe(self) -> str:
+        return f"cannot create {self.kind} {self.name}: {self.message}"
+
+
+def is_permanent(code: int) -> bool:
+    """A create refused with 400 (BadRequest) or 422 (Invalid) fails the same way every time; everything else
+    (403 quota, 404 namespace or API not there yet, 409, 429, 5xx, timeouts) may pass later."""
+    return code in (400, 422)
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything `status.decide` looks at, besides the run's spec and status."""
+
+    pods: tuple[PodObs, ...] = ()  # every pod labelled with the run
+    gone: tuple[PodObs, ...] = ()  # the last state of the run's pods that were seen deleted
+    children: frozenset[str] = field(default_factory=frozenset)  # "Kind/name" of existing ConfigMap, Services, PodGroup
+    config_hash: str | None = None  # the run's ConfigMap's spec-hash annotation, when it exists
+    progress: ProgressObs | None = None
+    refusal: Refusal | None = None
+    spec_errors: tuple[str, ...] = ()  # render.cluster_errors
+    generation: int | None = None
