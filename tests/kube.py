@@ -1,28 +1,28 @@
 """KMock fidelity layer + helpers to run the real operator against it (tests and benchmarks/operator.py).
 
-`FidelityEmulator` subclasses KMock 0.8's `KubernetesEmulator` with what the operator (kopf + our client) and kubectl
-rely on and KMock lacks (each piece asserted in tests/unit/test_kube_fidelity.py):
+`FidelityEmulator` subclasses KMock 0.8's `KubernetesEmulator` with what the operator (kopf + the kubernetes client)
+and kubectl rely on and KMock lacks, each piece asserted in tests/unit/test_kube_fidelity.py:
   - uid, resourceVersion (one global counter), generation (bumped on spec changes), creationTimestamp; generateName;
   - JSON patch (RFC 6902) with `test` → 422 on failure; merge patch (RFC 7386; strategic merge treated as merge) with a
     `metadata.resourceVersion` precondition → 409 on mismatch; no-op patches change nothing;
   - status subresource: PATCH …/status changes only status, a main-resource PATCH never changes status; a created
     pod starts with status.phase Pending;
-  - deletion: finalizers → deletionTimestamp, removal when the last finalizer goes; garbage collection of objects
-    whose ownerReferences point at a deleted uid (recursively);
-  - `/api/v1/namespaces[/name]` paths; list responses with kind/apiVersion; equality label selectors on lists;
-    `/api/v1` discovery reporting groupVersion "v1", subresources listed without short names or categories (else
-    kubectl warns that `tr` could also mean `trainingruns/status`);
-  - server-side printing: a GET with `Accept: ...;as=Table` (what `kubectl get` sends) of a CRD resource returns a
-    meta.k8s.io/v1 Table with the CRD's additionalPrinterColumns (simple JSON paths; `date` cells as ages), so the
-    real kubectl prints the columns users see;
-  - a count of requests per client (User-Agent) for the benchmark;
-  - `deny_create[(plural, namespace)]`: creates refused with a given status and message, the way an admission plugin
-    (ResourceQuota, Priority) refuses them.
+  - custom resources validated against their CRD's openAPIV3Schema on every write (status too) → 422 Invalid;
+  - deletion: finalizers → deletionTimestamp (a finalizer-held pod stays Terminating, like one on a lost node),
+    removal when the last finalizer goes; garbage collection of objects whose ownerReferences point at a deleted uid;
+  - 404 for a group/version/resource the server does not serve (a PodGroup without Volcano);
+  - `/api/v1/namespaces[/name]` paths; list responses with kind/apiVersion; equality and existence label selectors on
+    lists and watches; `/api/v1` discovery reporting groupVersion "v1", subresources listed without short names;
+  - admission (`admission` hooks on create): `refuse` (ResourceQuota, a webhook: 403/422/429/5xx, N times or until
+    lifted), mutations (Kueue's scheduling gate), `enforce_owner_references` (OwnerReferencesPermissionEnforcement);
+  - server-side printing: a GET with `Accept: ...;as=Table` of a CRD resource returns a meta.k8s.io/v1 Table with the
+    CRD's additionalPrinterColumns, so the real kubectl prints the columns users see;
+  - per client (User-Agent): request counts (the benchmark), Authorization headers, the last watch's query.
 Not emulated: watch resourceVersion (kopf sees replays as ADDED: its handlers must be idempotent anyway), field
-selectors, PUT, server-side apply, admission/CRD schema validation (tested elsewhere with the CRD schema).
+selectors, PUT, server-side apply.
 
-`Cluster` runs the emulator on 127.0.0.1 in a background thread and gives tests a synchronous HTTP API, a kubeconfig
-and the real operator as a subprocess (`start_operator`).
+`Cluster` runs the emulator on 127.0.0.1 in a background thread and gives tests a synchronous HTTP API, a kubeconfig,
+scenario helpers, the operator in-process (`operator()`, `InProcessOperator`) and as a subprocess (`start_operator`).
 """
 
 from __future__ import annotations
@@ -629,6 +629,14 @@ class Cluster:
                 "terminated": {"exitCode": code, "reason": reason or ("Completed" if code == 0 else "Error"),
                                "finishedAt": _now()}}}]
         return self.patch(f"/api/v1/namespaces/{ns}/pods/{name}/status", {"status": status})
+
+    def history(self, plural: str, name: str, ns: str | None = "default") -> list[dict]:
+        """Every stored version of an object, also after it was deleted (KMock keeps them)."""
+        assert self.emulator is not None
+        for (res, namespace, obj_name), obj in self.emulator.objects.items():
+            if res.plural == plural and namespace == ns and obj_name == name:
+                return [v.raw for v in obj.history if v is not None]
+        return []
 
     # --- scenario helpers (tests/integration/test_operator*.py)
     def new_run(self, name: str, ns: str = "default", **spec: Any) -> dict:

@@ -65,17 +65,31 @@ def _wait(name: str, phases: set[str], timeout: float) -> dict:
     raise AssertionError(f"{name} did not reach {phases} in {timeout}s: {_phase(name)}")
 
 
-def test_tiny_run_succeeds_with_progress(cluster, tmp_path):
-    doc = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
-    doc = copy.deepcopy(doc)
-    doc["metadata"] = {"name": "e2e-tiny"}
+def _apply(tmp_path: Path, name: str, **spec) -> None:
+    doc = copy.deepcopy(yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text()))
+    doc["metadata"] = {"name": name}
     doc["spec"]["image"] = os.environ.get("TRAININGRUN_E2E_IMAGE", doc["spec"].get("image", "trainingrun:dev"))
     doc["spec"]["imagePullPolicy"] = "IfNotPresent"
     doc["spec"]["store"] = {"managed": True}
-    manifest = tmp_path / "run.yaml"
+    doc["spec"].update(spec)
+    manifest = tmp_path / f"{name}.yaml"
     manifest.write_text(yaml.safe_dump(doc))
-    kubectl("delete", "tr", "e2e-tiny", "--ignore-not-found", "--wait=true")
+    kubectl("delete", "tr", name, "--ignore-not-found", "--wait=true")
     kubectl("apply", "-f", str(manifest))
+
+
+def _wait_status(name: str, predicate, timeout: float, what: str) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = _phase(name)
+        if predicate(st):
+            return st
+        time.sleep(2)
+    raise AssertionError(f"{name}: {what} not reached in {timeout}s: {_phase(name)}")
+
+
+def test_tiny_run_succeeds_with_progress(cluster, tmp_path):
+    _apply(tmp_path, "e2e-tiny")
     try:
         _wait("e2e-tiny", {"Running", "Succeeded"}, 600)
         st = _wait("e2e-tiny", {"Succeeded", "Failed"}, 1800)
@@ -84,3 +98,40 @@ def test_tiny_run_succeeds_with_progress(cluster, tmp_path):
         assert "e2e-tiny" in kubectl("get", "tr")
     finally:
         kubectl("delete", "tr", "e2e-tiny", "--ignore-not-found", check=False)
+
+
+def test_eviction_restarts_without_using_the_restart_budget(cluster, tmp_path):
+    """The Eviction API (what `kubectl drain` uses) on a running trainer: the run restarts as a disruption."""
+    _apply(tmp_path, "e2e-evict", failurePolicy={"maxRestarts": 0, "backoffSeconds": 1})
+    try:
+        _wait("e2e-evict", {"Running"}, 600)
+        pod = "e2e-evict-trainer-1-a0"
+        eviction = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": NAMESPACE}}
+        manifest = tmp_path / "eviction.json"
+        manifest.write_text(json.dumps(eviction))
+        kubectl("create", "--raw", f"/api/v1/namespaces/{NAMESPACE}/pods/{pod}/eviction", "-f", str(manifest))
+        st = _wait_status("e2e-evict", lambda s: s.get("attempt", 0) >= 1 and s.get("phase") in ("Pending", "Running"),
+                          600, "a restart after the eviction")
+        assert st["restarts"] == 0 and st["disruptions"] == 1, st
+    finally:
+        kubectl("delete", "tr", "e2e-evict", "--ignore-not-found", check=False)
+
+
+def test_pod_stuck_terminating_blocks_only_for_the_timeout(cluster, tmp_path):
+    """A trainer held in Terminating by a finalizer (like a pod on a lost node that never goes away) does not keep
+    the next attempt from starting."""
+    _apply(tmp_path, "e2e-zombie", failurePolicy={"maxRestarts": 2, "backoffSeconds": 0,
+                                                  "terminatingTimeoutSeconds": 20})
+    held = "e2e-zombie-trainer-1-a0"
+    try:
+        _wait("e2e-zombie", {"Running"}, 600)
+        kubectl("patch", "pod", held, "--type=merge", "-p", '{"metadata":{"finalizers":["e2e.trainingrun.dev/hold"]}}')
+        kubectl("delete", "pod", "e2e-zombie-trainer-0-a0", "--wait=false")
+        # On a live node the held pod's containers stop (it no longer blocks at once); on a lost node it would stay
+        # Running and block for terminatingTimeoutSeconds. Either way the next attempt starts while it is Terminating.
+        _wait_status("e2e-zombie", lambda s: s.get("phase") in ("Pending", "Running") and s.get("attempt") == 1,
+                     300, "the next attempt")
+        assert json.loads(kubectl("get", "pod", held, "-o", "json"))["metadata"]["deletionTimestamp"]
+    finally:
+        kubectl("patch", "pod", held, "--type=merge", "-p", '{"metadata":{"finalizers":null}}', check=False)
+        kubectl("delete", "tr", "e2e-zombie", "--ignore-not-found", check=False)

@@ -371,6 +371,14 @@ def test_kueue_pod_group_waits_for_admission(cluster):
     for pod in pods:  # Kueue admits the workload: gates removed, the scheduler places the pods
         cluster.patch(f"/api/v1/namespaces/default/pods/{pod['metadata']['name']}", {"spec": {"schedulingGates": None}})
     cluster.run_all("kappa", 0)
+    # a restart is a new pod group (a new workload); the old group's pods are marked so Kueue frees its quota
+    cluster.set_pod("kappa-trainer-1-a0", "Failed", exit_code=1)
+    new = cluster.wait_group("kappa", 1)
+    assert {p["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] for p in new} == {"kappa-a1"}
+    for name in ("kappa-rollout-a0", "kappa-trainer-0-a0"):
+        versions = cluster.history("pods", name)
+        assert cluster.get(f"/api/v1/namespaces/default/pods/{name}") is None
+        assert versions[-1]["metadata"]["annotations"]["kueue.x-k8s.io/retriable-in-group"] == "false"
 
 
 def test_gang_scheduling_podgroup_per_attempt(cluster):

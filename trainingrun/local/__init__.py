@@ -23,9 +23,10 @@ Run directory (DIR, default runs/<name>):
   summary.json      steps, samples, first/final loss, restarts, wall time, tokens/s, status, exit codes
 
 Failure policy (spec.failurePolicy, as the operator): a process that exits non-zero (or a run without a new step for
-progressDeadlineSeconds) stops the whole group; after backoffSeconds the rollout and all trainers start again with
-attempt+1 (trainers resume from their newest checkpoint, the rollout from its state in the store), at most
-maxRestarts times. Exit code 78 (a configuration error) fails the run at once.
+progressDeadlineSeconds) stops the whole group; after the backoff (backoffSeconds, doubling with each restart up to
+max(backoffSeconds, 360 s)) the rollout and all trainers start again with attempt+1 (trainers resume from their newest
+checkpoint, the rollout from its state in the store), at most maxRestarts times. Exit code 78 (a configuration
+error) fails the run at once. The rules: `trainingrun.failure_policy`.
 
 Exit status: 0 succeeded; 1 bad spec or failed run; 78 a process reported a configuration error; 130/143 stopped
 by SIGINT/SIGTERM (every child is stopped first).

@@ -301,7 +301,7 @@ class Launcher:
                     break
                 restarts += int(verdict.counted)
                 attempt += 1
-                backoff = policy.backoff_seconds(fp.backoff_seconds, restarts)
+                backoff = policy.backoff_seconds(fp.backoff_seconds, restarts, counted=verdict.counted)
                 self.progress.event(f"restarting the group in {backoff:g}s "
                                     f"(restart {restarts}/{fp.max_restarts}, attempt {attempt})")
                 if not self._sleep(backoff):

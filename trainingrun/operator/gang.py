@@ -17,7 +17,10 @@ Kueue (`spec.queueName`, `kueue_metadata`): Kueue's plain-pod integration admits
 when each carries the label kueue.x-k8s.io/queue-name (the LocalQueue), the label kueue.x-k8s.io/pod-group-name (the
 group: per attempt, so a restarted group is a new workload) and the annotation
 kueue.x-k8s.io/pod-group-total-count (how many pods the group has). Kueue's webhook gates such pods
-(schedulingGates kueue.x-k8s.io/admission) until the workload is admitted.
+(schedulingGates kueue.x-k8s.io/admission) until the workload is admitted. When an attempt ends (restart, suspend,
+failure, success with the rollout still running) the operator annotates the pods it deletes with
+kueue.x-k8s.io/retriable-in-group: "false" so Kueue finishes that workload and frees its quota instead of waiting
+for replacement pods. Kueue preempting the group marks the pods TerminationTarget (StoppedByKueue): a disruption.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ GPU_RESOURCE = "nvidia.com/gpu"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
 KUEUE_TOTAL_ANNOTATION = "kueue.x-k8s.io/pod-group-total-count"
+KUEUE_RETRIABLE_ANNOTATION = "kueue.x-k8s.io/retriable-in-group"
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,7 @@ MUTABLE_FIELDS: tuple[tuple[str, ...], ...] = (
 RUN_SELECTOR = f"{LABEL_NAME}={APP},{LABEL_RUN}"  # server-side: the runs' children only
 CHILD_FILTER = {LABEL_NAME: APP, LABEL_RUN: kopf.PRESENT}
 CREATE_RETRY_MAX = 60.0  # seconds between retries of a refused create, at most
+EXPECT_SECONDS = 30.0  # how long a created child counts as existing before a watch shows it
 
 
 @dataclass
@@ -90,6 +91,9 @@ class OperatorState:
     refusals: dict[str, RefusalRecord] = field(default_factory=dict)  # run uid -> last refusal
     gone: dict[tuple[str, str], dict[str, PodObs]] = field(default_factory=lambda: defaultdict(dict))
     podgroups: set[tuple[str, str]] = field(default_factory=set)  # (namespace, name) created or found existing
+    # (namespace, run) -> {"Kind/name": monotonic time} of children created but not yet seen in a watch: counted as
+    # existing for EXPECT_SECONDS, so a reconcile woken before the watch caught up does not create them again
+    expected: dict[tuple[str, str], dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
     reconciles: Counter = field(default_factory=Counter)  # (namespace, run) -> reconciles done (tests, debugging)
 
     def wake(self, key: tuple[str, str]) -> None:
@@ -232,12 +236,19 @@ def observe(run: TrainingRun, body: kopf.Body, current: dict[str, Any], indexes:
         if cm == names.config:
             config_hash = digest
     children |= {f"PodGroup/{pg}" for pg_ns, pg in STATE.podgroups if pg_ns == ns and names.is_podgroup(pg)}
+    pods = tuple(indexes["trpods"].get(key, []))
+    seen = children | {f"Pod/{p.name}" for p in pods}
+    expected = STATE.expected.get(key)
+    if expected:
+        now = time.monotonic()
+        STATE.expected[key] = expected = {k: t for k, t in expected.items() if k not in seen and now - t < EXPECT_SECONDS}
+        children |= set(expected)
     progress = None
     if current.get("phase") in ("Running", "Restarting"):
         progress = STATE.progress.peek(render.store_url(run, ns), lambda: STATE.wake(key))
     record = STATE.refusals.get(uid)
     return Observed(
-        pods=tuple(indexes["trpods"].get(key, [])),
+        pods=pods,
         gone=tuple(STATE.gone.get(key, {}).values()),
         children=frozenset(children),
         config_hash=config_hash,
@@ -301,6 +312,11 @@ async def act(decision: status.Decision, run: TrainingRun | None, body: kopf.Bod
     assert api is not None
     meta = body["metadata"]
     ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
+    if run is not None and run.spec.queue_name and decision.delete_pods:
+        # Kueue keeps a pod group's quota while it waits for replacement pods; this annotation says there will be
+        # none (the next attempt is a new group), so Kueue finishes the workload once the pods are gone.
+        await asyncio.gather(*(_annotate(api, ns, pod, {render.gang.KUEUE_RETRIABLE_ANNOTATION: "false"})
+                               for pod in decision.delete_pods))
     await asyncio.gather(*(api.delete("v1", "Pod", ns, pod) for pod in decision.delete_pods))
     if decision.delete_run:
         STATE.phases.set(uid, None)
@@ -341,6 +357,14 @@ async def act(decision: status.Decision, run: TrainingRun | None, body: kopf.Bod
     return None
 
 
+async def _annotate(api: KubeApi, ns: str, pod: str, annotations: dict[str, str]) -> None:
+    try:
+        await api.patch("v1", "Pod", ns, pod, {"metadata": {"annotations": annotations}})
+    except ApiError as exc:
+        if exc.status != 404:
+            raise
+
+
 class _Refused(Exception):
     def __init__(self, refusal: Refusal):
         super().__init__(refusal.describe())
@@ -362,6 +386,8 @@ async def create(run: TrainingRun, owner: render.Owner, child: render.Child, att
                                permanent=is_permanent(exc.status))) from exc
     if child.kind == "PodGroup":
         STATE.podgroups.add((owner.namespace, child.name))
+    else:
+        STATE.expected[(owner.namespace, owner.name)][child.key] = time.monotonic()
 
 
 def refused_create(body: kopf.Body, refused: _Refused) -> float:
@@ -426,6 +452,7 @@ async def run_daemon(body: kopf.Body, namespace: str, name: str, uid: str, stopp
         STATE.locks.pop(uid, None)
         STATE.refusals.pop(uid, None)
         STATE.gone.pop(key, None)
+        STATE.expected.pop(key, None)
         STATE.phases.set(uid, None)
 
 

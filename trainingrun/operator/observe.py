@@ -163,7 +163,8 @@ class Observed:
 
     pods: tuple[PodObs, ...] = ()  # every pod labelled with the run
     gone: tuple[PodObs, ...] = ()  # the last state of the run's pods that were seen deleted
-    children: frozenset[str] = field(default_factory=frozenset)  # "Kind/name" of existing ConfigMap, Services, PodGroup
+    # "Kind/name" of the existing ConfigMap, Services and PodGroups, and of children just created and not yet seen
+    children: frozenset[str] = field(default_factory=frozenset)
     config_hash: str | None = None  # the run's ConfigMap's spec-hash annotation, when it exists
     progress: ProgressObs | None = None
     refusal: Refusal | None = None

@@ -9,7 +9,8 @@ Each rule is a plain dict as in a Kubernetes PolicyRule (apiGroups / resources /
   OwnerReferencesPermissionEnforcement admission plugin (on in OpenShift) creating such a child needs `update` on the
   owner's finalizers, or every create is refused with 403.
 - pods: the rollout, trainer and managed-store pods are created and deleted by the operator (restarts, suspend,
-  terminal clean-up) and watched (with a label selector) to observe their phases, exit codes and disruptions.
+  terminal clean-up) and watched (with a label selector) to observe their phases, exit codes and disruptions; with
+  `spec.queueName` a pod is annotated before it is deleted (patch: Kueue's retriable-in-group).
 - services, configmaps: the headless rendezvous service, the managed store's service and the run's config are watched
   (with a label selector: every reconcile creates whichever is missing) and created; the ConfigMap is patched when
   the run's spec changes (a resize). They are garbage-collected with the run through their owner references.
@@ -35,7 +36,7 @@ NAMESPACED_RULES: tuple[Rule, ...] = (
     {"apiGroups": ["trainingrun.dev"], "resources": ["trainingruns"], "verbs": ["get", "list", "watch", "patch", "delete"]},
     {"apiGroups": ["trainingrun.dev"], "resources": ["trainingruns/status"], "verbs": ["get", "patch", "update"]},
     {"apiGroups": ["trainingrun.dev"], "resources": ["trainingruns/finalizers"], "verbs": ["update"]},
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "create", "delete"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "create", "delete", "patch"]},
     {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "list", "watch", "create"]},
     {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch", "create", "patch"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},

@@ -512,9 +512,9 @@ def _ensure_children(ctx: _Ctx, *, pods: bool) -> None:
         return
     current = ctx.current()
     for role, rank in expected_group(run):
-        pod = current.get((role, rank))
-        if pod is None:
-            ctx.d.create.append(render.Child("Pod", names.pod(role, rank, ctx.attempt), role=role, rank=rank))
+        child = render.Child("Pod", names.pod(role, rank, ctx.attempt), role=role, rank=rank)
+        if current.get((role, rank)) is None and child.key not in obs.children:  # (just created: not seen yet)
+            ctx.d.create.append(child)
 
 
 def _store_pod_exists(child: render.Child, obs: Observed) -> bool:
