@@ -204,5 +204,6 @@ def test_long_messages_fit_the_crd_and_conditions_follow_conventions(kube):
     assert failed["reason"] == "InvalidSpec" and failed["observedGeneration"] == 1
     kube.new_run("d9-pending")
     kube.wait_group("d9-pending", 0)
-    ready = wait_for(lambda: kube.condition("d9-pending", "PodsReady") or None, 10, "a PodsReady condition")
-    assert ready["status"] == "False" and ready["reason"] and "3 pod(s)" in ready["message"]
+    ready = wait_for(lambda: (lambda c: c if c.get("reason") == "WaitingForPods" else None)(
+        kube.condition("d9-pending", "PodsReady")), 10, "a PodsReady condition saying the run waits for its pods")
+    assert ready["status"] == "False" and "waiting for 3 pod(s)" in ready["message"]

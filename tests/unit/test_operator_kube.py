@@ -43,6 +43,8 @@ class Recorder(http.server.BaseHTTPRequestHandler):
             server.active += 1
             server.peak = max(server.peak, server.active)
         time.sleep(server.delay)
+        with server.lock:
+            server.active -= 1  # before answering: the client's next request cannot overlap this one
         data = json.dumps(answer).encode()
         self.send_response(status)
         for k, v in headers.items():
@@ -51,8 +53,6 @@ class Recorder(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
-        with server.lock:
-            server.active -= 1
 
     def log_message(self, *args):
         pass

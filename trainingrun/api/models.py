@@ -654,8 +654,6 @@ TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
 # Longest status.message / condition message the CRD admits; the operator cuts longer ones to fit (a status patch
 # with a longer one would be refused as a whole).
 MESSAGE_MAX_LENGTH = 4096
-CONDITION_TYPES: tuple[str, ...] = (
-    "Running", "Restarting", "Suspended", "Succeeded", "Failed", "PodsReady", "ProgressUnknown")
 
 
 class Condition(ApiModel):

@@ -229,22 +229,21 @@ def _terminal(ctx: _Ctx) -> None:
 
 
 def _start(ctx: _Ctx) -> None:
-    ctx.st["startTime"] = ctx.now_s
-    ctx.st["trainerReplicas"] = ctx.spec.trainer.replicas
-    ctx.phase_to("Pending", "Created", f"creating {ctx.spec.trainer.replicas} trainer pod(s) and the rollout pod",
-                 event=("Normal", "Created"))
-    _ensure_children(ctx, pods=True)
-    ctx.pods_ready(False, "Creating", ctx.st["message"])
+    _begin_attempt(ctx, "Created", f"creating {ctx.spec.trainer.replicas} trainer pod(s) and the rollout pod")
 
 
 def _resume(ctx: _Ctx) -> None:
     ctx.st["attempt"] += 1
+    _begin_attempt(ctx, "Resumed", f"resumed: attempt {ctx.attempt} starting from the last checkpoint")
+
+
+def _begin_attempt(ctx: _Ctx, reason: str, message: str) -> None:
+    """A new run or a resumed one: Pending, with the attempt's children to create (startTime restarts)."""
     ctx.st["startTime"] = ctx.now_s
     ctx.st["trainerReplicas"] = ctx.spec.trainer.replicas
-    ctx.phase_to("Pending", "Resumed", f"resumed: attempt {ctx.attempt} starting from the last checkpoint",
-                 event=("Normal", "Resumed"))
+    ctx.phase_to("Pending", reason, message, event=("Normal", reason))
     _ensure_children(ctx, pods=True)
-    ctx.pods_ready(False, "Creating", ctx.st["message"])
+    ctx.pods_ready(False, "Creating", message)
 
 
 def _pending(ctx: _Ctx) -> None:
