@@ -112,12 +112,14 @@ def test_trainer_end_to_end_and_exact_resume(tmp_path: Path) -> None:
     assert sorted(p.name for p in (a / "ckpt").glob("step_*")) == ["step_00000008", "step_00000009"]
     # the progress rank 0 leaves in the store is what the operator turns into the TrainingRun's status
     from trainingrun.api import parse_trainingrun
+    from trainingrun.operator.observe import Observed, ProgressObs
     from trainingrun.operator.status import decide
     from trainingrun.store import open_store
 
     progress = open_store(f"file://{a}/store").get_json("progress")
     run = parse_trainingrun(yaml.safe_load(CONFIG))
-    status = decide(run, None, [], now=dt.datetime.now(dt.timezone.utc), progress=progress).status
+    status = decide(run, None, Observed(progress=ProgressObs(value=progress)),
+                    now=dt.datetime.now(dt.timezone.utc)).status
     assert (status["step"], status["samplesConsumed"], status["lastGlobalBatchSize"], status["rollout"]) == (
         9, rec_a[-1]["samples_consumed"], rec_a[-1]["global_batch_size"], rec_a[-1]["rollout"])
 
