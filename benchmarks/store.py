@@ -131,8 +131,8 @@ def main() -> int:
                 mapped = []
                 original = file_store._map_or_read
 
-                def counting(f):
-                    buf = original(f)
+                def counting(*args):
+                    buf = original(*args)
                     mapped.append(len(buf))
                     return buf
 

@@ -64,11 +64,14 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10) -> None:
 
 
 class RedisServer:
-    """A real redis-server on 127.0.0.1; `restart()` keeps the port (for fault tests)."""
+    """A real redis-server on 127.0.0.1; `restart()` keeps the port (for fault tests). Without persistence (the
+    default) a restarted server comes back empty; with `persist=True` it keeps its data (append-only file, fsync'ed
+    on every write) across restarts."""
 
-    def __init__(self, binary: str, workdir: Path):
+    def __init__(self, binary: str, workdir: Path, *, persist: bool = False):
         self.binary = binary
         self.workdir = workdir
+        self.persist = persist
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -78,7 +81,8 @@ class RedisServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "yes" if self.persist else "no", "--appendfsync", "always",
              "--dir", str(self.workdir), "--protected-mode", "no"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
@@ -102,10 +106,10 @@ class RedisServer:
 
 
 @contextmanager
-def redis_server() -> Iterator[RedisServer]:
+def redis_server(*, persist: bool = False) -> Iterator[RedisServer]:
     binary = require_binary("redis-server")
     with tempfile.TemporaryDirectory(prefix="trainingrun-redis-") as d:
-        server = RedisServer(binary, Path(d))
+        server = RedisServer(binary, Path(d), persist=persist)
         server.start()
         try:
             yield server

@@ -60,10 +60,11 @@ def assert_payload_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> 
 
 
 def payload_location(store, rollout: int, rank: int):
-    """(kind, where) of a stored payload, to tamper with it as a broken disk or a malicious writer would."""
+    """Where a committed payload is stored (a path or a Redis key), to tamper with it as a broken disk or a
+    malicious writer would."""
     if store.url.startswith("file"):
-        return store.root / "rollouts" / f"{rollout:08d}" / f"rank-{rank:05d}.bin"
-    return f"{store.prefix}:r:{rollout}:p:{rank}"
+        return store.payload_path(rollout, rank)
+    return store.payload_key(rollout, rank)
 
 
 def overwrite_payload(store, rollout: int, rank: int, data: bytes) -> None:
@@ -270,7 +271,9 @@ def test_writer_killed_before_commit_is_invisible_then_republished(store):
     proc = subprocess.run([sys.executable, "-c", child, store.url], cwd=ROOT, capture_output=True, timeout=60)
     assert proc.returncode == -9, proc.stderr.decode()
     # The payloads reached the store, the commit did not: readers see nothing.
-    assert len(stored_payload(store, 3, 2)) > 0
+    written = (store._ddir(3, None) / "rank-00002.bin").read_bytes() if store.url.startswith("file") \
+        else store.client.get(store._payload_key(3, None, 2))
+    assert len(written) > 0
     assert not store.is_committed(3) and store.pending_rollouts() == 0
     with pytest.raises(StoreTimeout):
         store.wait_rollout(3, timeout=0.3)
@@ -351,7 +354,8 @@ def test_file_store_permission_denied(tmp_path):
     root = Path(tempfile.mkdtemp(prefix="trainingrun-ro-"))
     try:
         os.chmod(root, 0o755)
-        open_store(f"file://{root}/store")  # created by us; the writer below runs as another user
+        # created (and first written: its epoch) by us; the writer below runs as another user
+        open_store(f"file://{root}/store").put_json("created", {"by": "test"})
         os.chmod(root / "store" / "rollouts", 0o555)
         child = (
             "import os, sys\n"

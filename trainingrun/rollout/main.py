@@ -79,7 +79,7 @@ class RolloutMetrics:
 # ------------------------------------------------------------------------------------------------------ CLI
 def run(args: argparse.Namespace) -> int:
     from trainingrun.api import load_trainingrun
-    from trainingrun.store import open_store
+    from trainingrun.store import attempt_from_env, exit_status, open_store
 
     if not args.config:
         print("config error: no TrainingRun given (--config or TRAININGRUN_CONFIG)", file=sys.stderr)
@@ -89,13 +89,19 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_CONFIG_ERROR
     try:
         the_run = load_trainingrun(args.config)
-        store = open_store(args.store)
+        # fenced by the run's attempt; the one rollout writer of the store (a second one is refused at once)
+        store = open_store(args.store, attempt=attempt_from_env())
+        try:
+            store.claim_writer()
+        except StoreError:
+            store.close()
+            raise
     except (ValueError, ConfigError) as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     except StoreError as exc:
         print(f"store error: {exc}", file=sys.stderr)
-        return 1
+        return exit_status(exc)
     name = os.environ.get("TRAININGRUN_RUN") or the_run.metadata.name
     metrics = None
     if args.metrics_port and the_run.spec.metrics.enabled:
@@ -111,7 +117,10 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    except (StoreError, TimeoutError) as exc:
+    except StoreError as exc:
+        print(f"store error: {exc}", file=sys.stderr)
+        return exit_status(exc)
+    except TimeoutError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -12,9 +12,12 @@ from trainingrun.store.base import (
     CorruptPayload,
     RankPayload,
     RolloutReleased,
+    StaleAttempt,
     Store,
+    StoreDataLost,
     StoreError,
     StoreTimeout,
+    WriterConflict,
 )
 
 __all__ = [
@@ -22,24 +25,77 @@ __all__ = [
     "CorruptPayload",
     "RankPayload",
     "RolloutReleased",
+    "StaleAttempt",
     "Store",
+    "StoreDataLost",
     "StoreError",
     "StoreTimeout",
+    "WriterConflict",
+    "attempt_from_env",
     "open_store",
 ]
 
 
-def open_store(url: str) -> Store:
-    """A Store for `url`; ValueError naming the URL for an unknown scheme or a malformed URL."""
+def open_store(url: str, *, attempt: int | None = None) -> Store:
+    """A Store for `url`; ValueError naming the URL for an unknown scheme or a malformed URL.
+
+    With `attempt` (a run's processes pass TRAININGRUN_ATTEMPT, see `attempt_from_env`) the handle is fenced: it
+    enters the attempt at once (StaleAttempt if the store already saw a newer one) and every write it makes is
+    refused once a newer attempt has used the store. Without it (tools, tests) writes are not fenced by attempt."""
     if not isinstance(url, str) or "://" not in url:
         raise ValueError(f"store url: expected file:///path or redis://host:port/db, got {url!r}")
     scheme = url.split("://", 1)[0].lower()
+    store: Store
     if scheme == "file":
         from trainingrun.store.file import FileStore
 
-        return FileStore.from_url(url)
-    if scheme == "redis":
+        store = FileStore.from_url(url, attempt=attempt)
+    elif scheme == "redis":
         from trainingrun.store.redis import RedisStore
 
-        return RedisStore.from_url(url)
-    raise ValueError(f"store url: unsupported scheme {scheme!r} in {url!r}; allowed: file://, redis://")
+        store = RedisStore.from_url(url, attempt=attempt)
+    else:
+        raise ValueError(f"store url: unsupported scheme {scheme!r} in {url!r}; allowed: file://, redis://")
+    if attempt is not None:
+        try:
+            store.enter_attempt()
+        except BaseException:
+            store.close()
+            raise
+    return store
+
+
+def attempt_from_env(environ: dict[str, str] | None = None) -> int | None:
+    """TRAININGRUN_ATTEMPT as an int (None when unset); ValueError naming it when it is not an attempt number."""
+    import os
+
+    from trainingrun.store.common import check_attempt
+
+    raw = (os.environ if environ is None else environ).get("TRAININGRUN_ATTEMPT")
+    if raw is None or raw == "":
+        return None
+    if not raw.isdigit():
+        raise ValueError(f"environment: TRAININGRUN_ATTEMPT={raw!r} is not an attempt number (0, 1, ...)")
+    return check_attempt(int(raw))
+
+
+def exit_status(exc: BaseException) -> int | None:
+    """The exit status a process of the run uses when a store error ends it (None: not a store error).
+
+    78 (EXIT_CONFIG_ERROR: the run fails at once, naming the key) for what no restart can fix: a corrupt stored
+    value, a process of an older attempt (fenced off), a second rollout writer, a full or read-only volume. 1 (the
+    group restarts) for the rest, notably `StoreDataLost`: the next attempt resumes from the trainers' checkpoint and
+    the rollout re-creates the lost rollouts."""
+    import errno
+
+    from trainingrun.failure_policy import EXIT_CONFIG_ERROR
+
+    if isinstance(exc, (CorruptPayload, StaleAttempt, WriterConflict)):
+        return EXIT_CONFIG_ERROR
+    if isinstance(exc, StoreDataLost):
+        return 1
+    if isinstance(exc, StoreError):
+        if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            return EXIT_CONFIG_ERROR
+        return 1
+    return None

@@ -52,11 +52,46 @@ class RolloutReleased(StoreError):
 
 
 class CorruptPayload(StoreError):
-    """Stored bytes do not decode as the expected wire format."""
+    """Stored bytes do not decode as the expected wire format (a payload, a schedule, a marker or a JSON value):
+    damaged on disk or in memory, or written by something else. The message names the store and the key."""
+
+
+class StoreDataLost(StoreError):
+    """The store lost data this process had seen: its epoch (an identity written once, when the store is first
+    used) vanished or changed, or a committed rollout's parts are gone. A Redis server restarted without
+    persistence, keys evicted under memory pressure, or a wiped directory. The message says how to recover."""
+
+
+class StaleAttempt(StoreError):
+    """A write from an attempt older than the store's current attempt: a process of a run that has since been
+    restarted (a zombie on a lost node) is fenced off. `attempt` is the writer's, `current` the store's."""
+
+    def __init__(self, message: str, *, attempt: int, current: int):
+        super().__init__(message)
+        self.attempt = attempt
+        self.current = current
+
+
+class WriterConflict(StoreError):
+    """Another live rollout writer of the same attempt holds the store's writer claim; `owner` describes it."""
+
+    def __init__(self, message: str, *, owner: dict[str, Any]):
+        super().__init__(message)
+        self.owner = owner
 
 
 class Store(Protocol):
     url: str
+    attempt: int | None  # the attempt this handle writes for (None: unfenced, e.g. tools and tests)
+
+    # --- fencing and the single writer (every write checks the store's epoch and current attempt)
+    def enter_attempt(self) -> int:
+        """Raise the store's current attempt to this handle's (StaleAttempt if it is already newer); returns it."""
+
+    def claim_writer(self) -> dict[str, Any]:
+        """Claim the store for this handle as its one rollout writer (returns the owner record): a newer attempt
+        takes over from an older one; a live writer of the same attempt is refused at once (WriterConflict naming
+        it); an older attempt is StaleAttempt. Released by `close()`."""
 
     # --- writer (rollout)
     def publish_rollout(self, rollout: int, payloads: dict[int, RankPayload], schedule: dict[str, Any]) -> None:
@@ -88,4 +123,5 @@ class Store(Protocol):
 
     def get_json(self, key: str) -> dict[str, Any] | None: ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the writer claim (if held) and the connection."""

@@ -136,50 +136,91 @@ def encode_payload(payload: RankPayload) -> bytes:
     return b"".join(encode_payload_parts(payload))
 
 
+HEADER_PREFIX = len(MAGIC) + _HEADER_LEN.size  # bytes before the JSON header
+_INT64_MAX = 2**63 - 1
+
+
+def _header_int(f: dict[str, Any], key: str, name: str, where: str, maximum: int = _INT64_MAX) -> int:
+    value = f.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= maximum:
+        raise CorruptPayload(f"{where}: payload field {name!r}: header {key} must be an integer in [0, {maximum}], "
+                             f"got {value!r:.60}")
+    return value
+
+
+def parse_header(prefix: bytes | memoryview, *, where: str) -> tuple[dict[str, dict[str, Any]], int, int]:
+    """(fields by name, start of the data section, total size) from the first bytes of a payload: the magic, the
+    header length and the JSON header (`header_span(prefix)` says how many bytes that takes). Every header value is
+    checked (types, ranges, 64-byte alignment, no overlaps), so the total size is known before the buffers are read:
+    a file larger or smaller than its header accounts for is refused without mapping it."""
+    buf = memoryview(prefix).cast("B")
+    if len(buf) < HEADER_PREFIX or bytes(buf[: len(MAGIC)]) != MAGIC:
+        head = bytes(buf[:8])
+        hint = " (looks like a pickle: refused, the store never unpickles)" if head[:1] == b"\x80" else ""
+        raise CorruptPayload(f"{where}: not a trainingrun payload: bad magic {head!r}{hint}")
+    (hlen,) = _HEADER_LEN.unpack_from(buf, len(MAGIC))
+    if hlen > MAX_HEADER_BYTES or HEADER_PREFIX + hlen > len(buf):
+        raise CorruptPayload(f"{where}: payload header length {hlen} exceeds the {len(buf)} bytes stored")
+    header = decode_json(bytes(buf[HEADER_PREFIX : HEADER_PREFIX + hlen]), where=f"{where}: payload header")
+    entries = header.get("fields") if isinstance(header, dict) else None
+    if not isinstance(entries, list) or not all(isinstance(f, dict) for f in entries):
+        raise CorruptPayload(f"{where}: payload header is not of the expected shape ({{\"fields\": [...]}})")
+    fields: dict[str, dict[str, Any]] = {}
+    for f in entries:
+        name = f.get("name")
+        if name not in PAYLOAD_FIELDS or name in fields:
+            raise CorruptPayload(f"{where}: payload header has an unknown or repeated field {name!r:.60}")
+        fields[name] = f
+    data_start = HEADER_PREFIX + hlen + _pad(HEADER_PREFIX + hlen)
+    end = 0
+    for name, dtype in PAYLOAD_FIELDS.items():
+        f = fields.get(name)
+        if f is None:
+            raise CorruptPayload(f"{where}: payload lacks field {name!r}")
+        want = dtype.newbyteorder("<").str
+        shape = f.get("shape")
+        if f.get("dtype") != want or not isinstance(shape, list) or len(shape) != 1:
+            raise CorruptPayload(f"{where}: payload field {name!r}: header says {f.get('dtype')!r:.20}"
+                                 f"{shape!r:.40}, expected {want}[n]")
+        n = _header_int({"shape": shape[0]}, "shape", name, where)
+        offset = _header_int(f, "offset", name, where)
+        nbytes = _header_int(f, "nbytes", name, where)
+        _header_int(f, "checksum", name, where, maximum=2**32 - 1)
+        if n * dtype.itemsize != nbytes or offset % ALIGN or offset < end:
+            raise CorruptPayload(f"{where}: payload field {name!r}: header says {n} items / {nbytes} bytes at offset "
+                                 f"{offset} (inconsistent)")
+        end = offset + nbytes + _pad(nbytes)
+    return fields, data_start, data_start + end
+
+
+def header_span(prefix: bytes | memoryview) -> int:
+    """How many leading bytes `parse_header` needs (at least HEADER_PREFIX are needed to tell)."""
+    buf = memoryview(prefix).cast("B")
+    if len(buf) < HEADER_PREFIX:
+        return HEADER_PREFIX
+    (hlen,) = _HEADER_LEN.unpack_from(buf, len(MAGIC))
+    return HEADER_PREFIX + min(hlen, MAX_HEADER_BYTES + 1)
+
+
 def decode_payload(data: bytes | bytearray | memoryview, *, where: str) -> RankPayload:
     """Decode bytes written by `encode_payload`; `where` (store URL and key) goes into every error message.
 
     The arrays are views of `data` (no copy); they are read-only when `data` is `bytes`.
     """
     buf = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
-    if len(buf) < len(MAGIC) + _HEADER_LEN.size or bytes(buf[: len(MAGIC)]) != MAGIC:
-        head = bytes(buf[:8])
-        hint = " (looks like a pickle: refused, the store never unpickles)" if head[:1] == b"\x80" else ""
-        raise CorruptPayload(f"{where}: not a trainingrun payload: bad magic {head!r}{hint}")
-    (hlen,) = _HEADER_LEN.unpack_from(buf, len(MAGIC))
-    hstart = len(MAGIC) + _HEADER_LEN.size
-    if hlen > MAX_HEADER_BYTES or hstart + hlen > len(buf):
-        raise CorruptPayload(f"{where}: payload header length {hlen} exceeds the {len(buf)} bytes stored")
-    try:
-        header = json.loads(bytes(buf[hstart : hstart + hlen]))
-        fields = {f["name"]: f for f in header["fields"]}
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptPayload(f"{where}: payload header is not valid JSON of the expected shape: {exc}") from None
-    data_start = hstart + hlen + _pad(hstart + hlen)
+    fields, data_start, total = parse_header(buf, where=where)
+    if total != len(buf):
+        raise CorruptPayload(
+            f"{where}: payload is {len(buf)} bytes but its header accounts for {total}"
+            + (" (truncated write?)" if len(buf) < total else " (refused: more bytes than the header describes)"))
     out: RankPayload = {}
     for name, dtype in PAYLOAD_FIELDS.items():
-        f = fields.get(name)
-        if f is None:
-            raise CorruptPayload(f"{where}: payload lacks field {name!r}")
-        try:
-            got = np.dtype(f["dtype"])
-            shape = tuple(int(s) for s in f["shape"])
-            start = data_start + int(f["offset"])
-            nbytes = int(f["nbytes"])
-            crc = int(f["checksum"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CorruptPayload(f"{where}: payload field {name!r} has a bad header entry: {exc}") from None
-        if got != dtype.newbyteorder("<") or len(shape) != 1 or shape[0] * dtype.itemsize != nbytes:
-            raise CorruptPayload(f"{where}: payload field {name!r}: header says {got}{list(shape)} / {nbytes} bytes")
-        if start < data_start or start + nbytes > len(buf):
-            raise CorruptPayload(
-                f"{where}: payload field {name!r} spans bytes {start}..{start + nbytes} but only {len(buf)} are stored"
-                " (truncated write?)"
-            )
-        view = buf[start : start + nbytes]
-        if checksum(view) != crc:
+        f = fields[name]
+        start = data_start + f["offset"]
+        view = buf[start : start + f["nbytes"]]
+        if checksum(view) != f["checksum"]:
             raise CorruptPayload(f"{where}: payload field {name!r} fails its checksum (corrupted bytes)")
-        out[name] = np.frombuffer(view, dtype=got)
+        out[name] = np.frombuffer(view, dtype=dtype.newbyteorder("<"))
     try:
         check_payload(out, where=where)
     except ValueError as exc:
@@ -210,9 +251,16 @@ def encode_json(value: Any, *, where: str = "value") -> bytes:
         raise ValueError(f"{where}: cannot be stored as JSON: {exc}") from None
 
 
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed (stored JSON is strict)")
+
+
 def decode_json(data: bytes, *, where: str) -> Any:
-    """Decode stored JSON; CorruptPayload (naming `where`) if it is not JSON."""
+    """Decode stored JSON; CorruptPayload (naming `where`) if it is not strict JSON (NaN/Infinity refused), not
+    UTF-8, or nested too deeply to decode."""
     try:
-        return json.loads(data)
+        return json.loads(data, parse_constant=_no_constants)
     except (ValueError, UnicodeDecodeError) as exc:
         raise CorruptPayload(f"{where}: stored value is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise CorruptPayload(f"{where}: stored JSON is nested too deeply to decode (damaged or hostile)") from None

@@ -20,6 +20,7 @@ import os
 import sys
 
 from trainingrun.plan import EXIT_CONFIG_ERROR
+from trainingrun.store.base import StoreError
 from trainingrun.trainer.config import ConfigError, TrainerEnv, env_int
 
 __all__ = ["ConfigError", "add_arguments", "run"]
@@ -35,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from trainingrun.store import exit_status
+
     rank = int(os.environ.get("RANK", "0") or 0)
     try:
         nproc = _workers_per_node(args)
@@ -44,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"[trainer {rank}] configuration error: {exc}", file=sys.stderr, flush=True)
         return EXIT_CONFIG_ERROR
+    except StoreError as exc:  # one line naming the key; 78 when no restart can fix it (corrupt data, fenced off)
+        print(f"[trainer {rank}] store error: {exc}", file=sys.stderr, flush=True)
+        return exit_status(exc)
 
 
 def _config_path(args: argparse.Namespace) -> str:

@@ -141,7 +141,7 @@ class Trainer:
                       f"{parallel_state.get_data_parallel_world_size()} (dp rank "
                       f"{parallel_state.get_data_parallel_rank()}), tp {ts.tensor_parallel_size}")
 
-        store = open_store(env.store_url)
+        store = open_store(env.store_url, attempt=env.attempt)  # every write fenced by the attempt
         exporter = TrainerExporter(run_name, env.rank)
         if env.metrics_port and spec.metrics.enabled:
             try:
