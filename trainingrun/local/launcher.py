@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from trainingrun.api.manifest import dump_yaml
+from trainingrun.diskspace import describe as describe_no_space
+from trainingrun.diskspace import full_volume
 from trainingrun.local.procs import (
     ProcessGroup,
     describe_exit,
@@ -44,6 +46,7 @@ from trainingrun.plan import build_plan
 from trainingrun.tracking import OUTPUT_DIR_ENV
 
 POLL_SECONDS = 0.2
+SETTLE_SECONDS = 3.0  # after a failure, how long the others may take to exit before the failure is judged
 
 
 def spec_yaml(run) -> str:
@@ -120,6 +123,28 @@ class Launcher:
         self.tokens_this_run = 0.0
         self.missing_warned = False
         self.first_attempt = 0
+        self.write_failures: set[str] = set()  # outputs the launcher could not write (a full volume), said once each
+        self.summary_written = False
+
+    def volumes(self) -> list[Path]:
+        """Where the run writes: the run directory, the checkpoints (relative to it) and a file store."""
+        paths = [self.out_dir, self.out_dir / self.spec.trainer.checkpoint.path]
+        url = self.spec.store.url
+        if url and url.startswith("file://"):
+            paths.append(Path(url.split("://", 1)[1].split("?", 1)[0]))
+        return paths
+
+    def try_write(self, what: str, write) -> bool:
+        """Run `write()`; a full volume (or another OS error) is one warning line per output, never a crash."""
+        try:
+            write()
+            return True
+        except OSError as exc:
+            if what not in self.write_failures:
+                self.write_failures.add(what)
+                reason = describe_no_space(exc, self.volumes()) or (exc.strerror or str(exc))
+                self.progress.event(f"warning: cannot write {what}: {reason}")
+            return False
 
     # -- setup
     def prepare(self) -> tuple[str, Path]:
@@ -165,7 +190,7 @@ class Launcher:
         )
         self.progress.reopen()
         group = ProcessGroup.start(plan, cwd=self.out_dir.resolve(), log_dir=self.out_dir / "logs")
-        write_json_atomic(self.out_dir / "pids.json", {
+        self.try_write("pids.json", lambda: write_json_atomic(self.out_dir / "pids.json", {
             "launcher": os.getpid(),
             "attempt": attempt,
             "first_attempt": self.first_attempt,  # this invocation's first (attempt - first_attempt = its restarts)
@@ -177,7 +202,7 @@ class Launcher:
                          "metrics_ports": list(c.plan.metrics_ports), "log": str(c.log)}
                 for c in group.children
             },
-        })
+        }))
         ports = ", ".join(
             f"{c.name}={c.plan.metrics_port}" if c.plan.workers == 1
             else f"{c.name}={c.plan.metrics_ports[0]}-{c.plan.metrics_ports[-1]}" for c in group.children)
@@ -194,6 +219,7 @@ class Launcher:
         last_progress = time.monotonic()
         trainers = [c for c in group.children if c.plan.role == "trainer"]
         trainers_done_at: float | None = None
+        settle_until: float | None = None
         while True:
             if self.signals.received:
                 return Outcome("interrupted", reason=f"{signal.Signals(self.signals.received).name} received")
@@ -205,6 +231,16 @@ class Launcher:
                 self._check_fields(records[-1])
             self.progress.tick()
             failed = {c.name: c for c in group.children if c.returncode not in (None, 0)}
+            if failed and not any(c.returncode == policy.EXIT_CONFIG_ERROR for c in failed.values()):
+                # A rank that dies breaks its peers' collectives at once, while it may still be on its way out
+                # (tearing down, saying why): give the others a moment, so that the process that caused the
+                # failure, e.g. one exiting 78 on corrupt data, is among those the policy chooses from.
+                settle_until = settle_until or time.monotonic() + SETTLE_SECONDS
+                alive = [c for c in group.children if c.returncode is None]
+                if alive and time.monotonic() < settle_until:
+                    time.sleep(POLL_SECONDS)
+                    continue
+                failed = {c.name: c for c in group.children if c.returncode not in (None, 0)}
             if failed:
                 # Several may have died in one poll (a rank's death breaks its peers' collectives): the policy names
                 # the one to report.
@@ -213,6 +249,9 @@ class Launcher:
                                    role=c.plan.role, rank=c.plan.rank, code=c.returncode) for c in failed.values())
                 assert cause is not None
                 c = failed[cause.name]
+                full = full_volume(self.volumes())
+                if full is not None:  # no restart can fix a full disk: stop cleanly, whatever the exit code
+                    return Outcome("failed", culprit=c.name, reason=f"{cause.description}: {full}", log=c.log)
                 status = "config_error" if cause.kind is policy.ExitKind.CONFIG_ERROR else "failed"
                 return Outcome(status, culprit=c.name, reason=cause.description, log=c.log, failure=cause)
             if all(c.returncode == 0 for c in trainers):
@@ -289,7 +328,7 @@ class Launcher:
                 self.attempts.append({"attempt": attempt, "outcome": outcome.status, "culprit": outcome.culprit,
                                       "reason": outcome.reason, "exit_codes": group.exit_codes(),
                                       "pids": group.pids()})
-                write_metrics(self.out_dir, merge_metrics(self.out_dir))
+                self.try_write("metrics.jsonl", lambda: write_metrics(self.out_dir, merge_metrics(self.out_dir)))
                 if outcome.status in ("succeeded", "interrupted") or outcome.failure is None:
                     break
                 verdict = policy.on_failure(outcome.failure, restarts=restarts, max_restarts=fp.max_restarts)
@@ -312,7 +351,7 @@ class Launcher:
             self.progress.close()
         wall = time.monotonic() - started
         records = merge_metrics(self.out_dir)
-        write_metrics(self.out_dir, records)
+        self.try_write("metrics.jsonl", lambda: write_metrics(self.out_dir, records))
         failure = None
         if outcome.status in ("failed", "config_error"):
             failure = {"process": outcome.culprit, "reason": outcome.reason,
@@ -328,7 +367,8 @@ class Launcher:
             self.progress.event(
                 f"note: {data['leftover_groups']} group(s) / {data['leftover_samples']} sample(s) were left over at "
                 "the end: they did not fill a step and were not trained (summary.json: data)")
-        write_json_atomic(self.out_dir / "summary.json", summary)
+        self.summary_written = self.try_write("summary.json",
+                                              lambda: write_json_atomic(self.out_dir / "summary.json", summary))
         code = {"succeeded": 0, "config_error": policy.EXIT_CONFIG_ERROR, "failed": 1}.get(outcome.status)
         if outcome.status == "interrupted":
             code = 128 + (self.signals.received or signal.SIGINT)

@@ -11,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from trainingrun.cliargs import positive_seconds, seconds
 from trainingrun.local.launcher import LAUNCHER_LOG, Launcher, already_succeeded, spec_yaml
 from trainingrun.local.report import summary_table
 from trainingrun.local.progress import Progress
@@ -25,9 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override one field before validation, e.g. --set trainer.optimizer.lr=1e-4 (PATH is "
                              "under spec unless it starts with spec. or metadata.; VALUE is a YAML scalar); "
                              "repeatable")
-    parser.add_argument("--grace-seconds", type=float, default=15.0, metavar="S",
+    parser.add_argument("--grace-seconds", type=seconds, default=15.0, metavar="S",
                         help="how long children get to exit after SIGTERM before SIGKILL (default 15)")
-    parser.add_argument("--progress-interval", type=float, default=5.0, metavar="S",
+    parser.add_argument("--progress-interval", type=positive_seconds, default=5.0, metavar="S",
                         help="seconds between plain progress lines when stdout is not a terminal (default 5)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true",
@@ -181,9 +182,18 @@ def _run_locked(args: argparse.Namespace, the_run, out_dir: Path) -> int:
             progress.event(f"resuming in {out_dir}: {len(earlier)} step(s) trained before, the trainers continue "
                            "from their newest checkpoint")
     launcher = Launcher(the_run, out_dir, grace=args.grace_seconds, progress=progress)
-    code, summary = launcher.execute()
+    try:
+        code, summary = launcher.execute()
+    except OSError as exc:  # the run directory itself could not be set up (e.g. a full volume): nothing started
+        from trainingrun.diskspace import describe
+
+        print(f"error: {describe(exc, launcher.volumes()) or exc}", file=sys.stderr)
+        return 1
     write_run_plot(out_dir, progress)
     print(summary_table(summary))
+    if not launcher.summary_written:
+        print(f"error: could not write {out_dir / 'summary.json'} (see the warning above); the summary is the table "
+              "above", file=sys.stderr)
     if summary["failure"]:
         f = summary["failure"]
         print(f"error: run {summary['run']} failed: {f['process']}: {f['reason']}", file=sys.stderr)

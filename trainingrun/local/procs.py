@@ -161,8 +161,12 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 def write_json_atomic(path: Path, value: object) -> None:
     """Write JSON to `path` via a temporary file and rename, so a reader never sees half a file."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full volume: leave the old file, not half a new one
+        raise
 
 
 def tail(path: Path, lines: int = 20) -> str:

@@ -79,10 +79,14 @@ def write_metrics(out_dir: Path, records: list[dict[str, Any]]) -> Path:
     """Write `metrics.jsonl` (one JSON object per line, per step) atomically."""
     path = out_dir / "metrics.jsonl"
     tmp = path.with_name(".metrics.jsonl.tmp")
-    with open(tmp, "w") as fh:
-        for rec in records:
-            fh.write(json.dumps(rec, sort_keys=True) + "\n")
-    tmp.replace(path)
+    try:
+        with open(tmp, "w") as fh:
+            for rec in records:
+                fh.write(json.dumps(rec, sort_keys=True) + "\n")
+        tmp.replace(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full volume: leave the old file, not half a new one
+        raise
     return path
 
 

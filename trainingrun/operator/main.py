@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import logging
 
+from trainingrun.cliargs import positive_seconds
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     scope = parser.add_mutually_exclusive_group()
@@ -20,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bind", default="0.0.0.0", help="address of the liveness and metrics servers")
     parser.add_argument("--liveness-port", type=int, default=8080, help="/healthz port; 0 turns it off")
     parser.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port; 0 turns it off")
-    parser.add_argument("--interval", type=float, default=10.0,
+    parser.add_argument("--interval", type=positive_seconds, default=10.0,
                         help="reconcile every run at least this often, in seconds (progress refresh, hang detection)")
     parser.add_argument("--redis-image", default=None, help="image of managed stores (default redis:7.2-alpine)")
     parser.add_argument("--api-workers", type=int, default=8, metavar="N",

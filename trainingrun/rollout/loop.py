@@ -36,7 +36,8 @@ from trainingrun.rollout.sources import (
     SyntheticSource,
     load_jsonl,
 )
-from trainingrun.store.base import Store, StoreError
+from trainingrun.rollout.recovery import ResumePoint, TrainersAhead, discard_below
+from trainingrun.store.base import CorruptPayload, Store, StoreError
 
 STATE_KEY = "rollout_state"
 STATE_VERSION = 1
@@ -74,7 +75,8 @@ class RolloutState:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RolloutState:
         if d.get("version") != STATE_VERSION:
-            raise StoreError(f"{STATE_KEY}: unknown state version {d.get('version')!r} (expected {STATE_VERSION})")
+            raise CorruptPayload(f"{STATE_KEY}: unknown state version {d.get('version')!r} (expected "
+                                 f"{STATE_VERSION})")
         return cls(
             fingerprint=d["fingerprint"], next_rollout=int(d["next_rollout"]), source_index=int(d["source_index"]),
             step_offset=int(d["step_offset"]), samples_offset=int(d["samples_offset"]),
@@ -216,32 +218,55 @@ class RolloutLoop:
     def run(self) -> RolloutResult:
         state, resumed = self.resume()
         while not state.finished and state.next_rollout < self.spec.rollout.num_rollouts:
-            prompts = self.source.draw(state.source_index)
-            if prompts is None:
+            step = self.advance(state)
+            if step is None:
                 self.exhausted(state)
                 break
-            groups = self.source.generate(prompts)
-            self.source.score(groups)
-            kept, fstats = self.filter(groups)
-            step_groups, carry = self.split(state.carried + kept)
-            after = self.account(state, groups, fstats, carry)
-            if not step_groups:
-                state = self.carry_over(state, after, groups, fstats)
+            after, published, payloads = step
+            if published is None:
+                state = after
                 continue
-            stats = contract.SourceStats(
-                source_index=state.source_index, produced=sum(len(g) for g in groups), filtered=fstats.as_dict(),
-                carried_in=state.carried_samples, carried_out=after.carried_samples, seed=self.spec.seed,
-            )
-            published, payloads = self.schedule(state, step_groups, stats)
-            state = self.publish(after, published, payloads)
+            try:
+                state = self.publish(after, published, payloads)
+            except TrainersAhead as ahead:  # the store lost data: the trainers' checkpoint is past our stream
+                state = self.catch_up(state, ahead.point)
         return self.finish(state, resumed)
+
+    def advance(self, state: RolloutState, *, replay: bool = False):
+        """One source rollout from `state`: (state after it, the rollout to publish and its payloads — both None
+        when no step formed and everything was carried), or None when the source is exhausted. With `replay`
+        (fast-forward) nothing is counted, reported or stored."""
+        prompts = self.source.draw(state.source_index)
+        if prompts is None:
+            return None
+        groups = self.source.generate(prompts)
+        self.source.score(groups)
+        kept, fstats = self.filter(groups, count=not replay)
+        step_groups, carry = self.split(state.carried + kept)
+        after = self.account(state, groups, fstats, carry)
+        if not step_groups:
+            return self.carry_over(state, after, groups, fstats, quiet=replay), None, None
+        stats = contract.SourceStats(
+            source_index=state.source_index, produced=sum(len(g) for g in groups), filtered=fstats.as_dict(),
+            carried_in=state.carried_samples, carried_out=after.carried_samples, seed=self.spec.seed,
+        )
+        published, payloads = self.schedule(state, step_groups, stats)
+        return after, published, payloads
 
     # ---- stages
     def resume(self) -> tuple[RolloutState, bool]:
         stored = self.store.get_json(STATE_KEY)
         if stored is None:
-            return RolloutState(fingerprint=self.fingerprint), False
-        state = RolloutState.from_json(stored)
+            state = RolloutState(fingerprint=self.fingerprint)
+            point = ResumePoint.read(self.store)
+            if point is not None and point.rollout > state.next_rollout:  # a store that lost the stream
+                return self.catch_up(state, point), True
+            return state, False
+        try:
+            state = RolloutState.from_json(stored)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CorruptPayload(f"store {self.store.url}: key {STATE_KEY}: the rollout's resume state is malformed "
+                                 f"({exc.__class__.__name__}: {exc})") from None
         if state.fingerprint != self.fingerprint:
             raise ConfigError(
                 f"store {self.store.url} holds rollout state of a different configuration (fingerprint "
@@ -264,11 +289,11 @@ class RolloutLoop:
             self.say(f"rollout: data-parallel size changed from {old} to {self.dp}: rollouts from {state.next_rollout} "
                      f"on are scheduled for {self.dp} ranks; the trainers re-schedule those published for {old}")
 
-    def filter(self, groups: list[Group]) -> tuple[list[Group], FilterStats]:
+    def filter(self, groups: list[Group], *, count: bool = True) -> tuple[list[Group], FilterStats]:
         kept, fstats = apply_filters(groups, max_length=self.max_length,
                                      zero_variance=self.spec.rollout.filters.zero_variance)
         compute_advantages(kept, self.spec.trainer.loss_type)
-        if self.metrics is not None:
+        if self.metrics is not None and count:
             self.metrics.produced.inc(sum(len(g) for g in groups))
             for name, n in fstats.as_dict().items():
                 self.metrics.filtered[name].inc(n)
@@ -294,18 +319,20 @@ class RolloutLoop:
         )
 
     def carry_over(self, state: RolloutState, after: RolloutState, groups: list[Group],
-                   fstats: FilterStats) -> RolloutState:
+                   fstats: FilterStats, *, quiet: bool = False) -> RolloutState:
         """No step formed: everything kept is carried and the next source rollout is drawn."""
         after.empty_streak = state.empty_streak + 1
-        self.say(f"rollout: source rollout {state.source_index}: {sum(len(g) for g in groups)} produced, filtered "
-                 f"{fstats.as_dict()}, {after.carried_samples} samples carried: not enough for a step, drawing the "
-                 "next one")
+        if not quiet:
+            self.say(f"rollout: source rollout {state.source_index}: {sum(len(g) for g in groups)} produced, "
+                     f"filtered {fstats.as_dict()}, {after.carried_samples} samples carried: not enough for a step, "
+                     "drawing the next one")
         if after.empty_streak >= MAX_EMPTY_SOURCE_ROLLOUTS:
             raise ConfigError(
                 f"rollout.filters: {MAX_EMPTY_SOURCE_ROLLOUTS} source rollouts in a row did not fill one step "
                 f"(filtered so far: {after.totals}); the filters drop (nearly) everything"
             )
-        self.store.put_json(STATE_KEY, after.to_json())
+        if not quiet:
+            self.store.put_json(STATE_KEY, after.to_json())
         return after
 
     def schedule(self, state: RolloutState, step_groups: list[Group],
@@ -326,9 +353,7 @@ class RolloutLoop:
         t0 = time.perf_counter()
         fresh = contract.publish(self.store, published, payloads)
         seconds = time.perf_counter() - t0
-        after.next_rollout = k + 1
-        after.step_offset = published.step_offset + published.num_steps
-        after.samples_offset = published.samples_offset + published.num_samples
+        self.passed(after, published)
         self.store.put_json(STATE_KEY, after.to_json())
         if self.metrics is not None:
             self.metrics.published.inc(published.num_samples)
@@ -345,8 +370,49 @@ class RolloutLoop:
         )
         return after
 
+    @staticmethod
+    def passed(after: RolloutState, published: contract.PublishedRollout) -> None:
+        """`after` moves past `published` (its counters; the caller stores or replays)."""
+        after.next_rollout = published.rollout + 1
+        after.step_offset = published.step_offset + published.num_steps
+        after.samples_offset = published.samples_offset + published.num_samples
+
+    def catch_up(self, state: RolloutState, point: ResumePoint) -> RolloutState:
+        """The trainers resume at `point`, past this rollout's stream (the store lost data): release what we
+        published below it, fast-forward to it without publishing, store the state (see `rollout/recovery.py`)."""
+        k = point.rollout
+        gone = discard_below(self.store, k, range(state.next_rollout))
+        self.say(f"rollout: the trainers resume at rollout {k} (step {point.global_step}, attempt {point.attempt}) "
+                 f"but this stream is at rollout {state.next_rollout}: the store lost data; "
+                 + (f"released rollouts {gone[0]}..{gone[-1]} nobody will read; " if gone else "")
+                 + f"re-creating the state up to rollout {k}")
+        if not getattr(self.source, "replayable", True):
+            raise ConfigError(f"rollout: the store lost the rollouts up to {k} and this source cannot re-create "
+                              "them (its rollouts are generated, not replayed); start the run again with a fresh "
+                              "store and fresh checkpoints, and give the store persistence")
+        t0 = time.perf_counter()
+        while state.next_rollout < k:
+            step = self.advance(state, replay=True)
+            if step is None:
+                raise ConfigError(f"rollout: cannot re-create rollout {k} where the trainers resume: the source "
+                                  f"ends after rollout {state.next_rollout}")
+            after, published, _ = step
+            if published is not None:
+                self.passed(after, published)
+            state = after
+        if state.step_offset + point.step_in_rollout != point.global_step:
+            raise ConfigError(
+                f"rollout: re-created rollout {k} starts at step {state.step_offset}, but the trainers' checkpoint "
+                f"is at step {point.global_step} ({point.step_in_rollout} into rollout {k}): their checkpoint was "
+                "not trained on this spec's data; use the spec that trained it, or fresh checkpoints")
+        self.store.put_json(STATE_KEY, state.to_json())
+        self.say(f"rollout: re-created the state at rollout {k} (source rollout {state.source_index}) in "
+                 f"{time.perf_counter() - t0:.1f}s; publishing from there")
+        return state
+
     def wait_for_room(self, k: int) -> None:
-        """Backpressure: block while `maxPendingRollouts` or more published rollouts are unconsumed."""
+        """Backpressure: block while `maxPendingRollouts` or more published rollouts are unconsumed. Raises
+        TrainersAhead when the trainers' resume point is past rollout `k` (see `rollout/recovery.py`)."""
         is_committed = getattr(self.store, "is_committed", None)
         if is_committed is not None and is_committed(k):
             return  # restarted after publishing k: nothing new goes into the store
@@ -354,6 +420,9 @@ class RolloutLoop:
         waited = False
         t0 = time.monotonic()
         while True:
+            point = ResumePoint.read(self.store)
+            if point is not None and point.rollout > k:
+                raise TrainersAhead(point)
             pending = self.store.pending_rollouts()
             if self.metrics is not None:
                 self.metrics.pending.set(pending)

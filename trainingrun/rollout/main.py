@@ -12,6 +12,7 @@ import os
 import sys
 import time
 
+from trainingrun.cliargs import positive_seconds
 from trainingrun.plan import EXIT_CONFIG_ERROR
 from trainingrun.rollout.loop import STATE_KEY, RolloutLoop, RolloutResult, data_report, run_rollout
 from trainingrun.rollout.sources import ConfigError
@@ -27,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="store URL (default: $TRAININGRUN_STORE_URL)")
     parser.add_argument("--metrics-port", type=int, default=_int_env("TRAININGRUN_METRICS_PORT"),
                         help="serve Prometheus /metrics on this port (default: $TRAININGRUN_METRICS_PORT; 0/unset: off)")
-    parser.add_argument("--max-wait", type=float, default=None,
+    parser.add_argument("--max-wait", type=positive_seconds, default=None,
                         help="give up (exit 1) after waiting this many seconds for trainers to consume (default: forever)")
 
 

@@ -19,6 +19,7 @@ import argparse
 import os
 import sys
 
+from trainingrun.cliargs import positive_seconds
 from trainingrun.plan import EXIT_CONFIG_ERROR
 from trainingrun.store.base import StoreError
 from trainingrun.trainer.config import ConfigError, TrainerEnv, env_int
@@ -30,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="TrainingRun YAML (default: $TRAININGRUN_CONFIG)")
     parser.add_argument("--store", default=None, help="store URL (default: $TRAININGRUN_STORE_URL)")
     parser.add_argument(
-        "--wait-timeout", type=float, default=None,
+        "--wait-timeout", type=positive_seconds, default=None,
         help="give up (exit 1) after waiting this many seconds for one rollout (default: wait forever)",
     )
 
@@ -48,8 +49,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"[trainer {rank}] configuration error: {exc}", file=sys.stderr, flush=True)
         return EXIT_CONFIG_ERROR
     except StoreError as exc:  # one line naming the key; 78 when no restart can fix it (corrupt data, fenced off)
-        print(f"[trainer {rank}] store error: {exc}", file=sys.stderr, flush=True)
+        _say(f"[trainer {rank}] store error: {exc}")
         return exit_status(exc)
+    except (OSError, RuntimeError) as exc:  # a full volume (a checkpoint, a log, the metrics file): no restart helps
+        from trainingrun.diskspace import describe
+
+        line = describe(exc, [os.getcwd()])
+        if line is None:
+            raise
+        _say(f"[trainer {rank}] {line}")
+        return EXIT_CONFIG_ERROR
+
+
+def _say(line: str) -> None:
+    """One line to stderr; on a full volume even that may fail, and the exit code still tells."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
 
 
 def _config_path(args: argparse.Namespace) -> str:

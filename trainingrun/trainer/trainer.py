@@ -162,13 +162,18 @@ class Trainer:
             resumed = self.checkpoints.resume()
         except CheckpointError as exc:
             raise ConfigError(str(exc)) from None
-        if resumed is None:
-            return
-        self.progress = resumed.progress
-        self.last_saved = self.progress.global_step
-        p = self.progress
-        log(self.rank, f"resumed from {resumed.path}: step {p.global_step}, rollout {p.rollout}+{p.step_in_rollout}, "
-                       f"samples {p.samples_consumed}")
+        if resumed is not None:
+            self.progress = resumed.progress
+            self.last_saved = self.progress.global_step
+            p = self.progress
+            log(self.rank, f"resumed from {resumed.path}: step {p.global_step}, rollout {p.rollout}+"
+                           f"{p.step_in_rollout}, samples {p.samples_consumed}")
+        if self.rank == 0:  # where we resume: a rollout whose store lost the stream re-creates it up to here
+            from trainingrun.rollout.recovery import ResumePoint
+
+            p = self.progress
+            ResumePoint(rollout=p.rollout, step_in_rollout=p.step_in_rollout, global_step=p.global_step,
+                        samples_consumed=p.samples_consumed, attempt=self.env.attempt).write(self.store)
 
     def start_tracking(self) -> None:
         """Rank 0, after `resume`: open TensorBoard / W&B (the steps after the resumed checkpoint replace a failed

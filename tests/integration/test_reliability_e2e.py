@@ -1,0 +1,192 @@
+"""Faults no restart can hide, on whole local runs (`trainingrun run`, real rollout and Megatron-core trainers):
+
+  lost data    a real redis-server restarted without persistence in the middle of a run: every process reports
+               the lost data, the group restarts once, the trainers resume from their checkpoint and the rollout
+               re-creates the stream: the run ends exactly as an uninterrupted run (per-step loss, batch sizes)
+  corruption   a bit flipped in a committed, not yet trained payload: the reading trainer exits 78 naming the key,
+               the run fails once (no restart loop), blaming that trainer
+  full disk    the run directory on a small filesystem that fills up: one clear line, the run stops cleanly with
+               its summary (or says it could not write it); after freeing space the same command resumes and ends
+               as an uninterrupted run
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests import localrun
+from tests.integration.test_local_e2e import assert_same_run
+from tests.localrun import finish, records
+from tests.services import free_port, redis_server
+from trainingrun.local import metrics_port_block
+from trainingrun.store import open_store
+from trainingrun.store.wire import header_span, parse_header
+
+pytestmark = pytest.mark.megatron
+
+ROOT = Path(__file__).resolve().parents[2]
+NUM_ROLLOUTS = 12
+CKPT_INTERVAL = 3
+
+
+def write_spec(path: Path, *, store_url: str | None = None, max_restarts: int = 2) -> Path:
+    doc = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+    doc["spec"]["rollout"]["numRollouts"] = NUM_ROLLOUTS
+    doc["spec"]["rollout"]["samplesPerRollout"] = 32
+    doc["spec"]["trainer"]["checkpoint"]["interval"] = CKPT_INTERVAL
+    doc["spec"]["metrics"]["port"] = metrics_port_block(free_port(), 3)
+    doc["spec"]["failurePolicy"] = {"maxRestarts": max_restarts, "backoffSeconds": 0, "progressDeadlineSeconds": 120}
+    if store_url:
+        doc["spec"]["store"] = {"url": store_url}
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def wait(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+def trained(out: Path) -> list[dict]:
+    """Rank 0's step records of the current invocation as they are written."""
+    recs = []
+    for path in sorted((out / "raw").glob("*.jsonl")) if (out / "raw").is_dir() else []:
+        for line in path.read_text().splitlines():
+            try:
+                recs.append(json.loads(line))
+            except ValueError:
+                pass  # a line being written
+    return recs
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ref")
+    out = d / "out"
+    code, log = finish(localrun.start(write_spec(d / "ref.yaml"), out))
+    assert code == 0, log[-4000:]
+    return records(out)
+
+
+# ------------------------------------------------------------------------------------------------- lost data
+def test_redis_restarted_empty_mid_run_recovers_exactly(tmp_path, ref):
+    # Before: the trainers waited forever for the lost rollout, the rollout sat in backpressure; with a progress
+    # deadline the only message was "no new training step", then every restart hung the same way.
+    with redis_server() as server:
+        out = tmp_path / "out"
+        spec = write_spec(tmp_path / "run.yaml", store_url=server.url + "?prefix=lost&retry_seconds=20")
+        proc = localrun.start(spec, out)
+        try:
+            wait(lambda: any((out / "checkpoints").glob("step_*/COMPLETE")) and len(trained(out)) >= CKPT_INTERVAL + 1,
+                 240, "a checkpoint and a step after it")
+            assert proc.poll() is None, "the run ended before the fault"
+            server.restart()  # no persistence: it comes back empty
+            code, log = finish(proc)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert code == 0, log[-6000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["restarts"] == 1 and summary["attempts"][0]["outcome"] == "failed", summary["attempts"]
+    logs = "".join(p.read_text() for p in (out / "logs").glob("*.attempt0.log")) + \
+        "".join(p.read_text() for p in (out / "logs").glob("*[0-9].log"))
+    assert "lost its data" in logs and "restarted without persistence" in logs
+    rollout_log = (out / "logs" / "rollout.attempt1.log").read_text()
+    assert "the store lost data" in rollout_log and "re-creating the state up to rollout" in rollout_log
+    assert_same_run(records(out), ref, rel=1e-5)  # exactly the uninterrupted run
+
+
+# ------------------------------------------------------------------------------------------------- corruption
+def test_a_corrupt_committed_payload_fails_the_run_once_naming_the_key(tmp_path):
+    # Before: each attempt failed with a CorruptPayload traceback (exit 1) until maxRestarts was used up.
+    out = tmp_path / "out"
+    proc = localrun.start(write_spec(tmp_path / "run.yaml", max_restarts=3), out)
+    flipped = None
+    try:
+        store_dir = out / "store"
+        wait(lambda: (store_dir / "EPOCH").exists(), 120, "the store")
+        store = open_store(f"file://{store_dir}")
+
+        def ahead() -> int | None:
+            done = max((r["rollout"] for r in trained(out)), default=-1)
+            committed = [k for k in range(NUM_ROLLOUTS) if store.is_committed(k)]
+            return committed[-1] if committed and committed[-1] >= done + 2 else None
+
+        k = wait(ahead, 240, "a committed rollout two ahead of the trainers")
+        path = store.payload_path(k, 1)
+        data = bytearray(path.read_bytes())
+        fields, start, _ = parse_header(bytes(data[: header_span(data)]), where=str(path))
+        data[start + fields["tokens"]["offset"] + 1] ^= 0x04  # one bit of a token id
+        tmp = path.with_name(".tampered")
+        tmp.write_bytes(bytes(data))
+        os.replace(tmp, path)
+        flipped = path
+        code, log = finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert flipped is not None
+    assert code == 78, log[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["attempts"]) == 1 and summary["restarts"] == 0  # failed once, no restart loop
+    failure = summary["failure"]
+    assert failure["process"] == "trainer-1" and "78" in failure["reason"]  # the rank that read rank 1's payload
+    trainer_log = (out / "logs" / "trainer-1.log").read_text()
+    assert str(flipped) in trainer_log and "checksum" in trainer_log and "Traceback" not in trainer_log
+    assert "error: run tiny failed: trainer-1" in log
+
+
+# ------------------------------------------------------------------------------------------------- full disk
+@pytest.fixture
+def small_volume(tmp_path):
+    """A 64 MiB tmpfs mounted for the test (needs root), unmounted after it."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root (tmpfs); not root here")
+    mnt = tmp_path / "vol"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_disk_stops_the_run_cleanly_and_a_rerun_resumes(small_volume, tmp_path, ref):
+    # Before: the launcher crashed with an OSError traceback and wrote no summary; children crashed with tracebacks.
+    filler = small_volume / "filler"
+    free = os.statvfs(small_volume).f_bavail * os.statvfs(small_volume).f_frsize
+    subprocess.run(["fallocate", "-l", str(free - 4 * 1024 * 1024), str(filler)], check=True)  # ~4 MiB left
+    spec = write_spec(tmp_path / "run.yaml")
+    out = small_volume / "out"
+    code, log = finish(localrun.start(spec, out))
+    assert code != 0, log[-4000:]
+    assert "Traceback" not in log
+    assert f"no space left on the volume holding {out}" in log
+    assert re.search(r"^status\s+failed$", log, re.M)  # the summary table, printed even when summary.json cannot be
+    summary_file = out / "summary.json"
+    if summary_file.exists():
+        assert json.loads(summary_file.read_text())["status"] == "failed"
+    else:
+        assert f"could not write {summary_file}" in log
+    traceback_logs = [p.name for p in (out / "logs").glob("*.log") if "Traceback" in p.read_text()]
+    assert traceback_logs == []
+    filler.unlink()  # free space, run the same command again: it resumes
+    code, log = finish(localrun.start(spec, out))
+    assert code == 0, log[-4000:]
+    assert "resuming in" in log
+    assert_same_run(records(out), ref, rel=1e-5)

@@ -1,0 +1,85 @@
+"""A full volume (ENOSPC, an exhausted quota) told apart from other failures, in one place.
+
+A full disk is not fixed by restarting: every attempt would fail the same way. So the run's processes turn it into
+one clear line and exit 78 (the run stops at once, `failure_policy`), and the local launcher, which writes on the
+same volume, checks it whenever a process failed, stops the run cleanly, and says so — also when the failing
+process could not even write its own message.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+# a volume with less than this available counts as full: a checkpoint or a log line no longer fits
+FULL_BELOW_BYTES = 1 << 20
+
+
+def no_space(exc: BaseException | None) -> OSError | None:
+    """The OSError saying "no space left" (or "quota exceeded") that caused `exc`, following its causes."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS:
+            return exc
+        if getattr(exc, "errno", None) in NO_SPACE_ERRNOS:  # e.g. a StoreError carrying the errno
+            return OSError(exc.errno, str(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _statvfs(path: str | Path) -> tuple[os.statvfs_result, Path] | None:
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return os.statvfs(p), p
+    except OSError:
+        return None
+
+
+def _volume_line(path: str | Path, st: os.statvfs_result) -> str:
+    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    return (f"no space left on the volume holding {Path(path)} ({_size(free)} free of {_size(total)}): free some "
+            "space and run the same command again to resume from the last checkpoint")
+
+
+def full_volume(paths: Iterable[str | Path], below: int = FULL_BELOW_BYTES) -> str | None:
+    """A message naming the first of `paths` whose volume has less than `below` bytes available, else None."""
+    seen: set[int] = set()
+    for path in paths:
+        found = _statvfs(path)
+        if found is None or found[0].f_fsid in seen:
+            continue
+        st = found[0]
+        seen.add(st.f_fsid)
+        if st.f_bavail * st.f_frsize < below:
+            return _volume_line(path, st)
+    return None
+
+
+def describe(exc: BaseException, fallback_paths: Iterable[str | Path] = ()) -> str | None:
+    """One line for an exception caused by a full volume (None when it was not): the volume of the path the errno
+    names, or the first full volume among `fallback_paths` (a library that reports a failed write without its
+    errno, e.g. torch.save)."""
+    err = no_space(exc)
+    if err is None:
+        return full_volume(fallback_paths)
+    filename = getattr(err, "filename", None)
+    found = _statvfs(filename) if filename else None
+    if found is not None:
+        return _volume_line(filename, found[0])
+    return full_volume(fallback_paths) or (
+        f"no space left on device ({err.strerror or err}): free some space and run the same command again to resume "
+        "from the last checkpoint")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
