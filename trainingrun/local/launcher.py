@@ -46,7 +46,6 @@ from trainingrun.plan import build_plan
 from trainingrun.tracking import OUTPUT_DIR_ENV
 
 POLL_SECONDS = 0.2
-SETTLE_SECONDS = 3.0  # after a failure, how long the others may take to exit before the failure is judged
 
 
 def spec_yaml(run) -> str:
@@ -219,7 +218,6 @@ class Launcher:
         last_progress = time.monotonic()
         trainers = [c for c in group.children if c.plan.role == "trainer"]
         trainers_done_at: float | None = None
-        settle_until: float | None = None
         while True:
             if self.signals.received:
                 return Outcome("interrupted", reason=f"{signal.Signals(self.signals.received).name} received")
@@ -231,16 +229,6 @@ class Launcher:
                 self._check_fields(records[-1])
             self.progress.tick()
             failed = {c.name: c for c in group.children if c.returncode not in (None, 0)}
-            if failed and not any(c.returncode == policy.EXIT_CONFIG_ERROR for c in failed.values()):
-                # A rank that dies breaks its peers' collectives at once, while it may still be on its way out
-                # (tearing down, saying why): give the others a moment, so that the process that caused the
-                # failure, e.g. one exiting 78 on corrupt data, is among those the policy chooses from.
-                settle_until = settle_until or time.monotonic() + SETTLE_SECONDS
-                alive = [c for c in group.children if c.returncode is None]
-                if alive and time.monotonic() < settle_until:
-                    time.sleep(POLL_SECONDS)
-                    continue
-                failed = {c.name: c for c in group.children if c.returncode not in (None, 0)}
             if failed:
                 # Several may have died in one poll (a rank's death breaks its peers' collectives): the policy names
                 # the one to report.

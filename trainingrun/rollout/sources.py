@@ -169,7 +169,48 @@ MAX_REPORTED_ERRORS = 20
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite JSON number (an integer too large for a float is not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+MAX_LINE_BYTES = 64 * 1024 * 1024  # one jsonl line (a sample); longer is refused, not read into memory
+
+
+def _jsonl_lines(path: Path):
+    """(line number, text or an error message) of a jsonl file, read in binary: a line that is not UTF-8 or longer
+    than MAX_LINE_BYTES is an error for that line, not an exception; a FIFO or device is refused without blocking."""
+    import os
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        where = "" if path.is_absolute() else f" (relative to the working directory {Path.cwd()})"
+        raise ConfigError(f"rollout.source.jsonl.path: cannot open {path}{where}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(f"rollout.source.jsonl.path: {path} is not a regular file")
+    with os.fdopen(fd, "rb") as fh:
+        lineno = 0
+        while True:
+            raw = fh.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                return
+            lineno += 1
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                while raw and not raw.endswith(b"\n"):  # skip the rest of the line without keeping it
+                    raw = fh.readline(MAX_LINE_BYTES)
+                yield lineno, None, f"longer than {MAX_LINE_BYTES} bytes: refused"
+                continue
+            try:
+                yield lineno, raw.decode("utf-8"), None
+            except UnicodeDecodeError as exc:
+                yield lineno, None, f"not UTF-8 text (byte {exc.start + 1} of the line: {exc.reason})"
 
 
 @dataclass
@@ -206,59 +247,59 @@ def load_jsonl(path: str | Path, *, vocab_size: int, tokenizer: Callable[[], Any
     data = JsonlData(path=path)
     seen_groups: dict[Any, int] = {}
     current_key: Any = object()
-    try:
-        fh = open(path, encoding="utf-8")
-    except OSError as exc:
-        where = "" if path.is_absolute() else f" (relative to the working directory {Path.cwd()})"
-        raise ConfigError(f"rollout.source.jsonl.path: cannot open {path}{where}: {exc.strerror or exc}") from None
-    with fh:
-        for lineno, line in enumerate(fh, start=1):
-            if len(errors) >= MAX_REPORTED_ERRORS:
-                errors.append(f"{path}: stopped after {MAX_REPORTED_ERRORS} errors")
-                break
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except ValueError as exc:
-                errors.append(f"{where}: not valid JSON: {exc}")
-                continue
-            if not isinstance(obj, dict):
-                errors.append(f"{where}: must be a JSON object, got {type(obj).__name__}")
-                continue
-            bad = [f"{where}: {k}: unknown field (allowed: {', '.join(JSONL_FIELDS)})" for k in obj if k not in JSONL_FIELDS]
-            if bad:
-                errors.extend(bad)
-                continue
-            if any(k in obj for k in TEXT_FIELDS):
-                sample = _text_line(obj, where, vocab_size, errors, tokenizer)
-            else:
-                sample = _validate_line(obj, where, vocab_size, errors)
-            if sample is None:
-                continue
-            key = obj.get("group", f"\0line {lineno}")
-            if key != current_key:
-                if key in seen_groups:
-                    errors.append(
-                        f"{where}: group: {key!r} appeared before (line {seen_groups[key]}) and again after another "
-                        "group; a group's lines must be contiguous"
-                    )
-                    continue
-                seen_groups[key] = lineno
-                current_key = key
-                data.groups.append(
-                    Group(group_id=len(data.groups), tokens=[], loss_masks=[], rewards=np.zeros(0, np.float32),
-                          sample_ids=np.zeros(0, np.int64), advantages=np.zeros(0, np.float32))
+    for lineno, line, problem in _jsonl_lines(path):
+        if len(errors) >= MAX_REPORTED_ERRORS:
+            errors.append(f"{path}: stopped after {MAX_REPORTED_ERRORS} errors")
+            break
+        where = f"{path}:{lineno}"
+        if problem is not None:
+            errors.append(f"{where}: {problem}")
+            continue
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as exc:
+            errors.append(f"{where}: not valid JSON: {exc}")
+            continue
+        except RecursionError:
+            errors.append(f"{where}: not valid JSON: nested too deeply")
+            continue
+        if not isinstance(obj, dict):
+            errors.append(f"{where}: must be a JSON object, got {type(obj).__name__}")
+            continue
+        bad = [f"{where}: {k}: unknown field (allowed: {', '.join(JSONL_FIELDS)})" for k in obj if k not in JSONL_FIELDS]
+        if bad:
+            errors.extend(bad)
+            continue
+        if any(k in obj for k in TEXT_FIELDS):
+            sample = _text_line(obj, where, vocab_size, errors, tokenizer)
+        else:
+            sample = _validate_line(obj, where, vocab_size, errors)
+        if sample is None:
+            continue
+        key = obj.get("group", f"\0line {lineno}")
+        if key != current_key:
+            if key in seen_groups:
+                errors.append(
+                    f"{where}: group: {key!r} appeared before (line {seen_groups[key]}) and again after another "
+                    "group; a group's lines must be contiguous"
                 )
-            tokens, mask, reward, advantage = sample
-            g = data.groups[-1]
-            g.tokens.append(tokens)
-            g.loss_masks.append(mask)
-            g.rewards = np.append(g.rewards, np.float32(0.0 if reward is None else reward))
-            g.sample_ids = np.append(g.sample_ids, np.int64(lineno - 1))
-            g.advantages = np.append(g.advantages, np.float32(np.nan if advantage is None else advantage))
-            g.has_reward = g.has_reward and reward is not None
+                continue
+            seen_groups[key] = lineno
+            current_key = key
+            data.groups.append(
+                Group(group_id=len(data.groups), tokens=[], loss_masks=[], rewards=np.zeros(0, np.float32),
+                      sample_ids=np.zeros(0, np.int64), advantages=np.zeros(0, np.float32))
+            )
+        tokens, mask, reward, advantage = sample
+        g = data.groups[-1]
+        g.tokens.append(tokens)
+        g.loss_masks.append(mask)
+        g.rewards = np.append(g.rewards, np.float32(0.0 if reward is None else reward))
+        g.sample_ids = np.append(g.sample_ids, np.int64(lineno - 1))
+        g.advantages = np.append(g.advantages, np.float32(np.nan if advantage is None else advantage))
+        g.has_reward = g.has_reward and reward is not None
     if not errors and not data.groups:
         errors.append(f"{path}: no samples (the file is empty)")
     if errors:
@@ -343,17 +384,18 @@ def _validate_line(obj: dict, where: str, vocab: int, errors: list[str]):
     elif len(tokens) < 2:
         errors.append(f"{where}: tokens: needs at least 2 tokens (a prompt token and a target), got {len(tokens)}")
     else:
-        arr = np.asarray(tokens, dtype=np.int64)
-        if arr.min() < 0 or arr.max() >= vocab:
-            errors.append(f"{where}: tokens: ids must be in [0, {vocab}) (model vocabSize), got {arr.min()}..{arr.max()}")
-            arr = None
+        lo, hi = min(tokens), max(tokens)  # checked as Python ints: an id beyond int64 is out of range, not a crash
+        if lo < 0 or hi >= vocab:
+            errors.append(f"{where}: tokens: ids must be in [0, {vocab}) (model vocabSize), got {lo}..{hi}")
+        else:
+            arr = np.asarray(tokens, dtype=np.int64)
     mask = None
     has_mask, has_pl = "loss_mask" in obj, "prompt_length" in obj
     if has_mask == has_pl:
         errors.append(f"{where}: loss_mask: give exactly one of loss_mask and prompt_length")
     elif has_mask:
         m = obj["loss_mask"]
-        if not isinstance(m, list) or not all(v in (0, 1) and not isinstance(v, float) for v in m):
+        if not isinstance(m, list) or not all(type(v) is int and v in (0, 1) for v in m):
             errors.append(f"{where}: loss_mask: must be a list of 0/1")
         elif arr is not None and len(m) != len(arr):
             errors.append(f"{where}: loss_mask: length {len(m)} != tokens length {len(arr)}")

@@ -125,6 +125,16 @@ def _train(args: argparse.Namespace) -> int:
         trainer.fit()
         trainer.linger()
         return 0
+    except StoreError as exc:
+        from trainingrun.store import exit_status
+
+        if exit_status(exc) == EXIT_CONFIG_ERROR:
+            # Corrupt data, fenced off: say so and exit at once, before tearing down torch.distributed. Our peers'
+            # collectives break only when we are gone, so whoever watches (launcher, operator) sees this rank end
+            # first and names it, not a peer whose all-reduce broke.
+            _say(f"[trainer {env.rank}] store error: {exc}")
+            os._exit(EXIT_CONFIG_ERROR)
+        raise
     finally:
         trainer.close()
 
