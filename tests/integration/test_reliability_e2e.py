@@ -183,8 +183,10 @@ def test_full_disk_stops_the_run_cleanly_and_a_rerun_resumes(small_volume, tmp_p
         assert json.loads(summary_file.read_text())["status"] == "failed"
     else:
         assert f"could not write {summary_file}" in log
-    traceback_logs = [p.name for p in (out / "logs").glob("*.log") if "Traceback" in p.read_text()]
-    assert traceback_logs == []
+    # the process that hit the full volume says so in one line (its peers' collectives may break after it is gone)
+    culprit = re.search(r"error: run tiny failed: (\S+): ", log).group(1)
+    culprit_log = (out / "logs" / f"{culprit}.log").read_text()
+    assert "Traceback" not in culprit_log, culprit_log[-3000:]
     filler.unlink()  # free space, run the same command again: it resumes
     code, log = finish(localrun.start(spec, out))
     assert code == 0, log[-4000:]
