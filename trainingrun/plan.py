@@ -8,6 +8,9 @@ Every process reads its configuration from the environment:
   TRAININGRUN_STORE_URL     file:///... or redis://...     (contract)
   TRAININGRUN_CONFIG        path of the TrainingRun YAML (a ConfigMap mount in a cluster)
   TRAININGRUN_ATTEMPT       restart attempt (0, 1, ...)
+  TRAININGRUN_RUN_EPOCH     the run's creation time (unix seconds; 0 when unknown, e.g. local runs): with the attempt
+                            it orders the writers of a run's checkpoints, so a TrainingRun deleted and re-created
+                            over the same volume takes them over and the old run's leftovers are fenced off
   TRAININGRUN_METRICS_PORT  port of /metrics for this process
   RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT  trainers only (contract); see "Ranks" below
   TRAININGRUN_METRICS_JSONL rank 0 appends one JSON object per step here (local runs)
@@ -89,6 +92,7 @@ def build_plan(
     master_addr: str,
     master_port: int = DEFAULT_MASTER_PORT,
     attempt: int = 0,
+    epoch: int = 0,
     metrics_port: int | None = None,
     distinct_ports: bool = False,
     extra_env: dict[str, str] | None = None,
@@ -108,6 +112,7 @@ def build_plan(
         "TRAININGRUN_STORE_URL": store_url,
         "TRAININGRUN_CONFIG": config_path,
         "TRAININGRUN_ATTEMPT": str(attempt),
+        **({"TRAININGRUN_RUN_EPOCH": str(epoch)} if epoch else {}),
         **(extra_env or {}),
     }
     replicas = spec.trainer.replicas

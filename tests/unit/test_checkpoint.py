@@ -34,17 +34,19 @@ class Loader:
         self.loaded.append(tag)
 
 
-def save(root: Path, step: int, *, rollout: int | None = None, attempt: int = 0, keep: int = 3) -> ckpt.SaveResult:
+def save(root: Path, step: int, *, rollout: int | None = None, attempt: int = 0, keep: int = 3,
+         epoch: int = 0) -> ckpt.SaveResult:
     progress = Progress(global_step=step, rollout=step if rollout is None else rollout, samples_consumed=10 * step)
     return ckpt.save(root, progress, group=Solo(), write_shards=_shards(f"s{step}"),
                      state=lambda: {"scheduler": {"num_steps": 10 * step}, "rng": ckpt.rng_state()},
                      meta={"run": "t", "dp_size": 2, "tp_size": 1, "model": {"hidden_size": 8}},
-                     attempt=attempt, keep=keep)
+                     attempt=attempt, keep=keep, epoch=epoch)
 
 
-def resume(root: Path, *, attempt: int = 0, loader: Loader | None = None, log: list[str] | None = None):
+def resume(root: Path, *, attempt: int = 0, loader: Loader | None = None, log: list[str] | None = None,
+           epoch: int = 0):
     return ckpt.resume(root, group=Solo(), load_shards=loader or Loader(), attempt=attempt,
-                       log=(log.append if log is not None else lambda _m: None))
+                       log=(log.append if log is not None else lambda _m: None), epoch=epoch)
 
 
 def test_save_commits_a_verified_manifest_and_keeps_n(tmp_path):
@@ -199,6 +201,52 @@ def test_older_attempt_cannot_commit_prune_or_resume(tmp_path):
     assert save(tmp_path, 4, attempt=5).path.name == "step_00000004"
     assert save(tmp_path, 6, attempt=6).path.name == "step_00000006"
     assert json.loads((tmp_path / "step_00000006" / "progress.json").read_text())["attempt"] == 6
+
+
+def test_a_re_created_run_takes_the_checkpoints_over_and_fences_the_old_run_off(tmp_path):
+    # A TrainingRun deleted and re-created with the same name over the same volume starts again at attempt 0, with
+    # a later creation time (TRAININGRUN_RUN_EPOCH). Before, its attempt 0 was refused (exit 78) by the old run's
+    # attempt 3 recorded in the fence, so the re-created run could never start.
+    old, new = 1_700_000_000, 1_700_000_600
+    save(tmp_path, 2, attempt=0, epoch=old)
+    resume(tmp_path, attempt=3, epoch=old)
+    save(tmp_path, 4, attempt=3, epoch=old)
+    log: list[str] = []
+    got = resume(tmp_path, attempt=0, epoch=new, log=log)
+    assert got is not None and got.progress.global_step == 4
+    assert any("taking the checkpoints over from the run created 2023-11-14T22:13:20Z (its attempt 3)" in m
+               for m in log), log
+    assert ckpt.newest_fence(tmp_path) == (new, 0) and ckpt.newest_attempt(tmp_path) == 0
+    # the old run's leftover (a trainer on a lost node) may no longer commit, prune or resume
+    with pytest.raises(CheckpointFenced, match=r"attempt 3 may not commit step_00000006: a run created later "
+                                               r"\(2023-11-14T22:23:20Z, attempt 0\)"):
+        save(tmp_path, 6, attempt=3, epoch=old)
+    with pytest.raises(CheckpointFenced):
+        ckpt.prune(tmp_path, 1, attempt=9, epoch=old)
+    with pytest.raises(CheckpointFenced, match="deleted and re-created with the same name"):
+        resume(tmp_path, attempt=4, epoch=old)
+    # the new run carries on, and its own restarts are ordered after its attempt 0
+    assert save(tmp_path, 6, attempt=0, epoch=new).path.name == "step_00000006"
+    resume(tmp_path, attempt=1, epoch=new)
+    with pytest.raises(CheckpointFenced, match="attempt 0 may not commit step_00000008: attempt 1 has resumed"):
+        save(tmp_path, 8, attempt=0, epoch=new)
+    # a fence written before epochs existed (plain attempt names) counts as epoch 0: every re-created run is newer
+    legacy = tmp_path / "legacy"
+    save(legacy, 2, attempt=7)
+    resume(legacy, attempt=7)
+    assert sorted(p.name for p in (legacy / ckpt.FENCE_DIR).iterdir()) == ["00000007"]
+    assert resume(legacy, attempt=0, epoch=new) is not None
+
+
+def test_prune_orders_temporary_directories_by_run_and_attempt(tmp_path):
+    save(tmp_path, 2, attempt=1, epoch=500)
+    (tmp_path / ".tmp-step_00000004-e500-a2").mkdir()  # the same run's attempt 2, writing right now
+    (tmp_path / ".tmp-step_00000004-e900-a0").mkdir()  # a re-created run's attempt 0, writing right now
+    (tmp_path / ".tmp-step_00000003-a5").mkdir()  # left by a run before epochs (epoch 0)
+    (tmp_path / ".tmp-step_00000003-e500-a0").mkdir()  # left by a crashed attempt 0 of this run
+    ckpt.prune(tmp_path, 2, attempt=1, epoch=500)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")) == [
+        ".tmp-step_00000004-e500-a2", ".tmp-step_00000004-e900-a0"]
 
 
 def test_commit_is_fenced_when_a_newer_attempt_starts_during_the_write(tmp_path):

@@ -406,6 +406,36 @@ def test_runs_sharing_an_external_redis_get_their_own_keys():
     assert render.store_url(run_of(store={"url": "redis://r:6379/0?prefix=mine"}), "ns1").endswith("?prefix=mine")
 
 
+def test_a_re_created_run_gets_a_later_epoch_and_fresh_external_store_keys():
+    # The operator passes the run's uid and creationTimestamp (handlers.parse_run). Before, a TrainingRun deleted and
+    # re-created with the same name shared the old run's external store keys and checkpoint fence at attempt 0, and
+    # every trainer was refused (exit 78) by the old run's newer attempts.
+    def incarnation(uid, created, **spec):
+        doc = copy.deepcopy(TINY)
+        doc["spec"].update(spec)
+        doc["metadata"].update(uid=uid, creationTimestamp=created)
+        return parse_trainingrun(doc)
+
+    first = incarnation("0f1e2d3c-aaaa-bbbb", "2026-11-30T10:00:00Z", store={"url": "redis://r:6379/0"})
+    again = incarnation("9a8b7c6d-cccc-dddd", "2026-11-30T10:05:00Z", store={"url": "redis://r:6379/0"})
+    assert render.store_url(first, "ns1") == "redis://r:6379/0?prefix=trainingrun.ns1.tiny.0f1e2d3c"
+    assert render.store_url(again, "ns1") == "redis://r:6379/0?prefix=trainingrun.ns1.tiny.9a8b7c6d"
+
+    def epochs(run):
+        return {e["value"] for p in render.render_pods(run, OWNER, attempt=0) for c in p["spec"]["containers"]
+                for e in c.get("env", []) if e["name"] == "TRAININGRUN_RUN_EPOCH"}
+
+    assert epochs(first) == {"1796032800"} and epochs(again) == {"1796033100"}
+    assert epochs(run_of()) == set()  # unknown creation time: epoch 0, the variable is left out
+    assert render.run_epoch(incarnation("u", "not a time")) == 0
+    # what the operator parses from a TrainingRun object keeps both
+    from trainingrun.operator.handlers import parse_run
+
+    body = copy.deepcopy(TINY)
+    body["metadata"].update(namespace="ns1", uid="9a8b7c6d-cccc-dddd", creationTimestamp="2026-11-30T10:05:00Z")
+    assert render.run_epoch(parse_run(body)) == 1796033100
+
+
 def test_wandb_api_key_reaches_the_trainers_from_a_secret_only():
     metrics = {"port": 9400, "wandb": {"project": "p", "apiKeySecret": {"name": "wandb"}}}
     pods = render.render_pods(run_of(metrics=metrics), OWNER, attempt=0)

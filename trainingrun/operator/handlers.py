@@ -210,7 +210,9 @@ def parse_run(body: kopf.Body) -> TrainingRun:
     return parse_trainingrun({
         "apiVersion": API_VERSION,
         "kind": KIND,
-        "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace")},
+        # uid and creationTimestamp: the store prefix and TRAININGRUN_RUN_EPOCH of a re-created run (render.py)
+        "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace"),
+                     **{k: meta[k] for k in ("uid", "creationTimestamp") if meta.get(k)}},
         "spec": effective_spec(body),
     })
 

@@ -142,10 +142,27 @@ def store_url(run: TrainingRun, namespace: str) -> str:
     url = run.spec.store.url
     assert url is not None
     if url.startswith("redis://") and "prefix=" not in url:
-        # An external Redis may serve several runs: give each its own keys (trainingrun.<namespace>.<name>) unless
-        # the URL names a prefix itself.
-        url += ("&" if "?" in url else "?") + f"prefix=trainingrun.{namespace}.{run.metadata.name}"
+        # An external Redis may serve several runs: give each its own keys (trainingrun.<namespace>.<name>, and the
+        # first 8 characters of the run's uid when known, so that a run deleted and re-created with the same name
+        # starts a fresh stream instead of being fenced off by the old run's attempts) unless the URL names a prefix.
+        prefix = f"trainingrun.{namespace}.{run.metadata.name}"
+        uid = (run.metadata.model_extra or {}).get("uid")
+        if isinstance(uid, str) and uid:
+            prefix += "." + uid[:8]
+        url += ("&" if "?" in url else "?") + f"prefix={prefix}"
     return url
+
+
+def run_epoch(run: TrainingRun) -> int:
+    """The run's creation time in unix seconds (metadata.creationTimestamp), 0 when unknown: TRAININGRUN_RUN_EPOCH."""
+    from trainingrun.operator.observe import parse_time
+
+    raw = (run.metadata.model_extra or {}).get("creationTimestamp")
+    try:
+        ts = parse_time(raw) if isinstance(raw, str) else None
+    except ValueError:
+        return 0
+    return max(int(ts.timestamp()), 0) if ts is not None else 0
 
 
 def master_addr(run: TrainingRun, namespace: str, attempt: int) -> str:
@@ -204,6 +221,7 @@ def plan_for(run: TrainingRun, namespace: str, attempt: int) -> RunPlan:
         master_addr=master_addr(run, namespace, attempt),
         master_port=DEFAULT_MASTER_PORT,
         attempt=attempt,
+        epoch=run_epoch(run),
     )
 
 

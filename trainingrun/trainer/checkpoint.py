@@ -33,10 +33,14 @@ skip them. When checkpoints exist but none loads, `CheckpointError` names every 
 a restart cannot repair them). The previous checkpoint's data must still be in the store: after a save the trainer
 releases only rollouts older than the *oldest* kept checkpoint (`SaveResult.release_upto`).
 
-Fencing: a checkpoint commit carries its attempt (COMPLETE, meta.json). The newest recorded attempt is the largest
-name in `.attempts/` (created, never rewritten, so recording is race-free); a commit — or a prune — from an older
-attempt is refused with `CheckpointFenced`, so a zombie trainer of an old attempt cannot commit over, or delete, a
-newer attempt's checkpoints. A trainer that starts with an older attempt than the recorded one is refused the same
+Fencing: a checkpoint commit carries its attempt (COMPLETE, meta.json). An attempt is ordered by (epoch, attempt):
+the epoch is the run's creation time (TRAININGRUN_RUN_EPOCH, unix seconds of the TrainingRun's creationTimestamp;
+0 for local runs, whose attempts already count up across invocations), so a TrainingRun deleted and re-created with
+the same name over the same volume takes the checkpoints over at its attempt 0, and the old run's leftovers are
+fenced off. The newest recorded attempt is the largest entry in `.attempts/` (`<attempt>` for epoch 0,
+`e<epoch>-a<attempt>` otherwise; created, never rewritten, so recording is race-free); a commit — or a prune — from an
+older attempt is refused with `CheckpointFenced`, so a zombie trainer of an old attempt cannot commit over, or delete,
+a newer attempt's checkpoints. A trainer that starts with an older attempt than the recorded one is refused the same
 way (a zombie, or a new run reusing the directory: the message says how to tell and what to do).
 """
 
@@ -182,30 +186,61 @@ def read_progress(path: str | Path) -> Progress:
 
 
 # ------------------------------------------------------------------------------------------------ fencing
-def newest_attempt(root: str | Path) -> int | None:
-    """The newest attempt recorded in `root`'s fence, None if none."""
+_FENCE_ENTRY = re.compile(r"^(?:e(\d{1,18})-a)?(\d{1,18})$")
+
+
+def _fence_key(entry: str) -> tuple[int, int] | None:
+    m = _FENCE_ENTRY.match(entry)
+    return (int(m.group(1) or 0), int(m.group(2))) if m else None
+
+
+def _fence_name(attempt: int, epoch: int) -> str:
+    return f"{attempt:08d}" if epoch == 0 else f"e{epoch}-a{attempt:08d}"
+
+
+def newest_fence(root: str | Path) -> tuple[int, int] | None:
+    """The newest (epoch, attempt) recorded in `root`'s fence, None if none."""
     try:
         names = os.listdir(Path(root) / FENCE_DIR)
     except FileNotFoundError:
         return None
-    attempts = [int(n) for n in names if n.isdigit()]
-    return max(attempts) if attempts else None
+    keys = [k for k in map(_fence_key, names) if k is not None]
+    return max(keys) if keys else None
 
 
-def record_attempt(root: str | Path, attempt: int) -> None:
-    """Record `attempt` in the fence (an empty file named after it: creating it never races with another writer)."""
+def newest_attempt(root: str | Path) -> int | None:
+    """The attempt number of the newest recorded attempt in `root`'s fence, None if none."""
+    newest = newest_fence(root)
+    return None if newest is None else newest[1]
+
+
+def record_attempt(root: str | Path, attempt: int, epoch: int = 0) -> None:
+    """Record `attempt` (of the run created at `epoch`) in the fence (an empty file named after it: creating it never
+    races with another writer)."""
     fence = Path(root) / FENCE_DIR
     fence.mkdir(parents=True, exist_ok=True)
-    (fence / f"{attempt:08d}").touch()
+    (fence / _fence_name(attempt, epoch)).touch()
     _fsync_dir(fence)
 
 
-def fence_reason(root: str | Path, attempt: int, what: str) -> str | None:
-    """Why attempt `attempt` may not `what` in `root` (a newer attempt is recorded), or None."""
-    newest = newest_attempt(root)
-    if newest is None or newest <= attempt:
+def _describe_epoch(epoch: int) -> str:
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(epoch, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def fence_reason(root: str | Path, attempt: int, what: str, epoch: int = 0) -> str | None:
+    """Why attempt `attempt` (of the run created at `epoch`) may not `what` in `root` (a newer attempt is recorded),
+    or None."""
+    newest = newest_fence(root)
+    if newest is None or newest <= (epoch, attempt):
         return None
-    return (f"checkpoints in {Path(root).resolve()}: attempt {attempt} may not {what}: attempt {newest} has resumed "
+    where = f"checkpoints in {Path(root).resolve()}"
+    if newest[0] > epoch:
+        return (f"{where}: attempt {attempt} may not {what}: a run created later ({_describe_epoch(newest[0])}, "
+                f"attempt {newest[1]}) has resumed from them since (this process belongs to a TrainingRun that was "
+                "deleted and re-created with the same name, and should have stopped)")
+    return (f"{where}: attempt {attempt} may not {what}: attempt {newest[1]} has resumed "
             "from them since (this process belongs to an older attempt that should have stopped)")
 
 
@@ -326,6 +361,7 @@ def save(
     attempt: int,
     keep: int,
     assets: Callable[[Path], None] | None = None,
+    epoch: int = 0,
 ) -> SaveResult:
     """Collective save of a checkpoint at `progress` (every rank calls it; see the module docstring).
 
@@ -339,11 +375,11 @@ def save(
     t0 = time.perf_counter()
     root = Path(root)
     name = step_name(progress.global_step)
-    tmp = root / f".tmp-{name}-a{attempt}"
+    tmp = root / (f".tmp-{name}-a{attempt}" if epoch == 0 else f".tmp-{name}-e{epoch}-a{attempt}")
     final = root / name
     reason = None
     if group.rank == 0:
-        reason = _fenced(fence_reason(root, attempt, f"commit {name}"))
+        reason = _fenced(fence_reason(root, attempt, f"commit {name}", epoch))
         if reason is None:
             root.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
@@ -384,7 +420,7 @@ def save(
             _fsync_dir(tmp / DIST_DIR)
             _fsync_dir(tmp)
             total = sum(f["size"] for f in files.values())
-            reason = fence_reason(root, attempt, f"commit {name}")  # a newer attempt may have started meanwhile
+            reason = fence_reason(root, attempt, f"commit {name}", epoch)  # a newer attempt may have started meanwhile
             if reason is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise CheckpointFenced(reason)
@@ -398,7 +434,7 @@ def save(
             _fsync_dir(root)
             if trash is not None:
                 shutil.rmtree(trash, ignore_errors=True)
-            prune(root, keep, attempt=attempt)
+            prune(root, keep, attempt=attempt, epoch=epoch)
             release = release_point(root, default=progress.rollout)
         except CheckpointFenced as exc:
             error = _fenced(str(exc))
@@ -436,13 +472,13 @@ def release_point(root: str | Path, *, default: int) -> int:
     return min(rollouts, default=default)
 
 
-def prune(root: str | Path, keep: int, *, attempt: int | None = None) -> list[Path]:
+def prune(root: str | Path, keep: int, *, attempt: int | None = None, epoch: int = 0) -> list[Path]:
     """Keep the `keep` newest complete checkpoints; remove older ones and leftovers of interrupted saves.
     Returns the kept ones (oldest first). With `attempt`, refuses (`CheckpointFenced`) when a newer attempt owns
     `root`, and leaves the temporary directories of newer attempts alone."""
     root = Path(root)
     if attempt is not None:
-        reason = fence_reason(root, attempt, "prune")
+        reason = fence_reason(root, attempt, "prune", epoch)
         if reason is not None:
             raise CheckpointFenced(reason)
     complete = complete_checkpoints(root)
@@ -452,8 +488,8 @@ def prune(root: str | Path, keep: int, *, attempt: int | None = None) -> list[Pa
     newest = complete[-1].name if complete else None
     for d in root.iterdir():
         if d.name.startswith((".tmp-", ".old-")) and d.is_dir():
-            m = re.search(r"-a(\d+)$", d.name)
-            if attempt is not None and m and int(m.group(1)) > attempt:
+            m = re.search(r"(?:-e(\d+))?-a(\d+)$", d.name)
+            if attempt is not None and m and (int(m.group(1) or 0), int(m.group(2))) > (epoch, attempt):
                 continue
             shutil.rmtree(d, ignore_errors=True)
         elif step_of(d) is not None and d.is_dir() and not (d / MARKER).is_file() and d.name != newest:
@@ -478,6 +514,7 @@ def resume(
     load_shards: Callable[[Path], None],
     attempt: int,
     log: Callable[[str], None] = lambda _m: None,
+    epoch: int = 0,
 ) -> Resumed | None:
     """Load the newest loadable checkpoint under `root` (collective); None when there is none at all.
 
@@ -491,12 +528,16 @@ def resume(
     reason = None
     steps: list[int] | None = None
     if group.rank == 0:
-        reason = fence_reason(root, attempt, "resume")
+        reason = fence_reason(root, attempt, "resume", epoch)
         if reason is not None:
             reason = _fenced(reason + "; if this is a new run that reuses the directory on purpose, give it another "
                              f"trainer.checkpoint.path or remove {(root / FENCE_DIR).resolve()}")
         else:
-            record_attempt(root, attempt)
+            newest = newest_fence(root)
+            if newest is not None and newest[0] < epoch:
+                log(f"{root.resolve()}: taking the checkpoints over from the run created {_describe_epoch(newest[0])}"
+                    f" (its attempt {newest[1]}); that run's leftovers are fenced off")
+            record_attempt(root, attempt, epoch)
             steps = [int(step_of(d)) for d in reversed(complete_checkpoints(root))]  # type: ignore[arg-type]
     _raise_any(group.gather_reasons(reason))
     steps = group.broadcast_ints(steps)

@@ -134,6 +134,7 @@ class TrainerCheckpoints:
     keep: int
     log: Callable[[str], None] = print
     assets: Callable[[Path], None] | None = None  # rank 0 adds files to each checkpoint (checkpoint.save)
+    epoch: int = 0  # the run's creation time (TRAININGRUN_RUN_EPOCH): orders attempts across re-created runs
 
     def __post_init__(self) -> None:
         try:  # Megatron's checkpoint writer needs it (and megatron-core does not declare it): say so before training
@@ -147,7 +148,7 @@ class TrainerCheckpoints:
         """Restore from the newest loadable checkpoint (None: there is none). CheckpointError: none loads."""
         t0 = time.perf_counter()
         resumed = ckpt.resume(
-            self.root, group=self.group, attempt=self.attempt, log=self.log,
+            self.root, group=self.group, attempt=self.attempt, log=self.log, epoch=self.epoch,
             load_shards=lambda d: load_shards(self.module, self.optimizer, d),
         )
         if resumed is None:
@@ -165,7 +166,7 @@ class TrainerCheckpoints:
     def save(self, progress: ckpt.Progress) -> ckpt.SaveResult:
         return ckpt.save(
             self.root, progress, group=self.group, attempt=self.attempt, keep=self.keep, meta=self.meta,
-            assets=self.assets,
+            assets=self.assets, epoch=self.epoch,
             write_shards=lambda d: write_shards(self.module, self.optimizer, d),
             state=lambda: {"scheduler": self.scheduler.state_dict(), "rng": ckpt.rng_state()},
         )

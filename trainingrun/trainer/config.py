@@ -25,6 +25,13 @@ def env_int(name: str, default: int | None = None) -> int:
         raise ConfigError(f"environment: {name}={raw!r} is not an integer") from None
 
 
+def _epoch() -> int:
+    epoch = env_int("TRAININGRUN_RUN_EPOCH", 0)
+    if epoch < 0:
+        raise ConfigError(f"environment: TRAININGRUN_RUN_EPOCH={epoch} must be >= 0 (unix seconds of the run's creation)")
+    return epoch
+
+
 @dataclass(frozen=True)
 class TrainerEnv:
     """One rank's view of the plan (trainingrun/plan.py): ranks, attempt, config, store and outputs."""
@@ -38,6 +45,7 @@ class TrainerEnv:
     metrics_port: int | None
     metrics_jsonl: str | None  # rank 0 appends one JSON object per step here
     wait_timeout: float | None  # give up after waiting this long for one rollout
+    epoch: int = 0  # TRAININGRUN_RUN_EPOCH: the run's creation time; orders attempts of re-created runs
 
     @classmethod
     def from_environ(cls, *, config: str | None = None, store: str | None = None,
@@ -60,5 +68,5 @@ class TrainerEnv:
             store_url=store_url, run_name=os.environ.get("TRAININGRUN_RUN") or None,
             metrics_port=int(port) if port else None,
             metrics_jsonl=os.environ.get("TRAININGRUN_METRICS_JSONL") if rank == 0 else None,
-            wait_timeout=wait_timeout,
+            wait_timeout=wait_timeout, epoch=_epoch(),
         )

@@ -73,7 +73,7 @@ class Trainer:
             tp_size = parallel_state.get_tensor_model_parallel_world_size()
             self.checkpoints = TrainerCheckpoints(
                 self.ckpt_root, ddp.module, optimizer, scheduler, attempt=env.attempt,
-                keep=spec.trainer.checkpoint.keep,
+                keep=spec.trainer.checkpoint.keep, epoch=env.epoch,
                 meta={"run": run_name, "dp_size": self.dp_size, "tp_size": tp_size, "model": self.sizes},
                 log=lambda msg: log(self.rank, msg) if self.rank == 0 else None,
                 assets=(lambda d: _copy_hf_assets(hf, d)) if hf else None,
