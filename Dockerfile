@@ -43,7 +43,7 @@ WORKDIR /opt/trainingrun
 COPY pyproject.toml README.md ./
 COPY trainingrun ./trainingrun
 # The base image's torch satisfies `torch>=2.4`, so pip keeps it and adds only megatron-core and the extras.
-RUN pip install --no-cache-dir "megatron-core==0.16.1" "/opt/trainingrun[train,wandb]" \
+RUN pip install --no-cache-dir "megatron-core==0.16.1" "/opt/trainingrun[train,rl,wandb]" \
  && groupadd --gid 10001 trainingrun \
  && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/trainingrun --shell /usr/sbin/nologin trainingrun \
  && mkdir -p /checkpoints \

@@ -32,6 +32,7 @@ attempt = int(os.environ["TRAININGRUN_ATTEMPT"])
 for key in ("TRAININGRUN_RUN", "TRAININGRUN_STORE_URL", "TRAININGRUN_CONFIG", "TRAININGRUN_METRICS_PORT"):
     assert os.environ.get(key), key
 print(f"fake {role} attempt {attempt} starting in {os.getcwd()}", flush=True)
+print(f"fake OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}", flush=True)
 if mode == "sleep":
     if os.environ.get("RANK") == "1":
         # a grandchild in the same process group, and a process that ignores SIGTERM
@@ -268,3 +269,21 @@ def test_rerun_of_a_finished_run_does_nothing(tmp_path, fake):
     code, stdout, stderr = finish(launch(spec, out, fake))
     assert code == 0 and "already succeeded" in stderr and "succeeded" in stdout
     assert (out / "summary.json").read_text() == before and not list((out / "logs").glob("*.attempt1.log"))
+
+
+@pytest.mark.parametrize("user_value", [None, "3"])
+def test_children_get_one_openmp_thread_unless_the_user_says_otherwise(tmp_path, fake, user_value):
+    """N processes on a few cores with torch's default thread count ran a tiny model ~100x slower (tooling notes);
+    the launcher gives every child OMP_NUM_THREADS=1 unless the user set it (regression: it set nothing)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if user_value is not None:
+        env["OMP_NUM_THREADS"] = user_value
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainingrun", "run", str(make_spec(tmp_path)), "--out", str(out), "--grace-seconds",
+         "1", "--progress-interval", "0.2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**env, "TRAININGRUN_CHILD_COMMAND": shlex.join([sys.executable, str(fake)]), "FAKE_MODE": "ok"})
+    code, _, stderr = finish(proc)
+    assert code == 0, stderr
+    for name in ("rollout", "trainer-0", "trainer-1"):
+        assert f"fake OMP_NUM_THREADS={user_value or 1}" in (out / "logs" / f"{name}.log").read_text(), name

@@ -381,3 +381,61 @@ def test_file_store_permission_denied(tmp_path):
         import shutil
 
         shutil.rmtree(root, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------------- weights
+def make_weights(version: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(version)
+    return {"embedding.weight": rng.standard_normal((7, 5)).astype(np.float32),
+            "layers.0.bias": rng.standard_normal(5).astype(np.float32),
+            "bf16.as.uint16": rng.integers(0, 2**16, size=(3, 4), dtype=np.uint16)}
+
+
+def test_weights_round_trip_latest_and_release(store):
+    assert store.latest_weights() is None
+    for v in range(3):
+        assert store.publish_weights(v, make_weights(v), {"version": v, "dtypes": {"bf16.as.uint16": "bfloat16"}})
+    assert store.publish_weights(2, make_weights(9), {}) is False  # committed: a re-publish writes nothing
+    assert store.latest_weights() == 2
+    arrays, meta = store.read_weights(1)
+    assert meta == {"version": 1, "dtypes": {"bf16.as.uint16": "bfloat16"}}
+    assert_payload_equal(arrays, make_weights(1))
+    store.release_weights_below(2)
+    assert store.latest_weights() == 2
+    with pytest.raises(StoreError, match="weight version 1 is not committed"):
+        store.read_weights(1)
+    assert_payload_equal(store.read_weights(2)[0], make_weights(2))
+    with pytest.raises(ValueError, match="dtype object cannot be stored"):
+        store.publish_weights(3, {"x": np.array([object()])}, {})
+
+
+def test_weight_publish_killed_halfway_is_never_visible(store):
+    """A trainer killed after writing a version's tensors but before its commit: the engine keeps seeing the previous
+    version (never half of the new one); the restarted trainer's re-publish completes it."""
+    store.publish_weights(4, make_weights(4), {})
+    child = (
+        "import os, signal, sys\n"
+        "from trainingrun.store import open_store\n"
+        "from tests.integration.test_store import make_weights\n"
+        "store = open_store(sys.argv[1])\n"
+        "store.publish_weights(5, make_weights(5), {}, _after_tensors=lambda: os.kill(os.getpid(), signal.SIGKILL))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", child, store.url], cwd=ROOT, capture_output=True, timeout=60)
+    assert proc.returncode == -9, proc.stderr.decode()
+    assert store.latest_weights() == 4
+    with pytest.raises(StoreError, match="not committed"):
+        store.read_weights(5)
+    assert store.publish_weights(5, make_weights(5), {"again": True}) is True
+    assert store.latest_weights() == 5
+    arrays, meta = store.read_weights(5)
+    assert meta == {"again": True}
+    assert_payload_equal(arrays, make_weights(5))
+
+
+def test_payload_optional_rl_fields_round_trip(store):
+    payloads, schedule = make_rollout(0, dp=1)
+    p = payloads[0]
+    p["logprobs"] = -np.random.default_rng(1).random(len(p["tokens"])).astype(np.float32)
+    p["versions"] = np.full(len(p["sample_ids"]), 3, np.int64)
+    store.publish_rollout(0, payloads, schedule)
+    assert_payload_equal(store.read_payload(0, 0), p)

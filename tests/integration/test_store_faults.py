@@ -443,3 +443,113 @@ def test_the_same_corrupt_key_fails_the_same_way_every_time(url):
     assert len(errors) == 1
     with pytest.raises(StoreTimeout):  # the rest of the store still works
         store.wait_rollout(1, timeout=0.2)
+
+
+# ------------------------------------------------------------------------------------------------- weight versions
+def _weights(seed: int) -> dict:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return {"embedding.weight": rng.standard_normal((7, 5)).astype(np.float32),
+            "layers.0.bias": rng.standard_normal(5).astype(np.float32)}
+
+
+def _assert_weights(got: dict, want: dict) -> None:
+    import numpy as np
+
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_trainer_publishes_weights_beside_the_rollout_writer_and_a_zombie_trainer_cannot(url):
+    # Before: publish_weights / release_weights_below checked nothing: a trainer of an older attempt (a zombie on a
+    # lost node) could publish a version the new attempt's engine would load, or delete the versions it needs.
+    old = open_store(url, attempt=1)
+    assert old.publish_weights(0, _weights(0), {"v": 0})
+    rollout = open_store(url, attempt=2)  # the run restarted: its rollout holds the writer claim
+    rollout.claim_writer()
+    trainer = open_store(url, attempt=2)  # trainer rank 0: fenced by its attempt, no writer claim needed
+    writes = {
+        "publish": lambda: old.publish_weights(1, _weights(99), {"v": "zombie"}),
+        "release": lambda: old.release_weights_below(1),
+    }
+    for name, write in writes.items():
+        with pytest.raises(StaleAttempt, match="belongs to attempt 1, but the store's current attempt is 2") as info:
+            write()
+        assert (info.value.attempt, info.value.current) == (1, 2), name
+    assert trainer.latest_weights() == 0
+    assert trainer.publish_weights(1, _weights(1), {"v": 1})  # allowed beside the rollout's writer claim
+    trainer.release_weights_below(1)
+    assert rollout.latest_weights() == 1
+    arrays, meta = rollout.read_weights(1)
+    assert meta == {"v": 1}
+    _assert_weights(arrays, _weights(1))
+    for s in (old, rollout, trainer):
+        s.close()
+
+
+ZOMBIE_TRAINER = """
+import sys
+from trainingrun.store import open_store
+from tests.integration.test_store_faults import _weights
+store = open_store(sys.argv[1], attempt=0)
+def pause():  # tensors written, commit not yet: stall like a process on a lost node
+    print("tensors written", flush=True)
+    sys.stdin.readline()
+try:
+    store.publish_weights(3, _weights(111), {"by": "zombie"}, _after_tensors=pause)
+except Exception as exc:
+    print(type(exc).__name__, exc, flush=True)
+    sys.exit(3)
+"""
+
+
+def test_a_zombie_trainer_halfway_through_a_publish_cannot_commit_its_weights(url):
+    zombie = child(ZOMBIE_TRAINER, url)
+    try:
+        assert zombie.stdout.readline().strip() == "tensors written"
+        fresh = open_store(url, attempt=1)  # the new attempt's trainer
+        assert fresh.publish_weights(3, _weights(222), {"by": "attempt 1"})
+        zombie.stdin.write("go\n")
+        zombie.stdin.flush()
+        out, err = zombie.communicate(timeout=60)
+    finally:
+        if zombie.poll() is None:
+            zombie.kill()
+    assert zombie.returncode == 3, err
+    assert out.startswith("StaleAttempt") and "attempt 0" in out and "current attempt is 1" in out
+    arrays, meta = fresh.read_weights(3)  # the zombie's tensors went to its own attempt's place: never visible
+    assert meta == {"by": "attempt 1"}
+    _assert_weights(arrays, _weights(222))
+    fresh.close()
+
+
+def _weights_location(store, v, what):
+    if is_file(store.url):
+        tensors = store.weights_path(v)
+        return {"tensors": tensors, "meta": tensors.with_name("meta.json"),
+                "marker": store.root / "weights" / f"{v:08d}" / "COMMIT"}[what]
+    return {"tensors": f"{store.prefix}:w:{v}:a0:c:0", "meta": f"{store.prefix}:w:{v}:meta",
+            "marker": f"{store.prefix}:w:{v}:commit"}[what]
+
+
+@pytest.mark.parametrize("what, transform, message", [
+    ("meta", lambda b: b.replace(b'"v":5', b'"v":6'), "weight meta fails the CRC-32"),
+    ("marker", lambda b: b.replace(b'"version":5', b'"version":4'), "commit marker fails its check value"),
+    ("marker", lambda _b: b'{"version": 5, "attempt": 0}', "without a check value"),
+    ("tensors", lambda b: b[:-8], "its commit marker records"),
+    ("tensors", lambda b: b[:-50] + bytes([b[-50] ^ 1]) + b[-49:], "fails its checksum"),  # in the last array
+    ("tensors", lambda b: b.replace(b'"<f4"', b'"|O8"', 1), "expected a little-endian numeric dtype"),
+    ("tensors", lambda b: b"\x80\x04" + b[2:], "looks like a pickle"),
+])
+def test_damaged_weight_versions_are_corrupt_payload_naming_the_key(url, what, transform, message):
+    store = open_store(url)
+    store.publish_weights(5, _weights(5), {"v": 5})
+    where = _weights_location(store, 5, what)
+    _tamper(store, where, transform)
+    for _ in range(2):  # the same way every time
+        with pytest.raises(CorruptPayload, match=message) as info:
+            store.read_weights(5)
+        assert str(where) in str(info.value) or (what == "tensors" and ":w:5:a0:c:" in str(info.value))
+    store.close()

@@ -103,6 +103,17 @@ CASES: dict[tuple[str, int], tuple[dict, dict]] = {
     ("rollout.source.synthetic", 0): ({"minLength": 2, "maxLength": 8}, {"minLength": 9, "maxLength": 8}),
     ("rollout.source", 0): ({"type": "jsonl", "jsonl": {"path": "/x"}}, {"type": "jsonl"}),
     ("rollout.source", 1): ({"type": "synthetic"}, {"type": "synthetic", "jsonl": {"path": "/x"}}),
+    ("rollout.source", 2): ({"type": "generate", "generate": {}}, {"type": "generate"}),
+    ("rollout.source.generate.prompts", 0): ({"type": "reasoningGym", "reasoningGym": {"name": "chain_sum"}},
+                                             {"type": "reasoningGym"}),
+    ("rollout.source.generate.prompts", 1): ({"type": "jsonl", "jsonl": {"path": "/p.jsonl"}}, {"type": "jsonl"}),
+    ("rollout.source.generate.prompts.synthetic", 0): ({"minLength": 1, "maxLength": 3}, {"minLength": 4, "maxLength": 3}),
+    ("rollout.source.generate.reward", 0): ({"type": "function", "function": "m:f"}, {"type": "function"}),
+    ("", 0): (
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64, "lossType": "ppo"},
+         "rollout": {"source": {"type": "generate", "generate": {}}}},
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64, "lossType": "ppo"}},
+    ),
     ("rollout.steps", 0): ({"policy": "fixed", "globalBatchSize": 8}, {"policy": "dynamic", "globalBatchSize": 8}),
     ("rollout", 0): ({"samplesPerRollout": 64, "groupSize": 8}, {"samplesPerRollout": 60, "groupSize": 8}),
     ("store", 0): ({"url": "redis://r:6379/0"}, {"url": "redis://r:6379/0", "managed": True}),
@@ -117,7 +128,9 @@ MODEL_OF = {
     "model": models.ModelSpec, "trainer.optimizer": models.OptimizerSpec, "trainer": models.TrainerSpec,
     "rollout.source.synthetic": models.SyntheticSource, "rollout.source": models.SourceSpec,
     "rollout.steps": models.StepPolicy, "rollout": models.RolloutSpec, "store": models.StoreSpec,
-    "podTemplate": models.PodTemplateOverrides,
+    "podTemplate": models.PodTemplateOverrides, "rollout.source.generate.prompts": models.PromptsSpec,
+    "rollout.source.generate.prompts.synthetic": models.SyntheticPrompts,
+    "rollout.source.generate.reward": models.RewardSpec, "": models.TrainingRunSpec,
 }
 
 

@@ -84,4 +84,4 @@ def test_multi_document_stream_reports_each_document():
 def test_message_says_what_is_allowed():
     text = (ROOT / "tests/data/invalid/bad-loss-type.yaml").read_text()
     (line,) = validate_text(text, "f")
-    assert "'sft'" in line and "'policy_gradient'" in line and "'ppo'" in line
+    assert "'sft'" in line and "'policy_gradient'" in line and "'ppo'" in line and "'dpo'" in line

@@ -76,7 +76,7 @@ def test_targets_operator_and_trainer_with_pinned_bases():
 
 
 @pytest.mark.parametrize("target, extra, command", [("operator", "operator", "operator"),
-                                                    ("trainer", "train,wandb", "trainer")])
+                                                    ("trainer", "train,rl,wandb", "trainer")])
 def test_each_image_runs_as_user_10001_with_its_extras(target, extra, command):
     s = stages()
     lines = s[target]["lines"]

@@ -113,3 +113,102 @@ def test_token_nll_shift_and_bad_arguments() -> None:
         micro_batch_objective(logits, _inputs([[0, 1, 0]], [[0, 1, 1]], [1.0]), loss_type="sft",
                               normalization="batch", global_batch_size=1, loss_tokens=1)
     assert megatron_loss_factor(3, 5) == 15.0
+
+
+# ------------------------------------------------------------------------------------------------------ ppo
+def _with_old(inputs: LossInputs, old: torch.Tensor) -> LossInputs:
+    return LossInputs(inputs.tokens, inputs.target_mask, inputs.sample_of, inputs.advantages, inputs.rewards,
+                      inputs.lengths, old_logprobs=old)
+
+
+@pytest.mark.parametrize("norm", ["sample", "token"])
+@pytest.mark.parametrize("temperature,kl", [(1.0, 0.0), (0.7, 0.0), (1.0, 0.3)])
+def test_ppo_objective_is_the_clipped_formula(norm: str, temperature: float, kl: float) -> None:
+    """Per target token: max(-A r, -A clip(r, 1-0.2, 1+0.28)) (+ kl · k3 to the reference), r = exp(log pi - old)
+    with log pi of softmax(logits / T); normalised by the step's GBS or loss tokens as the other loss types."""
+    from trainingrun.trainer.loss import PolicySettings
+
+    torch.manual_seed(2)
+    seqs = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
+    masks = [[0, 0, 1, 1], [0, 1], [0, 1, 1]]
+    adv = [0.5, -2.0, 3.0]
+    logits = torch.randn(9, 10, requires_grad=True)
+    ref_logits = torch.randn(9, 10)
+    old = torch.randn(9) * 0.3 - 2.0  # some ratios fall outside the clip range, both ways
+    pol = PolicySettings(temperature=temperature, clip_low=0.2, clip_high=0.28, kl_coef=kl)
+    gbs, loss_tokens = 5, 8
+    inputs = _with_old(_inputs(seqs, masks, adv), old)
+    obj, stats = micro_batch_objective(logits, inputs, loss_type="ppo", normalization=norm, global_batch_size=gbs,
+                                       loss_tokens=loss_tokens, policy=pol, ref_logits=ref_logits if kl else None)
+    expected, start, clipped, n_tok, diffs = 0.0, 0, 0, 0, 0.0
+    for s, m, a in zip(seqs, masks, adv):
+        lp = torch.log_softmax(logits[start:start + len(s)] / temperature, -1)
+        rlp = torch.log_softmax(ref_logits[start:start + len(s)] / temperature, -1)
+        terms = []
+        for t in range(1, len(s)):
+            if not m[t]:
+                continue
+            logp = lp[t - 1, s[t]]
+            r = torch.exp(logp - old[start + t])
+            unclipped, clip = -a * r, -a * torch.clamp(r, 0.8, 1.28)
+            term = torch.maximum(unclipped, clip)
+            q = rlp[t - 1, s[t]] - logp
+            term = term + kl * (torch.exp(q) - q - 1)
+            terms.append(term)
+            clipped += int(clip > unclipped)
+            n_tok += 1
+            diffs += float((logp - old[start + t]).abs().detach())
+        expected = expected + (sum(terms) / len(terms) / gbs if norm == "sample" else sum(terms) / loss_tokens)
+        start += len(s)
+    assert torch.allclose(obj, expected, rtol=1e-5)
+    g1 = torch.autograd.grad(obj, logits, retain_graph=True)[0]
+    g2 = torch.autograd.grad(expected, logits)[0]
+    assert torch.allclose(g1, g2, rtol=1e-4, atol=1e-7)
+    row = dict(zip(STAT_NAMES, stats.tolist()))
+    assert row["clip_fraction"] == [clipped, n_tok] and 0 < clipped < n_tok
+    assert row["logprob_abs_diff"][0] == pytest.approx(diffs, rel=1e-5) and row["logprob_abs_diff"][1] == n_tok
+    assert row["response_length"] == [n_tok, 3]
+    assert (row["kl_ref"][1] == n_tok) == (kl > 0)
+
+
+def test_ppo_at_ratio_one_is_the_policy_gradient() -> None:
+    """On-policy (generator logprobs = the trainer's), the ppo gradient equals policy_gradient's: the first step of
+    a rollout at maxPolicyLag 0 is plain GRPO."""
+    from trainingrun.trainer.loss import PolicySettings, token_logprobs
+
+    torch.manual_seed(3)
+    seqs, masks, adv = [[1, 2, 3, 4], [5, 6, 7]], [[0, 0, 1, 1], [0, 1, 1]], [1.5, -0.5]
+    logits = torch.randn(7, 10, requires_grad=True)
+    inputs = _inputs(seqs, masks, adv)
+    old, _ = token_logprobs(logits.detach(), inputs.tokens)
+    ppo, stats = micro_batch_objective(logits, _with_old(inputs, old), loss_type="ppo", normalization="token",
+                                       global_batch_size=2, loss_tokens=4, policy=PolicySettings())
+    pg, _ = micro_batch_objective(logits, inputs, loss_type="policy_gradient", normalization="token",
+                                  global_batch_size=2, loss_tokens=4)
+    g_ppo = torch.autograd.grad(ppo, logits)[0]
+    g_pg = torch.autograd.grad(pg, logits)[0]
+    assert torch.allclose(g_ppo, g_pg, atol=1e-6)
+    row = dict(zip(STAT_NAMES, stats.tolist()))
+    assert row["logprob_abs_diff"][0] < 1e-6 and row["importance_ratio"] == pytest.approx([4.0, 4])
+    assert row["clip_fraction"][0] == 0 and row["approx_kl"][0] == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="no generator log-probabilities"):
+        micro_batch_objective(logits, inputs, loss_type="ppo", normalization="token", global_batch_size=2,
+                              loss_tokens=4)
+
+
+def test_sampling_temperature_top_p_and_greedy() -> None:
+    from trainingrun.rollout.engine import Sampling
+    from trainingrun.rollout.megatron_engine import sample_next
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]]).repeat(20000, 1)
+    gen = torch.Generator().manual_seed(0)
+    tok, logp = sample_next(logits, Sampling(temperature=0.5), gen)
+    p = torch.softmax(logits[0] / 0.5, -1)
+    freq = torch.bincount(tok, minlength=5).float() / len(tok)
+    assert torch.allclose(freq, p, atol=0.01)
+    assert torch.allclose(logp, torch.log(p)[tok], atol=1e-6)  # the tempered distribution's log-probability
+    tok, logp = sample_next(logits, Sampling(temperature=1.0, top_p=0.7), gen)
+    assert set(tok.tolist()) <= {0, 1}  # the smallest set of most likely tokens reaching 0.7: p = 0.61, 0.22
+    assert torch.allclose(logp, torch.log_softmax(logits[0], -1)[tok], atol=1e-6)  # untruncated, as documented
+    tok, _ = sample_next(logits[:3], Sampling(temperature=0.0), gen)
+    assert tok.tolist() == [0, 0, 0]

@@ -101,3 +101,17 @@ def test_missing_old_payload_is_refused():
 def test_acks_cover_every_old_rank_once(old_dp, new_dp):
     acked = [j for r in range(new_dp) for j in acked_ranks(old_dp, new_dp, r)]
     assert sorted(acked) == list(range(old_dp))
+
+
+def test_generated_rollouts_keep_their_logprobs_and_versions():
+    """Payloads of generated rollouts carry per-token generator logprobs and per-sample weight versions; a
+    re-schedule moves them with their samples (else a resized run would train ppo against the wrong old policy)."""
+    sched, payloads, *_ = _rollout(8, 4, 3, 5, groups_per_step=2)
+    for r, pay in payloads.items():
+        pay["logprobs"] = -(pay["tokens"].astype(np.float32) / 100.0)  # a function of the token: checkable after
+        pay["versions"] = (pay["sample_ids"] % 3).astype(np.int64)
+    new, pays = reschedule(sched, payloads, 2)
+    for pay in pays.values():
+        np.testing.assert_array_equal(pay["logprobs"], -(pay["tokens"].astype(np.float32) / 100.0))
+        np.testing.assert_array_equal(pay["versions"], pay["sample_ids"] % 3)
+        assert pay["logprobs"].dtype == np.float32 and pay["versions"].dtype == np.int64

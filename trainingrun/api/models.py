@@ -11,7 +11,7 @@ Field names are camelCase, as in every Kubernetes API; Python attribute names ar
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
@@ -301,6 +301,15 @@ class CheckpointSpec(ApiModel):
     keep: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept; older ones are deleted.")
 
 
+class PolicyLossSpec(ApiModel):
+    """The clipped importance-sampling objective (PPO/GRPO) with separate low/high clip (DAPO's clip-higher)."""
+
+    clip_low: float = Field(0.2, ge=0.0, le=1.0, description="The ratio is clipped below at 1 - clipLow.")
+    clip_high: float = Field(0.28, ge=0.0, le=10.0, description="The ratio is clipped above at 1 + clipHigh.")
+    kl_coef: float = Field(0.0, ge=0.0, le=100.0, description="Weight of the KL penalty to the initial policy (k3 "
+                                                              "estimator); 0: off (no reference model).")
+
+
 class TrainerSpec(ApiModel):
     """The trainer pods: data-parallel ranks, parallelism, micro-batching, loss and optimizer."""
 
@@ -328,7 +337,10 @@ class TrainerSpec(ApiModel):
     microbatch_multiple: int = Field(
         1, ge=1, le=1024, description="Micro-batches per rank per step are a multiple of this (virtual pipeline)."
     )
-    loss_type: Literal["sft", "policy_gradient"] = Field("sft", description="Masked cross-entropy or policy gradient.")
+    loss_type: Literal["sft", "policy_gradient", "ppo"] = Field(
+        "sft", description="Masked cross-entropy, policy gradient, or ppo: the clipped importance-sampling objective "
+                           "against the generator's log-probabilities (generated rollouts).")
+    policy_loss: PolicyLossSpec = Field(default_factory=lambda: PolicyLossSpec(), description="Settings of lossType ppo.")
     loss_normalization: Literal["sample", "token"] = Field(
         "sample", description="Divide by the step's samples (mean over each sample's tokens) or its loss tokens."
     )
@@ -382,17 +394,154 @@ class JsonlSource(ApiModel):
     path: str = Field(..., min_length=1, description="Path of the .jsonl file (inside the rollout pod).")
 
 
+# ---------------------------------------------------------------------------------------- generated rollouts (RL)
+class SyntheticPrompts(ApiModel):
+    """Built-in token tasks a tiny model can learn by RL: prompt = random content tokens + separator; the answer is
+    the task applied to them, then the end token. Token ids: 0 pad, 1 separator, 2 end, 3.. content."""
+
+    CEL_RULES = (Rule(rule="self.minLength <= self.maxLength", message="minLength must be <= maxLength"),)
+
+    task: Literal["copy", "reverse", "sort", "successor"] = Field(
+        "reverse", description="copy, reverse or sort the prompt; successor: each token's next content id (cyclic).")
+    min_length: int = Field(1, ge=1, le=4096, description="Shortest prompt in content tokens.")
+    max_length: int = Field(4, ge=1, le=4096, description="Longest prompt in content tokens (uniform in between).")
+    vocab_size: int | None = Field(None, ge=4, le=1048576, description="Token ids used (default: the model's vocabSize).")
+
+    @model_validator(mode="after")
+    def _rules(self) -> SyntheticPrompts:
+        if self.min_length > self.max_length:
+            raise ValueError(self.CEL_RULES[0].message)
+        return self
+
+
+class ReasoningGymPrompts(ApiModel):
+    """Prompts and answers from a reasoning-gym task (PyPI `reasoning-gym`, offline)."""
+
+    name: str = Field(..., min_length=1, max_length=128, description="Task name, e.g. basic_arithmetic, chain_sum.")
+    config: dict[str, Any] = Field(default_factory=dict, description="Task settings passed to create_dataset.")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Dataset seed (default: spec.seed).")
+    size: int = Field(1000, ge=1, le=10_000_000, description="Prompts in the dataset (drawn in order, then again).")
+
+
+class PromptsJsonl(ApiModel):
+    """A jsonl file of prompts: one object per line with `prompt` (text) or `prompt_tokens` (ids), and optionally
+    `answer` (the reference the reward compares with) and `meta`."""
+
+    path: str = Field(..., min_length=1, description="Path of the .jsonl file (inside the rollout pod).")
+
+
+class PromptsSpec(ApiModel):
+    """Where the prompts of a generated rollout come from."""
+
+    CEL_RULES = (
+        Rule(rule="self.type != 'reasoningGym' || has(self.reasoningGym)",
+             message="prompts type reasoningGym needs prompts.reasoningGym"),
+        Rule(rule="self.type != 'jsonl' || has(self.jsonl)", message="prompts type jsonl needs prompts.jsonl.path"),
+    )
+
+    type: Literal["synthetic", "reasoningGym", "jsonl"] = Field("synthetic", description="Prompt source kind.")
+    synthetic: SyntheticPrompts = Field(default_factory=SyntheticPrompts, description="Built-in token task.")
+    reasoning_gym: ReasoningGymPrompts | None = Field(None, description="A reasoning-gym task.")
+    jsonl: PromptsJsonl | None = Field(None, description="A jsonl file of prompts.")
+    template: str = Field(
+        "{prompt}", min_length=1, max_length=4096,
+        description="Text prompts are formatted with this template ({prompt} = the question) before tokenizing.",
+    )
+    chat: bool = Field(False, description="Render each text prompt as one user message with the tokenizer's chat "
+                                          "template (model.hf), ending with the generation prompt.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> PromptsSpec:
+        if self.type == "reasoningGym" and self.reasoning_gym is None:
+            raise ValueError(self.CEL_RULES[0].message)
+        if self.type == "jsonl" and self.jsonl is None:
+            raise ValueError(self.CEL_RULES[1].message)
+        return self
+
+
+class SamplingSpec(ApiModel):
+    """How completions are sampled."""
+
+    temperature: float = Field(1.0, ge=0.0, le=10.0, description="Softmax temperature; 0 is greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep the most likely tokens up to top_p.")
+    max_new_tokens: int = Field(32, ge=1, le=131072, description="Longest completion in tokens.")
+    stop: list[str] = Field(default_factory=list, max_length=16,
+                            description="Stop strings (text tasks): the completion ends after the first one.")
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=1048576)]] = Field(default_factory=list, max_length=64,
+                                      description="Token ids that end a completion (besides the end-of-text token).")
+
+
+class RewardSpec(ApiModel):
+    """How a completion is scored. A reward that raises, runs past timeoutSeconds or returns a non-finite number is
+    recorded as failed (reward failedReward), counted in metrics, and never stops the rollout."""
+
+    CEL_RULES = (
+        Rule(rule="self.type != 'function' || has(self.function)", message="reward type function needs reward.function"),
+    )
+
+    type: Literal["exact_match", "token_match", "reasoning_gym", "math_verify", "function"] = Field(
+        "exact_match",
+        description="exact_match: 1 if the answer is exactly the reference; token_match: fraction of answer "
+                    "positions right (synthetic tasks); reasoning_gym: the task's own scorer; math_verify: "
+                    "math-verify against the reference; function: reward.function.",
+    )
+    function: str | None = Field(
+        None, pattern=r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$",
+        description="module:function called as function(response, reference) -> float.",
+    )
+    timeout_seconds: float = Field(10.0, gt=0.0, le=3600.0, description="Longest a reward may take.")
+    failed_reward: float = Field(0.0, ge=-1e6, le=1e6, description="Reward of a sample whose reward failed.")
+    workers: int = Field(1, ge=1, le=64, description="Processes scoring in parallel (reasoning_gym, math_verify, "
+                                                     "function).")
+
+    @model_validator(mode="after")
+    def _rules(self) -> RewardSpec:
+        if self.type == "function" and self.function is None:
+            raise ValueError(self.CEL_RULES[0].message)
+        return self
+
+
+class GenerateSource(ApiModel):
+    """Rollouts generated by the policy itself: groupSize completions per prompt, scored by the reward."""
+
+    prompts: PromptsSpec = Field(default_factory=PromptsSpec, description="Where prompts come from.")
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Sampling settings.")
+    reward: RewardSpec = Field(default_factory=RewardSpec, description="The reward.")
+
+
+class EngineSpec(ApiModel):
+    """The inference engine of generated rollouts."""
+
+    type: Literal["megatron", "vllm"] = Field(
+        "megatron", description="megatron: in the rollout process with the run's model code; vllm: an "
+                                "OpenAI-compatible vLLM server.")
+    url: str | None = Field(None, min_length=1, description="URL of a vLLM server the user runs (type vllm).")
+    max_batch: int = Field(256, ge=1, le=65536, description="Sequences generated together (megatron).")
+
+
+class WeightSyncSpec(ApiModel):
+    """How trained weights reach the engine after every rollout (generated rollouts only)."""
+
+    type: Literal["store", "disk", "broadcast"] = Field(
+        "store", description="store: raw tensors through the run's store (megatron engine); disk: an HF directory "
+                             "on a shared volume; broadcast: a torch.distributed group with the engine (vllm).")
+
+
 class SourceSpec(ApiModel):
     """Where samples come from."""
 
     CEL_RULES = (
         Rule(rule="self.type != 'jsonl' || has(self.jsonl)", message="type jsonl needs source.jsonl.path"),
         Rule(rule="self.type != 'synthetic' || !has(self.jsonl)", message="source.jsonl is only for type jsonl"),
+        Rule(rule="self.type != 'generate' || has(self.generate)", message="type generate needs source.generate"),
     )
 
-    type: Literal["synthetic", "jsonl"] = Field("synthetic", description="Source kind.")
+    type: Literal["synthetic", "jsonl", "generate"] = Field(
+        "synthetic", description="synthetic/jsonl: replay samples with given rewards; generate: the policy generates "
+                                 "its own rollouts.")
     synthetic: SyntheticSource = Field(default_factory=SyntheticSource, description="Settings of the synthetic task.")
     jsonl: JsonlSource | None = Field(None, description="Settings of the jsonl source.")
+    generate: GenerateSource | None = Field(None, description="Settings of generated rollouts.")
 
     @model_validator(mode="after")
     def _rules(self) -> SourceSpec:
@@ -400,6 +549,8 @@ class SourceSpec(ApiModel):
             raise ValueError(self.CEL_RULES[0].message)
         if self.type == "synthetic" and self.jsonl is not None:
             raise ValueError(self.CEL_RULES[1].message)
+        if self.type == "generate" and self.generate is None:
+            raise ValueError(self.CEL_RULES[2].message)
         return self
 
 
@@ -451,6 +602,13 @@ class RolloutSpec(ApiModel):
     steps: StepPolicy = Field(default_factory=StepPolicy, description="Step policy.")
     num_rollouts: int = Field(10, ge=1, le=1_000_000_000, description="Rollouts in the run.")
     max_pending_rollouts: int = Field(2, ge=1, le=1024, description="Published but unconsumed rollouts allowed.")
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="Inference engine (source type generate).")
+    max_policy_lag: int = Field(
+        0, ge=0, le=64,
+        description="Bounded staleness (source type generate): rollout k is generated with the weights trained on "
+                    "rollouts < k - maxPolicyLag; 0 is strictly on-policy, 1 generates one rollout while the "
+                    "previous one trains.",
+    )
     resources: ResourceRequirements = Field(
         default_factory=ResourceRequirements, description="Resources of the rollout container."
     )
@@ -621,6 +779,16 @@ class GangScheduling(ApiModel):
 class TrainingRunSpec(ApiModel):
     """Desired state of a TrainingRun."""
 
+    CEL_RULES = (
+        Rule(
+            rule="self.trainer.lossType != 'ppo' || (has(self.rollout) && has(self.rollout.source) && "
+            "self.rollout.source.type == 'generate')",
+            message="trainer.lossType ppo needs generated rollouts (rollout.source.type generate): it compares the "
+            "trainer's log-probabilities with the generator's",
+            fieldPath=".trainer.lossType",
+        ),
+    )
+
     image: str = Field("ghcr.io/trainingrun/trainer:0.1.0", min_length=1, description="Image of rollout and trainers.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="Pull policy.")
     seed: int = Field(1234, ge=0, le=MAX_SEED, description="Seed of data, model init and sampling.")
@@ -629,6 +797,8 @@ class TrainingRunSpec(ApiModel):
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Rollout pod.")
     store: StoreSpec = Field(default_factory=StoreSpec, description="Shared store.")
     metrics: MetricsSpec = Field(default_factory=MetricsSpec, description="Metrics.")
+    weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec,
+                                        description="Weights to the engine (generated rollouts).")
     failure_policy: FailurePolicy = Field(default_factory=FailurePolicy, description="Restarts and hang detection.")
     suspend: bool = Field(False, description="Delete the pods and keep the run (resume from checkpoint on false).")
     active_deadline_seconds: int | None = Field(None, ge=1, le=MAX_SECONDS, description="Fail the run after this long running.")
@@ -643,6 +813,12 @@ class TrainingRunSpec(ApiModel):
     pod_template: PodTemplateOverrides = Field(
         default_factory=PodTemplateOverrides, description="Pod settings for every pod of the run."
     )
+
+    @model_validator(mode="after")
+    def _rules(self) -> TrainingRunSpec:
+        if self.trainer.loss_type == "ppo" and self.rollout.source.type != "generate":
+            raise ValueError(self.CEL_RULES[0].message)
+        return self
 
 
 # -------------------------------------------------------------------------------------------------------- status
@@ -726,6 +902,16 @@ ALL_MODELS: tuple[type[ApiModel], ...] = (
     TrainerSpec,
     SyntheticSource,
     JsonlSource,
+    SyntheticPrompts,
+    ReasoningGymPrompts,
+    PromptsJsonl,
+    PromptsSpec,
+    SamplingSpec,
+    RewardSpec,
+    GenerateSource,
+    EngineSpec,
+    WeightSyncSpec,
+    PolicyLossSpec,
     SourceSpec,
     FilterSpec,
     StepPolicy,

@@ -97,7 +97,9 @@ class ProcessGroup:
         log_dir.mkdir(parents=True, exist_ok=True)
         try:
             for p in (plan.rollout, *plan.trainers):
-                env = {**os.environ, **p.env, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+                # one OpenMP thread per process unless the user says otherwise: N processes sharing a few cores with
+                # torch's default thread count ran a tiny model ~100x slower (docs/local.md)
+                env = {"OMP_NUM_THREADS": "1", **os.environ, **p.env, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
                 log = log_path(log_dir, p.name, plan.attempt)
                 with open(log, "ab") as fh:
                     fh.write(f"# trainingrun local: {p.name} attempt {plan.attempt}: {shlex.join([*prefix, *p.args])}\n"

@@ -153,6 +153,7 @@ def summarize(
     produced, filtered, published, and `leftover_groups`/`leftover_samples` that never filled a step)."""
     gbs = [r.get("global_batch_size") for r in records if isinstance(r.get("global_batch_size"), (int, float))]
     last = records[-1] if records else {}
+    rewards = [float(r["reward_mean"]) for r in records if isinstance(r.get("reward_mean"), (int, float))]
     return {
         "run": name,
         "out_dir": str(out_dir),
@@ -166,6 +167,9 @@ def summarize(
         "final_loss": last.get("loss"),
         "global_batch_size_min": min(gbs) if gbs else None,
         "global_batch_size_max": max(gbs) if gbs else None,
+        # generated rollouts: mean reward of the first and last 5 steps' rollouts (all generated samples)
+        "reward_first": sum(rewards[:5]) / len(rewards[:5]) if rewards else None,
+        "reward_last": sum(rewards[-5:]) / len(rewards[-5:]) if rewards else None,
         "restarts": restarts,
         "wall_seconds": round(wall_seconds, 3),
         "tokens_per_second": (tokens_this_run / wall_seconds) if wall_seconds > 0 else None,
@@ -186,6 +190,9 @@ def summary_table(summary: dict[str, Any]) -> str:
         ("samples consumed", summary["samples_consumed"]),
         ("global batch size", f"{summary['global_batch_size_min']} .. {summary['global_batch_size_max']}"),
         ("loss first -> final", f"{_fmt(summary['first_loss'])} -> {_fmt(summary['final_loss'])}"),
+        *([("reward first -> last", f"{summary['reward_first']:.3f} -> {summary['reward_last']:.3f} "
+                                    "(mean of the first/last 5 rollouts)")]
+          if summary.get("reward_first") is not None else []),
         *_data_rows(summary.get("data")),
         ("restarts", summary["restarts"]),
         ("wall seconds", f"{summary['wall_seconds']:.1f}"),
@@ -204,8 +211,9 @@ def _data_rows(data: dict[str, Any] | None) -> list[tuple[str, Any]]:
     if not data:
         return []
     f = data.get("samples_filtered", {})
-    rows = [("samples produced", f"{data['samples_produced']} (filtered: max_length {f.get('max_length', 0)}, "
-                                 f"zero_variance {f.get('zero_variance', 0)})")]
+    filtered = {"max_length": 0, "zero_variance": 0, **f}
+    rows = [("samples produced", f"{data['samples_produced']} (filtered: "
+                                 + ", ".join(f"{k} {v}" for k, v in filtered.items()) + ")")]
     if data.get("finished") and data.get("leftover_samples"):
         rows.append(("left over, not trained", f"{data['leftover_samples']} samples in {data['leftover_groups']} "
                                                 f"group(s) (did not fill a step)"))

@@ -1,7 +1,9 @@
 """The rollout loop: one small stage per step of the data flow, for rollout k = 0, 1, ...
 
-    draw prompts → generate → score        (the source, `rollout/sources.py`)
-    → filter → advantages                  (`rollout/pipeline.py`)
+    draw prompts → generate → score        (the source: `rollout/sources.py`, generated: `rollout/generate.py`)
+    [generated: the scored groups are staged in the resume state]
+    → filter → advantages                  (`rollout/pipeline.py`; carried generated groups older than the
+                                            staleness bound are dropped: filter "stale")
     → split into steps (carried groups first; a source rollout that fills no step is carried whole)
     → schedule + per-rank payloads         (`rollout/published.py`)
     → wait for room (maxPendingRollouts) → publish → save the resume state
@@ -11,7 +13,8 @@ rollout is drawn, so every published rollout has at least one step and k counts 
 them; a jsonl source may end earlier). At the end, `finish(k)`; groups still carried are reported, never silently
 dropped. A restarted rollout reads its state (store key "rollout_state": next k, next source index, carried groups,
 offsets, totals) and continues; the rollout it was publishing when it died is rebuilt from the same state, bit for
-bit (the replay sources depend only on seed and source index), and re-publishing a committed rollout is a no-op.
+bit (the replay sources depend only on seed and source index; generated groups were staged in the state before
+anything of them was published), and re-publishing a committed rollout is a no-op.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from trainingrun.api.models import TrainingRun, TrainingRunSpec
 from trainingrun.rollout import published as contract
@@ -58,6 +63,7 @@ class RolloutState:
     empty_streak: int = 0  # consecutive source rollouts that published nothing
     totals: dict[str, int] = field(default_factory=lambda: {"produced": 0, "max_length": 0, "zero_variance": 0})
     finished: bool = False
+    staged: list[Group] | None = None  # generated + scored groups of source rollout `source_index`, not yet used
 
     @property
     def carried_samples(self) -> int:
@@ -69,6 +75,7 @@ class RolloutState:
             "source_index": self.source_index, "step_offset": self.step_offset,
             "samples_offset": self.samples_offset, "carried": [g.to_json() for g in self.carried],
             "empty_streak": self.empty_streak, "totals": dict(self.totals), "finished": self.finished,
+            "staged": None if self.staged is None else [g.to_json() for g in self.staged],
             "updated_at": time.time(),
         }
 
@@ -82,6 +89,7 @@ class RolloutState:
             step_offset=int(d["step_offset"]), samples_offset=int(d["samples_offset"]),
             carried=[Group.from_json(g) for g in d["carried"]], empty_streak=int(d.get("empty_streak", 0)),
             totals={k: int(v) for k, v in d["totals"].items()}, finished=bool(d["finished"]),
+            staged=None if d.get("staged") is None else [Group.from_json(g) for g in d["staged"]],
         )
 
 
@@ -129,8 +137,7 @@ def data_report(store: Store) -> dict[str, Any] | None:
         "steps_published": int(stored.get("step_offset", 0)),
         "samples_published": int(stored.get("samples_offset", 0)),
         "samples_produced": int(totals.get("produced", 0)),
-        "samples_filtered": {"max_length": int(totals.get("max_length", 0)),
-                             "zero_variance": int(totals.get("zero_variance", 0))},
+        "samples_filtered": {k: int(v) for k, v in totals.items() if k != "produced"},
         "leftover_groups": len(carried),
         "leftover_samples": sum(len(g["offsets"]) - 1 for g in carried),
     }
@@ -172,9 +179,14 @@ def _run_tokenizer(model: dict):
         raise ConfigError(str(exc)) from None
 
 
-def make_source(spec: TrainingRunSpec, say: Callable[[str], None]) -> Source:
+def make_source(spec: TrainingRunSpec, say: Callable[[str], None], store: Store | None = None,
+                max_wait: float | None = None) -> Source:
     """The source `spec.rollout.source` names."""
     r = spec.rollout
+    if r.source.type == "generate":
+        from trainingrun.rollout.generate import GenerateSource
+
+        return GenerateSource(spec, store, say=say, max_wait=max_wait)
     model = spec.model.resolved()
     groups_per_rollout = r.samples_per_rollout // r.group_size
     if r.source.type == "jsonl":
@@ -212,48 +224,104 @@ class RolloutLoop:
         check_config(spec, self.dp)
         seq_length = int(spec.model.resolved()["seq_length"])
         self.max_length = min(spec.rollout.filters.max_length or seq_length, seq_length)
-        self.source = make_source(spec, self.say)
+        self.source = make_source(spec, self.say, store, max_wait)
         self.fingerprint = config_fingerprint(spec)
 
     def run(self) -> RolloutResult:
-        state, resumed = self.resume()
-        while not state.finished and state.next_rollout < self.spec.rollout.num_rollouts:
-            step = self.advance(state)
-            if step is None:
-                self.exhausted(state)
-                break
-            after, published, payloads = step
-            if published is None:
-                state = after
-                continue
-            try:
-                state = self.publish(after, published, payloads)
-            except TrainersAhead as ahead:  # the store lost data: the trainers' checkpoint is past our stream
-                state = self.catch_up(state, ahead.point)
-        return self.finish(state, resumed)
+        try:
+            state, resumed = self.resume()
+            while not state.finished and state.next_rollout < self.spec.rollout.num_rollouts:
+                step = self.advance(state)
+                if step is None:
+                    self.exhausted(state)
+                    break
+                after, published, payloads = step
+                if published is None:
+                    state = after
+                    continue
+                try:
+                    state = self.publish(after, published, payloads)
+                except TrainersAhead as ahead:  # the store lost data: the trainers' checkpoint is past our stream
+                    state = self.catch_up(state, ahead.point)
+            return self.finish(state, resumed)
+        finally:
+            self.source.close()
 
     def advance(self, state: RolloutState, *, replay: bool = False):
         """One source rollout from `state`: (state after it, the rollout to publish and its payloads — both None
         when no step formed and everything was carried), or None when the source is exhausted. With `replay`
         (fast-forward) nothing is counted, reported or stored."""
-        prompts = self.source.draw(state.source_index)
-        if prompts is None:
+        groups = self.produce(state, replay=replay)
+        if groups is None:
             return None
-        groups = self.source.generate(prompts)
-        self.source.score(groups)
+        carried, stale = self.drop_stale(state.carried, state.next_rollout)
         kept, fstats = self.filter(groups, count=not replay)
-        step_groups, carry = self.split(state.carried + kept)
+        fstats.stale = stale
+        step_groups, carry = self.split(carried + kept)
         after = self.account(state, groups, fstats, carry)
         if not step_groups:
             return self.carry_over(state, after, groups, fstats, quiet=replay), None, None
-        stats = contract.SourceStats(
-            source_index=state.source_index, produced=sum(len(g) for g in groups), filtered=fstats.as_dict(),
-            carried_in=state.carried_samples, carried_out=after.carried_samples, seed=self.spec.seed,
-        )
+        stats = self.source_stats(state, after, groups, kept, fstats)
         published, payloads = self.schedule(state, step_groups, stats)
         return after, published, payloads
 
     # ---- stages
+    def produce(self, state: RolloutState, *, replay: bool = False) -> list[Group] | None:
+        """Draw prompts → generate → score source rollout `state.source_index` (None: the source is exhausted).
+        Generated groups are staged in the resume state first, so a restart reuses them instead of generating
+        different samples for prompts that may already be published (`replay`: a fast-forward of a replay source,
+        nothing is stored)."""
+        if state.staged is not None:
+            self.say(f"rollout: source rollout {state.source_index}: reusing its {len(state.staged)} staged groups")
+            return state.staged
+        prompts = self.source.draw(state.source_index)
+        if prompts is None:
+            return None
+        groups = self.source.generate(prompts, state.next_rollout)
+        self.source.score(groups)
+        if groups and groups[0].versions is not None and not replay:
+            state.staged = groups
+            self.store.put_json(STATE_KEY, state.to_json())
+            gen = getattr(self.source, "stats", None)
+            if gen is not None:
+                self.observe_generation(gen, groups)
+        return groups
+
+    def observe_generation(self, gen, groups: list[Group]) -> None:
+        rewards = np.concatenate([g.rewards for g in groups]).astype(np.float64)
+        self.say(f"rollout: source rollout generated with weight version {gen.weight_version}: {gen.samples} "
+                 f"samples, {gen.generated_tokens} tokens in {gen.generate_seconds:.2f}s "
+                 f"({gen.generated_tokens / max(gen.generate_seconds, 1e-9):.0f} tok/s), waited "
+                 f"{gen.wait_seconds:.2f}s for weights, reward mean {rewards.mean():.3f}")
+        if self.metrics is not None:
+            self.metrics.observe_generation(gen, rewards)
+
+    def drop_stale(self, carried: list[Group], rollout: int) -> tuple[list[Group], int]:
+        """Carried generated groups older than rollout `rollout`'s weight version may not be trained with it."""
+        from trainingrun.rollout.generate import required_version
+
+        if self.spec.rollout.source.type != "generate":
+            return carried, 0
+        bound = required_version(rollout, self.spec.rollout.max_policy_lag)
+        fresh = [g for g in carried if g.versions is None or int(g.versions.min()) >= bound]
+        stale = sum(len(g) for g in carried) - sum(len(g) for g in fresh)
+        if stale:
+            self.say(f"rollout {rollout}: dropped {stale} carried samples generated before weight version {bound}")
+        return fresh, stale
+
+    def source_stats(self, state: RolloutState, after: RolloutState, groups: list[Group], kept: list[Group],
+                     fstats: FilterStats) -> contract.SourceStats:
+        rewards = np.concatenate([g.rewards for g in groups]).astype(np.float64) if groups else np.zeros(0)
+        gen = getattr(self.source, "stats", None)
+        return contract.SourceStats(
+            source_index=state.source_index, produced=sum(len(g) for g in groups), filtered=fstats.as_dict(),
+            carried_in=state.carried_samples, carried_out=after.carried_samples, seed=self.spec.seed,
+            reward_sum=float(rewards.sum()), reward_sq_sum=float((rewards ** 2).sum()), reward_count=len(rewards),
+            reward_failed=sum(gen.reward_failed.values()) if gen is not None else 0,
+            weight_version=min((int(g.versions.min()) for g in groups if g.versions is not None), default=-1),
+            groups_produced=len(groups), groups_kept=len(kept),
+        )
+
     def resume(self) -> tuple[RolloutState, bool]:
         stored = self.store.get_json(STATE_KEY)
         if stored is None:
@@ -297,6 +365,8 @@ class RolloutLoop:
             self.metrics.produced.inc(sum(len(g) for g in groups))
             for name, n in fstats.as_dict().items():
                 self.metrics.filtered[name].inc(n)
+            self.metrics.groups.labels(self.metrics.run, "produced").inc(len(groups))
+            self.metrics.groups.labels(self.metrics.run, "kept").inc(len(kept))
         return kept, fstats
 
     def split(self, candidates: list[Group]) -> tuple[list[Group], list[Group]]:
@@ -309,13 +379,14 @@ class RolloutLoop:
     def account(self, state: RolloutState, groups: list[Group], fstats: FilterStats,
                 carry: list[Group]) -> RolloutState:
         """The state after this source rollout, before anything of it is published."""
-        tot = state.totals
+        totals = dict(state.totals)
+        totals["produced"] = totals.get("produced", 0) + sum(len(g) for g in groups)
+        for name, n in fstats.as_dict().items():
+            if n or name in totals:
+                totals[name] = totals.get(name, 0) + n
         return RolloutState(
             fingerprint=self.fingerprint, next_rollout=state.next_rollout, source_index=state.source_index + 1,
-            step_offset=state.step_offset, samples_offset=state.samples_offset, carried=carry,
-            totals={"produced": tot["produced"] + sum(len(g) for g in groups),
-                    "max_length": tot["max_length"] + fstats.max_length,
-                    "zero_variance": tot["zero_variance"] + fstats.zero_variance},
+            step_offset=state.step_offset, samples_offset=state.samples_offset, carried=carry, totals=totals,
         )
 
     def carry_over(self, state: RolloutState, after: RolloutState, groups: list[Group],
@@ -367,6 +438,7 @@ class RolloutLoop:
             f"filtered {st.filtered}, {st.carried_in} carried in, {published.num_samples} samples in "
             f"{published.num_steps} step(s) (global batch sizes {published.global_batch_sizes}), "
             f"{st.carried_out} carried out, imbalance {max(published.imbalance):.3f}, published in {seconds:.3f}s"
+            + (f", reward mean {st.reward_mean:.3f}" if st.reward_count else "")
         )
         return after
 

@@ -42,16 +42,25 @@ class RolloutMetrics:
     """The `trainingrun_rollout_*` metrics (names: trainingrun.metrics.names.ROLLOUT) in their own registry."""
 
     def __init__(self, run: str):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary
 
         from trainingrun.metrics.names import ROLLOUT
 
         self.registry = CollectorRegistry()
         labels = ["run"]
         mk = lambda cls, name, extra=(), **kw: cls(name, ROLLOUT[name], labels + list(extra), registry=self.registry, **kw)  # noqa: E731
+        self.run = run
         self.produced = mk(Counter, "trainingrun_rollout_samples_produced").labels(run)
         self._filtered = mk(Counter, "trainingrun_rollout_samples_filtered", ["filter"])
-        self.filtered = {f: self._filtered.labels(run, f) for f in ("max_length", "zero_variance")}
+        self.filtered = {f: self._filtered.labels(run, f) for f in ("max_length", "zero_variance", "stale")}
+        self.groups = mk(Counter, "trainingrun_rollout_groups", ["state"])
+        # generated rollouts
+        self.reward = mk(Summary, "trainingrun_rollout_reward").labels(run)
+        self._failures = mk(Counter, "trainingrun_rollout_reward_failures", ["reason"])
+        self.generated_tokens = mk(Counter, "trainingrun_rollout_generated_tokens").labels(run)
+        self.generate_seconds = mk(Counter, "trainingrun_rollout_generate_seconds").labels(run)
+        self.weight_wait_seconds = mk(Counter, "trainingrun_rollout_weight_wait_seconds").labels(run)
+        self.weight_version = mk(Gauge, "trainingrun_rollout_weight_version").labels(run)
         self.published = mk(Counter, "trainingrun_rollout_samples_published").labels(run)
         self.rollouts = mk(Counter, "trainingrun_rollout_rollouts_published").labels(run)
         self.imbalance = mk(Gauge, "trainingrun_rollout_schedule_imbalance").labels(run)
@@ -61,6 +70,17 @@ class RolloutMetrics:
         ).labels(run)
         self.pending = mk(Gauge, "trainingrun_rollout_pending").labels(run)
         self.server = None
+
+    def observe_generation(self, gen, rewards) -> None:
+        """One generated source rollout (`rollout.generate.GenerateStats`) and its rewards."""
+        for r in rewards:
+            self.reward.observe(float(r))
+        for reason, n in gen.reward_failed.items():
+            self._failures.labels(self.run, reason).inc(n)
+        self.generated_tokens.inc(gen.generated_tokens)
+        self.generate_seconds.inc(gen.generate_seconds)
+        self.weight_wait_seconds.inc(gen.wait_seconds)
+        self.weight_version.set(gen.weight_version)
 
     def serve(self, port: int, addr: str | None = None) -> int:
         from prometheus_client import start_http_server

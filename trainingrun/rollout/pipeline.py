@@ -31,9 +31,13 @@ ADV_EPS = 1e-6
 class FilterStats:
     max_length: int = 0  # samples dropped
     zero_variance: int = 0  # samples dropped
+    stale: int = 0  # carried generated samples dropped: older than the staleness bound (generated rollouts only)
 
     def as_dict(self) -> dict[str, int]:
-        return {"max_length": self.max_length, "zero_variance": self.zero_variance}
+        out = {"max_length": self.max_length, "zero_variance": self.zero_variance}
+        if self.stale:
+            out["stale"] = self.stale
+        return out
 
 
 def apply_filters(groups: list[Group], *, max_length: int | None, zero_variance: bool) -> tuple[list[Group], FilterStats]:
@@ -119,4 +123,8 @@ def as_samples(groups: list[Group]) -> Samples:
         advantages=np.concatenate([g.advantages for g in groups]).astype(np.float32),
         sample_ids=np.concatenate([g.sample_ids for g in groups]).astype(np.int64),
         group_ids=[g.group_id for g in groups for _ in range(len(g))],
+        logprobs=[lp for g in groups for lp in g.logprobs] if groups and all(g.logprobs is not None for g in groups)
+        else None,
+        versions=np.concatenate([g.versions for g in groups]).astype(np.int64)
+        if groups and all(g.versions is not None for g in groups) else None,
     )

@@ -35,6 +35,7 @@ class StepPlan:
     num_microbatches: int  # per rank, the same on every rank
     microbatches: range  # positions of the step's micro-batches in a rank's flat micro-batch list
     samples_before: int  # samples consumed by the run before this step
+    weight_version: int = -1  # oldest weight version its samples were generated with (-1: replayed samples)
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,32 @@ class SourceStats:
     carried_in: int  # samples carried from earlier source rollouts (first in the rollout)
     carried_out: int  # samples carried into the next rollout
     seed: int
+    # rewards of every sample the source produced for this rollout, before filtering (reward_mean of the records)
+    reward_sum: float = 0.0
+    reward_sq_sum: float = 0.0
+    reward_count: int = 0
+    reward_failed: int = 0  # generated rollouts: samples whose reward failed (raised, timed out, not finite)
+    weight_version: int = -1  # generated rollouts: the weight version the source rollout was generated with
+    groups_produced: int = 0
+    groups_kept: int = 0
+
+    @property
+    def reward_mean(self) -> float:
+        return self.reward_sum / self.reward_count if self.reward_count else 0.0
+
+    @property
+    def reward_std(self) -> float:
+        if not self.reward_count:
+            return 0.0
+        mean = self.reward_mean
+        return max(self.reward_sq_sum / self.reward_count - mean * mean, 0.0) ** 0.5
 
     def to_json(self) -> dict[str, Any]:
         return {"source_index": self.source_index, "produced": self.produced, "filtered": dict(self.filtered),
-                "carried_in": self.carried_in, "carried_out": self.carried_out, "seed": self.seed}
+                "carried_in": self.carried_in, "carried_out": self.carried_out, "seed": self.seed,
+                "reward_sum": self.reward_sum, "reward_sq_sum": self.reward_sq_sum, "reward_count": self.reward_count,
+                "reward_failed": self.reward_failed, "weight_version": self.weight_version,
+                "groups_produced": self.groups_produced, "groups_kept": self.groups_kept}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> SourceStats | None:
@@ -58,7 +81,11 @@ class SourceStats:
             return None
         return cls(source_index=int(d["source_index"]), produced=int(d["produced"]),
                    filtered={str(k): int(v) for k, v in d["filtered"].items()}, carried_in=int(d["carried_in"]),
-                   carried_out=int(d["carried_out"]), seed=int(d["seed"]))
+                   carried_out=int(d["carried_out"]), seed=int(d["seed"]),
+                   reward_sum=float(d.get("reward_sum", 0.0)), reward_sq_sum=float(d.get("reward_sq_sum", 0.0)),
+                   reward_count=int(d.get("reward_count", 0)), reward_failed=int(d.get("reward_failed", 0)),
+                   weight_version=int(d.get("weight_version", -1)), groups_produced=int(d.get("groups_produced", 0)),
+                   groups_kept=int(d.get("groups_kept", 0)))
 
 
 @dataclass(frozen=True)
@@ -74,6 +101,7 @@ class PublishedRollout:
     step_tokens: tuple[int, ...] = ()  # tokens per step, all ranks
     imbalance: tuple[float, ...] = ()  # per step: max / mean rank token load
     mean_reward: float = 0.0  # mean reward of the published samples
+    step_weight_versions: tuple[int, ...] = ()  # per step: oldest weight version of its samples (-1: replayed)
     stats: SourceStats | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # further keys a writer adds (kept, never interpreted)
 
@@ -99,7 +127,8 @@ class PublishedRollout:
         for s, (gbs, m) in enumerate(zip(self.schedule.global_batch_sizes, self.schedule.num_microbatches)):
             out.append(StepPlan(index=s, global_step=self.step_offset + s, global_batch_size=int(gbs),
                                 loss_tokens=int(self.loss_tokens[s]), num_microbatches=int(m),
-                                microbatches=range(mb_start, mb_start + m), samples_before=before))
+                                microbatches=range(mb_start, mb_start + m), samples_before=before,
+                                weight_version=self.step_weight_versions[s] if self.step_weight_versions else -1))
             mb_start += m
             before += int(gbs)
         return out
@@ -126,6 +155,7 @@ class PublishedRollout:
             "step_offset": self.step_offset,
             "samples_offset": self.samples_offset,
             "mean_reward": self.mean_reward,
+            "step_weight_versions": list(self.step_weight_versions),
             **(self.stats.to_json() if self.stats is not None else {}),
         }
 
@@ -148,13 +178,18 @@ class PublishedRollout:
             raise ValueError("schedule.global_batch_sizes: differs from schedule.schedule.global_batch_sizes")
         known = {"rollout", "dp_size", "schedule", "global_batch_sizes", "loss_tokens", "step_tokens", "imbalance",
                  "num_steps", "num_samples", "num_groups", "step_offset", "samples_offset", "mean_reward",
-                 "source_index", "produced", "filtered", "carried_in", "carried_out", "seed"}
+                 "step_weight_versions", "source_index", "produced", "filtered", "carried_in", "carried_out", "seed",
+                 "reward_sum", "reward_sq_sum", "reward_count", "reward_failed", "weight_version", "groups_produced",
+                 "groups_kept"}
+        versions = tuple(int(x) for x in d.get("step_weight_versions", ()))
+        if versions and len(versions) != sched.num_steps:
+            raise ValueError(f"schedule.step_weight_versions: {len(versions)} entries for {sched.num_steps} steps")
         return cls(
             rollout=int(d["rollout"]), schedule=sched, loss_tokens=loss_tokens, step_offset=int(d["step_offset"]),
             samples_offset=int(d["samples_offset"]), num_groups=int(d.get("num_groups", 0)),
             step_tokens=tuple(int(x) for x in d.get("step_tokens", ())),
             imbalance=tuple(float(x) for x in d.get("imbalance", ())), mean_reward=float(d.get("mean_reward", 0.0)),
-            stats=SourceStats.from_json(d), extra={k: v for k, v in d.items() if k not in known},
+            step_weight_versions=versions, stats=SourceStats.from_json(d), extra={k: v for k, v in d.items() if k not in known},
         )
 
 
@@ -169,6 +204,8 @@ class Samples:
     advantages: np.ndarray  # float32 [n]
     sample_ids: np.ndarray  # int64 [n], run-unique
     group_ids: list[int]  # [n]; a group is never split across steps
+    logprobs: list[np.ndarray] | None = None  # generated: float32 per token (0 on the prompt)
+    versions: np.ndarray | None = None  # generated: int64 [n] weight version of each sample
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -212,12 +249,15 @@ def build_published(
         imbalance.append(max(load) / mean if mean else 1.0)
     payloads = {r: rank_payload(samples, part) for r, part in enumerate(sched.partitions)}
     placed = [i for part in sched.partitions for i in part]
+    step_versions = ()
+    if samples.versions is not None:
+        step_versions = tuple(int(samples.versions[sched.step_samples(s)].min()) for s in range(sched.num_steps))
     rewards = samples.rewards[placed] if placed else np.zeros(0, np.float32)
     published = PublishedRollout(
         rollout=rollout, schedule=sched, loss_tokens=tuple(sched.step_loss_tokens(loss_counts)),
         step_offset=step_offset, samples_offset=samples_offset, num_groups=len(set(samples.group_ids[i] for i in placed)),
         step_tokens=tuple(step_tokens), imbalance=tuple(imbalance),
-        mean_reward=float(rewards.mean()) if len(rewards) else 0.0, stats=stats,
+        mean_reward=float(rewards.mean()) if len(rewards) else 0.0, step_weight_versions=step_versions, stats=stats,
     )
     return published, payloads, list(sched.leftover)
 
@@ -227,7 +267,7 @@ def rank_payload(samples: Samples, indices: list[int]) -> RankPayload:
     idx = np.asarray(indices, dtype=np.int64)
     offsets = np.zeros(len(idx) + 1, dtype=np.int64)
     np.cumsum([len(samples.tokens[i]) for i in idx], out=offsets[1:])
-    return {
+    payload = {
         "tokens": np.concatenate([samples.tokens[i] for i in idx]).astype(np.int32) if len(idx) else np.zeros(0, np.int32),
         "offsets": offsets,
         "loss_mask": np.concatenate([samples.loss_masks[i] for i in idx]).astype(np.uint8) if len(idx)
@@ -236,6 +276,12 @@ def rank_payload(samples: Samples, indices: list[int]) -> RankPayload:
         "rewards": samples.rewards[idx].astype(np.float32),
         "sample_ids": samples.sample_ids[idx].astype(np.int64),
     }
+    if samples.logprobs is not None:
+        payload["logprobs"] = (np.concatenate([samples.logprobs[i] for i in idx]).astype(np.float32) if len(idx)
+                               else np.zeros(0, np.float32))
+    if samples.versions is not None:
+        payload["versions"] = samples.versions[idx].astype(np.int64)
+    return payload
 
 
 # ---------------------------------------------------------------------------------------------------- store I/O

@@ -49,6 +49,9 @@ class Group:
     sample_ids: np.ndarray  # int64 [n]
     advantages: np.ndarray | None = None  # float32 [n]
     has_reward: bool = True  # jsonl lines may give only an advantage
+    # generated rollouts only: the generator's log-probability of each token (0 on the prompt) and weight versions
+    logprobs: list[np.ndarray] | None = None  # float32 each, same length as the tokens
+    versions: np.ndarray | None = None  # int64 [n]
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -71,6 +74,8 @@ class Group:
             "sample_ids": b64(self.sample_ids.astype("<i8")),
             "advantages": None if self.advantages is None else b64(self.advantages.astype("<f4")),
             "has_reward": self.has_reward,
+            "logprobs": None if self.logprobs is None else b64(np.concatenate(self.logprobs).astype("<f4")),
+            "versions": None if self.versions is None else b64(self.versions.astype("<i8")),
         }
 
     @classmethod
@@ -87,6 +92,9 @@ class Group:
             sample_ids=dec(d["sample_ids"], "<i8").astype(np.int64),
             advantages=None if d.get("advantages") is None else dec(d["advantages"], "<f4").astype(np.float32),
             has_reward=bool(d.get("has_reward", True)),
+            logprobs=None if d.get("logprobs") is None else
+            [a.copy() for a in np.split(dec(d["logprobs"], "<f4").astype(np.float32), offsets[1:-1])],
+            versions=None if d.get("versions") is None else dec(d["versions"], "<i8").astype(np.int64),
         )
 
 
@@ -181,9 +189,10 @@ def _number(value: Any) -> bool:
 MAX_LINE_BYTES = 64 * 1024 * 1024  # one jsonl line (a sample); longer is refused, not read into memory
 
 
-def _jsonl_lines(path: Path):
-    """(line number, text or an error message) of a jsonl file, read in binary: a line that is not UTF-8 or longer
-    than MAX_LINE_BYTES is an error for that line, not an exception; a FIFO or device is refused without blocking."""
+def _jsonl_lines(path: Path, field: str):
+    """(line number, text or None, error message or None) of a jsonl file, read in binary: a line that is not UTF-8
+    or longer than MAX_LINE_BYTES is an error for that line, not an exception; a FIFO or device is refused without
+    blocking. A file that cannot be opened is a ConfigError naming `field`."""
     import os
     import stat
 
@@ -191,10 +200,10 @@ def _jsonl_lines(path: Path):
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
         where = "" if path.is_absolute() else f" (relative to the working directory {Path.cwd()})"
-        raise ConfigError(f"rollout.source.jsonl.path: cannot open {path}{where}: {exc.strerror or exc}") from None
+        raise ConfigError(f"{field}: cannot open {path}{where}: {exc.strerror or exc}") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise ConfigError(f"rollout.source.jsonl.path: {path} is not a regular file")
+        raise ConfigError(f"{field}: {path} is not a regular file")
     with os.fdopen(fd, "rb") as fh:
         lineno = 0
         while True:
@@ -247,31 +256,7 @@ def load_jsonl(path: str | Path, *, vocab_size: int, tokenizer: Callable[[], Any
     data = JsonlData(path=path)
     seen_groups: dict[Any, int] = {}
     current_key: Any = object()
-    for lineno, line, problem in _jsonl_lines(path):
-        if len(errors) >= MAX_REPORTED_ERRORS:
-            errors.append(f"{path}: stopped after {MAX_REPORTED_ERRORS} errors")
-            break
-        where = f"{path}:{lineno}"
-        if problem is not None:
-            errors.append(f"{where}: {problem}")
-            continue
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError as exc:
-            errors.append(f"{where}: not valid JSON: {exc}")
-            continue
-        except RecursionError:
-            errors.append(f"{where}: not valid JSON: nested too deeply")
-            continue
-        if not isinstance(obj, dict):
-            errors.append(f"{where}: must be a JSON object, got {type(obj).__name__}")
-            continue
-        bad = [f"{where}: {k}: unknown field (allowed: {', '.join(JSONL_FIELDS)})" for k in obj if k not in JSONL_FIELDS]
-        if bad:
-            errors.extend(bad)
-            continue
+    for lineno, where, obj in jsonl_objects(path, JSONL_FIELDS, errors, field="rollout.source.jsonl.path"):
         if any(k in obj for k in TEXT_FIELDS):
             sample = _text_line(obj, where, vocab_size, errors, tokenizer)
         else:
@@ -369,6 +354,41 @@ def _text_line(obj: dict, where: str, vocab: int, errors: list[str], tokenizer: 
     return tokens, mask, reward, advantage
 
 
+def jsonl_objects(path: Path, allowed: tuple[str, ...], errors: list[str], *, field: str):
+    """(line number, "FILE:LINE", object) for each JSON-object line of a jsonl file with only `allowed` fields.
+
+    Bad lines (not JSON, not an object, unknown fields) are appended to `errors` as `FILE:LINE: what is wrong` and
+    skipped, as are lines that are not UTF-8 or too long (`_jsonl_lines`); blank lines are skipped; reading stops
+    after MAX_REPORTED_ERRORS errors. A file that cannot be opened (or is no regular file) is a ConfigError naming
+    `field`."""
+    for lineno, line, problem in _jsonl_lines(path, field):
+        if len(errors) >= MAX_REPORTED_ERRORS:
+            errors.append(f"{path}: stopped after {MAX_REPORTED_ERRORS} errors")
+            return
+        where = f"{path}:{lineno}"
+        if problem is not None:
+            errors.append(f"{where}: {problem}")
+            continue
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as exc:
+            errors.append(f"{where}: not valid JSON: {exc}")
+            continue
+        except RecursionError:
+            errors.append(f"{where}: not valid JSON: nested too deeply")
+            continue
+        if not isinstance(obj, dict):
+            errors.append(f"{where}: must be a JSON object, got {type(obj).__name__}")
+            continue
+        bad = [f"{where}: {k}: unknown field (allowed: {', '.join(allowed)})" for k in obj if k not in allowed]
+        if bad:
+            errors.extend(bad)
+            continue
+        yield lineno, where, obj
+
+
 def _validate_line(obj: dict, where: str, vocab: int, errors: list[str]):
     start = len(errors)
     if "group" not in obj:
@@ -425,16 +445,19 @@ class Source(Protocol):
     """The first three stages of a rollout: draw prompts → generate → score.
 
     `draw(i)` returns source rollout i's prompts (None: the source is exhausted); `generate` turns them into groups
-    of samples; `score` sets the groups' rewards. A source rollout is a pure function of (spec, i) for the replay
+    of samples; `score` sets the groups' rewards. `close()` releases what the source holds (engine, reward workers). A source rollout is a pure function of (spec, i) for the replay
     sources, so a restarted rollout rebuilds it bit for bit. The replay sources (`synthetic`, `jsonl`) draw samples
     that are already generated and scored: their `generate` and `score` pass them through.
     """
 
     def draw(self, index: int) -> Any | None: ...
 
-    def generate(self, prompts: Any) -> list[Group]: ...
+    def generate(self, prompts: Any, rollout: int) -> list[Group]:
+        """The samples of `prompts`, for published rollout `rollout` (generated sources pick the weights by it)."""
 
     def score(self, groups: list[Group]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class SyntheticSource:
@@ -446,10 +469,13 @@ class SyntheticSource:
     def draw(self, index: int) -> list[Group]:
         return synthetic_rollout(self.cfg, index)
 
-    def generate(self, prompts: list[Group]) -> list[Group]:
+    def generate(self, prompts: list[Group], rollout: int) -> list[Group]:
         return prompts
 
     def score(self, groups: list[Group]) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 
@@ -469,8 +495,11 @@ class JsonlSource:
                       None if g.advantages is None else g.advantages.copy(), g.has_reward)
                 for g in self.data.groups[start : start + self.groups_per_rollout]]
 
-    def generate(self, prompts: list[Group]) -> list[Group]:
+    def generate(self, prompts: list[Group], rollout: int) -> list[Group]:
         return prompts
 
     def score(self, groups: list[Group]) -> None:
+        pass
+
+    def close(self) -> None:
         pass

@@ -14,6 +14,9 @@ order, flat over the rollout's steps):
   advantages  float32 [n]              per-sample advantage (policy_gradient) or reward
   rewards     float32 [n]              per-sample raw reward
   sample_ids  int64   [n]              global sample ids (rollout-unique), for exactly-once checks
+Optional (generated rollouts, `rollout.source.type: generate`):
+  logprobs    float32 [total tokens]   the generator's log-probability of each token (0 where loss_mask is 0)
+  versions    int64   [n]              weight version each sample was generated with
 
 Schedule (JSON dict) of rollout k: the document `trainingrun.rollout.published.PublishedRollout` writes and reads
 (rollout, dp_size, schedule: DPSchedule.to_dict(), global_batch_sizes, loss_tokens per step, step_offset,
@@ -33,6 +36,11 @@ PAYLOAD_FIELDS: dict[str, np.dtype] = {
     "advantages": np.dtype(np.float32),
     "rewards": np.dtype(np.float32),
     "sample_ids": np.dtype(np.int64),
+}
+
+PAYLOAD_OPTIONAL: dict[str, np.dtype] = {
+    "logprobs": np.dtype(np.float32),
+    "versions": np.dtype(np.int64),
 }
 
 RankPayload = dict[str, np.ndarray]
@@ -117,6 +125,20 @@ class Store(Protocol):
 
     def release_upto(self, rollout: int) -> None:
         """A checkpoint covers every rollout < `rollout`: those acknowledged by all ranks may be deleted."""
+
+    # --- weights (trainer rank 0 writes, the rollout's engine reads; `spec.weightSync.type: store`)
+    def publish_weights(self, version: int, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> bool:
+        """Atomically publish weight version `version` (named numeric arrays + JSON meta); visible only when
+        complete. False (nothing written) when that version is already committed."""
+
+    def latest_weights(self) -> int | None:
+        """The newest committed weight version, or None."""
+
+    def read_weights(self, version: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """(arrays, meta) of a committed version; StoreError when it is not (or no longer) there."""
+
+    def release_weights_below(self, version: int) -> None:
+        """Delete committed versions < `version` (commit marker first: a reader never sees half a version)."""
 
     # --- progress / state shared between processes (rank 0 writes, operator and launcher read)
     def put_json(self, key: str, value: dict[str, Any]) -> None: ...

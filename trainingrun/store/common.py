@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from trainingrun.store.base import CorruptPayload, RankPayload, StaleAttempt, StoreDataLost, StoreTimeout, WriterConflict
 from trainingrun.store.wire import check_payload, decode_json, encode_json
 
@@ -50,6 +52,18 @@ def check_publish(rollout: int, payloads: dict[int, RankPayload], schedule: dict
     for rank, payload in payloads.items():
         check_payload(payload, where=f"payloads[{rank}]")
     return dp
+
+
+def check_weights(version: int, arrays: dict, meta: dict) -> None:
+    """Validate a publish_weights call. ValueError names the field."""
+    check_rollout(version, "version")
+    if not isinstance(arrays, dict) or not arrays:
+        raise ValueError("arrays: must be a non-empty dict of numpy arrays")
+    for name, arr in arrays.items():
+        if not isinstance(name, str) or not isinstance(arr, np.ndarray):
+            raise ValueError(f"arrays[{name!r}]: must be a numpy array under a string name")
+    if not isinstance(meta, dict):
+        raise ValueError(f"meta: must be a dict, got {type(meta).__name__}")
 
 
 def backoff(initial: float = 0.01, maximum: float = 0.25, factor: float = 1.5) -> Iterator[float]:
@@ -119,16 +133,7 @@ class Marker:
 
     @classmethod
     def decode(cls, data: bytes, *, where: str) -> Marker:
-        d = decode_json(data, where=where)
-        if not isinstance(d, dict):
-            raise CorruptPayload(f"{where}: commit marker must be a JSON object, got {type(d).__name__}")
-        if "check" not in d:
-            raise CorruptPayload(f"{where}: commit marker without a check value: written by an older trainingrun or "
-                                 "by something else; resume this run with the version that wrote it, or use a fresh "
-                                 "store")
-        body = {k: d.get(k) for k in ("rollout", "dp_size", "attempt", "schedule_crc")}
-        if d["check"] != _marker_check(body) or set(d) != {*body, "check"}:
-            raise CorruptPayload(f"{where}: commit marker fails its check value (damaged or altered)")
+        d = _checked_marker(data, ("rollout", "dp_size", "attempt", "schedule_crc"), where=where)
         return cls(rollout=stored_int(d["rollout"], where=where, field="rollout"),
                    dp_size=stored_int(d["dp_size"], where=where, field="dp_size", minimum=1, maximum=1 << 20),
                    attempt=stored_int(d["attempt"], where=where, field="attempt", maximum=MAX_ATTEMPT),
@@ -139,8 +144,60 @@ class Marker:
             raise CorruptPayload(f"{where}: schedule fails the CRC-32 its commit marker records (corrupted bytes)")
 
 
+@dataclass(frozen=True)
+class WeightsMarker:
+    """The commit marker of a weight version (`publish_weights`), the same protocol as a rollout's: written last,
+    never overwritten, the only thing readers decide visibility by. It names the attempt whose tensors it commits
+    (they live under that attempt, so a fenced-off trainer cannot overwrite them), their size in bytes and in
+    pieces (Redis chunks; 1 file on the file store), the CRC-32 of the version's meta JSON and its own check value."""
+
+    version: int
+    attempt: int
+    nbytes: int
+    chunks: int
+    meta_crc: int
+
+    @classmethod
+    def for_meta(cls, version: int, attempt: int | None, nbytes: int, chunks: int, meta: bytes) -> WeightsMarker:
+        return cls(version, attempt or 0, nbytes, chunks, zlib.crc32(meta))
+
+    def encode(self) -> bytes:
+        body = {"version": self.version, "attempt": self.attempt, "nbytes": self.nbytes, "chunks": self.chunks,
+                "meta_crc": self.meta_crc}
+        return encode_json({**body, "check": _marker_check(body)})
+
+    @classmethod
+    def decode(cls, data: bytes, *, where: str) -> WeightsMarker:
+        d = _checked_marker(data, ("version", "attempt", "nbytes", "chunks", "meta_crc"), where=where)
+        return cls(version=stored_int(d["version"], where=where, field="version"),
+                   attempt=stored_int(d["attempt"], where=where, field="attempt", maximum=MAX_ATTEMPT),
+                   nbytes=stored_int(d["nbytes"], where=where, field="nbytes"),
+                   chunks=stored_int(d["chunks"], where=where, field="chunks", minimum=1, maximum=1 << 24),
+                   meta_crc=stored_int(d["meta_crc"], where=where, field="meta_crc", maximum=2**32 - 1))
+
+    def check_meta(self, data: bytes, *, where: str) -> None:
+        if zlib.crc32(data) != self.meta_crc:
+            raise CorruptPayload(f"{where}: weight meta fails the CRC-32 its commit marker records (corrupted bytes)")
+
+
 def _marker_check(body: dict[str, Any]) -> int:
     return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()) ^ 0x7472
+
+
+def _checked_marker(data: bytes, keys: tuple[str, ...], *, where: str) -> dict[str, Any]:
+    """A commit marker's JSON object with exactly `keys` + its check value; CorruptPayload naming `where` when it is
+    not JSON, lacks the check value (an older trainingrun wrote it) or fails it."""
+    d = decode_json(data, where=where)
+    if not isinstance(d, dict):
+        raise CorruptPayload(f"{where}: commit marker must be a JSON object, got {type(d).__name__}")
+    if "check" not in d:
+        raise CorruptPayload(f"{where}: commit marker without a check value: written by an older trainingrun or "
+                             "by something else; resume this run with the version that wrote it, or use a fresh "
+                             "store")
+    body = {k: d.get(k) for k in keys}
+    if d["check"] != _marker_check(body) or set(d) != {*body, "check"}:
+        raise CorruptPayload(f"{where}: commit marker fails its check value (damaged or altered)")
+    return d
 
 
 # ------------------------------------------------------------------------------------------------ identities

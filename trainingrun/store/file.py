@@ -11,6 +11,10 @@ Layout under the root directory:
     rollouts/00000007/COMMIT                   commit marker (`common.Marker`: rollout, dp_size, attempt, schedule
                                                CRC-32, check value), linked into place last, never overwritten
     acks/00000007/rank-00000                   one empty file per acknowledging rank
+    weights/00000003/a00000002/tensors.bin     weight version 3 written by attempt 2: named arrays (wire format)
+    weights/00000003/a00000002/meta.json       its metadata (JSON)
+    weights/00000003/COMMIT                    its commit marker (`common.WeightsMarker`: version, attempt, bytes,
+                                               meta CRC-32, check value), linked into place last, never overwritten
     kv/<key>.json                              put_json/get_json
     FINISHED                                   {"num_rollouts": n}, written by finish(n)
     RELEASED                                   {"upto": k}: rollouts < k may have been deleted
@@ -21,7 +25,9 @@ so the first one wins and nothing is overwritten); a reader sees the old file or
 one. The commit marker is linked after the payloads and the schedule (and their directory) were fsync'ed, so a
 reader that sees COMMIT sees the whole rollout. A writer killed before the marker leaves files without COMMIT, which
 readers ignore; a re-publish writes them again and commits. Payloads and schedule live in a directory of the
-writer's attempt, so a fenced-off writer of an older attempt can never overwrite what a newer one committed.
+writer's attempt, so a fenced-off writer of an older attempt can never overwrite what a newer one committed. Weight
+versions (trainer rank 0 writes, the rollout's engine reads) follow the same protocol (`_commit_directory`), fenced by
+the epoch and the attempt (the trainer is no rollout writer: it holds no writer claim).
 
 Fencing: every write first checks the epoch (a changed or vanished EPOCH is `StoreDataLost`), the current attempt
 (a newer one is `StaleAttempt`) and, for the writer's operations, the writer claim (`WriterConflict`). The checks
@@ -48,10 +54,12 @@ from trainingrun.store.base import CorruptPayload, RankPayload, RolloutReleased,
 from trainingrun.store.common import (
     Marker,
     Owner,
+    WeightsMarker,
     check_attempt,
     check_key,
     check_publish,
     check_rollout,
+    check_weights,
     conflict,
     lost,
     new_epoch,
@@ -59,7 +67,17 @@ from trainingrun.store.common import (
     stale,
     stored_int,
 )
-from trainingrun.store.wire import decode_json, decode_payload, encode_json, encode_payload_parts, header_span, parse_header
+from trainingrun.store.wire import (
+    decode_arrays,
+    decode_json,
+    decode_payload,
+    encode_arrays_parts,
+    encode_json,
+    encode_payload_parts,
+    PAYLOAD_SPEC,
+    header_span,
+    parse_header,
+)
 
 COMMIT = "COMMIT"
 SCHEDULE = "schedule.json"
@@ -91,7 +109,7 @@ class FileStore:
         try:
             if self.root.exists() and not self.root.is_dir():
                 raise StoreError(f"store {self.url}: {self.root} exists and is not a directory")
-            for sub in ("rollouts", "acks", "kv", "attempts", "writer"):
+            for sub in ("rollouts", "acks", "kv", "attempts", "writer", "weights"):
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise self._error("open", self.root, exc) from exc
@@ -223,13 +241,16 @@ class FileStore:
         data = self._read(path, limit=4096)
         return None if data is None else Marker.decode(data, where=f"store {self.url}: {path}")
 
-    def _committed(self) -> list[int]:
+    def _committed(self, sub: str = "rollouts") -> list[int]:
+        """The committed rollouts (or, with sub="weights", weight versions) in ascending order."""
         try:
-            names = os.listdir(self.root / "rollouts")
+            names = os.listdir(self.root / sub)
+        except FileNotFoundError:
+            return []
         except OSError as exc:
-            raise self._error("list", self.root / "rollouts", exc) from exc
+            raise self._error("list", self.root / sub, exc) from exc
         return sorted(int(n) for n in names if len(n) == 8 and n.isdigit()
-                      and (self.root / "rollouts" / n / COMMIT).exists())
+                      and (self.root / sub / n / COMMIT).exists())
 
     def _acks(self, rollout: int) -> set[int]:
         try:
@@ -380,27 +401,36 @@ class FileStore:
         """
         dp = check_publish(rollout, payloads, schedule)
         schedule_bytes = encode_json(schedule, where="schedule")
-        rdir, ddir = self._rdir(rollout), self._ddir(rollout, self.attempt)
-        if (rdir / COMMIT).exists():
+        files = [(_rank_file(rank), lambda rank=rank: encode_payload_parts(payloads[rank])) for rank in range(dp)]
+        marker = Marker.for_schedule(rollout, dp, self.attempt, schedule_bytes)
+        return self._commit_directory(self._rdir(rollout), [*files, (SCHEDULE, lambda: [schedule_bytes])],
+                                      marker.encode(), f"rollout {rollout}", writer=True, hook=_after_payloads)
+
+    def _commit_directory(self, d: Path, files: list, marker: bytes, what: str, *, writer: bool, hook=None) -> bool:
+        """The commit protocol of rollouts and weight versions: False (nothing written) when `d` is committed; else
+        the fencing checks, each file (name, () -> chunks) written atomically into this attempt's directory inside
+        `d` (temporary files of a killed writer removed first), that directory fsynced, the checks again, then the
+        COMMIT `marker` linked into `d` (never overwritten: False when someone committed meanwhile, theirs stands)
+        and `d` fsynced. `writer`: the rollout writer's claim is checked too. `hook` runs before the marker (tests)."""
+        if (d / COMMIT).exists():
             return False
-        self._guard(f"publishing rollout {rollout}", writer=True)
+        ddir = d / f"a{self.attempt or 0:08d}"
+        self._guard(f"publishing {what}", writer=writer)
         try:
             ddir.mkdir(parents=True, exist_ok=True)
-            for stale_tmp in [*ddir.glob(".tmp.*"), *rdir.glob(".tmp.*")]:
+            for stale_tmp in [*ddir.glob(".tmp.*"), *d.glob(".tmp.*")]:
                 stale_tmp.unlink(missing_ok=True)
         except OSError as exc:
             raise self._error("create", ddir, exc) from exc
-        for rank in range(dp):
-            self._write_atomic(ddir / _rank_file(rank), encode_payload_parts(payloads[rank]))
-        self._write_atomic(ddir / SCHEDULE, [schedule_bytes])
-        if _after_payloads is not None:
-            _after_payloads()
+        for name, chunks in files:
+            self._write_atomic(ddir / name, chunks())
+        if hook is not None:
+            hook()
         self._fsync_dir(ddir)
-        self._guard(f"committing rollout {rollout}", writer=True)
-        marker = Marker.for_schedule(rollout, dp, self.attempt, schedule_bytes)
-        if not self._create_once(rdir / COMMIT, [marker.encode()]):
+        self._guard(f"committing {what}", writer=writer)
+        if not self._create_once(d / COMMIT, [marker]):
             return False  # committed meanwhile by someone else: theirs stands
-        self._fsync_dir(rdir)
+        self._fsync_dir(d)
         return True
 
     def finish(self, num_rollouts: int) -> None:
@@ -452,7 +482,9 @@ class FileStore:
                 return False
             return None
 
-        return poll(check, timeout, f"rollout {rollout} in store {self.url} (key {marker})")
+        # polls back off to 50 ms (a few stat calls): an on-policy loop waits here once per rollout, and a 250 ms cap
+        # added ~0.12 s per rollout to the demo's ~0.65 s
+        return poll(check, timeout, f"rollout {rollout} in store {self.url} (key {marker})", max_interval=0.05)
 
     def _require_committed(self, rollout: int) -> Marker:
         check_rollout(rollout)
@@ -541,6 +573,97 @@ class FileStore:
         if upto > released:
             self._write_atomic(self.root / "RELEASED", [encode_json({"upto": upto})])
 
+    # ------------------------------------------------------------------ weights
+    def _wdir(self, version: int) -> Path:
+        return self.root / "weights" / f"{version:08d}"
+
+    def publish_weights(self, version: int, arrays: dict[str, np.ndarray], meta: dict[str, Any], *,
+                        _after_tensors=None) -> bool:
+        """Publish weight version `version` atomically (tensors, meta, then COMMIT; fenced by the epoch and the
+        attempt: a trainer of an older attempt is refused); False (nothing written) when already committed.
+
+        `_after_tensors` is a test hook called after tensors and meta are written, before the commit."""
+        check_weights(version, arrays, meta)
+        meta_bytes = encode_json(meta, where="meta")
+        if (self._wdir(version) / COMMIT).exists():
+            return False
+        parts = encode_arrays_parts(arrays)
+        nbytes = sum(memoryview(p).nbytes for p in parts)
+        marker = WeightsMarker.for_meta(version, self.attempt, nbytes, 1, meta_bytes)
+        return self._commit_directory(self._wdir(version), [("tensors.bin", lambda: parts),
+                                                            ("meta.json", lambda: [meta_bytes])],
+                                      marker.encode(), f"weight version {version}", writer=False, hook=_after_tensors)
+
+    def latest_weights(self) -> int | None:
+        self._epoch_id(create=False)
+        versions = self._committed("weights")
+        return versions[-1] if versions else None
+
+    def _weights_gone(self, version: int, path: Path) -> StoreError:
+        """A committed version's part is missing: released meanwhile, or the store lost it."""
+        self._epoch_id(create=False)
+        if not (self._wdir(version) / COMMIT).exists():
+            return StoreError(f"store {self.url}: weight version {version} was released while being read")
+        return lost(self.url, f"weight version {version} is committed but {path} is missing")
+
+    def weights_path(self, version: int) -> Path:
+        """Where the tensors of a committed weight version live (for tools and tests)."""
+        return self._wdir(version) / f"a{self._weights_marker(version).attempt:08d}" / "tensors.bin"
+
+    def _weights_marker(self, version: int) -> WeightsMarker:
+        path = self._wdir(check_rollout(version, "version")) / COMMIT
+        data = self._read(path, limit=4096)
+        if data is None:
+            self._epoch_id(create=False)
+            raise StoreError(f"store {self.url}: weight version {version} is not committed (key {path})")
+        marker = WeightsMarker.decode(data, where=f"store {self.url}: {path}")
+        if marker.version != version or marker.chunks != 1:
+            raise CorruptPayload(f"store {self.url}: {path}: commit marker names version {marker.version} in "
+                                 f"{marker.chunks} pieces")
+        return marker
+
+    def read_weights(self, version: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """(arrays, meta) of a committed version, every tensor checked (marker, meta CRC, header, size, checksums);
+        StoreError when it is not (or no longer) committed, CorruptPayload naming the path when damaged."""
+        marker = self._weights_marker(version)
+        ddir = self._wdir(version) / f"a{marker.attempt:08d}"
+        meta_path, path = ddir / "meta.json", ddir / "tensors.bin"
+        meta_bytes = self._read(meta_path)
+        if meta_bytes is None:
+            raise self._weights_gone(version, meta_path)
+        marker.check_meta(meta_bytes, where=f"store {self.url}: {meta_path}")
+        meta = decode_json(meta_bytes, where=f"store {self.url}: {meta_path}")
+        if not isinstance(meta, dict):
+            raise CorruptPayload(f"store {self.url}: {meta_path}: weight meta is not a JSON object")
+        fd = self._open_regular(path)
+        if fd is None:
+            raise self._weights_gone(version, path)
+        where = f"store {self.url}: {path}"
+        try:
+            if os.fstat(fd).st_size != marker.nbytes:
+                raise CorruptPayload(f"{where}: {os.fstat(fd).st_size} bytes, but its commit marker records "
+                                     f"{marker.nbytes}")
+            buf = _map_or_read(fd, where, spec=None)
+        except OSError as exc:
+            raise self._error("read", path, exc) from exc
+        finally:
+            os.close(fd)
+        return decode_arrays(buf, where=where), meta
+
+    def release_weights_below(self, version: int) -> None:
+        """Delete committed versions < `version` (commit marker first: a reader never sees half a version);
+        fenced like every write."""
+        check_rollout(version, "version")
+        self._guard(f"releasing weight versions below {version}")
+        for v in self._committed("weights"):
+            if v >= version:
+                break
+            try:
+                (self._wdir(v) / COMMIT).unlink(missing_ok=True)  # invisible first, then delete
+                shutil.rmtree(self._wdir(v), ignore_errors=True)
+            except OSError as exc:
+                raise self._error("delete", self._wdir(v), exc) from exc
+
     # ------------------------------------------------------------------ shared state
     def put_json(self, key: str, value: dict[str, Any]) -> None:
         data = encode_json(value, where=f"put_json({key!r})")
@@ -568,7 +691,7 @@ class FileStore:
         return f"FileStore({self.url!r})"
 
 
-def _map_or_read(fd: int, where: str) -> memoryview:
+def _map_or_read(fd: int, where: str, *, spec: Any = PAYLOAD_SPEC) -> memoryview:
     """The whole payload file, read-only. Its header is read first and checked: a file whose size differs from what
     the header accounts for is refused before it is mapped or read whole. Payload files are immutable once written
     (temp file + rename; deletion unlinks), so they are memory-mapped with the pages populated up front: no copy out
@@ -577,7 +700,7 @@ def _map_or_read(fd: int, where: str) -> memoryview:
     size = os.fstat(fd).st_size
     span = header_span(os.pread(fd, 16, 0))
     prefix = os.pread(fd, min(span, size), 0)
-    _, _, total = parse_header(prefix, where=where)
+    _, _, total = parse_header(prefix, where=where, spec=spec)
     if total != size:
         raise CorruptPayload(
             f"{where}: payload file is {size} bytes but its header accounts for {total}"

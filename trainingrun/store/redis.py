@@ -11,6 +11,12 @@ Keys (prefix P = "trainingrun", or `?prefix=NAME` in the URL, so several runs ca
     P:r:<k>:commit          commit marker (`common.Marker`: rollout, dp_size, attempt, schedule CRC-32, check)
     P:committed             sorted set of committed rollouts (score = member = k)
     P:r:<k>:acks            set of ranks that acknowledged rollout k
+    P:w:<v>:a<N>:c:<i>      weight version v written by attempt N: chunk i of its tensors (wire format, in pieces of
+                            WEIGHT_CHUNK_BYTES, so any model size fits under Redis' 512 MiB value limit)
+    P:w:<v>:parts           set of the chunk keys written for version v (any attempt), deleted on release
+    P:w:<v>:meta            its metadata (JSON)
+    P:w:<v>:commit          commit marker (`common.WeightsMarker`: version, attempt, bytes, chunks, meta CRC-32, check)
+    P:weights               sorted set of committed weight versions
     P:kv:<key>              put_json/get_json
     P:finished              {"num_rollouts": n}
     P:released              k: rollouts < k may have been deleted
@@ -21,7 +27,10 @@ transaction. Every write (the commit, finish, ack, release, put_json) is such a 
 the epoch, the current attempt and the writer claim: it commits only if the epoch is the one this handle saw (else
 `StoreDataLost`), no newer attempt used the store (else `StaleAttempt`) and, for the writer's operations, this
 handle holds the claim (else `WriterConflict`). A writer that dies before EXEC leaves payload keys without a commit
-marker, which readers never look at; a re-publish overwrites them and commits.
+marker, which readers never look at; a re-publish overwrites them and commits. Weight versions (trainer rank 0
+writes, the rollout's engine reads) follow the same protocol: chunks under the writer's attempt, then meta, marker
+and the `weights` entry in one guarded transaction, fenced by the epoch and the attempt (no writer claim: the
+trainer is not the rollout writer).
 
 Transient errors (ConnectionError, TimeoutError, a server still loading its data) are retried with exponential
 backoff for up to `retry_seconds` (URL option `?retry_seconds=60`); anything else, or running out of retries, raises
@@ -42,11 +51,13 @@ from trainingrun.store.base import CorruptPayload, RankPayload, RolloutReleased,
 from trainingrun.store.common import (
     Marker,
     Owner,
+    WeightsMarker,
     backoff,
     check_attempt,
     check_key,
     check_publish,
     check_rollout,
+    check_weights,
     conflict,
     lost,
     new_epoch,
@@ -54,10 +65,18 @@ from trainingrun.store.common import (
     stale,
     stored_int,
 )
-from trainingrun.store.wire import decode_json, decode_payload, encode_json, encode_payload_parts
+from trainingrun.store.wire import (
+    decode_arrays,
+    decode_json,
+    decode_payload,
+    encode_arrays_parts,
+    encode_json,
+    encode_payload_parts,
+)
 
 T = TypeVar("T")
 MAX_VALUE_BYTES = 512 * 1024 * 1024  # Redis' limit of one string value
+WEIGHT_CHUNK_BYTES = 64 * 1024 * 1024  # weights are stored in pieces of this size (any model size fits)
 
 
 def _positive(query: dict[str, list[str]], name: str, default: float) -> float:
@@ -541,6 +560,129 @@ class RedisStore:
             pipe.set(rkey, max(upto, released))
 
         self._guarded(f"releasing rollouts below {rollout}", rkey, mark, watch=(rkey,))
+
+    # ------------------------------------------------------------------ weights
+    def _chunk_key(self, version: int, attempt: int | None, i: int) -> str:
+        return self._k("w", version, f"a{attempt or 0}", "c", i)
+
+    def publish_weights(self, version: int, arrays: dict[str, Any], meta: dict[str, Any], *,
+                        _after_tensors=None) -> bool:
+        """Publish weight version `version` atomically (chunks under this attempt, then meta + marker + index in one
+        guarded transaction: a trainer of an older attempt is refused); False (nothing written) when committed.
+
+        `_after_tensors` is a test hook called after the chunks are written, before the commit transaction."""
+        check_weights(version, arrays, meta)
+        ckey, parts_key = self._k("w", version, "commit"), self._k("w", version, "parts")
+        if self._retry(lambda: self.client.exists(ckey), ckey):
+            return False
+        meta_bytes = encode_json(meta, where="meta")
+        self._guarded(f"publishing weight version {version}", ckey, lambda pipe: False)
+        data = memoryview(b"".join(encode_arrays_parts(arrays)))
+        chunks = max(1, -(-len(data) // WEIGHT_CHUNK_BYTES))
+        for i in range(chunks):
+            key = self._chunk_key(version, self.attempt, i)
+            piece = data[i * WEIGHT_CHUNK_BYTES : (i + 1) * WEIGHT_CHUNK_BYTES]
+
+            def put(key: str = key, piece: memoryview = piece) -> None:
+                pipe = self.client.pipeline(transaction=False)
+                pipe.sadd(parts_key, key)
+                pipe.set(key, piece.tobytes())
+                pipe.execute()
+
+            self._retry(put, key)
+        if _after_tensors is not None:
+            _after_tensors()
+        marker = WeightsMarker.for_meta(version, self.attempt, len(data), chunks, meta_bytes)
+
+        def commit(pipe: Any) -> bool | None:
+            if pipe.exists(ckey):
+                return False  # committed meanwhile (a replayed transaction after a lost reply)
+            pipe.multi()
+            pipe.set(self._k("w", version, "meta"), meta_bytes)
+            pipe.set(ckey, marker.encode())
+            pipe.zadd(self._k("weights"), {str(version): version})
+            return None
+
+        result = self._guarded(f"committing weight version {version}", ckey, commit, watch=(ckey,))
+        return result is not False
+
+    def _weight_members(self, key: str, raw: list[Any]) -> list[int]:
+        return [stored_int(m, where=f"store {self.url}: key {key}", field="member") for m in raw]
+
+    def latest_weights(self) -> int | None:
+        key = self._k("weights")
+        self.epoch()
+        top = self._weight_members(key, self._retry(lambda: self.client.zrevrange(key, 0, 0), key))
+        return top[0] if top else None
+
+    def _weights_gone(self, version: int, key: str) -> StoreError:
+        self.epoch()
+        if not self._retry(lambda: self.client.exists(self._k("w", version, "commit")), key):
+            return StoreError(f"store {self.url}: weight version {version} was released while being read")
+        return lost(self.url, f"weight version {version} is committed but key {key} is missing")
+
+    def read_weights(self, version: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(arrays, meta) of a committed version, every piece checked (marker, meta CRC, size, header, checksums);
+        StoreError when it is not (or no longer) committed, CorruptPayload naming the key when damaged."""
+        check_rollout(version, "version")
+        ckey, mkey = self._k("w", version, "commit"), self._k("w", version, "meta")
+
+        def probe() -> tuple[Any, Any]:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.get(ckey)
+            pipe.get(mkey)
+            return tuple(pipe.execute())
+
+        raw, meta_bytes = self._retry(probe, ckey)
+        if raw is None:
+            self.epoch()
+            raise StoreError(f"store {self.url}: weight version {version} is not committed (key {ckey})")
+        marker = WeightsMarker.decode(raw, where=f"store {self.url}: key {ckey}")
+        if marker.version != version:
+            raise CorruptPayload(f"store {self.url}: key {ckey}: commit marker names version {marker.version}")
+        if meta_bytes is None:
+            raise self._weights_gone(version, mkey)
+        marker.check_meta(meta_bytes, where=f"store {self.url}: key {mkey}")
+        meta = decode_json(meta_bytes, where=f"store {self.url}: key {mkey}")
+        if not isinstance(meta, dict):
+            raise CorruptPayload(f"store {self.url}: key {mkey}: weight meta is not a JSON object")
+        keys = [self._chunk_key(version, marker.attempt, i) for i in range(marker.chunks)]
+
+        def fetch() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.get(key)
+            return pipe.execute()
+
+        pieces = self._retry(fetch, keys[0])
+        for key, piece in zip(keys, pieces):
+            if piece is None:
+                raise self._weights_gone(version, key)
+        data = b"".join(pieces)
+        where = f"store {self.url}: key {self._chunk_key(version, marker.attempt, '*')}"
+        if len(data) != marker.nbytes:
+            raise CorruptPayload(f"{where}: {len(data)} bytes stored, its commit marker records {marker.nbytes}")
+        return decode_arrays(data, where=where), meta
+
+    def release_weights_below(self, version: int) -> None:
+        """Delete committed versions < `version` (commit marker first: a reader never sees half a version);
+        fenced like every write."""
+        check_rollout(version, "version")
+        key = self._k("weights")
+        old = self._weight_members(key, self._retry(lambda: self.client.zrangebyscore(key, 0, version - 1), key))
+        for v in old:
+            parts_key = self._k("w", v, "parts")
+            parts = self._retry(lambda: self.client.smembers(parts_key), parts_key)
+
+            def delete(pipe: Any, v: int = v, parts: set = parts, parts_key: str = parts_key) -> None:
+                pipe.multi()
+                pipe.delete(self._k("w", v, "commit"))  # invisible first
+                pipe.zrem(self._k("weights"), str(v))
+                pipe.delete(self._k("w", v, "meta"), parts_key, *parts)
+
+            self._guarded(f"releasing weight version {v}", self._k("w", v, "*"), delete)
+        if not old:  # nothing to delete: still refuse a fenced-off caller, like every write
+            self._guarded(f"releasing weight versions below {version}", key, lambda pipe: False)
 
     # ------------------------------------------------------------------ shared state
     def put_json(self, key: str, value: dict[str, Any]) -> None:

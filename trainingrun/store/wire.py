@@ -1,4 +1,5 @@
-"""Wire format of the store: JSON for schedules and metadata, a small own binary format for rank payloads.
+"""Wire format of the store: JSON for schedules and metadata, a small own binary format for rank payloads and
+weight versions (named numeric arrays of any shape).
 
 No pickle anywhere: a payload is a fixed magic, a JSON header and raw little-endian numpy buffers, decoded with
 `np.frombuffer` only. Anything else (a pickle, a truncated write, flipped bits) raises `CorruptPayload`.
@@ -16,24 +17,30 @@ Payload layout (all integers little-endian):
 Each buffer's checksum is checked on decode (see `checksum`: block sums of 64-bit words, then CRC-32 of those sums;
 it runs at memory speed, where a plain CRC-32 would cost more than reading the bytes from the page cache). After
 decoding, the payload's shape invariants (`check_payload`) are checked too, so a reader gets either a well-formed
-`RankPayload` or `CorruptPayload`.
+`RankPayload` or `CorruptPayload`. Weight versions use the same layout with any names, numeric little-endian dtypes
+(`ARRAY_DTYPE`) and N-D shapes (`encode_arrays_parts` / `decode_arrays`), checked the same way.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import struct
 import zlib
 from typing import Any
 
 import numpy as np
 
-from trainingrun.store.base import PAYLOAD_FIELDS, CorruptPayload, RankPayload
+from trainingrun.store.base import PAYLOAD_FIELDS, PAYLOAD_OPTIONAL, CorruptPayload, RankPayload
 
 MAGIC = b"TRPAYLD1"
 ALIGN = 64
 _HEADER_LEN = struct.Struct("<I")
 MAX_HEADER_BYTES = 1 << 20
+ARRAY_KINDS = "biuf"  # numeric dtypes only: bool, signed/unsigned int, float (never object)
+ARRAY_DTYPE = re.compile(r"[<|][biuf][1-8]")  # dtype.str of a little-endian (or one-byte) numeric dtype
+MAX_NAME = 1024  # characters of an array's name
+MAX_NDIM = 32
 
 
 CHECKSUM_BLOCK = 4096  # 64-bit words per block (32 KiB)
@@ -67,12 +74,13 @@ def check_payload(payload: RankPayload, *, where: str = "payload") -> None:
     if not isinstance(payload, dict):
         raise ValueError(f"{where}: must be a dict of numpy arrays, got {type(payload).__name__}")
     missing = sorted(set(PAYLOAD_FIELDS) - set(payload))
-    extra = sorted(set(payload) - set(PAYLOAD_FIELDS))
+    extra = sorted(set(payload) - set(PAYLOAD_FIELDS) - set(PAYLOAD_OPTIONAL))
     if missing or extra:
         raise ValueError(
-            f"{where}: fields must be exactly {sorted(PAYLOAD_FIELDS)}; missing {missing}, unexpected {extra}"
+            f"{where}: fields must be exactly {sorted(PAYLOAD_FIELDS)} (optionally {sorted(PAYLOAD_OPTIONAL)}); "
+            f"missing {missing}, unexpected {extra}"
         )
-    for name, dtype in PAYLOAD_FIELDS.items():
+    for name, dtype in _payload_fields(payload).items():
         arr = payload[name]
         if not isinstance(arr, np.ndarray):
             raise ValueError(f"{where}.{name}: must be a numpy array, got {type(arr).__name__}")
@@ -91,24 +99,35 @@ def check_payload(payload: RankPayload, *, where: str = "payload") -> None:
         )
     if n and np.any(np.diff(offsets) < 0):
         raise ValueError(f"{where}.offsets: must not decrease")
-    if len(payload["loss_mask"]) != total:
-        raise ValueError(f"{where}.loss_mask: length {len(payload['loss_mask'])} != len(tokens)={total}")
+    for name in ("loss_mask", "logprobs"):
+        if name in payload and len(payload[name]) != total:
+            raise ValueError(f"{where}.{name}: length {len(payload[name])} != len(tokens)={total}")
     if total and payload["loss_mask"].max(initial=0) > 1:
         raise ValueError(f"{where}.loss_mask: values must be 0 or 1")
-    for name in ("advantages", "rewards", "sample_ids"):
-        if len(payload[name]) != n:
+    for name in ("advantages", "rewards", "sample_ids", "versions"):
+        if name in payload and len(payload[name]) != n:
             raise ValueError(f"{where}.{name}: length {len(payload[name])} != number of samples {n}")
 
 
-def encode_payload_parts(payload: RankPayload) -> list[memoryview | bytes]:
-    """The encoded payload as a list of byte chunks (no copy of the array data); `b"".join` gives the bytes."""
-    check_payload(payload)
+def _payload_fields(payload: RankPayload) -> dict[str, np.dtype]:
+    """The fields of `payload` with their dtypes: the required ones, then the optional ones it has (fixed order)."""
+    return {**PAYLOAD_FIELDS, **{k: v for k, v in PAYLOAD_OPTIONAL.items() if k in payload}}
+
+
+def encode_arrays_parts(arrays: dict[str, np.ndarray]) -> list[memoryview | bytes]:
+    """Named 1-D or N-D numeric arrays as byte chunks (no copy of the array data); `b"".join` gives the bytes."""
     fields = []
     offset = 0
     buffers = []
-    for name in PAYLOAD_FIELDS:
-        arr = np.ascontiguousarray(payload[name]).astype(PAYLOAD_FIELDS[name].newbyteorder("<"), copy=False)
-        view = memoryview(arr).cast("B")
+    for name, array in arrays.items():
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
+            raise ValueError(f"array name: must be a string of 1-{MAX_NAME} characters, got {name!r:.80}")
+        arr = np.ascontiguousarray(array)
+        if arr.dtype.kind not in ARRAY_KINDS or arr.ndim > MAX_NDIM:
+            raise ValueError(f"{name}: dtype {arr.dtype} cannot be stored (numeric dtypes only, at most "
+                             f"{MAX_NDIM} dimensions)")
+        arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+        view = memoryview(arr.reshape(-1)).cast("B")
         fields.append(
             {
                 "name": name,
@@ -122,6 +141,9 @@ def encode_payload_parts(payload: RankPayload) -> list[memoryview | bytes]:
         buffers.append(view)
         offset += arr.nbytes + _pad(arr.nbytes)
     header = json.dumps({"fields": fields}, separators=(",", ":")).encode()
+    if len(header) > MAX_HEADER_BYTES:
+        raise ValueError(f"arrays: {len(fields)} arrays need a header of {len(header)} bytes, more than the "
+                         f"{MAX_HEADER_BYTES} a reader accepts")
     prefix = MAGIC + _HEADER_LEN.pack(len(header)) + header
     parts: list[memoryview | bytes] = [prefix + b"\0" * _pad(len(prefix))]
     for view in buffers:
@@ -129,6 +151,13 @@ def encode_payload_parts(payload: RankPayload) -> list[memoryview | bytes]:
         if _pad(len(view)):
             parts.append(b"\0" * _pad(len(view)))
     return parts
+
+
+def encode_payload_parts(payload: RankPayload) -> list[memoryview | bytes]:
+    """The encoded payload as a list of byte chunks (no copy of the array data); `b"".join` gives the bytes."""
+    check_payload(payload)
+    return encode_arrays_parts({name: payload[name].astype(dtype, copy=False)
+                                for name, dtype in _payload_fields(payload).items()})
 
 
 def encode_payload(payload: RankPayload) -> bytes:
@@ -148,11 +177,20 @@ def _header_int(f: dict[str, Any], key: str, name: str, where: str, maximum: int
     return value
 
 
-def parse_header(prefix: bytes | memoryview, *, where: str) -> tuple[dict[str, dict[str, Any]], int, int]:
+Spec = tuple[dict[str, np.dtype], dict[str, np.dtype]]  # (required fields, optional fields) with their dtypes
+PAYLOAD_SPEC: Spec = (PAYLOAD_FIELDS, PAYLOAD_OPTIONAL)
+
+
+def parse_header(prefix: bytes | memoryview, *, where: str,
+                 spec: Spec | None = PAYLOAD_SPEC) -> tuple[dict[str, dict[str, Any]], int, int]:
     """(fields by name, start of the data section, total size) from the first bytes of a payload: the magic, the
     header length and the JSON header (`header_span(prefix)` says how many bytes that takes). Every header value is
     checked (types, ranges, 64-byte alignment, no overlaps), so the total size is known before the buffers are read:
-    a file larger or smaller than its header accounts for is refused without mapping it."""
+    a file larger or smaller than its header accounts for is refused without mapping it.
+
+    `spec` = (required, optional) fields with their dtypes, all 1-D (a rank payload, the default); None: any names,
+    numeric little-endian dtypes and shapes (a weight version). Each field comes back with "dtype" as a numpy dtype
+    and "shape" as a tuple."""
     buf = memoryview(prefix).cast("B")
     if len(buf) < HEADER_PREFIX or bytes(buf[: len(MAGIC)]) != MAGIC:
         head = bytes(buf[:8])
@@ -166,30 +204,41 @@ def parse_header(prefix: bytes | memoryview, *, where: str) -> tuple[dict[str, d
     if not isinstance(entries, list) or not all(isinstance(f, dict) for f in entries):
         raise CorruptPayload(f"{where}: payload header is not of the expected shape ({{\"fields\": [...]}})")
     fields: dict[str, dict[str, Any]] = {}
-    for f in entries:
-        name = f.get("name")
-        if name not in PAYLOAD_FIELDS or name in fields:
-            raise CorruptPayload(f"{where}: payload header has an unknown or repeated field {name!r:.60}")
-        fields[name] = f
-    data_start = HEADER_PREFIX + hlen + _pad(HEADER_PREFIX + hlen)
     end = 0
-    for name, dtype in PAYLOAD_FIELDS.items():
-        f = fields.get(name)
-        if f is None:
-            raise CorruptPayload(f"{where}: payload lacks field {name!r}")
-        want = dtype.newbyteorder("<").str
+    for f in entries:  # in the order the buffers were written
+        name = f.get("name")
+        known = (isinstance(name, str) and 0 < len(name) <= MAX_NAME) if spec is None else (
+            name in spec[0] or name in spec[1])
+        if not known or name in fields:
+            raise CorruptPayload(f"{where}: payload header has an unknown or repeated field {name!r:.60}")
         shape = f.get("shape")
-        if f.get("dtype") != want or not isinstance(shape, list) or len(shape) != 1:
-            raise CorruptPayload(f"{where}: payload field {name!r}: header says {f.get('dtype')!r:.20}"
-                                 f"{shape!r:.40}, expected {want}[n]")
-        n = _header_int({"shape": shape[0]}, "shape", name, where)
+        if spec is None:
+            if not isinstance(f.get("dtype"), str) or not ARRAY_DTYPE.fullmatch(f["dtype"]) or \
+                    not isinstance(shape, list) or len(shape) > MAX_NDIM:
+                raise CorruptPayload(f"{where}: payload field {name!r:.60}: header says {f.get('dtype')!r:.20}"
+                                     f"{shape!r:.40}, expected a little-endian numeric dtype and a shape")
+            dtype = np.dtype(f["dtype"])
+        else:
+            dtype = (spec[0].get(name) or spec[1][name]).newbyteorder("<")
+            if f.get("dtype") != dtype.str or not isinstance(shape, list) or len(shape) != 1:
+                raise CorruptPayload(f"{where}: payload field {name!r}: header says {f.get('dtype')!r:.20}"
+                                     f"{shape!r:.40}, expected {dtype.str}[n]")
+        dims = tuple(_header_int({"shape": d}, "shape", name, where) for d in shape)
         offset = _header_int(f, "offset", name, where)
         nbytes = _header_int(f, "nbytes", name, where)
         _header_int(f, "checksum", name, where, maximum=2**32 - 1)
-        if n * dtype.itemsize != nbytes or offset % ALIGN or offset < end:
-            raise CorruptPayload(f"{where}: payload field {name!r}: header says {n} items / {nbytes} bytes at offset "
-                                 f"{offset} (inconsistent)")
+        count = 1
+        for d in dims:
+            count *= d
+        if count * dtype.itemsize != nbytes or offset % ALIGN or offset < end:
+            raise CorruptPayload(f"{where}: payload field {name!r:.60}: header says {count} items / {nbytes} bytes at "
+                                 f"offset {offset} (inconsistent)")
         end = offset + nbytes + _pad(nbytes)
+        fields[name] = {**f, "dtype": dtype, "shape": dims}
+    for name in spec[0] if spec is not None else ():
+        if name not in fields:
+            raise CorruptPayload(f"{where}: payload lacks field {name!r}")
+    data_start = HEADER_PREFIX + hlen + _pad(HEADER_PREFIX + hlen)
     return fields, data_start, data_start + end
 
 
@@ -202,25 +251,33 @@ def header_span(prefix: bytes | memoryview) -> int:
     return HEADER_PREFIX + min(hlen, MAX_HEADER_BYTES + 1)
 
 
+def decode_arrays(data: bytes | bytearray | memoryview, *, where: str,
+                  spec: Spec | None = None) -> dict[str, np.ndarray]:
+    """Decode bytes written by `encode_arrays_parts` (views of `data`, no copy, read-only when `data` is `bytes`);
+    CorruptPayload naming `where` for anything that is not exactly that (bad magic, header, dtype, size or checksum).
+    `spec`: as for `parse_header` (None: any named numeric arrays)."""
+    buf = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
+    fields, data_start, total = parse_header(buf, where=where, spec=spec)
+    if total != len(buf):
+        raise CorruptPayload(
+            f"{where}: payload is {len(buf)} bytes but its header accounts for {total}"
+            + (" (truncated write?)" if len(buf) < total else " (refused: more bytes than the header describes)"))
+    out: dict[str, np.ndarray] = {}
+    for name, f in fields.items():
+        start = data_start + f["offset"]
+        view = buf[start : start + f["nbytes"]]
+        if checksum(view) != f["checksum"]:
+            raise CorruptPayload(f"{where}: payload field {name!r} fails its checksum (corrupted bytes)")
+        out[name] = np.frombuffer(view, dtype=f["dtype"]).reshape(f["shape"])
+    return out
+
+
 def decode_payload(data: bytes | bytearray | memoryview, *, where: str) -> RankPayload:
     """Decode bytes written by `encode_payload`; `where` (store URL and key) goes into every error message.
 
     The arrays are views of `data` (no copy); they are read-only when `data` is `bytes`.
     """
-    buf = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
-    fields, data_start, total = parse_header(buf, where=where)
-    if total != len(buf):
-        raise CorruptPayload(
-            f"{where}: payload is {len(buf)} bytes but its header accounts for {total}"
-            + (" (truncated write?)" if len(buf) < total else " (refused: more bytes than the header describes)"))
-    out: RankPayload = {}
-    for name, dtype in PAYLOAD_FIELDS.items():
-        f = fields[name]
-        start = data_start + f["offset"]
-        view = buf[start : start + f["nbytes"]]
-        if checksum(view) != f["checksum"]:
-            raise CorruptPayload(f"{where}: payload field {name!r} fails its checksum (corrupted bytes)")
-        out[name] = np.frombuffer(view, dtype=dtype.newbyteorder("<"))
+    out = decode_arrays(data, where=where, spec=PAYLOAD_SPEC)
     try:
         check_payload(out, where=where)
     except ValueError as exc:

@@ -11,6 +11,8 @@ it is tested in any process.
 Shapes (as Megatron passes them):
   THD (packed):  query/key/value [T, heads, head_dim]           -> output [T, heads, head_dim]
   SBHD (padded): query/key/value [S, B, heads, head_dim]         -> output [S, B, heads * head_dim]
+                 causal; with fewer queries than keys (inference with a KV cache) the queries are the last
+                 positions, so query i attends keys 0 .. Sk - Sq + i.
 Grouped-query attention (fewer key/value heads) is expanded by repetition.
 """
 
@@ -83,6 +85,10 @@ class PackedSDPAttention(torch.nn.Module):
         mask = None
         if attention_mask is not None:
             mask = ~attention_mask.bool()  # Megatron: True = masked out
+        elif q.shape[-2] != k.shape[-2]:
+            # Inference with a KV cache: the queries are the last positions of the keys (causal, bottom-right).
+            sq, sk = q.shape[-2], k.shape[-2]
+            mask = torch.arange(sk, device=q.device)[None, :] <= torch.arange(sk - sq, sk, device=q.device)[:, None]
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=self.softmax_scale
         )

@@ -49,7 +49,8 @@ def pack(payload: dict[str, np.ndarray], positions: list[int], device: torch.dev
     this, to measure what padding costs against packing on the same schedule.
     """
     offsets = payload["offsets"]
-    toks, masks, sample_of, lengths, doc_lens = [], [], [], [], []
+    toks, masks, sample_of, lengths, doc_lens, old_lp = [], [], [], [], [], []
+    has_lp = "logprobs" in payload
     for j, p in enumerate(positions):
         a, b = int(offsets[p]), int(offsets[p + 1])
         length = b - a
@@ -58,10 +59,14 @@ def pack(payload: dict[str, np.ndarray], positions: list[int], device: torch.dev
         t = payload["tokens"][a:b].astype(np.int64)
         m = payload["loss_mask"][a:b].astype(np.float32)
         m[0] = 0.0  # the first token of a document is never predicted
+        lp = payload["logprobs"][a:b].astype(np.float32) if has_lp else None
         padded = max(pad_to or length, length)
         if padded > length:
             t = np.concatenate([t, np.zeros(padded - length, np.int64)])
             m = np.concatenate([m, np.zeros(padded - length, np.float32)])
+            lp = None if lp is None else np.concatenate([lp, np.zeros(padded - length, np.float32)])
+        if lp is not None:
+            old_lp.append(lp)
         toks.append(t)
         masks.append(m)
         sample_of.append(np.full(padded, j, np.int64))
@@ -69,6 +74,7 @@ def pack(payload: dict[str, np.ndarray], positions: list[int], device: torch.dev
         doc_lens.append(padded)
     if not positions:  # empty micro-batch: one dummy token, no targets
         toks, masks, sample_of, doc_lens = [np.zeros(1, np.int64)], [np.zeros(1, np.float32)], [np.zeros(1, np.int64)], [1]
+        old_lp = [np.zeros(1, np.float32)] if has_lp else []
     cu = np.concatenate([[0], np.cumsum(doc_lens)]).astype(np.int32)
     positions_in_doc = np.concatenate([np.arange(n) for n in doc_lens])
     pos_arr = np.asarray(positions, dtype=np.int64)
@@ -88,6 +94,7 @@ def pack(payload: dict[str, np.ndarray], positions: list[int], device: torch.dev
             advantages=torch.from_numpy(np.asarray(adv, np.float32)).to(device),
             rewards=torch.from_numpy(np.asarray(rew, np.float32)).to(device),
             lengths=torch.tensor(lengths, dtype=torch.float32, device=device),
+            old_logprobs=torch.from_numpy(np.concatenate(old_lp)).to(device) if has_lp else None,
         ),
         sample_ids=ids,
     )

@@ -4,7 +4,11 @@ Contract (design.md, "Loss scaling"), for step s with GBS_s samples and T_s loss
   sample:  J_s = (1/GBS_s) · Σ_{i in s} mean_{t in loss tokens of i} ℓ_{i,t}      (a sample without loss tokens adds 0)
   token:   J_s = (1/T_s)   · Σ_{i in s} Σ_t ℓ_{i,t}
 with ℓ_{i,t} = −log p(x_t | x_<t)            (loss type `sft`, masked cross-entropy)
-     ℓ_{i,t} = −A_i · log p(x_t | x_<t)      (loss type `policy_gradient`, A_i the sample's advantage).
+     ℓ_{i,t} = −A_i · log p(x_t | x_<t)      (loss type `policy_gradient`, A_i the sample's advantage)
+     ℓ_{i,t} = max(−A_i·r_t, −A_i·clip(r_t, 1 − ε_low, 1 + ε_high)) + β·k3_t     (loss type `ppo`)
+           r_t = exp(log π(x_t) − log π_gen(x_t)): the importance ratio against the generator's log-probability
+           (the old policy), log π of softmax(logits / temperature) as the generator sampled;
+           k3_t = exp(q_t) − q_t − 1 with q_t = log π_ref(x_t) − log π(x_t): the KL to the initial policy (β > 0 only).
 
 Both are a weighted sum over this rank's tokens with weights w_{i,t} = 1/(GBS_s·n_i) or 1/T_s, so every rank and every
 micro-batch computes its own part J_{r,m} = Σ_{t in (r,m)} w_t ℓ_t and J_s = Σ_r Σ_m J_{r,m} exactly.
@@ -25,11 +29,28 @@ from dataclasses import dataclass
 
 import torch
 
-LOSS_TYPES = ("sft", "policy_gradient")
+LOSS_TYPES = ("sft", "policy_gradient", "ppo")
 NORMALIZATIONS = ("sample", "token")
 
 # Names of the per-rank (sum, count) statistics a micro-batch reports, in all-reduce order (see metrics.reduce).
-STAT_NAMES = ("objective", "sample_loss", "token_loss", "sample_reward", "sample_tokens")
+# Those after sample_tokens need the generator's log-probabilities (generated rollouts); otherwise their count is 0.
+STAT_NAMES = ("objective", "sample_loss", "token_loss", "sample_reward", "sample_tokens", "sample_reward_sq",
+              "logprob_abs_diff", "importance_ratio", "clip_fraction", "approx_kl", "entropy", "kl_ref",
+              "response_length")
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """What the generated-rollout statistics and the `ppo` objective need (`spec.trainer.policyLoss`, sampling)."""
+
+    temperature: float = 1.0  # the generator's sampling temperature (0 = greedy: log-probabilities at 1)
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    kl_coef: float = 0.0
+
+    @property
+    def logit_scale(self) -> float:
+        return 1.0 / self.temperature if self.temperature > 0 else 1.0
 
 
 def token_nll(logits: torch.Tensor, tokens: torch.Tensor, vocab_parallel: bool = False) -> torch.Tensor:
@@ -58,6 +79,7 @@ class LossInputs:
 
     tokens [T], target_mask [T] float (loss_mask with each sample's first token cleared), sample_of [T] long (index of
     the token's sample in this micro-batch), advantages [n], rewards [n], lengths [n]; n may be 0 (empty micro-batch).
+    old_logprobs [T]: the generator's log-probability of each token (generated rollouts; None otherwise).
     """
 
     tokens: torch.Tensor
@@ -66,6 +88,7 @@ class LossInputs:
     advantages: torch.Tensor
     rewards: torch.Tensor
     lengths: torch.Tensor
+    old_logprobs: torch.Tensor | None = None
 
     @property
     def num_samples(self) -> int:
@@ -81,11 +104,14 @@ def micro_batch_objective(
     global_batch_size: int,
     loss_tokens: int,
     vocab_parallel: bool = False,
+    policy: PolicySettings | None = None,
+    ref_logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This micro-batch's part J_{r,m} of the contract objective, and its statistics. `vocab_parallel`: logits are
     this TP rank's vocabulary slice (see `token_nll`).
 
     Returns (objective, stats) where stats is a float64 tensor [len(STAT_NAMES), 2] of (sum, count) pairs, detached.
+    `ref_logits`: the initial policy's logits (ppo with kl_coef > 0).
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type: {loss_type!r} is not one of {LOSS_TYPES}")
@@ -95,9 +121,18 @@ def micro_batch_objective(
     stats = torch.zeros(len(STAT_NAMES), 2, dtype=torch.float64)
     if n == 0:  # empty micro-batch: zero contribution, but keep the graph connected for Megatron's backward
         return logits.float().sum() * 0.0, stats
-    nll = token_nll(logits, inputs.tokens, vocab_parallel=vocab_parallel)
     mask = inputs.target_mask.float()
-    per_token = nll if loss_type == "sft" else nll * inputs.advantages.float()[inputs.sample_of]
+    policy = policy or PolicySettings()
+    gen = None
+    if inputs.old_logprobs is not None:
+        gen = _policy_terms(logits, inputs, mask, policy, ref_logits)
+    elif loss_type == "ppo":
+        raise ValueError("loss_type ppo: the payload has no generator log-probabilities (generated rollouts only)")
+    if loss_type == "ppo":
+        per_token = gen["ppo"]
+    else:
+        nll = token_nll(logits, inputs.tokens, vocab_parallel=vocab_parallel)
+        per_token = nll if loss_type == "sft" else nll * inputs.advantages.float()[inputs.sample_of]
     masked = per_token * mask
     tokens_per_sample = torch.zeros(n, dtype=torch.float32, device=mask.device).index_add_(0, inputs.sample_of, mask)
     loss_per_sample = torch.zeros(n, dtype=masked.dtype, device=mask.device).index_add_(0, inputs.sample_of, masked)
@@ -117,7 +152,51 @@ def micro_batch_objective(
         stats[2] = torch.tensor([float(masked.sum()), count_tokens])
         stats[3] = torch.tensor([float(inputs.rewards.double().sum()), float(n)])
         stats[4] = torch.tensor([float(inputs.lengths.double().sum()), float(n)])
+        stats[5] = torch.tensor([float((inputs.rewards.double() ** 2).sum()), float(n)])
+        if gen is not None:
+            for name in ("logprob_abs_diff", "importance_ratio", "clip_fraction", "approx_kl", "entropy", "kl_ref"):
+                if name == "kl_ref" and ref_logits is None:
+                    continue
+                stats[STAT_NAMES.index(name)] = torch.tensor([float((gen[name] * mask).sum()), count_tokens])
+            stats[STAT_NAMES.index("response_length")] = torch.tensor([float(tokens_per_sample.sum()), float(n)])
     return objective, stats
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(tokens[t] | logits[t−1]) for t ≥ 1 with 0 at t = 0, the full log-softmax [T−1, V]) of
+    softmax(logits · scale), in float32."""
+    logp_all = torch.log_softmax(logits.float() * scale, dim=-1)[:-1]
+    picked = logp_all.gather(-1, tokens[1:].long().unsqueeze(-1)).squeeze(-1)
+    return torch.cat([picked.new_zeros(1), picked]), logp_all
+
+
+def _policy_terms(logits, inputs: LossInputs, mask, policy: PolicySettings, ref_logits) -> dict[str, torch.Tensor]:
+    """Per-token tensors [T] of the clipped objective and its statistics (see the module docstring)."""
+    logp, logp_all = token_logprobs(logits, inputs.tokens, policy.logit_scale)
+    old = inputs.old_logprobs.float()
+    log_ratio = torch.where(mask > 0, logp - old, 0.0)
+    ratio = torch.exp(log_ratio)
+    adv = inputs.advantages.float()[inputs.sample_of]
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - policy.clip_low, 1.0 + policy.clip_high)
+    ppo = torch.maximum(unclipped, clipped)
+    out = {"ppo": ppo}
+    with torch.no_grad():
+        ent = -(logp_all.exp() * logp_all).sum(-1)
+        out["entropy"] = torch.cat([ent.new_zeros(1), ent])
+        out["logprob_abs_diff"] = (logp - old).abs().detach()
+        out["importance_ratio"] = ratio.detach()
+        out["clip_fraction"] = (clipped > unclipped).float()
+        neg = -log_ratio.detach()  # log pi_old - log pi
+        out["approx_kl"] = torch.exp(neg) - neg - 1.0
+    if ref_logits is not None:
+        with torch.no_grad():
+            ref_logp, _ = token_logprobs(ref_logits, inputs.tokens, policy.logit_scale)
+        q = torch.where(mask > 0, ref_logp - logp, 0.0)
+        k3 = torch.exp(q) - q - 1.0
+        out["ppo"] = ppo + policy.kl_coef * k3
+        out["kl_ref"] = k3.detach()
+    return out
 
 
 def megatron_loss_factor(dp_size: int, num_microbatches: int) -> float:

@@ -14,11 +14,19 @@ from typing import Any
 from trainingrun.trainer.loss import STAT_NAMES
 
 
+RL_MEANS = ("logprob_abs_diff", "importance_ratio", "clip_fraction", "approx_kl", "entropy", "kl_ref",
+            "response_length")
+
+
 def step_record(*, res, step, rollout: int, global_step: int, samples_consumed: int, scheduler_consumed: int,
-                attempt: int, dp_size: int) -> dict[str, Any]:
-    """The record of one trained step (`res`: step.StepResult, `step`: published.StepPlan)."""
+                attempt: int, dp_size: int, published=None) -> dict[str, Any]:
+    """The record of one trained step (`res`: step.StepResult, `step`: published.StepPlan). Generated rollouts add
+    reward_mean/reward_std (all samples generated for the rollout, before filtering), weight_version, policy_lag
+    (rollouts between the trainer's weights and the generator's: this rollout's index − the samples' version), the
+    per-token policy statistics (RL_MEANS, token-weighted over the step's trained tokens, before the update), the
+    trained samples' reward_std, and the rollout's kept/produced groups and failed rewards."""
     gbs = step.global_batch_size
-    return {
+    record = {
         "step": global_step, "rollout": rollout, "step_in_rollout": step.index,
         "global_batch_size": gbs, "num_microbatches": step.num_microbatches,
         "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm,
@@ -34,6 +42,21 @@ def step_record(*, res, step, rollout: int, global_step: int, samples_consumed: 
         "dp_size": dp_size, "time": time.time(),
         "loss_scale": res.loss_scale, "skipped_step": int(res.skipped),
     }
+    if step.weight_version >= 0:
+        st = published.stats if published is not None else None
+        mean, sq = res.mean("sample_reward"), res.mean("sample_reward_sq")
+        record.update({
+            "reward_mean": st.reward_mean if st is not None else 0.0,
+            "reward_std": st.reward_std if st is not None else 0.0,
+            "weight_version": step.weight_version,
+            "policy_lag": rollout - step.weight_version,
+            **{name: res.mean(name) for name in RL_MEANS},
+            "trained_reward_std": max(sq - mean * mean, 0.0) ** 0.5,
+            "groups_produced": st.groups_produced if st is not None else 0,
+            "groups_kept": st.groups_kept if st is not None else 0,
+            "rewards_failed": st.reward_failed if st is not None else 0,
+        })
+    return record
 
 
 class StepReporter:
@@ -59,6 +82,7 @@ class StepReporter:
             "trainingrun_trainer_token_loss": local["token_loss"],
             "trainingrun_trainer_sample_reward": local["sample_reward"],
             "trainingrun_trainer_sample_tokens": local["sample_tokens"],
+            **{f"trainingrun_trainer_{name}": local[name] for name in RL_MEANS if name != "kl_ref"},
         })
         exporter.inc("trainingrun_trainer_rank_tokens", res.local_tokens)
         exporter.inc("trainingrun_trainer_rank_samples", res.local_samples)
@@ -75,6 +99,9 @@ class StepReporter:
             "trainingrun_trainer_samples_consumed": record["samples_consumed"],
             "trainingrun_trainer_rollout": record["rollout"],
             "trainingrun_trainer_num_microbatches": record["num_microbatches"],
+            **({"trainingrun_trainer_reward_mean": record["reward_mean"],
+                "trainingrun_trainer_weight_version": record["weight_version"],
+                "trainingrun_trainer_policy_lag": record["policy_lag"]} if "weight_version" in record else {}),
         })
 
     def write(self, record: dict[str, Any]) -> None:
@@ -90,9 +117,11 @@ class StepReporter:
                                       "tokens", "attempt", "samples_per_second", "time")},
             "last_global_batch_size": record["global_batch_size"],
         })
+        rl = (f" reward {record['reward_mean']:.3f} v{record['weight_version']} lag {record['policy_lag']} "
+              f"|dlogp| {record['logprob_abs_diff']:.1e}" if "weight_version" in record else "")
         print(
             f"[trainer 0] step {record['step']} rollout {record['rollout']} gbs {record['global_batch_size']} "
             f"mb {record['num_microbatches']} loss {record['loss']:.4f} lr {record['lr']:.2e} "
-            f"gnorm {record['grad_norm']:.3f} {record['samples_per_second']:.1f} samples/s",
+            f"gnorm {record['grad_norm']:.3f} {record['samples_per_second']:.1f} samples/s{rl}",
             file=sys.stderr, flush=True,
         )

@@ -24,9 +24,10 @@ from __future__ import annotations
 import numpy as np
 
 from trainingrun.schedule import DPSchedule, build_dp_schedule
-from trainingrun.store.base import PAYLOAD_FIELDS, RankPayload
+from trainingrun.store.base import PAYLOAD_FIELDS, PAYLOAD_OPTIONAL, RankPayload
 
-_PER_SAMPLE = ("advantages", "rewards", "sample_ids")
+_PER_SAMPLE = ("advantages", "rewards", "sample_ids", "versions")
+_PER_TOKEN = ("tokens", "loss_mask", "logprobs")
 
 
 def acked_ranks(old_dp: int, new_dp: int, rank: int) -> list[int]:
@@ -69,22 +70,23 @@ def reschedule(schedule: DPSchedule, payloads: dict[int, RankPayload], dp_size: 
 
 def _gather(payloads: dict[int, RankPayload], picks: list[tuple[int, int]]) -> RankPayload:
     """A payload of the samples `picks` ((old rank, position) each), in that order."""
-    tokens, masks, lens = [], [], []
-    per_sample: dict[str, list] = {name: [] for name in _PER_SAMPLE}
+    fields = {**PAYLOAD_FIELDS, **{k: v for k, v in PAYLOAD_OPTIONAL.items() if k in payloads[0]}}  # generated: +2
+    per_token: dict[str, list] = {name: [] for name in _PER_TOKEN if name in fields}
+    per_sample: dict[str, list] = {name: [] for name in _PER_SAMPLE if name in fields}
+    lens = []
     for r, p in picks:
         src = payloads[r]
         a, b = int(src["offsets"][p]), int(src["offsets"][p + 1])
-        tokens.append(np.asarray(src["tokens"][a:b]))
-        masks.append(np.asarray(src["loss_mask"][a:b]))
+        for name in per_token:
+            per_token[name].append(np.asarray(src[name][a:b]))
         lens.append(b - a)
-        for name in _PER_SAMPLE:
+        for name in per_sample:
             per_sample[name].append(src[name][p])
     offsets = np.zeros(len(picks) + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])
     out: RankPayload = {
-        "tokens": np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
+        **{name: np.concatenate(v) if v else np.zeros(0, fields[name]) for name, v in per_token.items()},
         "offsets": offsets,
-        "loss_mask": np.concatenate(masks) if masks else np.zeros(0, np.uint8),
         **{name: np.array(values) for name, values in per_sample.items()},
     }
-    return {name: out[name].astype(dtype, copy=False) for name, dtype in PAYLOAD_FIELDS.items()}
+    return {name: out[name].astype(dtype, copy=False) for name, dtype in fields.items()}

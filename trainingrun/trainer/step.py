@@ -16,7 +16,7 @@ from functools import partial
 import torch
 
 from trainingrun.trainer.batch import MicroBatch
-from trainingrun.trainer.loss import STAT_NAMES, megatron_loss_factor, micro_batch_objective
+from trainingrun.trainer.loss import STAT_NAMES, PolicySettings, megatron_loss_factor, micro_batch_objective
 
 
 @dataclass
@@ -52,8 +52,12 @@ def forward_backward(
     global_batch_size: int,
     loss_tokens: int,
     dp_size: int,
+    policy: PolicySettings | None = None,
+    ref_model=None,
 ) -> torch.Tensor:
-    """Run the micro-batches (forward + backward, gradients reduced over DP); return local stats [S, 2]."""
+    """Run the micro-batches (forward + backward, gradients reduced over DP); return local stats [S, 2].
+
+    `ref_model`: the frozen initial policy (ppo with a KL penalty), run forward-only on the same micro-batch."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     m = len(microbatches)
@@ -62,10 +66,11 @@ def forward_backward(
     factor = megatron_loss_factor(dp_size, m)
     stats = torch.zeros(len(STAT_NAMES), 2, dtype=torch.float64)
 
-    def loss_func(mb: MicroBatch, logits: torch.Tensor):
+    def loss_func(mb: MicroBatch, ref_logits, logits: torch.Tensor):
         objective, mb_stats = micro_batch_objective(
             logits[0], mb.loss, loss_type=loss_type, normalization=normalization,
-            global_batch_size=global_batch_size, loss_tokens=loss_tokens, vocab_parallel=True,
+            global_batch_size=global_batch_size, loss_tokens=loss_tokens, vocab_parallel=True, policy=policy,
+            ref_logits=None if ref_logits is None else ref_logits[0],
         )
         stats.add_(mb_stats)
         # Megatron divides this tensor in place by M: hand it a fresh one, never the logged value.
@@ -73,13 +78,14 @@ def forward_backward(
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        logits = model(
-            input_ids=mb.input_ids,
-            position_ids=mb.position_ids,
-            attention_mask=None,
-            packed_seq_params=mb.packed_seq_params(),
-        )
-        return logits, partial(loss_func, mb)
+        inputs = dict(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None,
+                      packed_seq_params=mb.packed_seq_params())
+        ref_logits = None
+        if ref_model is not None and mb.loss.num_samples:
+            with torch.no_grad():
+                ref_logits = ref_model(**inputs)
+        logits = model(**inputs)
+        return logits, partial(loss_func, mb, ref_logits)
 
     fb = get_forward_backward_func()
     fb(
@@ -106,6 +112,8 @@ def train_step(
     loss_tokens: int,
     dp_size: int,
     dp_group=None,
+    policy: PolicySettings | None = None,
+    ref_model=None,
 ) -> StepResult:
     """Zero grads, forward/backward, advance the LR scheduler by GBS_s, optimizer step, reduce metrics."""
     import torch.distributed as dist
@@ -115,7 +123,8 @@ def train_step(
     optimizer.zero_grad()
     local = forward_backward(
         ddp_model, microbatches, loss_type=loss_type, normalization=normalization,
-        global_batch_size=global_batch_size, loss_tokens=loss_tokens, dp_size=dp_size,
+        global_batch_size=global_batch_size, loss_tokens=loss_tokens, dp_size=dp_size, policy=policy,
+        ref_model=ref_model,
     )
     scheduler.step(increment=global_batch_size)
     lr = float(optimizer.param_groups[0]["lr"])

@@ -44,7 +44,7 @@ class Trainer:
     """One trainer rank (see the module docstring). Build it with `Trainer.build(env)`."""
 
     def __init__(self, *, env: TrainerEnv, spec, run_name: str, device, model, ddp, optimizer, scheduler, store,
-                 reporter, publisher=None, sizes: dict | None = None):
+                 reporter, publisher=None, sizes: dict | None = None, ref_model=None):
         from megatron.core import parallel_state
 
         from trainingrun.trainer.checkpoint import Progress
@@ -53,6 +53,8 @@ class Trainer:
         self.model, self.ddp, self.optimizer, self.scheduler = model, ddp, optimizer, scheduler
         self.store, self.reporter, self.publisher = store, reporter, publisher
         self.sizes = sizes if sizes is not None else spec.model.resolved()  # the model spec checkpoints record
+        self.ref_model = ref_model  # the frozen initial policy (ppo with policyLoss.klCoef > 0)
+        self.policy = policy_settings(spec)
         self.rank = env.rank
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
@@ -60,6 +62,8 @@ class Trainer:
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.ckpt_root = Path(spec.trainer.checkpoint.path)  # relative: the launcher runs us in the run directory
         self.progress = Progress()
+        self.data_wait = 0.0  # seconds this rank waited for (and read) the rollout it trains now
+        self.sync_seconds = 0.0  # seconds the last weight sync took (reported with the next step)
         self.last_saved = -1  # global step of the newest checkpoint on disk
         self.tracking = None  # rank 0: where TensorBoard / W&B / the cluster's metrics.jsonl go (trainingrun.tracking)
         if self.rank == 0:
@@ -135,6 +139,13 @@ class Trainer:
         except (ValueError, AssertionError, TypeError, OSError) as exc:
             raise ConfigError(f"model: cannot build the model from {sizes}: {exc}") from None
         ddp = wrap_ddp(model)
+        ref_model = None
+        if ts.loss_type == "ppo" and ts.policy_loss.kl_coef > 0:  # a copy of the initial weights, before any resume
+            ref_model = build_model(sizes, device)
+            ref_model.load_state_dict(model.state_dict())
+            ref_model.eval()
+            for prm in ref_model.parameters():
+                prm.requires_grad_(False)
         optimizer, scheduler = build_optimizer(ddp, optim_settings(ts.optimizer), str(sizes["precision"]))
         n_params = sum(p.numel() for p in model.parameters())
         log(env.rank, f"model: {n_params / 1e6:.2f}M parameters {sizes}; {impl} layers; dp "
@@ -149,9 +160,13 @@ class Trainer:
             except OSError as exc:  # metrics must never stop training
                 log(env.rank, f"warning: cannot serve metrics on port {env.metrics_port}: {exc}")
         reporter = StepReporter(exporter, store, rank=env.rank, jsonl_path=env.metrics_jsonl)
+        try:
+            publisher = make_publisher(spec, store, rank=env.rank)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         return cls(env=env, spec=spec, run_name=run_name, device=device, model=model, ddp=ddp, optimizer=optimizer,
-                   scheduler=scheduler, store=store, reporter=reporter,
-                   publisher=make_publisher(spec, store, rank=env.rank), sizes=sizes)
+                   scheduler=scheduler, store=store, reporter=reporter, publisher=publisher, sizes=sizes,
+                   ref_model=ref_model)
 
     # ------------------------------------------------------------------------------------------------ resume
     def resume(self) -> None:
@@ -194,7 +209,14 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ the loop
     def fit(self) -> None:
-        while (rollout := self.next_rollout()) is not None:
+        if self.progress.step_in_rollout == 0:
+            self.sync_weights()  # the weights the next rollout is generated with (version 0: the initial ones)
+        while True:
+            t0 = time.perf_counter()
+            rollout = self.next_rollout()
+            self.data_wait = time.perf_counter() - t0  # reported with the rollout's first step
+            if rollout is None:
+                break
             self.train_rollout(*rollout)
             self.sync_weights()
         self.finish()
@@ -261,7 +283,7 @@ class Trainer:
         res = train_step(
             self.ddp, self.optimizer, self.scheduler, mbs, loss_type=ts.loss_type, normalization=ts.loss_normalization,
             global_batch_size=step.global_batch_size, loss_tokens=step.loss_tokens, dp_size=self.dp_size,
-            dp_group=self.dp_group,
+            dp_group=self.dp_group, policy=self.policy, ref_model=self.ref_model,
         )
         p = self.progress
         p.global_step += 1
@@ -276,7 +298,9 @@ class Trainer:
             raise RuntimeError(f"LR scheduler consumed {self.scheduler.num_steps} samples, trainer {p.samples_consumed}")
         record = step_record(res=res, step=step, rollout=k, global_step=p.global_step,
                              samples_consumed=p.samples_consumed, scheduler_consumed=int(self.scheduler.num_steps),
-                             attempt=self.env.attempt, dp_size=self.dp_size)
+                             attempt=self.env.attempt, dp_size=self.dp_size, published=published)
+        record["data_wait_seconds"], self.data_wait = self.data_wait, 0.0
+        record["weight_sync_seconds"], self.sync_seconds = self.sync_seconds, 0.0
         self.reporter.report(res, record)
         return record
 
@@ -286,7 +310,12 @@ class Trainer:
         Collective: every rank calls it (a publisher may gather tensor-parallel shards); the publisher writes from
         rank 0. The version is the number of rollouts trained (`progress.rollout`)."""
         if self.publisher is not None:
+            t0 = time.perf_counter()
             self.publisher.publish(self.progress.rollout, self.ddp.module)
+            self.sync_seconds = time.perf_counter() - t0
+            if self.rank == 0 and getattr(self.publisher, "last_bytes", 0):
+                log(self.rank, f"weights version {self.progress.rollout} published: "
+                               f"{self.publisher.last_bytes / 1e6:.2f} MB in {self.publisher.last_seconds:.3f}s")
 
     def finish(self) -> None:
         p = self.progress
@@ -401,3 +430,15 @@ class Trainer:
                 f"rollout {k}: samples_offset {published.samples_offset} + {before} != samples consumed "
                 f"{p.samples_consumed} (the store does not continue this run's checkpoint)"
             )
+
+
+def policy_settings(spec):
+    """The generated-rollout loss settings (`trainer.policyLoss`, the sampling temperature), or None (replay)."""
+    from trainingrun.trainer.loss import PolicySettings
+
+    gen = spec.rollout.source.generate
+    if spec.rollout.source.type != "generate" or gen is None:
+        return None
+    pl = spec.trainer.policy_loss
+    return PolicySettings(temperature=gen.sampling.temperature, clip_low=pl.clip_low, clip_high=pl.clip_high,
+                          kl_coef=pl.kl_coef)

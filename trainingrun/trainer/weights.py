@@ -28,9 +28,38 @@ class WeightPublisher(Protocol):
     def close(self) -> None: ...
 
 
+class StoreWeightPublisher:
+    """`weightSync.type: store`: the state dict as raw tensors through the run's store (`Store.publish_weights`,
+    pickle-free wire format, bf16 as its 16 bits), written by rank 0; versions older than the newest the rollout may
+    still need (version − maxPolicyLag) are released."""
+
+    def __init__(self, store, *, rank: int, max_policy_lag: int):
+        self.store, self.rank, self.lag = store, rank, max_policy_lag
+        self.last_seconds = 0.0
+        self.last_bytes = 0
+
+    def publish(self, version: int, module: Any) -> None:
+        if self.rank != 0:
+            return
+        import time
+
+        from trainingrun.rollout.megatron_engine import state_dict_arrays
+
+        t0 = time.perf_counter()
+        arrays, dtypes = state_dict_arrays(module)
+        self.store.publish_weights(version, arrays, {"dtypes": dtypes, "version": version})
+        self.store.release_weights_below(max(0, version - self.lag))
+        self.last_seconds = time.perf_counter() - t0
+        self.last_bytes = sum(a.nbytes for a in arrays.values())
+
+    def close(self) -> None:
+        pass
+
+
 def make_publisher(spec, store, *, rank: int) -> WeightPublisher | None:
-    """The publisher `spec.weightSync` asks for, or None (no generator to feed: replay sources)."""
-    sync = getattr(spec, "weight_sync", None)
-    if sync is None:
+    """The publisher `spec.weightSync` asks for, or None (replayed rollouts need no weights)."""
+    if spec.rollout.source.type != "generate":
         return None
-    raise NotImplementedError(f"weightSync.type: {sync.type!r} has no publisher yet")  # pragma: no cover
+    if spec.weight_sync.type == "store":
+        return StoreWeightPublisher(store, rank=rank, max_policy_lag=spec.rollout.max_policy_lag)
+    raise ValueError(f"weightSync.type: {spec.weight_sync.type!r} has no publisher in this build; allowed: store")

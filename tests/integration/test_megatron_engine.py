@@ -1,0 +1,105 @@
+"""The in-process Megatron engine (rollout.engine.type megatron) on CPU, in a subprocess (the CPU shim is
+process-global): KV-cache generation gives the same log-probabilities as a full forward of the finished sequences,
+the same seed gives the same tokens, stop tokens and max new tokens end completions, and a weight version that
+cannot be read completely (corrupted bytes, wrong tensors) is never half-applied: the engine stays on its version."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.megatron
+ROOT = Path(__file__).resolve().parents[2]
+
+SIZES = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=16, seq_length=48,
+             precision="fp32")
+
+
+def _worker(store_url: str, out_path: str) -> None:
+    import numpy as np
+    import torch
+
+    from trainingrun.rollout.engine import Sampling
+    from trainingrun.rollout.megatron_engine import MegatronEngine, state_dict_arrays
+    from trainingrun.store import CorruptPayload, open_store
+
+    store = open_store(store_url)
+    engine = MegatronEngine(SIZES, fetch=store.read_weights, seed=3, max_batch=24)
+    arrays, dtypes = state_dict_arrays(engine.model)
+    store.publish_weights(0, arrays, {"dtypes": dtypes})
+    engine.load_weights(0)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 16, size=int(rng.integers(1, 9))).tolist() + [1] for _ in range(10)]
+    result = {}
+    for name, s in {"t1": Sampling(temperature=1.0, max_new_tokens=10, stop_token_ids=(2,), seed=5),
+                    "t07_topp": Sampling(temperature=0.7, top_p=0.8, max_new_tokens=10, stop_token_ids=(2,), seed=5)
+                    }.items():
+        out = engine.generate(prompts, 4, s)
+        again = engine.generate(prompts, 4, s)
+        diffs, reasons, ends_ok = [], {}, True
+        with torch.no_grad():
+            for p, group in zip(prompts, out):
+                for c in group:
+                    seq = torch.tensor([p + c.tokens.tolist()])
+                    logits = engine.model(seq, torch.arange(seq.shape[1])[None], None, runtime_gather_output=True)
+                    lp = torch.log_softmax(logits[0].float() / s.temperature, -1)
+                    ref = lp[len(p) - 1:-1].gather(-1, seq[0, len(p):, None]).squeeze(-1).numpy()
+                    diffs.append(float(np.abs(ref - c.logprobs).max()))
+                    reasons[c.finish_reason] = reasons.get(c.finish_reason, 0) + 1
+                    stopped = int(c.tokens[-1]) == 2
+                    ends_ok &= (c.finish_reason == "stop") == stopped and (stopped or len(c.tokens) == 10)
+                    ends_ok &= 2 not in c.tokens[:-1].tolist()
+        result[name] = {"max_diff": max(diffs), "reasons": reasons, "ends_ok": bool(ends_ok),
+                        "deterministic": all(np.array_equal(a.tokens, b.tokens) for x, y in zip(out, again)
+                                             for a, b in zip(x, y)),
+                        "n": [len(g) for g in out]}
+    before = {k: v.clone() for k, v in engine.model.state_dict().items() if not k.endswith("_extra_state")}
+    changed = {k: v + 0.05 for k, v in arrays.items()}
+    # a version whose stored bytes are damaged: refused before anything is loaded
+    store.publish_weights(1, changed, {"dtypes": dtypes})
+    path = store.weights_path(1)
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    try:
+        engine.load_weights(1)
+        result["corrupt"] = "loaded"
+    except CorruptPayload as exc:
+        result["corrupt"] = str(exc)
+    # a version with a tensor missing
+    store.publish_weights(2, {k: v for i, (k, v) in enumerate(changed.items()) if i}, {"dtypes": dtypes})
+    try:
+        engine.load_weights(2)
+        result["missing"] = "loaded"
+    except ValueError as exc:
+        result["missing"] = str(exc)
+    after = engine.model.state_dict()
+    result["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+    result["version_after_failures"] = engine.weight_version
+    store.publish_weights(3, changed, {"dtypes": dtypes})
+    engine.load_weights(3)
+    result["version"] = engine.weight_version
+    result["applied"] = all(torch.allclose(after[k], before[k] + 0.05) for k in before)
+    Path(out_path).write_text(json.dumps(result))
+
+
+def test_megatron_engine(tmp_path):
+    out = tmp_path / "out.json"
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests.integration.test_megatron_engine import _worker; "
+            f"_worker({f'file://{tmp_path}/store'!r}, {str(out)!r})")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    for name in ("t1", "t07_topp"):
+        assert r[name]["max_diff"] < 1e-5, r[name]  # KV cache vs full forward, same weights
+        assert r[name]["deterministic"] and r[name]["ends_ok"] and r[name]["n"] == [4] * 10
+        assert r[name]["reasons"].get("stop", 0) > 0 and r[name]["reasons"].get("length", 0) > 0
+    assert "checksum" in r["corrupt"] and "missing" in r["missing"]
+    assert r["unchanged"] and r["version_after_failures"] == 0  # never half-applied
+    assert r["version"] == 3 and r["applied"]

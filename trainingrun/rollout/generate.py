@@ -1,0 +1,218 @@
+"""`rollout.source.type: generate`: the policy generates its own rollouts.
+
+The three first stages of the rollout loop for generated rollouts:
+
+    draw(i)               source rollout i's prompts (`rollout/prompts.py`): P = samplesPerRollout / groupSize
+    generate(prompts, k)  the engine, holding exactly weight version max(0, k − maxPolicyLag) (waits until the
+                          trainers published it), samples groupSize completions per prompt; a sample = prompt +
+                          completion, loss mask on the completion, the generator's per-token log-probabilities,
+                          its weight version
+    score(groups)         the reward of every completion (`rollout/rewards.py`); failed rewards are counted
+
+Pinning the version to exactly k − maxPolicyLag (not "the newest available") makes a run a function of its spec:
+the same seed gives the same rollouts whatever the timing, so DP invariance and restarts are exact, and the lag the
+trainers record is exactly maxPolicyLag once k ≥ maxPolicyLag. Sampling is seeded by (seed, source index).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from trainingrun.rollout.engine import Engine, Sampling
+from trainingrun.rollout.prompts import Prompt, load_tokenizer, make_prompts
+from trainingrun.rollout.rewards import RewardConfig, RewardScorer
+from trainingrun.rollout.sources import EOS, ConfigError, Group
+
+WAIT_REPORT_SECONDS = 30.0
+
+
+@dataclass
+class GenerateStats:
+    """What the last generate + score did (read by the loop for metrics and the published stats)."""
+
+    weight_version: int = -1
+    prompts: int = 0
+    samples: int = 0
+    generated_tokens: int = 0
+    generate_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    load_seconds: float = 0.0
+    score_seconds: float = 0.0
+    reward_failed: dict[str, int] = field(default_factory=dict)
+    failure_messages: list[str] = field(default_factory=list)
+
+
+def make_engine(spec, store) -> Engine:
+    """The engine `spec.rollout.engine` names, fetching weights through the run's weight sync."""
+    e = spec.rollout.engine
+    if e.type == "megatron":
+        if spec.weight_sync.type != "store":
+            raise ConfigError(f"weightSync.type: {spec.weight_sync.type!r} does not reach the megatron engine; "
+                              "allowed with rollout.engine.type megatron: store")
+        if spec.trainer.tensor_parallel_size != 1:
+            raise ConfigError("trainer.tensorParallelSize: generated rollouts with the megatron engine need 1 "
+                              "(the weights are published from one rank)")
+        from trainingrun.rollout.megatron_engine import MegatronEngine
+
+        return MegatronEngine(spec.model.resolved(), fetch=store.read_weights, max_batch=e.max_batch, seed=spec.seed)
+    raise ConfigError(f"rollout.engine.type: {e.type!r} is not available in this build; allowed: megatron")
+
+
+def required_version(rollout: int, max_policy_lag: int) -> int:
+    """The weight version rollout `rollout` is generated with (bounded staleness, pinned)."""
+    return max(0, rollout - max_policy_lag)
+
+
+class GenerateSource:
+    """Draw prompts → generate with the engine → score (see the module docstring)."""
+
+    # the rollouts of the past cannot be re-created after the store lost them: the weight versions that generated
+    # them are released (rollout/recovery.py then names what to do)
+    replayable = False
+
+    def __init__(self, spec, store, *, say: Callable[[str], None] | None = None, engine: Engine | None = None,
+                 max_wait: float | None = None, poll_interval: float = 0.05):
+        g = spec.rollout.source.generate
+        assert g is not None
+        self.spec, self.store, self.g = spec, store, g
+        self.say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.max_wait, self.poll_interval = max_wait, poll_interval
+        self.group_size = spec.rollout.group_size
+        self.prompts_per_rollout = spec.rollout.samples_per_rollout // spec.rollout.group_size
+        text = g.prompts.type != "synthetic"
+        self.tokenizer = load_tokenizer(spec) if text else None
+        self.prompts = make_prompts(spec, tokenizer=self.tokenizer)
+        eos = self.tokenizer.eos_id if self.tokenizer is not None else EOS
+        self.stop_ids = tuple(sorted({eos, *g.sampling.stop_token_ids}))
+        self.sampling = g.sampling
+        seq_length = int(spec.model.resolved()["seq_length"])
+        if g.sampling.max_new_tokens >= seq_length:
+            raise ConfigError(f"rollout.source.generate.sampling.maxNewTokens: {g.sampling.max_new_tokens} leaves no "
+                              f"room for a prompt within model seqLength {seq_length}")
+        dataset = getattr(self.prompts, "params", None)
+        if g.reward.type == "reasoning_gym" and dataset is None:
+            raise ConfigError("rollout.source.generate.reward.type: reasoning_gym scores reasoning-gym prompts only "
+                              "(prompts.type reasoningGym)")
+        self.scorer = RewardScorer(RewardConfig(type=g.reward.type, function=g.reward.function, dataset=dataset),
+                                   timeout=g.reward.timeout_seconds, failed_reward=g.reward.failed_reward,
+                                   workers=g.reward.workers)
+        self.engine = engine if engine is not None else make_engine(spec, store)
+        self.lag = spec.rollout.max_policy_lag
+        self.stats = GenerateStats()
+        self._pending: dict[int, tuple[Prompt, list[Any]]] = {}  # group id -> (prompt, responses) until scored
+        self._index = -1
+
+    # ---- stages
+    def draw(self, index: int) -> list[Prompt] | None:
+        self._index = index
+        return self.prompts.draw(index, self.prompts_per_rollout)
+
+    def generate(self, prompts: list[Prompt], rollout: int) -> list[Group]:
+        version = required_version(rollout, self.lag)
+        self.stats = GenerateStats(weight_version=version, prompts=len(prompts))
+        self.ensure_weights(version)
+        seed = int(np.random.SeedSequence([self.spec.seed, self._index, 0x5A]).generate_state(1)[0])
+        sampling = Sampling(temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+                            max_new_tokens=self.sampling.max_new_tokens, stop_token_ids=self.stop_ids, seed=seed)
+        t0 = time.perf_counter()
+        completions = self.engine.generate([p.tokens.tolist() for p in prompts], self.group_size, sampling)
+        self.stats.generate_seconds = time.perf_counter() - t0
+        groups = []
+        n = self.group_size
+        for j, (prompt, comps) in enumerate(zip(prompts, completions)):
+            gid = self._index * self.prompts_per_rollout + j
+            toks, masks, logps, responses = [], [], [], []
+            for c in comps:
+                ctoks, clogp = self._cut_at_stop(c.tokens, c.logprobs)
+                plen = len(prompt.tokens)
+                toks.append(np.concatenate([prompt.tokens, ctoks]).astype(np.int32))
+                mask = np.zeros(plen + len(ctoks), np.uint8)
+                mask[plen:] = 1
+                masks.append(mask)
+                logps.append(np.concatenate([np.zeros(plen, np.float32), clogp]).astype(np.float32))
+                responses.append(self._response(ctoks, prompt))
+                self.stats.generated_tokens += len(ctoks)
+            groups.append(Group(group_id=gid, tokens=toks, loss_masks=masks, rewards=np.zeros(n, np.float32),
+                                sample_ids=np.arange(gid * n, (gid + 1) * n, dtype=np.int64), logprobs=logps,
+                                versions=np.full(n, version, np.int64)))
+            self._pending[gid] = (prompt, responses)
+        self.stats.samples = n * len(prompts)
+        return groups
+
+    def score(self, groups: list[Group]) -> None:
+        t0 = time.perf_counter()
+        items, where = [], []
+        for g in groups:
+            prompt, responses = self._pending.pop(g.group_id)
+            reference = prompt.index if self.g.reward.type == "reasoning_gym" else prompt.reference
+            for i, r in enumerate(responses):
+                items.append((r, reference))
+                where.append((g, i))
+        scored = self.scorer.score(items)
+        for (g, i), reward in zip(where, scored.rewards):
+            g.rewards[i] = reward
+
+        self.stats.reward_failed = scored.counts()
+        self.stats.failure_messages = scored.messages
+        self.stats.score_seconds = time.perf_counter() - t0
+        failed = sum(self.stats.reward_failed.values())
+        if failed:
+            self.say(f"rollout: {failed} of {len(items)} rewards failed ({self.stats.reward_failed}); e.g. "
+                     + "; ".join(scored.messages[:2]))
+
+    def close(self) -> None:
+        self.scorer.close()
+        self.engine.close()
+
+    # ---- helpers
+    def ensure_weights(self, version: int) -> None:
+        """Load weight version `version` into the engine, waiting until the trainers published it."""
+        if self.engine.weight_version == version:
+            return
+        t0 = time.monotonic()
+        reported = t0
+        while True:
+            latest = self.store.latest_weights()
+            if latest is not None and latest >= version:
+                break
+            now = time.monotonic()
+            if self.max_wait is not None and now - t0 > self.max_wait:
+                raise TimeoutError(f"weight version {version} not published after {self.max_wait:g}s (newest: "
+                                   f"{latest})")
+            if now - reported >= WAIT_REPORT_SECONDS:
+                self.say(f"rollout: waiting for weight version {version} ({now - t0:.0f}s, newest {latest})")
+                reported = now
+            time.sleep(self.poll_interval)
+        self.stats.wait_seconds = time.monotonic() - t0
+        t1 = time.perf_counter()
+        self.engine.load_weights(version)
+        self.stats.load_seconds = time.perf_counter() - t1
+
+    def _response(self, ctoks: np.ndarray, prompt: Prompt) -> Any:
+        """What the reward sees: the completion's token ids (stop token included) for token references (built-in
+        tasks: reference = answer + end token), else the decoded text without the stop token."""
+        if self.tokenizer is None or isinstance(prompt.reference, list):
+            return [int(t) for t in ctoks]
+        body = ctoks[:-1] if len(ctoks) and int(ctoks[-1]) in self.stop_ids else ctoks
+        text = self.tokenizer.decode(body)
+        for stop in self.sampling.stop:
+            cut = text.find(stop)
+            if cut >= 0:
+                text = text[:cut]
+        return text
+
+    def _cut_at_stop(self, tokens: np.ndarray, logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Completions end after the token that completes a stop string (text tasks): later tokens are dropped."""
+        if not self.sampling.stop or self.tokenizer is None:
+            return tokens, logprobs
+        for t in range(1, len(tokens) + 1):
+            text = self.tokenizer.decode(tokens[:t])
+            if any(s in text for s in self.sampling.stop):
+                return tokens[:t], logprobs[:t]
+        return tokens, logprobs
