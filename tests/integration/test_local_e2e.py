@@ -91,6 +91,11 @@ def ref2(spec_dir):
     """The reference: 2 trainers, uninterrupted, with a real Prometheus scraping rollout and trainers."""
     base = metrics_port_block(free_port(), 3)
     spec = write_spec(spec_dir / "ref.yaml", metrics_port=base)
+    # Linger longer here: Prometheus's scrape timeout is its 100 ms interval, and on a loaded 2-core machine a scrape
+    # can time out for a couple of seconds (CI once saw no scrape of both ranks at the final step with 2 s).
+    doc = yaml.safe_load(spec.read_text())
+    doc["spec"]["metrics"]["lingerSeconds"] = 6
+    spec.write_text(yaml.safe_dump(doc))
     out = spec_dir / "ref2"
     targets = [f"127.0.0.1:{base + i}" for i in range(3)]
     with prometheus_server(targets, scrape_interval="100ms") as prom:
