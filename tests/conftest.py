@@ -43,7 +43,9 @@ def vllm(tiny_llama_dir, tmp_path_factory):
     """ONE real vLLM server (CPU) on the tiny Llama for the whole session: start-up (~1 min) is paid once. Tests that
     change its weights must put back what they found (see tests/integration/test_vllm.py); a test that kills it
     restarts it."""
-    with vllm_server(tiny_llama_dir, tmp_path_factory.mktemp("vllm") / "server.log") as server:
+    # --max-logprobs: tests read whole next-token distributions of the 512-token vocabulary
+    with vllm_server(tiny_llama_dir, tmp_path_factory.mktemp("vllm") / "server.log",
+                     extra_args=("--max-logprobs", "512")) as server:
         yield server
 
 

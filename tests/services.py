@@ -205,26 +205,27 @@ def make_tiny_llama(python: str, out: Path, *, seed: int = 0, perturb_from: Path
     return out
 
 
-def reference_logprobs(python: str, model_dir: Path, tokens: list[int]) -> list[float]:
-    """fp32 `transformers` log p(token i | tokens < i), i >= 1, of an HF directory."""
+def reference_logprobs(python: str, model_dirs: list[Path], tokens: list[int]) -> dict[Path, list[float]]:
+    """fp32 `transformers` log p(token i | tokens < i), i >= 1, under each HF directory (one subprocess)."""
+    import json
+
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "lp.json"
-        run_vllm_python(python, str(TINY_LLAMA), str(model_dir), "--logprobs", str(out),
+        run_vllm_python(python, str(TINY_LLAMA), ",".join(map(str, model_dirs)), "--logprobs", str(out),
                         "--tokens", ",".join(map(str, tokens)))
-        import json
-
-        return json.loads(out.read_text())
+        got = json.loads(out.read_text())
+    return {Path(k): v for k, v in got.items()}
 
 
 @contextmanager
-def vllm_server(model_dir: Path, log_path: Path, *, python: str | None = None,
-                start_timeout: float = 600) -> Iterator["VLLMServer"]:  # noqa: F821 - imported lazily
+def vllm_server(model_dir: Path, log_path: Path, *, python: str | None = None, start_timeout: float = 600,
+                extra_args: tuple[str, ...] = ()) -> Iterator["VLLMServer"]:  # noqa: F821 - imported lazily
     """A real vLLM OpenAI server (CPU) on a random 127.0.0.1 port, with the weight-sync worker extension; stopped
     (its process group, which it leads) on exit. ~55 s to healthy on a quiet 2-core machine, ~1.5 GB RSS here."""
     from trainingrun.vllm.server import VLLMServer
 
     python = python or require_vllm()
-    server = VLLMServer(str(model_dir), port=free_port(), python=python, log_path=log_path)
+    server = VLLMServer(str(model_dir), port=free_port(), python=python, log_path=log_path, extra_args=extra_args)
     server.start()
     try:
         server.wait_healthy(start_timeout)

@@ -3,9 +3,9 @@
 Run with the Python of vLLM's environment (it has transformers; the project's test venv may not):
     .venv-vllm/bin/python tests/tiny_llama.py OUT_DIR [--seed N] [--perturb-from DIR --scale S]
 `--perturb-from DIR` writes DIR's weights plus seeded noise (S × each matrix's std) instead of a fresh model: "new
-weights" for weight-sync tests. `--logprobs FILE.json` (with `--tokens 5,6,7`) prints nothing but writes the fp32
-`transformers` log-probabilities of the sequence (log p(token i | tokens < i), i >= 1): the reference an engine's
-logprobs are compared with.
+weights" for weight-sync tests. `--logprobs FILE.json --tokens 5,6,7` writes, for the model OUT_DIR (several:
+comma-separated), the fp32 `transformers` log-probabilities of the sequence (log p(token i | tokens < i), i >= 1):
+the reference an engine's logprobs are compared with.
 
 Sizes: vLLM's CPU attention needs head_dim in {32, 64, 80, ...}: hidden 128 with 4 heads (2 KV heads) gives 32.
 Vocabulary: 512 word-level tokens "<pad>" 0, "<sep>" 1, "</s>" 2, "t3" ... "t511" (the synthetic tasks' ids).
@@ -81,7 +81,8 @@ def main() -> None:
     a = p.parse_args()
     out = Path(a.out)
     if a.logprobs:
-        Path(a.logprobs).write_text(json.dumps(logprobs(out, [int(t) for t in a.tokens.split(",")])))
+        tokens = [int(t) for t in a.tokens.split(",")]
+        Path(a.logprobs).write_text(json.dumps({d: logprobs(Path(d), tokens) for d in a.out.split(",")}))
         return
     out.mkdir(parents=True, exist_ok=True)
     if a.perturb_from:

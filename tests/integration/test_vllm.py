@@ -41,6 +41,12 @@ def new_weights(tiny_llama_dir: Path, tmp_path_factory) -> Path:
                            perturb_from=tiny_llama_dir, scale=0.5)
 
 
+@pytest.fixture(scope="module")
+def references(tiny_llama_dir: Path, new_weights: Path) -> dict[Path, list[float]]:
+    """fp32 transformers logprobs of PROMPT under the base and the new weights (one subprocess)."""
+    return reference_logprobs(require_vllm(), [tiny_llama_dir, new_weights], PROMPT)
+
+
 @pytest.fixture
 def client(vllm) -> VLLMClient:
     return VLLMClient(vllm.url, timeout=120)
@@ -97,21 +103,36 @@ def test_stop_token_ends_a_completion(client: VLLMClient):
     assert out.token_ids == free.token_ids[:3], "the stop token is kept as the completion's last token"
 
 
-def test_engine_logprobs_match_transformers_reference(client: VLLMClient, tiny_llama_dir: Path):
-    engine = client.prompt_logprobs(PROMPT)
-    reference = reference_logprobs(require_vllm(), tiny_llama_dir, PROMPT)
-    assert_matches(engine, reference)
+def test_engine_logprobs_match_transformers_reference(client: VLLMClient, tiny_llama_dir: Path, references):
+    assert_matches(client.prompt_logprobs(PROMPT), references[tiny_llama_dir])
 
 
-def test_disk_sync_changes_logprobs_to_the_new_weights(client: VLLMClient, tiny_llama_dir: Path, new_weights: Path,
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.7])
+def test_sampled_logprobs_are_of_the_tempered_distribution(client: VLLMClient, temperature: float):
+    """The Engine contract: log softmax(logits / temperature) of each sampled token (the server runs with
+    --logprobs-mode processed_logprobs; vLLM's default would ignore the temperature)."""
+    import math
+
+    c = client.complete(PROMPT, n=1, max_tokens=6, temperature=temperature, seed=11)[0]
+    seq = PROMPT + c.token_ids
+    body = {"model": client.model, "prompt": seq, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 512}
+    dists = client._request("POST", "/v1/completions", body)["choices"][0]["prompt_logprobs"]
+    for j, (tok, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+        raw = {int(t): v["logprob"] for t, v in dists[len(PROMPT) + j].items()}  # the whole vocabulary
+        assert len(raw) == 512
+        lse = math.log(sum(math.exp(x / temperature) for x in raw.values()))
+        tempered = raw[tok] / temperature - lse
+        assert abs(lp - tempered) < SAME_ENGINE_TOL, (j, lp, tempered, raw[tok])
+
+
+def test_disk_sync_changes_logprobs_to_the_new_weights(client: VLLMClient, new_weights: Path, references,
                                                        base_weights):
     before = client.prompt_logprobs(PROMPT)
     result = load_from_disk(client, str(new_weights), "v1")
     assert client.weight_version() == "v1" and not client.is_paused()
     after = client.prompt_logprobs(PROMPT)
-    reference = reference_logprobs(require_vllm(), new_weights, PROMPT)
     assert mean_abs(after, before) > 10 * MEAN_TOL, "the sync did not change the engine's logprobs"
-    assert_matches(after, reference)
+    assert_matches(after, references[new_weights])
     assert result["load_seconds"] > 0
 
 
@@ -216,3 +237,119 @@ def test_a_failed_disk_sync_keeps_the_old_weights_and_the_engine_alive(client: V
     assert client.weight_version() == LOADING + "v5", "a failed load must not carry the version's label"
     assert not client.is_paused()
     assert client.prompt_logprobs(PROMPT) == before, "the engine's weights changed although the load failed"
+
+
+# ---------------------------------------------------------------------------------------------------- the Engine
+class CountingClient(VLLMClient):
+    """Counts the completion requests that returned, per prompt."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        import collections
+        import threading
+
+        self.answered = collections.Counter()
+        self.lock = threading.Lock()
+
+    def complete(self, prompt_ids, **kw):
+        out = super().complete(prompt_ids, **kw)
+        with self.lock:
+            self.answered[tuple(prompt_ids)] += 1
+        return out
+
+
+def _prompts(count: int, length: int = 6) -> list[list[int]]:
+    import random
+
+    rng = random.Random(5)
+    return [[rng.randrange(3, 512) for _ in range(length)] + [i + 3] for i in range(count)]  # all distinct
+
+
+def _engine(url: str, versions: dict[int, dict], client_cls=VLLMClient):
+    from trainingrun.vllm.engine import VLLMEngine
+
+    return VLLMEngine(client_cls(url, timeout=120), fetch=versions.__getitem__, label_prefix="test-v",
+                      concurrency=8, restart_timeout=600, say=lambda msg: print(msg, flush=True))
+
+
+def _assert_generated_by_current_weights(client: VLLMClient, prompts, groups) -> None:
+    for p, comps in zip(prompts, groups):
+        for c in comps:
+            scored = client.prompt_logprobs(p + c.tokens.tolist())[len(p) - 1:]
+            assert max_abs(scored, c.logprobs.tolist()) < SAME_ENGINE_TOL
+
+
+def test_engine_loads_by_disk_and_broadcast_and_generates(vllm, tiny_llama_dir: Path, new_weights: Path,
+                                                          base_weights):
+    from trainingrun.rollout.engine import Sampling
+    from trainingrun.vllm.broadcast import BroadcastSender
+
+    sender = BroadcastSender(0, host="127.0.0.1", timeout=60, keep_versions=1).start()
+    try:
+        sender.set_weights(2, _read_safetensors(new_weights / "model.safetensors").items())
+        versions = {0: {"method": "disk", "path": str(tiny_llama_dir)},
+                    1: {"method": "disk", "path": str(new_weights)},
+                    2: {"method": "broadcast", "host": "127.0.0.1", "port": sender.port},
+                    3: {"method": "broadcast", "host": "127.0.0.1", "port": sender.port}}
+        engine = _engine(vllm.url, versions)
+        with pytest.raises(VLLMError, match="before load_weights"):
+            engine.generate([[5, 6]], 1, Sampling())
+        prompts = _prompts(5)
+        sampling = Sampling(temperature=1.0, max_new_tokens=8, stop_token_ids=(EOS,), seed=4)
+        by_version = {}
+        for v in (0, 1, 2):
+            engine.load_weights(v)
+            assert engine.weight_version == v and engine.client.weight_version() == f"test-v{v}"
+            groups = engine.generate(prompts, 3, sampling)
+            assert [len(g) for g in groups] == [3] * 5
+            _assert_generated_by_current_weights(engine.client, prompts, groups)
+            by_version[v] = engine.client.prompt_logprobs(PROMPT)
+        assert mean_abs(by_version[0], by_version[1]) > 10 * MEAN_TOL
+        assert by_version[1] == by_version[2], "disk and broadcast of the same weights differ"
+        with pytest.raises(VLLMError, match="version 3 is not held"):
+            engine.load_weights(3)
+        assert engine.weight_version == 2
+        engine.close()
+    finally:
+        sender.close()
+
+
+def test_engine_survives_a_server_restart_mid_rollout_without_losing_or_repeating_a_prompt(vllm, new_weights: Path,
+                                                                                          base_weights):
+    """The server is killed while a generate call is in flight and started again (here by the test, in a run by the
+    launcher or operator). Every prompt is answered exactly once, by the weights the rollout asked for."""
+    import threading
+    import time
+
+    from trainingrun.rollout.engine import Sampling
+
+    engine = _engine(vllm.url, {1: {"method": "disk", "path": str(new_weights)}}, client_cls=CountingClient)
+    engine.load_weights(1)
+    prompts = _prompts(24)
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["groups"] = engine.generate(prompts, 4, Sampling(temperature=1.0, max_new_tokens=48, seed=9))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            out["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 120
+    while sum(engine.client.answered.values()) < 3:  # some prompts done, most still to come
+        assert time.monotonic() < deadline and t.is_alive(), out
+        time.sleep(0.01)
+    vllm.kill()
+    answered_before = sum(engine.client.answered.values())
+    vllm.start()  # the failure policy's restart
+    t.join(900)
+    assert "error" not in out, out.get("error")
+    groups = out["groups"]
+    assert answered_before < len(prompts), "the kill came too late to test anything"
+    assert [len(g) for g in groups] == [4] * len(prompts)
+    assert engine.stats["recoveries"] >= 1 and engine.stats["retried_prompts"] >= 1
+    assert sorted(engine.client.answered.values()) == [1] * len(prompts), "a prompt was answered twice or never"
+    assert engine.client.weight_version() == "test-v1", "the restarted server must hold the rollout's version again"
+    _assert_generated_by_current_weights(engine.client, prompts, groups)
+    engine.close()

@@ -2,10 +2,10 @@
 
 `BroadcastSender(port=...)` hosts a TCPStore that the engine's workers connect to (see `worker_ext.py` for the
 protocol). `set_weights(version, named_tensors)` takes a snapshot of the weights in the engine's dtype, packed into
-flat buckets per dtype (one copy, made at once, so training may go on changing the model); a background thread
-(`start()`) or `serve_next()` serves each transfer request with whatever snapshot is newest at that moment. A
-transfer that fails (engine died, timeout) is logged and dropped; the engine keeps its old weights whole and the
-rollout asks again.
+flat buckets per dtype (one copy, made at once, so training may go on changing the model), and keeps the newest
+`keep_versions` (maxPolicyLag + 1). A background thread (`start()`) or `serve_next()` serves each transfer request
+with the version it asks for. A transfer that fails (engine died, timeout) is logged and dropped; the engine keeps
+its old weights whole and the rollout asks again.
 
 Backends: gloo (CPU tensors) or NCCL (tensors on this rank's GPU); the engine side uses the same.
 """
@@ -70,7 +70,7 @@ def pack(version: int, named: Iterable[tuple[str, Any]], *, dtype: str | None, d
 class BroadcastSender:
     def __init__(self, port: int = 0, *, host: str = "0.0.0.0", backend: str = "gloo", timeout: float = 300.0,
                  dtype: str | None = "bfloat16", device: Any = "cpu", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 log: Callable[[str], None] | None = None):
+                 keep_versions: int = 1, log: Callable[[str], None] | None = None):
         import torch.distributed as dist
 
         self.backend = backend
@@ -82,26 +82,37 @@ class BroadcastSender:
         self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=timeout))
         self.port = self.store.port
+        self.keep_versions = keep_versions
         self.transfers = 0  # served successfully
         self.failures = 0
         self.last: dict[str, Any] | None = None  # stats of the last successful transfer
         self._next_request = 0
-        self._snapshot: Snapshot | None = None
+        self._snapshots: dict[int, Snapshot] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ weights
     def set_weights(self, version: int, named: Iterable[tuple[str, Any]]) -> Snapshot:
+        """Snapshot `named` as `version`; keep the newest `keep_versions` versions (maxPolicyLag + 1: a rollout may
+        still ask for version − maxPolicyLag)."""
         snap = pack(version, named, dtype=self.dtype, device=self.device, bucket_bytes=self.bucket_bytes)
         with self._lock:
-            self._snapshot = snap
+            self._snapshots[snap.version] = snap
+            for v in sorted(self._snapshots)[: -self.keep_versions]:
+                del self._snapshots[v]
         return snap
 
     @property
     def version(self) -> int | None:
+        """The newest version held."""
         with self._lock:
-            return None if self._snapshot is None else self._snapshot.version
+            return max(self._snapshots, default=None)
+
+    @property
+    def versions(self) -> list[int]:
+        with self._lock:
+            return sorted(self._snapshots)
 
     # ------------------------------------------------------------------ serving
     def serve_next(self, timeout: float) -> dict[str, Any] | None:
@@ -112,12 +123,18 @@ class BroadcastSender:
             if time.monotonic() >= deadline or self._stop.is_set():
                 return None
             time.sleep(0.02)
-        with self._lock:
-            snap = self._snapshot
-        if snap is None:  # cannot happen when weights are set before the key is announced; keep the request
-            return None
         req = json.loads(self.store.get(key))
         self._next_request += 1
+        wanted = req.get("version")
+        with self._lock:
+            held = sorted(self._snapshots)
+            snap = self._snapshots.get(held[-1] if wanted is None and held else wanted)
+        if snap is None:
+            self.failures += 1
+            error = f"weight version {wanted} is not held here (held: {held})"
+            self.store.set(MANIFEST_KEY.format(group=req["group"]), json.dumps({"error": error}))
+            self.log(f"transfer {req.get('group')}: {error}")
+            return {"error": error, "version": wanted, "group": req.get("group")}
         try:
             stats = self._send(snap, req)
         except Exception as exc:  # noqa: BLE001 - the engine keeps its old weights; the rollout retries

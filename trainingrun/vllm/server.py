@@ -4,7 +4,8 @@ One command line and one environment for every place that starts vLLM (the local
 pod, the test fixture, the benchmark), so they cannot drift apart:
 
   python -m vllm.entrypoints.openai.api_server --model DIR --host H --port P --dtype D --max-model-len L
-      --worker-extension-cls trainingrun.vllm.worker_ext.WeightSyncExtension [--enforce-eager] [extra args]
+      --worker-extension-cls trainingrun.vllm.worker_ext.WeightSyncExtension --logprobs-mode processed_logprobs
+      [--enforce-eager] [extra args]
   VLLM_SERVER_DEV_MODE=1   the endpoints weight sync needs (/pause, /resume, /collective_rpc, /reset_prefix_cache,
                            /update_weight_version, /weight_info); they must never be exposed outside the run
   HF_HUB_OFFLINE=1         nothing is downloaded at run time: the model is a local HF directory
@@ -28,6 +29,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 EXTENSION_CLS = "trainingrun.vllm.worker_ext.WeightSyncExtension"
+# Sampled tokens' log-probabilities under softmax(logits / temperature), as the Engine contract asks (vLLM's default,
+# raw_logprobs, ignores the temperature). With topP < 1 vLLM reports the top-p-renormalised distribution.
+LOGPROBS_MODE = "processed_logprobs"
 ENTRYPOINT = ("-m", "vllm.entrypoints.openai.api_server")
 DEFAULT_KV_CACHE_GIB = 2
 PYTHON_ENV = "TRAININGRUN_VLLM_PYTHON"  # the Python of vLLM's environment (locally: .venv-vllm/bin/python)
@@ -40,7 +44,8 @@ def server_args(model: str, *, port: int, host: str = "127.0.0.1", dtype: str = 
                 tensor_parallel_size: int = 1, extra: Sequence[str] = ()) -> list[str]:
     """Arguments after the Python executable."""
     args = [*ENTRYPOINT, "--model", model, "--host", host, "--port", str(port), "--dtype", dtype,
-            "--max-model-len", str(max_model_len), "--worker-extension-cls", EXTENSION_CLS]
+            "--max-model-len", str(max_model_len), "--worker-extension-cls", EXTENSION_CLS,
+            "--logprobs-mode", LOGPROBS_MODE]
     if served_name:
         args += ["--served-model-name", served_name]
     if tensor_parallel_size > 1:

@@ -54,12 +54,12 @@ def load_from_disk(client: VLLMClient, path: str, label: str, *, timeout: float 
 
 
 def load_from_broadcast(client: VLLMClient, *, host: str, port: int, group: str, label: Callable[[int], str],
-                        backend: str = "gloo", timeout: float = 300) -> dict[str, Any]:
-    """Receive the weights trainer rank 0 serves at host:port (`BroadcastSender`); the engine is labelled
-    `label(version received)` (the sender serves its newest version, which the caller learns only here)."""
+                        backend: str = "gloo", timeout: float = 300, version: int | None = None) -> dict[str, Any]:
+    """Receive weight `version` (None: the newest the sender holds) from trainer rank 0 at host:port
+    (`BroadcastSender`); the engine is labelled `label(version received)`."""
     world = 1 + client.world_size()
     request = json.dumps({"host": host, "port": int(port), "group": group, "world_size": world,
-                          "backend": backend, "timeout": timeout})
+                          "backend": backend, "timeout": timeout, "version": version})
 
     def load() -> dict[str, Any]:
         results = client.collective_rpc("trainingrun_receive_weights", {"request": request}, timeout=timeout)

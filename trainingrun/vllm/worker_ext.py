@@ -7,12 +7,13 @@ directory on PYTHONPATH (a temporary directory locally, a ConfigMap in a cluster
 
 Protocol (the sender is `trainingrun.vllm.broadcast.BroadcastSender` on trainer rank 0, which hosts a TCPStore):
   1. The rollout asks the engine over HTTP: `POST /collective_rpc {"method": "trainingrun_receive_weights",
-     "kwargs": {"request": JSON}}`, JSON = {host, port, group, world_size, backend, timeout}; `group` is a fresh
-     name for this transfer, `world_size` = 1 + the engine's workers.
+     "kwargs": {"request": JSON}}`, JSON = {host, port, group, world_size, backend, timeout, version}; `group` is a
+     fresh name for this transfer, `world_size` = 1 + the engine's workers, `version` the weight version wanted.
   2. Engine worker 0 queues the request in the trainer's store: n = add("trainingrun/requests", 1) - 1,
-     set("trainingrun/request/<n>", {group, world_size}). The sender takes requests in order.
+     set("trainingrun/request/<n>", {group, world_size, version}). The sender takes requests in order.
   3. The sender writes "<group>/manifest" (the names, dtypes and shapes, sent ahead; the buckets; the version) and
-     joins the process group "<group>/pg" as rank 0; engine worker i joins as rank 1 + i.
+     joins the process group "<group>/pg" as rank 0; engine worker i joins as rank 1 + i. A version the sender no
+     longer holds gets a manifest {"error": ...} instead, and the receivers raise at once.
   4. Each bucket (a flat tensor per dtype, at most `bucket_bytes`) is broadcast from rank 0 into a buffer.
   5. Only after EVERY bucket arrived (and the names and shapes match the model's checkpoint) are they handed to vLLM
      (`model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)`, which shards and repacks them
@@ -88,8 +89,11 @@ def receive(request: dict, *, rank: int, device) -> tuple[dict, list, object]:
     world = int(request["world_size"])
     if rank == 1:
         n = store.add(REQUESTS_KEY, 1) - 1
-        store.set(REQUEST_KEY.format(n=n), json.dumps({"group": group, "world_size": world}))
+        store.set(REQUEST_KEY.format(n=n), json.dumps({"group": group, "world_size": world,
+                                                       "version": request.get("version")}))
     manifest = json.loads(store.get(MANIFEST_KEY.format(group=group)))
+    if "error" in manifest:
+        raise RuntimeError(f"weight sender refused the transfer: {manifest['error']}")
     pg = make_group(dist.PrefixStore(PG_PREFIX.format(group=group), store), rank, world, request["backend"],
                     timeout)
     buffers = []
