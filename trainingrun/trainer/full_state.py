@@ -102,3 +102,30 @@ def _legacy_shards(path: Path, arch: dict[str, Any]) -> dict[str, torch.Tensor]:
         if set(p) != set(names):
             raise ValueError(f"checkpoint {path}: TP shard {t} holds other tensors than shard 0")
     return {n: convert.gather_tp(n, [p[n] for p in parts], arch) for n in names}
+
+
+def gather_live_state(module: torch.nn.Module, arch: dict[str, Any], *, tp_group=None, tp_size: int = 1,
+                      tp_rank: int = 0) -> dict[str, torch.Tensor] | None:
+    """The full (TP-gathered) canonical Megatron state dict of a live model: on TP rank 0 of `tp_group`, None on the
+    others. Every rank of the group must call it (a collective per tensor-parallel tensor, in name order). The
+    tensors are detached copies on the model's device (CPU copies are the caller's choice)."""
+    from trainingrun.modeling import convert
+
+    state = convert.canonical_names({k: v for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)})
+    if tp_size == 1:
+        return {k: v.detach().clone() for k, v in state.items()}
+    import torch.distributed as dist
+
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(state):
+        local = state[name].detach().contiguous()
+        dim, _ = convert.tp_layout(name, arch)
+        if dim is None:
+            if tp_rank == 0:
+                out[name] = local.clone()
+            continue
+        shards = [torch.empty_like(local) for _ in range(tp_size)]
+        dist.all_gather(shards, local, group=tp_group)
+        if tp_rank == 0:
+            out[name] = convert.gather_tp(name, shards, arch)
+    return out if tp_rank == 0 else None
