@@ -265,6 +265,17 @@ def wait_fraction(args, lag: int) -> dict:
 ENGINES = {"megatron": {"generation": generation_megatron, "sync": sync_megatron}}
 
 
+def _vllm_part(part: str):
+    def run(args) -> dict:
+        import benchmarks.rl_loop_vllm as v  # imported on use: needs nothing of vLLM until then
+
+        return getattr(v, f"{part}_vllm")(args)
+    return run
+
+
+ENGINES["vllm"] = {"generation": _vllm_part("generation"), "sync": _vllm_part("sync")}
+
+
 def _in_subprocess(part: str, args) -> dict:
     code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); sys.argv = {sys.argv!r}; "
             f"import benchmarks.rl_loop as b; a = b.parse(); "
@@ -285,6 +296,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--rollouts", type=int, default=16, help="rollouts of each wait-fraction run")
     ap.add_argument("--json", action="store_true", help="also print all figures as one JSON line")
+    ap.add_argument("--concurrency", type=int, default=64, help="vllm: requests the rollout keeps in flight")
+    ap.add_argument("--vllm-model", default=None, help="vllm: HF directory to generate with (default: tiny Llama)")
+    ap.add_argument("--vllm-tiny-only", action="store_true", help="vllm: sync figures for the tiny Llama only")
     return ap.parse_args()
 
 
@@ -307,13 +321,17 @@ def main() -> int:
             print(f"  megatron static    not measured: {g['megatron_static_engine_error']}")
     if "sync" in parts:
         s = figures["sync"] = _in_subprocess("sync", args)
-        print("weight sync through the store (file://, publish + read + load_state_dict):")
-        print(f"  {'model':8} {'MB':>8} {'publish s':>10} {'load s':>8} {'sync s':>8} {'copy GB/s':>10} "
+        print("weight sync through the store (file://, publish + read + load_state_dict):" if args.engine == "megatron"
+              else "weight sync to vLLM (disk: HF dir written + pause/reload/reset/resume; broadcast: snapshot + gloo "
+                   "group to the worker extension):")
+        print(f"  {'model':18} {'MB':>8} {'publish s':>10} {'load s':>8} {'sync s':>8} {'copy GB/s':>10} "
               f"{'sync / copy':>12}")
         for r in s["rows"]:
-            print(f"  {r['model']:8} {r['MB']:8.1f} {r['publish_s']:10.4f} {r['load_s']:8.4f} {r['sync_s']:8.4f} "
+            print(f"  {r['model']:18} {r['MB']:8.1f} {r['publish_s']:10.4f} {r['load_s']:8.4f} {r['sync_s']:8.4f} "
                   f"{r['copy_GB_s']:10.2f} {r['sync_over_copy']:12.1f}x")
-    if "wait" in parts:
+    if "wait" in parts and args.engine != "megatron":
+        print("trainer wait for data: measured with the megatron engine (--engine megatron --parts wait)")
+    elif "wait" in parts:
         rows = figures["wait"] = [wait_fraction(args, lag) for lag in (0, 1)]
         print(f"trainer wait for data (examples/rl.yaml, {args.rollouts} rollouts, 2 trainers):")
         for r in rows:

@@ -100,7 +100,9 @@ def generation_vllm(args) -> dict:
     s["rollout"]["source"]["generate"]["prompts"]["synthetic"].update(minLength=2, maxLength=8)
     spec = parse_trainingrun(doc).spec
     store = open_store(f"file://{tmp}/store")
-    store.publish_weights(0, {}, {"method": "disk", "path": str(model)})
+    from trainingrun.vllm.publish import commit_version
+
+    commit_version(store, 0, {"method": "disk", "path": str(model)})
     server = _server(model, tmp / "server.log")
     try:
         engine = VLLMEngine(VLLMClient(server.url), fetch=lambda v: store.read_weights(v)[1],

@@ -509,14 +509,34 @@ class GenerateSource(ApiModel):
     reward: RewardSpec = Field(default_factory=RewardSpec, description="The reward.")
 
 
+class VLLMSettings(ApiModel):
+    """The run's own vLLM server (rollout.engine.type vllm without url): started by the local launcher, or by the
+    operator as a pod + Service in a cluster."""
+
+    image: str = Field("vllm/vllm-openai:v0.11.0", min_length=1, description="Image of the engine pod (cluster).")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="Weights and compute dtype of the engine; published weights are converted to it.")
+    max_model_len: int | None = Field(None, ge=16, le=1_048_576,
+                                      description="Longest prompt + completion; unset: model.seqLength.")
+    kv_cache_gib: int = Field(2, ge=1, le=4096, description="KV cache GiB on CPU (VLLM_CPU_KVCACHE_SPACE).")
+    gpus: int = Field(0, ge=0, le=64, description="GPUs of the engine pod (cluster; its tensor-parallel size).")
+    port: int = Field(8000, ge=1, le=65535, description="Port of the engine's OpenAI server (cluster).")
+    concurrency: int = Field(64, ge=1, le=4096, description="Requests the rollout keeps in flight.")
+    args: list[str] = Field(default_factory=list, max_length=64, description="Extra server arguments.")
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements,
+                                            description="Resources of the engine container (cluster).")
+
+
 class EngineSpec(ApiModel):
     """The inference engine of generated rollouts."""
 
     type: Literal["megatron", "vllm"] = Field(
         "megatron", description="megatron: in the rollout process with the run's model code; vllm: an "
                                 "OpenAI-compatible vLLM server.")
-    url: str | None = Field(None, min_length=1, description="URL of a vLLM server the user runs (type vllm).")
+    url: str | None = Field(None, min_length=1, pattern=r"^https?://.+",
+                            description="URL of a vLLM server the user runs (type vllm); unset: the run's own.")
     max_batch: int = Field(256, ge=1, le=65536, description="Sequences generated together (megatron).")
+    vllm: VLLMSettings = Field(default_factory=VLLMSettings, description="The run's own vLLM server (type vllm).")
 
 
 class WeightSyncSpec(ApiModel):
@@ -525,6 +545,12 @@ class WeightSyncSpec(ApiModel):
     type: Literal["store", "disk", "broadcast"] = Field(
         "store", description="store: raw tensors through the run's store (megatron engine); disk: an HF directory "
                              "on a shared volume; broadcast: a torch.distributed group with the engine (vllm).")
+    path: str | None = Field(None, min_length=1,
+                             description="disk: directory of the published HF directories, on a volume the engine "
+                                         "mounts too; unset: <checkpoint.path>/weights.")
+    port: int = Field(0, ge=0, le=65535,
+                      description="broadcast: trainer 0's port the engine fetches weights from; 0: a free one "
+                                  "(local runs), 29600 in a cluster.")
 
 
 class SourceSpec(ApiModel):

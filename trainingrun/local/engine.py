@@ -19,7 +19,7 @@ from pathlib import Path
 from trainingrun import failure_policy as policy
 from trainingrun.local.procs import describe_exit, free_port, log_path
 
-ENGINE_URL_ENV = "TRAININGRUN_ENGINE_URL"
+from trainingrun.vllm.engine import ENGINE_URL_ENV  # noqa: F401 - the rollout's env names the server
 
 
 def needs_local_engine(spec) -> bool:
@@ -55,6 +55,11 @@ class LocalEngine:
 
     def start(self) -> None:
         self.server.start()
+
+    def healthy(self) -> bool:
+        from trainingrun.vllm.client import VLLMClient
+
+        return VLLMClient(self.url, timeout=5).healthy()
 
     def check(self) -> policy.Failure | None:
         """The server's exit as a `Failure` when it died since the last check (None while it runs or restarts)."""

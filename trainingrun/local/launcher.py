@@ -40,12 +40,14 @@ from trainingrun.local.report import (
     write_metrics,
 )
 from trainingrun import failure_policy as policy
+from trainingrun.local.engine import ENGINE_URL_ENV, LocalEngine, needs_local_engine
 from trainingrun.local.progress import Progress
 from trainingrun.childlog import TIMESTAMPS_ENV
 from trainingrun.plan import build_plan
 from trainingrun.tracking import OUTPUT_DIR_ENV
 
 POLL_SECONDS = 0.2
+ENGINE_START_TIMEOUT = 900.0  # vLLM on CPU: ~1 min on a quiet machine, several under load
 
 
 def spec_yaml(run) -> str:
@@ -124,6 +126,8 @@ class Launcher:
         self.first_attempt = 0
         self.write_failures: set[str] = set()  # outputs the launcher could not write (a full volume), said once each
         self.summary_written = False
+        self.engine: LocalEngine | None = None  # the run's vLLM server (rollout.engine.type vllm without url)
+        self.restarts = 0  # restarts the failure policy counted (group and engine alike)
 
     def volumes(self) -> list[Path]:
         """Where the run writes: the run directory, the checkpoints (relative to it) and a file store."""
@@ -185,7 +189,8 @@ class Launcher:
                        # TensorBoard / W&B files go into the run directory (trainingrun.tracking)
                        OUTPUT_DIR_ENV: str(self.out_dir.resolve()),
                        # children start every line with the time (trainingrun.childlog)
-                       TIMESTAMPS_ENV: "1"},
+                       TIMESTAMPS_ENV: "1",
+                       **({ENGINE_URL_ENV: self.engine.url} if self.engine is not None else {})},
         )
         self.progress.reopen()
         group = ProcessGroup.start(plan, cwd=self.out_dir.resolve(), log_dir=self.out_dir / "logs")
@@ -201,6 +206,8 @@ class Launcher:
                          "metrics_ports": list(c.plan.metrics_ports), "log": str(c.log)}
                 for c in group.children
             },
+            **({"engine": {"pid": self.engine.server.pid, "url": self.engine.url, "log": str(self.engine.server.log_path)}}
+               if self.engine is not None else {}),
         }))
         ports = ", ".join(
             f"{c.name}={c.plan.metrics_port}" if c.plan.workers == 1
@@ -228,6 +235,11 @@ class Launcher:
                 self.tokens_this_run += sum(float(r.get("tokens", 0) or 0) for r in records)
                 self._check_fields(records[-1])
             self.progress.tick()
+            engine_failure = self.engine.check() if self.engine is not None else None
+            if engine_failure is not None:
+                outcome = self._engine_failed(engine_failure)
+                if outcome is not None:
+                    return outcome
             failed = {c.name: c for c in group.children if c.returncode not in (None, 0)}
             if failed:
                 # Several may have died in one poll (a rank's death breaks its peers' collectives): the policy names
@@ -257,6 +269,51 @@ class Launcher:
                 return Outcome("failed", culprit="progress deadline", reason=reason, failure=policy.Failure(
                     name="progress deadline", kind=policy.ExitKind.FAILURE, description=reason))
             time.sleep(POLL_SECONDS)
+
+    def _engine_failed(self, failure: policy.Failure) -> Outcome | None:
+        """The run's vLLM server exited: restart only the server (after the policy's backoff, counted as a restart)
+        while the budget allows — the rollout waits for it and loads its weight version again — else fail the run."""
+        fp = self.spec.failure_policy
+        assert self.engine is not None
+        verdict = policy.on_failure(failure, restarts=self.restarts, max_restarts=fp.max_restarts)
+        self.progress.event(f"engine failed: {failure.description}")
+        if not verdict.restart:
+            self.progress.event(f"no restarts left ({self.restarts}/{fp.max_restarts} used)")
+            status = "config_error" if failure.kind is policy.ExitKind.CONFIG_ERROR else "failed"
+            return Outcome(status, culprit="engine", reason=failure.description, log=self.engine.server.log_path,
+                           failure=failure)
+        self.restarts += int(verdict.counted)
+        backoff = policy.backoff_seconds(fp.backoff_seconds, self.restarts, counted=verdict.counted)
+        self.progress.event(f"restarting the engine in {backoff:g}s (restart {self.restarts}/{fp.max_restarts}); "
+                            "the rollout waits for it")
+        self.engine.restart_after(backoff)
+        return None
+
+    def start_engine(self) -> Outcome | None:
+        """Start the run's own vLLM server and wait until it is healthy (None), or the Outcome that ends the run."""
+        if not needs_local_engine(self.spec):
+            return None
+        try:
+            self.engine = LocalEngine(self.spec, self.out_dir)
+        except ValueError as exc:
+            return Outcome("config_error", culprit="engine", reason=str(exc), failure=policy.Failure(
+                name="engine", kind=policy.ExitKind.CONFIG_ERROR, description=str(exc), role="engine"))
+        self.engine.start()
+        self.progress.event(f"engine: starting vLLM at {self.engine.url} (log {self.engine.server.log_path})")
+        t0 = time.monotonic()
+        while not self.engine.healthy():
+            if self.signals.received:
+                return Outcome("interrupted", reason=f"{signal.Signals(self.signals.received).name} received")
+            failure = self.engine.check()
+            if failure is not None or time.monotonic() - t0 > ENGINE_START_TIMEOUT:
+                reason = (failure.description if failure is not None
+                          else f"vLLM server not healthy after {ENGINE_START_TIMEOUT:.0f}s")
+                return Outcome("failed", culprit="engine", reason=reason, log=self.engine.server.log_path,
+                               failure=failure or policy.Failure(name="engine", kind=policy.ExitKind.FAILURE,
+                                                                 description=reason, role="engine"))
+            time.sleep(1.0)
+        self.progress.event(f"engine: healthy after {time.monotonic() - t0:.0f}s")
+        return None
 
     def _check_fields(self, rec: dict[str, Any]) -> None:
         missing = [f for f in REQUIRED_FIELDS if f not in rec]
@@ -301,11 +358,12 @@ class Launcher:
         store_url, config = self.prepare()
         attempt = next_attempt(self.out_dir)
         first_attempt = self.first_attempt = attempt
-        restarts = 0
+        self.restarts = 0
         outcome = Outcome("failed", reason="not started")
         self.signals.install()
         try:
-            while True:
+            engine_outcome = self.start_engine()
+            while engine_outcome is None:
                 group = self.start_attempt(attempt, store_url, config)
                 try:
                     outcome = self.watch(group, attempt)
@@ -319,24 +377,31 @@ class Launcher:
                 self.try_write("metrics.jsonl", lambda: write_metrics(self.out_dir, merge_metrics(self.out_dir)))
                 if outcome.status in ("succeeded", "interrupted") or outcome.failure is None:
                     break
-                verdict = policy.on_failure(outcome.failure, restarts=restarts, max_restarts=fp.max_restarts)
+                verdict = policy.on_failure(outcome.failure, restarts=self.restarts, max_restarts=fp.max_restarts)
                 if outcome.status == "failed":
                     self.progress.event(f"attempt {attempt} failed: {outcome.culprit}: {outcome.reason}")
                 if not verdict.restart:
                     if outcome.status == "failed":
-                        self.progress.event(f"no restarts left ({restarts}/{fp.max_restarts} used)")
+                        self.progress.event(f"no restarts left ({self.restarts}/{fp.max_restarts} used)")
                     break
-                restarts += int(verdict.counted)
+                self.restarts += int(verdict.counted)
                 attempt += 1
-                backoff = policy.backoff_seconds(fp.backoff_seconds, restarts, counted=verdict.counted)
+                backoff = policy.backoff_seconds(fp.backoff_seconds, self.restarts, counted=verdict.counted)
                 self.progress.event(f"restarting the group in {backoff:g}s "
-                                    f"(restart {restarts}/{fp.max_restarts}, attempt {attempt})")
+                                    f"(restart {self.restarts}/{fp.max_restarts}, attempt {attempt})")
                 if not self._sleep(backoff):
                     outcome = Outcome("interrupted", reason="signal received during backoff")
                     break
+            if engine_outcome is not None:
+                outcome = engine_outcome
+                if outcome.status != "interrupted":
+                    self.progress.event(f"engine failed to start: {outcome.reason}")
         finally:
             self.signals.restore()
             self.progress.close()
+            if self.engine is not None:
+                self.engine.stop()
+        restarts = self.restarts
         wall = time.monotonic() - started
         records = merge_metrics(self.out_dir)
         self.try_write("metrics.jsonl", lambda: write_metrics(self.out_dir, records))

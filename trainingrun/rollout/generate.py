@@ -61,7 +61,32 @@ def make_engine(spec, store) -> Engine:
         from trainingrun.rollout.megatron_engine import MegatronEngine
 
         return MegatronEngine(spec.model.resolved(), fetch=store.read_weights, max_batch=e.max_batch, seed=spec.seed)
-    raise ConfigError(f"rollout.engine.type: {e.type!r} is not available in this build; allowed: megatron")
+    if e.type == "vllm":
+        return make_vllm_engine(spec, store)
+    raise ConfigError(f"rollout.engine.type: {e.type!r} is not available in this build; allowed: megatron, vllm")
+
+
+def make_vllm_engine(spec, store, *, say: Callable[[str], None] | None = None) -> Engine:
+    """`rollout.engine.type: vllm`: the server at `engine.url`, else the run's own (its URL in $TRAININGRUN_ENGINE_URL,
+    set by the launcher or the operator). Weight versions are found through the store's weight meta (disk path or
+    broadcast address, written by the trainers' publisher)."""
+    import os
+
+    from trainingrun.vllm.client import VLLMClient
+    from trainingrun.vllm.engine import ENGINE_URL_ENV, VLLMEngine
+
+    e = spec.rollout.engine
+    if spec.weight_sync.type not in ("disk", "broadcast"):
+        raise ConfigError(f"weightSync.type: {spec.weight_sync.type!r} does not reach the vllm engine; allowed with "
+                          "rollout.engine.type vllm: disk, broadcast")
+    if spec.model.hf is None:
+        raise ConfigError("rollout.engine.type: vllm loads Hugging Face weights: set model.hf (a HF directory)")
+    url = e.url or os.environ.get(ENGINE_URL_ENV)
+    if not url:
+        raise ConfigError(f"rollout.engine.type: vllm without rollout.engine.url needs the run's own server (the "
+                          f"launcher or operator sets ${ENGINE_URL_ENV}); set rollout.engine.url")
+    return VLLMEngine(VLLMClient(url), fetch=lambda version: store.read_weights(version)[1],
+                      concurrency=e.vllm.concurrency, say=say)
 
 
 def required_version(rollout: int, max_policy_lag: int) -> int:

@@ -161,7 +161,7 @@ class Trainer:
                 log(env.rank, f"warning: cannot serve metrics on port {env.metrics_port}: {exc}")
         reporter = StepReporter(exporter, store, rank=env.rank, jsonl_path=env.metrics_jsonl)
         try:
-            publisher = make_publisher(spec, store, rank=env.rank)
+            publisher = make_publisher(spec, store, rank=env.rank, attempt=env.attempt)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         return cls(env=env, spec=spec, run_name=run_name, device=device, model=model, ddp=ddp, optimizer=optimizer,

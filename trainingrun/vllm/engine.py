@@ -38,6 +38,7 @@ from trainingrun.rollout.engine import Completion, Sampling
 from trainingrun.vllm import sync
 from trainingrun.vllm.client import EngineUnavailable, VLLMClient, VLLMError
 
+ENGINE_URL_ENV = "TRAININGRUN_ENGINE_URL"  # the run's own server, set by the launcher / operator
 DEFAULT_CONCURRENCY = 64
 MAX_RECOVERIES = 5
 

@@ -5,13 +5,16 @@ rank after every trained rollout (and once at the start, version 0). The tensor-
 replica 0 gather the full weights (`full_state.gather_live_state`); trainer rank 0 converts them to Hugging Face
 names (`modeling.convert`) in the engine's dtype and makes them loadable:
 
-  disk       an HF directory `<weightSync.disk.path>/v<version>` written beside its name and renamed into place
-             (`modeling.hf_io.write_hf_dir`; config.json and tokenizer from `model.hf`)
+  disk       an HF directory `<weightSync.path>/v<version>-a<attempt>` written beside its name and renamed into
+             place (`modeling.hf_io.write_hf_dir`; config.json and tokenizer from `model.hf`). The attempt in the
+             name keeps a fenced-off trainer of an older attempt (a zombie) from ever touching a directory the live
+             attempt committed; its own commit is refused by the store's attempt fencing.
   broadcast  a snapshot held by a `BroadcastSender` on rank 0 (a TCPStore + one process group per transfer), which
              the engine's workers fetch when the rollout asks
 
-and only then commits the version in the run's store (`Store.publish_weights(version, {}, meta)`: no arrays, the
-meta says where the weights are), so `Store.latest_weights()` never names a version that is not complete. Versions
+and only then commits the version in the run's store (`Store.publish_weights(version, {"version": [version]}, meta)`:
+no weights in the store, the
+meta says where the weights are; `commit_version`), so `Store.latest_weights()` never names a version that is not complete. Versions
 below version − maxPolicyLag are released (store entries, directories, snapshots): the rollout asks for exactly
 k − maxPolicyLag. Publishing a version the store already holds is skipped (a restarted trainer group republishing its
 checkpoint's version changes nothing, and the engine may be reading it).
@@ -28,14 +31,55 @@ from typing import Any
 DIR_PREFIX = "v"
 
 
-def version_dir(root: str | Path, version: int) -> Path:
-    return Path(root) / f"{DIR_PREFIX}{version:08d}"
+def version_dir(root: str | Path, version: int, attempt: int = 0) -> Path:
+    return Path(root) / f"{DIR_PREFIX}{version:08d}-a{attempt}"
+
+
+def dir_version(path: Path) -> int | None:
+    """The weight version of a directory `version_dir` named (None for anything else)."""
+    name = path.name
+    if not name.startswith(DIR_PREFIX):
+        return None
+    head = name[len(DIR_PREFIX):].split("-a", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def commit_version(store, version: int, meta: dict[str, Any]) -> bool:
+    """Commit weight `version` in the run's store: the meta says where the weights are (the store holds one marker
+    array, not the weights). Subject to the store's attempt fencing: a fenced-off trainer's commit is refused."""
+    import numpy as np
+
+    return store.publish_weights(version, {"version": np.asarray([version], np.int64)}, {**meta, "version": version})
+
+
+def make_vllm_publisher(spec, store, *, rank: int, attempt: int = 0):
+    """The publisher of `spec.weightSync.type` disk / broadcast for the vllm engine, on this trainer rank (Megatron's
+    parallel state is initialised: the tensor-parallel ranks of replica 0 gather the weights)."""
+    import os
+
+    from megatron.core import parallel_state as ps
+
+    kw = dict(rank=rank, arch=spec.model.resolved(), dtype=spec.rollout.engine.vllm.dtype,
+              max_policy_lag=spec.rollout.max_policy_lag, tp_group=ps.get_tensor_model_parallel_group(),
+              tp_size=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+              dp_rank=ps.get_data_parallel_rank(), attempt=attempt)
+    if spec.model.hf is None:
+        raise ValueError("weightSync.type: disk/broadcast publishes Hugging Face weights: set model.hf")
+    ws = spec.weight_sync
+    if ws.type == "disk":
+        root = ws.path or str(Path(spec.trainer.checkpoint.path) / "weights")
+        return DiskPublisher(store, root=root, assets_dir=spec.model.hf, **kw)
+    # the engine reaches trainer 0 where the other trainers do (locally 127.0.0.1; in a cluster trainer-0's DNS name)
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    backend = "nccl" if spec.trainer.gpus_per_replica > 0 else "gloo"
+    return BroadcastPublisher(store, host=host, port=ws.port, backend=backend, **kw)
 
 
 class _Base:
     def __init__(self, store, *, rank: int, arch: dict[str, Any], dtype: str, max_policy_lag: int, tp_group=None,
-                 tp_size: int = 1, tp_rank: int = 0, dp_rank: int = 0):
+                 tp_size: int = 1, tp_rank: int = 0, dp_rank: int = 0, attempt: int = 0):
         self.store, self.rank, self.arch, self.dtype, self.lag = store, rank, arch, dtype, max_policy_lag
+        self.attempt = attempt
         self.tp_group, self.tp_size, self.tp_rank, self.dp_rank = tp_group, tp_size, tp_rank, dp_rank
         self.last_seconds = 0.0
         self.last_bytes = 0
@@ -77,11 +121,14 @@ class DiskPublisher(_Base):
 
         t0 = time.perf_counter()
         self.root.mkdir(parents=True, exist_ok=True)
-        path = write_hf_dir(version_dir(self.root, version), state, self.arch, assets_dir=self.assets_dir,
+        target = version_dir(self.root, version, self.attempt)
+        if target.exists():  # this attempt's own, never committed (a crash before the commit): write it again
+            shutil.rmtree(target)
+        path = write_hf_dir(target, state, self.arch, assets_dir=self.assets_dir,
                             dtype=getattr(torch, self.dtype))
         nbytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        self.store.publish_weights(version, {}, {"method": "disk", "path": str(path), "bytes": nbytes,
-                                                 "dtype": self.dtype, "version": version})
+        commit_version(self.store, version, {"method": "disk", "path": str(path), "bytes": nbytes,
+                                             "dtype": self.dtype})
         self._release(version)
         self.last_seconds = time.perf_counter() - t0
         self.last_bytes = nbytes
@@ -90,11 +137,8 @@ class DiskPublisher(_Base):
         keep_from = max(0, version - self.lag)
         self.store.release_weights_below(keep_from)
         for d in self.root.glob(f"{DIR_PREFIX}*"):
-            try:
-                v = int(d.name[len(DIR_PREFIX):])
-            except ValueError:
-                continue
-            if v < keep_from:
+            v = dir_version(d)
+            if v is not None and v < keep_from:
                 shutil.rmtree(d, ignore_errors=True)
 
     def close(self) -> None:
@@ -131,9 +175,8 @@ class BroadcastPublisher(_Base):
 
         t0 = time.perf_counter()
         snap = self.sender.set_weights(version, convert.megatron_to_hf(state, self.arch).items())
-        self.store.publish_weights(version, {}, {"method": "broadcast", "host": self.host, "port": self.sender.port,
-                                                 "backend": self.backend, "bytes": snap.nbytes, "dtype": self.dtype,
-                                                 "version": version})
+        commit_version(self.store, version, {"method": "broadcast", "host": self.host, "port": self.sender.port,
+                                             "backend": self.backend, "bytes": snap.nbytes, "dtype": self.dtype})
         self.store.release_weights_below(max(0, version - self.lag))
         self.last_seconds = time.perf_counter() - t0
         self.last_bytes = snap.nbytes

@@ -1,0 +1,111 @@
+"""On-policy RL with the vLLM engine end to end: `trainingrun run` with real Megatron-core trainers, a real vLLM
+server on CPU (tiny Llama HF directory) and weight sync by `disk` and by `broadcast` after every rollout.
+
+  disk       the launcher starts and supervises the run's own vLLM server (fp32), trainer 0 writes an HF directory
+             per version on the run's volume, the engine reloads it
+  broadcast  the session's vLLM server (`engine.url`, bf16), trainer 0 sends the weights over a gloo group to the
+             engine's worker extension
+
+With maxPolicyLag 0 every rollout is generated with the weights trained on all earlier rollouts, so the trainer's
+log-probabilities of the generated tokens (before its update) equal the engine's up to the engine's precision:
+`logprob_abs_diff` (token-weighted mean |engine - trainer|) is the check that the engine holds the trainer's weights
+after every sync. Tolerances: fp32 engine 1e-3; bf16 engine 0.1 (bf16 weights and arithmetic against the fp32
+trainer: ~0.04 nats per token on this model, docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.localrun import finish, records, start
+from tests.services import free_port
+from trainingrun.local import metrics_port_block
+
+pytestmark = [pytest.mark.megatron, pytest.mark.vllm, pytest.mark.timeout(1500)]
+
+ROLLOUTS = 3
+FP32_TOL = 1e-3
+BF16_TOL = 0.1
+PROMPT = [5, 9, 17, 33, 65, 129]
+
+
+def write_spec(path: Path, model: Path, *, sync: str, dtype: str, url: str | None = None) -> Path:
+    engine: dict = {"type": "vllm", "vllm": {"dtype": dtype, "kvCacheGib": 1, "concurrency": 8}}
+    if url:
+        engine["url"] = url
+    doc = {
+        "apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun", "metadata": {"name": f"vllm-{sync}"},
+        "spec": {
+            "seed": 3,
+            "model": {"hf": str(model), "seqLength": 64},
+            "trainer": {"replicas": 1, "gpusPerReplica": 0, "maxTokensPerGPU": 1024, "lossType": "ppo",
+                        "lossNormalization": "token",
+                        "optimizer": {"lr": 0.01, "minLr": 0.01, "warmupSamples": 0, "clipGrad": 1.0},
+                        "checkpoint": {"interval": 100, "path": "checkpoints"}},
+            "rollout": {
+                "source": {"type": "generate", "generate": {
+                    "prompts": {"type": "synthetic", "synthetic": {"task": "copy", "minLength": 2, "maxLength": 2}},
+                    "sampling": {"temperature": 1.0, "maxNewTokens": 4},
+                    "reward": {"type": "token_match"}}},
+                "engine": engine, "maxPolicyLag": 0, "samplesPerRollout": 32, "groupSize": 8,
+                "filters": {"zeroVariance": False}, "steps": {"policy": "dynamic"}, "numRollouts": ROLLOUTS,
+                "maxPendingRollouts": 1},
+            "weightSync": {"type": sync},
+            "metrics": {"port": metrics_port_block(free_port(), 2)},
+            "failurePolicy": {"maxRestarts": 0, "backoffSeconds": 0, "progressDeadlineSeconds": 900},
+        },
+    }
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def check_on_policy(out: Path, log: str, tol: float) -> list[dict]:
+    recs = records(out)
+    assert json.loads((out / "summary.json").read_text())["status"] == "succeeded", log[-4000:]
+    assert sorted({r["rollout"] for r in recs}) == list(range(ROLLOUTS)), log[-4000:]
+    for r in recs:
+        assert r["weight_version"] == r["rollout"] and r["policy_lag"] == 0, r
+        assert r["logprob_abs_diff"] <= tol, r  # the engine generated with exactly the trainer's weights
+    return recs
+
+
+def test_disk_sync_with_the_runs_own_server(tmp_path: Path, tiny_llama_dir: Path):
+    out = tmp_path / "run"
+    proc = start(write_spec(tmp_path / "disk.yaml", tiny_llama_dir, sync="disk", dtype="float32"), out)
+    code, log = finish(proc, timeout=1500)
+    assert code == 0, log[-6000:]
+    assert "engine: healthy after" in log
+    recs = check_on_policy(out, log, FP32_TOL)
+    print("disk: logprob_abs_diff", [r["logprob_abs_diff"] for r in recs])
+    # one HF directory per version on the volume, the older ones released (maxPolicyLag 0 keeps the newest)
+    dirs = sorted(p.name for p in (out / "checkpoints" / "weights").iterdir())
+    assert dirs == [f"v{ROLLOUTS:08d}-a0"], dirs
+    assert (out / "logs" / "engine.log").is_file()
+    pids = json.loads((out / "pids.json").read_text())
+    assert pids["engine"]["url"].startswith("http://127.0.0.1:")
+
+
+def test_broadcast_sync_with_a_user_server(tmp_path: Path, tiny_llama_dir: Path, vllm):
+    from trainingrun.vllm.client import VLLMClient
+    from trainingrun.vllm.sync import load_from_disk
+
+    client = VLLMClient(vllm.url, timeout=120)
+    before = client.prompt_logprobs(PROMPT)
+    out = tmp_path / "run"
+    try:
+        proc = start(write_spec(tmp_path / "bc.yaml", tiny_llama_dir, sync="broadcast", dtype="bfloat16",
+                                url=vllm.url), out)
+        code, log = finish(proc, timeout=1200)
+        assert code == 0, log[-6000:]
+        recs = check_on_policy(out, log, BF16_TOL)
+        print("broadcast: logprob_abs_diff", [r["logprob_abs_diff"] for r in recs])
+        # the server holds the weights the last rollout was generated with, and they are not the initial ones
+        assert client.weight_version() == f"v{ROLLOUTS - 1}"
+        after = client.prompt_logprobs(PROMPT)
+        assert max(abs(a - b) for a, b in zip(before, after)) > 1e-2, (before, after)
+    finally:
+        load_from_disk(client, str(tiny_llama_dir), "base")  # the session's server goes back to what it had

@@ -1,0 +1,159 @@
+"""How a run reaches vLLM: the engine and publisher a spec selects (and the combinations refused, naming the field),
+the weight directories and store commits of `disk`/`broadcast`, and the launcher's supervision of the run's own vLLM
+server (a stand-in server process that answers /health: the real one is in tests/integration/test_vllm_e2e.py)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainingrun.api import parse_trainingrun
+
+
+def make_run(tmp_path: Path, *, engine: dict | None = None, sync: str = "disk", max_restarts: int = 1):
+    engine = {"type": "vllm", "vllm": {"maxModelLen": 64}} if engine is None else engine
+    return parse_trainingrun({
+        "apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun", "metadata": {"name": "v"},
+        "spec": {"model": {"hf": str(tmp_path / "model"), "seqLength": 64},
+                 "trainer": {"replicas": 1, "maxTokensPerGPU": 256,
+                             "checkpoint": {"path": str(tmp_path / "ckpt")}},
+                 "rollout": {"source": {"type": "generate", "generate": {}}, "engine": engine},
+                 "weightSync": {"type": sync},
+                 "failurePolicy": {"maxRestarts": max_restarts, "backoffSeconds": 0}}})
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    from trainingrun.store import open_store
+
+    s = open_store(f"file://{tmp_path / 'store'}")
+    yield s
+    s.close()
+
+
+# ------------------------------------------------------------------------------------------ engine and publisher
+@pytest.mark.parametrize("engine,sync,field", [
+    ("vllm", "store", "weightSync.type: store reaches the megatron engine only"),
+    ("megatron", "disk", "weightSync.type: disk reaches the vllm engine only"),
+    ("megatron", "broadcast", "weightSync.type: broadcast reaches the vllm engine only"),
+])
+def test_publisher_refuses_a_sync_the_engine_cannot_load(tmp_path: Path, store, engine, sync, field):
+    from trainingrun.trainer.weights import make_publisher
+
+    run = make_run(tmp_path, engine={"type": engine}, sync=sync)
+    with pytest.raises(ValueError, match=field):
+        make_publisher(run.spec, store, rank=0)
+
+
+def test_vllm_engine_needs_disk_or_broadcast_and_a_server(tmp_path: Path, store, monkeypatch):
+    from trainingrun.rollout.generate import make_engine
+    from trainingrun.rollout.sources import ConfigError
+    from trainingrun.vllm.engine import ENGINE_URL_ENV
+
+    monkeypatch.delenv(ENGINE_URL_ENV, raising=False)
+    with pytest.raises(ConfigError, match="weightSync.type: 'store' does not reach the vllm engine"):
+        make_engine(make_run(tmp_path, sync="store").spec, store)
+    with pytest.raises(ConfigError, match="rollout.engine.url"):
+        make_engine(make_run(tmp_path).spec, store)
+    monkeypatch.setenv(ENGINE_URL_ENV, "http://127.0.0.1:9")  # the launcher's / operator's server
+    engine = make_engine(make_run(tmp_path).spec, store)
+    assert engine.name == "vllm" and engine.client.url == "http://127.0.0.1:9"
+    engine.close()
+    engine = make_engine(make_run(tmp_path, engine={"type": "vllm", "url": "http://h:8000/"}).spec, store)
+    assert engine.client.url == "http://h:8000"  # the user's server wins
+    engine.close()
+
+
+def test_engine_url_must_be_http():
+    from pydantic import ValidationError
+
+    from trainingrun.api.models import EngineSpec
+
+    with pytest.raises(ValidationError, match="url"):
+        EngineSpec.model_validate({"type": "vllm", "url": "h:8000"})
+
+
+def test_a_committed_version_tells_the_engine_where_its_weights_are(tmp_path: Path, store):
+    """The store holds where a version is (disk path or broadcast address), not the weights; the engine's fetch reads
+    exactly that back, and a version is visible only once committed."""
+    from trainingrun.rollout.generate import make_engine
+    from trainingrun.vllm.publish import commit_version
+
+    assert store.latest_weights() is None
+    assert commit_version(store, 3, {"method": "disk", "path": "/vol/w/v00000003-a0", "bytes": 10})
+    assert not commit_version(store, 3, {"method": "disk", "path": "/elsewhere"})  # committed once
+    engine = make_engine(make_run(tmp_path, engine={"type": "vllm", "url": "http://127.0.0.1:9"}).spec, store)
+    assert engine.fetch(3) == {"method": "disk", "path": "/vol/w/v00000003-a0", "bytes": 10, "version": 3}
+    assert store.latest_weights() == 3
+    engine.close()
+
+
+def test_weight_directories_carry_version_and_attempt(tmp_path: Path):
+    from trainingrun.vllm.publish import dir_version, version_dir
+
+    d = version_dir(tmp_path, 12, 3)
+    assert d.name == "v00000012-a3" and dir_version(d) == 12
+    assert dir_version(tmp_path / "notes") is None and dir_version(tmp_path / "vx-a1") is None
+
+
+# ------------------------------------------------------------------------------------------ the run's own server
+FAKE_SERVER = """#!{python}
+import http.server, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def test_launcher_restarts_a_dead_engine_within_the_budget_then_fails_naming_it(tmp_path: Path, monkeypatch):
+    from trainingrun.local.launcher import Launcher
+    from trainingrun.vllm.server import PYTHON_ENV
+
+    fake = tmp_path / "fake-vllm-python"
+    fake.write_text(FAKE_SERVER.format(python=sys.executable))
+    fake.chmod(0o755)
+    monkeypatch.setenv(PYTHON_ENV, str(fake))
+    launcher = Launcher(make_run(tmp_path, max_restarts=1), tmp_path / "out", progress=None)
+    launcher.prepare()
+    try:
+        assert launcher.start_engine() is None  # healthy
+        engine = launcher.engine
+        assert engine.healthy() and engine.server.log_path.name == "engine.log"
+        engine.server.kill()
+        failure = _wait(engine.check)
+        assert failure.name == "engine" and failure.code == -9, failure
+        assert launcher._engine_failed(failure) is None and launcher.restarts == 1  # restarted, counted
+        _wait(lambda: engine.check() is None and engine.server.proc is not None and engine.healthy())
+        assert engine.server.log_path.name == "engine.attempt1.log"
+        engine.server.kill()
+        outcome = launcher._engine_failed(_wait(engine.check))
+        assert outcome is not None and outcome.status == "failed" and outcome.culprit == "engine"
+    finally:
+        if launcher.engine is not None:
+            launcher.engine.stop()
+
+
+def test_launcher_names_a_missing_vllm_environment(tmp_path: Path, monkeypatch):
+    from trainingrun.local.launcher import Launcher
+    from trainingrun.vllm import server
+
+    monkeypatch.setattr(server, "find_python", lambda: None)
+    launcher = Launcher(make_run(tmp_path), tmp_path / "out")
+    outcome = launcher.start_engine()
+    assert outcome.status == "config_error" and "make vllm" in outcome.reason
+
+
+def _wait(fn, timeout: float = 30.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = fn()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"{fn} did not become true in {timeout}s")
