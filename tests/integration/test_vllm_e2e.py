@@ -2,7 +2,8 @@
 server on CPU (tiny Llama HF directory) and weight sync by `disk` and by `broadcast` after every rollout.
 
   disk       the launcher starts and supervises the run's own vLLM server (fp32), trainer 0 writes an HF directory
-             per version on the run's volume, the engine reloads it
+             per version on the run's volume, the engine reloads it; the server is killed after the first step and
+             restarted by the launcher (the rollout resumes without losing or repeating a prompt)
   broadcast  the session's vLLM server (`engine.url`, bf16), trainer 0 sends the weights over a gloo group to the
              engine's worker extension
 
@@ -16,13 +17,15 @@ trainer: ~0.04 nats per token on this model, docs/vllm.md).
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.localrun import finish, records, start
-from tests.services import free_port
+from tests.services import free_port, wait_for
 from trainingrun.local import metrics_port_block
 
 pytestmark = [pytest.mark.megatron, pytest.mark.vllm, pytest.mark.timeout(1500)]
@@ -33,7 +36,8 @@ BF16_TOL = 0.1
 PROMPT = [5, 9, 17, 33, 65, 129]
 
 
-def write_spec(path: Path, model: Path, *, sync: str, dtype: str, url: str | None = None) -> Path:
+def write_spec(path: Path, model: Path, *, sync: str, dtype: str, url: str | None = None, rollouts: int = ROLLOUTS,
+               max_restarts: int = 0) -> Path:
     engine: dict = {"type": "vllm", "vllm": {"dtype": dtype, "kvCacheGib": 1, "concurrency": 8}}
     if url:
         engine["url"] = url
@@ -52,41 +56,57 @@ def write_spec(path: Path, model: Path, *, sync: str, dtype: str, url: str | Non
                     "sampling": {"temperature": 1.0, "maxNewTokens": 4},
                     "reward": {"type": "token_match"}}},
                 "engine": engine, "maxPolicyLag": 0, "samplesPerRollout": 32, "groupSize": 8,
-                "filters": {"zeroVariance": False}, "steps": {"policy": "dynamic"}, "numRollouts": ROLLOUTS,
+                "filters": {"zeroVariance": False}, "steps": {"policy": "dynamic"}, "numRollouts": rollouts,
                 "maxPendingRollouts": 1},
             "weightSync": {"type": sync},
             "metrics": {"port": metrics_port_block(free_port(), 2)},
-            "failurePolicy": {"maxRestarts": 0, "backoffSeconds": 0, "progressDeadlineSeconds": 900},
+            "failurePolicy": {"maxRestarts": max_restarts, "backoffSeconds": 0, "progressDeadlineSeconds": 900},
         },
     }
     path.write_text(yaml.safe_dump(doc))
     return path
 
 
-def check_on_policy(out: Path, log: str, tol: float) -> list[dict]:
+def check_on_policy(out: Path, log: str, tol: float, rollouts: int = ROLLOUTS) -> list[dict]:
     recs = records(out)
-    assert json.loads((out / "summary.json").read_text())["status"] == "succeeded", log[-4000:]
-    assert sorted({r["rollout"] for r in recs}) == list(range(ROLLOUTS)), log[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "succeeded", log[-4000:]
+    assert sorted({r["rollout"] for r in recs}) == list(range(rollouts)), log[-4000:]
+    # every prompt answered exactly once: the source produced exactly rollouts x samplesPerRollout samples
+    assert summary["data"]["samples_produced"] == rollouts * 32, summary["data"]
     for r in recs:
         assert r["weight_version"] == r["rollout"] and r["policy_lag"] == 0, r
         assert r["logprob_abs_diff"] <= tol, r  # the engine generated with exactly the trainer's weights
     return recs
 
 
-def test_disk_sync_with_the_runs_own_server(tmp_path: Path, tiny_llama_dir: Path):
+def test_disk_sync_with_the_runs_own_server_that_dies_mid_run(tmp_path: Path, tiny_llama_dir: Path):
+    """The launcher's own fp32 server; SIGKILLed after the first step: the launcher restarts it alone (one restart of
+    the failure policy), the rollout waits, loads its version again and the run completes with nothing lost."""
     out = tmp_path / "run"
-    proc = start(write_spec(tmp_path / "disk.yaml", tiny_llama_dir, sync="disk", dtype="float32"), out)
+    rollouts = 6
+    proc = start(write_spec(tmp_path / "disk.yaml", tiny_llama_dir, sync="disk", dtype="float32", rollouts=rollouts,
+                            max_restarts=1), out)
+    try:
+        wait_for(lambda: proc.poll() is not None or (out / "metrics.jsonl").exists() or
+                 any(p.stat().st_size for p in (out / "raw").glob("*.jsonl")), 900, "the first step")
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        engine_pid = json.loads((out / "pids.json").read_text())["engine"]["pid"]
+        os.killpg(engine_pid, signal.SIGKILL)
+    except BaseException:
+        proc.kill()
+        raise
     code, log = finish(proc, timeout=1500)
     assert code == 0, log[-6000:]
-    assert "engine: healthy after" in log
-    recs = check_on_policy(out, log, FP32_TOL)
+    assert "engine: healthy after" in log and "restarting the engine" in log, log[-4000:]
+    recs = check_on_policy(out, log, FP32_TOL, rollouts)
     print("disk: logprob_abs_diff", [r["logprob_abs_diff"] for r in recs])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["restarts"] == 1 and [a["attempt"] for a in summary["attempts"]] == [0], summary["attempts"]
     # one HF directory per version on the volume, the older ones released (maxPolicyLag 0 keeps the newest)
     dirs = sorted(p.name for p in (out / "checkpoints" / "weights").iterdir())
-    assert dirs == [f"v{ROLLOUTS:08d}-a0"], dirs
-    assert (out / "logs" / "engine.log").is_file()
-    pids = json.loads((out / "pids.json").read_text())
-    assert pids["engine"]["url"].startswith("http://127.0.0.1:")
+    assert dirs == [f"v{rollouts:08d}-a0"], dirs
+    assert (out / "logs" / "engine.log").is_file() and (out / "logs" / "engine.attempt1.log").is_file()
 
 
 def test_broadcast_sync_with_a_user_server(tmp_path: Path, tiny_llama_dir: Path, vllm):

@@ -510,21 +510,16 @@ class GenerateSource(ApiModel):
 
 
 class VLLMSettings(ApiModel):
-    """The run's own vLLM server (rollout.engine.type vllm without url): started by the local launcher, or by the
-    operator as a pod + Service in a cluster."""
+    """The vllm engine: the run's own server (rollout.engine.type vllm without url; started by the local launcher)
+    and the dtype weights are published in."""
 
-    image: str = Field("vllm/vllm-openai:v0.11.0", min_length=1, description="Image of the engine pod (cluster).")
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="Weights and compute dtype of the engine; published weights are converted to it.")
     max_model_len: int | None = Field(None, ge=16, le=1_048_576,
                                       description="Longest prompt + completion; unset: model.seqLength.")
     kv_cache_gib: int = Field(2, ge=1, le=4096, description="KV cache GiB on CPU (VLLM_CPU_KVCACHE_SPACE).")
-    gpus: int = Field(0, ge=0, le=64, description="GPUs of the engine pod (cluster; its tensor-parallel size).")
-    port: int = Field(8000, ge=1, le=65535, description="Port of the engine's OpenAI server (cluster).")
     concurrency: int = Field(64, ge=1, le=4096, description="Requests the rollout keeps in flight.")
     args: list[str] = Field(default_factory=list, max_length=64, description="Extra server arguments.")
-    resources: ResourceRequirements = Field(default_factory=ResourceRequirements,
-                                            description="Resources of the engine container (cluster).")
 
 
 class EngineSpec(ApiModel):
