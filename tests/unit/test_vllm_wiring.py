@@ -157,3 +157,61 @@ def _wait(fn, timeout: float = 30.0):
             return value
         time.sleep(0.1)
     raise AssertionError(f"{fn} did not become true in {timeout}s")
+
+
+# ------------------------------------------------------------------------------------------ engine recovery
+class _DownClient:
+    url = "http://127.0.0.1:9"
+
+    def __init__(self):
+        self.waits = 0
+        self.label = None  # None: unreachable
+
+    def weight_version(self) -> str:
+        from trainingrun.vllm.client import EngineUnavailable
+
+        if self.label is None:
+            raise EngineUnavailable("GET /weight_info: unreachable")
+        return self.label
+
+    def wait_healthy(self, timeout: float) -> float:
+        self.waits += 1
+        return 0.0
+
+
+def test_a_load_while_the_server_is_down_waits_for_it_and_loads_again(monkeypatch):
+    """Regression (found by test_vllm_e2e: the launcher restarted a killed server, but the rollout's next load_weights
+    raised EngineUnavailable at once and the rollout exited 1): a load that finds the server down waits for /health
+    and is retried from the start; only after MAX_RECOVERIES failures does it raise."""
+    from trainingrun.vllm import engine as eng
+    from trainingrun.vllm.client import EngineUnavailable
+
+    calls = []
+
+    def load_from_disk(client, path, label, timeout):
+        calls.append(label)
+        if len(calls) == 1:
+            raise EngineUnavailable("POST /pause: unreachable")
+        return {"path": path}
+
+    monkeypatch.setattr(eng.sync, "load_from_disk", load_from_disk)
+    client = _DownClient()
+    engine = eng.VLLMEngine(client, fetch=lambda v: {"method": "disk", "path": f"/w/v{v}"}, say=lambda m: None)
+    engine.load_weights(2)
+    assert engine.weight_version == 2 and calls == ["v2", "v2"] and client.waits == 1
+    assert engine.stats["recoveries"] == 1 and engine.stats["loads"] == 1
+
+    def never(client, path, label, timeout):
+        raise EngineUnavailable("down for good")
+
+    monkeypatch.setattr(eng.sync, "load_from_disk", never)
+    with pytest.raises(EngineUnavailable, match="down for good"):
+        engine.load_weights(3)
+    assert engine.weight_version == 2  # still the version it fully loaded
+    assert client.waits == 1 + eng.MAX_RECOVERIES
+    # the live server refused the load (still labelled by it): raised at once, nothing to wait for
+    client.label = "loading:v3"
+    with pytest.raises(EngineUnavailable, match="down for good"):
+        engine.load_weights(3)
+    assert client.waits == 1 + eng.MAX_RECOVERIES and engine.weight_version == 2
+    engine.close()

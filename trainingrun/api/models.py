@@ -510,9 +510,14 @@ class GenerateSource(ApiModel):
 
 
 class VLLMSettings(ApiModel):
-    """The vllm engine: the run's own server (rollout.engine.type vllm without url; started by the local launcher)
-    and the dtype weights are published in."""
+    """The vllm engine: the run's own server (rollout.engine.type vllm without url; started by the local launcher, in
+    a cluster a pod + Service of the operator) and the dtype weights are published in."""
 
+    image: str = Field("vllm/vllm-openai:v0.32.0", min_length=1,
+                       description="Image of the engine pod (cluster): the official vLLM image.")
+    gpus: int = Field(0, ge=0, le=64, description="GPUs of the engine pod (cluster; its tensor-parallel size).")
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements,
+                                            description="Resources of the engine container (cluster).")
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="Weights and compute dtype of the engine; published weights are converted to it.")
     max_model_len: int | None = Field(None, ge=16, le=1_048_576,

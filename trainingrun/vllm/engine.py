@@ -71,6 +71,24 @@ class VLLMEngine:
         return f"{self.label_prefix}{version}"
 
     def load_weights(self, version: int) -> None:
+        """Load `version`. A server that is down or restarted meanwhile (EngineUnavailable, and the server is
+        unreachable or no longer labelled "loading:...") is waited for (up to `restart_timeout`) and the load retried
+        from the start, up to MAX_RECOVERIES times; a load the live server refused (e.g. the sender no longer holds
+        the version) raises at once. A load either completes (label `v<version>`) or leaves the label saying it did
+        not: never half-applied weights under a version."""
+        for tries in range(MAX_RECOVERIES + 1):
+            try:
+                return self._load(version)
+            except EngineUnavailable as exc:
+                if tries == MAX_RECOVERIES or not self._server_went_away():
+                    raise
+                self.stats["recoveries"] += 1
+                self.say(f"loading weight version {version} failed ({exc}); waiting up to "
+                         f"{self.restart_timeout:.0f}s for {self.client.url}/health")
+                waited = self.client.wait_healthy(self.restart_timeout)
+                self.say(f"server healthy again after {waited:.1f}s; loading weight version {version} again")
+
+    def _load(self, version: int) -> None:
         meta = self.fetch(version)
         method = meta.get("method")
         t0 = time.perf_counter()
@@ -91,6 +109,14 @@ class VLLMEngine:
         self.stats["loads"] += 1
         self.stats["load_seconds"] += time.perf_counter() - t0
         self.stats["loaded_bytes"] += int(meta.get("bytes", 0))
+
+    def _server_went_away(self) -> bool:
+        """After a failed load: the server is down, or came back with vLLM's initial label (a restart), rather than
+        still labelled "loading:..." by the load that failed on it."""
+        try:
+            return not self.client.weight_version().startswith(sync.LOADING)
+        except EngineUnavailable:
+            return True
 
     def _check_label(self) -> bool:
         return self.client.weight_version() == self.label(self._version)

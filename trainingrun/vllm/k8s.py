@@ -1,0 +1,76 @@
+"""The run's own vLLM server in a cluster: the engine pod's container, its worker-extension ConfigMap and the URL the
+rollout is given. Pure functions of the spec (the operator's `render` module places them among a run's children).
+
+  ConfigMap  R-engine   the worker extension (`server.extension_files()`), mounted at EXTENSION_DIR and put on
+                        PYTHONPATH: the official vLLM image needs nothing of trainingrun installed
+  Pod        R-engine   the official vLLM image (`rollout.engine.vllm.image`), the same server command line as local
+                        runs and tests (`server.server_args`, all interfaces, port ENGINE_PORT), `gpus` GPUs (its
+                        tensor-parallel size), readiness from /health, the run's podTemplate volumes (model.hf and
+                        `weightSync.path` must be on them); restartPolicy Always: the kubelet restarts a dead server
+                        and the rollout waits for /health and loads its weight version again
+  Service    R-engine   ENGINE_PORT, for the rollout ($TRAININGRUN_ENGINE_URL)
+
+The development endpoints weight sync needs (VLLM_SERVER_DEV_MODE) are reachable inside the cluster through the
+Service: restrict it with a NetworkPolicy to the run's pods where other tenants share the namespace.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainingrun.vllm.server import extension_files, server_args, server_env
+
+ENGINE_PORT = 8000
+EXTENSION_DIR = "/opt/trainingrun-vllm"
+EXTENSION_VOLUME = "vllm-extension"
+
+
+def _key(path: str) -> str:
+    """A ConfigMap key for a relative path (keys may not hold '/')."""
+    return path.replace("/", "__")
+
+
+def extension_config_map_data() -> dict[str, str]:
+    return {_key(rel): text for rel, text in extension_files().items()}
+
+
+def extension_volume(config_map: str) -> dict[str, Any]:
+    items = [{"key": _key(rel), "path": rel} for rel in sorted(extension_files())]
+    return {"name": EXTENSION_VOLUME, "configMap": {"name": config_map, "items": items}}
+
+
+def engine_url(service: str, namespace: str) -> str:
+    return f"http://{service}.{namespace}.svc:{ENGINE_PORT}"
+
+
+def engine_container(spec, *, volume_mounts: list[dict[str, Any]], resources: dict[str, Any]) -> dict[str, Any]:
+    """The vLLM container of the engine pod of `spec` (a TrainingRunSpec with rollout.engine.type vllm)."""
+    v = spec.rollout.engine.vllm
+    model = spec.model.hf
+    assert model is not None, "the vllm engine loads model.hf (cluster_errors refuses a run without it)"
+    max_len = v.max_model_len or spec.model.seq_length  # None: the model's own (config.json, read by vLLM)
+    args = server_args(model, port=ENGINE_PORT, host="0.0.0.0", dtype=v.dtype, max_model_len=int(max_len or 0),
+                       enforce_eager=v.gpus == 0, tensor_parallel_size=max(v.gpus, 1), extra=v.args)
+    if not max_len:
+        i = args.index("--max-model-len")
+        del args[i:i + 2]
+    # the image's own environment plus ours; OMP threads are the image's choice on GPUs
+    env = server_env(EXTENSION_DIR, kv_cache_gib=v.kv_cache_gib, omp_threads=None if v.gpus else 1, base={})
+    return {
+        "name": "vllm",
+        "image": v.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["python3"],
+        "args": args,
+        "env": [{"name": k, "value": val} for k, val in sorted(env.items())],
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": ENGINE_PORT}, "periodSeconds": 5,
+                           "failureThreshold": 3},
+        # loading a model takes minutes: liveness only after /health first answered (startupProbe)
+        "startupProbe": {"httpGet": {"path": "/health", "port": ENGINE_PORT}, "periodSeconds": 10,
+                         "failureThreshold": 180},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": ENGINE_PORT}, "periodSeconds": 10,
+                          "failureThreshold": 6},
+        "volumeMounts": [{"name": EXTENSION_VOLUME, "mountPath": EXTENSION_DIR, "readOnly": True}, *volume_mounts],
+        **({"resources": resources} if resources else {}),
+    }
