@@ -54,7 +54,7 @@ def write_spec(path: Path, model: Path, *, sync: str, dtype: str, url: str | Non
                 "source": {"type": "generate", "generate": {
                     "prompts": {"type": "synthetic", "synthetic": {"task": "copy", "minLength": 2, "maxLength": 2}},
                     "sampling": {"temperature": 1.0, "maxNewTokens": 4},
-                    "reward": {"type": "token_match"}}},
+                    "reward": {"type": "function", "function": "parity_reward:reward"}}},
                 "engine": engine, "maxPolicyLag": 0, "samplesPerRollout": 32, "groupSize": 8,
                 "filters": {"zeroVariance": False}, "steps": {"policy": "dynamic"}, "numRollouts": rollouts,
                 "maxPendingRollouts": 1},
@@ -67,6 +67,20 @@ def write_spec(path: Path, model: Path, *, sync: str, dtype: str, url: str | Non
     return path
 
 
+REWARD_MODULE = '''
+def reward(response, reference):
+    """1 for an even first token: about half of every group, so every step has advantages and moves the weights
+    (the copy task's own reward is ~0 for a random model, which would leave the weights where they were)."""
+    return float(int(response[0]) % 2 == 0)
+'''
+
+
+@pytest.fixture(autouse=True)
+def parity_reward(tmp_path: Path, monkeypatch):
+    (tmp_path / "parity_reward.py").write_text(REWARD_MODULE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
+
+
 def check_on_policy(out: Path, log: str, tol: float, rollouts: int = ROLLOUTS) -> list[dict]:
     recs = records(out)
     summary = json.loads((out / "summary.json").read_text())
@@ -77,6 +91,7 @@ def check_on_policy(out: Path, log: str, tol: float, rollouts: int = ROLLOUTS) -
     for r in recs:
         assert r["weight_version"] == r["rollout"] and r["policy_lag"] == 0, r
         assert r["logprob_abs_diff"] <= tol, r  # the engine generated with exactly the trainer's weights
+        assert r["grad_norm"] > 0 and r["reward_std"] > 0, r  # every step moves the weights: every sync is news
     return recs
 
 
