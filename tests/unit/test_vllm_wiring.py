@@ -215,3 +215,24 @@ def test_a_load_while_the_server_is_down_waits_for_it_and_loads_again(monkeypatc
         engine.load_weights(3)
     assert client.waits == 1 + eng.MAX_RECOVERIES and engine.weight_version == 2
     engine.close()
+
+
+def test_a_fenced_off_trainer_cannot_commit_a_weight_version(tmp_path: Path):
+    """A trainer of an older attempt (a zombie after the group restarted) publishes nothing: the store's attempt
+    fencing refuses its commit, and the live attempt's version stays what it wrote."""
+    from trainingrun.store import open_store
+    from trainingrun.store.base import StaleAttempt
+    from trainingrun.vllm.publish import commit_version
+
+    url = f"file://{tmp_path / 'store'}"
+    zombie = open_store(url, attempt=0)
+    live = open_store(url, attempt=1)
+    try:
+        assert commit_version(live, 1, {"method": "disk", "path": "/w/v00000001-a1"})
+        with pytest.raises(StaleAttempt):
+            commit_version(zombie, 2, {"method": "disk", "path": "/w/v00000002-a0"})
+        assert live.latest_weights() == 1
+        assert live.read_weights(1)[1]["path"] == "/w/v00000001-a1"
+    finally:
+        zombie.close()
+        live.close()
