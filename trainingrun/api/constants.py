@@ -13,7 +13,7 @@ API identity
 Labels of every child object (pods also carry LABEL_ROLE; trainers LABEL_RANK; rollout/trainer pods LABEL_ATTEMPT):
   LABEL_NAME    "app.kubernetes.io/name" = APP    (contract)
   LABEL_RUN     "trainingrun.dev/run" = <run>     (contract)
-  LABEL_ROLE    "trainingrun.dev/role"            (contract) rollout | trainer | store | config
+  LABEL_ROLE    "trainingrun.dev/role"            (contract) rollout | trainer | store | config | engine
   LABEL_RANK    "trainingrun.dev/rank"            (contract) trainer node rank
   LABEL_ATTEMPT "trainingrun.dev/attempt"         the restart attempt the pod belongs to
 
@@ -49,6 +49,7 @@ ROLE_ROLLOUT: Final = "rollout"
 ROLE_TRAINER: Final = "trainer"
 ROLE_STORE: Final = "store"
 ROLE_CONFIG: Final = "config"
+ROLE_ENGINE: Final = "engine"  # the run's own vLLM server (rollout.engine.type vllm without url); outlives attempts
 GROUP_ROLES: Final = (ROLE_ROLLOUT, ROLE_TRAINER)  # the pods of one attempt (the store outlives attempts)
 
 ANNOTATION_SPEC: Final = f"{GROUP}/spec"

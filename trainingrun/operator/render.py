@@ -13,6 +13,8 @@ Children of a run `R` in namespace `NS`:
   Pod        R-trainer-<i>-a<k> trainer rank i (attempt k)
   Pod+Svc    R-store            Redis, only with `store.managed: true` (or no store configured)
   PodGroup   R-a<k>             only with `gangScheduling.enabled` (`trainingrun.operator.gang`), per attempt
+  CM+Pod+Svc R-engine           the run's own vLLM server, only with `rollout.engine.type: vllm` and no `engine.url`
+                                (`trainingrun.vllm.k8s`); like the store it outlives attempts
 Pod names carry the attempt so a restarted group never collides with pods of the previous attempt still terminating;
 every pod's TRAININGRUN_ATTEMPT is its attempt, which the store and checkpoints use to refuse an older attempt's
 writes. `Child` names one child for `status.decide`; `render_child` renders it.
@@ -35,6 +37,7 @@ from trainingrun.api.constants import (
     LABEL_ROLE,
     LABEL_RUN,
     ROLE_CONFIG,
+    ROLE_ENGINE,
     ROLE_STORE,
     ROLE_TRAINER,
 )
@@ -43,6 +46,8 @@ from trainingrun.api.manifest import dump_yaml
 from trainingrun.api.models import TrainingRun
 from trainingrun.operator import gang
 from trainingrun.plan import CONFIG_MOUNT_PATH, DEFAULT_MASTER_PORT, ProcessPlan, RunPlan, build_plan
+from trainingrun.vllm import k8s as engine_k8s
+from trainingrun.vllm.engine import ENGINE_URL_ENV
 
 STORE_PORT = 6379
 DEFAULT_REDIS_IMAGE = "redis:7.2-alpine"
@@ -89,6 +94,10 @@ class Names:
     def store(self) -> str:
         return f"{self.run}-store"
 
+    @property
+    def engine(self) -> str:
+        return f"{self.run}-engine"
+
     def podgroup(self, attempt: int) -> str:
         return f"{self.run}-a{attempt}"
 
@@ -126,6 +135,9 @@ def base_children(run: TrainingRun, attempt: int) -> list[Child]:
     out = [Child("ConfigMap", names.config), Child("Service", names.service)]
     if store_is_managed(run):
         out += [Child("Service", names.store), Child("Pod", names.store, role=ROLE_STORE)]
+    if engine_is_managed(run):
+        out += [Child("ConfigMap", names.engine), Child("Service", names.engine),
+                Child("Pod", names.engine, role=ROLE_ENGINE)]
     if gang.provider(run) is not None:
         out.append(Child("PodGroup", names.podgroup(attempt)))
     return out
@@ -134,6 +146,12 @@ def base_children(run: TrainingRun, attempt: int) -> list[Child]:
 def store_is_managed(run: TrainingRun) -> bool:
     """In a cluster, a run without `store.url` gets a managed Redis (a file store cannot be shared by pods)."""
     return run.spec.store.managed or run.spec.store.url is None
+
+
+def engine_is_managed(run: TrainingRun) -> bool:
+    """The operator runs the run's vLLM server: generated rollouts with the vllm engine and no `engine.url`."""
+    e = run.spec.rollout.engine
+    return run.spec.rollout.source.type == "generate" and e.type == "vllm" and not e.url
 
 
 def store_url(run: TrainingRun, namespace: str) -> str:
@@ -174,7 +192,7 @@ def cluster_errors(run: TrainingRun) -> list[str]:
     what was wrong and what is allowed. Empty when the run can be rendered."""
     errors: list[str] = []
     names = Names(run.metadata.name)
-    for what, value in (("service", names.service), ("store service", names.store)):
+    for what, value in (("service", names.service), ("store service", names.store), ("engine service", names.engine)):
         if len(value) > 63 or not _DNS_LABEL.match(value):
             errors.append(
                 f"metadata.name: {run.metadata.name!r} gives the {what} name {value!r}, which must be a DNS label "
@@ -194,6 +212,9 @@ def cluster_errors(run: TrainingRun) -> list[str]:
         if str(mount.get("mountPath", "")).rstrip("/") == config_dir:
             errors.append(f"spec.podTemplate.volumeMounts[{i}].mountPath: {config_dir!r} is where the operator mounts "
                           "the run's manifest; use another path")
+    if run.spec.rollout.engine.type == "vllm" and run.spec.model.hf is None:
+        errors.append("spec.model.hf: rollout.engine.type vllm loads Hugging Face weights; set model.hf to an HF "
+                      "directory on a volume of spec.podTemplate (the engine pod mounts them too)")
     url = run.spec.store.url
     if url is not None and url.startswith("file://"):
         errors.append(
@@ -222,6 +243,8 @@ def plan_for(run: TrainingRun, namespace: str, attempt: int) -> RunPlan:
         master_port=DEFAULT_MASTER_PORT,
         attempt=attempt,
         epoch=run_epoch(run),
+        extra_env={ENGINE_URL_ENV: engine_k8s.engine_url(Names(run.metadata.name).engine, namespace)}
+        if engine_is_managed(run) else None,
     )
 
 
@@ -443,6 +466,47 @@ def render_store(run: TrainingRun, owner: Owner, image: str = DEFAULT_REDIS_IMAG
 STORE_DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "2Gi"}, "limits": {"memory": "2Gi"}}
 
 
+def render_engine(run: TrainingRun, owner: Owner) -> list[dict[str, Any]]:
+    """The run's vLLM server (`trainingrun.vllm.k8s`): its worker-extension ConfigMap, Pod (restartPolicy Always,
+    the run's podTemplate volumes: model.hf and weightSync.path live there) and Service; [] when not managed."""
+    if not engine_is_managed(run):
+        return []
+    names = Names(owner.name)
+    labels = {**base_labels(owner.name), LABEL_ROLE: ROLE_ENGINE}
+    t = run.spec.pod_template
+    v = run.spec.rollout.engine.vllm
+    common = _pod_spec_common(run)
+    common.pop("schedulerName", None)  # a service of the run, not part of the attempt's gang
+    container = engine_k8s.engine_container(run.spec, volume_mounts=list(t.volume_mounts),
+                                            resources=_resources(v.resources.requests, v.resources.limits, v.gpus))
+    container["securityContext"] = _container_security()
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(names.engine, owner, labels),
+        "data": engine_k8s.extension_config_map_data(),
+    }
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": _meta(names.engine, owner, {**t.labels, **labels}, dict(t.annotations) or None),
+        "spec": {
+            **common,
+            "restartPolicy": "Always",
+            "containers": [container],
+            "volumes": [engine_k8s.extension_volume(names.engine), *t.volumes],
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(names.engine, owner, labels),
+        "spec": {"selector": labels, "ports": [{"name": "http", "port": engine_k8s.ENGINE_PORT,
+                                                 "targetPort": engine_k8s.ENGINE_PORT}]},
+    }
+    return [config_map, pod, service]
+
+
 def _store_resources(run: TrainingRun) -> dict[str, Any]:
     """The managed Redis pod's resources: the spec's, or requests = limits for memory so it is not the first pod
     evicted under memory pressure (it holds every unconsumed rollout and the rollout's resume state)."""
@@ -469,6 +533,8 @@ def render_child(run: TrainingRun, owner: Owner, child: Child, attempt: int, *,
                  redis_image: str = DEFAULT_REDIS_IMAGE) -> dict[str, Any]:
     """The object of one `Child` of attempt `attempt`."""
     names = Names(owner.name)
+    if child.kind in ("ConfigMap", "Service") and child.name == names.engine or child.role == ROLE_ENGINE:
+        return next(o for o in render_engine(run, owner) if o["kind"] == child.kind)
     if child.kind == "ConfigMap":
         return render_config_map(run, owner)
     if child.kind == "Service":

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainingrun import failure_policy as policy
-from trainingrun.api.constants import GROUP_ROLES, ROLE_STORE, ROLE_TRAINER
+from trainingrun.api.constants import GROUP_ROLES, ROLE_ENGINE, ROLE_STORE, ROLE_TRAINER
 from trainingrun.api.models import MESSAGE_MAX_LENGTH, TERMINAL_PHASES, TrainingRun
 from trainingrun.operator import render
 from trainingrun.operator.observe import KUEUE_GATE, Observed, PodObs, parse_time
@@ -517,7 +517,7 @@ def _ensure_children(ctx: _Ctx, *, pods: bool) -> None:
 
 
 def _store_pod_exists(child: render.Child, obs: Observed) -> bool:
-    return child.kind == "Pod" and any(p.role == ROLE_STORE and p.name == child.name and not p.deleting
+    return child.kind == "Pod" and any(p.role in (ROLE_STORE, ROLE_ENGINE) and p.name == child.name and not p.deleting
                                        for p in obs.pods)
 
 

@@ -1,0 +1,78 @@
+"""The operator's children for a run with the vLLM engine and no engine.url: the engine's ConfigMap (worker
+extension), Pod (official vLLM image, restartPolicy Always, the run's volumes) and Service, created with the run's
+other base children; the rollout pod is given the engine's URL; a vllm run without model.hf is refused."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from trainingrun.api import parse_trainingrun
+from trainingrun.api.constants import LABEL_ROLE
+from trainingrun.operator import render, status
+from trainingrun.operator.observe import Observed, PodObs
+from trainingrun.vllm import k8s
+from trainingrun.vllm.engine import ENGINE_URL_ENV
+
+T0 = dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc)
+OWNER = render.Owner(name="rl", namespace="ns1", uid="u-1")
+VOLUMES = [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}]
+MOUNTS = [{"name": "models", "mountPath": "/models"}]
+
+
+def run_of(engine: dict, hf: str | None = "/models/smol"):
+    model = {"hf": hf, "seqLength": 512} if hf else {"preset": "tiny"}
+    return parse_trainingrun({
+        "apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun", "metadata": {"name": "rl"},
+        "spec": {"model": model, "trainer": {"replicas": 2, "maxTokensPerGPU": 256},
+                 "rollout": {"source": {"type": "generate", "generate": {}}, "engine": engine},
+                 "weightSync": {"type": "disk", "path": "/models/weights"},
+                 "store": {"managed": True},
+                 "podTemplate": {"volumes": VOLUMES, "volumeMounts": MOUNTS}}})
+
+
+def test_engine_children_and_the_rollouts_url():
+    run = run_of({"type": "vllm", "vllm": {"gpus": 1, "resources": {"requests": {"cpu": "4"}}}})
+    assert render.cluster_errors(run) == []
+    children = render.render_children(run, OWNER, attempt=0)
+    engine = [c for c in children if c["metadata"]["name"] == "rl-engine"]
+    assert [c["kind"] for c in engine] == ["ConfigMap", "Service", "Pod"]
+    cm, svc, pod = engine
+    assert cm["data"] == k8s.extension_config_map_data()
+    assert svc["spec"]["ports"][0]["port"] == k8s.ENGINE_PORT
+    assert svc["spec"]["selector"][LABEL_ROLE] == "engine" == pod["metadata"]["labels"][LABEL_ROLE]
+    assert pod["spec"]["restartPolicy"] == "Always" and "schedulerName" not in pod["spec"]
+    c = pod["spec"]["containers"][0]
+    assert c["image"].startswith("vllm/vllm-openai:") and c["args"][c["args"].index("--model") + 1] == "/models/smol"
+    assert c["resources"] == {"requests": {"cpu": "4", "nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 1}}
+    assert MOUNTS[0] in c["volumeMounts"] and VOLUMES[0] in pod["spec"]["volumes"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert pod["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    url = k8s.engine_url("rl-engine", "ns1")
+    rollout = next(c for c in children if c["metadata"]["name"] == "rl-rollout-a0")
+    assert {"name": ENGINE_URL_ENV, "value": url} in rollout["spec"]["containers"][0]["env"]
+
+
+def test_a_user_engine_or_the_megatron_engine_gets_no_engine_pod():
+    for engine in ({"type": "vllm", "url": "http://vllm.other:8000"}, {"type": "megatron"}):
+        run = run_of(engine)
+        names = {c.name for c in render.base_children(run, 0)}
+        assert "rl-engine" not in names
+        rollout = next(c for c in render.render_children(run, OWNER, 0) if c["metadata"]["name"] == "rl-rollout-a0")
+        assert all(e["name"] != ENGINE_URL_ENV for e in rollout["spec"]["containers"][0]["env"])
+
+
+def test_vllm_without_hf_weights_is_refused_naming_the_field():
+    errors = render.cluster_errors(run_of({"type": "vllm"}, hf=None))
+    assert any(e.startswith("spec.model.hf:") for e in errors), errors
+
+
+def test_missing_engine_children_are_created_and_a_running_engine_pod_is_not_recreated():
+    run = run_of({"type": "vllm"})
+    st = {"phase": "Pending", "attempt": 0, "restarts": 0}
+    d = status.decide(run, dict(st), Observed(pods=(), children=frozenset()), now=T0)
+    created = {c.key for c in d.create}
+    assert {"ConfigMap/rl-engine", "Service/rl-engine", "Pod/rl-engine"} <= created
+    engine_pod = PodObs(name="rl-engine", role="engine", rank=None, attempt=None, phase="Running")
+    children = frozenset(c.key for c in render.base_children(run, 0) if c.kind != "Pod")
+    d = status.decide(run, dict(st), Observed(pods=(engine_pod,), children=children), now=T0)
+    assert "Pod/rl-engine" not in {c.key for c in d.create}
