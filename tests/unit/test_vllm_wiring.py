@@ -5,10 +5,11 @@ server (a stand-in server process that answers /health: the real one is in tests
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.services import wait_for
 
 from trainingrun.api import parse_trainingrun
 
@@ -150,13 +151,7 @@ def test_launcher_names_a_missing_vllm_environment(tmp_path: Path, monkeypatch):
 
 
 def _wait(fn, timeout: float = 30.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = fn()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"{fn} did not become true in {timeout}s")
+    return wait_for(fn, timeout, getattr(fn, "__name__", "the engine"), interval=0.1)
 
 
 # ------------------------------------------------------------------------------------------ engine recovery
