@@ -91,7 +91,10 @@ def check_on_policy(out: Path, log: str, tol: float, rollouts: int = ROLLOUTS) -
     for r in recs:
         assert r["weight_version"] == r["rollout"] and r["policy_lag"] == 0, r
         assert r["logprob_abs_diff"] <= tol, r  # the engine generated with exactly the trainer's weights
-        assert r["grad_norm"] > 0 and r["reward_std"] > 0, r  # every step moves the weights: every sync is news
+        # a step with reward variance moves the weights (the policy may learn the parity reward: then the last
+        # rollouts are all-even, with no variance and no update)
+        assert (r["grad_norm"] > 0) == (r["reward_std"] > 0), r
+    assert recs[0]["reward_std"] > 0, recs[0]  # ~half the first, random samples are even: the first sync is news
     return recs
 
 
