@@ -445,9 +445,8 @@ class Source(Protocol):
     """The first three stages of a rollout: draw prompts → generate → score.
 
     `draw(i)` returns source rollout i's prompts (None: the source is exhausted); `generate` turns them into groups
-    of samples; `score` sets the groups' rewards. `close()` releases what the source holds (engine, reward workers). A source rollout is a pure function of (spec, i) for the replay
-    sources, so a restarted rollout rebuilds it bit for bit. The replay sources (`synthetic`, `jsonl`) draw samples
-    that are already generated and scored: their `generate` and `score` pass them through.
+    of samples; `score` sets the groups' rewards. `close()` releases what the source holds (engine, reward workers).
+    The replay sources (`synthetic`, `jsonl`: `ReplaySource`) draw samples that are already generated and scored.
     """
 
     def draw(self, index: int) -> Any | None: ...
@@ -460,14 +459,11 @@ class Source(Protocol):
     def close(self) -> None: ...
 
 
-class SyntheticSource:
-    """`rollout.source.type: synthetic` (see the module docstring)."""
+class ReplaySource:
+    """A source whose draws are samples already generated and scored: `generate` and `score` pass them through, and
+    a source rollout is a pure function of (spec, i), so a rollout lost by the store can be rebuilt bit for bit."""
 
-    def __init__(self, cfg: SyntheticConfig):
-        self.cfg = cfg
-
-    def draw(self, index: int) -> list[Group]:
-        return synthetic_rollout(self.cfg, index)
+    replayable = True
 
     def generate(self, prompts: list[Group], rollout: int) -> list[Group]:
         return prompts
@@ -479,7 +475,17 @@ class SyntheticSource:
         pass
 
 
-class JsonlSource:
+class SyntheticSource(ReplaySource):
+    """`rollout.source.type: synthetic` (see the module docstring)."""
+
+    def __init__(self, cfg: SyntheticConfig):
+        self.cfg = cfg
+
+    def draw(self, index: int) -> list[Group]:
+        return synthetic_rollout(self.cfg, index)
+
+
+class JsonlSource(ReplaySource):
     """`rollout.source.type: jsonl`: source rollout i = the next `groups_per_rollout` groups in file order."""
 
     def __init__(self, data: JsonlData, groups_per_rollout: int):
@@ -494,12 +500,3 @@ class JsonlSource:
         return [Group(g.group_id, g.tokens, g.loss_masks, g.rewards.copy(), g.sample_ids,
                       None if g.advantages is None else g.advantages.copy(), g.has_reward)
                 for g in self.data.groups[start : start + self.groups_per_rollout]]
-
-    def generate(self, prompts: list[Group], rollout: int) -> list[Group]:
-        return prompts
-
-    def score(self, groups: list[Group]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
