@@ -50,6 +50,7 @@ class PodObs:
     waiting_reason: str | None = None  # e.g. ImagePullBackOff, Unschedulable
     disruption: str | None = None  # e.g. "pod P was evicted (DisruptionTarget EvictionByEvictionAPI: ...)"
     gated: tuple[str, ...] = ()  # spec.schedulingGates (Kueue holds the pods of a workload until it is admitted)
+    restarts: int = 0  # containers restarted in place by the kubelet (restartPolicy Always: store, engine)
 
     def as_failure(self) -> policy.Failure:
         """This pod, which failed or was disrupted, as the failure policy sees it."""
@@ -77,7 +78,9 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObs:
     phase = status.get("phase") or "Pending"
     codes: list[int] = []
     failure = finished = waiting = waiting_reason = None
+    restarts = 0
     for cs in status.get("containerStatuses") or []:
+        restarts += int(cs.get("restartCount") or 0)
         state = cs.get("state") or {}
         term = state.get("terminated") or (cs.get("lastState") or {}).get("terminated")
         if term and term.get("exitCode") is not None:
@@ -125,6 +128,7 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObs:
         waiting_reason=waiting_reason,
         disruption=disruption,
         gated=tuple(g.get("name", "") for g in spec.get("schedulingGates") or []),
+        restarts=restarts,
     )
 
 

@@ -247,7 +247,7 @@ def _begin_attempt(ctx: _Ctx, reason: str, message: str) -> None:
 
 
 def _pending(ctx: _Ctx) -> None:
-    if _active_deadline(ctx) or _resize(ctx) or _group_exit(ctx):
+    if _active_deadline(ctx) or _engine_budget(ctx) or _resize(ctx) or _group_exit(ctx):
         return
     _delete_stale(ctx)
     _ensure_children(ctx, pods=True)
@@ -255,7 +255,7 @@ def _pending(ctx: _Ctx) -> None:
 
 
 def _running(ctx: _Ctx) -> None:
-    if _active_deadline(ctx) or _resize(ctx) or _group_exit(ctx) or _progress_deadline(ctx):
+    if _active_deadline(ctx) or _engine_budget(ctx) or _resize(ctx) or _group_exit(ctx) or _progress_deadline(ctx):
         return
     _delete_stale(ctx)
     _ensure_children(ctx, pods=False)
@@ -286,6 +286,20 @@ def _invalid_spec(ctx: _Ctx) -> bool:
     if not ctx.obs.spec_errors:
         return False
     return ctx.fail("InvalidSpec", "the spec cannot run in a cluster: " + "; ".join(ctx.obs.spec_errors))
+
+
+def _engine_budget(ctx: _Ctx) -> bool:
+    """The run's own vLLM server (restartPolicy Always: the kubelet restarts it in place, and the rollout waits for it
+    and resends what it had asked) shares the failure policy's budget: restarted more than `maxRestarts` times, the
+    run fails naming the pod and its last failure, instead of crash-looping for ever."""
+    budget = ctx.fp.max_restarts
+    for p in _live(ctx.obs.pods):
+        if p.role == ROLE_ENGINE and p.restarts > budget:
+            why = p.failure or p.waiting or "no exit recorded"
+            return ctx.fail("BackoffLimitExceeded",
+                            f"the run's vLLM server (pod {p.name}) restarted {p.restarts} times, more than "
+                            f"failurePolicy.maxRestarts={budget}; last: {why}")
+    return False
 
 
 def _permanent_refusal(ctx: _Ctx) -> bool:
