@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -37,19 +38,35 @@ def finish(proc: subprocess.Popen, timeout: float = RUN_TIMEOUT) -> tuple[int, s
     return proc.returncode, out
 
 
-def stop_when(proc: subprocess.Popen, ready: Callable[[], object], what: str, *, timeout: float = RUN_TIMEOUT,
-              before_stop: Callable[[], None] | None = None) -> tuple[int, str]:
-    """Wait until `ready()` while the launcher runs (it must not end first), SIGTERM it; its exit code and output."""
+def fault_when(proc: subprocess.Popen, ready: Callable[[], object], what: str, fault: Callable[[], None], *,
+               timeout: float = RUN_TIMEOUT) -> tuple[int, str]:
+    """Wait until `ready()` while the launcher runs (it must not end first), then inject `fault()` (kill a child,
+    restart a service, stop the launcher...) and wait for the launcher; its exit code and output."""
     try:
         wait_for(lambda: ready() or proc.poll() is not None, timeout, what, interval=0.1)
         assert proc.poll() is None, f"the run ended before {what}:\n{proc.stdout.read()[-3000:]}"
-        if before_stop is not None:
-            before_stop()
-        proc.send_signal(signal.SIGTERM)
+        fault()
         return finish(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def stop_when(proc: subprocess.Popen, ready: Callable[[], object], what: str, *, timeout: float = RUN_TIMEOUT,
+              before_stop: Callable[[], None] | None = None) -> tuple[int, str]:
+    """Wait until `ready()` while the launcher runs (it must not end first), SIGTERM it; its exit code and output."""
+    def stop() -> None:
+        if before_stop is not None:
+            before_stop()
+        proc.send_signal(signal.SIGTERM)
+
+    return fault_when(proc, ready, what, stop, timeout=timeout)
+
+
+def kill_child(out: Path, process: str) -> None:
+    """SIGKILL one process of the run (`rollout`, `trainer-1`, ...), found in the run directory's pids.json."""
+    pid = json.loads((out / "pids.json").read_text())["processes"][process]["pid"]
+    os.kill(pid, signal.SIGKILL)
 
 
 def records(out: Path) -> list[dict]:

@@ -25,7 +25,7 @@ import yaml
 
 from tests import localrun
 from tests.localrun import finish, records
-from tests.services import free_port, prometheus_server, wait_for
+from tests.services import free_port, prometheus_server
 from trainingrun.local import metrics_port_block
 from trainingrun.metrics.names import TRAINER_COUNTERS, TRAINER_WEIGHTED
 
@@ -207,23 +207,14 @@ def test_killed_trainer_restarts_group(spec_dir, ref2):
     out = spec_dir / "killed"
     # with W&B offline too: both attempts log to one W&B run, whose id is kept with the checkpoints
     proc = start(ref2["spec"], out, "--set", "metrics.wandb.project=e2e", "--set", "metrics.wandb.mode=offline")
-    try:
-        raw = out / "raw" / "trainer-metrics.attempt0.jsonl"
+    raw = out / "raw" / "trainer-metrics.attempt0.jsonl"
 
-        def past_checkpoint():
-            if proc.poll() is not None:
-                return True
-            lines = raw.read_text().splitlines() if raw.exists() else []
-            return first_checkpoint(out) and len(lines) >= CKPT_INTERVAL + 2
+    def past_checkpoint():
+        lines = raw.read_text().splitlines() if raw.exists() else []
+        return first_checkpoint(out) and len(lines) >= CKPT_INTERVAL + 2
 
-        wait_for(past_checkpoint, RUN_TIMEOUT, "steps after the first checkpoint", interval=0.1)
-        assert proc.poll() is None, "the run ended before the kill"
-        victim = json.loads((out / "pids.json").read_text())["processes"]["trainer-1"]["pid"]
-        os.kill(victim, signal.SIGKILL)
-        code, log = finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    code, log = localrun.fault_when(proc, past_checkpoint, "steps after the first checkpoint",
+                                    lambda: localrun.kill_child(out, "trainer-1"))
     assert code == 0, log[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["restarts"] == 1 and summary["attempts"][0]["culprit"] == "trainer-1"

@@ -88,16 +88,11 @@ def test_redis_restarted_empty_mid_run_recovers_exactly(tmp_path, ref):
     with redis_server() as server:
         out = tmp_path / "out"
         spec = write_spec(tmp_path / "run.yaml", store_url=server.url + "?prefix=lost&retry_seconds=20")
-        proc = localrun.start(spec, out)
-        try:
-            wait(lambda: any((out / "checkpoints").glob("step_*/COMPLETE")) and len(trained(out)) >= CKPT_INTERVAL + 1,
-                 240, "a checkpoint and a step after it")
-            assert proc.poll() is None, "the run ended before the fault"
-            server.restart()  # no persistence: it comes back empty
-            code, log = finish(proc)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        # redis-server has no persistence: it comes back empty
+        code, log = localrun.fault_when(
+            localrun.start(spec, out),
+            lambda: any((out / "checkpoints").glob("step_*/COMPLETE")) and len(trained(out)) >= CKPT_INTERVAL + 1,
+            "a checkpoint and a step after it", server.restart, timeout=240)
     assert code == 0, log[-6000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["restarts"] == 1 and summary["attempts"][0]["outcome"] == "failed", summary["attempts"]

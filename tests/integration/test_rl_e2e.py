@@ -11,15 +11,13 @@ in-process Megatron engine generating, real Megatron-core trainers, weights thro
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.localrun import finish, records, start
-from tests.services import free_port, wait_for
+from tests.localrun import fault_when, finish, kill_child, records, start
+from tests.services import free_port
 from trainingrun.local import metrics_port_block
 
 pytestmark = pytest.mark.megatron
@@ -107,23 +105,9 @@ def test_rollout_killed_mid_run_resumes_without_losing_or_repeating_a_prompt(spe
     doc["spec"]["trainer"]["checkpoint"]["interval"] = 4
     spec.write_text(yaml.safe_dump(doc))
     out = spec_dir / "killed"
-    proc = start(spec, out)
-    try:
-        raw = out / "raw" / "trainer-metrics.attempt0.jsonl"
-
-        def mid_run() -> bool:
-            if proc.poll() is not None:
-                return True
-            return raw.exists() and len(raw.read_text().splitlines()) >= 6
-
-        wait_for(mid_run, 300, "6 steps", interval=0.1)
-        assert proc.poll() is None, "the run ended before the kill"
-        victim = json.loads((out / "pids.json").read_text())["processes"]["rollout"]["pid"]
-        os.kill(victim, signal.SIGKILL)
-        code, log = finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    raw = out / "raw" / "trainer-metrics.attempt0.jsonl"
+    code, log = fault_when(start(spec, out), lambda: raw.exists() and len(raw.read_text().splitlines()) >= 6,
+                           "6 steps", lambda: kill_child(out, "rollout"), timeout=300)
     assert code == 0, log[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["restarts"] == 1 and summary["attempts"][0]["culprit"] == "rollout"
