@@ -82,7 +82,7 @@ def _worker(args, mode: str, root: str) -> None:
 
     from trainingrun.schedule import build_dp_schedule
     from trainingrun.trainer.batch import pack
-    from trainingrun.trainer.checkpoint import Progress
+    from trainingrun.trainer.checkpoint import TrainingProgress
     from trainingrun.trainer.checkpoint_megatron import TrainerCheckpoints
     from trainingrun.trainer.step import train_step
 
@@ -117,7 +117,7 @@ def _worker(args, mode: str, root: str) -> None:
         step()
         saves = []
         for i in (1, 2):
-            res = ck.save(Progress(global_step=i, rollout=i, samples_consumed=12 * i))
+            res = ck.save(TrainingProgress(global_step=i, rollout=i, samples_consumed=12 * i))
             saves.append({"shards": res.seconds_shards, "total": res.seconds_total, "bytes": res.bytes})
         out.update(saves=saves, bytes=saves[-1]["bytes"], loss=step(),
                    files=sum(1 for p in Path(root, "step_00000002").rglob("*") if p.is_file()))

@@ -79,7 +79,7 @@ def generation_megatron(args) -> dict:
         t_rollout = time.perf_counter() - t0
         n_rollout = source.stats.generated_tokens
         seed = int(np.random.SeedSequence([spec.seed, i, 0x5A]).generate_state(1)[0])
-        from trainingrun.rollout.engine import Sampling
+        from trainingrun.contract.engine import Sampling
 
         sampling = Sampling(temperature=1.0, max_new_tokens=args.new_tokens, stop_token_ids=source.stop_ids, seed=seed)
         t0 = time.perf_counter()

@@ -82,7 +82,7 @@ def generation_vllm(args) -> dict:
     import yaml
 
     from trainingrun.api import parse_trainingrun
-    from trainingrun.rollout.engine import Sampling
+    from trainingrun.contract.engine import Sampling
     from trainingrun.rollout.generate import GenerateSource
     from trainingrun.store import open_store
     from trainingrun.vllm.client import VLLMClient

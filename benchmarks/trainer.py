@@ -45,10 +45,10 @@ def main() -> None:
     import torch
 
     from trainingrun.schedule import build_dp_schedule
-    from trainingrun.rollout.published import rank_payload
+    from trainingrun.contract.published import rank_payload
     from trainingrun.trainer.batch import step_microbatches
     from trainingrun.trainer.step import train_step
-    from trainingrun.trainer.synthetic import loss_tokens_of, make_samples
+    from tests.synthetic import loss_tokens_of, make_samples
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     set_seed(0)

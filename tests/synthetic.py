@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainingrun.rollout import published as contract
-from trainingrun.rollout.published import PublishedRollout, Samples
+from trainingrun.contract import published as contract
+from trainingrun.contract.published import PublishedRollout, Samples
 
 
 def make_samples(n: int, *, vocab: int, seed: int, min_len: int = 3, max_len: int = 16, group_size: int = 2,

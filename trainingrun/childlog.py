@@ -14,13 +14,13 @@ rank when it starts (Transformer Engine / Apex missing, deprecated defaults) are
 from __future__ import annotations
 
 import io
-import os
 import sys
 import threading
 import time
 import warnings
 
-TIMESTAMPS_ENV = "TRAININGRUN_LOG_TIMESTAMPS"
+from trainingrun.contract.env import ProcessEnv
+from trainingrun.contract.errors import ConfigError
 
 # Messages megatron-core (0.16) warns about at import/model-build time, the same on every rank.
 KNOWN_STARTUP_WARNINGS = (
@@ -75,8 +75,11 @@ class TimestampedWriter(io.TextIOBase):
 
 def install_timestamps(environ=None) -> bool:
     """Stamp this process's stdout/stderr lines when TRAININGRUN_LOG_TIMESTAMPS=1; True if installed."""
-    env = os.environ if environ is None else environ
-    if env.get(TIMESTAMPS_ENV) != "1" or isinstance(sys.stderr, TimestampedWriter):
+    try:
+        wanted = ProcessEnv.from_environ(environ).log_timestamps
+    except ConfigError:  # a malformed variable: the program reports it (exit 78), unstamped
+        wanted = False
+    if not wanted or isinstance(sys.stderr, TimestampedWriter):
         return False
     sys.stdout = TimestampedWriter(sys.stdout)
     sys.stderr = TimestampedWriter(sys.stderr)

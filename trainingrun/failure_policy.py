@@ -38,9 +38,9 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-# Exit code a process uses for a configuration or unrecoverable data error (EX_CONFIG from sysexits.h): the operator
-# and the launcher fail the run at once instead of restarting it.
-EXIT_CONFIG_ERROR = 78
+# The exit code of a configuration or unrecoverable data error (EX_CONFIG): the run fails at once, not restarted.
+from trainingrun.contract.errors import EXIT_CONFIG_ERROR
+
 MAX_BACKOFF_SECONDS = 360.0
 
 

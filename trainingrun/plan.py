@@ -3,17 +3,14 @@
 The operator renders a plan into pods (`trainingrun.operator`), the local launcher into processes
 (`trainingrun.local`); both read the same plan, so a run behaves the same on a laptop and in a cluster.
 
-Every process reads its configuration from the environment:
-  TRAININGRUN_RUN           run name                      (contract)
-  TRAININGRUN_STORE_URL     file:///... or redis://...     (contract)
-  TRAININGRUN_CONFIG        path of the TrainingRun YAML (a ConfigMap mount in a cluster)
-  TRAININGRUN_ATTEMPT       restart attempt (0, 1, ...)
-  TRAININGRUN_RUN_EPOCH     the run's creation time (unix seconds; 0 when unknown, e.g. local runs): with the attempt
-                            it orders the writers of a run's checkpoints, so a TrainingRun deleted and re-created
-                            over the same volume takes them over and the old run's leftovers are fenced off
-  TRAININGRUN_METRICS_PORT  port of /metrics for this process
-  RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT  trainers only (contract); see "Ranks" below
-  TRAININGRUN_METRICS_JSONL rank 0 appends one JSON object per step here (local runs)
+Every process reads its configuration from the environment: the `TRAININGRUN_*` variables of
+`trainingrun.contract.env.ProcessEnv` (TRAININGRUN_RUN and TRAININGRUN_STORE_URL are contracts; also CONFIG, the path
+of the TrainingRun YAML, a ConfigMap mount in a cluster; ATTEMPT, the restart attempt; RUN_EPOCH, the run's creation
+time in unix seconds, unset when unknown, e.g. local runs: with the attempt it orders the writers of a run's
+checkpoints, so a TrainingRun deleted and re-created over the same volume takes them over and the old run's leftovers
+are fenced off; METRICS_PORT, this process's /metrics), and trainers `RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
+`MASTER_PORT` (contract; see "Ranks" below). `extra_env` adds what a caller gives every process (the launcher: the
+run directory's paths and the run's engine, also through `ProcessEnv`).
 
 Ranks. A trainer process of the plan (a pod) is a *node* of the torch.distributed job. Its `RANK` is the pod index
 (0 .. replicas-1, = the `trainingrun.dev/rank` label and the `trainer-<rank>` hostname) and its `WORLD_SIZE` the
@@ -22,8 +19,9 @@ is trainer pod 0. With `gpusPerReplica` G ≤ 1 a pod runs one rank, so these ar
 size. With G > 1, `trainingrun trainer` starts G worker processes per pod (`trainingrun.trainer.workers`) and gives
 each the process-level values torch.distributed reads: RANK = node_rank × G + local_rank, WORLD_SIZE = replicas × G
 (= `spec.trainer.world_size`), LOCAL_RANK, LOCAL_WORLD_SIZE = G, and keeps the pod's values as TRAININGRUN_NODE_RANK /
-TRAININGRUN_NUM_NODES. The pod keeps node-level values (rather than, say, RANK = first process rank) because they
-are what the pod knows and is labelled with, and because they stay correct however many processes the pod starts.
+TRAININGRUN_NUM_NODES (`ProcessEnv.node_rank` / `num_nodes`). The pod keeps node-level values (rather than, say,
+RANK = first process rank) because they are what the pod knows and is labelled with, and because they stay correct
+however many processes the pod starts.
 
 Metrics ports: a trainer pod's workers serve /metrics on TRAININGRUN_METRICS_PORT + local_rank
 (`ProcessPlan.metrics_ports`).
@@ -35,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from trainingrun.api.models import TrainingRun
-from trainingrun.failure_policy import EXIT_CONFIG_ERROR
+from trainingrun.contract.env import ProcessEnv
 
 Role = Literal["rollout", "trainer"]
 
@@ -108,11 +106,8 @@ def build_plan(
     name = run.metadata.name
     base_port = spec.metrics.port if metrics_port is None else metrics_port
     common = {
-        "TRAININGRUN_RUN": name,
-        "TRAININGRUN_STORE_URL": store_url,
-        "TRAININGRUN_CONFIG": config_path,
-        "TRAININGRUN_ATTEMPT": str(attempt),
-        **({"TRAININGRUN_RUN_EPOCH": str(epoch)} if epoch else {}),
+        **ProcessEnv(run=name, store_url=store_url, config=config_path, attempt=attempt,
+                     run_epoch=epoch or None).to_env(),
         **(extra_env or {}),
     }
     replicas = spec.trainer.replicas
@@ -122,7 +117,7 @@ def build_plan(
             role="rollout",
             rank=None,
             args=("rollout",),
-            env={**common, "TRAININGRUN_METRICS_PORT": str(base_port)},
+            env={**common, **ProcessEnv(metrics_port=base_port).to_env()},
             metrics_port=base_port,
         )
     ]
@@ -139,7 +134,7 @@ def build_plan(
                     "WORLD_SIZE": str(replicas),
                     "MASTER_ADDR": master_addr,
                     "MASTER_PORT": str(master_port),
-                    "TRAININGRUN_METRICS_PORT": str(port),
+                    **ProcessEnv(metrics_port=port).to_env(),
                 },
                 metrics_port=port,
                 workers=nproc,
@@ -155,4 +150,4 @@ def build_plan(
     )
 
 
-__all__ = ["CONFIG_MOUNT_PATH", "DEFAULT_MASTER_PORT", "EXIT_CONFIG_ERROR", "ProcessPlan", "Role", "RunPlan", "build_plan"]
+__all__ = ["CONFIG_MOUNT_PATH", "DEFAULT_MASTER_PORT", "ProcessPlan", "Role", "RunPlan", "build_plan"]

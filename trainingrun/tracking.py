@@ -29,13 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-OUTPUT_DIR_ENV = "TRAININGRUN_OUTPUT_DIR"
+from trainingrun.contract.env import ProcessEnv
+from trainingrun.contract.errors import ConfigError
 WANDB_ID_FILE = "wandb-run-id"
 NOT_LOGGED = frozenset({"step", "time"})
 
 
-class TrackingConfigError(ValueError):
-    """The tracking section of the spec cannot be honoured (e.g. W&B asked for, package missing)."""
+class TrackingConfigError(ConfigError):
+    """The tracking section of the spec cannot be honoured (e.g. W&B asked for, package missing): exit 78."""
 
 
 def numeric_fields(record: dict[str, Any]) -> dict[str, float]:
@@ -55,9 +56,8 @@ class TrackingPaths:
 
 def tracking_paths(metrics_spec, *, checkpoint_dir: Path, environ: dict[str, str] | None = None) -> TrackingPaths:
     """Where rank 0 writes its history (see the module docstring)."""
-    env = os.environ if environ is None else environ
-    local_out = env.get(OUTPUT_DIR_ENV)
-    jsonl_env = env.get("TRAININGRUN_METRICS_JSONL")
+    env = ProcessEnv.from_environ(environ)
+    local_out, jsonl_env = env.output_dir, env.metrics_jsonl
     if local_out:
         out = Path(local_out)
     elif jsonl_env:  # a trainer started by hand with its JSONL path: the other history goes beside it
@@ -92,7 +92,7 @@ class _TensorBoard:
     name = "tensorboard"
 
     def __init__(self, log_dir: Path, purge_step: int | None):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # deferred: torch
 
         log_dir.mkdir(parents=True, exist_ok=True)
         self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step, flush_secs=30)
@@ -110,7 +110,7 @@ class _Wandb:
     name = "wandb"
 
     def __init__(self, spec, *, run_name: str, run_id: str, wandb_dir: Path, config: dict[str, Any]):
-        import wandb
+        import wandb  # deferred: wandb
 
         wandb_dir.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(

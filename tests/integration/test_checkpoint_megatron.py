@@ -151,7 +151,7 @@ def _worker(mode: str, root: str, tp: int, out_root: str | None) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from trainingrun.trainer.checkpoint import Progress
+    from trainingrun.trainer.checkpoint import TrainingProgress
     from trainingrun.trainer.checkpoint_megatron import TrainerCheckpoints
     from trainingrun.trainer.step import train_step
 
@@ -169,7 +169,7 @@ def _worker(mode: str, root: str, tp: int, out_root: str | None) -> None:
         return TrainerCheckpoints(Path(where), ddp.module, optimizer, scheduler, attempt=0, meta=meta, keep=2,
                                   log=lambda m: print(f"[rank {dist.get_rank()}] {m}", flush=True))
 
-    progress = Progress()
+    progress = TrainingProgress()
     if mode != "save":
         resumed = checkpoints(root).resume()
         assert resumed is not None

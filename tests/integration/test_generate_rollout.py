@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from trainingrun.api import parse_trainingrun
-from trainingrun.rollout import published as contract
-from trainingrun.rollout.engine import Completion
+from trainingrun.contract import published as contract
+from trainingrun.contract.engine import Completion
 from trainingrun.rollout.generate import GenerateSource
 from trainingrun.rollout.loop import STATE_KEY, RolloutLoop, data_report
 from trainingrun.store import open_store

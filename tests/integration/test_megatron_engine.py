@@ -24,7 +24,7 @@ def _worker(store_url: str, out_path: str) -> None:
     import numpy as np
     import torch
 
-    from trainingrun.rollout.engine import Sampling
+    from trainingrun.contract.engine import Sampling
     from trainingrun.rollout.megatron_engine import MegatronEngine, state_dict_arrays
     from trainingrun.store import CorruptPayload, open_store
 

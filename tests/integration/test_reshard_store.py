@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from trainingrun.rollout import published as contract
+from trainingrun.contract import published as contract
 from trainingrun.store import open_store
 from trainingrun.trainer.reshard import acked_ranks, reschedule
-from trainingrun.trainer.synthetic import publish
+from tests.synthetic import publish
 
 
 @pytest.mark.parametrize("backend", ["file", "redis"])

@@ -20,8 +20,9 @@ import yaml
 
 from tests.services import free_port, wait_for
 from trainingrun.api import parse_trainingrun
-from trainingrun.plan import EXIT_CONFIG_ERROR
-from trainingrun.rollout.main import STATE_KEY, RolloutMetrics, run_rollout
+from trainingrun.contract.errors import EXIT_CONFIG_ERROR
+from trainingrun.metrics.rollout import RolloutMetrics
+from trainingrun.rollout.main import STATE_KEY, run_rollout
 from trainingrun.store import open_store
 
 ROOT = Path(__file__).resolve().parents[2]

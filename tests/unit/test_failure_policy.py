@@ -6,7 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trainingrun import failure_policy as policy
-from trainingrun.failure_policy import EXIT_CONFIG_ERROR, ExitKind, Failure
+from trainingrun.contract.errors import EXIT_CONFIG_ERROR
+from trainingrun.failure_policy import ExitKind, Failure
 
 
 def test_classify_exits():

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from trainingrun.rollout.sources import ConfigError, load_jsonl
+from trainingrun.contract.errors import ConfigError
+from trainingrun.rollout.jsonl import load_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 GOOD = {"group": 1, "tokens": [3, 4, 5], "prompt_length": 1, "reward": 1.0}
@@ -49,7 +50,7 @@ def test_malformed_jsonl_lines_are_config_errors_naming_the_line(tmp_path, bad, 
 
 
 def test_a_jsonl_line_too_long_is_refused_without_reading_it_whole(tmp_path, monkeypatch):
-    from trainingrun.rollout import sources
+    from trainingrun.rollout import jsonl as sources
 
     monkeypatch.setattr(sources, "MAX_LINE_BYTES", 1000)
     path = jsonl(tmp_path, line(), line(meta="x" * 5000), line(group=2))

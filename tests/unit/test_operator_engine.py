@@ -11,7 +11,7 @@ from trainingrun.api.constants import LABEL_ROLE
 from trainingrun.operator import render, status
 from trainingrun.operator.observe import Observed, PodObs
 from trainingrun.vllm import k8s
-from trainingrun.vllm.engine import ENGINE_URL_ENV
+from trainingrun.contract.env import ENGINE_URL_ENV
 
 T0 = dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc)
 OWNER = render.Owner(name="rl", namespace="ns1", uid="u-1")

@@ -12,7 +12,7 @@ from trainingrun.api import parse_trainingrun
 from trainingrun.api.constants import LABEL_ATTEMPT, LABEL_RANK, LABEL_ROLE
 from trainingrun.operator import render, status
 from trainingrun.operator.observe import Observed, PodObs, ProgressObs, Refusal, observe_pod
-from trainingrun.plan import EXIT_CONFIG_ERROR
+from trainingrun.contract.errors import EXIT_CONFIG_ERROR
 
 TINY = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
 OWNER = render.Owner(name="tiny", namespace="ns1", uid="u-1")

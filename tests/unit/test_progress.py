@@ -15,7 +15,7 @@ import time
 import pytest
 
 from trainingrun.local import progress as progress_mod
-from trainingrun.local.progress import STARTING, Progress
+from trainingrun.local.progress import STARTING, ProgressLine
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
@@ -70,7 +70,7 @@ def term():
 
 def test_the_live_line_never_exceeds_80_columns(term, monkeypatch):
     monkeypatch.setattr(progress_mod, "REDRAW_SECONDS", 0.0)
-    p = Progress(num_rollouts=100_000, stream=term.stream)
+    p = ProgressLine(num_rollouts=100_000, stream=term.stream)
     assert p.tty
     p.tick()
     p.event("attempt 0: started 3 processes (1 rollout, 2 trainers); logs in /a/very/long/path/" + "x" * 60)
@@ -89,7 +89,7 @@ def test_the_live_line_never_exceeds_80_columns(term, monkeypatch):
 
 
 def test_no_redraw_when_nothing_changed(term):
-    p = Progress(num_rollouts=10, stream=term.stream)
+    p = ProgressLine(num_rollouts=10, stream=term.stream)
     p.add(records(1))
     term.read()
     for _ in range(20):  # the launcher polls 5 times a second
@@ -102,7 +102,7 @@ def test_no_redraw_when_nothing_changed(term):
 
 
 def test_resume_starts_at_the_resumed_step(term):
-    p = Progress(num_rollouts=40, stream=term.stream)
+    p = ProgressLine(num_rollouts=40, stream=term.stream)
     p.resume_from(records(1, start=25)[0])
     p.tick(force=True)
     first = [ln for ln in screen_lines(term.read()) if ln.startswith("rollout ")][0]
@@ -111,7 +111,7 @@ def test_resume_starts_at_the_resumed_step(term):
 
 def test_plain_lines_when_not_a_terminal():
     out = io.StringIO()
-    p = Progress(num_rollouts=4, stream=out, interval=0.0)
+    p = ProgressLine(num_rollouts=4, stream=out, interval=0.0)
     assert not p.tty
     p.tick()
     p.add(records(2))

@@ -11,7 +11,8 @@ import pytest
 from trainingrun.api import parse_trainingrun
 from trainingrun.rollout.prompts import ByteTokenizer, load_prompt_lines, make_prompts, synthetic_answer
 from trainingrun.rollout.rewards import RewardConfig, RewardScorer, exact_match, math_verify, token_match
-from trainingrun.rollout.sources import EOS, SEP, ConfigError
+from trainingrun.contract.errors import ConfigError
+from trainingrun.rollout.synthetic import EOS, SEP
 
 
 def test_token_and_exact_match():

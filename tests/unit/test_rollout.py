@@ -7,18 +7,12 @@ import json
 import numpy as np
 import pytest
 
+from trainingrun.contract.errors import ConfigError
+from trainingrun.contract.published import PublishedRollout, build_published
+from trainingrun.rollout.groups import SampleGroup
+from trainingrun.rollout.jsonl import load_jsonl
 from trainingrun.rollout.pipeline import apply_filters, as_samples, compute_advantages, split_into_steps
-from trainingrun.rollout.published import PublishedRollout, build_published
-from trainingrun.rollout.sources import (
-    EOS,
-    SEP,
-    ConfigError,
-    Group,
-    SyntheticConfig,
-    load_jsonl,
-    synthetic_rollout,
-    truncated_pareto_lengths,
-)
+from trainingrun.rollout.synthetic import EOS, SEP, SyntheticConfig, synthetic_rollout, truncated_pareto_lengths
 
 CFG = SyntheticConfig(task="reverse", min_length=4, max_length=24, vocab_size=40, group_size=4,
                       groups_per_rollout=16, seed=7)
@@ -104,8 +98,8 @@ def _groups(sizes):
     for gid, n in enumerate(sizes):
         toks = [np.arange(3, 3 + 5 + gid, dtype=np.int32) for _ in range(n)]
         masks = [np.r_[np.zeros(2, np.uint8), np.ones(3 + gid, np.uint8)] for _ in range(n)]
-        out.append(Group(gid, toks, masks, np.linspace(0, 1, n).astype(np.float32),
-                         np.arange(gid * 10, gid * 10 + n), np.ones(n, np.float32)))
+        out.append(SampleGroup(gid, toks, masks, np.linspace(0, 1, n).astype(np.float32),
+                               np.arange(gid * 10, gid * 10 + n), np.ones(n, np.float32)))
     return out
 
 
@@ -182,7 +176,7 @@ def test_published_rollout_json_round_trip_and_malformed_documents():
 def test_group_json_round_trip():
     g = synthetic_rollout(CFG, 0)[0]
     g.advantages = np.array([0.5, -0.25, 1e-7, 3.0], np.float32)
-    back = Group.from_json(json.loads(json.dumps(g.to_json())))
+    back = SampleGroup.from_json(json.loads(json.dumps(g.to_json())))
     assert back.group_id == g.group_id and back.has_reward
     for a, b in zip(g.tokens + g.loss_masks, back.tokens + back.loss_masks):
         np.testing.assert_array_equal(a, b)

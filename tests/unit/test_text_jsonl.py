@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from trainingrun.modeling.tokenizer import RunTokenizer, TokenizerError
-from trainingrun.rollout.sources import ConfigError, load_jsonl
+from trainingrun.contract.errors import ConfigError
+from trainingrun.rollout.jsonl import load_jsonl
 
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
           "{{ '<|im_start|>system\nBe brief.<|im_end|>\n' }}{% endif %}"

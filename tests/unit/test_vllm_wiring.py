@@ -51,8 +51,8 @@ def test_publisher_refuses_a_sync_the_engine_cannot_load(tmp_path: Path, store, 
 
 def test_vllm_engine_needs_disk_or_broadcast_and_a_server(tmp_path: Path, store, monkeypatch):
     from trainingrun.rollout.generate import make_engine
-    from trainingrun.rollout.sources import ConfigError
-    from trainingrun.vllm.engine import ENGINE_URL_ENV
+    from trainingrun.contract.errors import ConfigError
+    from trainingrun.contract.env import ENGINE_URL_ENV
 
     monkeypatch.delenv(ENGINE_URL_ENV, raising=False)
     with pytest.raises(ConfigError, match="weightSync.type: 'store' does not reach the vllm engine"):

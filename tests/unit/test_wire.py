@@ -9,7 +9,8 @@ import struct
 import numpy as np
 import pytest
 
-from trainingrun.store.base import PAYLOAD_FIELDS, CorruptPayload
+from trainingrun.contract.errors import CorruptPayload
+from trainingrun.contract.payload import PAYLOAD_FIELDS
 from trainingrun.store.wire import ALIGN, MAGIC, check_payload, decode_payload, encode_json, encode_payload
 
 

@@ -1,6 +1,6 @@
 """The rollout → trainer contract: `PublishedRollout`, built, written and read only through this module.
 
-A published rollout k is, in the store (`trainingrun.store.base`): one `RankPayload` per data-parallel rank (the
+A published rollout k is, in the store: one `RankPayload` per data-parallel rank (`trainingrun.contract.payload`: the
 rank's samples in `partitions[r]` order, flat over the rollout's steps) and one JSON document, the schedule, that
 `PublishedRollout.to_json` writes and `PublishedRollout.from_json` reads back (validated: a document that does not
 describe a well-formed rollout is a `ValueError` naming the field). Everything the trainer needs per step is
@@ -9,19 +9,20 @@ computed here once, on the rollout side, and travels in that document; the train
   StepPlan        index in the rollout, global step, GBS_s (samples), T_s (loss tokens), micro-batches per rank, the
                   range of the step's micro-batches in the rank's flat list, samples consumed before the step.
 
-Writers: the rollout program (`rollout.loop`) and hand-built rollouts for tests (`trainer.synthetic`), both through
-`build_published` + `publish`. Reader: the trainer, through `read`. The JSON keys are documented in docs/store.md.
+Writers: the rollout program (`rollout.loop`) and hand-built rollouts of the tests (`tests/synthetic.py`), both
+through `build_published` + `publish`. Reader: the trainer, through `read`. Both take the store as a `RolloutChannel`
+(what `trainingrun.store` implements). The JSON keys are documented in docs/store.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from trainingrun.contract.payload import RankPayload
 from trainingrun.schedule import DPSchedule, build_dp_schedule
-from trainingrun.store.base import RankPayload, Store
 
 
 @dataclass(frozen=True)
@@ -285,12 +286,22 @@ def rank_payload(samples: Samples, indices: list[int]) -> RankPayload:
 
 
 # ---------------------------------------------------------------------------------------------------- store I/O
-def publish(store: Store, published: PublishedRollout, payloads: dict[int, RankPayload]) -> bool:
+class RolloutChannel(Protocol):
+    """What publishing and reading a rollout needs of a store (`trainingrun.store` implements it)."""
+
+    url: str
+
+    def publish_rollout(self, rollout: int, payloads: dict[int, RankPayload], schedule: dict[str, Any]) -> Any: ...
+
+    def read_schedule(self, rollout: int) -> dict[str, Any]: ...
+
+
+def publish(store: RolloutChannel, published: PublishedRollout, payloads: dict[int, RankPayload]) -> bool:
     """Publish atomically (payloads, schedule, commit); False when the rollout was already committed."""
     return bool(store.publish_rollout(published.rollout, payloads, published.to_json()))
 
 
-def read(store: Store, rollout: int) -> PublishedRollout:
+def read(store: RolloutChannel, rollout: int) -> PublishedRollout:
     """The committed rollout's published form; ValueError naming the field if the stored document is malformed."""
     d = store.read_schedule(rollout)
     try:

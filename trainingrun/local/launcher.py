@@ -40,11 +40,12 @@ from trainingrun.local.report import (
     write_metrics,
 )
 from trainingrun import failure_policy as policy
-from trainingrun.local.engine import ENGINE_URL_ENV, LocalEngine, needs_local_engine
-from trainingrun.local.progress import Progress
-from trainingrun.childlog import TIMESTAMPS_ENV
+from trainingrun.contract.env import ProcessEnv
+from trainingrun.local.engine import LocalEngine, needs_local_engine
+from trainingrun.local.progress import ProgressLine
 from trainingrun.plan import build_plan
-from trainingrun.tracking import OUTPUT_DIR_ENV
+from trainingrun.rollout.main import data_report
+from trainingrun.store import StoreError, open_store
 
 POLL_SECONDS = 0.2
 ENGINE_START_TIMEOUT = 900.0  # vLLM on CPU: ~1 min on a quiet machine, several under load
@@ -112,13 +113,13 @@ class Outcome:
 class Launcher:
     """Runs the attempts of one TrainingRun in `out_dir` (see the module docstring)."""
 
-    def __init__(self, run, out_dir: Path, *, grace: float = 15.0, progress: Progress | None = None):
+    def __init__(self, run, out_dir: Path, *, grace: float = 15.0, progress: ProgressLine | None = None):
         self.run = run
         self.spec = run.spec
         self.name = run.metadata.name
         self.out_dir = out_dir
         self.grace = grace
-        self.progress = progress or Progress(num_rollouts=run.spec.rollout.num_rollouts)
+        self.progress = progress or ProgressLine(num_rollouts=run.spec.rollout.num_rollouts)
         self.signals = Signals()
         self.attempts: list[dict[str, Any]] = []
         self.tokens_this_run = 0.0
@@ -185,12 +186,12 @@ class Launcher:
             attempt=attempt,
             metrics_port=base,
             distinct_ports=True,
-            extra_env={"TRAININGRUN_METRICS_JSONL": str(raw.resolve()),
-                       # TensorBoard / W&B files go into the run directory (trainingrun.tracking)
-                       OUTPUT_DIR_ENV: str(self.out_dir.resolve()),
-                       # children start every line with the time (trainingrun.childlog)
-                       TIMESTAMPS_ENV: "1",
-                       **({ENGINE_URL_ENV: self.engine.url} if self.engine is not None else {})},
+            extra_env=ProcessEnv(
+                metrics_jsonl=str(raw.resolve()),
+                output_dir=str(self.out_dir.resolve()),  # TensorBoard / W&B files go into the run directory
+                log_timestamps=True,  # children start every line with the time (trainingrun.childlog)
+                engine_url=self.engine.url if self.engine is not None else None,
+            ).to_env(),
         )
         self.progress.reopen()
         group = ProcessGroup.start(plan, cwd=self.out_dir.resolve(), log_dir=self.out_dir / "logs")
@@ -332,9 +333,6 @@ class Launcher:
 
     def data_report(self, store_url: str) -> dict[str, Any] | None:
         """The rollout's account of the data (produced, filtered, trained, left over), or None if unreadable."""
-        from trainingrun.rollout.main import data_report
-        from trainingrun.store import StoreError, open_store
-
         try:
             store = open_store(store_url)
         except (ValueError, StoreError):
@@ -428,12 +426,12 @@ class Launcher:
         return int(code), summary
 
 
-def already_succeeded(the_run, out_dir: Path) -> dict[str, Any] | None:
+def already_succeeded(run, out_dir: Path) -> dict[str, Any] | None:
     """The summary of an earlier invocation in `out_dir` that succeeded with exactly this spec, else None.
     (With a changed spec, e.g. more rollouts, the run continues from its checkpoints instead.)"""
     try:
         summary = json.loads((out_dir / "summary.json").read_text())
-        same = (out_dir / "run.yaml").read_text() == spec_yaml(the_run)
+        same = (out_dir / "run.yaml").read_text() == spec_yaml(run)
     except (OSError, ValueError):
         return None
     return summary if same and summary.get("status") == "succeeded" else None

@@ -14,7 +14,7 @@ from pathlib import Path
 from trainingrun.cliargs import positive_seconds, seconds
 from trainingrun.local.launcher import LAUNCHER_LOG, Launcher, already_succeeded, spec_yaml
 from trainingrun.local.report import summary_table
-from trainingrun.local.progress import Progress
+from trainingrun.local.progress import ProgressLine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -116,12 +116,12 @@ def run(args: argparse.Namespace) -> int:
     from trainingrun.local.rundir import RunDirBusy, RunDirLock, check_out_dir
 
     try:
-        the_run = resolve_input_paths(load_effective_run(args.file, args.trainers, args.overrides), Path.cwd())
+        effective_run = resolve_input_paths(load_effective_run(args.file, args.trainers, args.overrides), Path.cwd())
     except ValueError as exc:  # ManifestError: one line per problem, as `trainingrun validate` prints them
         print(str(exc), file=sys.stderr)
         return 1
-    the_run = local_checkpoint_path(the_run)
-    out_dir = Path(args.out) if args.out else Path("runs") / the_run.metadata.name
+    effective_run = local_checkpoint_path(effective_run)
+    out_dir = Path(args.out) if args.out else Path("runs") / effective_run.metadata.name
     problem = check_out_dir(out_dir)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -135,41 +135,42 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --out {out_dir}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     try:
-        return _run_locked(args, the_run, out_dir)
+        return _run_locked(args, effective_run, out_dir)
     finally:
         lock.release()
 
 
-def _run_locked(args: argparse.Namespace, the_run, out_dir: Path) -> int:
+def _run_locked(args: argparse.Namespace, effective_run, out_dir: Path) -> int:
     from trainingrun.history import step_records
     from trainingrun.local.rundir import clear_for_fresh, is_run_dir, resize_only, spec_change
 
-    progress = Progress(num_rollouts=the_run.spec.rollout.num_rollouts, interval=args.progress_interval,
+    progress = ProgressLine(num_rollouts=effective_run.spec.rollout.num_rollouts, interval=args.progress_interval,
                         log_path=out_dir / "logs" / LAUNCHER_LOG)
-    name = the_run.metadata.name
+    name = effective_run.metadata.name
     if args.fresh:
         removed = clear_for_fresh(out_dir)
         if removed:
             progress.event(f"--fresh: removed the earlier run in {out_dir} ({', '.join(removed)})")
-            if the_run.spec.store.url:
-                progress.event(f"note: --fresh does not clear the external store {the_run.spec.store.url}")
+            if effective_run.spec.store.url:
+                progress.event(f"note: --fresh does not clear the external store {effective_run.spec.store.url}")
     elif args.resume and not (out_dir / "run.yaml").exists():
         print(f"error: --resume: {out_dir} holds no earlier run to resume (no run.yaml)", file=sys.stderr)
         return 1
-    elif (resize := resize_only(out_dir, spec_yaml(the_run))) is not None:
+    elif (resize := resize_only(out_dir, spec_yaml(effective_run))) is not None:
         progress.event(f"resizing the run in {out_dir}: {resize[0]} -> {resize[1]} trainer(s); the trainers reshard "
                        "the last checkpoint and re-schedule the rollouts published for the old size")
     elif not args.resume:
-        diff = spec_change(out_dir, spec_yaml(the_run))
+        diff = spec_change(out_dir, spec_yaml(effective_run))
         if diff is not None:
             print(f"error: {out_dir} holds an earlier run of a different spec; its results are kept. Pass --resume "
                   f"to continue it with the new spec, --fresh to delete it and start over, or another --out.\n{diff}",
                   file=sys.stderr)
             return 1
-    t = the_run.spec.trainer
-    progress.event(f"trainingrun run {name}: {t.replicas} trainer(s), {the_run.spec.rollout.num_rollouts} rollouts "
-                   f"of {the_run.spec.rollout.samples_per_rollout} samples, output in {out_dir}")
-    done = already_succeeded(the_run, out_dir)
+    t = effective_run.spec.trainer
+    r = effective_run.spec.rollout
+    progress.event(f"trainingrun run {name}: {t.replicas} trainer(s), {r.num_rollouts} rollouts "
+                   f"of {r.samples_per_rollout} samples, output in {out_dir}")
+    done = already_succeeded(effective_run, out_dir)
     if done is not None:
         print(summary_table(done))
         print(f"run {name} in {out_dir} already succeeded with this spec; nothing to do "
@@ -181,7 +182,7 @@ def _run_locked(args: argparse.Namespace, the_run, out_dir: Path) -> int:
             progress.resume_from(earlier[-1])
             progress.event(f"resuming in {out_dir}: {len(earlier)} step(s) trained before, the trainers continue "
                            "from their newest checkpoint")
-    launcher = Launcher(the_run, out_dir, grace=args.grace_seconds, progress=progress)
+    launcher = Launcher(effective_run, out_dir, grace=args.grace_seconds, progress=progress)
     try:
         code, summary = launcher.execute()
     except OSError as exc:  # the run directory itself could not be set up (e.g. a full volume): nothing started
@@ -205,7 +206,7 @@ def _run_locked(args: argparse.Namespace, the_run, out_dir: Path) -> int:
     return code
 
 
-def write_run_plot(out_dir: Path, progress: Progress) -> None:
+def write_run_plot(out_dir: Path, progress: ProgressLine) -> None:
     """The finished (or stopped) run's plot, RUN_DIR/plot.png; a failure to plot never fails the run."""
     from trainingrun.history import step_records
 

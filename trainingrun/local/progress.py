@@ -33,7 +33,9 @@ def timestamp() -> str:
 
 
 @dataclass
-class Progress:
+class ProgressLine:
+    """The launcher's live progress line and its event lines (see the module docstring)."""
+
     num_rollouts: int
     stream: TextIO = field(default_factory=lambda: sys.stdout)
     interval: float = 5.0
@@ -111,7 +113,7 @@ class Progress:
     # ------------------------------------------------------------------------------------------------ output
     def _ensure_bar(self):
         if self._bar is None:
-            from tqdm import tqdm
+            from tqdm import tqdm  # deferred: tqdm (a terminal only)
 
             self._bar = tqdm(
                 total=self.num_rollouts, initial=self.rollouts_done(), desc=self.fields(compact=True),

@@ -13,6 +13,7 @@ from typing import Any
 
 from trainingrun import failure_policy as policy
 from trainingrun.api.constants import LABEL_ATTEMPT, LABEL_RANK, LABEL_ROLE
+from trainingrun.contract.progress import ProgressRecord
 
 # Pod status reasons of a pod ended by the platform, not by its program: the kubelet's node-pressure eviction,
 # preemption, a lost node, a node shutting down. (Pod conditions DisruptionTarget / TerminationTarget say the same.)
@@ -134,11 +135,16 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObs:
 
 @dataclass(frozen=True)
 class ProgressObs:
-    """The store's progress of a run: its value (None: nothing written yet), or the error that kept the operator
-    from reading it (then `value` is the last value read, if any)."""
+    """The trainers' progress record of a run (None: nothing written yet), or the error that kept the operator from
+    reading it (then `value` is the last record read, if any). A stored JSON object given as `value` is read as the
+    store's is, through `ProgressRecord.from_json` (CorruptPayload naming the field when malformed)."""
 
-    value: Mapping[str, Any] | None = None
+    value: ProgressRecord | None = None
     error: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.value, Mapping):
+            object.__setattr__(self, "value", ProgressRecord.from_json(dict(self.value)))
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,9 @@
-"""Live progress: trainer rank 0 writes it to the run's store, the operator reads it into the TrainingRun status.
+"""Live progress: trainer rank 0 writes the trainers' progress record to the run's store, the operator reads it into
+the TrainingRun status.
 
-Contract (key `PROGRESS_KEY` via `Store.put_json`, written by trainer rank 0 after every optimizer step):
-  {"step": int,                    optimizer steps completed (global)
-   "samples_consumed": int,        samples trained on so far
-   "last_global_batch_size": int,  samples in the last step
-   "rollout": int,                 rollout being trained
-   "attempt": int,                 TRAININGRUN_ATTEMPT of the writer
-   "time": float}                  unix time of the write (hang detection: progressDeadlineSeconds)
-camelCase keys (samplesConsumed, lastGlobalBatchSize) are accepted too.
+The record and its key: `trainingrun.contract.progress.ProgressRecord` (written after every optimizer step: step,
+samples consumed, last global batch size, rollout, attempt, time, ...). A malformed record is an error of the read
+(`CorruptPayload` naming the field), observed like any other.
 
 A store that cannot be read (a NetworkPolicy, a password the operator lacks, an outage) is observed as such
 (`ProgressObs.error`): the status gets a ProgressUnknown condition naming the error, and hang detection
@@ -27,14 +23,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from trainingrun.contract.progress import ProgressRecord
 from trainingrun.operator.observe import ProgressObs
+from trainingrun.store import open_store
 
-PROGRESS_KEY = "progress"
 log = logging.getLogger(__name__)
 
 
 class ProgressReader:
-    """Reads the progress key of each run's store (one open store per URL, opened lazily, closed on `forget`).
+    """Reads the progress record of each run's store (one open store per URL, opened lazily, closed on `forget`).
 
     A read that fails is an observation too: `peek` then returns the last value read with the error, and the
     status shows a ProgressUnknown condition instead of treating "cannot read" as "no progress".
@@ -72,23 +69,21 @@ class ProgressReader:
         if on_change is not None and (old is None or old[1] != obs):
             on_change()
 
-    def _read(self, url: str) -> dict[str, Any] | None:
+    def _read(self, url: str) -> ProgressRecord | None:
         store = self._stores.get(url)
         if store is None:
-            from trainingrun.store import open_store
-
             store = open_store(url)
             # Report an outage, don't wait it out: the store's own retries (and redis-py's) are for the pods.
             if hasattr(store, "retry_seconds"):
                 store.retry_seconds = min(store.retry_seconds, self.timeout / 3)
             if hasattr(getattr(store, "client", None), "set_retry"):
-                from redis.backoff import NoBackoff
-                from redis.retry import Retry
+                from redis.backoff import NoBackoff  # deferred: redis (only for redis:// stores)
+                from redis.retry import Retry  # deferred: redis
 
                 store.client.set_retry(Retry(NoBackoff(), 0))
             self._stores[url] = store
         try:
-            return store.get_json(PROGRESS_KEY)
+            return ProgressRecord.read(store)
         except Exception:
             self._stores.pop(url, None)
             try:
@@ -97,8 +92,9 @@ class ProgressReader:
                 pass
             raise
 
-    async def read(self, url: str) -> dict[str, Any] | None:
-        """The progress dict, or None when the store has none yet; raises when the store cannot be read."""
+    async def read(self, url: str) -> ProgressRecord | None:
+        """The progress record, or None when the store has none yet; raises when the store cannot be read or the
+        record is malformed."""
         if not url.startswith("redis://"):
             return None
         try:

@@ -47,7 +47,7 @@ from trainingrun.api.models import TrainingRun
 from trainingrun.operator import gang
 from trainingrun.plan import CONFIG_MOUNT_PATH, DEFAULT_MASTER_PORT, ProcessPlan, RunPlan, build_plan
 from trainingrun.vllm import k8s as engine_k8s
-from trainingrun.vllm.engine import ENGINE_URL_ENV
+from trainingrun.contract.env import ENGINE_URL_ENV
 
 STORE_PORT = 6379
 DEFAULT_REDIS_IMAGE = "redis:7.2-alpine"

@@ -402,9 +402,9 @@ def _progress_deadline(ctx: _Ctx) -> bool:
     unknown = ctx.condition("ProgressUnknown")
     if unknown is not None and unknown.get("status") == "False":
         candidates.append(parse_time(unknown.get("lastTransitionTime")))  # readable again since then
-    ptime = (ctx.obs.progress.value or {}).get("time") if ctx.obs.progress is not None else None
-    if isinstance(ptime, (int, float)) and not isinstance(ptime, bool):
-        candidates.append(dt.datetime.fromtimestamp(ptime, dt.timezone.utc))
+    record = ctx.obs.progress.value if ctx.obs.progress is not None else None
+    if record is not None:
+        candidates.append(dt.datetime.fromtimestamp(record.time, dt.timezone.utc))
     last = max((c for c in candidates if c is not None), default=ctx.now)
     left = policy.seconds_left(last.timestamp(), limit, ctx.now.timestamp())
     assert left is not None
@@ -568,11 +568,12 @@ def _read_progress(ctx: _Ctx) -> None:
     obs = ctx.obs.progress
     if obs is None:
         return
-    for key, src in (("step", "step"), ("samplesConsumed", "samples_consumed"),
-                     ("lastGlobalBatchSize", "last_global_batch_size"), ("rollout", "rollout")):
-        value = (obs.value or {}).get(src, (obs.value or {}).get(key))
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            ctx.st[key] = value
+    record = obs.value
+    if record is not None:
+        for key, value in (("step", record.step), ("samplesConsumed", record.samples_consumed),
+                           ("lastGlobalBatchSize", record.last_global_batch_size), ("rollout", record.rollout)):
+            if value is not None:
+                ctx.st[key] = value
     if ctx.st.get("phase") in TERMINAL_PHASES:
         return
     if obs.error is not None:

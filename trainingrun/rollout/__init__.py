@@ -1,1 +1,19 @@
-"""trainingrun.rollout"""
+"""trainingrun.rollout: the rollout program (`trainingrun rollout`): produce samples, filter, schedule, publish.
+
+Module map:
+  main.py             the command line: environment, store, metrics server, the loop, exit codes
+  loop.py             `RolloutLoop`: one small stage per step of the data flow, resumable from its stored state
+  source.py           the `Source` protocol (draw → generate → score) and the replay sources' common part
+  synthetic.py        `source.type: synthetic`, a seeded learnable task (and the built-in tasks' token ids)
+  jsonl.py            `source.type: jsonl`, a validated rollout file (and the jsonl line reader)
+  generate.py         `source.type: generate`, the policy generates: engine, pinned weight version, rewards
+  prompts.py          prompts of generated rollouts and the tokenizers that turn text into ids
+  rewards.py          rewards of generated rollouts, each in a worker so a bad one never stops the rollout
+  megatron_engine.py  `engine.type: megatron`, generation in this process (the vLLM engine: `trainingrun.vllm`)
+  groups.py           `SampleGroup`, the samples of one prompt: the unit every stage passes on
+  pipeline.py         the pure stages: filters, advantages, steps, flat samples
+  recovery.py         re-creating the stream after the store lost it (the trainers' resume point is ahead)
+
+What it publishes, the engine protocol and the resume point it reads are contracts: `trainingrun.contract`. Its
+metrics: `trainingrun.metrics.rollout`.
+"""

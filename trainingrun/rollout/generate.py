@@ -24,10 +24,15 @@ from typing import Any
 
 import numpy as np
 
-from trainingrun.rollout.engine import Engine, Sampling
+from trainingrun.contract.engine import Engine, Sampling
+from trainingrun.contract.env import ENGINE_URL_ENV, ProcessEnv
+from trainingrun.contract.errors import ConfigError
+from trainingrun.rollout.groups import SampleGroup
 from trainingrun.rollout.prompts import Prompt, load_tokenizer, make_prompts
 from trainingrun.rollout.rewards import RewardConfig, RewardScorer
-from trainingrun.rollout.sources import EOS, ConfigError, Group
+from trainingrun.rollout.synthetic import EOS
+from trainingrun.vllm.client import VLLMClient
+from trainingrun.vllm.engine import VLLMEngine
 
 WAIT_REPORT_SECONDS = 30.0
 
@@ -58,7 +63,7 @@ def make_engine(spec, store) -> Engine:
         if spec.trainer.tensor_parallel_size != 1:
             raise ConfigError("trainer.tensorParallelSize: generated rollouts with the megatron engine need 1 "
                               "(the weights are published from one rank)")
-        from trainingrun.rollout.megatron_engine import MegatronEngine
+        from trainingrun.rollout.megatron_engine import MegatronEngine  # deferred: torch, megatron
 
         return MegatronEngine(spec.model.resolved(), fetch=store.read_weights, max_batch=e.max_batch, seed=spec.seed)
     if e.type == "vllm":
@@ -70,18 +75,13 @@ def make_vllm_engine(spec, store, *, say: Callable[[str], None] | None = None) -
     """`rollout.engine.type: vllm`: the server at `engine.url`, else the run's own (its URL in $TRAININGRUN_ENGINE_URL,
     set by the launcher or the operator). Weight versions are found through the store's weight meta (disk path or
     broadcast address, written by the trainers' publisher)."""
-    import os
-
-    from trainingrun.vllm.client import VLLMClient
-    from trainingrun.vllm.engine import ENGINE_URL_ENV, VLLMEngine
-
     e = spec.rollout.engine
     if spec.weight_sync.type not in ("disk", "broadcast"):
         raise ConfigError(f"weightSync.type: {spec.weight_sync.type!r} does not reach the vllm engine; allowed with "
                           "rollout.engine.type vllm: disk, broadcast")
     if spec.model.hf is None:
         raise ConfigError("rollout.engine.type: vllm loads Hugging Face weights: set model.hf (a HF directory)")
-    url = e.url or os.environ.get(ENGINE_URL_ENV)
+    url = e.url or ProcessEnv.from_environ().engine_url
     if not url:
         raise ConfigError(f"rollout.engine.type: vllm without rollout.engine.url needs the run's own server (the "
                           f"launcher or operator sets ${ENGINE_URL_ENV}); set rollout.engine.url")
@@ -138,7 +138,7 @@ class GenerateSource:
         self._index = index
         return self.prompts.draw(index, self.prompts_per_rollout)
 
-    def generate(self, prompts: list[Prompt], rollout: int) -> list[Group]:
+    def generate(self, prompts: list[Prompt], rollout: int) -> list[SampleGroup]:
         version = required_version(rollout, self.lag)
         self.stats = GenerateStats(weight_version=version, prompts=len(prompts))
         self.ensure_weights(version)
@@ -163,14 +163,14 @@ class GenerateSource:
                 logps.append(np.concatenate([np.zeros(plen, np.float32), clogp]).astype(np.float32))
                 responses.append(self._response(ctoks, prompt))
                 self.stats.generated_tokens += len(ctoks)
-            groups.append(Group(group_id=gid, tokens=toks, loss_masks=masks, rewards=np.zeros(n, np.float32),
-                                sample_ids=np.arange(gid * n, (gid + 1) * n, dtype=np.int64), logprobs=logps,
-                                versions=np.full(n, version, np.int64)))
+            groups.append(SampleGroup(group_id=gid, tokens=toks, loss_masks=masks, rewards=np.zeros(n, np.float32),
+                                      sample_ids=np.arange(gid * n, (gid + 1) * n, dtype=np.int64), logprobs=logps,
+                                      versions=np.full(n, version, np.int64)))
             self._pending[gid] = (prompt, responses)
         self.stats.samples = n * len(prompts)
         return groups
 
-    def score(self, groups: list[Group]) -> None:
+    def score(self, groups: list[SampleGroup]) -> None:
         t0 = time.perf_counter()
         items, where = [], []
         for g in groups:

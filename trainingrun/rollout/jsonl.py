@@ -1,175 +1,28 @@
-"""Sample sources of the rollout program: `synthetic` (a seeded, learnable task) and `jsonl` (pre-tokenized).
+"""`rollout.source.type: jsonl`: a rollout file of samples already generated and scored, validated line by line.
 
-A source yields groups (`Group`): the samples generated for one prompt. A sample is a token sequence with a loss
-mask where `loss_mask[t] = 1` means token t is a training target, predicted from the tokens before it (so
-`loss_mask[0]` is always 0), plus a reward and, for jsonl, optionally a given advantage.
-
-Synthetic task (token ids: 0 pad, 1 separator, 2 end of answer, 3.. content):
-    sample = prompt + [SEP] + response + [EOS], response = task(prompt) with some tokens corrupted.
-    The loss mask covers response and EOS. Prompt lengths follow a truncated Pareto law (alpha 1.2) between
-    minLength and maxLength: mostly short, a heavy tail of long ones. Each of the groupSize samples of a group
-    gets its own corruption rate (uniform in [0, 0.6)); each answer token is replaced by a different random token
-    with that probability; reward = fraction of answer tokens that are correct. With probability 0.2 a group's
-    samples are all identical (as when a policy is confident), so the zero-variance filter drops it.
-    Everything is drawn from a generator seeded by (spec.seed, source index): rollout i is the same whatever
-    happened before, which makes restarts deterministic.
+`load_jsonl` reads the whole file up front (every error as `FILE:LINE: FIELD: what is wrong`); source rollout i is
+the next `groups_per_rollout` groups in file order (`JsonlSource`). `jsonl_objects` is the line reader the prompt
+files of generated rollouts use too (`rollout/prompts.py`).
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import math
+import os
+import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-PAD, SEP, EOS = 0, 1, 2
-FIRST_CONTENT = 3
-PARETO_ALPHA = 1.2
-IDENTICAL_GROUP_P = 0.2
-MAX_CORRUPTION = 0.6
+from trainingrun.contract.errors import ConfigError
+from trainingrun.modeling.tokenizer import TokenizerError
+from trainingrun.rollout.groups import SampleGroup
+from trainingrun.rollout.source import ReplaySource
 
-
-class ConfigError(ValueError):
-    """A configuration or input-data error: the rollout exits with EXIT_CONFIG_ERROR (no restart can fix it)."""
-
-
-@dataclass
-class Group:
-    """The samples of one prompt. `advantages` is None until computed (or given by a jsonl source)."""
-
-    group_id: int
-    tokens: list[np.ndarray]  # int32 each
-    loss_masks: list[np.ndarray]  # uint8 each
-    rewards: np.ndarray  # float32 [n]
-    sample_ids: np.ndarray  # int64 [n]
-    advantages: np.ndarray | None = None  # float32 [n]
-    has_reward: bool = True  # jsonl lines may give only an advantage
-    # generated rollouts only: the generator's log-probability of each token (0 on the prompt) and weight versions
-    logprobs: list[np.ndarray] | None = None  # float32 each, same length as the tokens
-    versions: np.ndarray | None = None  # int64 [n]
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def lengths(self) -> list[int]:
-        return [len(t) for t in self.tokens]
-
-    # ---- JSON form (rollout resume state): arrays as base64 of their little-endian bytes, never pickle
-    def to_json(self) -> dict[str, Any]:
-        offsets = np.zeros(len(self) + 1, np.int64)
-        np.cumsum(self.lengths, out=offsets[1:])
-        b64 = lambda a: base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()  # noqa: E731
-        return {
-            "group_id": int(self.group_id),
-            "offsets": offsets.tolist(),
-            "tokens": b64(np.concatenate(self.tokens).astype("<i4")),
-            "loss_mask": b64(np.concatenate(self.loss_masks).astype(np.uint8)),
-            "rewards": b64(self.rewards.astype("<f4")),
-            "sample_ids": b64(self.sample_ids.astype("<i8")),
-            "advantages": None if self.advantages is None else b64(self.advantages.astype("<f4")),
-            "has_reward": self.has_reward,
-            "logprobs": None if self.logprobs is None else b64(np.concatenate(self.logprobs).astype("<f4")),
-            "versions": None if self.versions is None else b64(self.versions.astype("<i8")),
-        }
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Group:
-        dec = lambda s, dt: np.frombuffer(base64.b64decode(s), dtype=dt).copy()  # noqa: E731
-        offsets = d["offsets"]
-        tokens, masks = dec(d["tokens"], "<i4").astype(np.int32), dec(d["loss_mask"], np.uint8)
-        spans = list(zip(offsets[:-1], offsets[1:]))
-        return cls(
-            group_id=int(d["group_id"]),
-            tokens=[tokens[a:b] for a, b in spans],
-            loss_masks=[masks[a:b] for a, b in spans],
-            rewards=dec(d["rewards"], "<f4").astype(np.float32),
-            sample_ids=dec(d["sample_ids"], "<i8").astype(np.int64),
-            advantages=None if d.get("advantages") is None else dec(d["advantages"], "<f4").astype(np.float32),
-            has_reward=bool(d.get("has_reward", True)),
-            logprobs=None if d.get("logprobs") is None else
-            [a.copy() for a in np.split(dec(d["logprobs"], "<f4").astype(np.float32), offsets[1:-1])],
-            versions=None if d.get("versions") is None else dec(d["versions"], "<i8").astype(np.int64),
-        )
-
-
-# ------------------------------------------------------------------------------------------------------- synthetic
-def truncated_pareto_lengths(rng: np.random.Generator, n: int, lo: int, hi: int, alpha: float = PARETO_ALPHA) -> np.ndarray:
-    """n integer lengths in [lo, hi], density ∝ x^-(alpha+1) (inverse-CDF sampling of a truncated Pareto law)."""
-    if lo == hi:
-        return np.full(n, lo, dtype=np.int64)
-    u = rng.random(n)
-    upper = hi + 1  # floor() then reaches hi
-    x = lo / (1.0 - u * (1.0 - (lo / upper) ** alpha)) ** (1.0 / alpha)
-    return np.clip(np.floor(x).astype(np.int64), lo, hi)
-
-
-def task_answer(task: str, prompt: np.ndarray) -> np.ndarray:
-    if task == "reverse":
-        return prompt[::-1].copy()
-    if task == "sort":
-        return np.sort(prompt)
-    if task == "copy":
-        return prompt.copy()
-    raise ConfigError(f"rollout.source.synthetic.task: unknown task {task!r}; allowed: reverse, sort, copy")
-
-
-@dataclass(frozen=True)
-class SyntheticConfig:
-    task: str
-    min_length: int
-    max_length: int
-    vocab_size: int
-    group_size: int
-    groups_per_rollout: int
-    seed: int
-
-
-def synthetic_rollout(cfg: SyntheticConfig, source_index: int) -> list[Group]:
-    """The groups of synthetic rollout `source_index`; a pure function of (cfg, source_index)."""
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([cfg.seed, source_index, 0x7A11])))
-    n_content = cfg.vocab_size - FIRST_CONTENT
-    lengths = truncated_pareto_lengths(rng, cfg.groups_per_rollout, cfg.min_length, cfg.max_length)
-    groups = []
-    gs = cfg.group_size
-    for g, plen in enumerate(lengths):
-        prompt = rng.integers(FIRST_CONTENT, cfg.vocab_size, size=int(plen)).astype(np.int32)
-        answer = task_answer(cfg.task, prompt)
-        identical = rng.random() < IDENTICAL_GROUP_P
-        rates = rng.uniform(0.0, MAX_CORRUPTION, size=gs)
-        toks, masks, rewards = [], [], np.empty(gs, np.float32)
-        for i in range(gs):
-            if identical and i > 0:
-                toks.append(toks[0].copy())
-                masks.append(masks[0].copy())
-                rewards[i] = rewards[0]
-                continue
-            wrong = rng.random(int(plen)) < rates[i]
-            # a different token: shift by 1..n_content-1 within the content range
-            shift = rng.integers(1, max(n_content, 2), size=int(plen))
-            response = answer.copy()
-            if n_content > 1:
-                response[wrong] = (answer[wrong] - FIRST_CONTENT + shift[wrong]) % n_content + FIRST_CONTENT
-            else:
-                wrong[:] = False
-            tokens = np.concatenate([prompt, [SEP], response, [EOS]]).astype(np.int32)
-            mask = np.zeros(len(tokens), np.uint8)
-            mask[int(plen) + 1 :] = 1  # response tokens and EOS are targets
-            toks.append(tokens)
-            masks.append(mask)
-            rewards[i] = 1.0 - wrong.mean()
-        gid = source_index * cfg.groups_per_rollout + g
-        ids = np.arange(gid * gs, (gid + 1) * gs, dtype=np.int64)
-        groups.append(Group(group_id=gid, tokens=toks, loss_masks=masks, rewards=rewards, sample_ids=ids))
-    return groups
-
-
-# ------------------------------------------------------------------------------------------------------------ jsonl
 JSONL_FIELDS = ("group", "tokens", "loss_mask", "prompt_length", "prompt", "response", "messages", "reward",
                 "advantage", "meta")
 TEXT_FIELDS = ("prompt", "response", "messages")
@@ -193,9 +46,6 @@ def _jsonl_lines(path: Path, field: str):
     """(line number, text or None, error message or None) of a jsonl file, read in binary: a line that is not UTF-8
     or longer than MAX_LINE_BYTES is an error for that line, not an exception; a FIFO or device is refused without
     blocking. A file that cannot be opened is a ConfigError naming `field`."""
-    import os
-    import stat
-
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
@@ -227,7 +77,7 @@ class JsonlData:
     """A validated jsonl file: its groups in file order."""
 
     path: Path
-    groups: list[Group] = field(default_factory=list)
+    groups: list[SampleGroup] = field(default_factory=list)
 
     @property
     def num_samples(self) -> int:
@@ -274,7 +124,7 @@ def load_jsonl(path: str | Path, *, vocab_size: int, tokenizer: Callable[[], Any
             seen_groups[key] = lineno
             current_key = key
             data.groups.append(
-                Group(group_id=len(data.groups), tokens=[], loss_masks=[], rewards=np.zeros(0, np.float32),
+                SampleGroup(group_id=len(data.groups), tokens=[], loss_masks=[], rewards=np.zeros(0, np.float32),
                       sample_ids=np.zeros(0, np.int64), advantages=np.zeros(0, np.float32))
             )
         tokens, mask, reward, advantage = sample
@@ -339,8 +189,6 @@ def _text_line(obj: dict, where: str, vocab: int, errors: list[str], tokenizer: 
         errors.append(f"{where}: {'messages' if chat else 'prompt'}: text lines need the run's tokenizer: set "
                       "model.hf to a Hugging Face directory with tokenizer.json")
         return None
-    from trainingrun.modeling.tokenizer import TokenizerError
-
     try:
         tok = tokenizer()
         tokens, mask = tok.chat(obj["messages"]) if chat else tok.prompt_response(obj["prompt"], obj["response"])
@@ -440,51 +288,6 @@ def _validate_line(obj: dict, where: str, vocab: int, errors: list[str]):
     return arr.astype(np.int32), mask, reward, advantage
 
 
-# ------------------------------------------------------------------------------------------------------ sources
-class Source(Protocol):
-    """The first three stages of a rollout: draw prompts → generate → score.
-
-    `draw(i)` returns source rollout i's prompts (None: the source is exhausted); `generate` turns them into groups
-    of samples; `score` sets the groups' rewards. `close()` releases what the source holds (engine, reward workers).
-    The replay sources (`synthetic`, `jsonl`: `ReplaySource`) draw samples that are already generated and scored.
-    """
-
-    def draw(self, index: int) -> Any | None: ...
-
-    def generate(self, prompts: Any, rollout: int) -> list[Group]:
-        """The samples of `prompts`, for published rollout `rollout` (generated sources pick the weights by it)."""
-
-    def score(self, groups: list[Group]) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class ReplaySource:
-    """A source whose draws are samples already generated and scored: `generate` and `score` pass them through, and
-    a source rollout is a pure function of (spec, i), so a rollout lost by the store can be rebuilt bit for bit."""
-
-    replayable = True
-
-    def generate(self, prompts: list[Group], rollout: int) -> list[Group]:
-        return prompts
-
-    def score(self, groups: list[Group]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class SyntheticSource(ReplaySource):
-    """`rollout.source.type: synthetic` (see the module docstring)."""
-
-    def __init__(self, cfg: SyntheticConfig):
-        self.cfg = cfg
-
-    def draw(self, index: int) -> list[Group]:
-        return synthetic_rollout(self.cfg, index)
-
-
 class JsonlSource(ReplaySource):
     """`rollout.source.type: jsonl`: source rollout i = the next `groups_per_rollout` groups in file order."""
 
@@ -492,11 +295,11 @@ class JsonlSource(ReplaySource):
         self.data = data
         self.groups_per_rollout = groups_per_rollout
 
-    def draw(self, index: int) -> list[Group] | None:
+    def draw(self, index: int) -> list[SampleGroup] | None:
         start = index * self.groups_per_rollout
         if start >= len(self.data.groups):
             return None
         # copies: filters/advantages must not change the loaded data (a rebuilt rollout must be identical)
-        return [Group(g.group_id, g.tokens, g.loss_masks, g.rewards.copy(), g.sample_ids,
-                      None if g.advantages is None else g.advantages.copy(), g.has_reward)
+        return [SampleGroup(g.group_id, g.tokens, g.loss_masks, g.rewards.copy(), g.sample_ids,
+                            None if g.advantages is None else g.advantages.copy(), g.has_reward)
                 for g in self.data.groups[start : start + self.groups_per_rollout]]

@@ -1,11 +1,12 @@
 """The rollout loop: one small stage per step of the data flow, for rollout k = 0, 1, ...
 
-    draw prompts → generate → score        (the source: `rollout/sources.py`, generated: `rollout/generate.py`)
+    draw prompts → generate → score        (the source, `rollout/source.py`: `synthetic.py`, `jsonl.py` or
+                                            `generate.py`)
     [generated: the scored groups are staged in the resume state]
     → filter → advantages                  (`rollout/pipeline.py`; carried generated groups older than the
                                             staleness bound are dropped: filter "stale")
     → split into steps (carried groups first; a source rollout that fills no step is carried whole)
-    → schedule + per-rank payloads         (`rollout/published.py`)
+    → schedule + per-rank payloads         (`contract/published.py`)
     → wait for room (maxPendingRollouts) → publish → save the resume state
 
 A source rollout whose groups do not fill a step publishes nothing: its groups are carried and the next source
@@ -30,19 +31,18 @@ from typing import Any
 import numpy as np
 
 from trainingrun.api.models import TrainingRun, TrainingRunSpec
-from trainingrun.rollout import published as contract
+from trainingrun.contract import published as contract
+from trainingrun.contract.errors import ConfigError, CorruptPayload, StoreError
+from trainingrun.contract.resume import ResumePoint
+from trainingrun.modeling.tokenizer import TokenizerError, run_tokenizer
+from trainingrun.rollout.generate import GenerateSource, required_version
+from trainingrun.rollout.groups import SampleGroup
+from trainingrun.rollout.jsonl import JsonlSource, load_jsonl
 from trainingrun.rollout.pipeline import FilterStats, apply_filters, as_samples, compute_advantages, split_into_steps
-from trainingrun.rollout.sources import (
-    ConfigError,
-    Group,
-    JsonlSource,
-    Source,
-    SyntheticConfig,
-    SyntheticSource,
-    load_jsonl,
-)
-from trainingrun.rollout.recovery import ResumePoint, TrainersAhead, discard_below
-from trainingrun.store.base import CorruptPayload, Store, StoreError
+from trainingrun.rollout.recovery import TrainersAhead, discard_below
+from trainingrun.rollout.source import Source
+from trainingrun.rollout.synthetic import SyntheticConfig, SyntheticSource
+from trainingrun.store.base import Store
 
 STATE_KEY = "rollout_state"
 STATE_VERSION = 1
@@ -59,11 +59,11 @@ class RolloutState:
     source_index: int = 0  # next source rollout to draw
     step_offset: int = 0  # optimizer steps published so far
     samples_offset: int = 0  # samples published so far
-    carried: list[Group] = field(default_factory=list)  # filtered groups waiting for a step
+    carried: list[SampleGroup] = field(default_factory=list)  # filtered groups waiting for a step
     empty_streak: int = 0  # consecutive source rollouts that published nothing
     totals: dict[str, int] = field(default_factory=lambda: {"produced": 0, "max_length": 0, "zero_variance": 0})
     finished: bool = False
-    staged: list[Group] | None = None  # generated + scored groups of source rollout `source_index`, not yet used
+    staged: list[SampleGroup] | None = None  # generated + scored groups of source rollout `source_index`, not yet used
 
     @property
     def carried_samples(self) -> int:
@@ -87,9 +87,9 @@ class RolloutState:
         return cls(
             fingerprint=d["fingerprint"], next_rollout=int(d["next_rollout"]), source_index=int(d["source_index"]),
             step_offset=int(d["step_offset"]), samples_offset=int(d["samples_offset"]),
-            carried=[Group.from_json(g) for g in d["carried"]], empty_streak=int(d.get("empty_streak", 0)),
+            carried=[SampleGroup.from_json(g) for g in d["carried"]], empty_streak=int(d.get("empty_streak", 0)),
             totals={k: int(v) for k, v in d["totals"].items()}, finished=bool(d["finished"]),
-            staged=None if d.get("staged") is None else [Group.from_json(g) for g in d["staged"]],
+            staged=None if d.get("staged") is None else [SampleGroup.from_json(g) for g in d["staged"]],
         )
 
 
@@ -171,8 +171,6 @@ def _run_tokenizer(model: dict):
     if not model.get("hf"):
         raise ConfigError("text lines need the run's tokenizer: set model.hf to a Hugging Face directory with "
                           "tokenizer.json")
-    from trainingrun.modeling.tokenizer import TokenizerError, run_tokenizer
-
     try:
         return run_tokenizer(model["hf"])
     except (TokenizerError, OSError) as exc:
@@ -184,8 +182,6 @@ def make_source(spec: TrainingRunSpec, say: Callable[[str], None], store: Store 
     """The source `spec.rollout.source` names."""
     r = spec.rollout
     if r.source.type == "generate":
-        from trainingrun.rollout.generate import GenerateSource
-
         return GenerateSource(spec, store, say=say, max_wait=max_wait)
     model = spec.model.resolved()
     groups_per_rollout = r.samples_per_rollout // r.group_size
@@ -266,7 +262,7 @@ class RolloutLoop:
         return after, published, payloads
 
     # ---- stages
-    def produce(self, state: RolloutState, *, replay: bool = False) -> list[Group] | None:
+    def produce(self, state: RolloutState, *, replay: bool = False) -> list[SampleGroup] | None:
         """Draw prompts → generate → score source rollout `state.source_index` (None: the source is exhausted).
         Generated groups are staged in the resume state first, so a restart reuses them instead of generating
         different samples for prompts that may already be published (`replay`: a fast-forward of a replay source,
@@ -287,7 +283,7 @@ class RolloutLoop:
                 self.observe_generation(gen, groups)
         return groups
 
-    def observe_generation(self, gen, groups: list[Group]) -> None:
+    def observe_generation(self, gen, groups: list[SampleGroup]) -> None:
         rewards = np.concatenate([g.rewards for g in groups]).astype(np.float64)
         self.say(f"rollout: source rollout generated with weight version {gen.weight_version}: {gen.samples} "
                  f"samples, {gen.generated_tokens} tokens in {gen.generate_seconds:.2f}s "
@@ -296,10 +292,8 @@ class RolloutLoop:
         if self.metrics is not None:
             self.metrics.observe_generation(gen, rewards)
 
-    def drop_stale(self, carried: list[Group], rollout: int) -> tuple[list[Group], int]:
+    def drop_stale(self, carried: list[SampleGroup], rollout: int) -> tuple[list[SampleGroup], int]:
         """Carried generated groups older than rollout `rollout`'s weight version may not be trained with it."""
-        from trainingrun.rollout.generate import required_version
-
         if self.spec.rollout.source.type != "generate":
             return carried, 0
         bound = required_version(rollout, self.spec.rollout.max_policy_lag)
@@ -309,7 +303,7 @@ class RolloutLoop:
             self.say(f"rollout {rollout}: dropped {stale} carried samples generated before weight version {bound}")
         return fresh, stale
 
-    def source_stats(self, state: RolloutState, after: RolloutState, groups: list[Group], kept: list[Group],
+    def source_stats(self, state: RolloutState, after: RolloutState, groups: list[SampleGroup], kept: list[SampleGroup],
                      fstats: FilterStats) -> contract.SourceStats:
         rewards = np.concatenate([g.rewards for g in groups]).astype(np.float64) if groups else np.zeros(0)
         gen = getattr(self.source, "stats", None)
@@ -357,7 +351,7 @@ class RolloutLoop:
             self.say(f"rollout: data-parallel size changed from {old} to {self.dp}: rollouts from {state.next_rollout} "
                      f"on are scheduled for {self.dp} ranks; the trainers re-schedule those published for {old}")
 
-    def filter(self, groups: list[Group], *, count: bool = True) -> tuple[list[Group], FilterStats]:
+    def filter(self, groups: list[SampleGroup], *, count: bool = True) -> tuple[list[SampleGroup], FilterStats]:
         kept, fstats = apply_filters(groups, max_length=self.max_length,
                                      zero_variance=self.spec.rollout.filters.zero_variance)
         compute_advantages(kept, self.spec.trainer.loss_type)
@@ -369,15 +363,15 @@ class RolloutLoop:
             self.metrics.groups.labels(self.metrics.run, "kept").inc(len(kept))
         return kept, fstats
 
-    def split(self, candidates: list[Group]) -> tuple[list[Group], list[Group]]:
+    def split(self, candidates: list[SampleGroup]) -> tuple[list[SampleGroup], list[SampleGroup]]:
         r, t = self.spec.rollout, self.spec.trainer
         return split_into_steps(
             candidates, policy=r.steps.policy, groups_per_step=r.steps.global_batch_size, dp_size=self.dp,
             micro_batch_size=t.micro_batch_size, microbatch_multiple=t.microbatch_multiple,
         )
 
-    def account(self, state: RolloutState, groups: list[Group], fstats: FilterStats,
-                carry: list[Group]) -> RolloutState:
+    def account(self, state: RolloutState, groups: list[SampleGroup], fstats: FilterStats,
+                carry: list[SampleGroup]) -> RolloutState:
         """The state after this source rollout, before anything of it is published."""
         totals = dict(state.totals)
         totals["produced"] = totals.get("produced", 0) + sum(len(g) for g in groups)
@@ -389,7 +383,7 @@ class RolloutLoop:
             step_offset=state.step_offset, samples_offset=state.samples_offset, carried=carry, totals=totals,
         )
 
-    def carry_over(self, state: RolloutState, after: RolloutState, groups: list[Group],
+    def carry_over(self, state: RolloutState, after: RolloutState, groups: list[SampleGroup],
                    fstats: FilterStats, *, quiet: bool = False) -> RolloutState:
         """No step formed: everything kept is carried and the next source rollout is drawn."""
         after.empty_streak = state.empty_streak + 1
@@ -406,7 +400,7 @@ class RolloutLoop:
             self.store.put_json(STATE_KEY, after.to_json())
         return after
 
-    def schedule(self, state: RolloutState, step_groups: list[Group],
+    def schedule(self, state: RolloutState, step_groups: list[SampleGroup],
                  stats: contract.SourceStats) -> tuple[contract.PublishedRollout, dict]:
         r, t = self.spec.rollout, self.spec.trainer
         published, payloads, _ = contract.build_published(

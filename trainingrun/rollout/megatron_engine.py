@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainingrun.rollout.engine import Completion, Sampling
+from trainingrun.contract.engine import Completion, Sampling
 
 # weights travel as numpy arrays; bf16 has no numpy dtype and travels as its raw 16 bits
 _TORCH_OF_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

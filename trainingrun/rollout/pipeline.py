@@ -21,8 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trainingrun.rollout.published import Samples
-from trainingrun.rollout.sources import ConfigError, Group
+from trainingrun.contract.errors import ConfigError
+from trainingrun.contract.published import Samples
+from trainingrun.rollout.groups import SampleGroup
+from trainingrun.schedule import step_fits
 
 ADV_EPS = 1e-6
 
@@ -40,7 +42,8 @@ class FilterStats:
         return out
 
 
-def apply_filters(groups: list[Group], *, max_length: int | None, zero_variance: bool) -> tuple[list[Group], FilterStats]:
+def apply_filters(groups: list[SampleGroup], *, max_length: int | None,
+                  zero_variance: bool) -> tuple[list[SampleGroup], FilterStats]:
     """The groups that pass, and how many samples each filter dropped."""
     stats = FilterStats()
     kept = []
@@ -57,7 +60,7 @@ def apply_filters(groups: list[Group], *, max_length: int | None, zero_variance:
     return kept, stats
 
 
-def compute_advantages(groups: list[Group], loss_type: str) -> None:
+def compute_advantages(groups: list[SampleGroup], loss_type: str) -> None:
     """Set `advantages` of each group in place (see the module docstring)."""
     for g in groups:
         if loss_type == "sft":
@@ -68,14 +71,14 @@ def compute_advantages(groups: list[Group], loss_type: str) -> None:
 
 
 def split_into_steps(
-    groups: list[Group],
+    groups: list[SampleGroup],
     *,
     policy: str,
     groups_per_step: int | None,
     dp_size: int,
     micro_batch_size: int | None = None,
     microbatch_multiple: int = 1,
-) -> tuple[list[Group], list[Group]]:
+) -> tuple[list[SampleGroup], list[SampleGroup]]:
     """(groups that form this rollout's steps, groups carried into the next rollout), order kept.
 
     fixed: as many whole steps of `groups_per_step` groups as there are; the rest is carried. dynamic: all groups
@@ -84,8 +87,6 @@ def split_into_steps(
     micro-batch count (`trainingrun.schedule.step_fits`).
     A fixed step the scheduler cannot plan is a ConfigError (globalBatchSize too small for the ranks/micro-batches).
     """
-    from trainingrun.schedule import step_fits
-
     def fits(n: int) -> bool:
         return step_fits(n, dp_size=dp_size, micro_batch_size=micro_batch_size, microbatch_multiple=microbatch_multiple)
 
@@ -114,7 +115,7 @@ def split_into_steps(
     return used, list(groups[n_steps * groups_per_step :])
 
 
-def as_samples(groups: list[Group]) -> Samples:
+def as_samples(groups: list[SampleGroup]) -> Samples:
     """The groups' samples as one flat batch, in group order (what `published.build_published` schedules)."""
     return Samples(
         tokens=[t for g in groups for t in g.tokens],

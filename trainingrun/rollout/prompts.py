@@ -25,8 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from trainingrun.rollout.sources import EOS, FIRST_CONTENT, SEP, ConfigError, jsonl_objects
-
+from trainingrun.contract.errors import ConfigError
+from trainingrun.modeling.tokenizer import TokenizerError, run_tokenizer
+from trainingrun.rollout.jsonl import jsonl_objects
+from trainingrun.rollout.synthetic import EOS, FIRST_CONTENT, SEP
 
 
 @dataclass
@@ -59,8 +61,6 @@ def load_tokenizer(spec):
     """The run's tokenizer: model.hf's (`trainingrun.modeling.tokenizer.run_tokenizer`), else the byte tokenizer."""
     hf = getattr(spec.model, "hf", None)
     if hf:
-        from trainingrun.modeling.tokenizer import TokenizerError, run_tokenizer
-
         try:
             tok = run_tokenizer(hf)
         except (TokenizerError, OSError) as exc:
@@ -118,7 +118,7 @@ class SyntheticPrompts:
 # ------------------------------------------------------------------------------------------------------ reasoning-gym
 def reasoning_gym_dataset(name: str, config: dict[str, Any], seed: int, size: int):
     try:
-        import reasoning_gym
+        import reasoning_gym  # deferred: reasoning_gym (optional, heavy)
     except ImportError:
         raise ConfigError("rollout.source.generate.prompts.reasoningGym: the reasoning-gym package is not "
                           "installed (pip install 'trainingrun[rl]')") from None

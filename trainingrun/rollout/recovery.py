@@ -3,7 +3,7 @@
 A store that comes back empty (a Redis server restarted without persistence) has lost the published rollouts and
 the rollout's own resume state. Every process of the attempt then fails with `StoreDataLost` (exit 1) and the group
 restarts. The trainers resume from their newest checkpoint, at rollout k; the rollout finds no state and would
-start again at rollout 0. To meet, trainer rank 0 writes its **resume point** (`ResumePoint`, key
+start again at rollout 0. To meet, trainer rank 0 writes its **resume point** (`trainingrun.contract.resume`, key
 `trainer_resume`) as soon as it has loaded its checkpoint, and the rollout reads it:
 
 * at start, and while it waits for room (backpressure): a resume point past the rollout it is about to publish means
@@ -22,45 +22,8 @@ so this costs one small read per backpressure poll. A source whose rollouts cann
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
-from trainingrun.store.base import CorruptPayload, Store
-from trainingrun.store.common import stored_int
-
-RESUME_KEY = "trainer_resume"
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    """Where the trainers resume (from their newest checkpoint): rollout `rollout`, its step `step_in_rollout`;
-    `global_step` optimizer steps and `samples_consumed` samples trained before; written by trainer rank 0 of
-    attempt `attempt`."""
-
-    rollout: int
-    step_in_rollout: int
-    global_step: int
-    samples_consumed: int
-    attempt: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"rollout": self.rollout, "step_in_rollout": self.step_in_rollout, "global_step": self.global_step,
-                "samples_consumed": self.samples_consumed, "attempt": self.attempt}
-
-    def write(self, store: Store) -> None:
-        store.put_json(RESUME_KEY, self.to_json())
-
-    @classmethod
-    def read(cls, store: Store) -> ResumePoint | None:
-        """The trainers' resume point (None when they have not written one); CorruptPayload when malformed."""
-        d = store.get_json(RESUME_KEY)
-        if d is None:
-            return None
-        where = f"store {store.url}: key {RESUME_KEY}"
-        if not isinstance(d, dict):
-            raise CorruptPayload(f"{where}: must be a JSON object")
-        return cls(**{name: stored_int(d.get(name), where=where, field=name)
-                      for name in ("rollout", "step_in_rollout", "global_step", "samples_consumed", "attempt")})
+from trainingrun.contract.resume import ResumePoint
+from trainingrun.store.base import Store
 
 
 class TrainersAhead(Exception):

@@ -1,29 +1,26 @@
 """trainingrun.store: the shared store between the rollout (writer) and the trainers (readers).
 
 `open_store(url)` picks the backend by URL scheme: `file:///abs/path` (or `file://relative/path`, resolved against the
-current directory) and `redis://host:port/db`. Protocol and wire contract: `trainingrun.store.base`; layout,
-atomicity and retention: docs/store.md.
+current directory) and `redis://host:port/db`. Protocol: `trainingrun.store.base`; what travels through it:
+`trainingrun.contract`; layout, atomicity and retention: docs/store.md.
 """
 
 from __future__ import annotations
 
+import errno
+
+from trainingrun.contract.errors import EXIT_CONFIG_ERROR, CorruptPayload, StoreError
 from trainingrun.store.base import (
-    PAYLOAD_FIELDS,
-    CorruptPayload,
-    RankPayload,
     RolloutReleased,
     StaleAttempt,
     Store,
     StoreDataLost,
-    StoreError,
     StoreTimeout,
     WriterConflict,
 )
 
 __all__ = [
-    "PAYLOAD_FIELDS",
     "CorruptPayload",
-    "RankPayload",
     "RolloutReleased",
     "StaleAttempt",
     "Store",
@@ -31,7 +28,7 @@ __all__ = [
     "StoreError",
     "StoreTimeout",
     "WriterConflict",
-    "attempt_from_env",
+    "exit_status",
     "open_store",
 ]
 
@@ -39,7 +36,7 @@ __all__ = [
 def open_store(url: str, *, attempt: int | None = None) -> Store:
     """A Store for `url`; ValueError naming the URL for an unknown scheme or a malformed URL.
 
-    With `attempt` (a run's processes pass TRAININGRUN_ATTEMPT, see `attempt_from_env`) the handle is fenced: it
+    With `attempt` (a run's processes pass their TRAININGRUN_ATTEMPT, `ProcessEnv.attempt`) the handle is fenced: it
     enters the attempt at once (StaleAttempt if the store already saw a newer one) and every write it makes is
     refused once a newer attempt has used the store. Without it (tools, tests) writes are not fenced by attempt."""
     if not isinstance(url, str) or "://" not in url:
@@ -65,20 +62,6 @@ def open_store(url: str, *, attempt: int | None = None) -> Store:
     return store
 
 
-def attempt_from_env(environ: dict[str, str] | None = None) -> int | None:
-    """TRAININGRUN_ATTEMPT as an int (None when unset); ValueError naming it when it is not an attempt number."""
-    import os
-
-    from trainingrun.store.common import check_attempt
-
-    raw = (os.environ if environ is None else environ).get("TRAININGRUN_ATTEMPT")
-    if raw is None or raw == "":
-        return None
-    if not raw.isdigit():
-        raise ValueError(f"environment: TRAININGRUN_ATTEMPT={raw!r} is not an attempt number (0, 1, ...)")
-    return check_attempt(int(raw))
-
-
 def exit_status(exc: BaseException) -> int | None:
     """The exit status a process of the run uses when a store error ends it (None: not a store error).
 
@@ -86,10 +69,6 @@ def exit_status(exc: BaseException) -> int | None:
     value, a process of an older attempt (fenced off), a second rollout writer, a full or read-only volume. 1 (the
     group restarts) for the rest, notably `StoreDataLost`: the next attempt resumes from the trainers' checkpoint and
     the rollout re-creates the lost rollouts."""
-    import errno
-
-    from trainingrun.failure_policy import EXIT_CONFIG_ERROR
-
     if isinstance(exc, (CorruptPayload, StaleAttempt, WriterConflict)):
         return EXIT_CONFIG_ERROR
     if isinstance(exc, StoreDataLost):

@@ -6,19 +6,10 @@ Contract between `trainingrun.rollout` (writer) and `trainingrun.trainer` (reade
 A rollout k is published as: per-rank payloads, then the schedule (JSON), then a commit marker. Readers only ever see
 committed rollouts. Payloads are numpy arrays (never pickled); schedules and metadata are JSON.
 
-RankPayload (rank r's part of rollout k; arrays in `partitions[r]` order, i.e. the rank's samples in micro-batch
-order, flat over the rollout's steps):
-  tokens      int32   [total tokens]   all samples' tokens, concatenated
-  offsets     int64   [n + 1]          sample i is tokens[offsets[i]:offsets[i+1]]
-  loss_mask   uint8   [total tokens]   1 where the token's prediction is trained (target positions)
-  advantages  float32 [n]              per-sample advantage (policy_gradient) or reward
-  rewards     float32 [n]              per-sample raw reward
-  sample_ids  int64   [n]              global sample ids (rollout-unique), for exactly-once checks
-Optional (generated rollouts, `rollout.source.type: generate`):
-  logprobs    float32 [total tokens]   the generator's log-probability of each token (0 where loss_mask is 0)
-  versions    int64   [n]              weight version each sample was generated with
+Rank payloads: `trainingrun.contract.payload` (the fields and dtypes of a `RankPayload`). Errors: `StoreError` and
+`CorruptPayload` are `trainingrun.contract.errors` (the contract's records raise them too); the others are below.
 
-Schedule (JSON dict) of rollout k: the document `trainingrun.rollout.published.PublishedRollout` writes and reads
+Schedule (JSON dict) of rollout k: the document `trainingrun.contract.published.PublishedRollout` writes and reads
 (rollout, dp_size, schedule: DPSchedule.to_dict(), global_batch_sizes, loss_tokens per step, step_offset,
 samples_offset, ...). The store only checks `rollout` and `dp_size`; nothing else reads the document by its keys.
 """
@@ -29,25 +20,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-PAYLOAD_FIELDS: dict[str, np.dtype] = {
-    "tokens": np.dtype(np.int32),
-    "offsets": np.dtype(np.int64),
-    "loss_mask": np.dtype(np.uint8),
-    "advantages": np.dtype(np.float32),
-    "rewards": np.dtype(np.float32),
-    "sample_ids": np.dtype(np.int64),
-}
-
-PAYLOAD_OPTIONAL: dict[str, np.dtype] = {
-    "logprobs": np.dtype(np.float32),
-    "versions": np.dtype(np.int64),
-}
-
-RankPayload = dict[str, np.ndarray]
-
-
-class StoreError(RuntimeError):
-    """A store operation failed permanently; the message names the store URL and key."""
+from trainingrun.contract.errors import StoreError
+from trainingrun.contract.payload import RankPayload
 
 
 class StoreTimeout(StoreError):
@@ -57,11 +31,6 @@ class StoreTimeout(StoreError):
 class RolloutReleased(StoreError):
     """A reader asked for a rollout that was already deleted (acked by every rank and covered by a checkpoint):
     the store holds a run that is further along than this reader (e.g. a store reused by a fresh run)."""
-
-
-class CorruptPayload(StoreError):
-    """Stored bytes do not decode as the expected wire format (a payload, a schedule, a marker or a JSON value):
-    damaged on disk or in memory, or written by something else. The message names the store and the key."""
 
 
 class StoreDataLost(StoreError):

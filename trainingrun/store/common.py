@@ -16,7 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from trainingrun.store.base import CorruptPayload, RankPayload, StaleAttempt, StoreDataLost, StoreTimeout, WriterConflict
+from trainingrun.contract.errors import CorruptPayload
+from trainingrun.contract.payload import RankPayload
+from trainingrun.store.base import StaleAttempt, StoreDataLost, StoreTimeout, WriterConflict
 from trainingrun.store.wire import check_payload, decode_json, encode_json
 
 KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")

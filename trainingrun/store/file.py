@@ -50,7 +50,9 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import numpy as np
 
-from trainingrun.store.base import CorruptPayload, RankPayload, RolloutReleased, StoreError
+from trainingrun.contract.errors import CorruptPayload, StoreError
+from trainingrun.contract.payload import RankPayload
+from trainingrun.store.base import RolloutReleased
 from trainingrun.store.common import (
     Marker,
     Owner,

@@ -47,7 +47,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
-from trainingrun.store.base import CorruptPayload, RankPayload, RolloutReleased, StoreError
+from trainingrun.contract.errors import CorruptPayload, StoreError
+from trainingrun.contract.payload import RankPayload
+from trainingrun.store.base import RolloutReleased
 from trainingrun.store.common import (
     Marker,
     Owner,

@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from trainingrun.store.base import PAYLOAD_FIELDS, PAYLOAD_OPTIONAL, CorruptPayload, RankPayload
+from trainingrun.contract.errors import CorruptPayload
+from trainingrun.contract.payload import PAYLOAD_FIELDS, PAYLOAD_OPTIONAL, RankPayload
 
 MAGIC = b"TRPAYLD1"
 ALIGN = 64
@@ -68,7 +69,7 @@ def checksum(buf: memoryview | bytes) -> int:
 def check_payload(payload: RankPayload, *, where: str = "payload") -> None:
     """Raise ValueError naming the field if `payload` is not a well-formed RankPayload.
 
-    Fields and dtypes: `base.PAYLOAD_FIELDS`, all 1-D. With n samples and T tokens: offsets has n + 1 entries, starts
+    Fields and dtypes: `contract.payload.PAYLOAD_FIELDS`, all 1-D. With n samples and T tokens: offsets has n + 1 entries, starts
     at 0, never decreases and ends at T; loss_mask has T entries (0 or 1); advantages, rewards, sample_ids have n.
     """
     if not isinstance(payload, dict):

@@ -46,6 +46,7 @@ way (a zombie, or a new run reusing the directory: the message says how to tell 
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import io
 import json
@@ -78,7 +79,7 @@ class CheckpointFenced(CheckpointError):
 
 
 @dataclass
-class Progress:
+class TrainingProgress:
     """Where training stands: the next rollout/step to train and the totals so far."""
 
     global_step: int = 0  # optimizer steps completed
@@ -91,12 +92,12 @@ class Progress:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Progress:
+    def from_dict(cls, d: dict[str, Any]) -> TrainingProgress:
         return cls(**{k: int(d[k]) for k in ("global_step", "rollout", "step_in_rollout", "samples_consumed")},
                    tokens_consumed=int(d.get("tokens_consumed", 0)))
 
 
-class Group(Protocol):
+class Collectives(Protocol):
     """The collective operations the protocol needs (torch.distributed in the trainer, `Solo` in one process)."""
 
     rank: int
@@ -112,7 +113,7 @@ class Group(Protocol):
 
 
 class Solo:
-    """A one-process group."""
+    """`Collectives` of a single process."""
 
     rank, world = 0, 1
 
@@ -181,8 +182,8 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return read_json(Path(path) / "meta.json")
 
 
-def read_progress(path: str | Path) -> Progress:
-    return Progress.from_dict(read_json(Path(path) / "progress.json"))
+def read_progress(path: str | Path) -> TrainingProgress:
+    return TrainingProgress.from_dict(read_json(Path(path) / "progress.json"))
 
 
 # ------------------------------------------------------------------------------------------------ fencing
@@ -224,8 +225,6 @@ def record_attempt(root: str | Path, attempt: int, epoch: int = 0) -> None:
 
 
 def _describe_epoch(epoch: int) -> str:
-    import datetime as dt
-
     return dt.datetime.fromtimestamp(epoch, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
@@ -284,7 +283,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         if (module in _DCP_MODULES and not name.startswith("__")) or (module, name) in _OTHER_GLOBALS:
             return super().find_class(module, name)
         if module == "torch":
-            import torch
+            import torch  # deferred: torch
 
             value = getattr(torch, name, None)
             if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
@@ -352,9 +351,9 @@ class SaveResult:
 
 def save(
     root: str | Path,
-    progress: Progress,
+    progress: TrainingProgress,
     *,
-    group: Group,
+    group: Collectives,
     write_shards: Callable[[Path], None],
     state: Callable[[], dict[str, Any]],
     meta: dict[str, Any],
@@ -370,7 +369,7 @@ def save(
     (e.g. the HF config and tokenizer a run started from; they are hashed with the rest). Raises `CheckpointFenced`
     on every rank when a newer attempt owns `root`.
     """
-    import torch
+    import torch  # deferred: torch
 
     t0 = time.perf_counter()
     root = Path(root)
@@ -501,7 +500,7 @@ def prune(root: str | Path, keep: int, *, attempt: int | None = None, epoch: int
 @dataclass
 class Resumed:
     path: Path
-    progress: Progress
+    progress: TrainingProgress
     state: dict[str, Any]
     meta: dict[str, Any]
     skipped: list[tuple[Path, str]]  # newer checkpoints that could not be loaded, and why
@@ -510,7 +509,7 @@ class Resumed:
 def resume(
     root: str | Path,
     *,
-    group: Group,
+    group: Collectives,
     load_shards: Callable[[Path], None],
     attempt: int,
     log: Callable[[str], None] = lambda _m: None,
@@ -522,7 +521,7 @@ def resume(
     directory (collective; it raises on any rank → that checkpoint is skipped on every rank). Raises
     `CheckpointFenced` for an older attempt, `CheckpointError` when checkpoints exist and none can be loaded.
     """
-    import torch
+    import torch  # deferred: torch
 
     root = Path(root)
     reason = None
@@ -598,10 +597,10 @@ def read_tensors(path: str | Path, *, model_only: bool = False) -> dict[str, Any
     axis: `decoder.layers.<name>` [num_layers, ...]; `model_tensors` unstacks them), optimizer keys start with
     `optimizer.` (`optimizer.state.exp_avg.<model key>`, ...). CheckpointError naming the path and why if the
     checkpoint does not verify."""
-    import torch
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint import load as dcp_load
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    import torch  # deferred: torch
+    from torch.distributed.checkpoint import FileSystemReader  # deferred: torch
+    from torch.distributed.checkpoint import load as dcp_load  # deferred: torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # deferred: torch
 
     path = Path(path)
     why = verify(path)
@@ -631,7 +630,7 @@ def model_tensors(path: str | Path) -> dict[str, Any]:
 
 
 def rng_state() -> dict[str, Any]:
-    import torch
+    import torch  # deferred: torch
 
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -640,7 +639,7 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    import torch
+    import torch  # deferred: torch
 
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():

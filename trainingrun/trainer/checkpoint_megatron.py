@@ -34,7 +34,7 @@ _REASON_BYTES = 1024
 
 
 class DistGroup:
-    """`checkpoint.Group` over the default torch.distributed group (gloo on CPU, NCCL on GPU)."""
+    """`checkpoint.Collectives` over the default torch.distributed group (gloo on CPU, NCCL on GPU)."""
 
     def __init__(self) -> None:
         import torch.distributed as dist
@@ -163,7 +163,7 @@ class TrainerCheckpoints:
         self.log(f"loaded {resumed.path} in {time.perf_counter() - t0:.2f}s")
         return resumed
 
-    def save(self, progress: ckpt.Progress) -> ckpt.SaveResult:
+    def save(self, progress: ckpt.TrainingProgress) -> ckpt.SaveResult:
         return ckpt.save(
             self.root, progress, group=self.group, attempt=self.attempt, keep=self.keep, meta=self.meta,
             assets=self.assets, epoch=self.epoch,

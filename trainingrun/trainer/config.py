@@ -1,4 +1,5 @@
-"""What a trainer rank is told: its environment (`TrainerEnv`) and the error a restart cannot fix (`ConfigError`).
+"""What a trainer rank is told: its environment (`TrainerEnv`): torch.distributed's RANK / WORLD_SIZE and the run's
+`TRAININGRUN_*` variables (`trainingrun.contract.env.ProcessEnv`). A bad or missing value is a `ConfigError` (exit 78).
 
 No torch or megatron here: the entrypoint reads this before it decides on a device.
 """
@@ -8,9 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-
-class ConfigError(Exception):
-    """A configuration problem a restart cannot fix (the trainer exits 78)."""
+from trainingrun.contract.env import CONFIG_ENV, STORE_URL_ENV, ProcessEnv
+from trainingrun.contract.errors import ConfigError
 
 
 def env_int(name: str, default: int | None = None) -> int:
@@ -23,13 +23,6 @@ def env_int(name: str, default: int | None = None) -> int:
         return int(raw)
     except ValueError:
         raise ConfigError(f"environment: {name}={raw!r} is not an integer") from None
-
-
-def _epoch() -> int:
-    epoch = env_int("TRAININGRUN_RUN_EPOCH", 0)
-    if epoch < 0:
-        raise ConfigError(f"environment: TRAININGRUN_RUN_EPOCH={epoch} must be >= 0 (unix seconds of the run's creation)")
-    return epoch
 
 
 @dataclass(frozen=True)
@@ -56,17 +49,16 @@ class TrainerEnv:
         os.environ.setdefault("WORLD_SIZE", str(world))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
-        config_path = config or os.environ.get("TRAININGRUN_CONFIG")
+        env = ProcessEnv.from_environ()
+        config_path = config or env.config
         if not config_path:
-            raise ConfigError("TRAININGRUN_CONFIG: not set (path of the TrainingRun YAML)")
-        store_url = store or os.environ.get("TRAININGRUN_STORE_URL")
+            raise ConfigError(f"{CONFIG_ENV}: not set (path of the TrainingRun YAML)")
+        store_url = store or env.store_url
         if not store_url:
-            raise ConfigError("TRAININGRUN_STORE_URL: not set (file:///path or redis://host:port/db)")
-        port = os.environ.get("TRAININGRUN_METRICS_PORT")
+            raise ConfigError(f"{STORE_URL_ENV}: not set (file:///path or redis://host:port/db)")
         return cls(
-            rank=rank, world_size=world, attempt=env_int("TRAININGRUN_ATTEMPT", 0), config_path=config_path,
-            store_url=store_url, run_name=os.environ.get("TRAININGRUN_RUN") or None,
-            metrics_port=int(port) if port else None,
-            metrics_jsonl=os.environ.get("TRAININGRUN_METRICS_JSONL") if rank == 0 else None,
-            wait_timeout=wait_timeout, epoch=_epoch(),
+            rank=rank, world_size=world, attempt=env.attempt or 0, config_path=config_path,
+            store_url=store_url, run_name=env.run, metrics_port=env.metrics_port,
+            metrics_jsonl=env.metrics_jsonl if rank == 0 else None,
+            wait_timeout=wait_timeout, epoch=env.run_epoch or 0,
         )

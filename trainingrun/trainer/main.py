@@ -1,8 +1,8 @@
 """`trainingrun trainer`: the trainer ranks of one trainer pod (a process locally).
 
 Reads everything from the environment (see `trainingrun.plan` and `trainer/config.py`): RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT, TRAININGRUN_CONFIG, TRAININGRUN_STORE_URL, TRAININGRUN_RUN, TRAININGRUN_ATTEMPT,
-TRAININGRUN_METRICS_PORT, TRAININGRUN_METRICS_JSONL (rank 0 appends one JSON object per step there).
+MASTER_ADDR, MASTER_PORT and the run's `TRAININGRUN_*` variables (`trainingrun.contract.env.ProcessEnv`: config,
+store URL, run, attempt, run epoch, metrics port, metrics JSONL — rank 0 appends one JSON object per step there).
 
 With `spec.trainer.gpusPerReplica` = G ≤ 1 this process is the pod's one rank (RANK/WORLD_SIZE as given). With G > 1
 the pod's RANK/WORLD_SIZE are the node rank / node count, and this process supervises G worker processes with
@@ -17,14 +17,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
+from trainingrun.api import load_trainingrun
+from trainingrun.childlog import quiet_known_warnings
 from trainingrun.cliargs import positive_seconds
-from trainingrun.plan import EXIT_CONFIG_ERROR
-from trainingrun.store.base import StoreError
-from trainingrun.trainer.config import ConfigError, TrainerEnv, env_int
+from trainingrun.contract.env import CONFIG_ENV, ProcessEnv
+from trainingrun.contract.errors import EXIT_CONFIG_ERROR, ConfigError, StoreError
+from trainingrun.diskspace import describe
+from trainingrun.store import exit_status
+from trainingrun.trainer.config import TrainerEnv, env_int
+from trainingrun.trainer.workers import Supervisor, is_worker, worker_command
 
-__all__ = ["ConfigError", "add_arguments", "run"]
+__all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,8 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainingrun.store import exit_status
-
     rank = int(os.environ.get("RANK", "0") or 0)
     try:
         nproc = _workers_per_node(args)
@@ -52,8 +56,6 @@ def run(args: argparse.Namespace) -> int:
         _say(f"[trainer {rank}] store error: {exc}")
         return exit_status(exc)
     except (OSError, RuntimeError) as exc:  # a full volume (a checkpoint, a log, the metrics file): no restart helps
-        from trainingrun.diskspace import describe
-
         line = describe(exc, [os.getcwd()])
         if line is None:
             raise
@@ -70,21 +72,17 @@ def _say(line: str) -> None:
 
 
 def _config_path(args: argparse.Namespace) -> str:
-    path = args.config or os.environ.get("TRAININGRUN_CONFIG")
+    path = args.config or ProcessEnv.from_environ().config
     if not path:
-        raise ConfigError("TRAININGRUN_CONFIG: not set (path of the TrainingRun YAML)")
+        raise ConfigError(f"{CONFIG_ENV}: not set (path of the TrainingRun YAML)")
     return path
 
 
 def _workers_per_node(args: argparse.Namespace) -> int:
     """How many worker processes this process must start: G = spec.trainer.gpusPerReplica when G > 1 and this is
     not already a worker (see trainer/workers.py); else 1 (train in this process)."""
-    from trainingrun.trainer.workers import is_worker
-
     if is_worker():
         return 1
-    from trainingrun.api import load_trainingrun
-
     try:
         tr = load_trainingrun(_config_path(args))
     except ValueError as exc:
@@ -94,8 +92,6 @@ def _workers_per_node(args: argparse.Namespace) -> int:
 
 def _supervise(args: argparse.Namespace, nproc: int) -> int:
     """Node-level RANK/WORLD_SIZE (pod index / pod count) → `nproc` workers with process-level ranks."""
-    from trainingrun.trainer.workers import Supervisor, worker_command
-
     node_rank = env_int("RANK", 0)
     num_nodes = env_int("WORLD_SIZE", 1)
     if not 0 <= node_rank < num_nodes:
@@ -111,9 +107,7 @@ def _supervise(args: argparse.Namespace, nproc: int) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from trainingrun.trainer.trainer import Trainer
-
-    from trainingrun.childlog import quiet_known_warnings
+    from trainingrun.trainer.trainer import Trainer  # deferred: megatron and torch (after the device decision)
 
     env = TrainerEnv.from_environ(config=args.config, store=args.store, wait_timeout=args.wait_timeout)
     quiet_known_warnings(env.rank)  # before megatron is imported: its start-up warnings once, from rank 0
@@ -126,8 +120,6 @@ def _train(args: argparse.Namespace) -> int:
         trainer.linger()
         return 0
     except StoreError as exc:
-        from trainingrun.store import exit_status
-
         if exit_status(exc) == EXIT_CONFIG_ERROR:
             # Corrupt data, fenced off: say so and exit at once, before tearing down torch.distributed. Our peers'
             # collectives break only when we are gone, so whoever watches (launcher, operator) sees this rank end
@@ -143,7 +135,6 @@ def _exit_cleanly_on_sigterm() -> None:
     """SIGTERM (the launcher stopping the group, Kubernetes stopping the pod) ends the trainer through its `finally`
     blocks, so rank 0 closes its TensorBoard and W&B writers (W&B keeps buffered records otherwise) and the store;
     exit status 143 as before. A second SIGTERM, or the SIGKILL after the grace period, ends it at once."""
-    import signal
 
     def handler(signum, frame):  # noqa: ARG001
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

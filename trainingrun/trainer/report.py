@@ -1,7 +1,8 @@
 """What a trainer rank reports after each step: the per-step record and where it goes.
 
-The record (rank 0's dict, docs/trainer.md "JSONL record") is the one source for `metrics.jsonl`, the store's
-`progress` key, the log line and the exported gauges; every rank exports its own (sum, count) pairs and counters.
+The record (rank 0's dict, docs/trainer.md "JSONL record") is the one source for `metrics.jsonl`, the trainers'
+progress record in the store (`trainingrun.contract.progress.ProgressRecord`), the log line and the exported gauges;
+every rank exports its own (sum, count) pairs and counters.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 import time
 from typing import Any
 
+from trainingrun.contract.progress import ProgressRecord
 from trainingrun.trainer.loss import STAT_NAMES
 
 
@@ -60,7 +62,7 @@ def step_record(*, res, step, rollout: int, global_step: int, samples_consumed: 
 
 
 class StepReporter:
-    """Exports every rank's metrics; on rank 0 also writes the JSONL line, the `progress` key and a log line."""
+    """Exports every rank's metrics; on rank 0 also writes the JSONL line, the progress record and a log line."""
 
     def __init__(self, exporter, store, *, rank: int, jsonl_path: str | None, tracker=None):
         self.exporter = exporter
@@ -105,18 +107,17 @@ class StepReporter:
         })
 
     def write(self, record: dict[str, Any]) -> None:
-        """Rank 0: one JSON line per step (local runs) and the progress key the launcher/operator read."""
+        """Rank 0: one JSON line per step (local runs, merged by the launcher) and the progress record (read by the
+        operator)."""
         if self.jsonl_path:
             with open(self.jsonl_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         if self.tracker is not None:
             self.tracker.log(record)
-        # The operator reads this key into the TrainingRun's status (trainingrun/operator/progress.py).
-        self.store.put_json("progress", {
-            **{k: record[k] for k in ("step", "rollout", "global_batch_size", "loss", "lr", "samples_consumed",
-                                      "tokens", "attempt", "samples_per_second", "time")},
-            "last_global_batch_size": record["global_batch_size"],
-        })
+        ProgressRecord(step=record["step"], time=record["time"], rollout=record["rollout"],
+                       samples_consumed=record["samples_consumed"], last_global_batch_size=record["global_batch_size"],
+                       attempt=record["attempt"], loss=record["loss"], lr=record["lr"], tokens=record["tokens"],
+                       samples_per_second=record["samples_per_second"]).write(self.store)
         rl = (f" reward {record['reward_mean']:.3f} v{record['weight_version']} lag {record['policy_lag']} "
               f"|dlogp| {record['logprob_abs_diff']:.1e}" if "weight_version" in record else "")
         print(

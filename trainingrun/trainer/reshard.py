@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from trainingrun.contract.payload import PAYLOAD_FIELDS, PAYLOAD_OPTIONAL, RankPayload
 from trainingrun.schedule import DPSchedule, build_dp_schedule
-from trainingrun.store.base import PAYLOAD_FIELDS, PAYLOAD_OPTIONAL, RankPayload
 
 _PER_SAMPLE = ("advantages", "rewards", "sample_ids", "versions")
 _PER_TOKEN = ("tokens", "loss_mask", "logprobs")

@@ -8,25 +8,32 @@ Read top to bottom, `fit` is the whole loop:
                            (sum, count) metrics reduced and reported; checkpoint when due
                            → ack k → checkpoint when due
         sync_weights():    the new weights to the generator (`spec.weightSync`; nothing without a publisher)
-    final checkpoint, `trainer_done`
+    final checkpoint
 
-Everything the loop needs per step comes from the published rollout (`rollout/published.py`): the schedule, GBS_s,
+Everything the loop needs per step comes from the published rollout (`contract/published.py`): the schedule, GBS_s,
 T_s, micro-batch positions, the run's step and sample offsets. Megatron is imported only after `prepare_device` has
 installed the CPU shim (CPU mode), so this module imports it lazily.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
 
-from trainingrun.rollout import published as contract
-from trainingrun.rollout.published import PublishedRollout, StepPlan
-from trainingrun.store.base import RankPayload
-from trainingrun.trainer.checkpoint import CheckpointError
+from trainingrun.api import load_trainingrun
+from trainingrun.contract import published as contract
+from trainingrun.contract.errors import ConfigError
+from trainingrun.contract.payload import RankPayload
+from trainingrun.contract.published import PublishedRollout, StepPlan
+from trainingrun.contract.resume import ResumePoint
+from trainingrun.store import RolloutReleased, StoreTimeout, open_store
+from trainingrun.tracking import TrackingConfigError, open_tracker, tracking_paths
+from trainingrun.trainer.checkpoint import CheckpointError, CheckpointFenced, TrainingProgress, release_point
 from trainingrun.trainer.checkpoint_megatron import TrainerCheckpoints
-from trainingrun.trainer.config import ConfigError, TrainerEnv
+from trainingrun.trainer.config import TrainerEnv
+from trainingrun.trainer.reshard import acked_ranks, reschedule
 
 
 def log(rank: int, msg: str) -> None:
@@ -45,9 +52,7 @@ class Trainer:
 
     def __init__(self, *, env: TrainerEnv, spec, run_name: str, device, model, ddp, optimizer, scheduler, store,
                  reporter, publisher=None, sizes: dict | None = None, ref_model=None):
-        from megatron.core import parallel_state
-
-        from trainingrun.trainer.checkpoint import Progress
+        from megatron.core import parallel_state  # deferred: megatron (after the CPU shim)
 
         self.env, self.spec, self.run_name, self.device = env, spec, run_name, device
         self.model, self.ddp, self.optimizer, self.scheduler = model, ddp, optimizer, scheduler
@@ -61,14 +66,12 @@ class Trainer:
         self.dp_group = parallel_state.get_data_parallel_group()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.ckpt_root = Path(spec.trainer.checkpoint.path)  # relative: the launcher runs us in the run directory
-        self.progress = Progress()
+        self.progress = TrainingProgress()
         self.data_wait = 0.0  # seconds this rank waited for (and read) the rollout it trains now
         self.sync_seconds = 0.0  # seconds the last weight sync took (reported with the next step)
         self.last_saved = -1  # global step of the newest checkpoint on disk
         self.tracking = None  # rank 0: where TensorBoard / W&B / the cluster's metrics.jsonl go (trainingrun.tracking)
         if self.rank == 0:
-            from trainingrun.tracking import tracking_paths
-
             self.tracking = tracking_paths(spec.metrics, checkpoint_dir=self.ckpt_root)
             if env.metrics_jsonl is None:  # in a cluster: the history next to the checkpoints
                 reporter.jsonl_path = str(self.tracking.metrics_jsonl)
@@ -89,8 +92,6 @@ class Trainer:
     @classmethod
     def build(cls, env: TrainerEnv) -> Trainer:
         """Spec, device, process groups, model, DDP, optimizer + samples-based LR schedule, store, metrics."""
-        from trainingrun.api import load_trainingrun
-
         try:
             tr = load_trainingrun(env.config_path)
         except ValueError as exc:
@@ -128,7 +129,6 @@ class Trainer:
         from megatron.core import parallel_state
 
         from trainingrun.metrics.exporter import TrainerExporter
-        from trainingrun.store import open_store
         from trainingrun.trainer.report import StepReporter
         from trainingrun.trainer.weights import make_publisher
 
@@ -184,8 +184,6 @@ class Trainer:
             log(self.rank, f"resumed from {resumed.path}: step {p.global_step}, rollout {p.rollout}+"
                            f"{p.step_in_rollout}, samples {p.samples_consumed}")
         if self.rank == 0:  # where we resume: a rollout whose store lost the stream re-creates it up to here
-            from trainingrun.rollout.recovery import ResumePoint
-
             p = self.progress
             ResumePoint(rollout=p.rollout, step_in_rollout=p.step_in_rollout, global_step=p.global_step,
                         samples_consumed=p.samples_consumed, attempt=self.env.attempt).write(self.store)
@@ -195,8 +193,6 @@ class Trainer:
         attempt's). A W&B section without the wandb package is a ConfigError."""
         if self.tracking is None:
             return
-        from trainingrun.tracking import TrackingConfigError, open_tracker
-
         if self.tracking.metrics_jsonl is not None:
             self.tracking.metrics_jsonl.parent.mkdir(parents=True, exist_ok=True)
         config = {"run": self.run_name, "spec": self.spec.to_dict()}
@@ -238,10 +234,6 @@ class Trainer:
     def reschedule(self, published: PublishedRollout) -> tuple[PublishedRollout, RankPayload]:
         """A rollout published for another data-parallel size (the group was resized): re-planned here over this
         group's ranks with the same steps (`trainer/reshard.py`); every rank computes the same plan."""
-        import dataclasses
-
-        from trainingrun.trainer.reshard import reschedule
-
         k = published.rollout
         old = {r: self.store.read_payload(k, r) for r in range(published.dp_size)}
         try:
@@ -264,8 +256,6 @@ class Trainer:
                 self.save_checkpoint()
         if self.tp_rank == 0:
             # in the terms of the published rollout: after a resize, this rank acks its share of the old ranks
-            from trainingrun.trainer.reshard import acked_ranks
-
             old_dp = int(published.extra.get("published_dp_size", self.dp_size))
             for r in acked_ranks(old_dp, self.dp_size, self.dp_rank):
                 self.store.ack(published.rollout, r)
@@ -322,13 +312,7 @@ class Trainer:
         if self.last_saved != p.global_step and p.global_step > 0:
             self.save_checkpoint()
         elif self.rank == 0 and p.global_step > 0:
-            from trainingrun.trainer.checkpoint import release_point
-
             self.store.release_upto(release_point(self.ckpt_root, default=p.rollout))
-        if self.rank == 0:
-            self.store.put_json("trainer_done", {"step": p.global_step, "samples_consumed": p.samples_consumed,
-                                                 "rollouts": p.rollout, "attempt": self.env.attempt,
-                                                 "time": time.time()})
         log(self.rank, f"done: {p.global_step} steps, {p.samples_consumed} samples, {p.rollout} rollouts")
         self.barrier()
 
@@ -340,8 +324,9 @@ class Trainer:
             time.sleep(linger)
 
     def close(self) -> None:
+        # deferred: torch and megatron, imported only after the device decision (CPU shim)
         import torch.distributed as dist
-        from megatron.core import parallel_state
+        from megatron.core import parallel_state  # deferred: megatron
 
         if self.publisher is not None:
             self.publisher.close()
@@ -358,7 +343,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ helpers
     def barrier(self) -> None:
-        import torch.distributed as dist
+        import torch.distributed as dist  # deferred: torch
 
         dist.barrier()
 
@@ -369,8 +354,6 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """Collective checkpoint of the current progress (trainer/checkpoint.py). A newer attempt owning the
         checkpoints (this process is a leftover of an older attempt): ConfigError, nothing written."""
-        from trainingrun.trainer.checkpoint import CheckpointFenced
-
         p = self.progress
         try:
             res = self.checkpoints.save(p)
@@ -391,8 +374,6 @@ class Trainer:
         along than our checkpoints (a store reused by a fresh run, or checkpoints removed). No restart can fix that,
         so it is a ConfigError naming what to change, not a crash that the launcher/operator would retry.
         """
-        from trainingrun.store import RolloutReleased, StoreTimeout
-
         timeout = self.env.wait_timeout
         waited = 0.0
         while True:

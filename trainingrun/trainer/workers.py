@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainingrun import failure_policy as policy
+from trainingrun.contract.env import ProcessEnv
 
 POLL_SECONDS = 0.1
 STOP_GRACE_SECONDS = 5.0  # a failed peer leaves the others blocked in a collective: they get this long after SIGTERM
@@ -51,18 +52,16 @@ def is_worker(env: dict[str, str] | None = None) -> bool:
 
 def worker_env(base: dict[str, str], *, node_rank: int, num_nodes: int, nproc: int, local_rank: int) -> dict[str, str]:
     """The environment of worker `local_rank` of node `node_rank` (see the module docstring)."""
+    port = ProcessEnv.from_environ(base).metrics_port
     env = dict(base)
     env.update({
         "RANK": str(node_rank * nproc + local_rank),
         "WORLD_SIZE": str(num_nodes * nproc),
         "LOCAL_RANK": str(local_rank),
         "LOCAL_WORLD_SIZE": str(nproc),
-        "TRAININGRUN_NODE_RANK": str(node_rank),
-        "TRAININGRUN_NUM_NODES": str(num_nodes),
+        **ProcessEnv(node_rank=node_rank, num_nodes=num_nodes,
+                     metrics_port=None if port is None else port + local_rank).to_env(),
     })
-    port = base.get("TRAININGRUN_METRICS_PORT")
-    if port:
-        env["TRAININGRUN_METRICS_PORT"] = str(int(port) + local_rank)
     return env
 
 

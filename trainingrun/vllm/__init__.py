@@ -5,10 +5,16 @@ Module map:
                  process wrapper for local runs, tests and benchmarks
   client.py      the HTTP client (stdlib only): /v1/completions with token ids and logprobs, /health, and the
                  development endpoints used for weight updates (pause, collective_rpc, reset_prefix_cache, resume)
+  engine.py      `VLLMEngine`: the rollout's engine (`trainingrun.contract.engine`) over a server, recovering when the
+                 server restarts mid-rollout
+  sync.py        loading a weight version into a running server: from an HF directory (`disk`) or trainer rank 0
+                 (`broadcast`), never half-applied
   worker_ext.py  runs INSIDE the vLLM server (its own virtual environment / image): receives broadcast weights.
                  Imports only the standard library and torch; keep it that way.
   broadcast.py   the trainer-side sender of the broadcast weight sync (torch.distributed, gloo on CPU / NCCL on GPU)
-  hf_dir.py      writing an HF-format weights directory atomically (the `disk` weight sync)
+  publish.py     the trainer-side publishers (`disk`: an HF directory written atomically; `broadcast`), committed
+                 through the store's fencing
+  k8s.py         the engine pod's container, its worker-extension ConfigMap and the URL the rollout is given
 
 This package imports nothing heavy at import time: `trainingrun/__init__.py` and this file are also loaded by the
 vLLM server process (for the worker extension), whose environment does not have trainingrun's dependencies.

@@ -1,4 +1,4 @@
-"""`rollout.engine.type: vllm`: the rollout's `Engine` (trainingrun/rollout/engine.py) backed by a vLLM server.
+"""`rollout.engine.type: vllm`: the rollout's `Engine` (trainingrun/contract/engine.py) backed by a vLLM server.
 
 generate(prompts, n, sampling): one `/v1/completions` request per prompt (`n` samples, token ids in and out, the
 sampled tokens' log-probabilities), `concurrency` requests in flight; vLLM batches them. Requests carry no seed:
@@ -34,11 +34,11 @@ from typing import Any
 
 import numpy as np
 
-from trainingrun.rollout.engine import Completion, Sampling
+from trainingrun.contract.engine import Completion, Sampling
 from trainingrun.vllm import sync
+from trainingrun.vllm.broadcast import new_group_name
 from trainingrun.vllm.client import EngineUnavailable, VLLMClient, VLLMError
 
-ENGINE_URL_ENV = "TRAININGRUN_ENGINE_URL"  # the run's own server, set by the launcher / operator
 DEFAULT_CONCURRENCY = 64
 MAX_RECOVERIES = 5
 
@@ -197,6 +197,4 @@ class VLLMEngine:
 
 
 def meta_group(version: int) -> str:
-    from trainingrun.vllm.broadcast import new_group_name
-
     return f"{new_group_name()}-v{version}"

@@ -1,0 +1,37 @@
+"""A rank's part of a published rollout: `RankPayload`, the numpy arrays the rollout writes and trainer rank r reads.
+
+RankPayload (rank r's part of rollout k; arrays in `partitions[r]` order, i.e. the rank's samples in micro-batch
+order, flat over the rollout's steps):
+  tokens      int32   [total tokens]   all samples' tokens, concatenated
+  offsets     int64   [n + 1]          sample i is tokens[offsets[i]:offsets[i+1]]
+  loss_mask   uint8   [total tokens]   1 where the token's prediction is trained (target positions)
+  advantages  float32 [n]              per-sample advantage (policy_gradient) or reward
+  rewards     float32 [n]              per-sample raw reward
+  sample_ids  int64   [n]              global sample ids (rollout-unique), for exactly-once checks
+Optional (generated rollouts, `rollout.source.type: generate`):
+  logprobs    float32 [total tokens]   the generator's log-probability of each token (0 where loss_mask is 0)
+  versions    int64   [n]              weight version each sample was generated with
+
+Built by `trainingrun.contract.published.rank_payload`; encoded and checked by the store (`trainingrun.store.wire`:
+raw little-endian arrays, never pickled).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+PAYLOAD_FIELDS: dict[str, np.dtype] = {
+    "tokens": np.dtype(np.int32),
+    "offsets": np.dtype(np.int64),
+    "loss_mask": np.dtype(np.uint8),
+    "advantages": np.dtype(np.float32),
+    "rewards": np.dtype(np.float32),
+    "sample_ids": np.dtype(np.int64),
+}
+
+PAYLOAD_OPTIONAL: dict[str, np.dtype] = {
+    "logprobs": np.dtype(np.float32),
+    "versions": np.dtype(np.int64),
+}
+
+RankPayload = dict[str, np.ndarray]

@@ -1,0 +1,68 @@
+"""Prometheus metrics of the rollout process (prometheus-client, its own CollectorRegistry).
+
+The `trainingrun_rollout_*` families (names and help: `names.ROLLOUT`), label `run` on every one: what the source
+produced and the filters dropped, generated rollouts' rewards, tokens and waits, what was published, the schedule's
+imbalance and the publish latency, the rollouts pending. Served on `TRAININGRUN_METRICS_PORT` by `trainingrun rollout`
+(`trainingrun.rollout.main`); the trainer's counterpart is `exporter.TrainerExporter`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, start_http_server
+
+from trainingrun.metrics.names import ROLLOUT
+
+
+class RolloutMetrics:
+    """The `trainingrun_rollout_*` metrics (names: trainingrun.metrics.names.ROLLOUT) in their own registry."""
+
+    def __init__(self, run: str):
+        self.registry = CollectorRegistry()
+        labels = ["run"]
+        mk = lambda cls, name, extra=(), **kw: cls(name, ROLLOUT[name], labels + list(extra), registry=self.registry, **kw)  # noqa: E731
+        self.run = run
+        self.produced = mk(Counter, "trainingrun_rollout_samples_produced").labels(run)
+        self._filtered = mk(Counter, "trainingrun_rollout_samples_filtered", ["filter"])
+        self.filtered = {f: self._filtered.labels(run, f) for f in ("max_length", "zero_variance", "stale")}
+        self.groups = mk(Counter, "trainingrun_rollout_groups", ["state"])
+        # generated rollouts
+        self.reward = mk(Summary, "trainingrun_rollout_reward").labels(run)
+        self._failures = mk(Counter, "trainingrun_rollout_reward_failures", ["reason"])
+        self.generated_tokens = mk(Counter, "trainingrun_rollout_generated_tokens").labels(run)
+        self.generate_seconds = mk(Counter, "trainingrun_rollout_generate_seconds").labels(run)
+        self.weight_wait_seconds = mk(Counter, "trainingrun_rollout_weight_wait_seconds").labels(run)
+        self.weight_version = mk(Gauge, "trainingrun_rollout_weight_version").labels(run)
+        self.published = mk(Counter, "trainingrun_rollout_samples_published").labels(run)
+        self.rollouts = mk(Counter, "trainingrun_rollout_rollouts_published").labels(run)
+        self.imbalance = mk(Gauge, "trainingrun_rollout_schedule_imbalance").labels(run)
+        self.publish_seconds = mk(
+            Histogram, "trainingrun_rollout_publish_seconds",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        ).labels(run)
+        self.pending = mk(Gauge, "trainingrun_rollout_pending").labels(run)
+        self.server = None
+
+    def observe_generation(self, gen, rewards) -> None:
+        """One generated source rollout (`rollout.generate.GenerateStats`) and its rewards."""
+        for r in rewards:
+            self.reward.observe(float(r))
+        for reason, n in gen.reward_failed.items():
+            self._failures.labels(self.run, reason).inc(n)
+        self.generated_tokens.inc(gen.generated_tokens)
+        self.generate_seconds.inc(gen.generate_seconds)
+        self.weight_wait_seconds.inc(gen.wait_seconds)
+        self.weight_version.set(gen.weight_version)
+
+    def serve(self, port: int, addr: str | None = None) -> int:
+        if addr is None:  # a pod is scraped on its IP; elsewhere stay on loopback
+            addr = "0.0.0.0" if os.environ.get("KUBERNETES_SERVICE_HOST") else "127.0.0.1"
+        self.server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        return self.server.server_address[1]
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
