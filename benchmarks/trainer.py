@@ -14,9 +14,14 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the hand-built rollouts of the tests (tests/synthetic.py)
 
 
 def _free_port() -> int:

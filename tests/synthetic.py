@@ -1,7 +1,7 @@
 """Hand-built rollouts for trainer tests and the trainer benchmark (the real producer is `trainingrun rollout`).
 
 `make_samples` draws a seeded "reverse the prompt" task with varied lengths; `schedule_and_payloads` schedules them
-through the rollout contract (`trainingrun.rollout.published.build_published`) and `publish` publishes them with it.
+through the rollout contract (`trainingrun.contract.published.build_published`) and `publish` publishes them with it.
 """
 
 from __future__ import annotations
