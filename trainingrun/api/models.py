@@ -11,12 +11,24 @@ Field names are camelCase, as in every Kubernetes API; Python attribute names ar
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, overload
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from trainingrun.api.constants import API_VERSION, KIND
+from trainingrun.modeling.architecture import (
+    ARCH_FIELDS,
+    Activation,
+    Architecture,
+    Family,
+    Normalization,
+    Precision,
+    PresetName,
+    TransformerImpl,
+    resolve,
+)
+from trainingrun.modeling.hf_config import read_hf_architecture
 
 # A Kubernetes resource quantity ("500m", "2Gi", 4). The CRD marks it x-kubernetes-int-or-string.
 Quantity = int | str
@@ -66,48 +78,10 @@ class ResourceRequirements(ApiModel):
 
 
 # --------------------------------------------------------------------------------------------------------- model
-# Architecture fields of a model (snake_case names, as `ModelSpec.resolved()` returns them) and what each architecture
-# defaults them to. `gpt`: LayerNorm + GELU (the original preset family, no Hugging Face counterpart); `llama`: RMSNorm +
-# SwiGLU + grouped-query attention (Llama, Mistral, Qwen2, SmolLM2, ...; exports to Hugging Face).
-ARCHITECTURES = ("gpt", "llama")
-ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
-    "gpt": dict(normalization="LayerNorm", activation="gelu", norm_epsilon=1e-5, rope_base=10000.0,
-                tie_embeddings=False, add_bias_linear=False, add_qkv_bias=False),
-    "llama": dict(normalization="RMSNorm", activation="swiglu", norm_epsilon=1e-5, rope_base=10000.0,
-                  tie_embeddings=False, add_bias_linear=False, add_qkv_bias=False),
-}
-MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    # GPT family (LayerNorm + GELU)
-    "tiny": dict(architecture="gpt", num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256,
-                 seq_length=256),
-    "small": dict(architecture="gpt", num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=1024,
-                  seq_length=1024),
-    "gpt-125m": dict(architecture="gpt", num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=50304,
-                     seq_length=2048),
-    # Llama family (RMSNorm + SwiGLU + GQA); sizes of Llama 3.2 1B and Llama 3.1 8B (without their RoPE scaling)
-    "tiny-llama": dict(architecture="llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                       ffn_hidden_size=192, vocab_size=256, seq_length=256),
-    "llama-1b": dict(architecture="llama", num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8,
-                     ffn_hidden_size=8192, vocab_size=128256, seq_length=8192, rope_base=500000.0,
-                     tie_embeddings=True),
-    "llama-8b": dict(architecture="llama", num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
-                     ffn_hidden_size=14336, vocab_size=128256, seq_length=8192, rope_base=500000.0),
-}
-# Fields that describe the architecture and its sizes: with `hf` they come from the directory's config.json.
-ARCH_FIELDS = ("architecture", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
-               "ffn_hidden_size", "vocab_size", "normalization", "norm_epsilon", "activation", "rope_base",
-               "tie_embeddings", "add_bias_linear", "add_qkv_bias")
-
-
+# The architecture tables (presets, family defaults, the fields that describe an architecture) and the resolved,
+# typed value live in `trainingrun.modeling.architecture`; the fields below are their spec (and CRD) side.
 def _camel(name: str) -> str:
     return to_camel(name)
-
-
-def default_ffn_hidden_size(architecture: str, hidden_size: int) -> int:
-    """4·hidden for GPT; for SwiGLU models 8/3·hidden rounded up to a multiple of 64 (same parameter count)."""
-    if architecture == "llama":
-        return -(-(8 * hidden_size // 3) // 64) * 64
-    return 4 * hidden_size
 
 
 class ModelSpec(ApiModel):
@@ -152,10 +126,10 @@ class ModelSpec(ApiModel):
         "path on a mounted volume): architecture, sizes, initial weights and the run's tokenizer. Nothing is "
         "downloaded.",
     )
-    preset: Literal["tiny", "small", "gpt-125m", "tiny-llama", "llama-1b", "llama-8b"] | None = Field(
+    preset: PresetName | None = Field(
         None, description="Named model; explicit fields below override its values."
     )
-    architecture: Literal["gpt", "llama"] | None = Field(
+    architecture: Family | None = Field(
         None, description="gpt: LayerNorm + GELU; llama: RMSNorm + SwiGLU + grouped-query attention. Default: the "
         "preset's, else gpt. Sets the defaults of the fields below."
     )
@@ -175,10 +149,10 @@ class ModelSpec(ApiModel):
         None, ge=8, le=1048576,
         description="Longest sample in tokens (positions). With hf: default and upper bound its max_position_embeddings.",
     )
-    normalization: Literal["LayerNorm", "RMSNorm"] | None = Field(None, description="Norm layers (gpt: LayerNorm, "
+    normalization: Normalization | None = Field(None, description="Norm layers (gpt: LayerNorm, "
                                                                               "llama: RMSNorm).")
     norm_epsilon: float | None = Field(None, gt=0, le=1, description="Epsilon of the norm layers (default 1e-5).")
-    activation: Literal["gelu", "swiglu"] | None = Field(
+    activation: Activation | None = Field(
         None, description="MLP activation: gelu, or swiglu (gated SiLU, as Llama). Default: gpt gelu, llama swiglu."
     )
     rope_base: float | None = Field(None, gt=0, le=1e12, description="Rotary position embedding base (theta; default 10000).")
@@ -189,8 +163,8 @@ class ModelSpec(ApiModel):
     add_qkv_bias: bool | None = Field(
         None, description="Bias on the query/key/value projection only, as Qwen2 (default false)."
     )
-    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Parameter and compute precision.")
-    transformer_impl: Literal["auto", "local", "transformer_engine"] = Field(
+    precision: Precision = Field("fp32", description="Parameter and compute precision.")
+    transformer_impl: TransformerImpl = Field(
         "auto",
         description="Megatron layer implementation. auto: TransformerEngine on GPU in bf16/fp16 when it is "
         "installed, else local (Megatron's own layers with an SDPA core attention that handles packed sequences); "
@@ -214,48 +188,24 @@ class ModelSpec(ApiModel):
                 raise ValueError(f"{self.CEL_RULES[3].message}; remove {', '.join(clash)}")
         return self
 
-    def resolved(self, read_hf: bool = True) -> dict[str, Any]:
-        """The full architecture as plain values (see `ARCH_FIELDS`) plus kv_channels (= head size), seq_length,
-        precision, transformer_impl and hf (None or the directory). With `hf`, the architecture is read from its
-        config.json (`trainingrun.modeling.hf_config`); `read_hf=False` skips that I/O and returns only what the spec
-        itself says (for checks made where the directory is not mounted, e.g. the operator)."""
-        out: dict[str, Any]
+    @overload
+    def resolved(self) -> Architecture: ...
+    @overload
+    def resolved(self, read_hf: bool) -> Architecture | None: ...
+
+    def resolved(self, read_hf: bool = True) -> Architecture | None:
+        """The model's architecture (`trainingrun.modeling.architecture.Architecture`): of the preset and explicit
+        fields, or read from `hf`'s config.json (`modeling.hf_config.read_hf_architecture`). ValueError naming the
+        field on a bad combination. Each process calls it once and passes the value down. `read_hf=False` skips the
+        I/O where the directory is not mounted (the operator): it checks what the spec itself says and returns None
+        for an `hf` model."""
         if self.hf is not None:
             if not read_hf:
-                return {"hf": self.hf, "seq_length": self.seq_length, "precision": self.precision,
-                        "transformer_impl": self.transformer_impl}
-            from trainingrun.modeling.hf_config import read_hf_architecture
-
-            out = read_hf_architecture(self.hf)
-            limit = int(out["seq_length"])
-            if self.seq_length is not None:
-                if self.seq_length > limit:
-                    raise ValueError(f"model.seqLength: {self.seq_length} exceeds the model's max_position_embeddings "
-                                     f"{limit} (config.json of {self.hf})")
-                out["seq_length"] = self.seq_length
-        else:
-            out = dict(MODEL_PRESETS[self.preset]) if self.preset else {}
-            for key in (*ARCH_FIELDS, "seq_length"):
-                if getattr(self, key) is not None:
-                    out[key] = getattr(self, key)
-            out.setdefault("architecture", "gpt")
-            for key, value in ARCH_DEFAULTS[out["architecture"]].items():
-                out.setdefault(key, value)
-            out.setdefault("ffn_hidden_size", default_ffn_hidden_size(out["architecture"], int(out["hidden_size"])))
-            out.setdefault("num_query_groups", out["num_attention_heads"])
-            out.setdefault("rope_scaling_factor", None)
-        heads, groups = int(out["num_attention_heads"]), int(out["num_query_groups"])
-        if out.get("head_dim") is None:
-            if out["hidden_size"] % heads:
-                raise ValueError("model: hiddenSize must be divisible by numAttentionHeads (or set headDim)")
-            out["head_dim"] = out["hidden_size"] // heads
-        if heads % groups:
-            raise ValueError(f"model: numAttentionHeads {heads} must be divisible by numQueryGroups {groups}")
-        out["kv_channels"] = out["head_dim"]
-        out["precision"] = self.precision
-        out["transformer_impl"] = self.transformer_impl
-        out["hf"] = self.hf
-        return out
+                return None
+            return read_hf_architecture(self.hf, seq_length=self.seq_length, precision=self.precision,
+                                        transformer_impl=self.transformer_impl)
+        return resolve(self.preset, precision=self.precision, transformer_impl=self.transformer_impl,
+                       seq_length=self.seq_length, **{k: getattr(self, k) for k in ARCH_FIELDS})
 
 
 # ------------------------------------------------------------------------------------------------------- trainer

@@ -44,7 +44,7 @@ class LocalEngine:
         self.restarts = 0
         self.server = VLLMServer(
             str(model), port=free_port(), python=python, log_path=log_path(self.log_dir, "engine", 0),
-            dtype=v.dtype, max_model_len=v.max_model_len or int(spec.model.resolved()["seq_length"]),
+            dtype=v.dtype, max_model_len=v.max_model_len or spec.model.resolved().seq_length,
             kv_cache_gib=v.kv_cache_gib, extra_args=tuple(v.args),
         )
         self._restart_at: float | None = None

@@ -8,7 +8,7 @@ environment is process-level, as torchrun's:
 
   RANK              node_rank × G + local_rank       (global process rank; torch.distributed env://)
   WORLD_SIZE        nodes × G                        (= spec.trainer world size)
-  LOCAL_RANK        local_rank (0 .. G-1)            (also picks the GPU: trainer.model.prepare_device)
+  LOCAL_RANK        local_rank (0 .. G-1)            (also picks the GPU: modeling.model.prepare_device)
   LOCAL_WORLD_SIZE  G
   TRAININGRUN_NODE_RANK / TRAININGRUN_NUM_NODES      the node-level RANK / WORLD_SIZE the supervisor was given
   TRAININGRUN_METRICS_PORT                           the node's port + local_rank (one /metrics per process)

@@ -2,8 +2,9 @@
 
 They implement `trainingrun.trainer.weights.WeightPublisher`: `publish(version, module)` is called on every trainer
 rank after every trained rollout (and once at the start, version 0). The tensor-parallel ranks of data-parallel
-replica 0 gather the full weights (`full_state.gather_live_state`); trainer rank 0 converts them to Hugging Face
-names (`modeling.convert`) in the engine's dtype and makes them loadable:
+replica 0 gather the full weights (`modeling.state.gather_live_state`, of the run's `Architecture` the trainer
+resolved); trainer rank 0 converts them to Hugging Face names (`modeling.convert`) in the engine's dtype and makes
+them loadable:
 
   disk       an HF directory `<weightSync.path>/v<version>-a<attempt>` written beside its name and renamed into
              place (`modeling.hf_io.write_hf_dir`; config.json and tokenizer from `model.hf`). The attempt in the
@@ -27,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from trainingrun.modeling.architecture import Architecture
 
 DIR_PREFIX = "v"
 
@@ -52,14 +55,14 @@ def commit_version(store, version: int, meta: dict[str, Any]) -> bool:
     return store.publish_weights(version, {"version": np.asarray([version], np.int64)}, {**meta, "version": version})
 
 
-def make_vllm_publisher(spec, store, *, rank: int, attempt: int = 0):
+def make_vllm_publisher(spec, store, *, arch: Architecture, rank: int, attempt: int = 0):
     """The publisher of `spec.weightSync.type` disk / broadcast for the vllm engine, on this trainer rank (Megatron's
-    parallel state is initialised: the tensor-parallel ranks of replica 0 gather the weights)."""
+    parallel state is initialised: the tensor-parallel ranks of replica 0 gather the weights of `arch`)."""
     import os
 
     from megatron.core import parallel_state as ps
 
-    kw = dict(rank=rank, arch=spec.model.resolved(), dtype=spec.rollout.engine.vllm.dtype,
+    kw = dict(rank=rank, arch=arch, dtype=spec.rollout.engine.vllm.dtype,
               max_policy_lag=spec.rollout.max_policy_lag, tp_group=ps.get_tensor_model_parallel_group(),
               tp_size=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
               dp_rank=ps.get_data_parallel_rank(), attempt=attempt)
@@ -76,7 +79,7 @@ def make_vllm_publisher(spec, store, *, rank: int, attempt: int = 0):
 
 
 class _Base:
-    def __init__(self, store, *, rank: int, arch: dict[str, Any], dtype: str, max_policy_lag: int, tp_group=None,
+    def __init__(self, store, *, rank: int, arch: Architecture, dtype: str, max_policy_lag: int, tp_group=None,
                  tp_size: int = 1, tp_rank: int = 0, dp_rank: int = 0, attempt: int = 0):
         self.store, self.rank, self.arch, self.dtype, self.lag = store, rank, arch, dtype, max_policy_lag
         self.attempt = attempt
@@ -88,7 +91,7 @@ class _Base:
         """Full canonical Megatron state on rank 0; None elsewhere (replica 0's TP ranks take part)."""
         if self.dp_rank != 0:
             return None
-        from trainingrun.trainer.full_state import gather_live_state
+        from trainingrun.modeling.state import gather_live_state  # deferred: torch
 
         state = gather_live_state(module, self.arch, tp_group=self.tp_group, tp_size=self.tp_size,
                                   tp_rank=self.tp_rank)
