@@ -815,7 +815,7 @@ class TrainingRunSpec(ApiModel):
         ),
     )
 
-    image: str = Field("ghcr.io/trainingrun/trainer:0.1.0", min_length=1, description="Image of rollout and trainers.")
+    image: str = Field("ghcr.io/trainingrun/trainer-te:0.1.0", min_length=1, description="Image of rollout and trainers.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="Pull policy.")
     seed: int = Field(1234, ge=0, le=MAX_SEED, description="Seed of data, model init and sampling.")
     model: ModelSpec = Field(..., description="Model to train.")
