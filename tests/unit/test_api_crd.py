@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from trainingrun.api import models
 from trainingrun.api.crd import crd, crd_yaml, spec_schema
-from trainingrun.api.validate import apply_defaults, evaluate_rule
+from trainingrun.api.checks import apply_defaults, evaluate_rule
 
 ROOT = Path(__file__).resolve().parents[2]
 

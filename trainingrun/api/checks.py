@@ -1,30 +1,28 @@
-"""`trainingrun validate FILE...`: check TrainingRun manifests offline, as the API server would.
+"""What a decoded TrainingRun document must hold, checked offline as the API server would: the CRD's OpenAPI schema
+(types, bounds, enums, required fields; unknown fields rejected as `kubectl apply`'s strict field validation does)
+and its `x-kubernetes-validations` CEL rules, evaluated with a real CEL engine (cel-python) on the object after
+defaulting, as the API server does, then the strict models. `validate_document` returns one `Problem` per error,
+naming the field path; the manifest loader (`trainingrun.api.manifest`) and `trainingrun validate`
+(`trainingrun.api.validate`) turn them into `FILE:LINE:COL: FIELD.PATH: message` lines.
 
-The YAML is decoded by the one manifest loader (`trainingrun.api.manifest`: limits, duplicate keys, no coercion).
-The checks are the CRD's own: its OpenAPI schema (types, bounds, enums, required fields; unknown fields rejected as
-`kubectl apply`'s strict field validation does) and its `x-kubernetes-validations` CEL rules, evaluated with a real
-CEL engine (cel-python) on the object after defaulting, as the API server does, then the strict models. One line
-per error, with the line and column of the field where it is known:
-
-    FILE:LINE:COL: FIELD.PATH: what was wrong (allowed: what is allowed)
-
-`trainingrun run`, the trainer, the rollout and the operator load manifests through the same checks
-(`validate_document`), so they accept and refuse exactly what this command does.
-
-Exit 0 when every document is valid, 1 otherwise. Needs the `validate` extra (jsonschema, cel-python).
+The schema and CEL checks need the `validate` extra (jsonschema, cel-python); the models are always checked.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
-import sys
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from pydantic import ValidationError
+
 from trainingrun.api.constants import API_VERSION, KIND
+from trainingrun.api.crd import spec_schema
+from trainingrun.api.models import parse_trainingrun
+from trainingrun.api.yamlcodec import dotted
 
 
 @dataclass(frozen=True)
@@ -35,7 +33,7 @@ class Problem:
     @property
     def path(self) -> str:
         """Dotted field path, e.g. spec.trainer.replicas or spec.podTemplate.volumes[0]."""
-        return _dotted(self.parts)
+        return dotted(self.parts)
 
     def __str__(self) -> str:
         return f"{self.path}: {self.message}" if self.parts else self.message
@@ -45,8 +43,6 @@ class Problem:
 @lru_cache(maxsize=1)
 def _schemas() -> tuple[dict[str, Any], dict[str, Any]]:
     """(CRD spec schema as served, the same made strict for validation)."""
-    from trainingrun.api.crd import spec_schema
-
     served = spec_schema()
     return served, _strict(copy.deepcopy(served))
 
@@ -63,13 +59,6 @@ def _strict(node: dict[str, Any]) -> dict[str, Any]:
     if node.get("x-kubernetes-int-or-string"):
         node["type"] = ["integer", "string"]
     return node
-
-
-def _dotted(parts: Any) -> str:
-    out = ""
-    for p in parts:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-    return out
 
 
 def _allowed(error: Any) -> str:
@@ -104,7 +93,7 @@ def _allowed(error: Any) -> str:
 
 
 def _schema_problems(spec: Any) -> list[Problem]:
-    import jsonschema
+    import jsonschema  # deferred: the optional `validate` extra
 
     _, strict = _schemas()
     validator = jsonschema.Draft4Validator(strict)
@@ -160,7 +149,7 @@ def apply_defaults(value: Any, schema: dict[str, Any]) -> Any:
 
 def to_cel(value: Any, schema: dict[str, Any]) -> Any:
     """A CEL value typed by the schema (a `number` field holding 1 is the double 1.0, as in the API server)."""
-    import celpy
+    import celpy  # deferred: the optional `validate` extra
 
     t = schema.get("type")
     if isinstance(value, bool):
@@ -189,7 +178,7 @@ def to_cel(value: Any, schema: dict[str, Any]) -> Any:
 
 @lru_cache(maxsize=256)
 def _program(rule: str) -> Any:
-    import celpy
+    import celpy  # deferred: the optional `validate` extra
 
     env = celpy.Environment()
     return env.program(env.compile(rule))
@@ -197,7 +186,7 @@ def _program(rule: str) -> Any:
 
 def evaluate_rule(rule: str, obj: Any, schema: dict[str, Any]) -> bool:
     """Evaluate one CEL rule with `self` = obj; raises ValueError when the rule cannot be evaluated."""
-    import celpy
+    import celpy  # deferred: the optional `validate` extra
 
     result = _program(rule).evaluate({"self": to_cel(obj, schema)})
     if isinstance(result, celpy.CELEvalError):
@@ -240,7 +229,7 @@ _NAME_RE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 def extras_installed() -> bool:
     """Whether the `validate` extra (jsonschema, cel-python) is importable."""
-    try:
+    try:  # deferred: the optional `validate` extra
         import celpy  # noqa: F401
         import jsonschema  # noqa: F401
     except ImportError:
@@ -251,8 +240,6 @@ def extras_installed() -> bool:
 def validate_document(doc: Any) -> list[Problem]:
     """Every problem of one decoded manifest (empty when valid): top-level fields and metadata, the CRD schema and
     CEL rules (when the `validate` extra is installed), then the strict models (always)."""
-    import re
-
     if not isinstance(doc, dict):
         return [Problem((), f"a TrainingRun must be a mapping, got {type(doc).__name__}")]
     problems = []
@@ -292,60 +279,8 @@ def validate_document(doc: Any) -> list[Problem]:
 def _model_problems(doc: dict[str, Any]) -> list[Problem]:
     """The strict pydantic models hold the same rules; anything they still reject is reported too (and they are
     the only check where the `validate` extra is not installed)."""
-    from pydantic import ValidationError
-
-    from trainingrun.api import parse_trainingrun
-
     try:
         parse_trainingrun(doc)
     except ValidationError as exc:
         return [Problem(tuple(e["loc"]), e["msg"]) for e in exc.errors()]
     return []
-
-
-# ---------------------------------------------------------------------------------------------------- files / CLI
-def validate_text(text: str | bytes, source: str = "<stdin>") -> list[str]:
-    """Error lines for a YAML stream (empty list when every document is a valid TrainingRun)."""
-    from trainingrun.api.manifest import ManifestError, parse_yaml, problems
-
-    try:
-        docs = parse_yaml(text, source)
-    except ManifestError as exc:
-        return exc.lines
-    if not docs:
-        return [f"{source}: no YAML document found (expected a TrainingRun manifest)"]
-    return [line for doc in docs for line in problems(doc)]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("files", nargs="+", metavar="FILE", help="TrainingRun YAML files ('-' reads standard input)")
-    parser.add_argument("-q", "--quiet", action="store_true", help="print nothing when valid")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        import celpy  # noqa: F401
-        import jsonschema  # noqa: F401
-    except ImportError as exc:
-        print(f"trainingrun validate needs the 'validate' extra: pip install 'trainingrun[validate]' ({exc})",
-              file=sys.stderr)
-        return 2
-    from trainingrun.api.manifest import ManifestError, read_text
-
-    failed = False
-    for name in args.files:
-        try:
-            text = read_text(name)
-        except ManifestError as exc:
-            for line in exc.lines:
-                print(line, file=sys.stderr)
-            failed = True
-            continue
-        lines = validate_text(text, name)
-        for line in lines:
-            print(line, file=sys.stderr)
-        if lines:
-            failed = True
-        elif not args.quiet:
-            print(f"{name}: valid")
-    return 1 if failed else 0

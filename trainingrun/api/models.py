@@ -921,6 +921,12 @@ class TrainingRun(BaseModel):
     status: TrainingRunStatus | None = None
 
 
+def parse_trainingrun(doc: dict[str, Any]) -> TrainingRun:
+    """A TrainingRun from a decoded manifest (plain JSON values), validated strictly: no type coercion (`true` or
+    `"2"` is not an integer), as the CRD's schema; raises pydantic.ValidationError on bad input."""
+    return TrainingRun.model_validate(doc, strict=True)
+
+
 ALL_MODELS: tuple[type[ApiModel], ...] = (
     ModelSpec,
     OptimizerSpec,

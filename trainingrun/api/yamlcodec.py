@@ -1,13 +1,7 @@
-"""Reading TrainingRun manifests: one strict, bounded loader for every entry point.
-
-`trainingrun validate`, `trainingrun run`, the trainer and rollout programs (which read the run's YAML) and the
-operator (which reads the API server's JSON) all go through this module, so a manifest one of them accepts is
-accepted by all, and one they refuse is refused with the same one-line errors:
-
-    FILE:LINE:COLUMN: FIELD.PATH: what is wrong (allowed: what is allowed)
-
-YAML is decoded the way the Kubernetes API server decodes a manifest, with limits on what a small file can
-make it do, and into plain JSON values (the CRD's schema semantics; nothing is coerced later):
+"""Manifest YAML decoded the way the Kubernetes API server decodes it, with limits on what a small file can make it
+do, into plain JSON values (the CRD's schema semantics; nothing is coerced later), and written back so that it reads
+the same. The manifest loader (`trainingrun.api.manifest`) and `trainingrun validate` (`trainingrun.api.validate`)
+read every manifest through `parse_yaml`; what a decoded document must hold is `trainingrun.api.checks`.
 
 * **Limits** (`Limits`): at most 3 MiB of text (the API server's request limit), 100 levels of nesting, 100,000
   values and 8 MiB of scalar text *after* alias expansion (a 1 KB "billion laughs" alias bomb is refused at once,
@@ -20,21 +14,23 @@ make it do, and into plain JSON values (the CRD's schema semantics; nothing is c
   strings. Non-finite numbers (`.inf`, `.nan`, `1e309`) and integers outside int64 are refused: JSON cannot carry
   them. Only the core tags (`!!str`, `!!int`, `!!float`, `!!bool`, `!!null`, `!!map`, `!!seq`) are allowed.
   Merge keys (`<<: *base`) are applied; keys that are not strings become strings as the API server makes them.
-* **Validation** of the decoded document: the CRD's OpenAPI schema (types without coercion, bounds, enums, unknown
-  fields) and its CEL rules when the `validate` extra is installed, and always the strict pydantic models
-  (`TrainingRun.model_validate(..., strict=True)`): `replicas: true`, `replicas: "2"` and `clipGrad: "1e309"` are
-  errors everywhere. Error lines carry the line and column of the offending field where it is known.
+* **Positions**: each decoded `Document` knows the line and column of every field, so an error names where the
+  offending field is (`FILE:LINE:COL`).
 
-`dump_yaml` writes YAML that this loader reads back to the same values (PyYAML's own dumper leaves strings such
-as `y` or `1e3` unquoted, which a Kubernetes-style decoder reads as a boolean and a float).
+Errors are `ManifestError`s with one line each (`FILE:LINE:COL: message`). `dump_yaml` writes YAML that `parse_yaml`
+reads back to the same values (PyYAML's own dumper leaves strings such as `y` or `1e3` unquoted, which a
+Kubernetes-style decoder reads as a boolean and a float).
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import os
 import re
-from collections.abc import Iterable, Mapping
+import stat
+import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -270,14 +266,14 @@ class _Builder:
                 return
             if parent.pending_key is None:  # this value is a key
                 if isinstance(value, (dict, list)):
-                    raise self.error(mark, f"{_dotted(parent.path) or 'document'}: a mapping key must be a scalar, "
+                    raise self.error(mark, f"{dotted(parent.path) or 'document'}: a mapping key must be a scalar, "
                                            f"got a {'mapping' if isinstance(value, dict) else 'sequence'}")
                 if value is _MERGE:
                     parent.pending_key = _MERGE
                     return
                 key = _key_string(value)
                 if key in parent.keys:
-                    raise self.error(mark, f"{_dotted(parent.path + (key,))}: duplicate key {key!r} (first at line "
+                    raise self.error(mark, f"{dotted(parent.path + (key,))}: duplicate key {key!r} (first at line "
                                            f"{parent.keys[key]}); each key may appear once in a mapping")
                 parent.keys[key] = mark.line + 1
                 parent.pending_key = key
@@ -288,7 +284,7 @@ class _Builder:
             if key is _MERGE:
                 sources = value if isinstance(value, list) else [value]
                 if not all(isinstance(s, dict) for s in sources):
-                    raise self.error(mark, f"{_dotted(parent.path) or 'document'}: a merge key (<<) needs a mapping "
+                    raise self.error(mark, f"{dotted(parent.path) or 'document'}: a merge key (<<) needs a mapping "
                                            "or a list of mappings")
                 parent.merges.extend(sources)
                 return
@@ -337,12 +333,12 @@ class _Builder:
                 path = child_path(mark)
                 tag = _scalar_tag(event.value, event.implicit, event.tag)
                 if tag not in _CORE_TAGS and tag != f"{TAG_PREFIX}merge":
-                    raise self.error(mark, f"{_dotted(path) or 'value'}: tag {event.tag!r} is not allowed (allowed: "
+                    raise self.error(mark, f"{dotted(path) or 'value'}: tag {event.tag!r} is not allowed (allowed: "
                                            "the core tags !!str, !!int, !!float, !!bool, !!null, !!map, !!seq)")
                 try:
                     value = _construct_scalar(event.value, tag)
                 except ValueError as exc:
-                    raise self.error(mark, f"{_dotted(path) or 'value'}: {exc}") from None
+                    raise self.error(mark, f"{dotted(path) or 'value'}: {exc}") from None
                 count(1, len(event.value), mark)
                 remember(event.anchor, value, 1, len(event.value), mark)
                 place(value, mark)
@@ -352,10 +348,10 @@ class _Builder:
                 expected = f"{TAG_PREFIX}{'map' if is_map else 'seq'}"
                 tag = event.tag
                 if tag is not None and tag != "!" and (TAG_PREFIX + tag[2:] if tag.startswith("!!") else tag) != expected:
-                    raise self.error(mark, f"{_dotted(child_path(mark)) or 'value'}: tag {tag!r} is not allowed here "
+                    raise self.error(mark, f"{dotted(child_path(mark)) or 'value'}: tag {tag!r} is not allowed here "
                                            f"(allowed: {'!!map' if is_map else '!!seq'})")
                 if len(stack) >= lim.max_depth:
-                    raise self.error(mark, f"{_dotted(child_path(mark)) or 'value'}: nested more than "
+                    raise self.error(mark, f"{dotted(child_path(mark)) or 'value'}: nested more than "
                                            f"{lim.max_depth} levels deep; refused")
                 path = child_path(mark)
                 count(1, 0, mark)
@@ -384,7 +380,8 @@ class _Builder:
         return docs
 
 
-def _dotted(path: Iterable[str | int]) -> str:
+def dotted(path: Iterable[str | int]) -> str:
+    """A field path as text: spec.trainer.replicas, spec.podTemplate.volumes[0]."""
     out = ""
     for p in path:
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
@@ -416,10 +413,6 @@ def parse_yaml(text: str | bytes, source: str = "<stdin>", *, limits: Limits = L
 def read_text(path: str | Path, *, limits: Limits = LIMITS) -> str:
     """The text of a manifest file ('-' is standard input), refusing files over the size limit before reading them
     whole and anything that is not a regular file; ManifestError naming the file."""
-    import os
-    import stat
-    import sys
-
     name = str(path)
     if name == "-":
         data = sys.stdin.buffer.read(limits.max_bytes + 1)
@@ -448,74 +441,6 @@ def read_text(path: str | Path, *, limits: Limits = LIMITS) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ManifestError([f"{name}: not UTF-8 text (byte {exc.start}: {exc.reason})"]) from None
-
-
-# ------------------------------------------------------------------------------------------------------ validation
-def problems(doc: Document) -> list[str]:
-    """Every problem of one decoded document as `FILE:LINE:COL: FIELD: message` lines (empty when valid)."""
-    from trainingrun.api import validate
-
-    return [f"{doc.where(p.parts)}: {p}" for p in validate.validate_document(doc.value)]
-
-
-def apply_overrides(value: Any, overrides: Mapping[str, Any] | None) -> Any:
-    """`value` with each `dotted.path: value` of `overrides` set (missing mappings on the way are created);
-    ManifestError when a path runs through something that is not a mapping."""
-    if not overrides:
-        return value
-    out = copy.deepcopy(value)
-    for dotted, new in overrides.items():
-        parts = dotted.split(".")
-        node = out
-        for i, part in enumerate(parts[:-1]):
-            if not isinstance(node, dict):
-                raise ManifestError([f"{dotted}: {'.'.join(parts[:i]) or 'the document'} is not a mapping"])
-            node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ManifestError([f"{dotted}: {'.'.join(parts[:-1]) or 'the document'} is not a mapping"])
-        node[parts[-1]] = new
-    return out
-
-
-def select_trainingrun(docs: list[Document], source: str) -> Document:
-    """The one TrainingRun of a stream; ManifestError when there is none or more than one."""
-    from trainingrun.api.constants import KIND
-
-    runs = [d for d in docs if isinstance(d.value, dict) and d.value.get("kind") == KIND]
-    if len(runs) == 1:
-        return runs[0]
-    if not docs:
-        raise ManifestError([f"{source}: no YAML document found (expected a TrainingRun manifest)"])
-    if len(docs) == 1:
-        return docs[0]  # not kind TrainingRun: validation names what is wrong
-    raise ManifestError([f"{source}: expected exactly one TrainingRun document, found {len(runs)}"])
-
-
-def load_document(doc: Document, overrides: Mapping[str, Any] | None = None):
-    """A TrainingRun from one decoded document (with `overrides` applied first); ManifestError with every problem."""
-    from pydantic import ValidationError
-
-    from trainingrun.api import parse_trainingrun
-
-    if overrides:
-        doc = Document(apply_overrides(doc.value, overrides), doc.source, doc.index, doc.count, doc.positions)
-    lines = problems(doc)
-    if lines:
-        raise ManifestError(lines)
-    try:
-        return parse_trainingrun(doc.value)
-    except ValidationError as exc:  # the checks above include the models: only reachable if they disagree
-        raise ManifestError([f"{doc.where(e['loc'])}: {_dotted(e['loc'])}: {e['msg']}" for e in exc.errors()]) from None
-
-
-def load_text(text: str | bytes, source: str = "<stdin>", *, overrides: Mapping[str, Any] | None = None):
-    """The single TrainingRun in a YAML text; ManifestError with one line per problem."""
-    return load_document(select_trainingrun(parse_yaml(text, source), source), overrides)
-
-
-def load_file(path: str | Path, *, overrides: Mapping[str, Any] | None = None):
-    """The single TrainingRun in a YAML file ('-': standard input); ManifestError with one line per problem."""
-    return load_text(read_text(path), str(path), overrides=overrides)
 
 
 # --------------------------------------------------------------------------------------------------------- dumping

@@ -43,7 +43,7 @@ def parse_overrides(items: list[str]) -> dict[str, object]:
     """`--set PATH=VALUE` arguments as {"spec.PATH": value}. VALUE goes through the manifest loader's YAML parser
     (its limits and scalar rules: `8` is an integer, `1e-4` a float, `true` a boolean, `"8"` a string);
     ValueError naming the argument when one is malformed."""
-    from trainingrun.api.manifest import ManifestError, parse_yaml
+    from trainingrun.api.yamlcodec import ManifestError, parse_yaml
 
     out: dict[str, object] = {}
     for item in items:
@@ -67,7 +67,7 @@ def load_effective_run(path: str, trainers: int | None, overrides: list[str] | N
     """The TrainingRun in `path` with `--set` and `--trainers` applied before validation, through the one strict
     loader; ManifestError (a ValueError) with the same one-line errors `trainingrun validate` prints."""
     from trainingrun.api import load_trainingrun
-    from trainingrun.api.manifest import ManifestError
+    from trainingrun.api.yamlcodec import ManifestError
 
     changes = parse_overrides(overrides or [])
     if trainers is not None:
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_locked(args: argparse.Namespace, the_run, out_dir: Path) -> int:
-    from trainingrun.history import step_records
+    from trainingrun.local.history import step_records
     from trainingrun.local.rundir import clear_for_fresh, is_run_dir, resize_only, spec_change
 
     progress = Progress(num_rollouts=the_run.spec.rollout.num_rollouts, interval=args.progress_interval,
@@ -207,13 +207,13 @@ def _run_locked(args: argparse.Namespace, the_run, out_dir: Path) -> int:
 
 def write_run_plot(out_dir: Path, progress: Progress) -> None:
     """The finished (or stopped) run's plot, RUN_DIR/plot.png; a failure to plot never fails the run."""
-    from trainingrun.history import step_records
+    from trainingrun.local.history import step_records
 
     records = step_records(out_dir)
     if not records:
         return
     try:
-        from trainingrun.plot import PLOT_FILE, write_plot
+        from trainingrun.local.plot import PLOT_FILE, write_plot
 
         path = write_plot(records, out_dir / PLOT_FILE, title=out_dir.resolve().name)
     except Exception as exc:  # noqa: BLE001 - matplotlib missing, disk full: the run's results are written already

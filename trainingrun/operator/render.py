@@ -42,7 +42,7 @@ from trainingrun.api.constants import (
     ROLE_TRAINER,
 )
 from trainingrun.api.constants import ANNOTATION_CONFIG_HASH
-from trainingrun.api.manifest import dump_yaml
+from trainingrun.api.yamlcodec import dump_yaml
 from trainingrun.api.models import TrainingRun
 from trainingrun.operator import gang
 from trainingrun.plan import CONFIG_MOUNT_PATH, DEFAULT_MASTER_PORT, ProcessPlan, RunPlan, build_plan
