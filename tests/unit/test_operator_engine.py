@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import datetime as dt
 
+import pytest
+
 from trainingrun.api import parse_trainingrun
 from trainingrun.api.constants import LABEL_ROLE
 from trainingrun.operator import render, status
@@ -19,15 +21,20 @@ VOLUMES = [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}]
 MOUNTS = [{"name": "models", "mountPath": "/models"}]
 
 
-def run_of(engine: dict, hf: str | None = "/models/smol"):
+def run_doc(engine: dict, hf: str | None = "/models/smol") -> dict:
     model = {"hf": hf, "seqLength": 512} if hf else {"preset": "tiny"}
-    return parse_trainingrun({
+    sync = "disk" if engine.get("type") == "vllm" else "store"
+    return {
         "apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun", "metadata": {"name": "rl"},
         "spec": {"model": model, "trainer": {"replicas": 2, "maxTokensPerGPU": 256},
                  "rollout": {"source": {"type": "generate", "generate": {}}, "engine": engine},
-                 "weightSync": {"type": "disk", "path": "/models/weights"},
+                 "weightSync": {"type": sync, "path": "/models/weights"},
                  "store": {"managed": True},
-                 "podTemplate": {"volumes": VOLUMES, "volumeMounts": MOUNTS}}})
+                 "podTemplate": {"volumes": VOLUMES, "volumeMounts": MOUNTS}}}
+
+
+def run_of(engine: dict, hf: str | None = "/models/smol"):
+    return parse_trainingrun(run_doc(engine, hf))
 
 
 def test_engine_children_and_the_rollouts_url():
@@ -62,8 +69,15 @@ def test_a_user_engine_or_the_megatron_engine_gets_no_engine_pod():
 
 
 def test_vllm_without_hf_weights_is_refused_naming_the_field():
-    errors = render.cluster_errors(run_of({"type": "vllm"}, hf=None))
-    assert any(e.startswith("spec.model.hf:") for e in errors), errors
+    """A rule of the spec, so the API server refuses such a run at admission (and the operator's loader would too)."""
+    from trainingrun.api import ManifestError
+    from trainingrun.api.manifest import load_document
+    from trainingrun.api.yamlcodec import dump_yaml, parse_yaml
+
+    with pytest.raises(ManifestError) as err:
+        load_document(parse_yaml(dump_yaml(run_doc({"type": "vllm"}, hf=None)), "rl.yaml")[0])
+    assert any(": spec.model.hf: rollout.engine.type vllm loads Hugging Face weights" in line
+               for line in err.value.lines), err.value.lines
 
 
 def test_missing_engine_children_are_created_and_a_running_engine_pod_is_not_recreated():

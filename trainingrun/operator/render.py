@@ -212,9 +212,6 @@ def cluster_errors(run: TrainingRun) -> list[str]:
         if str(mount.get("mountPath", "")).rstrip("/") == config_dir:
             errors.append(f"spec.podTemplate.volumeMounts[{i}].mountPath: {config_dir!r} is where the operator mounts "
                           "the run's manifest; use another path")
-    if run.spec.rollout.engine.type == "vllm" and run.spec.model.hf is None:
-        errors.append("spec.model.hf: rollout.engine.type vllm loads Hugging Face weights; set model.hf to an HF "
-                      "directory on a volume of spec.podTemplate (the engine pod mounts them too)")
     url = run.spec.store.url
     if url is not None and url.startswith("file://"):
         errors.append(
