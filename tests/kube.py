@@ -722,8 +722,8 @@ class InProcessOperator:
     `kopf.testing.KopfTask`/`KopfThread` do in newer kopf releases; 1.45 has neither), logged in through the
     cluster's kubeconfig. Starts in well under a second (no interpreter to start); kopf takes ~5 s to stop.
 
-    `restart()` stops it, forgets every in-memory cache (a new `OperatorState`, as a new process would have) and
-    starts it again. `reconciles(name)` counts the finished reconciles of a run, so a test can prove the operator
+    `restart()` stops it and starts it again with a new operator memo (`handlers.operator_memo`): every in-memory
+    cache is forgotten, as a new process would have it. `reconciles(name)` counts the finished reconciles of a run, so a test can prove the operator
     looked at a run again before asserting that something did *not* change.
     """
 
@@ -733,6 +733,7 @@ class InProcessOperator:
         self._thread: threading.Thread | None = None
         self._stop: threading.Event | None = None
         self.error: BaseException | None = None
+        self.memo: Any = None  # the running operator's kopf memo (its `state`: handlers.OperatorState)
 
     def __enter__(self) -> InProcessOperator:
         self.start()
@@ -747,7 +748,7 @@ class InProcessOperator:
         from trainingrun.operator import handlers
 
         os.environ["KUBECONFIG"] = str(self.cluster.kubeconfig)
-        handlers.STATE = handlers.OperatorState(interval=self.interval)
+        self.memo = memo = handlers.operator_memo(interval=self.interval)
         self._stop = threading.Event()
         stop = self._stop
         assert self.cluster.emulator is not None
@@ -756,7 +757,7 @@ class InProcessOperator:
         def target() -> None:
             loop = asyncio.new_event_loop()
             try:
-                loop.run_until_complete(kopf.operator(clusterwide=True, standalone=True, stop_flag=stop))
+                loop.run_until_complete(kopf.operator(clusterwide=True, standalone=True, stop_flag=stop, memo=memo))
             except BaseException as exc:  # noqa: BLE001 - reported by wait_ready / stop
                 self.error = exc
             finally:
@@ -781,9 +782,7 @@ class InProcessOperator:
         self.start()
 
     def reconciles(self, name: str, ns: str = "default") -> int:
-        from trainingrun.operator import handlers
-
-        return handlers.STATE.reconciles.get((ns, name), 0)
+        return self.memo.state.reconciles.get((ns, name), 0) if self.memo is not None else 0
 
     def settle(self, name: str, ns: str = "default", count: int = 2, timeout: float = 15) -> None:
         """Wait until the run was reconciled `count` more times (its state was looked at again)."""

@@ -10,13 +10,13 @@ import pytest
 
 from trainingrun.api import parse_trainingrun
 from trainingrun.api.constants import LABEL_ROLE
-from trainingrun.operator import render, status
+from trainingrun.operator import checks, render, status, vocabulary
 from trainingrun.operator.observe import Observed, PodObs
 from trainingrun.vllm import k8s
 from trainingrun.vllm.engine import ENGINE_URL_ENV
 
 T0 = dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc)
-OWNER = render.Owner(name="rl", namespace="ns1", uid="u-1")
+OWNER = vocabulary.Owner(name="rl", namespace="ns1", uid="u-1")
 VOLUMES = [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}]
 MOUNTS = [{"name": "models", "mountPath": "/models"}]
 
@@ -39,7 +39,7 @@ def run_of(engine: dict, hf: str | None = "/models/smol"):
 
 def test_engine_children_and_the_rollouts_url():
     run = run_of({"type": "vllm", "vllm": {"gpus": 1, "resources": {"requests": {"cpu": "4"}}}})
-    assert render.cluster_errors(run) == []
+    assert checks.cluster_errors(run) == []
     children = render.render_children(run, OWNER, attempt=0)
     engine = [c for c in children if c["metadata"]["name"] == "rl-engine"]
     assert [c["kind"] for c in engine] == ["ConfigMap", "Service", "Pod"]
@@ -62,7 +62,7 @@ def test_engine_children_and_the_rollouts_url():
 def test_a_user_engine_or_the_megatron_engine_gets_no_engine_pod():
     for engine in ({"type": "vllm", "url": "http://vllm.other:8000"}, {"type": "megatron"}):
         run = run_of(engine)
-        names = {c.name for c in render.base_children(run, 0)}
+        names = {c.name for c in vocabulary.base_children(run, 0)}
         assert "rl-engine" not in names
         rollout = next(c for c in render.render_children(run, OWNER, 0) if c["metadata"]["name"] == "rl-rollout-a0")
         assert all(e["name"] != ENGINE_URL_ENV for e in rollout["spec"]["containers"][0]["env"])
@@ -87,7 +87,7 @@ def test_missing_engine_children_are_created_and_a_running_engine_pod_is_not_rec
     created = {c.key for c in d.create}
     assert {"ConfigMap/rl-engine", "Service/rl-engine", "Pod/rl-engine"} <= created
     engine_pod = PodObs(name="rl-engine", role="engine", rank=None, attempt=None, phase="Running")
-    children = frozenset(c.key for c in render.base_children(run, 0) if c.kind != "Pod")
+    children = frozenset(c.key for c in vocabulary.base_children(run, 0) if c.kind != "Pod")
     d = status.decide(run, dict(st), Observed(pods=(engine_pod,), children=children), now=T0)
     assert "Pod/rl-engine" not in {c.key for c in d.create}
 
@@ -102,14 +102,14 @@ def test_a_crash_looping_engine_uses_the_failure_budget_and_fails_the_run_naming
     doc = run_of({"type": "vllm"}).model_dump(by_alias=True, exclude_none=True)
     doc["spec"]["failurePolicy"] = {"maxRestarts": 2}
     run = parse_trainingrun(doc)
-    children = frozenset(c.key for c in render.base_children(run, 0) if c.kind != "Pod")
+    children = frozenset(c.key for c in vocabulary.base_children(run, 0) if c.kind != "Pod")
     st = {"phase": "Running", "attempt": 0, "restarts": 0}
     pod = {"metadata": {"name": "rl-engine", "labels": {LABEL_ROLE: "engine"}},
            "status": {"phase": "Running", "containerStatuses": [{
                "name": "vllm", "restartCount": 2,
                "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s restarting"}},
                "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "finishedAt": "2025-01-01T00:00:00Z"}}}]}}
-    group = [PodObs(name=render.Names("rl").pod(role, rank, 0), role=role, rank=rank, attempt=0, phase="Running")
+    group = [PodObs(name=vocabulary.Names("rl").pod(role, rank, 0), role=role, rank=rank, attempt=0, phase="Running")
              for role, rank in status.expected_group(run)]
 
     def decide(engine_pod):

@@ -10,12 +10,12 @@ import yaml
 from tests.kube import ROOT
 from trainingrun.api import parse_trainingrun
 from trainingrun.api.constants import LABEL_ATTEMPT, LABEL_RANK, LABEL_ROLE
-from trainingrun.operator import render, status
+from trainingrun.operator import checks, render, status, vocabulary
 from trainingrun.operator.observe import Observed, PodObs, ProgressObs, Refusal, observe_pod
 from trainingrun.plan import EXIT_CONFIG_ERROR
 
 TINY = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
-OWNER = render.Owner(name="tiny", namespace="ns1", uid="u-1")
+OWNER = vocabulary.Owner(name="tiny", namespace="ns1", uid="u-1")
 T0 = dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc)
 
 
@@ -28,21 +28,21 @@ def run_of(**spec):
 def pods_of(run, attempt, phase="Running", **overrides):
     out = []
     for role, rank in status.expected_group(run):
-        name = render.Names("tiny").pod(role, rank, attempt)
+        name = vocabulary.Names("tiny").pod(role, rank, attempt)
         out.append(PodObs(name=name, role=role, rank=rank, attempt=attempt, phase=overrides.get(name, phase)))
     return out
 
 
 def all_children(run, attempt=0):
     """Observed: every base child of the attempt exists."""
-    return frozenset(c.key for c in render.base_children(run, attempt) if c.kind != "Pod")
+    return frozenset(c.key for c in vocabulary.base_children(run, attempt) if c.kind != "Pod")
 
 
 def decide(run, st, pods=(), *, now=T0, attempt=0, **obs):
     """status.decide with every base child (and the store pod) observed, unless `children` is given."""
     store = [PodObs(name="tiny-store", role="store", rank=None, attempt=None, phase="Running")]
     obs.setdefault("children", all_children(run, attempt))
-    obs.setdefault("config_hash", render.config_hash(run))
+    obs.setdefault("config_hash", vocabulary.config_hash(run))
     return status.decide(run, st, Observed(pods=tuple(pods) + tuple(store), **obs), now=now)
 
 
@@ -71,7 +71,7 @@ def test_children_gang_and_store():
     # an external store: no managed Redis
     ext = run_of(store={"url": "redis://r:6379/0"})
     assert render.render_store(ext, OWNER) == []
-    assert render.store_url(ext, "ns1") == "redis://r:6379/0?prefix=trainingrun.ns1.tiny"
+    assert vocabulary.store_url(ext, "ns1") == "redis://r:6379/0?prefix=trainingrun.ns1.tiny"
 
 
 def test_gang_providers_are_pluggable_renderers():
@@ -120,27 +120,27 @@ def test_every_pod_knows_its_attempt_and_trainer_hostnames_are_per_attempt():
     # the ConfigMap carries a hash of its content: a resize changes it
     cm = render.render_config_map(run, OWNER)
     bigger = run_of(trainer={**TINY["spec"]["trainer"], "replicas": 4})
-    assert cm["metadata"]["annotations"]["trainingrun.dev/spec-hash"] == render.config_hash(run)
-    assert render.config_hash(bigger) != render.config_hash(run)
+    assert cm["metadata"]["annotations"]["trainingrun.dev/spec-hash"] == vocabulary.config_hash(run)
+    assert vocabulary.config_hash(bigger) != vocabulary.config_hash(run)
 
 
 def test_cluster_errors_name_the_field():
-    assert render.cluster_errors(run_of()) == []
-    errs = render.cluster_errors(run_of(store={"url": "file:///tmp/s"}))
+    assert checks.cluster_errors(run_of()) == []
+    errs = checks.cluster_errors(run_of(store={"url": "file:///tmp/s"}))
     assert len(errs) == 1 and errs[0].startswith("spec.store.url")
     doc = copy.deepcopy(TINY)
     doc["metadata"]["name"] = "9" + "a" * 50
-    errs = render.cluster_errors(parse_trainingrun(doc))
+    errs = checks.cluster_errors(parse_trainingrun(doc))
     assert errs and all(e.startswith("metadata.name") for e in errs)
     # the operator's own config volume and mount cannot be taken by podTemplate (the API server would refuse the pods)
     clash = run_of(podTemplate={"volumes": [{"name": "config", "emptyDir": {}}, {"name": "ok", "emptyDir": {}}],
                                 "volumeMounts": [{"name": "ok", "mountPath": "/etc/trainingrun/"}]})
-    errs = render.cluster_errors(clash)
+    errs = checks.cluster_errors(clash)
     assert [e.split(":")[0] for e in errs] == ["spec.podTemplate.volumes[0].name",
                                                "spec.podTemplate.volumeMounts[0].mountPath"], errs
     pod = render.render_pods(run_of(podTemplate={"volumes": [{"name": "ok", "emptyDir": {}}]}), OWNER, 0)[0]
     names = [v["name"] for v in pod["spec"]["volumes"]]
-    assert render.CONFIG_VOLUME in names and len(set(names)) == len(names)
+    assert vocabulary.CONFIG_VOLUME in names and len(set(names)) == len(names)
 
 
 def _pods(ds):
@@ -394,16 +394,16 @@ def test_multi_worker_trainer_pods_get_a_memory_backed_dev_shm():
     assert all("/dev/shm" not in {m["mountPath"] for m in p["spec"]["containers"][0]["volumeMounts"]}
                for p in render.render_pods(single, OWNER, attempt=0))
     clash = run_of(podTemplate={"volumes": [{"name": "dshm", "emptyDir": {}}]})
-    assert any("podTemplate.volumes[0].name" in e and "'dshm'" in e for e in render.cluster_errors(clash))
+    assert any("podTemplate.volumes[0].name" in e and "'dshm'" in e for e in checks.cluster_errors(clash))
 
 
 def test_runs_sharing_an_external_redis_get_their_own_keys():
     from trainingrun.store import open_store
 
-    a = render.store_url(run_of(store={"url": "redis://redis.infra:6379/2"}), "ns1")
+    a = vocabulary.store_url(run_of(store={"url": "redis://redis.infra:6379/2"}), "ns1")
     assert a == "redis://redis.infra:6379/2?prefix=trainingrun.ns1.tiny"
     assert open_store(a).prefix == "trainingrun.ns1.tiny"  # the store accepts the key it is given
-    assert render.store_url(run_of(store={"url": "redis://r:6379/0?prefix=mine"}), "ns1").endswith("?prefix=mine")
+    assert vocabulary.store_url(run_of(store={"url": "redis://r:6379/0?prefix=mine"}), "ns1").endswith("?prefix=mine")
 
 
 def test_a_re_created_run_gets_a_later_epoch_and_fresh_external_store_keys():
@@ -418,8 +418,8 @@ def test_a_re_created_run_gets_a_later_epoch_and_fresh_external_store_keys():
 
     first = incarnation("0f1e2d3c-aaaa-bbbb", "2026-11-30T10:00:00Z", store={"url": "redis://r:6379/0"})
     again = incarnation("9a8b7c6d-cccc-dddd", "2026-11-30T10:05:00Z", store={"url": "redis://r:6379/0"})
-    assert render.store_url(first, "ns1") == "redis://r:6379/0?prefix=trainingrun.ns1.tiny.0f1e2d3c"
-    assert render.store_url(again, "ns1") == "redis://r:6379/0?prefix=trainingrun.ns1.tiny.9a8b7c6d"
+    assert vocabulary.store_url(first, "ns1") == "redis://r:6379/0?prefix=trainingrun.ns1.tiny.0f1e2d3c"
+    assert vocabulary.store_url(again, "ns1") == "redis://r:6379/0?prefix=trainingrun.ns1.tiny.9a8b7c6d"
 
     def epochs(run):
         return {e["value"] for p in render.render_pods(run, OWNER, attempt=0) for c in p["spec"]["containers"]
@@ -427,13 +427,13 @@ def test_a_re_created_run_gets_a_later_epoch_and_fresh_external_store_keys():
 
     assert epochs(first) == {"1796032800"} and epochs(again) == {"1796033100"}
     assert epochs(run_of()) == set()  # unknown creation time: epoch 0, the variable is left out
-    assert render.run_epoch(incarnation("u", "not a time")) == 0
+    assert vocabulary.run_epoch(incarnation("u", "not a time")) == 0
     # what the operator parses from a TrainingRun object keeps both
     from trainingrun.operator.handlers import parse_run
 
     body = copy.deepcopy(TINY)
     body["metadata"].update(namespace="ns1", uid="9a8b7c6d-cccc-dddd", creationTimestamp="2026-11-30T10:05:00Z")
-    assert render.run_epoch(parse_run(body)) == 1796033100
+    assert vocabulary.run_epoch(parse_run(body)) == 1796033100
 
 
 def test_wandb_api_key_reaches_the_trainers_from_a_secret_only():
