@@ -61,6 +61,13 @@ def _restarting(run, failed_pod="tiny-trainer-1-a0"):
     return decide(run, _running(run), pods_of(run, 0, **{failed_pod: "Failed"})).status
 
 
+def _watched():
+    """A running run with progressDeadlineSeconds 60, and the store's progress: step 3, written at 50 s."""
+    run = run_of(failurePolicy={"maxRestarts": 0, "progressDeadlineSeconds": 60}, activeDeadlineSeconds=3600,
+                 ttlSecondsAfterFinished=30)
+    return run, _running(run), ProgressObs({"step": 3, "time": (T0 + dt.timedelta(seconds=50)).timestamp()})
+
+
 def _engine_run(max_restarts: int = 3):
     """A run with the vLLM engine and no engine.url: the operator runs its server (R-engine)."""
     return parse_trainingrun({
@@ -250,10 +257,7 @@ def test_group_exit_a_config_error_fails_at_once():
 
 
 def test_progress_deadline_fails_a_run_without_new_steps_but_not_while_progress_is_unknown():
-    run = run_of(failurePolicy={"maxRestarts": 0, "progressDeadlineSeconds": 60}, activeDeadlineSeconds=3600,
-                 ttlSecondsAfterFinished=30)
-    st = _running(run)
-    fresh = ProgressObs({"step": 3, "time": (T0 + dt.timedelta(seconds=50)).timestamp()})
+    run, st, fresh = _watched()
     d = decide(run, st, pods_of(run, 0), now=T0 + dt.timedelta(seconds=100), progress=fresh)
     assert d.status["phase"] == "Running" and d.status["step"] == 3
     d = decide(run, st, pods_of(run, 0), now=T0 + dt.timedelta(seconds=111), progress=fresh)
@@ -364,10 +368,7 @@ def test_pods_ready_says_why_not_the_schedulers_reason_or_kueue():
 
 
 def test_read_progress_copies_the_stores_progress_and_says_when_it_cannot():
-    run = run_of(failurePolicy={"maxRestarts": 0, "progressDeadlineSeconds": 60}, activeDeadlineSeconds=3600,
-                 ttlSecondsAfterFinished=30)
-    st = _running(run)
-    fresh = ProgressObs({"step": 3, "time": (T0 + dt.timedelta(seconds=50)).timestamp()})
+    run, st, fresh = _watched()
     d = decide(run, st, pods_of(run, 0), now=T0 + dt.timedelta(seconds=100), progress=fresh)
     assert d.status["step"] == 3
     unknown = ProgressObs(fresh.value, error="ConnectionError: Authentication required")
