@@ -63,8 +63,6 @@ def make_vllm_publisher(spec, store, *, rank: int, attempt: int = 0):
               max_policy_lag=spec.rollout.max_policy_lag, tp_group=ps.get_tensor_model_parallel_group(),
               tp_size=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
               dp_rank=ps.get_data_parallel_rank(), attempt=attempt)
-    if spec.model.hf is None:
-        raise ValueError("weightSync.type: disk/broadcast publishes Hugging Face weights: set model.hf")
     ws = spec.weight_sync
     if ws.type == "disk":
         root = ws.path or str(Path(spec.trainer.checkpoint.path) / "weights")
