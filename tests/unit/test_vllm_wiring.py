@@ -17,16 +17,20 @@ from trainingrun.modeling.architecture import resolve
 ARCH = resolve("tiny-llama", seq_length=64)  # the model these runs would read from model.hf (absent here)
 
 
-def make_run(tmp_path: Path, *, engine: dict | None = None, sync: str = "disk", max_restarts: int = 1):
+def run_doc(tmp_path: Path, *, engine: dict | None = None, sync: str = "disk", max_restarts: int = 1) -> dict:
     engine = {"type": "vllm", "vllm": {"maxModelLen": 64}} if engine is None else engine
-    return parse_trainingrun({
+    return {
         "apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun", "metadata": {"name": "v"},
         "spec": {"model": {"hf": str(tmp_path / "model"), "seqLength": 64},
                  "trainer": {"replicas": 1, "maxTokensPerGPU": 256,
                              "checkpoint": {"path": str(tmp_path / "ckpt")}},
                  "rollout": {"source": {"type": "generate", "generate": {}}, "engine": engine},
                  "weightSync": {"type": sync},
-                 "failurePolicy": {"maxRestarts": max_restarts, "backoffSeconds": 0}}})
+                 "failurePolicy": {"maxRestarts": max_restarts, "backoffSeconds": 0}}}
+
+
+def make_run(tmp_path: Path, **kw):
+    return parse_trainingrun(run_doc(tmp_path, **kw))
 
 
 @pytest.fixture
@@ -40,26 +44,33 @@ def store(tmp_path: Path):
 
 # ------------------------------------------------------------------------------------------ engine and publisher
 @pytest.mark.parametrize("engine,sync,field", [
-    ("vllm", "store", "weightSync.type: store reaches the megatron engine only"),
-    ("megatron", "disk", "weightSync.type: disk reaches the vllm engine only"),
-    ("megatron", "broadcast", "weightSync.type: broadcast reaches the vllm engine only"),
+    ("vllm", "store", "weightSync.type store reaches the megatron engine only"),
+    ("megatron", "disk", "weightSync.type disk and broadcast reach the vllm engine only"),
+    ("megatron", "broadcast", "weightSync.type disk and broadcast reach the vllm engine only"),
 ])
-def test_publisher_refuses_a_sync_the_engine_cannot_load(tmp_path: Path, store, engine, sync, field):
-    from trainingrun.trainer.weights import make_publisher
+def test_the_spec_refuses_a_sync_the_engine_cannot_load(tmp_path: Path, engine, sync, field):
+    """A rule of the spec (CEL at admission, its Python twin everywhere a manifest is loaded), so neither the trainer's
+    publisher nor the rollout's engine ever sees such a run."""
+    from pydantic import ValidationError
 
-    run = make_run(tmp_path, engine={"type": engine}, sync=sync)
-    with pytest.raises(ValueError, match=field):
-        make_publisher(run.spec, store, arch=ARCH, rank=0)
+    from trainingrun.api.checks import validate_document
+
+    with pytest.raises(ValidationError, match=field):
+        make_run(tmp_path, engine={"type": engine}, sync=sync)
+    problems = validate_document(run_doc(tmp_path, engine={"type": engine}, sync=sync))
+    assert [p.path for p in problems] == ["spec.weightSync.type"] and field in problems[0].message
 
 
 def test_vllm_engine_needs_disk_or_broadcast_and_a_server(tmp_path: Path, store, monkeypatch):
+    from pydantic import ValidationError
+
     from trainingrun.rollout.generate import make_engine
     from trainingrun.rollout.sources import ConfigError
     from trainingrun.vllm.engine import ENGINE_URL_ENV
 
     monkeypatch.delenv(ENGINE_URL_ENV, raising=False)
-    with pytest.raises(ConfigError, match="weightSync.type: 'store' does not reach the vllm engine"):
-        make_engine(make_run(tmp_path, sync="store").spec, store, ARCH)
+    with pytest.raises(ValidationError, match="weightSync.type store reaches the megatron engine only"):
+        make_run(tmp_path, sync="store")
     with pytest.raises(ConfigError, match="rollout.engine.url"):
         make_engine(make_run(tmp_path).spec, store, ARCH)
     monkeypatch.setenv(ENGINE_URL_ENV, "http://127.0.0.1:9")  # the launcher's / operator's server

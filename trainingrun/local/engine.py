@@ -18,8 +18,9 @@ from pathlib import Path
 
 from trainingrun import failure_policy as policy
 from trainingrun.local.procs import describe_exit, free_port, log_path
-
+from trainingrun.vllm.client import VLLMClient
 from trainingrun.vllm.engine import ENGINE_URL_ENV  # noqa: F401 - the rollout's env names the server
+from trainingrun.vllm import server as vllm_server
 
 
 def needs_local_engine(spec) -> bool:
@@ -32,17 +33,16 @@ class LocalEngine:
     """The run's vLLM server process (see the module docstring)."""
 
     def __init__(self, spec, out_dir: Path):
-        from trainingrun.vllm.server import PYTHON_ENV, VLLMServer, find_python
-
-        python = find_python()
+        python = vllm_server.find_python()
         if python is None:
             raise ValueError(f"rollout.engine.type: vllm needs vLLM's environment: run `make vllm` (builds "
-                             f".venv-vllm) or set {PYTHON_ENV} to a Python that has vLLM, or give rollout.engine.url")
+                             f".venv-vllm) or set {vllm_server.PYTHON_ENV} to a Python that has vLLM, or give "
+                             "rollout.engine.url")
         v = spec.rollout.engine.vllm
         model = Path(spec.model.hf).resolve()
         self.log_dir = out_dir / "logs"
         self.restarts = 0
-        self.server = VLLMServer(
+        self.server = vllm_server.VLLMServer(
             str(model), port=free_port(), python=python, log_path=log_path(self.log_dir, "engine", 0),
             dtype=v.dtype, max_model_len=v.max_model_len or spec.model.resolved().seq_length,
             kv_cache_gib=v.kv_cache_gib, extra_args=tuple(v.args),
@@ -57,8 +57,6 @@ class LocalEngine:
         self.server.start()
 
     def healthy(self) -> bool:
-        from trainingrun.vllm.client import VLLMClient
-
         return VLLMClient(self.url, timeout=5).healthy()
 
     def check(self) -> policy.Failure | None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainingrun.api.manifest import dump_yaml
+from trainingrun.api.yamlcodec import dump_yaml
 from trainingrun.diskspace import describe as describe_no_space
 from trainingrun.diskspace import full_volume
 from trainingrun.local.procs import (
@@ -44,6 +44,7 @@ from trainingrun.local.engine import ENGINE_URL_ENV, LocalEngine, needs_local_en
 from trainingrun.local.progress import Progress
 from trainingrun.childlog import TIMESTAMPS_ENV
 from trainingrun.plan import build_plan
+from trainingrun.store import StoreError, open_store
 from trainingrun.tracking import OUTPUT_DIR_ENV
 
 POLL_SECONDS = 0.2
@@ -332,8 +333,7 @@ class Launcher:
 
     def data_report(self, store_url: str) -> dict[str, Any] | None:
         """The rollout's account of the data (produced, filtered, trained, left over), or None if unreadable."""
-        from trainingrun.rollout.main import data_report
-        from trainingrun.store import StoreError, open_store
+        from trainingrun.rollout.main import data_report  # deferred: prometheus_client
 
         try:
             store = open_store(store_url)

@@ -111,7 +111,7 @@ class Progress:
     # ------------------------------------------------------------------------------------------------ output
     def _ensure_bar(self):
         if self._bar is None:
-            from tqdm import tqdm
+            from tqdm import tqdm  # deferred: tqdm (interactive runs only)
 
             self._bar = tqdm(
                 total=self.num_rollouts, initial=self.rollouts_done(), desc=self.fields(compact=True),

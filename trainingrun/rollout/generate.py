@@ -54,9 +54,6 @@ def make_engine(spec, store, arch: Architecture) -> Engine:
     weight sync."""
     e = spec.rollout.engine
     if e.type == "megatron":
-        if spec.weight_sync.type != "store":
-            raise ConfigError(f"weightSync.type: {spec.weight_sync.type!r} does not reach the megatron engine; "
-                              "allowed with rollout.engine.type megatron: store")
         if spec.trainer.tensor_parallel_size != 1:
             raise ConfigError("trainer.tensorParallelSize: generated rollouts with the megatron engine need 1 "
                               "(the weights are published from one rank)")
@@ -78,11 +75,6 @@ def make_vllm_engine(spec, store, *, say: Callable[[str], None] | None = None) -
     from trainingrun.vllm.engine import ENGINE_URL_ENV, VLLMEngine
 
     e = spec.rollout.engine
-    if spec.weight_sync.type not in ("disk", "broadcast"):
-        raise ConfigError(f"weightSync.type: {spec.weight_sync.type!r} does not reach the vllm engine; allowed with "
-                          "rollout.engine.type vllm: disk, broadcast")
-    if spec.model.hf is None:
-        raise ConfigError("rollout.engine.type: vllm loads Hugging Face weights: set model.hf (a HF directory)")
     url = e.url or os.environ.get(ENGINE_URL_ENV)
     if not url:
         raise ConfigError(f"rollout.engine.type: vllm without rollout.engine.url needs the run's own server (the "

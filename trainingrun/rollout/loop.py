@@ -31,6 +31,7 @@ import numpy as np
 
 from trainingrun.api.models import TrainingRun, TrainingRunSpec
 from trainingrun.modeling.architecture import Architecture
+from trainingrun.modeling.tokenizer import TokenizerError, run_tokenizer
 from trainingrun.rollout import published as contract
 from trainingrun.rollout.pipeline import FilterStats, apply_filters, as_samples, compute_advantages, split_into_steps
 from trainingrun.rollout.sources import (
@@ -172,8 +173,6 @@ def _run_tokenizer(arch: Architecture):
     if not arch.hf:
         raise ConfigError("text lines need the run's tokenizer: set model.hf to a Hugging Face directory with "
                           "tokenizer.json")
-    from trainingrun.modeling.tokenizer import TokenizerError, run_tokenizer
-
     try:
         return run_tokenizer(arch.hf)
     except (TokenizerError, OSError) as exc:

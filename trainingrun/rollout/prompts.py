@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from trainingrun.modeling.architecture import Architecture
+from trainingrun.modeling.tokenizer import TokenizerError, run_tokenizer
 from trainingrun.rollout.sources import EOS, FIRST_CONTENT, SEP, ConfigError, jsonl_objects
 
 
@@ -60,8 +61,6 @@ def load_tokenizer(arch: Architecture):
     """The run's tokenizer: model.hf's (`trainingrun.modeling.tokenizer.run_tokenizer`), else the byte tokenizer."""
     hf = arch.hf
     if hf:
-        from trainingrun.modeling.tokenizer import TokenizerError, run_tokenizer
-
         try:
             tok = run_tokenizer(hf)
         except (TokenizerError, OSError) as exc:

@@ -60,18 +60,10 @@ class StoreWeightPublisher:
 
 def make_publisher(spec, store, *, arch: Architecture, rank: int, attempt: int = 0) -> WeightPublisher | None:
     """The publisher `spec.weightSync` asks for, or None (replayed rollouts need no weights); `arch`: the run's
-    resolved model. ValueError for a combination that cannot work (the trainer exits 78 naming the field)."""
+    resolved model. Which sync reaches which engine is a rule of the spec (`TrainingRunSpec`, checked at admission):
+    store for the megatron engine, disk or broadcast for vllm."""
     if spec.rollout.source.type != "generate":
         return None
-    ws, engine = spec.weight_sync, spec.rollout.engine.type
-    if ws.type == "store":
-        if engine != "megatron":
-            raise ValueError(f"weightSync.type: store reaches the megatron engine only; with rollout.engine.type "
-                             f"{engine}: disk or broadcast")
+    if spec.weight_sync.type == "store":
         return StoreWeightPublisher(store, rank=rank, max_policy_lag=spec.rollout.max_policy_lag)
-    if ws.type in ("disk", "broadcast"):
-        if engine != "vllm":
-            raise ValueError(f"weightSync.type: {ws.type} reaches the vllm engine only; with rollout.engine.type "
-                             f"{engine}: store")
-        return make_vllm_publisher(spec, store, arch=arch, rank=rank, attempt=attempt)
-    raise ValueError(f"weightSync.type: {ws.type!r} has no publisher; allowed: store, disk, broadcast")
+    return make_vllm_publisher(spec, store, arch=arch, rank=rank, attempt=attempt)

@@ -27,7 +27,6 @@ supervisor killed outright leaves no workers behind.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -37,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainingrun import failure_policy as policy
+from trainingrun.childproc import DIE_WITH_PARENT, child_command_prefix
 
 POLL_SECONDS = 0.1
 STOP_GRACE_SECONDS = 5.0  # a failed peer leaves the others blocked in a collective: they get this long after SIGTERM
@@ -69,14 +69,6 @@ def worker_env(base: dict[str, str], *, node_rank: int, num_nodes: int, nproc: i
 def exit_status(returncode: int) -> int:
     """A worker's return code as the supervisor's exit status (killed by signal N → 128 + N)."""
     return 128 - returncode if returncode < 0 else returncode
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
-    """preexec_fn: SIGKILL this worker when the supervisor dies (Linux prctl PR_SET_PDEATHSIG)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except OSError:
-        pass
 
 
 @dataclass
@@ -112,7 +104,7 @@ class Supervisor:
                                  local_rank=local_rank)
                 self.procs.append(subprocess.Popen(
                     self.command, env=env, stdin=subprocess.DEVNULL,
-                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                    preexec_fn=DIE_WITH_PARENT,
                 ))
             return self._wait()
         finally:
@@ -182,8 +174,6 @@ class Supervisor:
 
 def worker_command(argv: list[str]) -> list[str]:
     """`python -m trainingrun trainer ARGV` (or `$TRAININGRUN_CHILD_COMMAND trainer ARGV`, as the local launcher)."""
-    from trainingrun.local.procs import child_command_prefix
-
     return [*child_command_prefix(), "trainer", *argv]
 
 

@@ -23,13 +23,17 @@ checkpoint's version changes nothing, and the engine may be reading it).
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from trainingrun.modeling.architecture import Architecture
+from trainingrun.vllm.broadcast import BroadcastSender
 
 DIR_PREFIX = "v"
 
@@ -50,24 +54,18 @@ def dir_version(path: Path) -> int | None:
 def commit_version(store, version: int, meta: dict[str, Any]) -> bool:
     """Commit weight `version` in the run's store: the meta says where the weights are (the store holds one marker
     array, not the weights). Subject to the store's attempt fencing: a fenced-off trainer's commit is refused."""
-    import numpy as np
-
     return store.publish_weights(version, {"version": np.asarray([version], np.int64)}, {**meta, "version": version})
 
 
 def make_vllm_publisher(spec, store, *, arch: Architecture, rank: int, attempt: int = 0):
     """The publisher of `spec.weightSync.type` disk / broadcast for the vllm engine, on this trainer rank (Megatron's
     parallel state is initialised: the tensor-parallel ranks of replica 0 gather the weights of `arch`)."""
-    import os
-
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # deferred: megatron (the trainer imported it after its CPU shim)
 
     kw = dict(rank=rank, arch=arch, dtype=spec.rollout.engine.vllm.dtype,
               max_policy_lag=spec.rollout.max_policy_lag, tp_group=ps.get_tensor_model_parallel_group(),
               tp_size=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
               dp_rank=ps.get_data_parallel_rank(), attempt=attempt)
-    if spec.model.hf is None:
-        raise ValueError("weightSync.type: disk/broadcast publishes Hugging Face weights: set model.hf")
     ws = spec.weight_sync
     if ws.type == "disk":
         root = ws.path or str(Path(spec.trainer.checkpoint.path) / "weights")
@@ -118,9 +116,9 @@ class DiskPublisher(_Base):
         state = self._gather(module)  # a collective: every TP rank of replica 0 takes part, even for a republish
         if self.rank != 0 or self._committed(version):
             return
-        import torch
+        import torch  # deferred: torch
 
-        from trainingrun.modeling.hf_io import write_hf_dir
+        from trainingrun.modeling.hf_io import write_hf_dir  # deferred: torch
 
         t0 = time.perf_counter()
         self.root.mkdir(parents=True, exist_ok=True)
@@ -154,12 +152,10 @@ class BroadcastPublisher(_Base):
         self.host, self.backend = host, backend
         self.sender = None
         if self.rank == 0:
-            from trainingrun.vllm.broadcast import BroadcastSender
-
             if backend == "gloo":
                 device: Any = "cpu"
             else:  # NCCL: snapshots stay on this rank's GPU
-                import torch
+                import torch  # deferred: torch
 
                 device = torch.device("cuda", torch.cuda.current_device())
             self.sender = BroadcastSender(port, backend=backend, timeout=timeout, dtype=self.dtype,
@@ -171,7 +167,7 @@ class BroadcastPublisher(_Base):
         state = self._gather(module)
         if self.rank != 0:
             return
-        from trainingrun.modeling import convert
+        from trainingrun.modeling import convert  # deferred: torch
 
         if self._committed(version) and version in self.sender.versions:
             return
