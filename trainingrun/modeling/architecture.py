@@ -73,6 +73,8 @@ ARCH_FIELDS = ("architecture", "num_layers", "hidden_size", "num_attention_heads
 # What a spec without `hf` or `preset` must set itself.
 REQUIRED_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length")
 
+# Fields the plain record holds only when set, so that records written without them stay exactly as they were.
+_RECORD_WHEN_SET = ("hf_model_type",)
 _INTS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim", "ffn_hidden_size",
          "vocab_size", "seq_length")
 _BOOLS = ("tie_embeddings", "add_bias_linear", "add_qkv_bias")
@@ -167,11 +169,12 @@ class Architecture:
 
     def to_dict(self) -> dict[str, Any]:
         """The plain form checkpoints record and the rollout's fingerprint hashes (see the module docstring)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out = dataclasses.asdict(self)
         out["architecture"] = out.pop("family")
         out["kv_channels"] = self.head_dim
-        if out["hf_model_type"] is None:
-            del out["hf_model_type"]
+        for name in _RECORD_WHEN_SET:
+            if out[name] is None:
+                del out[name]
         return out
 
     @classmethod

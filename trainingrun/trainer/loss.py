@@ -19,6 +19,9 @@ Megatron then (megatron-core 0.16.1, two-value loss return, `calculate_per_token
 So the gradient after the step is (1/D)·Σ_r Σ_m ∇(returned_{r,m}/M). Returning returned_{r,m} = D·M·J_{r,m} makes it
 Σ_r Σ_m ∇J_{r,m} = ∇J_s: `megatron_loss_factor(D, M) = D·M`. Derivation in docs/trainer.md.
 
+The run's choices travel as one frozen `LossSettings` (loss type, normalisation, `PolicySettings`; resolved once from
+the spec by `loss_settings`), each step's denominators GBS_s and T_s as `StepTotals`.
+
 `loss_mask[t] = 1` marks token t as a trained target: it is predicted from the logits at t−1 of the same sample, so
 the first token of a sample is never a target (its mask is ignored).
 """
