@@ -70,9 +70,9 @@ def main() -> None:
 
 
 def _worker(args, mode: str, root: str) -> None:
-    from trainingrun.trainer.model import (
-        OptimSettings, build_gpt, build_optimizer, init_distributed, prepare_device, set_seed, wrap_ddp,
-    )
+    from trainingrun.modeling.architecture import resolve
+    from trainingrun.modeling.model import build_model, init_distributed, prepare_device, set_seed
+    from trainingrun.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
 
     device = prepare_device(0)
     init_distributed(device)
@@ -84,17 +84,18 @@ def _worker(args, mode: str, root: str) -> None:
     from trainingrun.trainer.batch import pack
     from trainingrun.trainer.checkpoint import TrainingProgress
     from trainingrun.trainer.checkpoint_megatron import TrainerCheckpoints
+    from trainingrun.trainer.loss import LossSettings, StepTotals
     from trainingrun.trainer.step import train_step
 
     set_seed(0)
-    sizes = dict(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8,
-                 ffn_hidden_size=4 * args.hidden, vocab_size=args.vocab, seq_length=128, precision="fp32")
-    model = build_gpt(sizes, device)
+    arch = resolve(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8,
+                   ffn_hidden_size=4 * args.hidden, vocab_size=args.vocab, seq_length=128, precision="fp32")
+    model = build_model(arch, device)
     ddp = wrap_ddp(model)
     optimizer, scheduler = build_optimizer(ddp, OptimSettings(1e-4, 1e-5, 0, None, "constant", 0.0, 1.0, 0.9, 0.95))
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     ck = TrainerCheckpoints(Path(root), ddp.module, optimizer, scheduler, attempt=0, keep=3, log=lambda m: None,
-                            meta={"run": "bench", "dp_size": dp, "tp_size": 1, "model": sizes})
+                            meta={"run": "bench", "dp_size": dp, "tp_size": 1, "model": arch.to_dict()})
 
     def step() -> float:
         rng = np.random.default_rng(5)
@@ -108,8 +109,8 @@ def _worker(args, mode: str, root: str) -> None:
                    "sample_ids": np.asarray(part, np.int64)}
         pos = {i: p for p, i in enumerate(part)}
         mbs = [pack(payload, [pos[i] for i in mb], device) for mb in sched.step_microbatches(rank, 0)]
-        return train_step(ddp, optimizer, scheduler, mbs, loss_type="sft", normalization="token",
-                          global_batch_size=12, loss_tokens=sum(len(t) - 1 for t in toks), dp_size=dp,
+        return train_step(ddp, optimizer, scheduler, mbs, LossSettings("sft", "token"),
+                          StepTotals(global_batch_size=12, loss_tokens=sum(len(t) - 1 for t in toks)), dp_size=dp,
                           dp_group=ps.get_data_parallel_group()).loss
 
     out: dict = {"params": sum(p.numel() for p in model.parameters()) * ps.get_tensor_model_parallel_world_size()}

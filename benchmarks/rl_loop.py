@@ -50,7 +50,8 @@ def generation_megatron(args) -> dict:
 
     from trainingrun.api import parse_trainingrun
     from trainingrun.rollout.generate import GenerateSource
-    from trainingrun.rollout.megatron_engine import MegatronEngine, state_dict_arrays
+    from trainingrun.modeling.state import state_dict_arrays
+    from trainingrun.rollout.megatron_engine import MegatronEngine
     from trainingrun.store import open_store
 
     torch.set_num_threads(1)
@@ -61,15 +62,16 @@ def generation_megatron(args) -> dict:
     spec = parse_trainingrun(doc).spec
     tmp = tempfile.mkdtemp()
     store = open_store(f"file://{tmp}/store")
-    engine = MegatronEngine(spec.model.resolved(), fetch=store.read_weights, seed=spec.seed)
+    arch = spec.model.resolved()
+    engine = MegatronEngine(arch, fetch=store.read_weights, seed=spec.seed)
     arrays, dtypes = state_dict_arrays(engine.model)
     store.publish_weights(0, arrays, {"dtypes": dtypes})
-    source = GenerateSource(spec, store, say=lambda m: None, engine=engine)
+    source = GenerateSource(spec, store, arch=arch, say=lambda m: None, engine=engine)
     source.ensure_weights(0)
     reps = args.repeats
     out: dict = {"requests": f"{spec.rollout.samples_per_rollout // 8} prompts x 8 completions, up to "
-                             f"{args.new_tokens} new tokens, model {spec.model.resolved()['num_layers']} layers x "
-                             f"{spec.model.resolved()['hidden_size']}"}
+                             f"{args.new_tokens} new tokens, model {arch.num_layers} layers x "
+                             f"{arch.hidden_size}"}
     rollout_tps, engine_tps, ratios = [], [], []
     for i in range(reps):  # back to back on the same requests; the median of the pairs' ratios (load varies)
         prompts = source.draw(i)
@@ -117,11 +119,11 @@ def _megatron_static(model, source, spec, args) -> float:
         TextGenerationController,
     )
 
-    sizes = spec.model.resolved()
+    arch = spec.model.resolved()
 
     class Tok:  # what the controller asks of a tokenizer for token-id requests
         eod = 2
-        vocab_size = int(sizes["vocab_size"])
+        vocab_size = arch.vocab_size
 
         def detokenize(self, ids, **_):
             return " ".join(map(str, ids))
@@ -132,9 +134,9 @@ def _megatron_static(model, source, spec, args) -> float:
         def offsets(self, ids, text):
             return list(range(len(ids)))
 
-    config = InferenceWrapperConfig(hidden_size=int(sizes["hidden_size"]), params_dtype=torch.float32,
+    config = InferenceWrapperConfig(hidden_size=arch.hidden_size, params_dtype=torch.float32,
                                     inference_batch_times_seqlen_threshold=-1,
-                                    padded_vocab_size=int(sizes["vocab_size"]), inference_max_requests=args.samples,
+                                    padded_vocab_size=arch.vocab_size, inference_max_requests=args.samples,
                                     inference_max_seq_length=64)
     # On CPU: Megatron's controller asks for a generator on torch.cuda.current_device() (an int, which the CPU shim's
     # device routing does not see); give it a CPU generator for the benchmark (tooling notes: what else it needs).
@@ -195,7 +197,9 @@ def sync_megatron(args) -> dict:
     import numpy as np
     import torch
 
-    from trainingrun.rollout.megatron_engine import MegatronEngine, state_dict_arrays
+    from trainingrun.modeling.architecture import resolve
+    from trainingrun.modeling.state import state_dict_arrays
+    from trainingrun.rollout.megatron_engine import MegatronEngine
     from trainingrun.store import open_store
 
     torch.set_num_threads(1)
@@ -207,10 +211,9 @@ def sync_megatron(args) -> dict:
                         vocab_size=32000)),
     ]
     for name, sizes in sizes_list:
-        sizes = {**sizes, "seq_length": 64, "precision": "fp32"}
         tmp = tempfile.mkdtemp()
         store = open_store(f"file://{tmp}/store?fsync=0")
-        engine = MegatronEngine(sizes, fetch=store.read_weights, seed=1)
+        engine = MegatronEngine(resolve(**sizes, seq_length=64, precision="fp32"), fetch=store.read_weights, seed=1)
         arrays, dtypes = state_dict_arrays(engine.model)
         nbytes = sum(a.nbytes for a in arrays.values())
         buf = np.empty(nbytes, np.uint8)

@@ -107,7 +107,7 @@ def generation_vllm(args) -> dict:
     try:
         engine = VLLMEngine(VLLMClient(server.url), fetch=lambda v: store.read_weights(v)[1],
                             concurrency=args.concurrency, say=lambda m: None)
-        source = GenerateSource(spec, store, say=lambda m: None, engine=engine)
+        source = GenerateSource(spec, store, arch=spec.model.resolved(), say=lambda m: None, engine=engine)
         source.ensure_weights(0)
         alone_client = VLLMClient(server.url)
         rollout_tps, engine_tps, alone_tps, ratios = [], [], [], []

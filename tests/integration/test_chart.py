@@ -397,10 +397,10 @@ def _matches(selector: dict, labels: dict[str, str]) -> bool:
 def test_pod_monitor_selects_the_operators_run_pods(include_rollout):
     """The PodMonitor's selector and port name fit the pods the operator really renders for examples/tiny.yaml."""
     from trainingrun.api import load_trainingrun
-    from trainingrun.operator import render
+    from trainingrun.operator import render, vocabulary
 
     run = load_trainingrun(ROOT / "examples" / "tiny.yaml")
-    pods = render.render_pods(run, render.Owner(name=run.metadata.name, namespace="research", uid="u-1"), 0)
+    pods = render.render_pods(run, vocabulary.Owner(name=run.metadata.name, namespace="research", uid="u-1"), 0)
     values = {**all_features_values()}
     values["podMonitor"] = {**values["podMonitor"], "includeRollout": include_rollout}
     monitor = one(render_chart(values), "PodMonitor")
@@ -423,13 +423,13 @@ def test_pod_monitor_scrapes_every_worker_of_a_multi_gpu_trainer_pod():
     import copy
 
     from trainingrun.api import parse_trainingrun
-    from trainingrun.operator import render
+    from trainingrun.operator import render, vocabulary
 
     doc = yaml.safe_load((ROOT / "examples" / "gpu-8x.yaml").read_text())
     doc = copy.deepcopy(doc)
     doc["spec"]["trainer"].update(replicas=1, gpusPerReplica=8)
     run = parse_trainingrun(doc)
-    pods = render.render_pods(run, render.Owner(name=run.metadata.name, namespace="ml", uid="u-1"), 0)
+    pods = render.render_pods(run, vocabulary.Owner(name=run.metadata.name, namespace="ml", uid="u-1"), 0)
     trainer = next(p for p in pods if p["metadata"]["labels"]["trainingrun.dev/role"] == "trainer")
     declared = {p["name"] for p in trainer["spec"]["containers"][0]["ports"] if p["name"].startswith("metrics")}
     assert len(declared) == 8

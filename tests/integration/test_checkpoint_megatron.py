@@ -142,9 +142,8 @@ def _batch(step: int, dp: int, dp_rank: int, device):
 
 def _worker(mode: str, root: str, tp: int, out_root: str | None) -> None:
     from trainingrun.api.models import ModelSpec
-    from trainingrun.trainer.model import (
-        OptimSettings, build_model, build_optimizer, init_distributed, prepare_device, set_seed, wrap_ddp,
-    )
+    from trainingrun.modeling.model import build_model, init_distributed, prepare_device, set_seed
+    from trainingrun.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
 
     device = prepare_device(0)
     init_distributed(device, tp=tp)
@@ -153,6 +152,7 @@ def _worker(mode: str, root: str, tp: int, out_root: str | None) -> None:
 
     from trainingrun.trainer.checkpoint import TrainingProgress
     from trainingrun.trainer.checkpoint_megatron import TrainerCheckpoints
+    from trainingrun.trainer.loss import LossSettings, StepTotals
     from trainingrun.trainer.step import train_step
 
     set_seed(11)
@@ -163,7 +163,7 @@ def _worker(mode: str, root: str, tp: int, out_root: str | None) -> None:
                         weight_decay=0.01, clip_grad=1.0, beta1=0.9, beta2=0.95)
     optimizer, scheduler = build_optimizer(ddp, opt, MODEL["precision"])
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    meta = {"run": "t", "dp_size": dp, "tp_size": tp, "model": sizes}
+    meta = {"run": "t", "dp_size": dp, "tp_size": tp, "model": sizes.to_dict()}
 
     def checkpoints(where: str) -> TrainerCheckpoints:
         return TrainerCheckpoints(Path(where), ddp.module, optimizer, scheduler, attempt=0, meta=meta, keep=2,
@@ -180,8 +180,8 @@ def _worker(mode: str, root: str, tp: int, out_root: str | None) -> None:
     while progress.global_step < STEPS:
         step = progress.global_step + 1
         mbs, loss_tokens = _batch(step, dp, dp_rank, device)
-        res = train_step(ddp, optimizer, scheduler, mbs, loss_type="sft", normalization="token",
-                         global_batch_size=SAMPLES, loss_tokens=loss_tokens, dp_size=dp,
+        res = train_step(ddp, optimizer, scheduler, mbs, LossSettings("sft", "token"),
+                         StepTotals(global_batch_size=SAMPLES, loss_tokens=loss_tokens), dp_size=dp,
                          dp_group=ps.get_data_parallel_group())
         progress.global_step = step
         progress.rollout = step

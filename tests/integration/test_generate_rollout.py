@@ -86,8 +86,8 @@ def loop(spec, store, engine=None, **kw) -> RolloutLoop:
     import trainingrun.rollout.loop as loop_mod
 
     orig = loop_mod.make_source
-    loop_mod.make_source = lambda s, say, st, max_wait: GenerateSource(s, st, say=say, engine=engine,
-                                                                       max_wait=max_wait)
+    loop_mod.make_source = lambda s, arch, say, st, max_wait: GenerateSource(s, st, arch=arch, say=say, engine=engine,
+                                                                             max_wait=max_wait)
     try:
         RolloutLoop.__init__(lp, spec, store, progress=lambda _m: None, **kw)
     finally:

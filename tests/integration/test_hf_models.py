@@ -103,7 +103,7 @@ def test_hf_to_megatron_to_hf_is_bit_exact(hf_dir: Path, tmp_path: Path, world: 
     arch = ModelSpec(hf=str(hf_dir)).resolved()
     shards = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
     if world == 2:  # each rank really holds a shard
-        assert shards[0]["embedding.word_embeddings.weight"].shape[0] == arch["vocab_size"] // 2
+        assert shards[0]["embedding.word_embeddings.weight"].shape[0] == arch.vocab_size // 2
     full = {n: convert.gather_tp(n, [s[n] for s in shards], arch) for n in shards[0]}
     back = convert.megatron_to_hf(full, arch)
     original = load_file(str(hf_dir / "model.safetensors"))
@@ -175,7 +175,7 @@ def test_hf_initialised_run_at_tp2_trains_like_tp1_and_exports(hf_dir: Path, tmp
 
 # ---------------------------------------------------------------------------------------------- subprocess worker
 def _worker(hf: str, out: str) -> None:
-    from trainingrun.trainer.model import build_model, init_distributed, prepare_device, set_seed
+    from trainingrun.modeling.model import build_model, init_distributed, prepare_device, set_seed
 
     world = int(os.environ["WORLD_SIZE"])
     device = prepare_device(0)

@@ -25,11 +25,13 @@ def _worker(store_url: str, out_path: str) -> None:
     import torch
 
     from trainingrun.contract.engine import Sampling
-    from trainingrun.rollout.megatron_engine import MegatronEngine, state_dict_arrays
+    from trainingrun.modeling.architecture import resolve
+    from trainingrun.modeling.state import state_dict_arrays
+    from trainingrun.rollout.megatron_engine import MegatronEngine
     from trainingrun.store import CorruptPayload, open_store
 
     store = open_store(store_url)
-    engine = MegatronEngine(SIZES, fetch=store.read_weights, seed=3, max_batch=24)
+    engine = MegatronEngine(resolve(**SIZES), fetch=store.read_weights, seed=3, max_batch=24)
     arrays, dtypes = state_dict_arrays(engine.model)
     store.publish_weights(0, arrays, {"dtypes": dtypes})
     engine.load_weights(0)

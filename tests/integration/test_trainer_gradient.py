@@ -74,7 +74,9 @@ def _reference(model, samples, idx, loss_type, normalization, gbs, loss_tokens):
 
 
 def _worker(out_path: str) -> None:
-    from trainingrun.trainer.model import build_gpt, init_distributed, prepare_device, set_seed, wrap_ddp
+    from trainingrun.modeling.architecture import resolve
+    from trainingrun.modeling.model import build_model, init_distributed, prepare_device, set_seed
+    from trainingrun.trainer.optim import wrap_ddp
 
     device = prepare_device(0)
     init_distributed(device)
@@ -83,12 +85,13 @@ def _worker(out_path: str) -> None:
 
     from trainingrun.contract.published import rank_payload
     from trainingrun.trainer.batch import pack
+    from trainingrun.trainer.loss import LossSettings, StepTotals
     from trainingrun.trainer.step import forward_backward
     from tests.synthetic import loss_tokens_of, make_samples
 
     rank = dist.get_rank()
     set_seed(11)
-    model = build_gpt(SIZES, device)
+    model = build_model(resolve(**SIZES), device)
     ddp = wrap_ddp(model)
     samples = make_samples(9, vocab=SIZES["vocab_size"], seed=5, min_len=2, max_len=9, group_size=3)
     samples.loss_masks[NO_TARGET_SAMPLE][:] = 0
@@ -104,12 +107,12 @@ def _worker(out_path: str) -> None:
     for loss_type, norm in COMBOS:
         ddp.zero_grad_buffer()
         mbs = [pack(payload, pos, device) for pos in positions]
-        stats = forward_backward(ddp, mbs, loss_type=loss_type, normalization=norm, global_batch_size=gbs,
-                                 loss_tokens=loss_tokens, dp_size=2)
+        stats = forward_backward(ddp, mbs, LossSettings(loss_type, norm),
+                                 StepTotals(global_batch_size=gbs, loss_tokens=loss_tokens), dp_size=2)
         dist.all_reduce(stats)
         grads = torch.cat([prm.main_grad.detach().flatten().double() for prm in model.parameters()])
         if rank == 0:
-            ref = build_gpt(SIZES, device)
+            ref = build_model(resolve(**SIZES), device)
             ref.load_state_dict(model.state_dict())
             params = list(ref.parameters())
             objective = _reference(ref, samples, all_idx, loss_type, norm, gbs, loss_tokens)

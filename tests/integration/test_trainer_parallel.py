@@ -77,10 +77,11 @@ def test_tp2_gives_the_tp1_loss_and_gradients(tp2_run: Path, arch: str) -> None:
     import torch
 
     from trainingrun.modeling import convert
+    from trainingrun.modeling.architecture import Architecture
 
     ref = torch.load(tp2_run / f"tp1-{arch}.pt", weights_only=True)
     shards = [torch.load(tp2_run / f"tp2-{arch}-rank{r}.pt", weights_only=True) for r in range(2)]
-    a = ARCHS[arch]
+    a = Architecture.from_dict(ARCHS[arch])
     names = list(ref["grads"])
     assert names and set(names) == set(shards[0]["grads"])
     worst = 0.0
@@ -135,15 +136,15 @@ def _microbatches(device, vocab: int):
     return [pack(payload, pos, device) for pos in positions], len(order), loss_tokens_of(samples, order)
 
 
-def _train(arch: dict, state: dict | None, device, steps: int = STEPS, grads_out: Path | None = None) -> dict:
+def _train(arch, state: dict | None, device, steps: int = STEPS, grads_out: Path | None = None) -> dict:
     """Build (loading `state` if given), one forward/backward for gradients, then `steps` optimizer steps."""
     import torch
     from megatron.core import parallel_state
 
     from trainingrun.modeling.convert import canonical_names
-    from trainingrun.trainer.model import (
-        OptimSettings, build_model, build_optimizer, load_canonical_state, set_seed, wrap_ddp,
-    )
+    from trainingrun.modeling.model import build_model, load_canonical_state, set_seed
+    from trainingrun.trainer.loss import LossSettings, StepTotals
+    from trainingrun.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
     from trainingrun.trainer.step import forward_backward, train_step
 
     set_seed(7)
@@ -158,17 +159,18 @@ def _train(arch: dict, state: dict | None, device, steps: int = STEPS, grads_out
     ddp = wrap_ddp(model)
     opt = OptimSettings(lr=3e-3, min_lr=0.0, warmup_samples=0, decay_samples=None, decay_style="constant",
                         weight_decay=0.0, clip_grad=0.0, beta1=0.9, beta2=0.999)
-    optimizer, scheduler = build_optimizer(ddp, opt, arch["precision"])
-    mbs, gbs, loss_tokens = _microbatches(device, arch["vocab_size"])
-    kw = dict(loss_type="sft", normalization="sample", global_batch_size=gbs, loss_tokens=loss_tokens, dp_size=1)
+    optimizer, scheduler = build_optimizer(ddp, opt, arch.precision)
+    mbs, gbs, loss_tokens = _microbatches(device, arch.vocab_size)
+    loss = (LossSettings("sft", "sample"), StepTotals(global_batch_size=gbs, loss_tokens=loss_tokens))
     ddp.zero_grad_buffer()
-    stats = forward_backward(ddp, mbs, **kw)
+    stats = forward_backward(ddp, mbs, *loss, dp_size=1)
     names = {id(p): n for n, p in model.named_parameters()}
     grads = {names[id(p)]: p.main_grad.detach().clone() for p in model.parameters()}
     grads = canonical_names(grads)
     out = {"objective": float(stats[0, 0]), "losses": [], "grad_norms": [], "loss_scales": [], "skipped": []}
     for _ in range(steps):
-        res = train_step(ddp, optimizer, scheduler, mbs, **kw, dp_group=parallel_state.get_data_parallel_group())
+        res = train_step(ddp, optimizer, scheduler, mbs, *loss, dp_size=1,
+                         dp_group=parallel_state.get_data_parallel_group())
         out["losses"].append(res.loss)
         out["grad_norms"].append(res.grad_norm)
         out["loss_scales"].append(res.loss_scale)
@@ -179,7 +181,8 @@ def _train(arch: dict, state: dict | None, device, steps: int = STEPS, grads_out
 
 
 def _worker(tmp: str) -> None:
-    from trainingrun.trainer.model import init_distributed, prepare_device
+    from trainingrun.modeling.architecture import Architecture
+    from trainingrun.modeling.model import init_distributed, prepare_device
 
     world = int(os.environ["WORLD_SIZE"])
     device = prepare_device(0)
@@ -190,7 +193,7 @@ def _worker(tmp: str) -> None:
     out = Path(tmp)
     rank = dist.get_rank()
     for name, arch in ARCHS.items():
-        arch = {**arch, "precision": "fp32"}
+        arch = Architecture.from_dict({**arch, "precision": "fp32"})
         if world == 1:
             res = _train(arch, None, device)
             torch.save({"grads": res["grads"], "objective": res["objective"], "losses": res["losses"]},
@@ -198,7 +201,7 @@ def _worker(tmp: str) -> None:
             torch.save(res["start"], out / f"start-{name}.pt")
             if name == "llama":
                 for precision in ("fp32", "bf16", "fp16"):
-                    r = res if precision == "fp32" else _train({**arch, "precision": precision}, res["start"], device)
+                    r = res if precision == "fp32" else _train(arch.replace(precision=precision), res["start"], device)
                     (out / f"precision-{precision}.json").write_text(json.dumps(
                         {k: r[k] for k in ("losses", "grad_norms", "loss_scales", "skipped")}))
         else:

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from trainingrun.api import models
 from trainingrun.api.crd import crd, crd_yaml, spec_schema
-from trainingrun.api.validate import apply_defaults, evaluate_rule
+from trainingrun.api.checks import apply_defaults, evaluate_rule
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,43 +81,65 @@ def node_at(schema: dict[str, Any], path: str) -> dict[str, Any]:
     return node
 
 
-# rule owner model -> (schema path, rule index) -> (passing object, failing object); objects are the node's value.
-CASES: dict[tuple[str, int], tuple[dict, dict]] = {
-    ("model", 0): ({"preset": "tiny"}, {"numLayers": 2, "hiddenSize": 64}),
-    ("model", 1): (
+# (schema path of the rule's object, rule name) -> (passing object, failing object); objects are the node's value.
+CASES: dict[tuple[str, str], tuple[dict, dict]] = {
+    ("model", "model-source"): ({"preset": "tiny"}, {"numLayers": 2, "hiddenSize": 64}),
+    ("model", "heads-divide-hidden-size"): (
         {"preset": "tiny", "hiddenSize": 64, "numAttentionHeads": 4},
         {"preset": "tiny", "hiddenSize": 66, "numAttentionHeads": 4},
     ),
-    ("model", 2): (
+    ("model", "query-groups-divide-heads"): (
         {"preset": "tiny-llama", "numAttentionHeads": 4, "numQueryGroups": 2},
         {"preset": "tiny-llama", "numAttentionHeads": 4, "numQueryGroups": 3},
     ),
-    ("model", 3): ({"hf": "/models/smollm2", "seqLength": 512}, {"hf": "/models/smollm2", "preset": "tiny"}),
-    ("trainer.optimizer", 0): ({"lr": 0.01, "minLr": 0.001}, {"lr": 0.001, "minLr": 0.01}),
-    ("trainer.optimizer", 1): ({"warmupSamples": 10, "decaySamples": 100}, {"warmupSamples": 100, "decaySamples": 10}),
-    ("trainer", 0): ({"replicas": 1, "maxTokensPerGPU": 64}, {"replicas": 1, "maxTokensPerGPU": 64, "microBatchSize": 2}),
-    ("trainer", 1): (
+    ("model", "hf-alone"): ({"hf": "/models/smollm2", "seqLength": 512}, {"hf": "/models/smollm2", "preset": "tiny"}),
+    ("trainer.optimizer", "min-lr-at-most-lr"): ({"lr": 0.01, "minLr": 0.001}, {"lr": 0.001, "minLr": 0.01}),
+    ("trainer.optimizer", "warmup-within-decay"): ({"warmupSamples": 10, "decaySamples": 100}, {"warmupSamples": 100, "decaySamples": 10}),
+    ("trainer", "one-micro-batching"): ({"replicas": 1, "maxTokensPerGPU": 64}, {"replicas": 1, "maxTokensPerGPU": 64, "microBatchSize": 2}),
+    ("trainer", "parallel-sizes-divide-world"): (
         {"replicas": 2, "gpusPerReplica": 4, "tensorParallelSize": 8, "maxTokensPerGPU": 64},
         {"replicas": 3, "tensorParallelSize": 2, "maxTokensPerGPU": 64},
     ),
-    ("rollout.source.synthetic", 0): ({"minLength": 2, "maxLength": 8}, {"minLength": 9, "maxLength": 8}),
-    ("rollout.source", 0): ({"type": "jsonl", "jsonl": {"path": "/x"}}, {"type": "jsonl"}),
-    ("rollout.source", 1): ({"type": "synthetic"}, {"type": "synthetic", "jsonl": {"path": "/x"}}),
-    ("rollout.source", 2): ({"type": "generate", "generate": {}}, {"type": "generate"}),
-    ("rollout.source.generate.prompts", 0): ({"type": "reasoningGym", "reasoningGym": {"name": "chain_sum"}},
+    ("rollout.source.synthetic", "min-length-at-most-max"): ({"minLength": 2, "maxLength": 8}, {"minLength": 9, "maxLength": 8}),
+    ("rollout.source", "jsonl-settings"): ({"type": "jsonl", "jsonl": {"path": "/x"}}, {"type": "jsonl"}),
+    ("rollout.source", "jsonl-only-for-jsonl"): ({"type": "synthetic"}, {"type": "synthetic", "jsonl": {"path": "/x"}}),
+    ("rollout.source", "generate-settings"): ({"type": "generate", "generate": {}}, {"type": "generate"}),
+    ("rollout.source.generate.prompts", "reasoning-gym-settings"): ({"type": "reasoningGym", "reasoningGym": {"name": "chain_sum"}},
                                              {"type": "reasoningGym"}),
-    ("rollout.source.generate.prompts", 1): ({"type": "jsonl", "jsonl": {"path": "/p.jsonl"}}, {"type": "jsonl"}),
-    ("rollout.source.generate.prompts.synthetic", 0): ({"minLength": 1, "maxLength": 3}, {"minLength": 4, "maxLength": 3}),
-    ("rollout.source.generate.reward", 0): ({"type": "function", "function": "m:f"}, {"type": "function"}),
-    ("", 0): (
+    ("rollout.source.generate.prompts", "jsonl-settings"): ({"type": "jsonl", "jsonl": {"path": "/p.jsonl"}}, {"type": "jsonl"}),
+    ("rollout.source.generate.prompts.synthetic", "min-length-at-most-max"): ({"minLength": 1, "maxLength": 3}, {"minLength": 4, "maxLength": 3}),
+    ("rollout.source.generate.reward", "function-named"): ({"type": "function", "function": "m:f"}, {"type": "function"}),
+    ("", "ppo-needs-generate"): (
         {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64, "lossType": "ppo"},
          "rollout": {"source": {"type": "generate", "generate": {}}}},
         {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64, "lossType": "ppo"}},
     ),
-    ("rollout.steps", 0): ({"policy": "fixed", "globalBatchSize": 8}, {"policy": "dynamic", "globalBatchSize": 8}),
-    ("rollout", 0): ({"samplesPerRollout": 64, "groupSize": 8}, {"samplesPerRollout": 60, "groupSize": 8}),
-    ("store", 0): ({"url": "redis://r:6379/0"}, {"url": "redis://r:6379/0", "managed": True}),
-    ("podTemplate", 0): (
+    # the engine of generated rollouts and how the weights reach it
+    ("", "store-sync-needs-megatron"): (
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64},
+         "rollout": {"source": {"type": "generate", "generate": {}}}},
+        {"model": {"hf": "/models/smollm2"}, "trainer": {"maxTokensPerGPU": 64},
+         "rollout": {"source": {"type": "generate", "generate": {}}, "engine": {"type": "vllm"}}},
+    ),
+    ("", "disk-broadcast-sync-need-vllm"): (
+        {"model": {"hf": "/models/smollm2"}, "trainer": {"maxTokensPerGPU": 64},
+         "rollout": {"source": {"type": "generate", "generate": {}}, "engine": {"type": "vllm"}},
+         "weightSync": {"type": "broadcast"}},
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64},
+         "rollout": {"source": {"type": "generate", "generate": {}}}, "weightSync": {"type": "disk"}},
+    ),
+    ("", "vllm-needs-hf"): (
+        {"model": {"hf": "/models/smollm2"}, "trainer": {"maxTokensPerGPU": 64},
+         "rollout": {"source": {"type": "generate", "generate": {}}, "engine": {"type": "vllm"}},
+         "weightSync": {"type": "disk"}},
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64},
+         "rollout": {"source": {"type": "generate", "generate": {}}, "engine": {"type": "vllm"}},
+         "weightSync": {"type": "disk"}},
+    ),
+    ("rollout.steps", "batch-size-with-fixed"): ({"policy": "fixed", "globalBatchSize": 8}, {"policy": "dynamic", "globalBatchSize": 8}),
+    ("rollout", "whole-groups"): ({"samplesPerRollout": 64, "groupSize": 8}, {"samplesPerRollout": 60, "groupSize": 8}),
+    ("store", "url-or-managed"): ({"url": "redis://r:6379/0"}, {"url": "redis://r:6379/0", "managed": True}),
+    ("podTemplate", "mounts-name-volumes"): (
         {"volumes": [{"name": "ckpt", "persistentVolumeClaim": {"claimName": "c"}}],
          "volumeMounts": [{"name": "ckpt", "mountPath": "/checkpoints"}]},
         {"volumes": [{"name": "ckpt", "emptyDir": {}}], "volumeMounts": [{"name": "data", "mountPath": "/data"}]},
@@ -134,42 +156,65 @@ MODEL_OF = {
 }
 
 
-def all_rules() -> list[tuple[str, int, str]]:
+def all_rules() -> list[tuple[str, str, str]]:
+    """(path, name, rule) of every rule in the CRD: each rule of a node is its model's rule of that name."""
     out = []
     for path, node in walk(spec_schema()):
-        for i, rule in enumerate(node.get("x-kubernetes-validations", [])):
-            out.append((path.lstrip("."), i, rule["rule"]))
+        served = node.get("x-kubernetes-validations", [])
+        if not served:
+            continue
+        model = MODEL_OF[path.lstrip(".")]
+        assert [r["rule"] for r in served] == [r.rule for r in model.CEL_RULES], path
+        names = [r.name for r in model.CEL_RULES]
+        assert len(set(names)) == len(names), f"{model.__name__}: rule names repeat: {names}"
+        out += [(path.lstrip("."), name, r["rule"]) for name, r in zip(names, served)]
     return out
 
 
 def test_every_cel_rule_has_a_case():
-    rules = {(path, i) for path, i, _ in all_rules()}
+    rules = {(path, name) for path, name, _ in all_rules()}
     assert rules == set(CASES), f"rules without a test case: {rules - set(CASES)}; stale cases: {set(CASES) - rules}"
 
 
-@pytest.mark.parametrize("path,index", sorted(CASES))
-def test_cel_rule_passes_and_fails_like_its_python_twin(path, index):
+@pytest.mark.parametrize("path,name", sorted(CASES))
+def test_cel_rule_passes_and_fails_like_its_python_twin(path, name):
     schema = node_at(spec_schema(), path)
-    rule = schema["x-kubernetes-validations"][index]["rule"]
-    good, bad = CASES[(path, index)]
+    model = MODEL_OF[path]
+    rule = model.cel_rule(name).rule
+    assert rule in [r["rule"] for r in schema["x-kubernetes-validations"]]
+    good, bad = CASES[(path, name)]
     # The CEL engine, on the defaulted object as the API server sees it.
     assert evaluate_rule(rule, apply_defaults(good, schema), schema) is True
     assert evaluate_rule(rule, apply_defaults(bad, schema), schema) is False
     # The pydantic model holds the same rule.
-    model = MODEL_OF[path]
     model.model_validate(copy.deepcopy(good))
     with pytest.raises(ValidationError) as err:
         model.model_validate(copy.deepcopy(bad))
-    assert model.CEL_RULES[index].message in str(err.value)
+    assert model.cel_rule(name).message in str(err.value)
 
 
 def test_number_fields_are_doubles_in_cel():
     # lr: 1 arrives as an int in YAML; the API server types it as a double, so `minLr <= lr` compares doubles.
     schema = node_at(spec_schema(), "trainer.optimizer")
     obj = apply_defaults({"lr": 1, "minLr": 0}, schema)
-    assert evaluate_rule(schema["x-kubernetes-validations"][0]["rule"], obj, schema)
+    assert evaluate_rule(models.OptimizerSpec.cel_rule("min-lr-at-most-lr").rule, obj, schema)
 
 
 def test_crd_yaml_round_trips():
     text = crd_yaml()
     assert yaml.safe_load(text) == crd()
+
+
+def test_engine_rules_bind_generated_rollouts_only():
+    """Replayed rollouts use no engine and sync no weights: whatever rollout.engine and weightSync say is admitted,
+    by the CRD's rules and by their Python twins alike."""
+    schema = spec_schema()
+    replay = {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64},
+              "rollout": {"source": {"type": "synthetic"}, "engine": {"type": "vllm"}}, "weightSync": {"type": "store"}}
+    for name in ("store-sync-needs-megatron", "disk-broadcast-sync-need-vllm", "vllm-needs-hf"):
+        assert evaluate_rule(models.TrainingRunSpec.cel_rule(name).rule, apply_defaults(replay, schema), schema)
+    models.TrainingRunSpec.model_validate(replay)
+    # an absent rollout (the API server defaults nothing inside it) is not an error of the rules either
+    bare = {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64}}
+    for rule in models.TrainingRunSpec.CEL_RULES:
+        assert evaluate_rule(rule.rule, apply_defaults(bare, schema), schema), rule.name

@@ -11,35 +11,36 @@ from hypothesis import strategies as st
 
 from trainingrun.api.models import ModelSpec
 from trainingrun.modeling import convert
+from trainingrun.modeling.architecture import Architecture
 from trainingrun.modeling.hf_config import HFConfigError, hf_architecture, hf_config_for
 
 
-def arch_of(**kw) -> dict:
+def arch_of(**kw) -> Architecture:
     base = dict(architecture="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                 ffn_hidden_size=48, vocab_size=40, seq_length=64)
     base.update(kw)
     return ModelSpec(**base).resolved()
 
 
-def random_hf_state(arch: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+def random_hf_state(arch: Architecture, seed: int = 0) -> dict[str, torch.Tensor]:
     """An HF state dict with the shapes transformers gives `arch` (random values)."""
     g = torch.Generator().manual_seed(seed)
-    h, n, kv, d, f, v = (arch[k] for k in ("hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-                                           "ffn_hidden_size", "vocab_size"))
+    h, n, kv, d, f, v = (getattr(arch, k) for k in ("hidden_size", "num_attention_heads", "num_query_groups",
+                                                    "head_dim", "ffn_hidden_size", "vocab_size"))
     out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    if not arch["tie_embeddings"]:
+    if not arch.tie_embeddings:
         out["lm_head.weight"] = (v, h)
-    for i in range(arch["num_layers"]):
+    for i in range(arch.num_layers):
         p = f"model.layers.{i}."
         out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
                     p + "self_attn.q_proj.weight": (n * d, h), p + "self_attn.k_proj.weight": (kv * d, h),
                     p + "self_attn.v_proj.weight": (kv * d, h), p + "self_attn.o_proj.weight": (h, n * d),
                     p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
                     p + "mlp.down_proj.weight": (h, f)})
-        if arch["add_bias_linear"] or arch["add_qkv_bias"]:
+        if arch.add_bias_linear or arch.add_qkv_bias:
             out.update({p + "self_attn.q_proj.bias": (n * d,), p + "self_attn.k_proj.bias": (kv * d,),
                         p + "self_attn.v_proj.bias": (kv * d,)})
-        if arch["add_bias_linear"]:
+        if arch.add_bias_linear:
             out.update({p + "self_attn.o_proj.bias": (h,), p + "mlp.gate_proj.bias": (f,),
                         p + "mlp.up_proj.bias": (f,), p + "mlp.down_proj.bias": (h,)})
     return {k: torch.randn(s, generator=g) for k, s in out.items()}
@@ -174,15 +175,15 @@ def test_llama_config_v4_and_v5_forms_read_alike():
     v5_cfg = {k: v for k, v in LLAMA_V4.items() if k != "rope_theta"}
     v5_cfg["rope_parameters"] = {"rope_theta": 100000.0, "rope_type": "default"}
     assert hf_architecture(v5_cfg) == v4
-    assert (v4["num_query_groups"], v4["head_dim"], v4["tie_embeddings"], v4["rope_base"]) == (3, 64, True, 1e5)
+    assert (v4.num_query_groups, v4.head_dim, v4.tie_embeddings, v4.rope_base) == (3, 64, True, 1e5)
 
 
 def test_llama3_rope_scaling_and_qwen2_bias():
     cfg = dict(LLAMA_V4, rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-    assert hf_architecture(cfg)["rope_scaling_factor"] == 32.0
+    assert hf_architecture(cfg).rope_scaling_factor == 32.0
     qwen = hf_architecture(dict(LLAMA_V4, model_type="qwen2"))
-    assert (qwen["add_qkv_bias"], qwen["add_bias_linear"]) == (True, False)
+    assert (qwen.add_qkv_bias, qwen.add_bias_linear) == (True, False)
 
 
 @pytest.mark.parametrize("change,field", [
@@ -207,7 +208,7 @@ def test_written_config_reads_back_as_the_same_architecture(name):
     for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim", "ffn_hidden_size",
                 "vocab_size", "norm_epsilon", "rope_base", "tie_embeddings", "add_bias_linear", "add_qkv_bias",
                 "rope_scaling_factor"):
-        assert back[key] == arch[key], key
+        assert getattr(back, key) == getattr(arch, key), key
 
 
 def test_gpt_architecture_does_not_export():
@@ -217,7 +218,7 @@ def test_gpt_architecture_does_not_export():
 
 def test_export_keeps_the_base_configs_token_ids():
     arch = hf_architecture(LLAMA_V4)
-    arch.update(kv_channels=arch["head_dim"], seq_length=2048)
+    arch = arch.replace(seq_length=2048)
     cfg = hf_config_for(arch, base=dict(LLAMA_V4, quantization_config={"x": 1}))
     assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (1, 2)
     assert "quantization_config" not in cfg
@@ -227,29 +228,29 @@ def test_export_keeps_the_base_configs_token_ids():
 # ------------------------------------------------------------------------------------------------- model spec
 def test_presets_and_architecture_defaults():
     tiny = ModelSpec(preset="tiny").resolved()
-    assert (tiny["architecture"], tiny["normalization"], tiny["activation"], tiny["ffn_hidden_size"]) == \
+    assert (tiny.family, tiny.normalization, tiny.activation, tiny.ffn_hidden_size) == \
         ("gpt", "LayerNorm", "gelu", 256)
-    assert tiny["num_query_groups"] == tiny["num_attention_heads"]
+    assert tiny.num_query_groups == tiny.num_attention_heads
     llama = ModelSpec(preset="llama-1b").resolved()
-    assert (llama["normalization"], llama["activation"], llama["num_query_groups"], llama["tie_embeddings"],
-            llama["rope_base"]) == ("RMSNorm", "swiglu", 8, True, 500000.0)
+    assert (llama.normalization, llama.activation, llama.num_query_groups, llama.tie_embeddings,
+            llama.rope_base) == ("RMSNorm", "swiglu", 8, True, 500000.0)
     explicit = ModelSpec(architecture="llama", num_layers=2, hidden_size=96, num_attention_heads=4, vocab_size=50,
                          seq_length=32).resolved()
-    assert explicit["ffn_hidden_size"] == 256  # 8/3 · 96 = 256, a multiple of 64
-    assert ModelSpec(preset="tiny-llama", tie_embeddings=True).resolved()["tie_embeddings"] is True
+    assert explicit.ffn_hidden_size == 256  # 8/3 · 96 = 256, a multiple of 64
+    assert ModelSpec(preset="tiny-llama", tie_embeddings=True).resolved().tie_embeddings is True
 
 
 def test_hf_spec_reads_config_and_bounds_seq_length(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_V4))
     arch = ModelSpec(hf=str(tmp_path), seq_length=1024, precision="bf16").resolved()
-    assert (arch["seq_length"], arch["hidden_size"], arch["precision"], arch["hf"]) == (1024, 576, "bf16",
+    assert (arch.seq_length, arch.hidden_size, arch.precision, arch.hf) == (1024, 576, "bf16",
                                                                                          str(tmp_path))
     with pytest.raises(ValueError, match="seqLength: 9000 exceeds the model's max_position_embeddings 8192"):
         ModelSpec(hf=str(tmp_path), seq_length=9000).resolved()
     with pytest.raises(ValueError, match="cannot read"):
         ModelSpec(hf=str(tmp_path / "absent")).resolved()
     # where the directory is not mounted (the operator), the spec is checked without reading it
-    assert ModelSpec(hf=str(tmp_path / "absent")).resolved(read_hf=False)["hf"] == str(tmp_path / "absent")
+    assert ModelSpec(hf=str(tmp_path / "absent")).resolved(read_hf=False) is None
 
 
 def test_hf_excludes_architecture_fields():

@@ -7,8 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainingrun.trainer.attention import PackedSDPAttention, block_causal_mask
-from trainingrun.trainer.loss import STAT_NAMES, LossInputs, megatron_loss_factor, micro_batch_objective, token_nll
+from trainingrun.modeling.attention import PackedSDPAttention, block_causal_mask
+from trainingrun.trainer.loss import (
+    STAT_NAMES, LossInputs, LossSettings, StepTotals, megatron_loss_factor, micro_batch_objective, token_nll,
+)
 
 
 class _Cfg:
@@ -70,8 +72,8 @@ def test_objective_is_the_contract_formula(loss_type: str, norm: str) -> None:
     adv = [0.5, -2.0, 3.0]
     logits = torch.randn(9, 10, requires_grad=True)
     gbs, loss_tokens = 7, 11  # the step is bigger than this micro-batch: denominators come from the schedule
-    obj, stats = micro_batch_objective(logits, _inputs(seqs, masks, adv), loss_type=loss_type, normalization=norm,
-                                       global_batch_size=gbs, loss_tokens=loss_tokens)
+    obj, stats = micro_batch_objective(logits, _inputs(seqs, masks, adv), LossSettings(loss_type, norm),
+                                       StepTotals(global_batch_size=gbs, loss_tokens=loss_tokens))
     # written out by hand: sample i's targets are its tokens t>=1 with mask 1, predicted from position t-1
     expected, start = 0.0, 0
     for s, m, a in zip(seqs, masks, adv):
@@ -95,8 +97,8 @@ def test_empty_micro_batch_contributes_zero_with_a_gradient_path() -> None:
     logits = torch.randn(1, 10, requires_grad=True)
     empty = LossInputs(torch.zeros(1, dtype=torch.long), torch.zeros(1), torch.zeros(0, dtype=torch.long),
                        torch.zeros(0), torch.zeros(0), torch.zeros(0))
-    obj, stats = micro_batch_objective(logits, empty, loss_type="sft", normalization="sample",
-                                       global_batch_size=4, loss_tokens=9)
+    obj, stats = micro_batch_objective(logits, empty, LossSettings("sft", "sample"),
+                                       StepTotals(global_batch_size=4, loss_tokens=9))
     assert float(obj.detach()) == 0.0 and stats.abs().sum() == 0
     (g,) = torch.autograd.grad(obj, logits)
     assert torch.count_nonzero(g) == 0
@@ -107,11 +109,11 @@ def test_token_nll_shift_and_bad_arguments() -> None:
     nll = token_nll(logits, torch.tensor([0, 1, 0]))
     assert torch.allclose(nll, torch.tensor([0.0, -np.log(0.9), -np.log(0.8)], dtype=torch.float32))
     with pytest.raises(ValueError, match="loss_type"):
-        micro_batch_objective(logits, _inputs([[0, 1, 0]], [[0, 1, 1]], [1.0]), loss_type="dpo",
-                              normalization="sample", global_batch_size=1, loss_tokens=1)
+        micro_batch_objective(logits, _inputs([[0, 1, 0]], [[0, 1, 1]], [1.0]), LossSettings("dpo", "sample"),
+                              StepTotals(global_batch_size=1, loss_tokens=1))
     with pytest.raises(ValueError, match="lossNormalization"):
-        micro_batch_objective(logits, _inputs([[0, 1, 0]], [[0, 1, 1]], [1.0]), loss_type="sft",
-                              normalization="batch", global_batch_size=1, loss_tokens=1)
+        micro_batch_objective(logits, _inputs([[0, 1, 0]], [[0, 1, 1]], [1.0]), LossSettings("sft", "batch"),
+                              StepTotals(global_batch_size=1, loss_tokens=1))
     assert megatron_loss_factor(3, 5) == 15.0
 
 
@@ -138,8 +140,9 @@ def test_ppo_objective_is_the_clipped_formula(norm: str, temperature: float, kl:
     pol = PolicySettings(temperature=temperature, clip_low=0.2, clip_high=0.28, kl_coef=kl)
     gbs, loss_tokens = 5, 8
     inputs = _with_old(_inputs(seqs, masks, adv), old)
-    obj, stats = micro_batch_objective(logits, inputs, loss_type="ppo", normalization=norm, global_batch_size=gbs,
-                                       loss_tokens=loss_tokens, policy=pol, ref_logits=ref_logits if kl else None)
+    obj, stats = micro_batch_objective(logits, inputs, LossSettings("ppo", norm, pol),
+                                       StepTotals(global_batch_size=gbs, loss_tokens=loss_tokens),
+                                       ref_logits=ref_logits if kl else None)
     expected, start, clipped, n_tok, diffs = 0.0, 0, 0, 0, 0.0
     for s, m, a in zip(seqs, masks, adv):
         lp = torch.log_softmax(logits[start:start + len(s)] / temperature, -1)
@@ -181,10 +184,10 @@ def test_ppo_at_ratio_one_is_the_policy_gradient() -> None:
     logits = torch.randn(7, 10, requires_grad=True)
     inputs = _inputs(seqs, masks, adv)
     old, _ = token_logprobs(logits.detach(), inputs.tokens)
-    ppo, stats = micro_batch_objective(logits, _with_old(inputs, old), loss_type="ppo", normalization="token",
-                                       global_batch_size=2, loss_tokens=4, policy=PolicySettings())
-    pg, _ = micro_batch_objective(logits, inputs, loss_type="policy_gradient", normalization="token",
-                                  global_batch_size=2, loss_tokens=4)
+    totals = StepTotals(global_batch_size=2, loss_tokens=4)
+    ppo, stats = micro_batch_objective(logits, _with_old(inputs, old), LossSettings("ppo", "token", PolicySettings()),
+                                       totals)
+    pg, _ = micro_batch_objective(logits, inputs, LossSettings("policy_gradient", "token"), totals)
     g_ppo = torch.autograd.grad(ppo, logits)[0]
     g_pg = torch.autograd.grad(pg, logits)[0]
     assert torch.allclose(g_ppo, g_pg, atol=1e-6)
@@ -192,8 +195,7 @@ def test_ppo_at_ratio_one_is_the_policy_gradient() -> None:
     assert row["logprob_abs_diff"][0] < 1e-6 and row["importance_ratio"] == pytest.approx([4.0, 4])
     assert row["clip_fraction"][0] == 0 and row["approx_kl"][0] == pytest.approx(0.0, abs=1e-6)
     with pytest.raises(ValueError, match="no generator log-probabilities"):
-        micro_batch_objective(logits, inputs, loss_type="ppo", normalization="token", global_batch_size=2,
-                              loss_tokens=4)
+        micro_batch_objective(logits, inputs, LossSettings("ppo", "token"), totals)
 
 
 def test_sampling_temperature_top_p_and_greedy() -> None:

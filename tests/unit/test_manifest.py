@@ -1,5 +1,6 @@
-"""The one strict manifest loader (trainingrun.api.manifest): limits, duplicate keys, no coercion, bounds, line
-numbers, and the same errors from every entry point (validate, run, rollout, trainer, operator)."""
+"""The one strict manifest loader (trainingrun.api.manifest, decoding with trainingrun.api.yamlcodec): limits,
+duplicate keys, no coercion, bounds, line numbers, and the same errors from every entry point (validate, run, rollout,
+trainer, operator)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pydantic import ValidationError
 
 from trainingrun.api import ManifestError, load_trainingrun, parse_trainingrun
 from trainingrun.api.crd import spec_schema, status_schema
-from trainingrun.api.manifest import Limits, dump_yaml, parse_yaml
+from trainingrun.api.yamlcodec import Limits, dump_yaml, parse_yaml
 from trainingrun.api.validate import validate_text
 
 ROOT = Path(__file__).resolve().parents[2]

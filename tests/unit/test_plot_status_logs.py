@@ -63,8 +63,8 @@ def make_run_dir(d: Path, *, steps: int = 12, restart_at: int | None = 7, summar
 
 # ------------------------------------------------------------------------------------------------------ plot
 def test_plot_figure_shows_the_records_and_marks_the_restart(tmp_path):
-    from trainingrun.history import restart_steps, step_records
-    from trainingrun.plot import figure
+    from trainingrun.local.history import restart_steps, step_records
+    from trainingrun.local.plot import figure
 
     expected = make_run_dir(tmp_path)
     records = step_records(tmp_path)
@@ -106,7 +106,7 @@ def test_plot_command_writes_a_png_that_reads_back(tmp_path, capsys):
 
 def test_plot_reads_a_clusters_appended_metrics_jsonl(tmp_path):
     """A cluster's output directory: one metrics.jsonl appended by every attempt; the last record of a step wins."""
-    from trainingrun.history import step_records
+    from trainingrun.local.history import step_records
 
     lines = [record(1, 0, 10), record(2, 0, 20), record(3, 0, 30), record(2, 1, 20), record(3, 1, 30)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))

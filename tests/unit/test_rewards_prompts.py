@@ -85,10 +85,15 @@ def spec(prompts: dict, **model):
     }).spec
 
 
+def prompt_source(run_spec):
+    """The run's prompt source for its (once resolved) model."""
+    return make_prompts(run_spec, run_spec.model.resolved())
+
+
 @pytest.mark.parametrize("task,fn", [("copy", lambda c: c), ("reverse", lambda c: c[::-1]), ("sort", sorted),
                                      ("successor", lambda c: [(x - 3 + 1) % 5 + 3 for x in c])])
 def test_synthetic_prompts_are_a_pure_function_of_seed_and_index(task, fn):
-    src = make_prompts(spec({"synthetic": {"task": task, "minLength": 1, "maxLength": 4, "vocabSize": 8}}))
+    src = prompt_source(spec({"synthetic": {"task": task, "minLength": 1, "maxLength": 4, "vocabSize": 8}}))
     a, b, c = src.draw(3, 4), src.draw(3, 4), src.draw(4, 4)
     assert [p.tokens.tolist() for p in a] == [p.tokens.tolist() for p in b] != [p.tokens.tolist() for p in c]
     assert [p.index for p in a] == [12, 13, 14, 15]
@@ -101,8 +106,8 @@ def test_synthetic_prompts_are_a_pure_function_of_seed_and_index(task, fn):
 
 def test_text_prompts_need_a_vocabulary_for_the_byte_tokenizer():
     with pytest.raises(ConfigError, match="model.vocabSize: 256 is too small"):
-        make_prompts(spec({"type": "reasoningGym", "reasoningGym": {"name": "basic_arithmetic", "size": 4}}))
-    src = make_prompts(spec({"type": "reasoningGym", "reasoningGym": {"name": "basic_arithmetic", "size": 4},
+        prompt_source(spec({"type": "reasoningGym", "reasoningGym": {"name": "basic_arithmetic", "size": 4}}))
+    src = prompt_source(spec({"type": "reasoningGym", "reasoningGym": {"name": "basic_arithmetic", "size": 4},
                              "template": "Q: {prompt}\nA:"}, vocabSize=300))
     prompts = src.draw(1, 3)  # indices 3, 4 -> 0 (the dataset is drawn again from the start), 1
     assert [p.index for p in prompts] == [3, 0, 1]
@@ -110,7 +115,7 @@ def test_text_prompts_need_a_vocabulary_for_the_byte_tokenizer():
     assert tok.decode(prompts[0].tokens).startswith("Q: ") and tok.decode(prompts[0].tokens).endswith("\nA:")
     assert isinstance(prompts[0].reference, str)
     with pytest.raises(ConfigError, match="reasoningGym: cannot create 'no_such_task'"):
-        make_prompts(spec({"type": "reasoningGym", "reasoningGym": {"name": "no_such_task"}}, vocabSize=300))
+        prompt_source(spec({"type": "reasoningGym", "reasoningGym": {"name": "no_such_task"}}, vocabSize=300))
 
 
 def test_prompt_jsonl_validation_names_file_line_and_field(tmp_path):
@@ -131,7 +136,7 @@ def test_prompt_jsonl_validation_names_file_line_and_field(tmp_path):
                         (6, "extra: unknown field"), (7, "prompt: must be a non-empty string")]:
         assert f"{path}:{line}: {field}" in msg, (line, msg)
     path.write_text(json.dumps({"prompt": "2+2=", "answer": "4"}) + "\n" + json.dumps({"prompt_tokens": [5, 6]}) + "\n")
-    src = make_prompts(spec({"type": "jsonl", "jsonl": {"path": str(path)}}, vocabSize=300))
+    src = prompt_source(spec({"type": "jsonl", "jsonl": {"path": str(path)}}, vocabSize=300))
     first = src.draw(0, 4)
     assert [p.index for p in first] == [0, 1] and first[1].tokens.tolist() == [5, 6] and first[0].reference == "4"
     assert src.draw(1, 4) is None  # the file ended

@@ -123,7 +123,7 @@ def _gather_worker(rank: int, world: int, port: int, out_path: str) -> None:
 
     from tests.unit.test_convert import arch_of
     from trainingrun.modeling import convert
-    from trainingrun.trainer.full_state import gather_live_state
+    from trainingrun.modeling.state import gather_live_state
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     arch = arch_of(num_query_groups=2)

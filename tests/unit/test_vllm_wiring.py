@@ -12,18 +12,25 @@ import pytest
 from tests.services import wait_for
 
 from trainingrun.api import parse_trainingrun
+from trainingrun.modeling.architecture import resolve
+
+ARCH = resolve("tiny-llama", seq_length=64)  # the model these runs would read from model.hf (absent here)
 
 
-def make_run(tmp_path: Path, *, engine: dict | None = None, sync: str = "disk", max_restarts: int = 1):
+def run_doc(tmp_path: Path, *, engine: dict | None = None, sync: str = "disk", max_restarts: int = 1) -> dict:
     engine = {"type": "vllm", "vllm": {"maxModelLen": 64}} if engine is None else engine
-    return parse_trainingrun({
+    return {
         "apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun", "metadata": {"name": "v"},
         "spec": {"model": {"hf": str(tmp_path / "model"), "seqLength": 64},
                  "trainer": {"replicas": 1, "maxTokensPerGPU": 256,
                              "checkpoint": {"path": str(tmp_path / "ckpt")}},
                  "rollout": {"source": {"type": "generate", "generate": {}}, "engine": engine},
                  "weightSync": {"type": sync},
-                 "failurePolicy": {"maxRestarts": max_restarts, "backoffSeconds": 0}}})
+                 "failurePolicy": {"maxRestarts": max_restarts, "backoffSeconds": 0}}}
+
+
+def make_run(tmp_path: Path, **kw):
+    return parse_trainingrun(run_doc(tmp_path, **kw))
 
 
 @pytest.fixture
@@ -37,33 +44,40 @@ def store(tmp_path: Path):
 
 # ------------------------------------------------------------------------------------------ engine and publisher
 @pytest.mark.parametrize("engine,sync,field", [
-    ("vllm", "store", "weightSync.type: store reaches the megatron engine only"),
-    ("megatron", "disk", "weightSync.type: disk reaches the vllm engine only"),
-    ("megatron", "broadcast", "weightSync.type: broadcast reaches the vllm engine only"),
+    ("vllm", "store", "weightSync.type store reaches the megatron engine only"),
+    ("megatron", "disk", "weightSync.type disk and broadcast reach the vllm engine only"),
+    ("megatron", "broadcast", "weightSync.type disk and broadcast reach the vllm engine only"),
 ])
-def test_publisher_refuses_a_sync_the_engine_cannot_load(tmp_path: Path, store, engine, sync, field):
-    from trainingrun.trainer.weights import make_publisher
+def test_the_spec_refuses_a_sync_the_engine_cannot_load(tmp_path: Path, engine, sync, field):
+    """A rule of the spec (CEL at admission, its Python twin everywhere a manifest is loaded), so neither the trainer's
+    publisher nor the rollout's engine ever sees such a run."""
+    from pydantic import ValidationError
 
-    run = make_run(tmp_path, engine={"type": engine}, sync=sync)
-    with pytest.raises(ValueError, match=field):
-        make_publisher(run.spec, store, rank=0)
+    from trainingrun.api.checks import validate_document
+
+    with pytest.raises(ValidationError, match=field):
+        make_run(tmp_path, engine={"type": engine}, sync=sync)
+    problems = validate_document(run_doc(tmp_path, engine={"type": engine}, sync=sync))
+    assert [p.path for p in problems] == ["spec.weightSync.type"] and field in problems[0].message
 
 
 def test_vllm_engine_needs_disk_or_broadcast_and_a_server(tmp_path: Path, store, monkeypatch):
+    from pydantic import ValidationError
+
     from trainingrun.rollout.generate import make_engine
     from trainingrun.contract.errors import ConfigError
     from trainingrun.contract.env import ENGINE_URL_ENV
 
     monkeypatch.delenv(ENGINE_URL_ENV, raising=False)
-    with pytest.raises(ConfigError, match="weightSync.type: 'store' does not reach the vllm engine"):
-        make_engine(make_run(tmp_path, sync="store").spec, store)
+    with pytest.raises(ValidationError, match="weightSync.type store reaches the megatron engine only"):
+        make_run(tmp_path, sync="store")
     with pytest.raises(ConfigError, match="rollout.engine.url"):
-        make_engine(make_run(tmp_path).spec, store)
+        make_engine(make_run(tmp_path).spec, store, ARCH)
     monkeypatch.setenv(ENGINE_URL_ENV, "http://127.0.0.1:9")  # the launcher's / operator's server
-    engine = make_engine(make_run(tmp_path).spec, store)
+    engine = make_engine(make_run(tmp_path).spec, store, ARCH)
     assert engine.name == "vllm" and engine.client.url == "http://127.0.0.1:9"
     engine.close()
-    engine = make_engine(make_run(tmp_path, engine={"type": "vllm", "url": "http://h:8000/"}).spec, store)
+    engine = make_engine(make_run(tmp_path, engine={"type": "vllm", "url": "http://h:8000/"}).spec, store, ARCH)
     assert engine.client.url == "http://h:8000"  # the user's server wins
     engine.close()
 
@@ -86,7 +100,7 @@ def test_a_committed_version_tells_the_engine_where_its_weights_are(tmp_path: Pa
     assert store.latest_weights() is None
     assert commit_version(store, 3, {"method": "disk", "path": "/vol/w/v00000003-a0", "bytes": 10})
     assert not commit_version(store, 3, {"method": "disk", "path": "/elsewhere"})  # committed once
-    engine = make_engine(make_run(tmp_path, engine={"type": "vllm", "url": "http://127.0.0.1:9"}).spec, store)
+    engine = make_engine(make_run(tmp_path, engine={"type": "vllm", "url": "http://127.0.0.1:9"}).spec, store, ARCH)
     assert engine.fetch(3) == {"method": "disk", "path": "/vol/w/v00000003-a0", "bytes": 10, "version": 3}
     assert store.latest_weights() == 3
     engine.close()

@@ -1,4 +1,6 @@
-"""TrainingRun API: spec + status models, manifest loading, CRD generation (`crd`), offline validation (`validate`)."""
+"""TrainingRun API: spec + status models (`models`), identity and label names (`constants`), CRD generation (`crd`),
+the manifest YAML decoder (`yamlcodec`), the CRD's checks of a decoded document (`checks`), the one manifest loader
+(`manifest`) and `trainingrun validate` (`validate`)."""
 
 from __future__ import annotations
 
@@ -6,18 +8,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainingrun.api.manifest import ManifestError
+from trainingrun.api.manifest import load_file
 from trainingrun.api.models import (
-    MODEL_PRESETS,
     PHASES,
     TERMINAL_PHASES,
     TrainingRun,
     TrainingRunSpec,
     TrainingRunStatus,
+    parse_trainingrun,
 )
+from trainingrun.api.yamlcodec import ManifestError
 
 __all__ = [
-    "MODEL_PRESETS",
     "PHASES",
     "TERMINAL_PHASES",
     "TrainingRun",
@@ -30,19 +32,11 @@ __all__ = [
 ]
 
 
-def parse_trainingrun(doc: dict[str, Any]) -> TrainingRun:
-    """A TrainingRun from a decoded manifest (plain JSON values), validated strictly: no type coercion (`true` or
-    `"2"` is not an integer), as the CRD's schema; raises pydantic.ValidationError on bad input."""
-    return TrainingRun.model_validate(doc, strict=True)
-
-
 def load_trainingrun(path: str | Path, *, overrides: Mapping[str, Any] | None = None) -> TrainingRun:
     """The single TrainingRun in a YAML file, through the one strict loader (`trainingrun.api.manifest`: limits,
     duplicate keys, CRD schema and CEL rules, strict models), with `overrides` (`{"spec.trainer.replicas": 2}`)
     applied before validation. Raises `ManifestError` (a ValueError) whose lines are exactly what
     `trainingrun validate` prints."""
-    from trainingrun.api.manifest import load_file
-
     return load_file(path, overrides=overrides)
 
 

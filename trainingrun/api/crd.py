@@ -37,7 +37,7 @@ def _rules_by_title() -> dict[str, list[dict[str, Any]]]:
     out = {}
     for model in ALL_MODELS:
         if model.CEL_RULES:
-            out[model.__name__] = [r.model_dump(exclude_none=True) for r in model.CEL_RULES]
+            out[model.__name__] = [r.model_dump(exclude_none=True, exclude={"name"}) for r in model.CEL_RULES]
     return out
 
 

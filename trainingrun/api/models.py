@@ -11,12 +11,24 @@ Field names are camelCase, as in every Kubernetes API; Python attribute names ar
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, overload
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from trainingrun.api.constants import API_VERSION, KIND
+from trainingrun.modeling.architecture import (
+    ARCH_FIELDS,
+    Activation,
+    Architecture,
+    Family,
+    Normalization,
+    Precision,
+    PresetName,
+    TransformerImpl,
+    resolve,
+)
+from trainingrun.modeling.hf_config import read_hf_architecture
 
 # A Kubernetes resource quantity ("500m", "2Gi", 4). The CRD marks it x-kubernetes-int-or-string.
 Quantity = int | str
@@ -33,8 +45,10 @@ MAX_SAMPLES_PER_ROLLOUT = 10_000_000
 
 
 class Rule(BaseModel):
-    """One cross-field rule: a CEL expression over `self` (the object it is attached to) and its message."""
+    """One cross-field rule: a CEL expression over `self` (the object it is attached to) and its message. `name`
+    (unique within its model, not part of the CRD) is how the rule's Python twin and its test find it."""
 
+    name: str
     rule: str
     message: str
     fieldPath: str | None = None  # noqa: N815 - Kubernetes' own name
@@ -50,8 +64,17 @@ class ApiModel(BaseModel):
         validate_assignment=True,
         allow_inf_nan=False,
     )
-    # CEL rules attached to this object in the CRD (x-kubernetes-validations). Python twins: model validators.
+    # CEL rules attached to this object in the CRD (x-kubernetes-validations). Python twins: model validators, which
+    # raise `ValueError(cls.cel_rule(name).message)`.
     CEL_RULES: ClassVar[tuple[Rule, ...]] = ()
+
+    @classmethod
+    def cel_rule(cls, name: str) -> Rule:
+        """This model's CEL rule called `name`."""
+        for rule in cls.CEL_RULES:
+            if rule.name == name:
+                return rule
+        raise KeyError(f"{cls.__name__} has no CEL rule {name!r}; it has {[r.name for r in cls.CEL_RULES]}")
 
     def to_dict(self) -> dict[str, Any]:
         """The object as the API server would store it: camelCase, defaults filled in, unset optionals omitted."""
@@ -66,48 +89,10 @@ class ResourceRequirements(ApiModel):
 
 
 # --------------------------------------------------------------------------------------------------------- model
-# Architecture fields of a model (snake_case names, as `ModelSpec.resolved()` returns them) and what each architecture
-# defaults them to. `gpt`: LayerNorm + GELU (the original preset family, no Hugging Face counterpart); `llama`: RMSNorm +
-# SwiGLU + grouped-query attention (Llama, Mistral, Qwen2, SmolLM2, ...; exports to Hugging Face).
-ARCHITECTURES = ("gpt", "llama")
-ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
-    "gpt": dict(normalization="LayerNorm", activation="gelu", norm_epsilon=1e-5, rope_base=10000.0,
-                tie_embeddings=False, add_bias_linear=False, add_qkv_bias=False),
-    "llama": dict(normalization="RMSNorm", activation="swiglu", norm_epsilon=1e-5, rope_base=10000.0,
-                  tie_embeddings=False, add_bias_linear=False, add_qkv_bias=False),
-}
-MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    # GPT family (LayerNorm + GELU)
-    "tiny": dict(architecture="gpt", num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256,
-                 seq_length=256),
-    "small": dict(architecture="gpt", num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=1024,
-                  seq_length=1024),
-    "gpt-125m": dict(architecture="gpt", num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=50304,
-                     seq_length=2048),
-    # Llama family (RMSNorm + SwiGLU + GQA); sizes of Llama 3.2 1B and Llama 3.1 8B (without their RoPE scaling)
-    "tiny-llama": dict(architecture="llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                       ffn_hidden_size=192, vocab_size=256, seq_length=256),
-    "llama-1b": dict(architecture="llama", num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8,
-                     ffn_hidden_size=8192, vocab_size=128256, seq_length=8192, rope_base=500000.0,
-                     tie_embeddings=True),
-    "llama-8b": dict(architecture="llama", num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
-                     ffn_hidden_size=14336, vocab_size=128256, seq_length=8192, rope_base=500000.0),
-}
-# Fields that describe the architecture and its sizes: with `hf` they come from the directory's config.json.
-ARCH_FIELDS = ("architecture", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
-               "ffn_hidden_size", "vocab_size", "normalization", "norm_epsilon", "activation", "rope_base",
-               "tie_embeddings", "add_bias_linear", "add_qkv_bias")
-
-
+# The architecture tables (presets, family defaults, the fields that describe an architecture) and the resolved,
+# typed value live in `trainingrun.modeling.architecture`; the fields below are their spec (and CRD) side.
 def _camel(name: str) -> str:
     return to_camel(name)
-
-
-def default_ffn_hidden_size(architecture: str, hidden_size: int) -> int:
-    """4·hidden for GPT; for SwiGLU models 8/3·hidden rounded up to a multiple of 64 (same parameter count)."""
-    if architecture == "llama":
-        return -(-(8 * hidden_size // 3) // 64) * 64
-    return 4 * hidden_size
 
 
 class ModelSpec(ApiModel):
@@ -117,24 +102,28 @@ class ModelSpec(ApiModel):
 
     CEL_RULES = (
         Rule(
+            name="model-source",
             rule="has(self.hf) || has(self.preset) || (has(self.numLayers) && has(self.hiddenSize)"
             " && has(self.numAttentionHeads) && has(self.vocabSize) && has(self.seqLength))",
             message="set model.hf, model.preset, or all of numLayers, hiddenSize, numAttentionHeads, vocabSize and "
             "seqLength",
         ),
         Rule(
+            name="heads-divide-hidden-size",
             rule="!has(self.hiddenSize) || !has(self.numAttentionHeads) || has(self.headDim)"
             " || self.hiddenSize % self.numAttentionHeads == 0",
             message="hiddenSize must be divisible by numAttentionHeads (or set headDim)",
             fieldPath=".hiddenSize",
         ),
         Rule(
+            name="query-groups-divide-heads",
             rule="!has(self.numQueryGroups) || !has(self.numAttentionHeads)"
             " || self.numAttentionHeads % self.numQueryGroups == 0",
             message="numAttentionHeads must be divisible by numQueryGroups",
             fieldPath=".numQueryGroups",
         ),
         Rule(
+            name="hf-alone",
             rule="!has(self.hf) || (!has(self.preset) && !has(self.architecture) && !has(self.numLayers)"
             " && !has(self.hiddenSize) && !has(self.numAttentionHeads) && !has(self.numQueryGroups)"
             " && !has(self.headDim) && !has(self.ffnHiddenSize) && !has(self.vocabSize) && !has(self.normalization)"
@@ -152,10 +141,10 @@ class ModelSpec(ApiModel):
         "path on a mounted volume): architecture, sizes, initial weights and the run's tokenizer. Nothing is "
         "downloaded.",
     )
-    preset: Literal["tiny", "small", "gpt-125m", "tiny-llama", "llama-1b", "llama-8b"] | None = Field(
+    preset: PresetName | None = Field(
         None, description="Named model; explicit fields below override its values."
     )
-    architecture: Literal["gpt", "llama"] | None = Field(
+    architecture: Family | None = Field(
         None, description="gpt: LayerNorm + GELU; llama: RMSNorm + SwiGLU + grouped-query attention. Default: the "
         "preset's, else gpt. Sets the defaults of the fields below."
     )
@@ -175,10 +164,10 @@ class ModelSpec(ApiModel):
         None, ge=8, le=1048576,
         description="Longest sample in tokens (positions). With hf: default and upper bound its max_position_embeddings.",
     )
-    normalization: Literal["LayerNorm", "RMSNorm"] | None = Field(None, description="Norm layers (gpt: LayerNorm, "
+    normalization: Normalization | None = Field(None, description="Norm layers (gpt: LayerNorm, "
                                                                               "llama: RMSNorm).")
     norm_epsilon: float | None = Field(None, gt=0, le=1, description="Epsilon of the norm layers (default 1e-5).")
-    activation: Literal["gelu", "swiglu"] | None = Field(
+    activation: Activation | None = Field(
         None, description="MLP activation: gelu, or swiglu (gated SiLU, as Llama). Default: gpt gelu, llama swiglu."
     )
     rope_base: float | None = Field(None, gt=0, le=1e12, description="Rotary position embedding base (theta; default 10000).")
@@ -189,8 +178,8 @@ class ModelSpec(ApiModel):
     add_qkv_bias: bool | None = Field(
         None, description="Bias on the query/key/value projection only, as Qwen2 (default false)."
     )
-    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Parameter and compute precision.")
-    transformer_impl: Literal["auto", "local", "transformer_engine"] = Field(
+    precision: Precision = Field("fp32", description="Parameter and compute precision.")
+    transformer_impl: TransformerImpl = Field(
         "auto",
         description="Megatron layer implementation. auto: TransformerEngine on GPU in bf16/fp16 when it is "
         "installed, else local (Megatron's own layers with an SDPA core attention that handles packed sequences); "
@@ -201,61 +190,37 @@ class ModelSpec(ApiModel):
     def _rules(self) -> ModelSpec:
         explicit = (self.num_layers, self.hidden_size, self.num_attention_heads, self.vocab_size, self.seq_length)
         if self.hf is None and self.preset is None and any(v is None for v in explicit):
-            raise ValueError(self.CEL_RULES[0].message)
+            raise ValueError(self.cel_rule("model-source").message)
         if self.hidden_size is not None and self.num_attention_heads is not None and self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
-                raise ValueError(self.CEL_RULES[1].message)
+                raise ValueError(self.cel_rule("heads-divide-hidden-size").message)
         if self.num_query_groups is not None and self.num_attention_heads is not None:
             if self.num_attention_heads % self.num_query_groups:
-                raise ValueError(self.CEL_RULES[2].message)
+                raise ValueError(self.cel_rule("query-groups-divide-heads").message)
         if self.hf is not None:
             clash = [_camel(k) for k in ("preset", *ARCH_FIELDS) if getattr(self, k) is not None]
             if clash:
-                raise ValueError(f"{self.CEL_RULES[3].message}; remove {', '.join(clash)}")
+                raise ValueError(f"{self.cel_rule('hf-alone').message}; remove {', '.join(clash)}")
         return self
 
-    def resolved(self, read_hf: bool = True) -> dict[str, Any]:
-        """The full architecture as plain values (see `ARCH_FIELDS`) plus kv_channels (= head size), seq_length,
-        precision, transformer_impl and hf (None or the directory). With `hf`, the architecture is read from its
-        config.json (`trainingrun.modeling.hf_config`); `read_hf=False` skips that I/O and returns only what the spec
-        itself says (for checks made where the directory is not mounted, e.g. the operator)."""
-        out: dict[str, Any]
+    @overload
+    def resolved(self) -> Architecture: ...
+    @overload
+    def resolved(self, read_hf: bool) -> Architecture | None: ...
+
+    def resolved(self, read_hf: bool = True) -> Architecture | None:
+        """The model's architecture (`trainingrun.modeling.architecture.Architecture`): of the preset and explicit
+        fields, or read from `hf`'s config.json (`modeling.hf_config.read_hf_architecture`). ValueError naming the
+        field on a bad combination. Each process calls it once and passes the value down. `read_hf=False` skips the
+        I/O where the directory is not mounted (the operator): it checks what the spec itself says and returns None
+        for an `hf` model."""
         if self.hf is not None:
             if not read_hf:
-                return {"hf": self.hf, "seq_length": self.seq_length, "precision": self.precision,
-                        "transformer_impl": self.transformer_impl}
-            from trainingrun.modeling.hf_config import read_hf_architecture
-
-            out = read_hf_architecture(self.hf)
-            limit = int(out["seq_length"])
-            if self.seq_length is not None:
-                if self.seq_length > limit:
-                    raise ValueError(f"model.seqLength: {self.seq_length} exceeds the model's max_position_embeddings "
-                                     f"{limit} (config.json of {self.hf})")
-                out["seq_length"] = self.seq_length
-        else:
-            out = dict(MODEL_PRESETS[self.preset]) if self.preset else {}
-            for key in (*ARCH_FIELDS, "seq_length"):
-                if getattr(self, key) is not None:
-                    out[key] = getattr(self, key)
-            out.setdefault("architecture", "gpt")
-            for key, value in ARCH_DEFAULTS[out["architecture"]].items():
-                out.setdefault(key, value)
-            out.setdefault("ffn_hidden_size", default_ffn_hidden_size(out["architecture"], int(out["hidden_size"])))
-            out.setdefault("num_query_groups", out["num_attention_heads"])
-            out.setdefault("rope_scaling_factor", None)
-        heads, groups = int(out["num_attention_heads"]), int(out["num_query_groups"])
-        if out.get("head_dim") is None:
-            if out["hidden_size"] % heads:
-                raise ValueError("model: hiddenSize must be divisible by numAttentionHeads (or set headDim)")
-            out["head_dim"] = out["hidden_size"] // heads
-        if heads % groups:
-            raise ValueError(f"model: numAttentionHeads {heads} must be divisible by numQueryGroups {groups}")
-        out["kv_channels"] = out["head_dim"]
-        out["precision"] = self.precision
-        out["transformer_impl"] = self.transformer_impl
-        out["hf"] = self.hf
-        return out
+                return None
+            return read_hf_architecture(self.hf, seq_length=self.seq_length, precision=self.precision,
+                                        transformer_impl=self.transformer_impl)
+        return resolve(self.preset, precision=self.precision, transformer_impl=self.transformer_impl,
+                       seq_length=self.seq_length, **{k: getattr(self, k) for k in ARCH_FIELDS})
 
 
 # ------------------------------------------------------------------------------------------------------- trainer
@@ -263,8 +228,10 @@ class OptimizerSpec(ApiModel):
     """AdamW with a warmup + decay schedule counted in samples (the global batch size varies per step)."""
 
     CEL_RULES = (
-        Rule(rule="self.minLr <= self.lr", message="minLr must be <= lr", fieldPath=".minLr"),
+        Rule(name="min-lr-at-most-lr", rule="self.minLr <= self.lr", message="minLr must be <= lr",
+             fieldPath=".minLr"),
         Rule(
+            name="warmup-within-decay",
             rule="!has(self.decaySamples) || self.warmupSamples <= self.decaySamples",
             message="warmupSamples must be <= decaySamples",
             fieldPath=".warmupSamples",
@@ -287,9 +254,9 @@ class OptimizerSpec(ApiModel):
     @model_validator(mode="after")
     def _rules(self) -> OptimizerSpec:
         if self.min_lr > self.lr:
-            raise ValueError(self.CEL_RULES[0].message)
+            raise ValueError(self.cel_rule("min-lr-at-most-lr").message)
         if self.decay_samples is not None and self.warmup_samples > self.decay_samples:
-            raise ValueError(self.CEL_RULES[1].message)
+            raise ValueError(self.cel_rule("warmup-within-decay").message)
         return self
 
 
@@ -315,10 +282,12 @@ class TrainerSpec(ApiModel):
 
     CEL_RULES = (
         Rule(
+            name="one-micro-batching",
             rule="has(self.maxTokensPerGPU) != has(self.microBatchSize)",
             message="set exactly one of maxTokensPerGPU (dynamic micro-batches) and microBatchSize (static)",
         ),
         Rule(
+            name="parallel-sizes-divide-world",
             rule="(self.replicas * (self.gpusPerReplica > 0 ? self.gpusPerReplica : 1)) %"
             " (self.tensorParallelSize * self.pipelineParallelSize) == 0",
             message="replicas × max(gpusPerReplica, 1) must be divisible by tensorParallelSize × pipelineParallelSize",
@@ -353,9 +322,9 @@ class TrainerSpec(ApiModel):
     @model_validator(mode="after")
     def _rules(self) -> TrainerSpec:
         if (self.max_tokens_per_gpu is None) == (self.micro_batch_size is None):
-            raise ValueError(self.CEL_RULES[0].message)
+            raise ValueError(self.cel_rule("one-micro-batching").message)
         if self.world_size % (self.tensor_parallel_size * self.pipeline_parallel_size):
-            raise ValueError(self.CEL_RULES[1].message)
+            raise ValueError(self.cel_rule("parallel-sizes-divide-world").message)
         return self
 
     @property
@@ -372,7 +341,8 @@ class SyntheticSource(ApiModel):
     """A learnable, seeded task: each prompt of random tokens is answered by the task applied to it, with
     heavy-tailed lengths; each sample of a group gets a reward (fraction of correct answer tokens under noise)."""
 
-    CEL_RULES = (Rule(rule="self.minLength <= self.maxLength", message="minLength must be <= maxLength"),)
+    CEL_RULES = (Rule(name="min-length-at-most-max", rule="self.minLength <= self.maxLength",
+                      message="minLength must be <= maxLength"),)
 
     task: Literal["reverse", "sort", "copy"] = Field("reverse", description="What the response does to the prompt.")
     min_length: int = Field(4, ge=1, le=MAX_LENGTH, description="Shortest prompt in tokens.")
@@ -382,7 +352,7 @@ class SyntheticSource(ApiModel):
     @model_validator(mode="after")
     def _rules(self) -> SyntheticSource:
         if self.min_length > self.max_length:
-            raise ValueError(self.CEL_RULES[0].message)
+            raise ValueError(self.cel_rule("min-length-at-most-max").message)
         return self
 
 
@@ -399,7 +369,8 @@ class SyntheticPrompts(ApiModel):
     """Built-in token tasks a tiny model can learn by RL: prompt = random content tokens + separator; the answer is
     the task applied to them, then the end token. Token ids: 0 pad, 1 separator, 2 end, 3.. content."""
 
-    CEL_RULES = (Rule(rule="self.minLength <= self.maxLength", message="minLength must be <= maxLength"),)
+    CEL_RULES = (Rule(name="min-length-at-most-max", rule="self.minLength <= self.maxLength",
+                      message="minLength must be <= maxLength"),)
 
     task: Literal["copy", "reverse", "sort", "successor"] = Field(
         "reverse", description="copy, reverse or sort the prompt; successor: each token's next content id (cyclic).")
@@ -410,7 +381,7 @@ class SyntheticPrompts(ApiModel):
     @model_validator(mode="after")
     def _rules(self) -> SyntheticPrompts:
         if self.min_length > self.max_length:
-            raise ValueError(self.CEL_RULES[0].message)
+            raise ValueError(self.cel_rule("min-length-at-most-max").message)
         return self
 
 
@@ -434,9 +405,10 @@ class PromptsSpec(ApiModel):
     """Where the prompts of a generated rollout come from."""
 
     CEL_RULES = (
-        Rule(rule="self.type != 'reasoningGym' || has(self.reasoningGym)",
+        Rule(name="reasoning-gym-settings", rule="self.type != 'reasoningGym' || has(self.reasoningGym)",
              message="prompts type reasoningGym needs prompts.reasoningGym"),
-        Rule(rule="self.type != 'jsonl' || has(self.jsonl)", message="prompts type jsonl needs prompts.jsonl.path"),
+        Rule(name="jsonl-settings", rule="self.type != 'jsonl' || has(self.jsonl)",
+             message="prompts type jsonl needs prompts.jsonl.path"),
     )
 
     type: Literal["synthetic", "reasoningGym", "jsonl"] = Field("synthetic", description="Prompt source kind.")
@@ -453,9 +425,9 @@ class PromptsSpec(ApiModel):
     @model_validator(mode="after")
     def _rules(self) -> PromptsSpec:
         if self.type == "reasoningGym" and self.reasoning_gym is None:
-            raise ValueError(self.CEL_RULES[0].message)
+            raise ValueError(self.cel_rule("reasoning-gym-settings").message)
         if self.type == "jsonl" and self.jsonl is None:
-            raise ValueError(self.CEL_RULES[1].message)
+            raise ValueError(self.cel_rule("jsonl-settings").message)
         return self
 
 
@@ -476,7 +448,8 @@ class RewardSpec(ApiModel):
     recorded as failed (reward failedReward), counted in metrics, and never stops the rollout."""
 
     CEL_RULES = (
-        Rule(rule="self.type != 'function' || has(self.function)", message="reward type function needs reward.function"),
+        Rule(name="function-named", rule="self.type != 'function' || has(self.function)",
+             message="reward type function needs reward.function"),
     )
 
     type: Literal["exact_match", "token_match", "reasoning_gym", "math_verify", "function"] = Field(
@@ -497,7 +470,7 @@ class RewardSpec(ApiModel):
     @model_validator(mode="after")
     def _rules(self) -> RewardSpec:
         if self.type == "function" and self.function is None:
-            raise ValueError(self.CEL_RULES[0].message)
+            raise ValueError(self.cel_rule("function-named").message)
         return self
 
 
@@ -557,9 +530,12 @@ class SourceSpec(ApiModel):
     """Where samples come from."""
 
     CEL_RULES = (
-        Rule(rule="self.type != 'jsonl' || has(self.jsonl)", message="type jsonl needs source.jsonl.path"),
-        Rule(rule="self.type != 'synthetic' || !has(self.jsonl)", message="source.jsonl is only for type jsonl"),
-        Rule(rule="self.type != 'generate' || has(self.generate)", message="type generate needs source.generate"),
+        Rule(name="jsonl-settings", rule="self.type != 'jsonl' || has(self.jsonl)",
+             message="type jsonl needs source.jsonl.path"),
+        Rule(name="jsonl-only-for-jsonl", rule="self.type != 'synthetic' || !has(self.jsonl)",
+             message="source.jsonl is only for type jsonl"),
+        Rule(name="generate-settings", rule="self.type != 'generate' || has(self.generate)",
+             message="type generate needs source.generate"),
     )
 
     type: Literal["synthetic", "jsonl", "generate"] = Field(
@@ -572,11 +548,11 @@ class SourceSpec(ApiModel):
     @model_validator(mode="after")
     def _rules(self) -> SourceSpec:
         if self.type == "jsonl" and self.jsonl is None:
-            raise ValueError(self.CEL_RULES[0].message)
+            raise ValueError(self.cel_rule("jsonl-settings").message)
         if self.type == "synthetic" and self.jsonl is not None:
-            raise ValueError(self.CEL_RULES[1].message)
+            raise ValueError(self.cel_rule("jsonl-only-for-jsonl").message)
         if self.type == "generate" and self.generate is None:
-            raise ValueError(self.CEL_RULES[2].message)
+            raise ValueError(self.cel_rule("generate-settings").message)
         return self
 
 
@@ -592,6 +568,7 @@ class StepPolicy(ApiModel):
 
     CEL_RULES = (
         Rule(
+            name="batch-size-with-fixed",
             rule="self.policy == 'fixed' ? has(self.globalBatchSize) : !has(self.globalBatchSize)",
             message="policy fixed needs globalBatchSize (groups per step); policy dynamic takes none",
             fieldPath=".globalBatchSize",
@@ -606,7 +583,7 @@ class StepPolicy(ApiModel):
     @model_validator(mode="after")
     def _rules(self) -> StepPolicy:
         if (self.policy == "fixed") != (self.global_batch_size is not None):
-            raise ValueError(self.CEL_RULES[0].message)
+            raise ValueError(self.cel_rule("batch-size-with-fixed").message)
         return self
 
 
@@ -615,6 +592,7 @@ class RolloutSpec(ApiModel):
 
     CEL_RULES = (
         Rule(
+            name="whole-groups",
             rule="self.samplesPerRollout % self.groupSize == 0",
             message="samplesPerRollout must be a multiple of groupSize",
             fieldPath=".samplesPerRollout",
@@ -642,7 +620,7 @@ class RolloutSpec(ApiModel):
     @model_validator(mode="after")
     def _rules(self) -> RolloutSpec:
         if self.samples_per_rollout % self.group_size:
-            raise ValueError(self.CEL_RULES[0].message)
+            raise ValueError(self.cel_rule("whole-groups").message)
         return self
 
 
@@ -650,7 +628,8 @@ class RolloutSpec(ApiModel):
 class StoreSpec(ApiModel):
     """The shared store between rollout and trainers."""
 
-    CEL_RULES = (Rule(rule="!(has(self.url) && self.managed)", message="set store.url or store.managed, not both"),)
+    CEL_RULES = (Rule(name="url-or-managed", rule="!(has(self.url) && self.managed)",
+                      message="set store.url or store.managed, not both"),)
 
     url: str | None = Field(
         None,
@@ -667,7 +646,7 @@ class StoreSpec(ApiModel):
     @model_validator(mode="after")
     def _rules(self) -> StoreSpec:
         if self.url is not None and self.managed:
-            raise ValueError(self.CEL_RULES[0].message)
+            raise ValueError(self.cel_rule("url-or-managed").message)
         return self
 
 
@@ -757,6 +736,7 @@ class PodTemplateOverrides(ApiModel):
 
     CEL_RULES = (
         Rule(
+            name="mounts-name-volumes",
             rule="(!has(self.volumes) || self.volumes.all(v, has(v.name))) && (!has(self.volumeMounts) ||"
             " self.volumeMounts.all(m, has(m.name) && has(m.mountPath) && has(self.volumes)"
             " && self.volumes.exists(v, has(v.name) && v.name == m.name)))",
@@ -788,7 +768,7 @@ class PodTemplateOverrides(ApiModel):
         if None in names or not all(
             m.get("name") in names and m.get("mountPath") for m in self.volume_mounts
         ):
-            raise ValueError(self.CEL_RULES[0].message)
+            raise ValueError(self.cel_rule("mounts-name-volumes").message)
         return self
 
 
@@ -802,20 +782,52 @@ class GangScheduling(ApiModel):
         description="Volcano queue of the PodGroup (unset: Volcano's default queue); not used by coscheduling.")
 
 
+# CEL terms of the spec's rules below. The API server defaults fields before it evaluates rules, but an object that is
+# left out (rollout, rollout.engine, weightSync) has no defaults inside it: each term guards for that.
+_GENERATED = "has(self.rollout) && has(self.rollout.source) && self.rollout.source.type == 'generate'"
+_VLLM = "has(self.rollout.engine) && self.rollout.engine.type == 'vllm'"
+_SYNC = "(has(self.weightSync) ? self.weightSync.type : 'store')"
+
+
 class TrainingRunSpec(ApiModel):
     """Desired state of a TrainingRun."""
 
     CEL_RULES = (
         Rule(
+            name="ppo-needs-generate",
             rule="self.trainer.lossType != 'ppo' || (has(self.rollout) && has(self.rollout.source) && "
             "self.rollout.source.type == 'generate')",
             message="trainer.lossType ppo needs generated rollouts (rollout.source.type generate): it compares the "
             "trainer's log-probabilities with the generator's",
             fieldPath=".trainer.lossType",
         ),
+        # The engine of generated rollouts and how the trained weights reach it (`trainingrun.trainer.weights`,
+        # `trainingrun.vllm.publish`): store for the megatron engine; disk or broadcast for vllm, which loads them as
+        # a Hugging Face model (so it needs model.hf).
+        Rule(
+            name="store-sync-needs-megatron",
+            rule=f"!({_GENERATED}) || {_SYNC} != 'store' || !({_VLLM})",
+            message="weightSync.type store reaches the megatron engine only; with rollout.engine.type vllm set "
+            "weightSync.type disk or broadcast",
+            fieldPath=".weightSync.type",
+        ),
+        Rule(
+            name="disk-broadcast-sync-need-vllm",
+            rule=f"!({_GENERATED}) || !({_SYNC} in ['disk', 'broadcast']) || ({_VLLM})",
+            message="weightSync.type disk and broadcast reach the vllm engine only; with rollout.engine.type megatron "
+            "set weightSync.type store",
+            fieldPath=".weightSync.type",
+        ),
+        Rule(
+            name="vllm-needs-hf",
+            rule=f"!({_GENERATED}) || !({_VLLM}) || has(self.model.hf)",
+            message="rollout.engine.type vllm loads Hugging Face weights: set model.hf to a Hugging Face directory "
+            "(in a cluster on a volume of podTemplate, which the engine pod mounts too)",
+            fieldPath=".model.hf",
+        ),
     )
 
-    image: str = Field("ghcr.io/trainingrun/trainer:0.1.0", min_length=1, description="Image of rollout and trainers.")
+    image: str = Field("ghcr.io/trainingrun/trainer-te:0.1.0", min_length=1, description="Image of rollout and trainers.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="Pull policy.")
     seed: int = Field(1234, ge=0, le=MAX_SEED, description="Seed of data, model init and sampling.")
     model: ModelSpec = Field(..., description="Model to train.")
@@ -842,8 +854,16 @@ class TrainingRunSpec(ApiModel):
 
     @model_validator(mode="after")
     def _rules(self) -> TrainingRunSpec:
-        if self.trainer.loss_type == "ppo" and self.rollout.source.type != "generate":
-            raise ValueError(self.CEL_RULES[0].message)
+        generated = self.rollout.source.type == "generate"
+        if self.trainer.loss_type == "ppo" and not generated:
+            raise ValueError(self.cel_rule("ppo-needs-generate").message)
+        vllm, sync = self.rollout.engine.type == "vllm", self.weight_sync.type
+        if generated and sync == "store" and vllm:
+            raise ValueError(self.cel_rule("store-sync-needs-megatron").message)
+        if generated and sync in ("disk", "broadcast") and not vllm:
+            raise ValueError(self.cel_rule("disk-broadcast-sync-need-vllm").message)
+        if generated and vllm and self.model.hf is None:
+            raise ValueError(self.cel_rule("vllm-needs-hf").message)
         return self
 
 
@@ -919,6 +939,12 @@ class TrainingRun(BaseModel):
     metadata: ObjectMeta = Field(default_factory=ObjectMeta)
     spec: TrainingRunSpec
     status: TrainingRunStatus | None = None
+
+
+def parse_trainingrun(doc: dict[str, Any]) -> TrainingRun:
+    """A TrainingRun from a decoded manifest (plain JSON values), validated strictly: no type coercion (`true` or
+    `"2"` is not an integer), as the CRD's schema; raises pydantic.ValidationError on bad input."""
+    return TrainingRun.model_validate(doc, strict=True)
 
 
 ALL_MODELS: tuple[type[ApiModel], ...] = (

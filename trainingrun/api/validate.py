@@ -1,313 +1,29 @@
 """`trainingrun validate FILE...`: check TrainingRun manifests offline, as the API server would.
 
-The YAML is decoded by the one manifest loader (`trainingrun.api.manifest`: limits, duplicate keys, no coercion).
-The checks are the CRD's own: its OpenAPI schema (types, bounds, enums, required fields; unknown fields rejected as
-`kubectl apply`'s strict field validation does) and its `x-kubernetes-validations` CEL rules, evaluated with a real
-CEL engine (cel-python) on the object after defaulting, as the API server does, then the strict models. One line
-per error, with the line and column of the field where it is known:
+Each file is read and decoded by the manifest YAML decoder (`trainingrun.api.yamlcodec`: limits, duplicate keys, no
+coercion) and every document is checked by the CRD's own checks (`trainingrun.api.checks`: OpenAPI schema, CEL rules
+after defaulting, the strict models). One line per error, with the line and column of the field where it is known:
 
     FILE:LINE:COL: FIELD.PATH: what was wrong (allowed: what is allowed)
 
 `trainingrun run`, the trainer, the rollout and the operator load manifests through the same checks
-(`validate_document`), so they accept and refuse exactly what this command does.
+(`trainingrun.api.manifest`), so they accept and refuse exactly what this command does.
 
-Exit 0 when every document is valid, 1 otherwise. Needs the `validate` extra (jsonschema, cel-python).
+Exit 0 when every document is valid, 1 otherwise, 2 without the `validate` extra (jsonschema, cel-python).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import json
 import sys
-from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any
 
-from trainingrun.api.constants import API_VERSION, KIND
-
-
-@dataclass(frozen=True)
-class Problem:
-    parts: tuple[str | int, ...]  # field path, e.g. ("spec", "trainer", "replicas")
-    message: str
-
-    @property
-    def path(self) -> str:
-        """Dotted field path, e.g. spec.trainer.replicas or spec.podTemplate.volumes[0]."""
-        return _dotted(self.parts)
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.message}" if self.parts else self.message
+from trainingrun.api.checks import extras_installed
+from trainingrun.api.manifest import problems
+from trainingrun.api.yamlcodec import ManifestError, parse_yaml, read_text
 
 
-# ------------------------------------------------------------------------------------------------ schema helpers
-@lru_cache(maxsize=1)
-def _schemas() -> tuple[dict[str, Any], dict[str, Any]]:
-    """(CRD spec schema as served, the same made strict for validation)."""
-    from trainingrun.api.crd import spec_schema
-
-    served = spec_schema()
-    return served, _strict(copy.deepcopy(served))
-
-
-def _strict(node: dict[str, Any]) -> dict[str, Any]:
-    """Unknown fields are errors (strict field validation), except under preserve-unknown-fields."""
-    if node.get("type") == "object" and "properties" in node and not node.get("x-kubernetes-preserve-unknown-fields"):
-        node["additionalProperties"] = False
-    for child in node.get("properties", {}).values():
-        _strict(child)
-    for key in ("items", "additionalProperties"):
-        if isinstance(node.get(key), dict):
-            _strict(node[key])
-    if node.get("x-kubernetes-int-or-string"):
-        node["type"] = ["integer", "string"]
-    return node
-
-
-def _dotted(parts: Any) -> str:
-    out = ""
-    for p in parts:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-    return out
-
-
-def _allowed(error: Any) -> str:
-    """What the schema allows at the failing keyword, in words."""
-    schema = error.schema
-    kw = error.validator
-    if kw == "enum":
-        return "one of " + ", ".join(repr(v) for v in schema["enum"])
-    if kw == "type":
-        t = schema["type"]
-        return " or ".join(t) if isinstance(t, list) else t
-    if kw in ("minimum", "maximum"):
-        parts = []
-        if "minimum" in schema:
-            parts.append((">" if schema.get("exclusiveMinimum") else ">=") + f" {schema['minimum']}")
-        if "maximum" in schema:
-            parts.append(("<" if schema.get("exclusiveMaximum") else "<=") + f" {schema['maximum']}")
-        return f"{schema.get('type', 'number')} " + " and ".join(parts)
-    if kw == "minLength":
-        return f"at least {schema['minLength']} characters"
-    if kw == "maxLength":
-        return f"at most {schema['maxLength']} characters"
-    if kw == "pattern":
-        return f"a string matching {schema['pattern']}"
-    if kw == "additionalProperties":
-        return "fields " + ", ".join(sorted(schema.get("properties", {})))
-    if kw == "required":
-        return "the field must be set"
-    if kw in ("maxItems", "maxProperties"):
-        return f"at most {schema[kw]} entries"
-    return str(error.validator_value)
-
-
-def _schema_problems(spec: Any) -> list[Problem]:
-    import jsonschema
-
-    _, strict = _schemas()
-    validator = jsonschema.Draft4Validator(strict)
-    problems = []
-    for error in sorted(validator.iter_errors(spec), key=lambda e: (list(map(str, e.absolute_path)), e.message)):
-        parts = ("spec", *error.absolute_path)
-        if error.validator == "additionalProperties":
-            unknown = sorted(set(error.instance) - set(error.schema.get("properties", {})))
-            for field in unknown:
-                problems.append(Problem((*parts, field), f"unknown field (allowed: {_allowed(error)})"))
-            continue
-        if error.validator == "required":
-            missing = error.message.split("'")[1] if "'" in error.message else error.message
-            problems.append(Problem((*parts, missing), "required field is missing"))
-            continue
-        got = error.instance
-        shown = json.dumps(got) if not isinstance(got, (dict, list)) else type(got).__name__
-        message = error.message
-        if error.validator == "type":
-            message = f"{_type_name(got)}, not {_allowed(error)}{_bool_hint(got, error.schema)}"
-        problems.append(Problem(parts, f"invalid value {shown}: {message} (allowed: {_allowed(error)})"))
-    return problems
-
-
-def _type_name(value: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "a mapping",
-            list: "a list", type(None): "null"}.get(type(value), type(value).__name__)
-
-
-def _bool_hint(value: Any, schema: dict[str, Any]) -> str:
-    if isinstance(value, bool) and schema.get("type") == "string":
-        return " (YAML reads an unquoted y/n/yes/no/on/off/true/false as a boolean: quote it)"
-    if isinstance(value, str) and schema.get("type") in ("integer", "number"):
-        return " (numbers are not quoted; a quoted value is a string and is not converted)"
-    return ""
-
-
-# --------------------------------------------------------------------------------------------- defaults and CEL
-def apply_defaults(value: Any, schema: dict[str, Any]) -> Any:
-    """Fill in schema defaults as the API server does before CEL rules run."""
-    if isinstance(value, dict) and "properties" in schema:
-        out = dict(value)
-        for name, sub in schema["properties"].items():
-            if name not in out and "default" in sub:
-                out[name] = copy.deepcopy(sub["default"])
-            if name in out:
-                out[name] = apply_defaults(out[name], sub)
-        return out
-    if isinstance(value, list) and isinstance(schema.get("items"), dict):
-        return [apply_defaults(v, schema["items"]) for v in value]
-    return value
-
-
-def to_cel(value: Any, schema: dict[str, Any]) -> Any:
-    """A CEL value typed by the schema (a `number` field holding 1 is the double 1.0, as in the API server)."""
-    import celpy
-
-    t = schema.get("type")
-    if isinstance(value, bool):
-        return celpy.celtypes.BoolType(value)
-    if t == "number" and isinstance(value, (int, float)):
-        return celpy.celtypes.DoubleType(float(value))
-    if isinstance(value, int):
-        return celpy.celtypes.IntType(value)
-    if isinstance(value, float):
-        return celpy.celtypes.DoubleType(value)
-    if isinstance(value, str):
-        return celpy.celtypes.StringType(value)
-    if isinstance(value, dict):
-        props = schema.get("properties", {})
-        extra = schema.get("additionalProperties") if isinstance(schema.get("additionalProperties"), dict) else {}
-        return celpy.celtypes.MapType(
-            {celpy.celtypes.StringType(k): to_cel(v, props.get(k, extra)) for k, v in value.items()}
-        )
-    if isinstance(value, list):
-        items = schema.get("items", {}) if isinstance(schema.get("items"), dict) else {}
-        return celpy.celtypes.ListType([to_cel(v, items) for v in value])
-    if value is None:
-        return None
-    raise TypeError(f"cannot express {value!r} in CEL")
-
-
-@lru_cache(maxsize=256)
-def _program(rule: str) -> Any:
-    import celpy
-
-    env = celpy.Environment()
-    return env.program(env.compile(rule))
-
-
-def evaluate_rule(rule: str, obj: Any, schema: dict[str, Any]) -> bool:
-    """Evaluate one CEL rule with `self` = obj; raises ValueError when the rule cannot be evaluated."""
-    import celpy
-
-    result = _program(rule).evaluate({"self": to_cel(obj, schema)})
-    if isinstance(result, celpy.CELEvalError):
-        raise ValueError(f"rule {rule!r} could not be evaluated: {result}")
-    return bool(result)
-
-
-def _cel_problems(value: Any, schema: dict[str, Any], path: tuple[str | int, ...],
-                  broken: frozenset[tuple[str | int, ...]] = frozenset()) -> list[Problem]:
-    """CEL failures under `path`. Rules of an object holding a schema error (a path in `broken`) are not run: the
-    API server reports the schema error, and a rule over a mistyped field would only add noise."""
-    if any(b[: len(path)] == path for b in broken):
-        if isinstance(value, dict):
-            return [p for name, sub in schema.get("properties", {}).items() if name in value
-                    for p in _cel_problems(value[name], sub, (*path, name), broken)]
-        return []
-    problems = []
-    if isinstance(value, dict):
-        for rule in schema.get("x-kubernetes-validations", []):
-            try:
-                ok = evaluate_rule(rule["rule"], value, schema)
-            except ValueError as exc:
-                problems.append(Problem(path, str(exc)))
-                continue
-            if not ok:
-                extra = tuple(p for p in rule.get("fieldPath", "").split(".") if p)
-                problems.append(Problem((*path, *extra), f"{rule['message']} (rule: {rule['rule']})"))
-        for name, sub in schema.get("properties", {}).items():
-            if name in value:
-                problems.extend(_cel_problems(value[name], sub, (*path, name)))
-    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
-        for i, item in enumerate(value):
-            problems.extend(_cel_problems(item, schema["items"], (*path, i)))
-    return problems
-
-
-# ------------------------------------------------------------------------------------------------ one document
-_NAME_RE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-
-
-def extras_installed() -> bool:
-    """Whether the `validate` extra (jsonschema, cel-python) is importable."""
-    try:
-        import celpy  # noqa: F401
-        import jsonschema  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def validate_document(doc: Any) -> list[Problem]:
-    """Every problem of one decoded manifest (empty when valid): top-level fields and metadata, the CRD schema and
-    CEL rules (when the `validate` extra is installed), then the strict models (always)."""
-    import re
-
-    if not isinstance(doc, dict):
-        return [Problem((), f"a TrainingRun must be a mapping, got {type(doc).__name__}")]
-    problems = []
-    expected = API_VERSION
-    if doc.get("apiVersion") != expected:
-        problems.append(Problem(("apiVersion",), f"must be {expected!r}, got {doc.get('apiVersion')!r}"))
-    if doc.get("kind") != KIND:
-        problems.append(Problem(("kind",), f"must be {KIND!r}, got {doc.get('kind')!r}"))
-    for field in sorted(set(doc) - {"apiVersion", "kind", "metadata", "spec", "status"}):
-        problems.append(Problem((field,), "unknown field (allowed: apiVersion, kind, metadata, spec, status)"))
-    meta = doc.get("metadata")
-    if not isinstance(meta, dict):
-        problems.append(Problem(("metadata",), "required mapping with at least `name`"))
-    else:
-        name = meta.get("name")
-        if not isinstance(name, str) or not re.match(_NAME_RE, name) or len(name) > 63:
-            problems.append(
-                Problem(("metadata", "name"), f"invalid name {name!r} (allowed: a DNS label: lower-case letters, "
-                        "digits, '-', at most 63 characters, starting and ending alphanumeric)")
-            )
-    if "spec" not in doc:
-        problems.append(Problem(("spec",), "required field is missing"))
-        return problems
-    spec = doc["spec"]
-    if extras_installed():
-        schema_problems = _schema_problems(spec)
-        problems.extend(schema_problems)
-        if isinstance(spec, dict):
-            served, _ = _schemas()
-            broken = frozenset(p.parts for p in schema_problems)
-            problems.extend(_cel_problems(apply_defaults(spec, served), served, ("spec",), broken))
-    if not problems:
-        problems.extend(_model_problems(doc))
-    return problems
-
-
-def _model_problems(doc: dict[str, Any]) -> list[Problem]:
-    """The strict pydantic models hold the same rules; anything they still reject is reported too (and they are
-    the only check where the `validate` extra is not installed)."""
-    from pydantic import ValidationError
-
-    from trainingrun.api import parse_trainingrun
-
-    try:
-        parse_trainingrun(doc)
-    except ValidationError as exc:
-        return [Problem(tuple(e["loc"]), e["msg"]) for e in exc.errors()]
-    return []
-
-
-# ---------------------------------------------------------------------------------------------------- files / CLI
 def validate_text(text: str | bytes, source: str = "<stdin>") -> list[str]:
     """Error lines for a YAML stream (empty list when every document is a valid TrainingRun)."""
-    from trainingrun.api.manifest import ManifestError, parse_yaml, problems
-
     try:
         docs = parse_yaml(text, source)
     except ManifestError as exc:
@@ -323,15 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        import celpy  # noqa: F401
-        import jsonschema  # noqa: F401
-    except ImportError as exc:
-        print(f"trainingrun validate needs the 'validate' extra: pip install 'trainingrun[validate]' ({exc})",
-              file=sys.stderr)
+    if not extras_installed():
+        print("trainingrun validate needs the 'validate' extra (jsonschema, cel-python): "
+              "pip install 'trainingrun[validate]'", file=sys.stderr)
         return 2
-    from trainingrun.api.manifest import ManifestError, read_text
-
     failed = False
     for name in args.files:
         try:

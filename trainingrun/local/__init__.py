@@ -5,7 +5,15 @@ same failure policy (`trainingrun.failure_policy`).
   main.py      the command line (`add_arguments`, `run`): load the spec, launch, print the summary
   launcher.py  the `Launcher`: attempts, supervision, restarts, the run directory
   procs.py     child processes: start one attempt's processes, stop them without orphans; metrics ports
+               (the child command prefix and die-with-parent: `trainingrun.childproc`)
   report.py    merged per-step metrics, live progress, summary.json and the summary table
+  progress.py  the live progress line and timestamped events
+  rundir.py    the run directory's lock and safety rules (--resume, --fresh, changed specs)
+  engine.py    the run's own vLLM server under the launcher
+
+The run-directory tools (`trainingrun status | logs | plot RUN_DIR`) read what the launcher writes:
+  history.py   a run's per-step records (last attempt wins), local or a cluster's output directory
+  status.py    `trainingrun status`    logs.py  `trainingrun logs`    plot.py  `trainingrun plot`
 
 The launcher renders the plan into local processes: one rollout and N trainer ranks (`python -m trainingrun
 rollout|trainer`), all with cwd DIR, a file store under DIR/store (or the spec's store URL), distinct metrics ports

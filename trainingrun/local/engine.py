@@ -35,14 +35,15 @@ class LocalEngine:
         python = vllm_server.find_python()
         if python is None:
             raise ValueError(f"rollout.engine.type: vllm needs vLLM's environment: run `make vllm` (builds "
-                             f".venv-vllm) or set {vllm_server.PYTHON_ENV} to a Python that has vLLM, or give rollout.engine.url")
+                             f".venv-vllm) or set {vllm_server.PYTHON_ENV} to a Python that has vLLM, or give "
+                             "rollout.engine.url")
         v = spec.rollout.engine.vllm
         model = Path(spec.model.hf).resolve()
         self.log_dir = out_dir / "logs"
         self.restarts = 0
         self.server = vllm_server.VLLMServer(
             str(model), port=free_port(), python=python, log_path=log_path(self.log_dir, "engine", 0),
-            dtype=v.dtype, max_model_len=v.max_model_len or int(spec.model.resolved()["seq_length"]),
+            dtype=v.dtype, max_model_len=v.max_model_len or spec.model.resolved().seq_length,
             kv_cache_gib=v.kv_cache_gib, extra_args=tuple(v.args),
         )
         self._restart_at: float | None = None

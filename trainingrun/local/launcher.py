@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainingrun.api.manifest import dump_yaml
+from trainingrun.api.yamlcodec import dump_yaml
 from trainingrun.diskspace import describe as describe_no_space
 from trainingrun.diskspace import full_volume
 from trainingrun.local.procs import (

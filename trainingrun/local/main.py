@@ -11,10 +11,24 @@ import argparse
 import sys
 from pathlib import Path
 
+from trainingrun.api import load_trainingrun
+from trainingrun.api.yamlcodec import ManifestError, parse_yaml
 from trainingrun.cliargs import positive_seconds, seconds
+from trainingrun.diskspace import describe
+from trainingrun.local.history import step_records
 from trainingrun.local.launcher import LAUNCHER_LOG, Launcher, already_succeeded, spec_yaml
+from trainingrun.local.plot import PLOT_FILE, write_plot
 from trainingrun.local.report import summary_table
 from trainingrun.local.progress import ProgressLine
+from trainingrun.local.rundir import (
+    RunDirBusy,
+    RunDirLock,
+    check_out_dir,
+    clear_for_fresh,
+    is_run_dir,
+    resize_only,
+    spec_change,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,8 +57,6 @@ def parse_overrides(items: list[str]) -> dict[str, object]:
     """`--set PATH=VALUE` arguments as {"spec.PATH": value}. VALUE goes through the manifest loader's YAML parser
     (its limits and scalar rules: `8` is an integer, `1e-4` a float, `true` a boolean, `"8"` a string);
     ValueError naming the argument when one is malformed."""
-    from trainingrun.api.manifest import ManifestError, parse_yaml
-
     out: dict[str, object] = {}
     for item in items:
         path, sep, text = item.partition("=")
@@ -66,9 +78,6 @@ def parse_overrides(items: list[str]) -> dict[str, object]:
 def load_effective_run(path: str, trainers: int | None, overrides: list[str] | None = None):
     """The TrainingRun in `path` with `--set` and `--trainers` applied before validation, through the one strict
     loader; ManifestError (a ValueError) with the same one-line errors `trainingrun validate` prints."""
-    from trainingrun.api import load_trainingrun
-    from trainingrun.api.manifest import ManifestError
-
     changes = parse_overrides(overrides or [])
     if trainers is not None:
         changes["spec.trainer.replicas"] = trainers
@@ -113,8 +122,6 @@ def local_checkpoint_path(run):
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainingrun.local.rundir import RunDirBusy, RunDirLock, check_out_dir
-
     try:
         effective_run = resolve_input_paths(load_effective_run(args.file, args.trainers, args.overrides), Path.cwd())
     except ValueError as exc:  # ManifestError: one line per problem, as `trainingrun validate` prints them
@@ -141,9 +148,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_locked(args: argparse.Namespace, effective_run, out_dir: Path) -> int:
-    from trainingrun.history import step_records
-    from trainingrun.local.rundir import clear_for_fresh, is_run_dir, resize_only, spec_change
-
     progress = ProgressLine(num_rollouts=effective_run.spec.rollout.num_rollouts, interval=args.progress_interval,
                         log_path=out_dir / "logs" / LAUNCHER_LOG)
     name = effective_run.metadata.name
@@ -186,8 +190,6 @@ def _run_locked(args: argparse.Namespace, effective_run, out_dir: Path) -> int:
     try:
         code, summary = launcher.execute()
     except OSError as exc:  # the run directory itself could not be set up (e.g. a full volume): nothing started
-        from trainingrun.diskspace import describe
-
         print(f"error: {describe(exc, launcher.volumes()) or exc}", file=sys.stderr)
         return 1
     write_run_plot(out_dir, progress)
@@ -208,14 +210,10 @@ def _run_locked(args: argparse.Namespace, effective_run, out_dir: Path) -> int:
 
 def write_run_plot(out_dir: Path, progress: ProgressLine) -> None:
     """The finished (or stopped) run's plot, RUN_DIR/plot.png; a failure to plot never fails the run."""
-    from trainingrun.history import step_records
-
     records = step_records(out_dir)
     if not records:
         return
     try:
-        from trainingrun.plot import PLOT_FILE, write_plot
-
         path = write_plot(records, out_dir / PLOT_FILE, title=out_dir.resolve().name)
     except Exception as exc:  # noqa: BLE001 - matplotlib missing, disk full: the run's results are written already
         progress.event(f"warning: no plot written: {type(exc).__name__}: {exc}")

@@ -3,51 +3,29 @@ the metrics ports they serve on.
 
 Each child runs in its own session (its own process group), so a Ctrl-C in the terminal reaches only the launcher,
 which then stops the children in order: SIGTERM to every child's process group, a grace period, then SIGKILL to
-whatever is left. On Linux each child also gets PR_SET_PDEATHSIG=SIGKILL, so even a launcher killed with SIGKILL
-does not leave trainers behind.
+whatever is left. On Linux each child also gets PR_SET_PDEATHSIG=SIGKILL (`trainingrun.childproc`), so even a launcher killed
+with SIGKILL does not leave trainers behind.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shlex
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainingrun.childproc import DIE_WITH_PARENT, child_command_prefix
 from trainingrun.plan import ProcessPlan, RunPlan
-
-# Replaces `python -m trainingrun` in front of each child's arguments (debugging: wrap children in a profiler;
-# tests: small stand-in programs). Split like a shell command line.
-CHILD_COMMAND_ENV = "TRAININGRUN_CHILD_COMMAND"
-
-
-def child_command_prefix() -> list[str]:
-    """The command that runs `trainingrun <args>` for a child process."""
-    override = os.environ.get(CHILD_COMMAND_ENV)
-    if override:
-        return shlex.split(override)
-    return [sys.executable, "-m", "trainingrun"]
 
 
 def log_path(log_dir: Path, name: str, attempt: int) -> Path:
     """`<name>.log` for the first attempt, `<name>.attempt<k>.log` for restarts (earlier logs are kept)."""
     return log_dir / (f"{name}.log" if attempt == 0 else f"{name}.attempt{attempt}.log")
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
-    """preexec_fn: SIGKILL this child when the launcher dies (Linux prctl PR_SET_PDEATHSIG)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except OSError:
-        pass
 
 
 def describe_exit(code: int | None) -> str:
@@ -113,7 +91,7 @@ class ProcessGroup:
                         stdout=fh,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
-                        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                        preexec_fn=DIE_WITH_PARENT,
                     )
                 group.children.append(Child(plan=p, proc=proc, log=log, started=time.monotonic()))
         except BaseException:

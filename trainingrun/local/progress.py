@@ -113,7 +113,7 @@ class ProgressLine:
     # ------------------------------------------------------------------------------------------------ output
     def _ensure_bar(self):
         if self._bar is None:
-            from tqdm import tqdm  # deferred: tqdm (a terminal only)
+            from tqdm import tqdm  # deferred: tqdm (interactive runs only)
 
             self._bar = tqdm(
                 total=self.num_rollouts, initial=self.rollouts_done(), desc=self.fields(compact=True),

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 LOCK_FILE = "launcher.lock"
 
 
@@ -155,8 +157,6 @@ def spec_change(path: Path, spec_text: str, max_lines: int = 40) -> str | None:
 def resize_only(path: Path, spec_text: str) -> tuple[int, int] | None:
     """(earlier, now) `spec.trainer.replicas` when DIR/run.yaml differs from `spec_text` in nothing else: the run is
     being resized (another `--trainers`), which continues it exactly (elastic data parallelism, docs/trainer.md)."""
-    import yaml
-
     try:
         old, new = yaml.safe_load((path / "run.yaml").read_text()), yaml.safe_load(spec_text)
         before, after = old["spec"]["trainer"]["replicas"], new["spec"]["trainer"]["replicas"]

@@ -27,11 +27,10 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-Arch = dict[str, Any]  # ModelSpec.resolved()
+from trainingrun.modeling.architecture import Architecture, spec_field
 
 
 class ConversionError(ValueError):
@@ -39,12 +38,11 @@ class ConversionError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------------ shape transforms
-def _groups(arch: Arch) -> tuple[int, int, int]:
-    n, g, d = int(arch["num_attention_heads"]), int(arch["num_query_groups"]), int(arch["kv_channels"])
-    return n, g, d
+def _groups(arch: Architecture) -> tuple[int, int, int]:
+    return arch.num_attention_heads, arch.num_query_groups, arch.head_dim
 
 
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Arch) -> torch.Tensor:
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Architecture) -> torch.Tensor:
     n, g, d = _groups(arch)
     rest = q.shape[1:]
     q = q.reshape(g, (n // g) * d, *rest)
@@ -53,7 +51,7 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Arch) -> t
     return torch.cat([q, k, v], dim=1).reshape(g * (n // g + 2) * d, *rest).contiguous()
 
 
-def split_qkv(qkv: torch.Tensor, arch: Arch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_qkv(qkv: torch.Tensor, arch: Architecture) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, g, d = _groups(arch)
     rest = qkv.shape[1:]
     grouped = qkv.reshape(g, (n // g + 2) * d, *rest)
@@ -62,20 +60,20 @@ def split_qkv(qkv: torch.Tensor, arch: Arch) -> tuple[torch.Tensor, torch.Tensor
             v.reshape(g * d, *rest).contiguous())
 
 
-def _cat(*parts: torch.Tensor, arch: Arch) -> torch.Tensor:  # noqa: ARG001 - same signature as fuse_qkv
+def _cat(*parts: torch.Tensor, arch: Architecture) -> torch.Tensor:  # noqa: ARG001 - same signature as fuse_qkv
     return torch.cat(parts, dim=0).contiguous()
 
 
-def _chunk2(t: torch.Tensor, arch: Arch) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ARG001
+def _chunk2(t: torch.Tensor, arch: Architecture) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ARG001
     a, b = torch.chunk(t, 2, dim=0)
     return a.contiguous(), b.contiguous()
 
 
-def _same(t: torch.Tensor, arch: Arch) -> torch.Tensor:  # noqa: ARG001
+def _same(t: torch.Tensor, arch: Architecture) -> torch.Tensor:  # noqa: ARG001
     return t
 
 
-def _same1(t: torch.Tensor, arch: Arch) -> tuple[torch.Tensor]:  # noqa: ARG001
+def _same1(t: torch.Tensor, arch: Architecture) -> tuple[torch.Tensor]:  # noqa: ARG001
     return (t,)
 
 
@@ -148,15 +146,15 @@ EXPORT_RULES: tuple[ExportRule, ...] = (
 IGNORED_HF = (re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$"), re.compile(r"^model\.rotary_emb\."))
 
 
-def _applies(when: str, arch: Arch) -> bool:
+def _applies(when: str, arch: Architecture) -> bool:
     if when == "always":
         return True
     if when == "untied":
-        return not arch["tie_embeddings"]
+        return not arch.tie_embeddings
     if when == "bias":
-        return bool(arch["add_bias_linear"])
+        return arch.add_bias_linear
     if when == "qkv_bias":
-        return bool(arch["add_bias_linear"] or arch["add_qkv_bias"])
+        return arch.qkv_bias
     raise AssertionError(when)
 
 
@@ -166,38 +164,38 @@ def _expand(template: str, layers: int) -> list[tuple[int | None, str]]:
     return [(None, template)]
 
 
-def import_plan(arch: Arch) -> list[tuple[str, tuple[str, ...], Callable[..., torch.Tensor]]]:
+def import_plan(arch: Architecture) -> list[tuple[str, tuple[str, ...], Callable[..., torch.Tensor]]]:
     """(Megatron name, HF source names, combine) for every Megatron tensor of `arch`."""
     out = []
     for rule in IMPORT_RULES:
         if not _applies(rule.when, arch):
             continue
-        for i, name in _expand(rule.megatron, int(arch["num_layers"])):
+        for i, name in _expand(rule.megatron, arch.num_layers):
             out.append((name, tuple(h.format(i=i) for h in rule.hf), rule.combine))
     return out
 
 
-def export_plan(arch: Arch) -> list[tuple[str, tuple[str, ...], Callable[..., tuple[torch.Tensor, ...]]]]:
+def export_plan(arch: Architecture) -> list[tuple[str, tuple[str, ...], Callable[..., tuple[torch.Tensor, ...]]]]:
     out = []
     for rule in EXPORT_RULES:
         if not _applies(rule.when, arch):
             continue
-        for i, name in _expand(rule.megatron, int(arch["num_layers"])):
+        for i, name in _expand(rule.megatron, arch.num_layers):
             out.append((name, tuple(h.format(i=i) for h in rule.hf), rule.split))
     return out
 
 
-def expected_shapes(arch: Arch) -> dict[str, tuple[int, ...]]:
+def expected_shapes(arch: Architecture) -> dict[str, tuple[int, ...]]:
     """Full (TP 1) Megatron shape of every canonical tensor of `arch`."""
     n, g, d = _groups(arch)
-    h, f, v = int(arch["hidden_size"]), int(arch["ffn_hidden_size"]), int(arch["vocab_size"])
-    fc1 = 2 * f if arch["activation"] == "swiglu" else f
+    h, f, v = arch.hidden_size, arch.ffn_hidden_size, arch.vocab_size
+    fc1 = 2 * f if arch.gated else f
     qkv = (n + 2 * g) * d
     shapes = {
         "embedding.word_embeddings.weight": (v, h), "decoder.final_layernorm.weight": (h,),
         "output_layer.weight": (v, h),
     }
-    for i in range(int(arch["num_layers"])):
+    for i in range(arch.num_layers):
         p = f"decoder.layers.{i}."
         shapes.update({
             p + "input_layernorm.weight": (h,), p + "self_attention.linear_qkv.weight": (qkv, h),
@@ -206,28 +204,28 @@ def expected_shapes(arch: Arch) -> dict[str, tuple[int, ...]]:
             p + "mlp.linear_fc1.weight": (fc1, h), p + "mlp.linear_fc1.bias": (fc1,),
             p + "mlp.linear_fc2.weight": (h, f), p + "mlp.linear_fc2.bias": (h,),
         })
-        if arch["normalization"] == "LayerNorm":
+        if arch.normalization == "LayerNorm":
             shapes[p + "input_layernorm.bias"] = (h,)
             shapes[p + "pre_mlp_layernorm.bias"] = (h,)
-    if arch["normalization"] == "LayerNorm":
+    if arch.normalization == "LayerNorm":
         shapes["decoder.final_layernorm.bias"] = (h,)
     return shapes
 
 
-def check_hf_names(hf_names: Iterable[str], arch: Arch) -> None:
+def check_hf_names(hf_names: Iterable[str], arch: Architecture) -> None:
     """ConversionError naming the HF tensors `arch` needs but are absent, and those present that it has no use for."""
     present = set(hf_names)
     wanted = {h for _, hs, _ in import_plan(arch) for h in hs}
     missing = sorted(wanted - present)
     unexpected = sorted(n for n in present - wanted if not any(p.search(n) for p in IGNORED_HF)
-                        and not (n == "lm_head.weight" and arch["tie_embeddings"]))
+                        and not (n == "lm_head.weight" and arch.tie_embeddings))
     if missing or unexpected:
         raise ConversionError(f"Hugging Face weights do not match the architecture: missing {missing[:8]}"
                               f"{' …' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
                               f"{' …' if len(unexpected) > 8 else ''}")
 
 
-def iter_hf_to_megatron(get_hf: Callable[[str], torch.Tensor], hf_names: Iterable[str], arch: Arch):
+def iter_hf_to_megatron(get_hf: Callable[[str], torch.Tensor], hf_names: Iterable[str], arch: Architecture):
     """(Megatron name, full tensor) for every canonical tensor of `arch`, built one at a time from HF tensors;
     `get_hf(name)` loads one HF tensor (lazily: a safetensors file is read a tensor at a time)."""
     check_hf_names(hf_names, arch)
@@ -240,12 +238,12 @@ def iter_hf_to_megatron(get_hf: Callable[[str], torch.Tensor], hf_names: Iterabl
         yield name, tensor
 
 
-def hf_to_megatron(hf_state: dict[str, torch.Tensor], arch: Arch) -> dict[str, torch.Tensor]:
+def hf_to_megatron(hf_state: dict[str, torch.Tensor], arch: Architecture) -> dict[str, torch.Tensor]:
     """Full (TP 1) canonical Megatron state dict from an HF state dict."""
     return dict(iter_hf_to_megatron(hf_state.__getitem__, hf_state.keys(), arch))
 
 
-def megatron_to_hf(state: dict[str, torch.Tensor], arch: Arch) -> dict[str, torch.Tensor]:
+def megatron_to_hf(state: dict[str, torch.Tensor], arch: Architecture) -> dict[str, torch.Tensor]:
     """HF state dict from a full (TP-gathered) canonical Megatron state dict."""
     state = canonical_names(state)
     plan = export_plan(arch)
@@ -312,26 +310,25 @@ TP_RULES: tuple[tuple[re.Pattern[str], int], ...] = (
 )
 
 
-def tp_layout(name: str, arch: Arch) -> tuple[int | None, bool]:
+def tp_layout(name: str, arch: Architecture) -> tuple[int | None, bool]:
     """(partition dim or None when replicated, gated) of a canonical Megatron tensor."""
     for pattern, dim in TP_RULES:
         if pattern.search(name):
-            return dim, (".mlp.linear_fc1." in name and arch["activation"] == "swiglu")
+            return dim, (".mlp.linear_fc1." in name and arch.gated)
     return None, False
 
 
-def check_tp(arch: Arch, tp: int) -> None:
+def check_tp(arch: Architecture, tp: int) -> None:
     """ValueError naming the size that tensor-parallel size `tp` does not divide."""
     if tp == 1:
         return
-    for key, label in (("num_attention_heads", "numAttentionHeads"), ("num_query_groups", "numQueryGroups"),
-                       ("ffn_hidden_size", "ffnHiddenSize"), ("vocab_size", "vocabSize")):
-        if int(arch[key]) % tp:
-            raise ValueError(f"model.{label}: {arch[key]} is not divisible by trainer.tensorParallelSize {tp}; "
-                             "allowed: a tensorParallelSize that divides it")
+    for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
+        if getattr(arch, name) % tp:
+            raise ValueError(f"{spec_field(name)}: {getattr(arch, name)} is not divisible by "
+                             f"trainer.tensorParallelSize {tp}; allowed: a tensorParallelSize that divides it")
 
 
-def split_tp(name: str, full: torch.Tensor, arch: Arch, rank: int, size: int) -> torch.Tensor:
+def split_tp(name: str, full: torch.Tensor, arch: Architecture, rank: int, size: int) -> torch.Tensor:
     """Rank `rank`'s shard of a full canonical tensor."""
     dim, gated = tp_layout(name, arch)
     if dim is None or size == 1:
@@ -344,7 +341,7 @@ def split_tp(name: str, full: torch.Tensor, arch: Arch, rank: int, size: int) ->
     return torch.chunk(full, size, dim=dim)[rank].contiguous()
 
 
-def gather_tp(name: str, shards: list[torch.Tensor], arch: Arch) -> torch.Tensor:
+def gather_tp(name: str, shards: list[torch.Tensor], arch: Architecture) -> torch.Tensor:
     """The full canonical tensor from its TP shards (rank order); replicated tensors must agree exactly."""
     dim, gated = tp_layout(name, arch)
     if len(shards) == 1:

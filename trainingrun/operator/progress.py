@@ -12,7 +12,7 @@ A store that cannot be read (a NetworkPolicy, a password the operator lacks, an 
 Why through the store: trainer pods then need no Kubernetes API permission at all (no service account token is
 mounted), and the operator needs no pod exec/log/proxy permission. Only redis:// stores (an external URL or the
 managed store) can be read by the operator; a file:// store lives inside the pods and is refused by the operator
-(`render.cluster_errors`), so in a cluster progress always flows.
+(`checks.cluster_errors`), so in a cluster progress always flows.
 """
 
 from __future__ import annotations

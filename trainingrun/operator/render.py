@@ -17,20 +17,20 @@ Children of a run `R` in namespace `NS`:
                                 (`trainingrun.vllm.k8s`); like the store it outlives attempts
 Pod names carry the attempt so a restarted group never collides with pods of the previous attempt still terminating;
 every pod's TRAININGRUN_ATTEMPT is its attempt, which the store and checkpoints use to refuse an older attempt's
-writes. `Child` names one child for `status.decide`; `render_child` renders it.
+writes. The names, the owner and `Child` (one child, as `status.decide` asks for it) are the operator's vocabulary
+(`trainingrun.operator.vocabulary`); `render_child` renders one child with the function `RENDERERS` names for its
+kind and role, and nothing else.
 """
 
 from __future__ import annotations
 
-import hashlib
-import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from trainingrun.api.constants import (
-    API_VERSION,
+    ANNOTATION_CONFIG_HASH,
     APP,
-    KIND,
     LABEL_ATTEMPT,
     LABEL_NAME,
     LABEL_RANK,
@@ -38,200 +38,34 @@ from trainingrun.api.constants import (
     LABEL_RUN,
     ROLE_CONFIG,
     ROLE_ENGINE,
+    ROLE_ROLLOUT,
     ROLE_STORE,
     ROLE_TRAINER,
 )
-from trainingrun.api.constants import ANNOTATION_CONFIG_HASH
-from trainingrun.api.manifest import dump_yaml
 from trainingrun.api.models import TrainingRun
 from trainingrun.operator import gang
+from trainingrun.operator.vocabulary import (
+    CONFIG_VOLUME,
+    SHM_VOLUME,
+    STORE_PORT,
+    Child,
+    Names,
+    Owner,
+    base_children,
+    config_hash,
+    config_text,
+    engine_is_managed,
+    master_addr,
+    run_epoch,
+    store_is_managed,
+    store_url,
+)
 from trainingrun.plan import CONFIG_MOUNT_PATH, DEFAULT_MASTER_PORT, ProcessPlan, RunPlan, build_plan
 from trainingrun.vllm import k8s as engine_k8s
 from trainingrun.contract.env import ENGINE_URL_ENV
 
-STORE_PORT = 6379
 DEFAULT_REDIS_IMAGE = "redis:7.2-alpine"
 GPU_RESOURCE = gang.GPU_RESOURCE
-CONFIG_VOLUME = "config"  # pod volume of the run's ConfigMap (reserved: podTemplate.volumes may not use it)
-SHM_VOLUME = "dshm"  # memory-backed /dev/shm of multi-worker trainer pods (reserved too)
-_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-
-
-@dataclass(frozen=True)
-class Owner:
-    """Identity of the TrainingRun that owns the children."""
-
-    name: str
-    namespace: str
-    uid: str
-
-    def reference(self) -> dict[str, Any]:
-        return {
-            "apiVersion": API_VERSION,
-            "kind": KIND,
-            "name": self.name,
-            "uid": self.uid,
-            "controller": True,
-            "blockOwnerDeletion": True,
-        }
-
-
-@dataclass(frozen=True)
-class Names:
-    """Names of a run's children."""
-
-    run: str
-
-    @property
-    def config(self) -> str:
-        return f"{self.run}-config"
-
-    @property
-    def service(self) -> str:
-        return f"{self.run}-trainers"
-
-    @property
-    def store(self) -> str:
-        return f"{self.run}-store"
-
-    @property
-    def engine(self) -> str:
-        return f"{self.run}-engine"
-
-    def podgroup(self, attempt: int) -> str:
-        return f"{self.run}-a{attempt}"
-
-    def is_podgroup(self, name: str) -> bool:
-        """Whether `name` is one of this run's PodGroups (of any attempt)."""
-        prefix = f"{self.run}-a"
-        return name.startswith(prefix) and name[len(prefix):].isdigit()
-
-    def pod(self, role: str, rank: int | None, attempt: int) -> str:
-        return f"{self.run}-{role}-a{attempt}" if rank is None else f"{self.run}-{role}-{rank}-a{attempt}"
-
-    @staticmethod
-    def hostname(rank: int, attempt: int) -> str:
-        """A trainer pod's hostname: per attempt, so the rendezvous name never resolves to an older attempt's pod."""
-        return f"trainer-{rank}-a{attempt}"
-
-
-@dataclass(frozen=True)
-class Child:
-    """One child object of a run, by kind and name (pods of the attempt also by role and rank)."""
-
-    kind: str  # ConfigMap, Service, Pod, PodGroup
-    name: str
-    role: str | None = None
-    rank: int | None = None
-
-    @property
-    def key(self) -> str:
-        return f"{self.kind}/{self.name}"
-
-
-def base_children(run: TrainingRun, attempt: int) -> list[Child]:
-    """What the attempt's pods need before they are created, in creation order (plus the managed store's pod)."""
-    names = Names(run.metadata.name)
-    out = [Child("ConfigMap", names.config), Child("Service", names.service)]
-    if store_is_managed(run):
-        out += [Child("Service", names.store), Child("Pod", names.store, role=ROLE_STORE)]
-    if engine_is_managed(run):
-        out += [Child("ConfigMap", names.engine), Child("Service", names.engine),
-                Child("Pod", names.engine, role=ROLE_ENGINE)]
-    if gang.provider(run) is not None:
-        out.append(Child("PodGroup", names.podgroup(attempt)))
-    return out
-
-
-def store_is_managed(run: TrainingRun) -> bool:
-    """In a cluster, a run without `store.url` gets a managed Redis (a file store cannot be shared by pods)."""
-    return run.spec.store.managed or run.spec.store.url is None
-
-
-def engine_is_managed(run: TrainingRun) -> bool:
-    """The operator runs the run's vLLM server: generated rollouts with the vllm engine and no `engine.url`."""
-    e = run.spec.rollout.engine
-    return run.spec.rollout.source.type == "generate" and e.type == "vllm" and not e.url
-
-
-def store_url(run: TrainingRun, namespace: str) -> str:
-    if store_is_managed(run):
-        return f"redis://{Names(run.metadata.name).store}.{namespace}.svc:{STORE_PORT}/0"
-    url = run.spec.store.url
-    assert url is not None
-    if url.startswith("redis://") and "prefix=" not in url:
-        # An external Redis may serve several runs: give each its own keys (trainingrun.<namespace>.<name>, and the
-        # first 8 characters of the run's uid when known, so that a run deleted and re-created with the same name
-        # starts a fresh stream instead of being fenced off by the old run's attempts) unless the URL names a prefix.
-        prefix = f"trainingrun.{namespace}.{run.metadata.name}"
-        uid = (run.metadata.model_extra or {}).get("uid")
-        if isinstance(uid, str) and uid:
-            prefix += "." + uid[:8]
-        url += ("&" if "?" in url else "?") + f"prefix={prefix}"
-    return url
-
-
-def run_epoch(run: TrainingRun) -> int:
-    """The run's creation time in unix seconds (metadata.creationTimestamp), 0 when unknown: TRAININGRUN_RUN_EPOCH."""
-    from trainingrun.operator.observe import parse_time
-
-    raw = (run.metadata.model_extra or {}).get("creationTimestamp")
-    try:
-        ts = parse_time(raw) if isinstance(raw, str) else None
-    except ValueError:
-        return 0
-    return max(int(ts.timestamp()), 0) if ts is not None else 0
-
-
-def master_addr(run: TrainingRun, namespace: str, attempt: int) -> str:
-    return f"{Names.hostname(0, attempt)}.{Names(run.metadata.name).service}.{namespace}.svc"
-
-
-def cluster_errors(run: TrainingRun) -> list[str]:
-    """What is wrong with a schema-valid run for running in a cluster: one message per problem, naming the field,
-    what was wrong and what is allowed. Empty when the run can be rendered."""
-    errors: list[str] = []
-    names = Names(run.metadata.name)
-    for what, value in (("service", names.service), ("store service", names.store), ("engine service", names.engine)):
-        if len(value) > 63 or not _DNS_LABEL.match(value):
-            errors.append(
-                f"metadata.name: {run.metadata.name!r} gives the {what} name {value!r}, which must be a DNS label "
-                f"(at most 63 characters, starting with a letter); use a name of at most {63 - len(value) + len(run.metadata.name)} "
-                "characters that starts with a letter"
-            )
-    try:
-        run.spec.model.resolved(read_hf=False)  # the HF directory is on the pods' volume, not here
-    except (ValueError, KeyError) as exc:
-        errors.append(f"spec.model: {exc} (after applying preset {run.spec.model.preset!r})")
-    config_dir = CONFIG_MOUNT_PATH.rsplit("/", 1)[0]
-    for i, volume in enumerate(run.spec.pod_template.volumes):
-        if volume.get("name") in (CONFIG_VOLUME, SHM_VOLUME):
-            errors.append(f"spec.podTemplate.volumes[{i}].name: {volume.get('name')!r} is one of the operator's own "
-                          f"volumes ({CONFIG_VOLUME!r}: the run's ConfigMap, {SHM_VOLUME!r}: /dev/shm); use another name")
-    for i, mount in enumerate(run.spec.pod_template.volume_mounts):
-        if str(mount.get("mountPath", "")).rstrip("/") == config_dir:
-            errors.append(f"spec.podTemplate.volumeMounts[{i}].mountPath: {config_dir!r} is where the operator mounts "
-                          "the run's manifest; use another path")
-    if run.spec.rollout.engine.type == "vllm" and run.spec.model.hf is None:
-        errors.append("spec.model.hf: rollout.engine.type vllm loads Hugging Face weights; set model.hf to an HF "
-                      "directory on a volume of spec.podTemplate (the engine pod mounts them too)")
-    url = run.spec.store.url
-    if url is not None and url.startswith("file://"):
-        errors.append(
-            f"spec.store.url: {url!r} is a file store, which pods cannot share in a cluster; "
-            "use a redis:// URL or store.managed: true"
-        )
-    return errors
-
-
-def run_manifest(run: TrainingRun, namespace: str) -> dict[str, Any]:
-    """The manifest the pods load from the ConfigMap (`trainingrun.api.load_trainingrun`)."""
-    return {
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "metadata": {"name": run.metadata.name, "namespace": namespace},
-        "spec": run.spec.to_dict(),
-    }
 
 
 def plan_for(run: TrainingRun, namespace: str, attempt: int) -> RunPlan:
@@ -264,22 +98,13 @@ def base_labels(run_name: str) -> dict[str, str]:
     return {LABEL_NAME: APP, LABEL_RUN: run_name}
 
 
-def _config_text(run: TrainingRun, namespace: str) -> str:
-    return dump_yaml(run_manifest(run, namespace), sort_keys=False)
-
-
-def config_hash(run: TrainingRun) -> str:
-    """A short hash of the run's manifest (the ConfigMap's content, whatever the namespace)."""
-    return hashlib.sha256(_config_text(run, "").encode()).hexdigest()[:16]
-
-
 def render_config_map(run: TrainingRun, owner: Owner) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(Names(owner.name).config, owner, {**base_labels(owner.name), LABEL_ROLE: ROLE_CONFIG},
                           {ANNOTATION_CONFIG_HASH: config_hash(run)}),
-        "data": {"run.yaml": _config_text(run, owner.namespace)},
+        "data": {"run.yaml": config_text(run, owner.namespace)},
     }
 
 
@@ -424,17 +249,15 @@ def render_pods(run: TrainingRun, owner: Owner, attempt: int) -> list[dict[str, 
     return [render_process_pod(run, owner, p, attempt) for p in plan.processes]
 
 
-def render_store(run: TrainingRun, owner: Owner, image: str = DEFAULT_REDIS_IMAGE) -> list[dict[str, Any]]:
-    """Managed Redis: a Pod (restartPolicy Always, no persistence) and its Service; [] when the store is external."""
-    if not store_is_managed(run):
-        return []
+def render_store_pod(run: TrainingRun, owner: Owner, image: str = DEFAULT_REDIS_IMAGE) -> dict[str, Any]:
+    """The managed Redis pod: restartPolicy Always, no persistence."""
     names = Names(owner.name)
     labels = {**base_labels(owner.name), LABEL_ROLE: ROLE_STORE}
     t = run.spec.pod_template
     common = _pod_spec_common(run)
     common.pop("schedulerName", None)  # the store is not part of the gang
     common["securityContext"] = {**common["securityContext"], "runAsUser": 999, "runAsGroup": 999, "fsGroup": 999}
-    pod = {
+    return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": _meta(names.store, owner, {**t.labels, **labels}, dict(t.annotations) or None),
@@ -454,23 +277,49 @@ def render_store(run: TrainingRun, owner: Owner, image: str = DEFAULT_REDIS_IMAG
             ],
         },
     }
-    service = {
+
+
+def render_store_service(run: TrainingRun, owner: Owner) -> dict[str, Any]:
+    """The managed Redis pod's Service."""
+    labels = {**base_labels(owner.name), LABEL_ROLE: ROLE_STORE}
+    return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(names.store, owner, labels),
+        "metadata": _meta(Names(owner.name).store, owner, labels),
         "spec": {"selector": labels, "ports": [{"name": "redis", "port": STORE_PORT, "targetPort": STORE_PORT}]},
     }
-    return [pod, service]
+
+
+def render_store(run: TrainingRun, owner: Owner, image: str = DEFAULT_REDIS_IMAGE) -> list[dict[str, Any]]:
+    """Managed Redis: its Pod and Service; [] when the store is external."""
+    if not store_is_managed(run):
+        return []
+    return [render_store_pod(run, owner, image), render_store_service(run, owner)]
 
 
 STORE_DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "2Gi"}, "limits": {"memory": "2Gi"}}
 
 
-def render_engine(run: TrainingRun, owner: Owner) -> list[dict[str, Any]]:
-    """The run's vLLM server (`trainingrun.vllm.k8s`): its worker-extension ConfigMap, Pod (restartPolicy Always,
-    the run's podTemplate volumes: model.hf and weightSync.path live there) and Service; [] when not managed."""
-    if not engine_is_managed(run):
-        return []
+def _store_resources(run: TrainingRun) -> dict[str, Any]:
+    """The managed Redis pod's resources: the spec's, or requests = limits for memory so it is not the first pod
+    evicted under memory pressure (it holds every unconsumed rollout and the rollout's resume state)."""
+    res = run.spec.store.resources
+    return _resources(res.requests, res.limits, 0) or STORE_DEFAULT_RESOURCES
+
+
+def render_engine_config_map(run: TrainingRun, owner: Owner) -> dict[str, Any]:
+    """The run's vLLM server's worker extension (`trainingrun.vllm.k8s`)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(Names(owner.name).engine, owner, {**base_labels(owner.name), LABEL_ROLE: ROLE_ENGINE}),
+        "data": engine_k8s.extension_config_map_data(),
+    }
+
+
+def render_engine_pod(run: TrainingRun, owner: Owner) -> dict[str, Any]:
+    """The run's vLLM server: restartPolicy Always, the run's podTemplate volumes (model.hf and weightSync.path live
+    there)."""
     names = Names(owner.name)
     labels = {**base_labels(owner.name), LABEL_ROLE: ROLE_ENGINE}
     t = run.spec.pod_template
@@ -480,13 +329,7 @@ def render_engine(run: TrainingRun, owner: Owner) -> list[dict[str, Any]]:
     container = engine_k8s.engine_container(run.spec, volume_mounts=list(t.volume_mounts),
                                             resources=_resources(v.resources.requests, v.resources.limits, v.gpus))
     container["securityContext"] = _container_security()
-    config_map = {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": _meta(names.engine, owner, labels),
-        "data": engine_k8s.extension_config_map_data(),
-    }
-    pod = {
+    return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": _meta(names.engine, owner, {**t.labels, **labels}, dict(t.annotations) or None),
@@ -497,21 +340,26 @@ def render_engine(run: TrainingRun, owner: Owner) -> list[dict[str, Any]]:
             "volumes": [engine_k8s.extension_volume(names.engine), *t.volumes],
         },
     }
-    service = {
+
+
+def render_engine_service(run: TrainingRun, owner: Owner) -> dict[str, Any]:
+    """The run's vLLM server's Service (the rollout's TRAININGRUN_ENGINE_URL)."""
+    labels = {**base_labels(owner.name), LABEL_ROLE: ROLE_ENGINE}
+    return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(names.engine, owner, labels),
+        "metadata": _meta(Names(owner.name).engine, owner, labels),
         "spec": {"selector": labels, "ports": [{"name": "http", "port": engine_k8s.ENGINE_PORT,
                                                  "targetPort": engine_k8s.ENGINE_PORT}]},
     }
-    return [config_map, pod, service]
 
 
-def _store_resources(run: TrainingRun) -> dict[str, Any]:
-    """The managed Redis pod's resources: the spec's, or requests = limits for memory so it is not the first pod
-    evicted under memory pressure (it holds every unconsumed rollout and the rollout's resume state)."""
-    res = run.spec.store.resources
-    return _resources(res.requests, res.limits, 0) or STORE_DEFAULT_RESOURCES
+def render_engine(run: TrainingRun, owner: Owner) -> list[dict[str, Any]]:
+    """The run's vLLM server (`trainingrun.vllm.k8s`): its worker-extension ConfigMap, Pod and Service; [] when not
+    managed."""
+    if not engine_is_managed(run):
+        return []
+    return [render_engine_config_map(run, owner), render_engine_pod(run, owner), render_engine_service(run, owner)]
 
 
 def render_podgroup(run: TrainingRun, owner: Owner, attempt: int) -> dict[str, Any] | None:
@@ -529,27 +377,53 @@ def render_podgroup(run: TrainingRun, owner: Owner, attempt: int) -> dict[str, A
     }
 
 
+# ------------------------------------------------------------------------------------------------------ dispatch
+@dataclass(frozen=True)
+class Target:
+    """One child to render: the run, its owner, the child, the attempt, and the operator's settings."""
+
+    run: TrainingRun
+    owner: Owner
+    child: Child
+    attempt: int
+    redis_image: str = DEFAULT_REDIS_IMAGE
+
+
+def _process_pod(t: Target) -> dict[str, Any]:
+    plan = plan_for(t.run, t.owner.namespace, t.attempt)
+    process = plan.rollout if t.child.role == ROLE_ROLLOUT else next(p for p in plan.trainers
+                                                                     if p.rank == t.child.rank)
+    return render_process_pod(t.run, t.owner, process, t.attempt)
+
+
+def _podgroup(t: Target) -> dict[str, Any]:
+    pg = render_podgroup(t.run, t.owner, t.attempt)
+    assert pg is not None, "a PodGroup child without gang scheduling"
+    return pg
+
+
+# (kind, role) of a `Child` -> the function rendering exactly that object
+RENDERERS: dict[tuple[str, str | None], Callable[[Target], dict[str, Any]]] = {
+    ("ConfigMap", ROLE_CONFIG): lambda t: render_config_map(t.run, t.owner),
+    ("Service", ROLE_TRAINER): lambda t: render_service(t.run, t.owner),
+    ("Service", ROLE_STORE): lambda t: render_store_service(t.run, t.owner),
+    ("Pod", ROLE_STORE): lambda t: render_store_pod(t.run, t.owner, t.redis_image),
+    ("ConfigMap", ROLE_ENGINE): lambda t: render_engine_config_map(t.run, t.owner),
+    ("Service", ROLE_ENGINE): lambda t: render_engine_service(t.run, t.owner),
+    ("Pod", ROLE_ENGINE): lambda t: render_engine_pod(t.run, t.owner),
+    ("PodGroup", None): _podgroup,
+    ("Pod", ROLE_ROLLOUT): _process_pod,
+    ("Pod", ROLE_TRAINER): _process_pod,
+}
+
+
 def render_child(run: TrainingRun, owner: Owner, child: Child, attempt: int, *,
                  redis_image: str = DEFAULT_REDIS_IMAGE) -> dict[str, Any]:
-    """The object of one `Child` of attempt `attempt`."""
-    names = Names(owner.name)
-    if child.kind in ("ConfigMap", "Service") and child.name == names.engine or child.role == ROLE_ENGINE:
-        return next(o for o in render_engine(run, owner) if o["kind"] == child.kind)
-    if child.kind == "ConfigMap":
-        return render_config_map(run, owner)
-    if child.kind == "Service":
-        if child.name == names.service:
-            return render_service(run, owner)
-        return next(o for o in render_store(run, owner, redis_image) if o["kind"] == "Service")
-    if child.kind == "PodGroup":
-        pg = render_podgroup(run, owner, attempt)
-        assert pg is not None, "a PodGroup child without gang scheduling"
-        return pg
-    if child.role == ROLE_STORE:
-        return next(o for o in render_store(run, owner, redis_image) if o["kind"] == "Pod")
-    plan = plan_for(run, owner.namespace, attempt)
-    process = next(p for p in plan.processes if (p.role, p.rank) == (child.role, child.rank))
-    return render_process_pod(run, owner, process, attempt)
+    """The object of one `Child` of attempt `attempt` (`RENDERERS`)."""
+    render = RENDERERS.get((child.kind, child.role))
+    if render is None:
+        raise ValueError(f"no renderer for {child.key} with role {child.role!r}; known: {sorted(map(str, RENDERERS))}")
+    return render(Target(run, owner, child, attempt, redis_image))
 
 
 def render_children(run: TrainingRun, owner: Owner, attempt: int, *, redis_image: str = DEFAULT_REDIS_IMAGE) -> list[dict]:

@@ -41,8 +41,8 @@ from typing import Any
 from trainingrun import failure_policy as policy
 from trainingrun.api.constants import GROUP_ROLES, ROLE_ENGINE, ROLE_STORE, ROLE_TRAINER
 from trainingrun.api.models import MESSAGE_MAX_LENGTH, TERMINAL_PHASES, TrainingRun
-from trainingrun.operator import render
 from trainingrun.operator.observe import KUEUE_GATE, Observed, PodObs, parse_time
+from trainingrun.operator.vocabulary import Child, Names, base_children, config_hash
 
 LIFECYCLE_CONDITIONS = ("Running", "Restarting", "Suspended", "Succeeded", "Failed")
 EVENT_MESSAGE_MAX = 1024
@@ -71,9 +71,9 @@ class Decision:
     """The next status (full, camelCase) and what to do."""
 
     status: dict[str, Any]
-    create: list[render.Child] = field(default_factory=list)  # in order: base children, then the attempt's pods
-    update: list[render.Child] = field(default_factory=list)  # children to bring up to date (the ConfigMap)
-    delete: list[render.Child] = field(default_factory=list)  # children other than pods to delete
+    create: list[Child] = field(default_factory=list)  # in order: base children, then the attempt's pods
+    update: list[Child] = field(default_factory=list)  # children to bring up to date (the ConfigMap)
+    delete: list[Child] = field(default_factory=list)  # children other than pods to delete
     delete_pods: list[str] = field(default_factory=list)
     delete_run: bool = False
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
@@ -112,8 +112,8 @@ class _Ctx:
         return int(self.st["attempt"])
 
     @property
-    def names(self) -> render.Names:
-        return render.Names(self.run.metadata.name)
+    def names(self) -> Names:
+        return Names(self.run.metadata.name)
 
     # -- conditions
     def condition(self, type_: str) -> dict | None:
@@ -282,7 +282,7 @@ def _restarting(ctx: _Ctx) -> None:
 
 # --------------------------------------------------------------------------------------------- one-rule helpers
 def _invalid_spec(ctx: _Ctx) -> bool:
-    """A schema-valid spec that cannot run in a cluster (`render.cluster_errors`) fails at once."""
+    """A schema-valid spec that cannot run in a cluster (`checks.cluster_errors`) fails at once."""
     if not ctx.obs.spec_errors:
         return False
     return ctx.fail("InvalidSpec", "the spec cannot run in a cluster: " + "; ".join(ctx.obs.spec_errors))
@@ -507,7 +507,7 @@ def _delete_podgroups(ctx: _Ctx, keep: str | None) -> None:
     for key in sorted(ctx.obs.children):
         kind, _, name = key.partition("/")
         if kind == "PodGroup" and name != keep:
-            ctx.d.delete.append(render.Child("PodGroup", name))
+            ctx.d.delete.append(Child("PodGroup", name))
 
 
 def _ensure_children(ctx: _Ctx, *, pods: bool) -> None:
@@ -516,21 +516,21 @@ def _ensure_children(ctx: _Ctx, *, pods: bool) -> None:
     pod never exists before what it mounts or resolves). A ConfigMap whose content is out of date (after a resize)
     is updated before the pods that read it."""
     run, names, obs = ctx.run, ctx.names, ctx.obs
-    base = render.base_children(run, ctx.attempt)
+    base = base_children(run, ctx.attempt)
     ctx.d.create = [c for c in base if c.key not in obs.children and not _store_pod_exists(c, obs)]
     config = next(c for c in base if c.kind == "ConfigMap")
-    if pods and config.key in obs.children and obs.config_hash != render.config_hash(run):
+    if pods and config.key in obs.children and obs.config_hash != config_hash(run):
         ctx.d.update.append(config)
     if not pods:
         return
     current = ctx.current()
     for role, rank in expected_group(run):
-        child = render.Child("Pod", names.pod(role, rank, ctx.attempt), role=role, rank=rank)
+        child = Child("Pod", names.pod(role, rank, ctx.attempt), role=role, rank=rank)
         if current.get((role, rank)) is None and child.key not in obs.children:  # (just created: not seen yet)
             ctx.d.create.append(child)
 
 
-def _store_pod_exists(child: render.Child, obs: Observed) -> bool:
+def _store_pod_exists(child: Child, obs: Observed) -> bool:
     return child.kind == "Pod" and any(p.role in (ROLE_STORE, ROLE_ENGINE) and p.name == child.name and not p.deleting
                                        for p in obs.pods)
 

@@ -27,6 +27,7 @@ import numpy as np
 from trainingrun.contract.engine import Engine, Sampling
 from trainingrun.contract.env import ENGINE_URL_ENV, ProcessEnv
 from trainingrun.contract.errors import ConfigError
+from trainingrun.modeling.architecture import Architecture
 from trainingrun.rollout.groups import SampleGroup
 from trainingrun.rollout.prompts import Prompt, load_tokenizer, make_prompts
 from trainingrun.rollout.rewards import RewardConfig, RewardScorer
@@ -53,19 +54,17 @@ class GenerateStats:
     failure_messages: list[str] = field(default_factory=list)
 
 
-def make_engine(spec, store) -> Engine:
-    """The engine `spec.rollout.engine` names, fetching weights through the run's weight sync."""
+def make_engine(spec, store, arch: Architecture) -> Engine:
+    """The engine `spec.rollout.engine` names (the in-process one builds `arch`), fetching weights through the run's
+    weight sync."""
     e = spec.rollout.engine
     if e.type == "megatron":
-        if spec.weight_sync.type != "store":
-            raise ConfigError(f"weightSync.type: {spec.weight_sync.type!r} does not reach the megatron engine; "
-                              "allowed with rollout.engine.type megatron: store")
         if spec.trainer.tensor_parallel_size != 1:
             raise ConfigError("trainer.tensorParallelSize: generated rollouts with the megatron engine need 1 "
                               "(the weights are published from one rank)")
         from trainingrun.rollout.megatron_engine import MegatronEngine  # deferred: torch, megatron
 
-        return MegatronEngine(spec.model.resolved(), fetch=store.read_weights, max_batch=e.max_batch, seed=spec.seed)
+        return MegatronEngine(arch, fetch=store.read_weights, max_batch=e.max_batch, seed=spec.seed)
     if e.type == "vllm":
         return make_vllm_engine(spec, store)
     raise ConfigError(f"rollout.engine.type: {e.type!r} is not available in this build; allowed: megatron, vllm")
@@ -76,11 +75,6 @@ def make_vllm_engine(spec, store, *, say: Callable[[str], None] | None = None) -
     set by the launcher or the operator). Weight versions are found through the store's weight meta (disk path or
     broadcast address, written by the trainers' publisher)."""
     e = spec.rollout.engine
-    if spec.weight_sync.type not in ("disk", "broadcast"):
-        raise ConfigError(f"weightSync.type: {spec.weight_sync.type!r} does not reach the vllm engine; allowed with "
-                          "rollout.engine.type vllm: disk, broadcast")
-    if spec.model.hf is None:
-        raise ConfigError("rollout.engine.type: vllm loads Hugging Face weights: set model.hf (a HF directory)")
     url = e.url or ProcessEnv.from_environ().engine_url
     if not url:
         raise ConfigError(f"rollout.engine.type: vllm without rollout.engine.url needs the run's own server (the "
@@ -101,8 +95,8 @@ class GenerateSource:
     # them are released (rollout/recovery.py then names what to do)
     replayable = False
 
-    def __init__(self, spec, store, *, say: Callable[[str], None] | None = None, engine: Engine | None = None,
-                 max_wait: float | None = None, poll_interval: float = 0.05):
+    def __init__(self, spec, store, *, arch: Architecture, say: Callable[[str], None] | None = None,
+                 engine: Engine | None = None, max_wait: float | None = None, poll_interval: float = 0.05):
         g = spec.rollout.source.generate
         assert g is not None
         self.spec, self.store, self.g = spec, store, g
@@ -111,12 +105,12 @@ class GenerateSource:
         self.group_size = spec.rollout.group_size
         self.prompts_per_rollout = spec.rollout.samples_per_rollout // spec.rollout.group_size
         text = g.prompts.type != "synthetic"
-        self.tokenizer = load_tokenizer(spec) if text else None
-        self.prompts = make_prompts(spec, tokenizer=self.tokenizer)
+        self.tokenizer = load_tokenizer(arch) if text else None
+        self.prompts = make_prompts(spec, arch, tokenizer=self.tokenizer)
         eos = self.tokenizer.eos_id if self.tokenizer is not None else EOS
         self.stop_ids = tuple(sorted({eos, *g.sampling.stop_token_ids}))
         self.sampling = g.sampling
-        seq_length = int(spec.model.resolved()["seq_length"])
+        seq_length = arch.seq_length
         if g.sampling.max_new_tokens >= seq_length:
             raise ConfigError(f"rollout.source.generate.sampling.maxNewTokens: {g.sampling.max_new_tokens} leaves no "
                               f"room for a prompt within model seqLength {seq_length}")
@@ -127,7 +121,7 @@ class GenerateSource:
         self.scorer = RewardScorer(RewardConfig(type=g.reward.type, function=g.reward.function, dataset=dataset),
                                    timeout=g.reward.timeout_seconds, failed_reward=g.reward.failed_reward,
                                    workers=g.reward.workers)
-        self.engine = engine if engine is not None else make_engine(spec, store)
+        self.engine = engine if engine is not None else make_engine(spec, store, arch)
         self.lag = spec.rollout.max_policy_lag
         self.stats = GenerateStats()
         self._pending: dict[int, tuple[Prompt, list[Any]]] = {}  # group id -> (prompt, responses) until scored

@@ -34,6 +34,7 @@ from trainingrun.api.models import TrainingRun, TrainingRunSpec
 from trainingrun.contract import published as contract
 from trainingrun.contract.errors import ConfigError, CorruptPayload, StoreError
 from trainingrun.contract.resume import ResumePoint
+from trainingrun.modeling.architecture import Architecture
 from trainingrun.modeling.tokenizer import TokenizerError, run_tokenizer
 from trainingrun.rollout.generate import GenerateSource, required_version
 from trainingrun.rollout.groups import SampleGroup
@@ -93,7 +94,7 @@ class RolloutState:
         )
 
 
-def config_fingerprint(spec: TrainingRunSpec) -> str:
+def config_fingerprint(spec: TrainingRunSpec, arch: Architecture) -> str:
     """Hash of everything that decides the published data (not numRollouts/maxPendingRollouts, which may change).
 
     Not the data-parallel size either: a run may be resized (elastic data parallelism). The rollouts published
@@ -104,7 +105,7 @@ def config_fingerprint(spec: TrainingRunSpec) -> str:
         rollout.pop(volatile, None)
     t = spec.trainer
     relevant = {
-        "seed": spec.seed, "rollout": rollout, "model": spec.model.resolved(),
+        "seed": spec.seed, "rollout": rollout, "model": arch.to_dict(),
         "trainer": [t.max_tokens_per_gpu, t.micro_batch_size, t.microbatch_multiple, t.loss_type],
     }
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
@@ -144,8 +145,8 @@ def data_report(store: Store) -> dict[str, Any] | None:
 
 
 # ------------------------------------------------------------------------------------------------------ set-up
-def check_config(spec: TrainingRunSpec, dp_size: int) -> None:
-    """Settings that can never work; ConfigError naming the field."""
+def check_config(spec: TrainingRunSpec, dp_size: int, arch: Architecture) -> None:
+    """Settings that can never work with the run's model `arch`; ConfigError naming the field."""
     r = spec.rollout
     if r.filters.zero_variance and r.group_size < 2:
         raise ConfigError(
@@ -159,42 +160,40 @@ def check_config(spec: TrainingRunSpec, dp_size: int) -> None:
         )
     if r.source.type == "synthetic":
         vocab = r.source.synthetic.vocab_size
-        model_vocab = int(spec.model.resolved()["vocab_size"])
+        model_vocab = arch.vocab_size
         if vocab is not None and vocab > model_vocab:
             raise ConfigError(
                 f"rollout.source.synthetic.vocabSize: {vocab} exceeds model vocabSize {model_vocab}"
             )
 
 
-def _run_tokenizer(model: dict):
+def _run_tokenizer(arch: Architecture):
     """The run's tokenizer (model.hf's tokenizer.json) for text jsonl lines; ConfigError without one."""
-    if not model.get("hf"):
+    if not arch.hf:
         raise ConfigError("text lines need the run's tokenizer: set model.hf to a Hugging Face directory with "
                           "tokenizer.json")
     try:
-        return run_tokenizer(model["hf"])
+        return run_tokenizer(arch.hf)
     except (TokenizerError, OSError) as exc:
         raise ConfigError(str(exc)) from None
 
 
-def make_source(spec: TrainingRunSpec, say: Callable[[str], None], store: Store | None = None,
+def make_source(spec: TrainingRunSpec, arch: Architecture, say: Callable[[str], None], store: Store | None = None,
                 max_wait: float | None = None) -> Source:
-    """The source `spec.rollout.source` names."""
+    """The source `spec.rollout.source` names, for the run's model `arch`."""
     r = spec.rollout
     if r.source.type == "generate":
-        return GenerateSource(spec, store, say=say, max_wait=max_wait)
-    model = spec.model.resolved()
+        return GenerateSource(spec, store, arch=arch, say=say, max_wait=max_wait)
     groups_per_rollout = r.samples_per_rollout // r.group_size
     if r.source.type == "jsonl":
         assert r.source.jsonl is not None
-        data = load_jsonl(r.source.jsonl.path, vocab_size=int(model["vocab_size"]),
-                          tokenizer=lambda: _run_tokenizer(model))
+        data = load_jsonl(r.source.jsonl.path, vocab_size=arch.vocab_size, tokenizer=lambda: _run_tokenizer(arch))
         say(f"rollout: {data.path}: {data.num_samples} samples in {len(data.groups)} groups")
         return JsonlSource(data, groups_per_rollout)
     s = r.source.synthetic
     return SyntheticSource(SyntheticConfig(
         task=s.task, min_length=s.min_length, max_length=s.max_length,
-        vocab_size=s.vocab_size or int(model["vocab_size"]), group_size=r.group_size,
+        vocab_size=s.vocab_size or arch.vocab_size, group_size=r.group_size,
         groups_per_rollout=groups_per_rollout, seed=spec.seed,
     ))
 
@@ -217,11 +216,15 @@ class RolloutLoop:
         self.say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.max_wait = max_wait
         self.poll_interval = poll_interval
-        check_config(spec, self.dp)
-        seq_length = int(spec.model.resolved()["seq_length"])
+        try:
+            self.arch = spec.model.resolved()  # once per process; passed down
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        check_config(spec, self.dp, self.arch)
+        seq_length = self.arch.seq_length
         self.max_length = min(spec.rollout.filters.max_length or seq_length, seq_length)
-        self.source = make_source(spec, self.say, store, max_wait)
-        self.fingerprint = config_fingerprint(spec)
+        self.source = make_source(spec, self.arch, self.say, store, max_wait)
+        self.fingerprint = config_fingerprint(spec, self.arch)
 
     def run(self) -> RolloutResult:
         try:

@@ -1,19 +1,20 @@
 """`rollout.engine.type: megatron`: generation in the rollout process with the run's own Megatron model code.
 
-The engine builds the trainers' model (`trainer.model.build_model`, the same spec) in this process — one rank, tensor
-and pipeline size 1, gloo on a private in-memory store — and generates with a KV-cache loop over Megatron's
+The engine builds the trainers' model (`modeling.model.build_model`, the same `Architecture`) in this process — one
+rank, tensor and pipeline size 1, gloo on a private in-memory store — and generates with a KV-cache loop over Megatron's
 `StaticInferenceContext`: one prefill of the prompts' common prefix length, then one token per forward. Rows whose
-prompt is longer than the current position are fed their own prompt token (teacher forcing), so prompts of
-different lengths share one batch without padding, as Megatron's static engine does. Sampling (temperature, top-p,
-stop tokens, max new tokens) is done here with a `torch.Generator` seeded per call, so the same seed, prompts and
-weights give the same tokens. Why this loop and not Megatron's `StaticInferenceEngine`: docs/rl.md ("Engines",
-figures from benchmarks/rl_loop.py).
+prompt is longer than the current position are fed their own prompt token (teacher forcing), so prompts of different
+lengths share one batch without padding, as Megatron's static engine does. Sampling (temperature, top-p, stop tokens,
+max new tokens) is done here with a `torch.Generator` seeded per call, so the same seed, prompts and weights give the
+same tokens. Why this loop and not Megatron's `StaticInferenceEngine`: docs/rl.md ("Engines", figures from
+benchmarks/rl_loop.py).
 
 Weights: `load_weights(version)` reads the version's tensors through the store (`Store.read_weights`, written by the
-trainers' `StoreWeightPublisher`) and loads them with one `load_state_dict(strict=True)` after every tensor was
-decoded and checked: a failed read leaves the previous version in place (never half-applied).
+trainers' `StoreWeightPublisher` as `modeling.state.state_dict_arrays`) and loads them with one
+`load_state_dict(strict=True)` after every tensor was decoded and checked: a failed read leaves the previous version
+in place (never half-applied).
 
-The CPU shim (`trainer/cpu_compat.py`) is process-global; this module is used in the rollout process (or a
+The CPU shim (`modeling/cpu_compat.py`) is process-global; this module is used in the rollout process (or a
 subprocess in tests), never in the pytest process.
 """
 
@@ -21,46 +22,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from trainingrun.contract.engine import Completion, Sampling
-
-# weights travel as numpy arrays; bf16 has no numpy dtype and travels as its raw 16 bits
-_TORCH_OF_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def state_dict_arrays(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """(arrays, dtypes) of a module's state dict: numpy views (bf16 as uint16 bits), and each tensor's torch dtype
-    name. TransformerEngine `_extra_state` blobs are not weights and are skipped."""
-    arrays, dtypes = {}, {}
-    for name, t in module.state_dict().items():
-        if name.endswith("_extra_state") or not isinstance(t, torch.Tensor):
-            continue
-        t = t.detach().cpu().contiguous()
-        dtypes[name] = str(t.dtype).removeprefix("torch.")
-        arrays[name] = (t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy())
-    return arrays, dtypes
-
-
-def arrays_state_dict(arrays: dict[str, np.ndarray], dtypes: dict[str, str]) -> dict[str, torch.Tensor]:
-    """Inverse of `state_dict_arrays`: tensors that share the arrays' memory (often a read-only memory map of the
-    stored version), for one `load_state_dict`, which copies them into the parameters and never writes to them."""
-    import warnings
-
-    out = {}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        for name, arr in arrays.items():
-            kind = dtypes.get(name, str(arr.dtype))
-            if kind == "bfloat16":
-                out[name] = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
-            else:
-                out[name] = torch.from_numpy(arr)
-    return out
-
+from trainingrun.modeling.architecture import Architecture
+from trainingrun.modeling.model import build_model, prepare_device, set_seed
+from trainingrun.modeling.state import arrays_state_dict
 
 def sample_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(token [B], its log-probability [B] under softmax(logits / temperature)) for logits [B, V].
@@ -91,17 +61,15 @@ class MegatronEngine:
 
     name = "megatron"
 
-    def __init__(self, sizes: dict[str, Any], *, fetch: Callable[[int], tuple[dict[str, np.ndarray], dict]],
+    def __init__(self, arch: Architecture, *, fetch: Callable[[int], tuple[dict[str, np.ndarray], dict]],
                  max_batch: int = 256, seed: int = 0):
-        from trainingrun.trainer.model import build_model, prepare_device, set_seed
-
         self.device = prepare_device(0)  # the rollout generates on the CPU, or the first visible GPU
         _init_single_process()
         set_seed(seed)
-        self.model = build_model(sizes, self.device, load_weights=False)  # weights: version 0 from the trainers
+        self.model = build_model(arch, self.device, load_weights=False)  # weights: version 0 from the trainers
         self.model.eval()
-        self.sizes = sizes
-        self.seq_length = int(sizes["seq_length"])
+        self.arch = arch
+        self.seq_length = arch.seq_length
         self.max_batch = max_batch
         self.fetch = fetch
         self._version = -1  # no weights loaded yet
@@ -138,7 +106,7 @@ class MegatronEngine:
         return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _generate_batch(self, rows: list[list[int]], sampling: Sampling, gen: torch.Generator) -> list[Completion]:
-        from megatron.core.inference.contexts import StaticInferenceContext
+        from megatron.core.inference.contexts import StaticInferenceContext  # deferred: megatron after prepare_device
 
         lengths = [len(r) for r in rows]
         if min(lengths) < 1:
@@ -194,8 +162,7 @@ class MegatronEngine:
 
 def _init_single_process() -> None:
     """torch.distributed (gloo, world 1, an in-memory store: no port) and Megatron's parallel state, once."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # deferred: megatron after prepare_device
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

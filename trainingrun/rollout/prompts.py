@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from trainingrun.contract.errors import ConfigError
+from trainingrun.modeling.architecture import Architecture
 from trainingrun.modeling.tokenizer import TokenizerError, run_tokenizer
 from trainingrun.rollout.jsonl import jsonl_objects
 from trainingrun.rollout.synthetic import EOS, FIRST_CONTENT, SEP
@@ -57,9 +58,9 @@ class ByteTokenizer:
             "utf-8", errors="replace")
 
 
-def load_tokenizer(spec):
+def load_tokenizer(arch: Architecture):
     """The run's tokenizer: model.hf's (`trainingrun.modeling.tokenizer.run_tokenizer`), else the byte tokenizer."""
-    hf = getattr(spec.model, "hf", None)
+    hf = arch.hf
     if hf:
         try:
             tok = run_tokenizer(hf)
@@ -69,7 +70,7 @@ def load_tokenizer(spec):
             raise ConfigError(f"model.hf: {hf}: the tokenizer names no end-of-text token (eos_token)")
         return tok
     tok = ByteTokenizer()
-    vocab = int(spec.model.resolved()["vocab_size"])
+    vocab = arch.vocab_size
     if vocab < tok.vocab_size:
         raise ConfigError(
             f"model.vocabSize: {vocab} is too small for text prompts with the byte tokenizer (needs >= "
@@ -229,13 +230,13 @@ def _format(template: str, prompt: str) -> str:
         raise ConfigError(f"rollout.source.generate.prompts.template: {template!r}: {exc!r} (use {{prompt}})") from None
 
 
-def make_prompts(spec, *, tokenizer=None):
-    """The prompt source `spec.rollout.source.generate.prompts` names."""
+def make_prompts(spec, arch: Architecture, *, tokenizer=None):
+    """The prompt source `spec.rollout.source.generate.prompts` names, for the run's model `arch`."""
     p = spec.rollout.source.generate.prompts
-    vocab = int(spec.model.resolved()["vocab_size"])
+    vocab = arch.vocab_size
     if p.type == "synthetic":
         return SyntheticPrompts(p.synthetic, vocab_size=vocab, seed=spec.seed)
-    tokenizer = tokenizer or load_tokenizer(spec)
+    tokenizer = tokenizer or load_tokenizer(arch)
     if p.type == "reasoningGym":
         return ReasoningGymPrompts(p.reasoning_gym, seed=spec.seed, template=p.template, tokenizer=tokenizer,
                                    chat=p.chat)

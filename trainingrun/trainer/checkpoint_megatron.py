@@ -37,7 +37,7 @@ class DistGroup:
     """`checkpoint.Collectives` over the default torch.distributed group (gloo on CPU, NCCL on GPU)."""
 
     def __init__(self) -> None:
-        import torch.distributed as dist
+        import torch.distributed as dist  # deferred: torch
 
         self.dist = dist
         self.rank = dist.get_rank()
@@ -86,12 +86,12 @@ def sharded_state(module, optimizer=None, *, is_loading: bool = False) -> dict[s
 
 
 def _strategies(load_dir: Path | None = None):
-    from megatron.core import parallel_state
-    from megatron.core.dist_checkpointing.serialization import (
+    from megatron.core import parallel_state  # deferred: megatron
+    from megatron.core.dist_checkpointing.serialization import (  # deferred: megatron
         get_default_load_sharded_strategy,
         get_default_save_sharded_strategy,
     )
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (  # deferred: megatron
         FullyParallelLoadStrategyWrapper,
         FullyParallelSaveStrategyWrapper,
     )
@@ -103,14 +103,14 @@ def _strategies(load_dir: Path | None = None):
 
 
 def write_shards(module, optimizer, directory: Path) -> None:
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # deferred: megatron
 
     dist_checkpointing.save(sharded_state(module, optimizer), str(directory), sharded_strategy=_strategies())
 
 
 def load_shards(module, optimizer, directory: Path) -> None:
     """Load model and optimizer from a dist directory into `module`/`optimizer` (strict for the model)."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # deferred: megatron
 
     loaded = dist_checkpointing.load(sharded_state(module, optimizer, is_loading=True), str(directory),
                                      sharded_strategy=_strategies(directory))

@@ -1,5 +1,6 @@
-"""A checkpoint directory → the full (tensor-parallel-gathered) Megatron state dict and the model spec, in one
-process and without Megatron or torch.distributed: what `trainingrun export-hf` and `trainingrun score` read.
+"""A checkpoint directory → the full (tensor-parallel-gathered) Megatron state dict and its `Architecture`, in one
+process and without Megatron or torch.distributed: what `trainingrun export-hf` and `trainingrun score` read (a live
+model's weights are gathered by `trainingrun.modeling.state.gather_live_state`).
 
 `load_full_state(path)` accepts a checkpoint (`…/step_00000010`) or a checkpoint root (its newest complete
 checkpoint is taken). A checkpoint in the current format (`dist/`, Megatron distributed checkpointing) is verified
@@ -25,6 +26,8 @@ from typing import Any
 
 import torch
 
+from trainingrun.modeling import convert
+from trainingrun.modeling.architecture import Architecture
 from trainingrun.trainer import checkpoint as ckpt
 
 _SHARD = re.compile(r"^model_tp(\d+)_pp(\d+)\.pt$")
@@ -33,7 +36,7 @@ _SHARD = re.compile(r"^model_tp(\d+)_pp(\d+)\.pt$")
 @dataclass
 class FullState:
     state: dict[str, torch.Tensor]  # canonical Megatron names, full (TP 1) shapes
-    arch: dict[str, Any]  # ModelSpec.resolved() of the run
+    arch: Architecture  # the run's model (its record in the checkpoint)
     assets_dir: Path | None  # HF config + tokenizer files kept with the checkpoint (None if the run had none)
     path: Path  # the checkpoint directory read
     progress: dict[str, Any]
@@ -53,23 +56,23 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def load_full_state(path: str | Path) -> FullState:
-    from trainingrun.modeling import convert
-
     path = resolve_checkpoint(path)
     progress = json.loads((path / "progress.json").read_text())
     if (path / ckpt.DIST_DIR).is_dir():
         try:
-            arch = ckpt.read_meta(path).get("model")
+            record = ckpt.read_meta(path).get("model")
             state = convert.canonical_names(ckpt.model_tensors(path))  # verifies the checkpoint first
         except ckpt.CheckpointError as exc:
             raise ValueError(str(exc)) from None
-        if not isinstance(arch, dict):
+        if not isinstance(record, dict):
             raise ValueError(f"checkpoint {path}: meta.json has no model spec; cannot tell its architecture")
+        arch = _architecture(path, "meta.json", record)
     else:
-        arch = progress.get("model")
-        if not isinstance(arch, dict):
+        record = progress.get("model")
+        if not isinstance(record, dict):
             raise ValueError(f"checkpoint {path}: progress.json has no model spec (written by an older trainer); "
                              "cannot tell its architecture")
+        arch = _architecture(path, "progress.json", record)
         state = _legacy_shards(path, arch)
     shapes = convert.expected_shapes(arch)
     for n, t in state.items():
@@ -81,10 +84,15 @@ def load_full_state(path: str | Path) -> FullState:
                      progress=progress)
 
 
-def _legacy_shards(path: Path, arch: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The full state of a checkpoint written before the distributed format (per-TP-rank `model_tp<t>_pp0.pt`)."""
-    from trainingrun.modeling import convert
+def _architecture(path: Path, where: str, record: dict[str, Any]) -> Architecture:
+    try:
+        return Architecture.from_dict(record)
+    except ValueError as exc:
+        raise ValueError(f"checkpoint {path}: {where}: {exc}") from None
 
+
+def _legacy_shards(path: Path, arch: Architecture) -> dict[str, torch.Tensor]:
+    """The full state of a checkpoint written before the distributed format (per-TP-rank `model_tp<t>_pp0.pt`)."""
     shards: dict[int, Path] = {}
     for f in path.iterdir():
         m = _SHARD.match(f.name)
@@ -102,30 +110,3 @@ def _legacy_shards(path: Path, arch: dict[str, Any]) -> dict[str, torch.Tensor]:
         if set(p) != set(names):
             raise ValueError(f"checkpoint {path}: TP shard {t} holds other tensors than shard 0")
     return {n: convert.gather_tp(n, [p[n] for p in parts], arch) for n in names}
-
-
-def gather_live_state(module: torch.nn.Module, arch: dict[str, Any], *, tp_group=None, tp_size: int = 1,
-                      tp_rank: int = 0) -> dict[str, torch.Tensor] | None:
-    """The full (TP-gathered) canonical Megatron state dict of a live model: on TP rank 0 of `tp_group`, None on the
-    others. Every rank of the group must call it (a collective per tensor-parallel tensor, in name order). The
-    tensors are detached copies on the model's device (CPU copies are the caller's choice)."""
-    from trainingrun.modeling import convert
-
-    state = convert.canonical_names({k: v for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)})
-    if tp_size == 1:
-        return {k: v.detach().clone() for k, v in state.items()}
-    import torch.distributed as dist
-
-    out: dict[str, torch.Tensor] = {}
-    for name in sorted(state):
-        local = state[name].detach().contiguous()
-        dim, _ = convert.tp_layout(name, arch)
-        if dim is None:
-            if tp_rank == 0:
-                out[name] = local.clone()
-            continue
-        shards = [torch.empty_like(local) for _ in range(tp_size)]
-        dist.all_gather(shards, local, group=tp_group)
-        if tp_rank == 0:
-            out[name] = convert.gather_tp(name, shards, arch)
-    return out if tp_rank == 0 else None

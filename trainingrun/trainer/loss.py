@@ -19,6 +19,9 @@ Megatron then (megatron-core 0.16.1, two-value loss return, `calculate_per_token
 So the gradient after the step is (1/D)·Σ_r Σ_m ∇(returned_{r,m}/M). Returning returned_{r,m} = D·M·J_{r,m} makes it
 Σ_r Σ_m ∇J_{r,m} = ∇J_s: `megatron_loss_factor(D, M) = D·M`. Derivation in docs/trainer.md.
 
+The run's choices travel as one frozen `LossSettings` (loss type, normalisation, `PolicySettings`; resolved once from
+the spec by `loss_settings`), each step's denominators GBS_s and T_s as `StepTotals`.
+
 `loss_mask[t] = 1` marks token t as a trained target: it is predicted from the logits at t−1 of the same sample, so
 the first token of a sample is never a target (its mask is ignored).
 """
@@ -41,7 +44,8 @@ STAT_NAMES = ("objective", "sample_loss", "token_loss", "sample_reward", "sample
 
 @dataclass(frozen=True)
 class PolicySettings:
-    """What the generated-rollout statistics and the `ppo` objective need (`spec.trainer.policyLoss`, sampling)."""
+    """What the generated-rollout statistics and the `ppo` objective need (`spec.trainer.policyLoss`, sampling).
+    New policy-loss options of the spec become fields here (with the spec's default), read in `loss_settings`."""
 
     temperature: float = 1.0  # the generator's sampling temperature (0 = greedy: log-probabilities at 1)
     clip_low: float = 0.2
@@ -51,6 +55,45 @@ class PolicySettings:
     @property
     def logit_scale(self) -> float:
         return 1.0 / self.temperature if self.temperature > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """How every step of the run computes its loss: the loss type, the contract's normalisation, and for generated
+    rollouts the policy settings (None for replayed rollouts: the defaults of `PolicySettings` apply). Resolved once
+    from the spec (`loss_settings`); ValueError naming the field for a value the loss does not know."""
+
+    loss_type: str = "sft"
+    normalization: str = "sample"
+    policy: PolicySettings | None = None
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type: {self.loss_type!r} is not one of {LOSS_TYPES}")
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"lossNormalization: {self.normalization!r} is not one of {NORMALIZATIONS}")
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """The step's denominators, from the schedule (the rollout side knows them: no all-reduce): GBS_s samples and
+    T_s loss tokens."""
+
+    global_batch_size: int
+    loss_tokens: int
+
+
+def loss_settings(spec) -> LossSettings:
+    """The run's `LossSettings`: `spec.trainer.lossType`, `lossNormalization` and — generated rollouts only —
+    `trainer.policyLoss` with the sampling temperature."""
+    t = spec.trainer
+    gen = spec.rollout.source.generate
+    policy = None
+    if spec.rollout.source.type == "generate" and gen is not None:
+        pl = t.policy_loss
+        policy = PolicySettings(temperature=gen.sampling.temperature, clip_low=pl.clip_low, clip_high=pl.clip_high,
+                                kl_coef=pl.kl_coef)
+    return LossSettings(loss_type=t.loss_type, normalization=t.loss_normalization, policy=policy)
 
 
 def token_nll(logits: torch.Tensor, tokens: torch.Tensor, vocab_parallel: bool = False) -> torch.Tensor:
@@ -98,31 +141,26 @@ class LossInputs:
 def micro_batch_objective(
     logits: torch.Tensor,
     inputs: LossInputs,
+    loss: LossSettings,
+    totals: StepTotals,
     *,
-    loss_type: str,
-    normalization: str,
-    global_batch_size: int,
-    loss_tokens: int,
     vocab_parallel: bool = False,
-    policy: PolicySettings | None = None,
     ref_logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This micro-batch's part J_{r,m} of the contract objective, and its statistics. `vocab_parallel`: logits are
-    this TP rank's vocabulary slice (see `token_nll`).
+    """This micro-batch's part J_{r,m} of the contract objective (`loss`, with the step's denominators `totals`),
+    and its statistics. `vocab_parallel`: logits are this TP rank's vocabulary slice (see `token_nll`).
 
     Returns (objective, stats) where stats is a float64 tensor [len(STAT_NAMES), 2] of (sum, count) pairs, detached.
     `ref_logits`: the initial policy's logits (ppo with kl_coef > 0).
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type: {loss_type!r} is not one of {LOSS_TYPES}")
-    if normalization not in NORMALIZATIONS:
-        raise ValueError(f"lossNormalization: {normalization!r} is not one of {NORMALIZATIONS}")
+    loss_type, normalization = loss.loss_type, loss.normalization
+    global_batch_size, loss_tokens = totals.global_batch_size, totals.loss_tokens
     n = inputs.num_samples
     stats = torch.zeros(len(STAT_NAMES), 2, dtype=torch.float64)
     if n == 0:  # empty micro-batch: zero contribution, but keep the graph connected for Megatron's backward
         return logits.float().sum() * 0.0, stats
     mask = inputs.target_mask.float()
-    policy = policy or PolicySettings()
+    policy = loss.policy or PolicySettings()
     gen = None
     if inputs.old_logprobs is not None:
         gen = _policy_terms(logits, inputs, mask, policy, ref_logits)

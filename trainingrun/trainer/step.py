@@ -16,7 +16,7 @@ from functools import partial
 import torch
 
 from trainingrun.trainer.batch import MicroBatch
-from trainingrun.trainer.loss import STAT_NAMES, PolicySettings, megatron_loss_factor, micro_batch_objective
+from trainingrun.trainer.loss import STAT_NAMES, LossSettings, StepTotals, megatron_loss_factor, micro_batch_objective
 
 
 @dataclass
@@ -46,19 +46,17 @@ class StepResult:
 def forward_backward(
     ddp_model,
     microbatches: list[MicroBatch],
+    loss: LossSettings,
+    totals: StepTotals,
     *,
-    loss_type: str,
-    normalization: str,
-    global_batch_size: int,
-    loss_tokens: int,
     dp_size: int,
-    policy: PolicySettings | None = None,
     ref_model=None,
 ) -> torch.Tensor:
-    """Run the micro-batches (forward + backward, gradients reduced over DP); return local stats [S, 2].
+    """Run the micro-batches (forward + backward, gradients reduced over DP) with the run's `loss` and the step's
+    denominators `totals`; return local stats [S, 2].
 
     `ref_model`: the frozen initial policy (ppo with a KL penalty), run forward-only on the same micro-batch."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel import get_forward_backward_func  # deferred: megatron
 
     m = len(microbatches)
     if m < 1:
@@ -68,8 +66,7 @@ def forward_backward(
 
     def loss_func(mb: MicroBatch, ref_logits, logits: torch.Tensor):
         objective, mb_stats = micro_batch_objective(
-            logits[0], mb.loss, loss_type=loss_type, normalization=normalization,
-            global_batch_size=global_batch_size, loss_tokens=loss_tokens, vocab_parallel=True, policy=policy,
+            logits[0], mb.loss, loss, totals, vocab_parallel=True,
             ref_logits=None if ref_logits is None else ref_logits[0],
         )
         stats.add_(mb_stats)
@@ -105,14 +102,11 @@ def train_step(
     optimizer,
     scheduler,
     microbatches: list[MicroBatch],
+    loss: LossSettings,
+    totals: StepTotals,
     *,
-    loss_type: str,
-    normalization: str,
-    global_batch_size: int,
-    loss_tokens: int,
     dp_size: int,
     dp_group=None,
-    policy: PolicySettings | None = None,
     ref_model=None,
 ) -> StepResult:
     """Zero grads, forward/backward, advance the LR scheduler by GBS_s, optimizer step, reduce metrics."""
@@ -121,12 +115,8 @@ def train_step(
     t0 = time.perf_counter()
     ddp_model.zero_grad_buffer()
     optimizer.zero_grad()
-    local = forward_backward(
-        ddp_model, microbatches, loss_type=loss_type, normalization=normalization,
-        global_batch_size=global_batch_size, loss_tokens=loss_tokens, dp_size=dp_size, policy=policy,
-        ref_model=ref_model,
-    )
-    scheduler.step(increment=global_batch_size)
+    local = forward_backward(ddp_model, microbatches, loss, totals, dp_size=dp_size, ref_model=ref_model)
+    scheduler.step(increment=totals.global_batch_size)
     lr = float(optimizer.param_groups[0]["lr"])
     loss_scale = float(optimizer.get_loss_scale())
     ok, grad_norm, _ = optimizer.step()

@@ -11,8 +11,9 @@ Read top to bottom, `fit` is the whole loop:
     final checkpoint
 
 Everything the loop needs per step comes from the published rollout (`contract/published.py`): the schedule, GBS_s,
-T_s, micro-batch positions, the run's step and sample offsets. Megatron is imported only after `prepare_device` has
-installed the CPU shim (CPU mode), so this module imports it lazily.
+T_s, micro-batch positions, the run's step and sample offsets. The model's `Architecture` and the `LossSettings` are
+resolved from the spec once, in `build`. Megatron is imported only after `prepare_device` has installed the CPU shim
+(CPU mode), so this module imports it lazily.
 """
 
 from __future__ import annotations
@@ -28,11 +29,14 @@ from trainingrun.contract.errors import ConfigError
 from trainingrun.contract.payload import RankPayload
 from trainingrun.contract.published import PublishedRollout, StepPlan
 from trainingrun.contract.resume import ResumePoint
+from trainingrun.modeling.architecture import Architecture
+from trainingrun.modeling.hf_io import copy_assets
 from trainingrun.store import RolloutReleased, StoreTimeout, open_store
 from trainingrun.tracking import TrackingConfigError, open_tracker, tracking_paths
 from trainingrun.trainer.checkpoint import CheckpointError, CheckpointFenced, TrainingProgress, release_point
 from trainingrun.trainer.checkpoint_megatron import TrainerCheckpoints
 from trainingrun.trainer.config import TrainerEnv
+from trainingrun.trainer.loss import LossSettings, StepTotals, loss_settings
 from trainingrun.trainer.reshard import acked_ranks, reschedule
 
 
@@ -42,24 +46,22 @@ def log(rank: int, msg: str) -> None:
 
 def _copy_hf_assets(hf: str, checkpoint_dir: Path) -> None:
     """What export-hf needs besides the weights: the HF config and tokenizer the run started from, in `hf/`."""
-    from trainingrun.modeling.hf_io import copy_assets
-
     copy_assets(hf, checkpoint_dir / "hf")
 
 
 class Trainer:
     """One trainer rank (see the module docstring). Build it with `Trainer.build(env)`."""
 
-    def __init__(self, *, env: TrainerEnv, spec, run_name: str, device, model, ddp, optimizer, scheduler, store,
-                 reporter, publisher=None, sizes: dict | None = None, ref_model=None):
+    def __init__(self, *, env: TrainerEnv, spec, arch: Architecture, loss: LossSettings, run_name: str, device,
+                 model, ddp, optimizer, scheduler, store, reporter, publisher=None, ref_model=None):
         from megatron.core import parallel_state  # deferred: megatron (after the CPU shim)
 
         self.env, self.spec, self.run_name, self.device = env, spec, run_name, device
         self.model, self.ddp, self.optimizer, self.scheduler = model, ddp, optimizer, scheduler
         self.store, self.reporter, self.publisher = store, reporter, publisher
-        self.sizes = sizes if sizes is not None else spec.model.resolved()  # the model spec checkpoints record
+        self.arch = arch  # the model (checkpoints record it)
+        self.loss = loss
         self.ref_model = ref_model  # the frozen initial policy (ppo with policyLoss.klCoef > 0)
-        self.policy = policy_settings(spec)
         self.rank = env.rank
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
@@ -75,13 +77,13 @@ class Trainer:
             self.tracking = tracking_paths(spec.metrics, checkpoint_dir=self.ckpt_root)
             if env.metrics_jsonl is None:  # in a cluster: the history next to the checkpoints
                 reporter.jsonl_path = str(self.tracking.metrics_jsonl)
-        hf = self.sizes.get("hf")
+        hf = arch.hf
         try:
             tp_size = parallel_state.get_tensor_model_parallel_world_size()
             self.checkpoints = TrainerCheckpoints(
                 self.ckpt_root, ddp.module, optimizer, scheduler, attempt=env.attempt,
                 keep=spec.trainer.checkpoint.keep, epoch=env.epoch,
-                meta={"run": run_name, "dp_size": self.dp_size, "tp_size": tp_size, "model": self.sizes},
+                meta={"run": run_name, "dp_size": self.dp_size, "tp_size": tp_size, "model": arch.to_dict()},
                 log=lambda msg: log(self.rank, msg) if self.rank == 0 else None,
                 assets=(lambda d: _copy_hf_assets(hf, d)) if hf else None,
             )
@@ -108,15 +110,14 @@ class Trainer:
                 f"WORLD_SIZE: {env.world_size} not divisible by trainer.tensorParallelSize {ts.tensor_parallel_size}"
             )
         try:
-            sizes = spec.model.resolved()
+            arch = spec.model.resolved()
         except ValueError as exc:
             raise ConfigError(f"model: {exc}") from None
+        loss = loss_settings(spec)
 
         # Import order: the device decision installs the CPU shim before megatron is imported.
-        from trainingrun.trainer.model import (
-            build_model, build_optimizer, init_distributed, layer_impl, optim_settings, prepare_device, set_seed,
-            wrap_ddp,
-        )
+        from trainingrun.modeling.model import build_model, init_distributed, layer_impl, prepare_device, set_seed
+        from trainingrun.trainer.optim import build_optimizer, optim_settings, wrap_ddp  # deferred: megatron
 
         try:
             device = prepare_device(ts.gpus_per_replica)
@@ -126,29 +127,30 @@ class Trainer:
                       f"store {env.store_url}")
         init_distributed(device, tp=ts.tensor_parallel_size, pp=1)
 
-        from megatron.core import parallel_state
+        # deferred, like the model above: megatron, prometheus_client and torch come after the device decision
+        from megatron.core import parallel_state  # deferred: megatron
 
-        from trainingrun.metrics.exporter import TrainerExporter
-        from trainingrun.trainer.report import StepReporter
-        from trainingrun.trainer.weights import make_publisher
+        from trainingrun.metrics.exporter import TrainerExporter  # deferred: prometheus_client
+        from trainingrun.trainer.report import StepReporter  # deferred: torch (loss statistics)
+        from trainingrun.trainer.weights import make_publisher  # deferred: torch
 
         set_seed(spec.seed)
         try:
-            impl = layer_impl(sizes, device)
-            model = build_model(sizes, device)
+            impl = layer_impl(arch, device)
+            model = build_model(arch, device)
         except (ValueError, AssertionError, TypeError, OSError) as exc:
-            raise ConfigError(f"model: cannot build the model from {sizes}: {exc}") from None
+            raise ConfigError(f"model: cannot build the model from {arch.to_dict()}: {exc}") from None
         ddp = wrap_ddp(model)
         ref_model = None
         if ts.loss_type == "ppo" and ts.policy_loss.kl_coef > 0:  # a copy of the initial weights, before any resume
-            ref_model = build_model(sizes, device)
+            ref_model = build_model(arch, device)
             ref_model.load_state_dict(model.state_dict())
             ref_model.eval()
             for prm in ref_model.parameters():
                 prm.requires_grad_(False)
-        optimizer, scheduler = build_optimizer(ddp, optim_settings(ts.optimizer), str(sizes["precision"]))
+        optimizer, scheduler = build_optimizer(ddp, optim_settings(ts.optimizer), arch.precision)
         n_params = sum(p.numel() for p in model.parameters())
-        log(env.rank, f"model: {n_params / 1e6:.2f}M parameters {sizes}; {impl} layers; dp "
+        log(env.rank, f"model: {n_params / 1e6:.2f}M parameters {arch.to_dict()}; {impl} layers; dp "
                       f"{parallel_state.get_data_parallel_world_size()} (dp rank "
                       f"{parallel_state.get_data_parallel_rank()}), tp {ts.tensor_parallel_size}")
 
@@ -161,11 +163,11 @@ class Trainer:
                 log(env.rank, f"warning: cannot serve metrics on port {env.metrics_port}: {exc}")
         reporter = StepReporter(exporter, store, rank=env.rank, jsonl_path=env.metrics_jsonl)
         try:
-            publisher = make_publisher(spec, store, rank=env.rank, attempt=env.attempt)
+            publisher = make_publisher(spec, store, arch=arch, rank=env.rank, attempt=env.attempt)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        return cls(env=env, spec=spec, run_name=run_name, device=device, model=model, ddp=ddp, optimizer=optimizer,
-                   scheduler=scheduler, store=store, reporter=reporter, publisher=publisher, sizes=sizes,
+        return cls(env=env, spec=spec, arch=arch, loss=loss, run_name=run_name, device=device, model=model, ddp=ddp,
+                   optimizer=optimizer, scheduler=scheduler, store=store, reporter=reporter, publisher=publisher,
                    ref_model=ref_model)
 
     # ------------------------------------------------------------------------------------------------ resume
@@ -264,16 +266,16 @@ class Trainer:
             self.save_checkpoint()
 
     def train_step(self, published: PublishedRollout, payload: RankPayload, step: StepPlan) -> dict:
+        # deferred: torch and megatron (imported after the device decision, see the module docstring)
         from trainingrun.trainer.batch import step_microbatches
-        from trainingrun.trainer.report import step_record
-        from trainingrun.trainer.step import train_step
+        from trainingrun.trainer.report import step_record  # deferred: torch
+        from trainingrun.trainer.step import train_step  # deferred: megatron
 
-        ts = self.spec.trainer
         mbs = step_microbatches(payload, published.microbatch_positions(self.dp_rank, step), self.device)
         res = train_step(
-            self.ddp, self.optimizer, self.scheduler, mbs, loss_type=ts.loss_type, normalization=ts.loss_normalization,
-            global_batch_size=step.global_batch_size, loss_tokens=step.loss_tokens, dp_size=self.dp_size,
-            dp_group=self.dp_group, policy=self.policy, ref_model=self.ref_model,
+            self.ddp, self.optimizer, self.scheduler, mbs, self.loss,
+            StepTotals(global_batch_size=step.global_batch_size, loss_tokens=step.loss_tokens),
+            dp_size=self.dp_size, dp_group=self.dp_group, ref_model=self.ref_model,
         )
         p = self.progress
         p.global_step += 1
@@ -412,14 +414,3 @@ class Trainer:
                 f"{p.samples_consumed} (the store does not continue this run's checkpoint)"
             )
 
-
-def policy_settings(spec):
-    """The generated-rollout loss settings (`trainer.policyLoss`, the sampling temperature), or None (replay)."""
-    from trainingrun.trainer.loss import PolicySettings
-
-    gen = spec.rollout.source.generate
-    if spec.rollout.source.type != "generate" or gen is None:
-        return None
-    pl = spec.trainer.policy_loss
-    return PolicySettings(temperature=gen.sampling.temperature, clip_low=pl.clip_low, clip_high=pl.clip_high,
-                          kl_coef=pl.kl_coef)

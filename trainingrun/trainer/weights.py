@@ -18,7 +18,11 @@ Implementations are chosen by `make_publisher` from `spec.weightSync.type`; with
 
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol
+
+from trainingrun.modeling.architecture import Architecture
+from trainingrun.vllm.publish import make_vllm_publisher
 
 
 class WeightPublisher(Protocol):
@@ -41,9 +45,7 @@ class StoreWeightPublisher:
     def publish(self, version: int, module: Any) -> None:
         if self.rank != 0:
             return
-        import time
-
-        from trainingrun.rollout.megatron_engine import state_dict_arrays
+        from trainingrun.modeling.state import state_dict_arrays  # deferred: torch
 
         t0 = time.perf_counter()
         arrays, dtypes = state_dict_arrays(module)
@@ -56,22 +58,12 @@ class StoreWeightPublisher:
         pass
 
 
-def make_publisher(spec, store, *, rank: int, attempt: int = 0) -> WeightPublisher | None:
-    """The publisher `spec.weightSync` asks for, or None (replayed rollouts need no weights). ValueError for a
-    combination that cannot work (the trainer exits 78 naming the field)."""
+def make_publisher(spec, store, *, arch: Architecture, rank: int, attempt: int = 0) -> WeightPublisher | None:
+    """The publisher `spec.weightSync` asks for, or None (replayed rollouts need no weights); `arch`: the run's
+    resolved model. Which sync reaches which engine is a rule of the spec (`TrainingRunSpec`, checked at admission):
+    store for the megatron engine, disk or broadcast for vllm."""
     if spec.rollout.source.type != "generate":
         return None
-    ws, engine = spec.weight_sync, spec.rollout.engine.type
-    if ws.type == "store":
-        if engine != "megatron":
-            raise ValueError(f"weightSync.type: store reaches the megatron engine only; with rollout.engine.type "
-                             f"{engine}: disk or broadcast")
+    if spec.weight_sync.type == "store":
         return StoreWeightPublisher(store, rank=rank, max_policy_lag=spec.rollout.max_policy_lag)
-    if ws.type in ("disk", "broadcast"):
-        if engine != "vllm":
-            raise ValueError(f"weightSync.type: {ws.type} reaches the vllm engine only; with rollout.engine.type "
-                             f"{engine}: store")
-        from trainingrun.vllm.publish import make_vllm_publisher
-
-        return make_vllm_publisher(spec, store, rank=rank, attempt=attempt)
-    raise ValueError(f"weightSync.type: {ws.type!r} has no publisher; allowed: store, disk, broadcast")
+    return make_vllm_publisher(spec, store, arch=arch, rank=rank, attempt=attempt)

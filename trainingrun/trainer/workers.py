@@ -8,7 +8,7 @@ environment is process-level, as torchrun's:
 
   RANK              node_rank × G + local_rank       (global process rank; torch.distributed env://)
   WORLD_SIZE        nodes × G                        (= spec.trainer world size)
-  LOCAL_RANK        local_rank (0 .. G-1)            (also picks the GPU: trainer.model.prepare_device)
+  LOCAL_RANK        local_rank (0 .. G-1)            (also picks the GPU: modeling.model.prepare_device)
   LOCAL_WORLD_SIZE  G
   TRAININGRUN_NODE_RANK / TRAININGRUN_NUM_NODES      the node-level RANK / WORLD_SIZE the supervisor was given
   TRAININGRUN_METRICS_PORT                           the node's port + local_rank (one /metrics per process)
@@ -27,7 +27,6 @@ supervisor killed outright leaves no workers behind.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -37,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainingrun import failure_policy as policy
+from trainingrun.childproc import DIE_WITH_PARENT, child_command_prefix
 from trainingrun.contract.env import ProcessEnv
 
 POLL_SECONDS = 0.1
@@ -68,14 +68,6 @@ def worker_env(base: dict[str, str], *, node_rank: int, num_nodes: int, nproc: i
 def exit_status(returncode: int) -> int:
     """A worker's return code as the supervisor's exit status (killed by signal N → 128 + N)."""
     return 128 - returncode if returncode < 0 else returncode
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
-    """preexec_fn: SIGKILL this worker when the supervisor dies (Linux prctl PR_SET_PDEATHSIG)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except OSError:
-        pass
 
 
 @dataclass
@@ -111,7 +103,7 @@ class Supervisor:
                                  local_rank=local_rank)
                 self.procs.append(subprocess.Popen(
                     self.command, env=env, stdin=subprocess.DEVNULL,
-                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                    preexec_fn=DIE_WITH_PARENT,
                 ))
             return self._wait()
         finally:
@@ -181,8 +173,6 @@ class Supervisor:
 
 def worker_command(argv: list[str]) -> list[str]:
     """`python -m trainingrun trainer ARGV` (or `$TRAININGRUN_CHILD_COMMAND trainer ARGV`, as the local launcher)."""
-    from trainingrun.local.procs import child_command_prefix
-
     return [*child_command_prefix(), "trainer", *argv]
 
 

@@ -2,8 +2,9 @@
 
 They implement `trainingrun.trainer.weights.WeightPublisher`: `publish(version, module)` is called on every trainer
 rank after every trained rollout (and once at the start, version 0). The tensor-parallel ranks of data-parallel
-replica 0 gather the full weights (`full_state.gather_live_state`); trainer rank 0 converts them to Hugging Face
-names (`modeling.convert`) in the engine's dtype and makes them loadable:
+replica 0 gather the full weights (`modeling.state.gather_live_state`, of the run's `Architecture` the trainer
+resolved); trainer rank 0 converts them to Hugging Face names (`modeling.convert`) in the engine's dtype and makes
+them loadable:
 
   disk       an HF directory `<weightSync.path>/v<version>-a<attempt>` written beside its name and renamed into
              place (`modeling.hf_io.write_hf_dir`; config.json and tokenizer from `model.hf`). The attempt in the
@@ -22,11 +23,17 @@ checkpoint's version changes nothing, and the engine may be reading it).
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+
+from trainingrun.modeling.architecture import Architecture
+from trainingrun.vllm.broadcast import BroadcastSender
 
 DIR_PREFIX = "v"
 
@@ -47,24 +54,18 @@ def dir_version(path: Path) -> int | None:
 def commit_version(store, version: int, meta: dict[str, Any]) -> bool:
     """Commit weight `version` in the run's store: the meta says where the weights are (the store holds one marker
     array, not the weights). Subject to the store's attempt fencing: a fenced-off trainer's commit is refused."""
-    import numpy as np
-
     return store.publish_weights(version, {"version": np.asarray([version], np.int64)}, {**meta, "version": version})
 
 
-def make_vllm_publisher(spec, store, *, rank: int, attempt: int = 0):
+def make_vllm_publisher(spec, store, *, arch: Architecture, rank: int, attempt: int = 0):
     """The publisher of `spec.weightSync.type` disk / broadcast for the vllm engine, on this trainer rank (Megatron's
-    parallel state is initialised: the tensor-parallel ranks of replica 0 gather the weights)."""
-    import os
+    parallel state is initialised: the tensor-parallel ranks of replica 0 gather the weights of `arch`)."""
+    from megatron.core import parallel_state as ps  # deferred: megatron (the trainer imported it after its CPU shim)
 
-    from megatron.core import parallel_state as ps
-
-    kw = dict(rank=rank, arch=spec.model.resolved(), dtype=spec.rollout.engine.vllm.dtype,
+    kw = dict(rank=rank, arch=arch, dtype=spec.rollout.engine.vllm.dtype,
               max_policy_lag=spec.rollout.max_policy_lag, tp_group=ps.get_tensor_model_parallel_group(),
               tp_size=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
               dp_rank=ps.get_data_parallel_rank(), attempt=attempt)
-    if spec.model.hf is None:
-        raise ValueError("weightSync.type: disk/broadcast publishes Hugging Face weights: set model.hf")
     ws = spec.weight_sync
     if ws.type == "disk":
         root = ws.path or str(Path(spec.trainer.checkpoint.path) / "weights")
@@ -76,7 +77,7 @@ def make_vllm_publisher(spec, store, *, rank: int, attempt: int = 0):
 
 
 class _Base:
-    def __init__(self, store, *, rank: int, arch: dict[str, Any], dtype: str, max_policy_lag: int, tp_group=None,
+    def __init__(self, store, *, rank: int, arch: Architecture, dtype: str, max_policy_lag: int, tp_group=None,
                  tp_size: int = 1, tp_rank: int = 0, dp_rank: int = 0, attempt: int = 0):
         self.store, self.rank, self.arch, self.dtype, self.lag = store, rank, arch, dtype, max_policy_lag
         self.attempt = attempt
@@ -88,7 +89,7 @@ class _Base:
         """Full canonical Megatron state on rank 0; None elsewhere (replica 0's TP ranks take part)."""
         if self.dp_rank != 0:
             return None
-        from trainingrun.trainer.full_state import gather_live_state
+        from trainingrun.modeling.state import gather_live_state  # deferred: torch
 
         state = gather_live_state(module, self.arch, tp_group=self.tp_group, tp_size=self.tp_size,
                                   tp_rank=self.tp_rank)
@@ -115,9 +116,9 @@ class DiskPublisher(_Base):
         state = self._gather(module)  # a collective: every TP rank of replica 0 takes part, even for a republish
         if self.rank != 0 or self._committed(version):
             return
-        import torch
+        import torch  # deferred: torch
 
-        from trainingrun.modeling.hf_io import write_hf_dir
+        from trainingrun.modeling.hf_io import write_hf_dir  # deferred: torch
 
         t0 = time.perf_counter()
         self.root.mkdir(parents=True, exist_ok=True)
@@ -151,12 +152,10 @@ class BroadcastPublisher(_Base):
         self.host, self.backend = host, backend
         self.sender = None
         if self.rank == 0:
-            from trainingrun.vllm.broadcast import BroadcastSender
-
             if backend == "gloo":
                 device: Any = "cpu"
             else:  # NCCL: snapshots stay on this rank's GPU
-                import torch
+                import torch  # deferred: torch
 
                 device = torch.device("cuda", torch.cuda.current_device())
             self.sender = BroadcastSender(port, backend=backend, timeout=timeout, dtype=self.dtype,
@@ -168,7 +167,7 @@ class BroadcastPublisher(_Base):
         state = self._gather(module)
         if self.rank != 0:
             return
-        from trainingrun.modeling import convert
+        from trainingrun.modeling import convert  # deferred: torch
 
         if self._committed(version) and version in self.sender.versions:
             return

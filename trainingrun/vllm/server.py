@@ -28,6 +28,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from trainingrun.childproc import DIE_WITH_PARENT
+
 EXTENSION_CLS = "trainingrun.vllm.worker_ext.WeightSyncExtension"
 # Sampled tokens' log-probabilities under softmax(logits / temperature), as the Engine contract asks (vLLM's default,
 # raw_logprobs, ignores the temperature). With topP < 1 vLLM reports the top-p-renormalised distribution.
@@ -102,17 +104,6 @@ def find_python() -> str | None:
     return None
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
-    """SIGKILL the server when the process that started it dies (Linux PR_SET_PDEATHSIG); vLLM's engine and worker
-    processes notice their parent's death and exit."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-    except OSError:
-        pass
-
-
 class VLLMServer:
     """A vLLM server process on this machine. `start()` returns at once; `wait_healthy()` blocks until /health."""
 
@@ -150,7 +141,7 @@ class VLLMServer:
             # its own session: stop() ends the server and the engine/worker processes it forks, nothing else
             self.proc = subprocess.Popen([self.python, *self._args], env=env, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                                         preexec_fn=DIE_WITH_PARENT)
         finally:
             log.close()
         self.starts += 1

@@ -16,6 +16,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from trainingrun.local.history import step_records
+from trainingrun.local.rundir import live_owner
+
 PHASES = {"succeeded": "Succeeded", "failed": "Failed", "interrupted": "Interrupted"}
 
 
@@ -46,11 +51,6 @@ def _alive(pid: Any) -> bool:
 
 def run_status(run_dir: Path) -> dict[str, Any]:
     """The status object (`-o json`)."""
-    import yaml
-
-    from trainingrun.history import step_records
-    from trainingrun.local.rundir import live_owner
-
     owner = live_owner(run_dir)
     summary = _read_json(run_dir / "summary.json")
     pids = _read_json(run_dir / "pids.json") or {}

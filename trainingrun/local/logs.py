@@ -15,6 +15,9 @@ import sys
 import time
 from pathlib import Path
 
+from trainingrun.local.report import LineTail
+from trainingrun.local.rundir import live_owner
+
 _LOG_RE = re.compile(r"^(?P<name>.+?)(?:\.attempt(?P<attempt>\d+))?\.log$")
 FOLLOW_POLL_SECONDS = 0.25
 
@@ -65,8 +68,6 @@ class _Follower:
     """One log file from its start (or its last `tail` lines), each line prefixed with `prefix`."""
 
     def __init__(self, path: Path, prefix: str, tail: int | None):
-        from trainingrun.local.report import LineTail
-
         self.path, self.prefix = path, prefix
         start = 0
         if tail is not None:
@@ -81,8 +82,6 @@ class _Follower:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainingrun.local.rundir import live_owner
-
     run_dir = Path(args.run_dir)
     try:
         attempt, procs = _select(run_dir, args.process, args.attempt)

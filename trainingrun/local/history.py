@@ -11,11 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from trainingrun.local.report import merge_metrics, read_records
+
 
 def step_records(run_dir: Path) -> list[dict[str, Any]]:
     """One record per step, in step order (the last attempt's record of a step wins); [] if there is none."""
-    from trainingrun.local.report import merge_metrics, read_records
-
     merged = merge_metrics(run_dir)
     if merged:
         return merged

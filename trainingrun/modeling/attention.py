@@ -4,7 +4,7 @@ Megatron's local `DotProductAttention` refuses packed input ("Packed sequence is
 TransformerEngine is not available on a CPU machine. This module takes Megatron's core-attention call
 (query/key/value after RoPE) and, for THD input, attends within each document only: the mask is block-diagonal over
 the documents given by `packed_seq_params.cu_seqlens_q`, and causal inside each block. It is a drop-in for
-`core_attention` in `get_gpt_layer_local_spec()` (see `trainingrun.trainer.model.layer_spec`). It has no parameters
+`core_attention` in `get_gpt_layer_local_spec()` (see `trainingrun.modeling.model.layer_spec`). It has no parameters
 and imports nothing from megatron (a plain `torch.nn.Module` with Megatron's constructor and forward signature), so
 it is tested in any process.
 

@@ -4,7 +4,7 @@ Six panels: loss per step, global batch size per step (bars: it varies), learnin
 (the scheduler advances by samples), gradient norm, reward (the trained samples' mean, and the mean over every
 generated sample when the record has `reward_mean`), throughput (samples/s and tokens/s on their own axes). Dashed
 vertical lines mark restarts (the step where another attempt's records begin). The history comes from the run
-directory (`trainingrun.history`): a local run's directory, or a cluster's output directory with its metrics.jsonl.
+directory (`trainingrun.local.history`): a local run's directory, or a cluster's output directory with its metrics.jsonl.
 A finished local run writes `RUN_DIR/plot.png` itself.
 """
 
@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from trainingrun.local.history import restart_steps, step_records
+
 PLOT_FILE = "plot.png"
 
 
@@ -25,8 +27,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainingrun.history import step_records
-
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         print(f"error: {run_dir}: not a directory", file=sys.stderr)
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     out = Path(args.output) if args.output else run_dir / PLOT_FILE
-    try:
+    try:  # deferred: matplotlib (the optional `local` extra)
         import matplotlib  # noqa: F401
     except ImportError:
         print("error: trainingrun plot needs matplotlib: pip install 'trainingrun[local]'", file=sys.stderr)
@@ -65,12 +65,10 @@ def _series(records: list[dict[str, Any]], key: str, x: str = "step") -> tuple[l
 
 def figure(records: list[dict[str, Any]], title: str = ""):
     """The matplotlib Figure (Agg backend, nothing shown)."""
-    import matplotlib
+    import matplotlib  # deferred: matplotlib (the optional `local` extra), slow to import
 
     matplotlib.use("Agg", force=True)
-    from matplotlib.figure import Figure
-
-    from trainingrun.history import restart_steps
+    from matplotlib.figure import Figure  # deferred: after choosing the Agg backend
 
     fig = Figure(figsize=(15, 8.5), dpi=100, layout="constrained")
     axes = fig.subplots(2, 3)

@@ -1,11 +1,11 @@
 """`trainingrun export-hf CHECKPOINT_DIR --out DIR`: a trainer checkpoint as a Hugging Face model directory.
 
 Reads the checkpoint's model shards in one process (`trainingrun.trainer.full_state.load_full_state`: tensor-parallel
-shards gathered), converts the names and shapes (`trainingrun.modeling.convert`, the export table) and writes
-config.json, model.safetensors (sharded above 4 GiB, with an index) and the tokenizer files the checkpoint keeps from
-the directory the run started from (`hf/` inside the checkpoint; `--tokenizer DIR` supplies them otherwise).
-`transformers.AutoModelForCausalLM.from_pretrained(DIR)` and vLLM load the result. Nothing is half-written: the
-directory is assembled beside `--out` and renamed into place.
+shards gathered, the run's `Architecture` from its record), converts the names and shapes
+(`trainingrun.modeling.convert`, the export table) and writes config.json, model.safetensors (sharded above 4 GiB, with
+an index) and the tokenizer files the checkpoint keeps from the directory the run started from (`hf/` inside the
+checkpoint; `--tokenizer DIR` supplies them otherwise). `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and
+vLLM load the result. Nothing is half-written: the directory is assembled beside `--out` and renamed into place.
 """
 
 from __future__ import annotations
@@ -14,6 +14,13 @@ import argparse
 import sys
 import time
 from pathlib import Path
+
+import torch
+
+from trainingrun.modeling.convert import ConversionError
+from trainingrun.modeling.hf_config import HFConfigError
+from trainingrun.modeling.hf_io import write_hf_dir
+from trainingrun.trainer.full_state import load_full_state
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -31,11 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "auto", tokenizer: str | Path | None = None,
               log=lambda msg: None) -> Path:
-    import torch
-
-    from trainingrun.modeling.hf_io import write_hf_dir
-    from trainingrun.trainer.full_state import load_full_state
-
     t0 = time.perf_counter()
     full = load_full_state(checkpoint)
     log(f"export-hf: read {full.path} ({len(full.state)} tensors, step {full.progress.get('global_step')}) in "
@@ -54,9 +56,6 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "auto", t
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainingrun.modeling.convert import ConversionError
-    from trainingrun.modeling.hf_config import HFConfigError
-
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 

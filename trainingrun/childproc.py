@@ -1,0 +1,41 @@
+"""Helpers for the child processes the package starts (the local launcher's rollout and trainers, a trainer pod's
+workers, a vLLM server): pure, importable from every layer.
+
+  child_command_prefix()   the command that runs `trainingrun <args>` in a child: `python -m trainingrun`, or the
+                           command line in $TRAININGRUN_CHILD_COMMAND (debugging: wrap children in a profiler; tests:
+                           small stand-in programs), split like a shell command line
+  DIE_WITH_PARENT          a `subprocess.Popen(preexec_fn=...)` that makes the kernel SIGKILL the child when the
+                           process that started it dies (Linux PR_SET_PDEATHSIG), so even a parent killed with
+                           SIGKILL leaves no children behind; None where the platform has no such thing
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shlex
+import signal
+import sys
+from collections.abc import Callable
+
+CHILD_COMMAND_ENV = "TRAININGRUN_CHILD_COMMAND"
+_PR_SET_PDEATHSIG = 1
+
+
+def child_command_prefix() -> list[str]:
+    """The command that runs `trainingrun <args>` for a child process."""
+    override = os.environ.get(CHILD_COMMAND_ENV)
+    if override:
+        return shlex.split(override)
+    return [sys.executable, "-m", "trainingrun"]
+
+
+def die_with_parent() -> None:  # pragma: no cover - runs in the forked child
+    """preexec_fn: SIGKILL this child when its parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+DIE_WITH_PARENT: Callable[[], None] | None = die_with_parent if sys.platform.startswith("linux") else None

@@ -1,0 +1,218 @@
+"""The Megatron model of an `Architecture`: the device, process groups and seed it needs, the one model builder
+(`build_model`: trainer, `trainingrun score`, the rollout's in-process engine) and loading canonical weights into it.
+
+Import order matters on a CPU-only machine: call `prepare_device(cpu)` (which installs `modeling.cpu_compat`) before
+anything imports megatron, so megatron is imported inside the functions here. Every function takes plain values (an
+`Architecture`, a device), so tests build exactly the trainer's model. The trainer's DDP wrapper, optimizer and LR
+schedule are in `trainer/optim.py`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F  # noqa: N812
+
+from trainingrun.modeling import cpu_compat
+from trainingrun.modeling.architecture import Architecture
+from trainingrun.modeling.attention import PackedSDPAttention
+from trainingrun.modeling.convert import check_tp, model_names
+from trainingrun.modeling.hf_io import load_megatron_state
+
+
+def prepare_device(gpus: int) -> torch.device:
+    """CUDA when the spec asks for GPUs and one is visible (NCCL), else CPU (gloo + the compat shim).
+
+    Worker LOCAL_RANK uses GPU LOCAL_RANK; ValueError when this node has more workers (LOCAL_WORLD_SIZE) than visible
+    GPUs (NCCL refuses two ranks on one device)."""
+    if gpus > 0 and torch.cuda.is_available():
+        visible = torch.cuda.device_count()
+        nproc = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        if nproc > visible:
+            raise ValueError(f"trainer.gpusPerReplica: {nproc} workers per pod but only {visible} CUDA device(s) "
+                             "visible; allowed: at most the visible devices (or run without CUDA on the CPU)")
+        local = int(os.environ.get("LOCAL_RANK", "0")) % visible
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    cpu_compat.install()
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device, tp: int = 1, pp: int = 1, timeout_s: float = 600) -> None:
+    """torch.distributed from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, then Megatron's parallel state."""
+    from megatron.core import parallel_state  # deferred: megatron after prepare_device
+
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            init_method="env://",
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
+def set_seed(seed: int) -> None:
+    """Same seed on every rank: model init identical whatever the data-parallel size."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # deferred: megatron
+
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def torch_dtype(precision: str) -> torch.dtype:
+    """The torch dtype of a spec precision (fp32, bf16, fp16)."""
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def layer_impl(arch: Architecture, device: torch.device) -> str:
+    """Which Megatron layer implementation `build_model` uses: "transformer_engine" or "local".
+
+    `transformerImpl: auto` takes TransformerEngine on CUDA in bf16/fp16 when it imports, else the local spec.
+    fp32 stays local under auto: TE's fused/flash attention kernels (the ones that take packed THD input) run only in
+    fp16/bf16. `transformer_engine` insists (ValueError on CPU or without the package)."""
+    want = arch.transformer_impl
+    have_te = False
+    if device.type == "cuda":
+        try:
+            import transformer_engine  # noqa: F401  # deferred: optional, CUDA only
+
+            have_te = True
+        except ImportError:
+            pass
+    if want == "transformer_engine":
+        if not have_te:
+            raise ValueError("model.transformerImpl: transformer_engine needs CUDA and the transformer_engine package "
+                             f"(device {device}; package {'present' if have_te else 'not importable here'}); allowed "
+                             "here: local or auto")
+        return "transformer_engine"
+    if want == "auto" and have_te and arch.precision in ("bf16", "fp16"):
+        return "transformer_engine"
+    return "local"
+
+
+def layer_spec(arch: Architecture, device: torch.device):
+    """Megatron's TransformerEngine layer spec, or its local spec with the packed SDPA core attention
+    (`layer_impl` decides). The norm type comes from the architecture (RMSNorm for llama)."""
+    from megatron.core.models.gpt import gpt_layer_specs  # deferred: megatron
+
+    if layer_impl(arch, device) == "transformer_engine":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=arch.normalization)
+    spec.submodules.self_attention.submodules.core_attention = PackedSDPAttention
+    return spec
+
+
+def transformer_config(arch: Architecture, device: torch.device):
+    """Megatron `TransformerConfig` of an architecture; no dropout, so runs are reproducible, and no fusions that
+    need CUDA kernels."""
+    from megatron.core.transformer import TransformerConfig  # deferred: megatron
+
+    dtype = torch_dtype(arch.precision)
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization=arch.normalization,
+        layernorm_epsilon=arch.norm_epsilon,
+        gated_linear_unit=arch.gated,
+        activation_func=F.silu if arch.gated else F.gelu,
+        add_bias_linear=arch.add_bias_linear,
+        add_qkv_bias=arch.qkv_bias,
+        use_cpu_initialization=device.type == "cpu",
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        cross_entropy_loss_fusion=False,
+    )
+
+
+def build_model(arch: Architecture, device: torch.device, *, load_weights: bool = True,
+                parallel_output: bool = True):
+    """THE model builder (trainer, scoring, in-process inference): a Megatron `GPTModel` of `arch`, this rank's
+    tensor-parallel shard.
+
+    gpt: LayerNorm + GELU; llama: RMSNorm + SwiGLU + grouped-query attention; both with RoPE (base `rope_base`;
+    Llama-3 scaling when `rope_scaling_factor` is set), tied or untied output layer, optional biases. With `hf` set
+    and `load_weights`, the Hugging Face weights are converted and this rank's shard is loaded
+    (`trainingrun.modeling.hf_io.load_megatron_state`); else the parameters keep Megatron's seeded initialisation.
+    `parallel_output=False` gathers the logits over the vocabulary (full [.., V] on every TP rank)."""
+    from megatron.core import parallel_state  # deferred: megatron after prepare_device
+    from megatron.core.models.gpt import GPTModel  # deferred: megatron
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    check_tp(arch, tp)
+    scaling = arch.rope_scaling_factor
+    model = GPTModel(
+        config=transformer_config(arch, device),
+        transformer_layer_spec=layer_spec(arch, device),
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.seq_length,
+        pre_process=True,
+        post_process=True,
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=arch.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=arch.rope_base,
+        rope_scaling=scaling is not None,
+        rope_scaling_factor=scaling if scaling is not None else 8.0,
+    )
+    model = model.to(device)
+    _params_to_dtype(model, torch_dtype(arch.precision))
+    if arch.hf and load_weights:
+        state = load_megatron_state(arch.hf, arch, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                                    tp_size=tp)
+        load_canonical_state(model, state)
+    return model
+
+
+def _params_to_dtype(model, dtype: torch.dtype) -> None:
+    """Every floating-point parameter in `dtype`, as Megatron's `Float16Module` leaves a half-precision model.
+
+    Megatron's linear layers honour `params_dtype`, but the local spec's norms are plain torch modules created in
+    fp32. A bf16/fp16 model with fp32 norm weights computes them in fp32 and — worse — its optimizer keeps them in a
+    separate fp32 group that Megatron's `sharded_state_dict` cannot map, so no checkpoint could be written. Only
+    parameters are cast: RoPE's inverse frequencies are a plain fp32 attribute and stay so."""
+    if dtype == torch.float32:
+        return
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+
+
+def load_canonical_state(model, state: dict[str, torch.Tensor]) -> None:
+    """Copy a canonical (local-spec names) state dict of this rank's shard into `model` (either spec), casting to
+    each parameter's dtype; ValueError naming missing, unexpected or misshapen tensors."""
+    own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    renamed = model_names(state, own.keys())
+    missing = sorted(set(own) - set(renamed))
+    unexpected = sorted(set(renamed) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"weights do not fit the model: missing {missing[:6]}, unexpected {unexpected[:6]}")
+    with torch.no_grad():
+        for key, value in renamed.items():
+            target = own[key]
+            if target.shape != value.shape:
+                raise ValueError(f"weights do not fit the model: {key} has shape {tuple(value.shape)}, the model "
+                                 f"needs {tuple(target.shape)}")
+            target.copy_(value.to(device=target.device, dtype=target.dtype))

@@ -1,0 +1,191 @@
+"""The operator's vocabulary: who owns a run's children, what they are called, which of them a run has, and the few
+values derived from a run that several modules need (its store URL, its epoch, the hash of its ConfigMap). Pure, no
+I/O; `status` decides with it, `render` renders with it, `checks` checks with it, `handlers` acts with it.
+
+  Owner          the TrainingRun that owns the children (the ownerReference every child carries)
+  Names          the children's names: R-config, R-trainers, R-store, R-engine, R-a<k> (PodGroup), pods
+                 R-rollout-a<k> and R-trainer-<i>-a<k>, trainer hostnames trainer-<i>-a<k>
+  Child          one child by kind, name and role (the role label of the object: config, trainer, store, engine,
+                 rollout; a PodGroup has none) and rank (trainer pods)
+  base_children  what an attempt's pods need before they are created, in creation order
+  store_url      the run's store as the pods see it; run_epoch its creation time; config_hash the ConfigMap's content
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from trainingrun.api.constants import (
+    API_VERSION,
+    GROUP_ROLES,
+    KIND,
+    ROLE_CONFIG,
+    ROLE_ENGINE,
+    ROLE_STORE,
+    ROLE_TRAINER,
+)
+from trainingrun.api.models import TrainingRun
+from trainingrun.api.yamlcodec import dump_yaml
+from trainingrun.operator import gang
+from trainingrun.operator.observe import parse_time
+
+STORE_PORT = 6379
+CONFIG_VOLUME = "config"  # pod volume of the run's ConfigMap (reserved: podTemplate.volumes may not use it)
+SHM_VOLUME = "dshm"  # memory-backed /dev/shm of multi-worker trainer pods (reserved too)
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Identity of the TrainingRun that owns the children."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> dict[str, Any]:
+        return {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+@dataclass(frozen=True)
+class Names:
+    """Names of a run's children."""
+
+    run: str
+
+    @property
+    def config(self) -> str:
+        return f"{self.run}-config"
+
+    @property
+    def service(self) -> str:
+        return f"{self.run}-trainers"
+
+    @property
+    def store(self) -> str:
+        return f"{self.run}-store"
+
+    @property
+    def engine(self) -> str:
+        return f"{self.run}-engine"
+
+    def podgroup(self, attempt: int) -> str:
+        return f"{self.run}-a{attempt}"
+
+    def is_podgroup(self, name: str) -> bool:
+        """Whether `name` is one of this run's PodGroups (of any attempt)."""
+        prefix = f"{self.run}-a"
+        return name.startswith(prefix) and name[len(prefix):].isdigit()
+
+    def pod(self, role: str, rank: int | None, attempt: int) -> str:
+        return f"{self.run}-{role}-a{attempt}" if rank is None else f"{self.run}-{role}-{rank}-a{attempt}"
+
+    @staticmethod
+    def hostname(rank: int, attempt: int) -> str:
+        """A trainer pod's hostname: per attempt, so the rendezvous name never resolves to an older attempt's pod."""
+        return f"trainer-{rank}-a{attempt}"
+
+
+@dataclass(frozen=True)
+class Child:
+    """One child object of a run, by kind and name; `role` is the role label the object carries (None: a PodGroup),
+    `rank` a trainer pod's rank."""
+
+    kind: str  # ConfigMap, Service, Pod, PodGroup
+    name: str
+    role: str | None = None
+    rank: int | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}/{self.name}"
+
+    @property
+    def group_pod(self) -> bool:
+        """A rollout or trainer pod of the attempt (the others are what those pods need, or outlive attempts)."""
+        return self.kind == "Pod" and self.role in GROUP_ROLES
+
+
+def store_is_managed(run: TrainingRun) -> bool:
+    """In a cluster, a run without `store.url` gets a managed Redis (a file store cannot be shared by pods)."""
+    return run.spec.store.managed or run.spec.store.url is None
+
+
+def engine_is_managed(run: TrainingRun) -> bool:
+    """The operator runs the run's vLLM server: generated rollouts with the vllm engine and no `engine.url`."""
+    e = run.spec.rollout.engine
+    return run.spec.rollout.source.type == "generate" and e.type == "vllm" and not e.url
+
+
+def base_children(run: TrainingRun, attempt: int) -> list[Child]:
+    """What the attempt's pods need before they are created, in creation order (plus the managed store's pod)."""
+    names = Names(run.metadata.name)
+    out = [Child("ConfigMap", names.config, role=ROLE_CONFIG), Child("Service", names.service, role=ROLE_TRAINER)]
+    if store_is_managed(run):
+        out += [Child("Service", names.store, role=ROLE_STORE), Child("Pod", names.store, role=ROLE_STORE)]
+    if engine_is_managed(run):
+        out += [Child("ConfigMap", names.engine, role=ROLE_ENGINE), Child("Service", names.engine, role=ROLE_ENGINE),
+                Child("Pod", names.engine, role=ROLE_ENGINE)]
+    if gang.provider(run) is not None:
+        out.append(Child("PodGroup", names.podgroup(attempt)))
+    return out
+
+
+def store_url(run: TrainingRun, namespace: str) -> str:
+    if store_is_managed(run):
+        return f"redis://{Names(run.metadata.name).store}.{namespace}.svc:{STORE_PORT}/0"
+    url = run.spec.store.url
+    assert url is not None
+    if url.startswith("redis://") and "prefix=" not in url:
+        # An external Redis may serve several runs: give each its own keys (trainingrun.<namespace>.<name>, and the
+        # first 8 characters of the run's uid when known, so that a run deleted and re-created with the same name
+        # starts a fresh stream instead of being fenced off by the old run's attempts) unless the URL names a prefix.
+        prefix = f"trainingrun.{namespace}.{run.metadata.name}"
+        uid = (run.metadata.model_extra or {}).get("uid")
+        if isinstance(uid, str) and uid:
+            prefix += "." + uid[:8]
+        url += ("&" if "?" in url else "?") + f"prefix={prefix}"
+    return url
+
+
+def run_epoch(run: TrainingRun) -> int:
+    """The run's creation time in unix seconds (metadata.creationTimestamp), 0 when unknown: TRAININGRUN_RUN_EPOCH."""
+    raw = (run.metadata.model_extra or {}).get("creationTimestamp")
+    try:
+        ts = parse_time(raw) if isinstance(raw, str) else None
+    except ValueError:
+        return 0
+    return max(int(ts.timestamp()), 0) if ts is not None else 0
+
+
+def master_addr(run: TrainingRun, namespace: str, attempt: int) -> str:
+    """Trainer 0 of the attempt, as every trainer of it resolves it (the headless Service's per-attempt hostname)."""
+    return f"{Names.hostname(0, attempt)}.{Names(run.metadata.name).service}.{namespace}.svc"
+
+
+def run_manifest(run: TrainingRun, namespace: str) -> dict[str, Any]:
+    """The manifest the pods load from the ConfigMap (`trainingrun.api.load_trainingrun`)."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": run.metadata.name, "namespace": namespace},
+        "spec": run.spec.to_dict(),
+    }
+
+
+def config_text(run: TrainingRun, namespace: str) -> str:
+    """The ConfigMap's run.yaml."""
+    return dump_yaml(run_manifest(run, namespace), sort_keys=False)
+
+
+def config_hash(run: TrainingRun) -> str:
+    """A short hash of the run's manifest (the ConfigMap's content, whatever the namespace): a resize changes it."""
+    return hashlib.sha256(config_text(run, "").encode()).hexdigest()[:16]
