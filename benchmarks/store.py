@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainingrun.schedule import build_dp_schedule  # noqa: E402
-from trainingrun.store import open_store  # noqa: E402
+from trainingrun.store import file_io, open_store  # noqa: E402
 from trainingrun.store.wire import encode_payload, payload_nbytes  # noqa: E402
 
 
@@ -126,23 +126,21 @@ def main() -> int:
             rows.append((name, "fetch", best(fetch, args.repeat), best(raw_read, args.repeat)))
             if fsync:
                 # bytes brought in: read() calls (rchar) plus the payload files memory-mapped by the file store
-                import trainingrun.store.file as file_store
-
                 mapped = []
-                original = file_store._map_or_read
+                original = file_io._map
 
                 def counting(*args):
-                    buf = original(*args)
+                    buf, header = original(*args)
                     mapped.append(len(buf))
-                    return buf
+                    return buf, header
 
-                file_store._map_or_read = counting
+                file_io._map = counting
                 try:
                     before = rchar()
                     store.read_payload(0, 3)
                     file_rank_bytes = rchar() - before + sum(mapped)
                 finally:
-                    file_store._map_or_read = original
+                    file_io._map = original
         # ------------------------------------------------------------------ redis
         from tests.services import redis_server
 

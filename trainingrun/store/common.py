@@ -204,9 +204,11 @@ class Marker:
                    attempt=stored_int(d["attempt"], where=where, field="attempt", maximum=MAX_ATTEMPT),
                    schedule_crc=stored_int(d["schedule_crc"], where=where, field="schedule_crc", maximum=2**32 - 1))
 
-    def check_schedule(self, data: bytes, *, where: str) -> None:
-        if zlib.crc32(data) != self.schedule_crc:
-            raise CorruptPayload(f"{where}: schedule fails the CRC-32 its commit marker records (corrupted bytes)")
+    DOCUMENT = "schedule"  # the JSON document it commits, by its CRC-32 (`committed_json`)
+
+    @property
+    def document_crc(self) -> int:
+        return self.schedule_crc
 
 
 @dataclass(frozen=True)
@@ -240,9 +242,11 @@ class WeightsMarker:
                    chunks=stored_int(d["chunks"], where=where, field="chunks", minimum=1, maximum=1 << 24),
                    meta_crc=stored_int(d["meta_crc"], where=where, field="meta_crc", maximum=2**32 - 1))
 
-    def check_meta(self, data: bytes, *, where: str) -> None:
-        if zlib.crc32(data) != self.meta_crc:
-            raise CorruptPayload(f"{where}: weight meta fails the CRC-32 its commit marker records (corrupted bytes)")
+    DOCUMENT = "weight meta"
+
+    @property
+    def document_crc(self) -> int:
+        return self.meta_crc
 
 
 # ------------------------------------------------------------------------------------------------ what a marker commits
@@ -266,12 +270,14 @@ def payload_rank(marker: Marker, rank: Any, *, url: str) -> int:
     return rank
 
 
-def schedule_value(marker: Marker, data: bytes, *, where: str) -> dict[str, Any]:
-    """The committed schedule from its stored bytes: its CRC-32 checked against the marker, strict JSON, an object."""
-    marker.check_schedule(data, where=where)
+def committed_json(marker: Marker | WeightsMarker, data: bytes, *, where: str) -> dict[str, Any]:
+    """The JSON document a marker commits (a rollout's schedule, a weight version's meta) from its stored bytes: the
+    CRC-32 the marker records, strict JSON, an object; CorruptPayload naming `where` otherwise."""
+    if zlib.crc32(data) != marker.document_crc:
+        raise CorruptPayload(f"{where}: {marker.DOCUMENT} fails the CRC-32 its commit marker records (corrupted bytes)")
     value = decode_json(data, where=where)
     if not isinstance(value, dict):
-        raise CorruptPayload(f"{where}: the schedule is not a JSON object")
+        raise CorruptPayload(f"{where}: the {marker.DOCUMENT} is not a JSON object")
     return value
 
 
@@ -286,15 +292,6 @@ def committed_weights(raw: bytes | None, version: int, *, url: str, where: str,
         raise CorruptPayload(f"store {url}: {where}: commit marker names version {marker.version} in "
                              f"{marker.chunks} pieces")
     return marker
-
-
-def weights_meta(marker: WeightsMarker, data: bytes, *, where: str) -> dict[str, Any]:
-    """A committed version's meta from its stored bytes: CRC-32 checked against the marker, strict JSON, an object."""
-    marker.check_meta(data, where=where)
-    meta = decode_json(data, where=where)
-    if not isinstance(meta, dict):
-        raise CorruptPayload(f"{where}: weight meta is not a JSON object")
-    return meta
 
 
 def check_weights_size(size: int, marker: WeightsMarker, *, where: str) -> None:

@@ -300,7 +300,7 @@ class FileStore:
         data = self._io.read(path)
         if data is None:
             raise self._gone(rollout, path)
-        return common.schedule_value(marker, data, where=self._where(path))
+        return common.committed_json(marker, data, where=self._where(path))
 
     def read_payload(self, rollout: int, rank: int) -> RankPayload:
         marker = self._require_committed(rollout)
@@ -386,7 +386,7 @@ class FileStore:
         meta_bytes = self._io.read(meta_path)
         if meta_bytes is None:
             raise self._weights_gone(version, meta_path)
-        meta = common.weights_meta(marker, meta_bytes, where=self._where(meta_path))
+        meta = common.committed_json(marker, meta_bytes, where=self._where(meta_path))
         mapped = self._io.map_arrays(path, spec=None, check_size=lambda n: common.check_weights_size(
             n, marker, where=self._where(path)))
         if mapped is None:

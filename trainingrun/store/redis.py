@@ -342,7 +342,7 @@ class RedisStore:
         data = self._get(key)
         if data is None:
             raise self._gone(rollout, key)
-        return common.schedule_value(marker, data, where=self._where(key))
+        return common.committed_json(marker, data, where=self._where(key))
 
     def read_payload(self, rollout: int, rank: int) -> RankPayload:
         marker = self._require_committed(rollout)
@@ -417,7 +417,7 @@ class RedisStore:
         marker = common.committed_weights(raw, version, url=self.url, where=f"key {ckey}")
         if meta_bytes is None:
             raise self._weights_gone(version, mkey)
-        meta = common.weights_meta(marker, meta_bytes, where=self._where(mkey))
+        meta = common.committed_json(marker, meta_bytes, where=self._where(mkey))
         keys = [self._chunk_key(version, marker.attempt, i) for i in range(marker.chunks)]
         pieces = self._conn.batch(keys[0], *[("get", key) for key in keys])
         for key, piece in zip(keys, pieces):
