@@ -138,11 +138,15 @@ class FileStore:
         value = self._io.read_json(path)
         return None if value is None else common.Owner.from_json(value, where=self._where(path))
 
+    def _claims(self) -> list[Path]:
+        """The writer claims (`writer/<attempt>.json`), oldest attempt first."""
+        d = self.root / "writer"
+        return [d / n for n in sorted(self._io.listdir(d)) if len(n) == 13 and n[:8].isdigit() and n.endswith(".json")]
+
     def _claim(self) -> tuple[Path | None, common.Owner | None]:
         """The newest writer claim (the one of the newest attempt): its path and owner; (None, None) if none."""
-        d = self.root / "writer"
-        claims = sorted(n for n in self._io.listdir(d) if len(n) == 13 and n[:8].isdigit() and n.endswith(".json"))
-        return (d / claims[-1], self._owner_at(d / claims[-1])) if claims else (None, None)
+        claims = self._claims()
+        return (claims[-1], self._owner_at(claims[-1])) if claims else (None, None)
 
     def _guard(self, op: str, *, writer: bool = False) -> None:
         """Before a write: the epoch, the current attempt and (for the writer's operations) the writer claim."""
@@ -179,9 +183,9 @@ class FileStore:
         else:
             raise StoreError(f"store {self.url}: could not claim the writer ({mine}): it kept changing")
         self._owner = me
-        for name in self._io.listdir(self.root / "writer"):  # claims of older attempts are superseded
-            if len(name) == 13 and name[:8].isdigit() and int(name[:8]) < (self.attempt or 0):
-                (self.root / "writer" / name).unlink(missing_ok=True)
+        for older in self._claims():  # claims of older attempts are superseded
+            if int(older.name[:8]) < (self.attempt or 0):
+                older.unlink(missing_ok=True)
         return me.to_json()
 
     def writer(self) -> dict[str, Any] | None:

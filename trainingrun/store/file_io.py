@@ -123,34 +123,41 @@ class Volume:
         finally:
             tmp.unlink(missing_ok=True)
 
-    def open_regular(self, path: Path) -> int | None:
-        """A read-only descriptor of the regular file at `path`, None if there is none; a FIFO, device, socket or
-        directory there is refused (CorruptPayload) without blocking on it."""
+    def open_regular(self, path: Path) -> tuple[int, int] | None:
+        """(a read-only descriptor, the size) of the regular file at `path`, None if there is none; a FIFO, device,
+        socket or directory there is refused (CorruptPayload) without blocking on it."""
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise self.error("read", path, exc) from exc
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             os.close(fd)
+            mode = st.st_mode
             kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
             raise CorruptPayload(f"store {self.url}: {path} is {kind}: refused (the store writes only regular files)")
-        return fd
+        return fd, st.st_size
 
     def read(self, path: Path, limit: int = MAX_JSON_BYTES) -> bytes | None:
         """The bytes of the regular file at `path` (None: none there); CorruptPayload when larger than `limit`."""
-        fd = self.open_regular(path)
-        if fd is None:
+        opened = self.open_regular(path)
+        if opened is None:
             return None
+        fd, size = opened
         try:
-            size = os.fstat(fd).st_size
             if size > limit:
                 raise CorruptPayload(f"store {self.url}: {path} is {size} bytes, more than the {limit} a stored value "
                                      "may have: refused")
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                return f.read(limit + 1)
+            chunks, got = [], 0
+            while got <= limit:  # to the end of the file (it may have grown since fstat), never more than limit + 1
+                chunk = os.read(fd, min(max(size - got, 0) + 1, limit + 1 - got))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                got += len(chunk)
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
         except OSError as exc:
             raise self.error("read", path, exc) from exc
         finally:
@@ -169,22 +176,22 @@ class Volume:
         memory-mapped with the pages populated up front: no copy out of the page cache, and the decoded arrays are
         views of the mapping (it lives as long as they do). Falls back to one read where mmap cannot be used. The
         header comes back parsed, so the decoder does not parse it again."""
-        fd = self.open_regular(path)
-        if fd is None:
+        opened = self.open_regular(path)
+        if opened is None:
             return None
+        fd, size = opened
         where = f"store {self.url}: {path}"
         try:
             if check_size is not None:
-                check_size(os.fstat(fd).st_size)
-            return _map(fd, where, spec)
+                check_size(size)
+            return _map(fd, size, where, spec)
         except OSError as exc:
             raise self.error("read", path, exc) from exc
         finally:
             os.close(fd)
 
 
-def _map(fd: int, where: str, spec: Spec | None) -> tuple[memoryview, Header]:
-    size = os.fstat(fd).st_size
+def _map(fd: int, size: int, where: str, spec: Spec | None) -> tuple[memoryview, Header]:
     head = os.pread(fd, 4096, 0)  # the header of a rank payload fits; a longer one is read once more
     span = header_span(head)
     if span > len(head):

@@ -23,6 +23,7 @@ decoding, the payload's shape invariants (`check_payload`) are checked too, so a
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import struct
@@ -59,13 +60,13 @@ def checksum(buf: memoryview | bytes) -> int:
     n8 = len(view) // 8 * 8
     words = np.frombuffer(view, dtype="<u8", count=n8 // 8)
     full = len(words) // CHECKSUM_BLOCK * CHECKSUM_BLOCK
-    rest = int(words[full:].sum(dtype=np.uint64)) if full < len(words) else 0
+    rest = int(np.add.reduce(words[full:], dtype=np.uint64)) if full < len(words) else 0
     if n8 < len(view):  # the last partial word, zero-padded: its little-endian value
         rest = (rest + int.from_bytes(view[n8:], "little")) % 2**64
     if not full:
         return zlib.crc32(rest.to_bytes(8, "little"))
     sums = np.empty(full // CHECKSUM_BLOCK + 1, dtype="<u8")
-    words[:full].reshape(-1, CHECKSUM_BLOCK).sum(axis=1, dtype=np.uint64, out=sums[:-1])
+    np.add.reduce(words[:full].reshape(-1, CHECKSUM_BLOCK), axis=1, dtype=np.uint64, out=sums[:-1])
     sums[-1] = rest
     return zlib.crc32(sums)
 
@@ -93,6 +94,12 @@ def check_payload(payload: RankPayload, *, where: str = "payload") -> None:
             raise ValueError(f"{where}.{name}: dtype must be {dtype}, got {arr.dtype}")
         if arr.ndim != 1:
             raise ValueError(f"{where}.{name}: must be 1-D, got shape {arr.shape}")
+    _check_invariants(payload, where)
+
+
+def _check_invariants(payload: RankPayload, where: str) -> None:
+    """`check_payload`'s checks of the values (offsets, lengths, mask), for arrays whose fields, dtypes and 1-D
+    shapes are known to be right (checked by `check_payload`, or decoded under a checked header)."""
     offsets = payload["offsets"]
     n = len(offsets) - 1
     total = len(payload["tokens"])
@@ -102,7 +109,7 @@ def check_payload(payload: RankPayload, *, where: str = "payload") -> None:
         raise ValueError(
             f"{where}.offsets: must start at 0 and end at len(tokens)={total}, got {offsets[0]}..{offsets[-1]}"
         )
-    if n and np.any(np.diff(offsets) < 0):
+    if n and (offsets[1:] < offsets[:-1]).any():
         raise ValueError(f"{where}.offsets: must not decrease")
     for name in ("loss_mask", "logprobs"):
         if name in payload and len(payload[name]) != total:
@@ -182,6 +189,18 @@ def _header_int(f: dict[str, Any], key: str, name: str, where: str, maximum: int
     return value
 
 
+def _is_count(value: Any) -> bool:
+    """A header integer as `_header_int` accepts it (0 to 2^63 - 1, not a bool): the fast test."""
+    return type(value) is int and 0 <= value <= _INT64_MAX
+
+
+@functools.lru_cache(maxsize=64)
+def _little(dtype: np.dtype) -> tuple[np.dtype, str]:
+    """A payload field's dtype as stored (little-endian) and its header spelling."""
+    le = dtype.newbyteorder("<")
+    return le, le.str
+
+
 Spec = tuple[dict[str, np.dtype], dict[str, np.dtype]]  # (required fields, optional fields) with their dtypes
 PAYLOAD_SPEC: Spec = (PAYLOAD_FIELDS, PAYLOAD_OPTIONAL)
 
@@ -231,14 +250,19 @@ def parse_header(prefix: bytes | memoryview, *, where: str, spec: Spec | None = 
                                      f"{shape!r:.40}, expected a little-endian numeric dtype and a shape")
             dtype = np.dtype(f["dtype"])
         else:
-            dtype = (spec[0].get(name) or spec[1][name]).newbyteorder("<")
-            if f.get("dtype") != dtype.str or not isinstance(shape, list) or len(shape) != 1:
+            dtype, dtype_str = _little(spec[0].get(name) or spec[1][name])
+            if f.get("dtype") != dtype_str or not isinstance(shape, list) or len(shape) != 1:
                 raise CorruptPayload(f"{where}: payload field {name!r}: header says {f.get('dtype')!r:.20}"
-                                     f"{shape!r:.40}, expected {dtype.str}[n]")
-        dims = tuple(_header_int({"shape": d}, "shape", name, where) for d in shape)
-        offset = _header_int(f, "offset", name, where)
-        nbytes = _header_int(f, "nbytes", name, where)
-        _header_int(f, "checksum", name, where, maximum=2**32 - 1)
+                                     f"{shape!r:.40}, expected {dtype_str}[n]")
+        offset, nbytes, crc = f.get("offset"), f.get("nbytes"), f.get("checksum")
+        if not (_is_count(offset) and _is_count(nbytes) and type(crc) is int and 0 <= crc <= 2**32 - 1
+                and all(_is_count(d) for d in shape)):  # the common case in one test; the exact error below
+            for d in shape:
+                _header_int({"shape": d}, "shape", name, where)
+            _header_int(f, "offset", name, where)
+            _header_int(f, "nbytes", name, where)
+            _header_int(f, "checksum", name, where, maximum=2**32 - 1)
+        dims = tuple(shape)
         count = 1
         for d in dims:
             count *= d
@@ -292,8 +316,8 @@ def decode_payload(data: bytes | bytearray | memoryview, *, where: str, header: 
     The arrays are views of `data` (no copy); they are read-only when `data` is `bytes`.
     """
     out = decode_arrays(data, where=where, spec=PAYLOAD_SPEC, header=header)
-    try:
-        check_payload(out, where=where)
+    try:  # fields, dtypes and shapes are the header's, checked against PAYLOAD_SPEC: the values remain
+        _check_invariants(out, where)
     except ValueError as exc:
         raise CorruptPayload(f"inconsistent payload: {exc}") from None
     return out
@@ -326,11 +350,16 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not allowed (stored JSON is strict)")
 
 
+_STRICT = json.JSONDecoder(parse_constant=_no_constants)  # made once (json.loads with an option makes one a call)
+
+
 def decode_json(data: bytes, *, where: str) -> Any:
     """Decode stored JSON; CorruptPayload (naming `where`) if it is not strict JSON (NaN/Infinity refused), not
     UTF-8, or nested too deeply to decode."""
     try:
-        return json.loads(data, parse_constant=_no_constants)
+        text = data.decode(json.detect_encoding(data), "surrogatepass") if isinstance(data, (bytes, bytearray)) \
+            else data  # what json.loads does with bytes
+        return _STRICT.decode(text)
     except (ValueError, UnicodeDecodeError) as exc:
         raise CorruptPayload(f"{where}: stored value is not valid JSON: {exc}") from None
     except RecursionError:
