@@ -161,3 +161,42 @@ def test_a_header_parsed_beforehand_is_checked_against_the_bytes_it_came_with():
     flipped = data[:at] + bytes([data[at] ^ 4]) + data[at + 1 :]
     with pytest.raises(CorruptPayload, match="'rewards' fails its checksum"):
         decode_payload(flipped, where="w", header=header)
+
+
+@settings(max_examples=200, deadline=None)
+@given(field=st.integers(0, 5), key=st.sampled_from(["shape", "offset", "nbytes", "checksum", "dtype", "name"]),
+       value=st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
+                       st.text(max_size=4), st.lists(st.integers(-3, 2**64), max_size=3)))
+def test_any_header_value_is_accepted_only_when_valid_and_refused_naming_the_field(field, key, value):
+    # The header's checks take a fast path for well-formed headers; whatever one value is replaced by, the header
+    # is either still consistent (and decodes to the same arrays) or CorruptPayload, never another exception.
+    import json as _json
+
+    from trainingrun.store.wire import HEADER_PREFIX, parse_header
+
+    data = encode_payload(payload(4, seed=3))
+    hlen = struct.unpack_from("<I", data, len(MAGIC))[0]
+    header = _json.loads(data[HEADER_PREFIX : HEADER_PREFIX + hlen])
+    header["fields"][field][key] = value
+    raw = _json.dumps(header).encode()
+    tampered = MAGIC + struct.pack("<I", len(raw)) + raw
+    tampered += b"\0" * (-len(tampered) % ALIGN) + data[HEADER_PREFIX + hlen + (-(HEADER_PREFIX + hlen) % ALIGN) :]
+    try:
+        parse_header(tampered, where="w")
+    except CorruptPayload as exc:
+        assert str(exc).startswith("w: ")
+        return
+    try:
+        decode_payload(tampered, where="w")  # a consistent header may still describe other bytes: refused
+    except CorruptPayload:
+        pass
+
+
+@pytest.mark.parametrize("name", [[], {}, ["tokens"]])
+def test_a_header_field_named_by_a_list_or_an_object_is_corrupt_payload(name):
+    # Before: TypeError (unhashable type) escaped from the decoder instead of CorruptPayload naming the key.
+    raw = ('{"fields": [{"name": ' + __import__("json").dumps(name) + ', "dtype": "<i4", "shape": [1], "offset": 0, '
+           '"nbytes": 4, "checksum": 0}]}').encode()
+    data = MAGIC + struct.pack("<I", len(raw)) + raw
+    with pytest.raises(CorruptPayload, match="store x: key k: payload header has an unknown or repeated field"):
+        decode_payload(data + b"\0" * (-len(data) % ALIGN + 64), where="store x: key k")

@@ -238,8 +238,8 @@ def parse_header(prefix: bytes | memoryview, *, where: str, spec: Spec | None = 
     end = 0
     for f in entries:  # in the order the buffers were written
         name = f.get("name")
-        known = (isinstance(name, str) and 0 < len(name) <= MAX_NAME) if spec is None else (
-            name in spec[0] or name in spec[1])
+        known = isinstance(name, str) and (0 < len(name) <= MAX_NAME if spec is None else (
+            name in spec[0] or name in spec[1]))  # a list or an object as the name: refused, not a TypeError
         if not known or name in fields:
             raise CorruptPayload(f"{where}: payload header has an unknown or repeated field {name!r:.60}")
         shape = f.get("shape")
