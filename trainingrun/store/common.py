@@ -187,6 +187,12 @@ class Marker:
     attempt: int
     schedule_crc: int
 
+    DOCUMENT = "schedule"  # the JSON document it commits, by its CRC-32 (`committed_json`)
+
+    @property
+    def document_crc(self) -> int:
+        return self.schedule_crc
+
     @classmethod
     def for_schedule(cls, rollout: int, dp_size: int, attempt: int | None, schedule: bytes) -> Marker:
         return cls(rollout, dp_size, attempt or 0, zlib.crc32(schedule))
@@ -204,12 +210,6 @@ class Marker:
                    attempt=stored_int(d["attempt"], where=where, field="attempt", maximum=MAX_ATTEMPT),
                    schedule_crc=stored_int(d["schedule_crc"], where=where, field="schedule_crc", maximum=2**32 - 1))
 
-    DOCUMENT = "schedule"  # the JSON document it commits, by its CRC-32 (`committed_json`)
-
-    @property
-    def document_crc(self) -> int:
-        return self.schedule_crc
-
 
 @dataclass(frozen=True)
 class WeightsMarker:
@@ -223,6 +223,12 @@ class WeightsMarker:
     nbytes: int
     chunks: int
     meta_crc: int
+
+    DOCUMENT = "weight meta"
+
+    @property
+    def document_crc(self) -> int:
+        return self.meta_crc
 
     @classmethod
     def for_meta(cls, version: int, attempt: int | None, nbytes: int, chunks: int, meta: bytes) -> WeightsMarker:
@@ -241,12 +247,6 @@ class WeightsMarker:
                    nbytes=stored_int(d["nbytes"], where=where, field="nbytes"),
                    chunks=stored_int(d["chunks"], where=where, field="chunks", minimum=1, maximum=1 << 24),
                    meta_crc=stored_int(d["meta_crc"], where=where, field="meta_crc", maximum=2**32 - 1))
-
-    DOCUMENT = "weight meta"
-
-    @property
-    def document_crc(self) -> int:
-        return self.meta_crc
 
 
 # ------------------------------------------------------------------------------------------------ what a marker commits
