@@ -10,6 +10,7 @@ it. `where` in these functions is the location as messages name it: a path (file
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -204,6 +205,10 @@ class Marker:
 
     @classmethod
     def decode(cls, data: bytes, *, where: str) -> Marker:
+        return _decoded(cls, bytes(data), where)
+
+    @classmethod
+    def _decode(cls, data: bytes, where: str) -> Marker:
         d = _checked_marker(data, ("rollout", "dp_size", "attempt", "schedule_crc"), where=where)
         return cls(rollout=stored_int(d["rollout"], where=where, field="rollout"),
                    dp_size=stored_int(d["dp_size"], where=where, field="dp_size", minimum=1, maximum=1 << 20),
@@ -241,6 +246,10 @@ class WeightsMarker:
 
     @classmethod
     def decode(cls, data: bytes, *, where: str) -> WeightsMarker:
+        return _decoded(cls, bytes(data), where)
+
+    @classmethod
+    def _decode(cls, data: bytes, where: str) -> WeightsMarker:
         d = _checked_marker(data, ("version", "attempt", "nbytes", "chunks", "meta_crc"), where=where)
         return cls(version=stored_int(d["version"], where=where, field="version"),
                    attempt=stored_int(d["attempt"], where=where, field="attempt", maximum=MAX_ATTEMPT),
@@ -298,6 +307,14 @@ def check_weights_size(size: int, marker: WeightsMarker, *, where: str) -> None:
     """The tensors' stored size must be the marker's (checked before anything is decoded)."""
     if size != marker.nbytes:
         raise CorruptPayload(f"{where}: {size} bytes stored, but its commit marker records {marker.nbytes}")
+
+
+@functools.lru_cache(maxsize=256)
+def _decoded(cls: Any, data: bytes, where: str) -> Any:
+    """A marker decoded from exactly these bytes: every read reads the bytes again, and the same bytes give the same
+    (immutable) marker, so the checks run once per distinct value (a damaged value is re-read and refused each time:
+    errors are not cached). Readers read one rollout's marker once per rank and again for its schedule."""
+    return cls._decode(data, where)
 
 
 def _marker_check(body: dict[str, Any]) -> int:

@@ -73,6 +73,7 @@ class FileStore:
         self.url = url or f"file://{self.root}"
         self.attempt = common.check_attempt(attempt)
         self._io = Volume(self.url, fsync=fsync)
+        self._rollouts = self.root / "rollouts"
         self._epoch: str | None = None  # the epoch id this handle has seen (None: not yet)
         self._owner: common.Owner | None = None  # our writer claim, while held
         try:
@@ -96,7 +97,7 @@ class FileStore:
 
     # ------------------------------------------------------------------ places
     def _rdir(self, rollout: int) -> Path:
-        return self.root / "rollouts" / f"{rollout:08d}"
+        return self._rollouts / f"{rollout:08d}"
 
     def _ddir(self, rollout: int, attempt: int | None) -> Path:
         """Where attempt `attempt` writes rollout `rollout`'s payloads and schedule (unfenced: attempt 0)."""
