@@ -186,9 +186,10 @@ def _marker(k: int, dp: int) -> Marker:
     return Marker(rollout=k, dp_size=dp, attempt=0, schedule_crc=0)
 
 
-ledgers = st.lists(
-    st.tuples(st.integers(0, 30), st.none() | st.integers(1, 4), st.integers(0, 5)), max_size=12, unique_by=lambda t: t[0]
-).map(lambda rows: [(k, None if dp is None else _marker(k, dp), acks) for k, dp, acks in sorted(rows)])
+# committed rollouts ascending: (k, its marker naming dp ranks, or None: released meanwhile; ranks acked)
+ledgers = st.lists(st.tuples(st.integers(0, 30), st.none() | st.integers(1, 4), st.integers(0, 5)), max_size=12,
+                   unique_by=lambda t: t[0]).map(
+    lambda rows: [(k, None if dp is None else _marker(k, dp), acks) for k, dp, acks in sorted(rows)])
 
 
 @given(ledger=ledgers, rollout=st.integers(0, 32), released=st.integers(0, 32))

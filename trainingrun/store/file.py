@@ -293,7 +293,7 @@ class FileStore:
         """A committed rollout's part is missing: released meanwhile, or the store lost it."""
         self._epoch_id(create=False)
         return common.part_missing(rollout, str(path), released=self._released(), committed=self.is_committed(rollout),
-                            url=self.url)
+                                   url=self.url)
 
     def payload_path(self, rollout: int, rank: int) -> Path:
         """Where the committed payload of `rank` lives (for tools and tests)."""

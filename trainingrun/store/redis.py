@@ -131,7 +131,7 @@ class RedisStore:
                 current, where=self._where(a_key), field="attempt"), url=self.url, op=op)
             if writer:
                 common.check_writer(self._owner_from(claim), self._owner or common.Owner.me(self.attempt),
-                             held=self._owner is not None, url=self.url, op=op, lost_to=self._lost_claim)
+                                    held=self._owner is not None, url=self.url, op=op, lost_to=self._lost_claim)
             if fill(pipe) is False:
                 pipe.unwatch()
                 return False
@@ -308,12 +308,13 @@ class RedisStore:
                     key, ("exists", key), ("get", self._k("finished")), ("get", self._k("released")),
                     ("get", self._k("epoch")), retry_seconds=retry)
             except StoreError as exc:
-                if isinstance(exc.__cause__, self._conn.transient) and deadline is not None and time.monotonic() >= deadline:
+                out_of_time = deadline is not None and time.monotonic() >= deadline
+                if isinstance(exc.__cause__, self._conn.transient) and out_of_time:
                     return None  # unreachable until our own timeout: report the timeout below
                 raise
             self._adopt(epoch)
             return common.wait_verdict(rollout, committed=bool(exists), released=lambda: self._released(released),
-                                finished=lambda: self._finished(finished), url=self.url)
+                                       finished=lambda: self._finished(finished), url=self.url)
 
         return common.poll(check, timeout, f"rollout {rollout} in store {self.url} (key {key})", max_interval=0.1)
 
@@ -330,7 +331,7 @@ class RedisStore:
         released, exists = self._conn.batch(key, ("get", self._k("released")),
                                             ("exists", self._k("r", rollout, "commit")))
         return common.part_missing(rollout, f"key {key}", released=self._released(released), committed=bool(exists),
-                            url=self.url)
+                                   url=self.url)
 
     def payload_key(self, rollout: int, rank: int) -> str:
         """The key of the committed payload of `rank` (for tools and tests)."""
