@@ -448,7 +448,8 @@ def check_writer(current: Owner | None, me: Owner, *, held: bool, url: str, op: 
                  dead: Callable[[Owner], bool] = Owner.dead_here) -> None:
     """Before a writer's operation (publish, finish) of `me` (`held`: whether `me` claimed the store), with
     `current` the claim stored now and `lost_to` an owner seen taking the claim from `me` meanwhile (the Redis
-    lease thread): passes when nobody else holds the claim, or only a dead owner of an unheld claim; else raises
+    lease thread): passes when nobody holds the claim, when `me` holds it, or (for a handle that never claimed)
+    when its holder is dead; else raises
 
     * WriterConflict (lost) when `me` held the claim and another owner has it (or `lost_to` took it),
     * StaleAttempt when the claim's owner is of a newer attempt than `me` (both fenced),
