@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from trainingrun.operator.observe import ProgressObs
+from trainingrun.store import KeyValue, open_store
 
 PROGRESS_KEY = "progress"
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ class ProgressReader:
     def __init__(self, timeout: float = 3.0, max_age: float = 2.0):
         self.timeout = timeout
         self.max_age = max_age
-        self._stores: dict[str, Any] = {}
+        self._stores: dict[str, KeyValue] = {}  # progress is read through the key/value part of the store only
         self._cache: dict[str, tuple[float, ProgressObs]] = {}
         self._tasks: dict[str, asyncio.Task] = {}
 
@@ -75,8 +76,6 @@ class ProgressReader:
     def _read(self, url: str) -> dict[str, Any] | None:
         store = self._stores.get(url)
         if store is None:
-            from trainingrun.store import open_store
-
             store = open_store(url)
             # Report an outage, don't wait it out: the store's own retries (and redis-py's) are for the pods.
             if hasattr(store, "retry_seconds"):

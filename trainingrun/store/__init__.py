@@ -1,37 +1,55 @@
 """trainingrun.store: the shared store between the rollout (writer) and the trainers (readers).
 
 `open_store(url)` picks the backend by URL scheme: `file:///abs/path` (or `file://relative/path`, resolved against the
-current directory) and `redis://host:port/db`. Protocol and wire contract: `trainingrun.store.base`; layout,
-atomicity and retention: docs/store.md.
+current directory) and `redis://host:port/db`. Protocol (`Store` = `RolloutStream` + `WeightVersions` + `KeyValue`)
+and wire contract: `trainingrun.store.base`; layout, atomicity and retention: docs/store.md.
+
+Modules: `base.py` (protocols, error types, the rank payload's fields), `common.py` (the rules both backends follow,
+free of I/O), `wire.py` (JSON and the binary payload format), `file.py` + `file_io.py` (the `file://` backend and its
+file primitives), `redis.py` + `redis_io.py` (the `redis://` backend and its connection, retries, transactions).
 """
 
 from __future__ import annotations
 
+import errno
+import os
+
+from trainingrun.failure_policy import EXIT_CONFIG_ERROR
 from trainingrun.store.base import (
     PAYLOAD_FIELDS,
     CorruptPayload,
+    KeyValue,
     RankPayload,
     RolloutReleased,
+    RolloutStream,
     StaleAttempt,
     Store,
     StoreDataLost,
     StoreError,
     StoreTimeout,
+    WeightVersions,
     WriterConflict,
 )
+from trainingrun.store.common import check_attempt
+from trainingrun.store.file import FileStore
+from trainingrun.store.redis import RedisStore
 
 __all__ = [
     "PAYLOAD_FIELDS",
     "CorruptPayload",
+    "KeyValue",
     "RankPayload",
     "RolloutReleased",
+    "RolloutStream",
     "StaleAttempt",
     "Store",
     "StoreDataLost",
     "StoreError",
     "StoreTimeout",
+    "WeightVersions",
     "WriterConflict",
     "attempt_from_env",
+    "exit_status",
     "open_store",
 ]
 
@@ -47,12 +65,8 @@ def open_store(url: str, *, attempt: int | None = None) -> Store:
     scheme = url.split("://", 1)[0].lower()
     store: Store
     if scheme == "file":
-        from trainingrun.store.file import FileStore
-
         store = FileStore.from_url(url, attempt=attempt)
     elif scheme == "redis":
-        from trainingrun.store.redis import RedisStore
-
         store = RedisStore.from_url(url, attempt=attempt)
     else:
         raise ValueError(f"store url: unsupported scheme {scheme!r} in {url!r}; allowed: file://, redis://")
@@ -67,10 +81,6 @@ def open_store(url: str, *, attempt: int | None = None) -> Store:
 
 def attempt_from_env(environ: dict[str, str] | None = None) -> int | None:
     """TRAININGRUN_ATTEMPT as an int (None when unset); ValueError naming it when it is not an attempt number."""
-    import os
-
-    from trainingrun.store.common import check_attempt
-
     raw = (os.environ if environ is None else environ).get("TRAININGRUN_ATTEMPT")
     if raw is None or raw == "":
         return None
@@ -86,10 +96,6 @@ def exit_status(exc: BaseException) -> int | None:
     value, a process of an older attempt (fenced off), a second rollout writer, a full or read-only volume. 1 (the
     group restarts) for the rest, notably `StoreDataLost`: the next attempt resumes from the trainers' checkpoint and
     the rollout re-creates the lost rollouts."""
-    import errno
-
-    from trainingrun.failure_policy import EXIT_CONFIG_ERROR
-
     if isinstance(exc, (CorruptPayload, StaleAttempt, WriterConflict)):
         return EXIT_CONFIG_ERROR
     if isinstance(exc, StoreDataLost):
