@@ -17,7 +17,7 @@ Timing: dp 64, cap 32k, RL-like lengths; 10k / 30k / 100k samples in steps of 10
 the baseline run in turn ``--repeats`` times; the figures are medians of CPU seconds and of the pairwise ratios.
 The baseline's first fit is quadratic in the step size, so it is timed on one step of 10k samples only.
 
-Usage: ``python benchmarks/schedule.py`` (about half a minute); ``--timing`` prints the timing only
+Usage: ``python benchmarks/schedule.py`` (about 10 s); ``--timing`` prints the timing only
 (``--timing --repeats 15`` for a steadier figure on a busy machine).
 """
 
@@ -271,7 +271,8 @@ def _summary(all_rows, worse) -> None:
 def _timing(repeats: int) -> None:
     print(f"\ntiming: dp 64, cap 32k, RL-like lengths; CPU seconds, medians of {repeats} rounds (ours and the baseline "
           f"in turn); ratio = ours / baseline, median (min-max) of the rounds' ratios")
-    print(f"  {'samples':>8} {'steps':<14} {'ours':>8} {'baseline':>9} {'ratio':>6} {'(min-max)':>12} {'µs/sample':>10}")
+    print(f"  {'samples':>8} {'steps':<14} {'ours':>8} {'baseline':>9} {'ratio':>6} {'(min-max)':>12} "
+          f"{'µs/sample':>10}")
     for n in (10_000, 30_000, 100_000):
         lens = rl_like(np.random.default_rng(n), n)
         for label, step in (("of 1024", 1024), ("one step", None)):

@@ -14,11 +14,13 @@
 3. **Distribute** the bins by decreasing cost, each to the least-loaded rank that still has room for a bin, so each
    rank gets exactly ``M / dp_size`` bins. A heavy bin (an oversized sample) makes its rank heavy, so that rank is
    skipped until the end and then receives the smallest bins.
-4. **Refine** by local search between ranks: while the heaviest rank ``A`` is above the mean, find the sample move
-   (from a bin of ``A`` holding at least two samples into the bin with most room of a light rank ``B``) or the sample
-   swap between ``A`` and ``B`` whose cost difference ``d`` is closest to half the gap, with ``0 < d < gap`` and every
-   bin still within its cap; apply it. Each such step strictly lowers the sum of squared rank loads, so the search
-   ends; it is also bounded by an iteration budget. Moves and swaps keep every bin's sample count ≥ 1 and ≤ the
+4. **Refine** by local search between ranks: while the heaviest rank ``A`` is above the mean (within a tolerance),
+   find the swap of a whole micro-batch of ``A`` with one of a light rank ``B``, the sample move (from a bin of ``A``
+   holding at least two samples into the bin with most room of ``B``) or the sample swap between ``A`` and ``B``
+   whose cost difference ``d`` is closest to half the gap, with ``0 < d < gap`` and every bin still within its cap;
+   apply it. Partners ``B`` are tried lightest first; ties go to the first candidate (micro-batch swaps, then moves,
+   then sample swaps; by bin id or sample position). Each such step strictly lowers the sum of squared rank loads, so
+   the search ends; it is also bounded by an iteration budget. Changes keep every bin's sample count ≥ 1 and ≤ the
    static size, every bin within the token cap (or a lone sample), and every rank's bin count.
 
 Finally each rank's micro-batches are ordered by decreasing tokens (the largest first, so a memory problem shows at
@@ -291,7 +293,7 @@ class _Refiner:
         Partners ``B`` are tried lightest first (ties: lower rank first)."""
         rc = self.rank_cost
         dp = len(rc)
-        limit = sum(rc) / dp * (1 + tol)  # moves keep the total: the mean is fixed
+        limit = sum(rc) / dp * (1 + tol)  # changes keep the total: the mean is fixed
         if dp < 2 or max(rc) <= limit:
             return
         self._load_state()
@@ -373,7 +375,8 @@ class _Refiner:
         nearest in cost to ``cost[x] - gap / 2`` are candidates (two below, two from there up)."""
         if not xs or not ys:
             return op
-        cost, tok, item_bin, bin_tok, bin_cnt, tcap = self.cost, self.tok, self.item_bin, self.bin_tok, self.bin_cnt, self.tcap
+        cost, tok, item_bin, tcap = self.cost, self.tok, self.item_bin, self.tcap
+        bin_tok, bin_cnt = self.bin_tok, self.bin_cnt
         ys.sort(key=cost.__getitem__)  # stable: ties stay by position
         cy = [cost[y] for y in ys]
         last = len(ys) - 1
@@ -405,8 +408,8 @@ class _Refiner:
         kind, x, other = op
         if kind == "bins":
             self.bin_rank[x], self.bin_rank[other] = B, A
-            _replace(self.rank_bins[A], x, other)
-            _replace(self.rank_bins[B], other, x)
+            _replace_sorted(self.rank_bins[A], x, other)  # by id: the order the micro-batch swaps are tried in
+            _replace_sorted(self.rank_bins[B], other, x)
             d = self.bin_cost[x] - self.bin_cost[other]
         elif kind == "move":
             src = self.item_bin[x]
@@ -419,8 +422,9 @@ class _Refiner:
             y = other
             bx, by = self.item_bin[x], self.item_bin[y]
             self.item_bin[x], self.item_bin[y] = by, bx
-            _replace(self.bin_items[bx], x, y)
-            _replace(self.bin_items[by], y, x)
+            lx, ly = self.bin_items[bx], self.bin_items[by]  # in no particular order (see _samples)
+            lx[lx.index(x)] = y
+            ly[ly.index(y)] = x
             d = self.cost[x] - self.cost[y]
             self._shift(bx, by, self.tok[x] - self.tok[y], d, 0)
         self.rank_cost[A] -= d
@@ -445,7 +449,7 @@ def _groups(order: list[int], counts: list[int]) -> list[list[int]]:
     return out
 
 
-def _replace(items: list[int], old: int, new: int) -> None:
+def _replace_sorted(items: list[int], old: int, new: int) -> None:
     """Replace ``old`` by ``new`` in the sorted list ``items``, keeping it sorted."""
     items.remove(old)
     insort(items, new)
