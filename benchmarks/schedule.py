@@ -10,11 +10,20 @@ samples; caps 16k–64k. Every case runs 8 steps; RL-like steps are groups of 8 
 
 Columns: imbalance = max/mean rank tokens per step (mean over the case's steps); "bound" = the best any schedule can
 do, max(largest sample, mean rank load) / mean rank load; mb/rank = micro-batches per rank (mean); "@LB" = share of
-steps at the aligned lower bound. Usage: ``python benchmarks/schedule.py`` (under 2 minutes).
+steps at the aligned lower bound; "cpu o/b" = CPU time of ours over the baseline's on the case's steps (median of
+the ratios of ``--case-repeats`` rounds, the two run in turn).
+
+Timing: dp 64, cap 32k, RL-like lengths; 10k / 30k / 100k samples in steps of 1024 samples (and in one step), ours and
+the baseline run in turn ``--repeats`` times; the figures are medians of CPU seconds and of the pairwise ratios.
+The baseline's first fit is quadratic in the step size, so it is timed on one step of 10k samples only.
+
+Usage: ``python benchmarks/schedule.py`` (about 10 s); ``--timing`` prints the timing only
+(``--timing --repeats 15`` for a steadier figure on a busy machine).
 """
 
 from __future__ import annotations
 
+import argparse
 import heapq
 import statistics
 import sys
@@ -129,15 +138,24 @@ def rank_tokens(plan, lens):
     return np.array([sum(int(lens[mb].sum()) for mb in rank if mb) for rank in plan], dtype=np.float64)
 
 
-def run_case(name, dp, n, cap, gen, seed):
+def run_case(name, dp, n, cap, gen, seed, repeats):
+    """The case's steps: balance figures per step, and the median CPU ratio ours / baseline over the steps."""
     rng = np.random.default_rng(seed)
-    rows = []
+    steps = []
     for _ in range(STEPS_PER_CASE):
         lens = np.asarray(gen(rng, n), dtype=np.int64)
-        groups = np.repeat(np.arange(n // 8), 8) if name == "rl" else None
-        sched = build_dp_schedule(lens, dp_size=dp, max_tokens_per_gpu=cap, group_ids=groups)
+        steps.append((lens, np.repeat(np.arange(n // 8), 8) if name == "rl" else None))
+
+    def ours_all():
+        return [build_dp_schedule(lens, dp_size=dp, max_tokens_per_gpu=cap, group_ids=groups) for lens, groups in steps]
+
+    def base_all():
+        return [baseline_step(lens, dp, cap) for lens, _ in steps]
+
+    timing = paired_cpu(ours_all, base_all, repeats)
+    rows = []
+    for (lens, _), sched, base in zip(steps, timing.result_a, timing.result_b):
         ours = [sched.step_microbatches(r, 0) for r in range(dp)]
-        base = baseline_step(lens, dp, cap)
         assert len({len(r) for r in base}) == 1
         ours_t, base_t = rank_tokens(ours, lens), rank_tokens(base, lens)
         mean = ours_t.mean()
@@ -147,30 +165,83 @@ def run_case(name, dp, n, cap, gen, seed):
             "ours_mb": len(ours[0]), "base_mb": len(base[0]),
             "lb": lower_bound_microbatches(lens, dp_size=dp, token_cap=cap) // dp,
         })
-    return rows
+    return rows, timing.ratio
+
+
+# ---------------------------------------------------------------------------------------------------------- timing
+
+
+class Paired:
+    """Median CPU seconds of A and of B, the median of the ratios A/B taken round by round, and their spread."""
+
+    def __init__(self, cpu_a, cpu_b, result_a, result_b):
+        ratios = [a / b for a, b in zip(cpu_a, cpu_b)]
+        self.a, self.b = statistics.median(cpu_a), statistics.median(cpu_b)
+        self.ratio, self.low, self.high = statistics.median(ratios), min(ratios), max(ratios)
+        self.result_a, self.result_b = result_a, result_b
+
+
+def cpu_seconds(fn):
+    """(CPU seconds of one call of ``fn``, its result)."""
+    start = time.process_time()
+    result = fn()
+    return time.process_time() - start, result
+
+
+def paired_cpu(fn_a, fn_b, repeats: int) -> Paired:
+    """Run A and B in turn ``repeats`` times (A first in even rounds, B first in odd ones, so a drift of the
+    machine's speed falls on both) after one untimed warm-up each."""
+    result_a, result_b = fn_a(), fn_b()
+    cpu_a, cpu_b = [], []
+    for k in range(repeats):
+        if k % 2:
+            tb, _ = cpu_seconds(fn_b)
+            ta, _ = cpu_seconds(fn_a)
+        else:
+            ta, _ = cpu_seconds(fn_a)
+            tb, _ = cpu_seconds(fn_b)
+        cpu_a.append(ta)
+        cpu_b.append(tb)
+    return Paired(cpu_a, cpu_b, result_a, result_b)
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--timing", action="store_true", help="print the timing section only")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of the timing section (default 5)")
+    parser.add_argument("--case-repeats", type=int, default=3, help="timed rounds per balance case (default 3)")
+    args = parser.parse_args()
+    if args.repeats < 1 or args.case_repeats < 1:
+        parser.error("--repeats and --case-repeats must be at least 1")
     t0 = time.perf_counter()
+    if not args.timing:
+        _balance(args.case_repeats)
+        _flops_line()
+    _timing(args.repeats)
+    print(f"\ntotal benchmark time {time.perf_counter() - t0:.1f} s")
+
+
+def _balance(repeats: int) -> None:
     header = (f"{'case':<8} {'dp':>3} {'n':>5} {'cap':>6} | {'imb ours':>8} {'base':>7} {'bound':>6} | "
-              f"{'mb ours':>7} {'base':>5} {'LB':>5} | {'@LB ours':>8} {'base':>5}")
+              f"{'mb ours':>7} {'base':>5} {'LB':>5} | {'@LB ours':>8} {'base':>5} | {'cpu o/b':>7}")
     print(header)
     print("-" * len(header))
-    all_rows, worse = [], []
+    all_rows, worse, ratios = [], [], []
     for seed, (name, dp, n, cap, gen) in enumerate(cases()):
-        rows = run_case(name, dp, n, cap, gen, seed)
+        rows, ratio = run_case(name, dp, n, cap, gen, seed, repeats)
         all_rows.append((name, rows))
+        ratios.append((ratio, f"{name}/dp{dp}/n{n}/cap{cap // 1024}k"))
         mean = lambda k: statistics.fmean(r[k] for r in rows)  # noqa: E731
         at_lb = lambda k: 100 * statistics.fmean(r[k] == r["lb"] for r in rows)  # noqa: E731
         print(f"{name:<8} {dp:>3} {n:>5} {cap // 1024:>5}k | {mean('ours_imb'):>8.4f} {mean('base_imb'):>7.4f} "
               f"{mean('bound'):>6.3f} | {mean('ours_mb'):>7.2f} {mean('base_mb'):>5.2f} {mean('lb'):>5.2f} | "
-              f"{at_lb('ours_mb'):>7.0f}% {at_lb('base_mb'):>4.0f}%")
+              f"{at_lb('ours_mb'):>7.0f}% {at_lb('base_mb'):>4.0f}% | {ratio:>7.2f}")
         if any(r["ours_imb"] > r["base_imb"] + 1e-12 or r["ours_mb"] > r["base_mb"] for r in rows):
             worse.append(f"{name}/dp{dp}/n{n}/cap{cap // 1024}k")
     _summary(all_rows, worse)
-    _flops_line()
-    _timing()
-    print(f"\ntotal benchmark time {time.perf_counter() - t0:.1f} s")
+    top, where = max(ratios)
+    print(f"  CPU time ours / baseline per case (median of {repeats} rounds): median "
+          f"{statistics.median(r for r, _ in ratios):.2f}, largest {top:.2f} ({where})")
 
 
 def _summary(all_rows, worse) -> None:
@@ -197,14 +268,26 @@ def _summary(all_rows, worse) -> None:
     print(f"  cases where ours is worse on some step: {', '.join(worse) if worse else 'none'}")
 
 
-def _timing() -> None:
-    print("\ntiming: dp 64, cap 32k, RL-like lengths (best of 3; wall and CPU seconds)")
+def _timing(repeats: int) -> None:
+    print(f"\ntiming: dp 64, cap 32k, RL-like lengths; CPU seconds, medians of {repeats} rounds (ours and the baseline "
+          f"in turn); ratio = ours / baseline, median (min-max) of the rounds' ratios")
+    print(f"  {'samples':>8} {'steps':<14} {'ours':>8} {'baseline':>9} {'ratio':>6} {'(min-max)':>12} "
+          f"{'µs/sample':>10}")
     for n in (10_000, 30_000, 100_000):
         lens = rl_like(np.random.default_rng(n), n)
-        for label, kwargs in (("one step", {}), ("steps of 1024", {"global_batch_size": 1024})):
-            wall, cpu = min(_timed(lens, kwargs) for _ in range(3))
-            print(f"  {n:>7,} samples, {label:<14} wall {wall:6.3f} s  cpu {cpu:6.3f} s  "
-                  f"({1e6 * cpu / n:5.2f} µs/sample)")
+        for label, step in (("of 1024", 1024), ("one step", None)):
+            def ours(lens=lens, step=step):
+                return build_dp_schedule(lens, dp_size=64, max_tokens_per_gpu=32_768, global_batch_size=step)
+            if step is None and n > 10_000:  # the baseline's first fit is quadratic in the step: minutes
+                cpu = statistics.median(cpu_seconds(ours)[0] for _ in range(repeats))
+                print(f"  {n:>8,} {label:<14} {cpu:>8.3f} {'-':>9} {'':>6} {'':>12} {1e6 * cpu / n:>10.2f}")
+                continue
+
+            def base(lens=lens, step=step or n):
+                return [baseline_step(lens[a:a + step], 64, 32_768) for a in range(0, n - step + 1, step)]
+            got = paired_cpu(ours, base, repeats)
+            print(f"  {n:>8,} {label:<14} {got.a:>8.3f} {got.b:>9.3f} {got.ratio:>6.2f} "
+                  f"{f'({got.low:.2f}-{got.high:.2f})':>12} {1e6 * got.a / n:>10.2f}")
 
 
 def _flops_line() -> None:
@@ -222,12 +305,6 @@ def _flops_line() -> None:
         loads = np.array([sum(flops[mb].sum() for mb in rank if mb) for rank in base])
         got["baseline"].append(loads.max() / loads.mean())
     print("  " + "   ".join(f"{k}: {statistics.fmean(v):.4f}" for k, v in got.items()))
-
-
-def _timed(lens, kwargs) -> tuple[float, float]:
-    wall, cpu = time.perf_counter(), time.process_time()
-    build_dp_schedule(lens, dp_size=64, max_tokens_per_gpu=32_768, **kwargs)
-    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 if __name__ == "__main__":

@@ -7,18 +7,23 @@ over 8 data-parallel ranks with the real scheduler. For each backend:
 and, in the same run, the raw ceiling on the same bytes:
   file      plain write of each rank's bytes to a file (with fsync when the store fsyncs) / plain read back
   redis     plain SET / GET of each rank's bytes (redis-py, same server)
-MB/s counts the payload array bytes (the same for every row); the ratio is store / raw (target >= 0.5).
-Also: bytes a one-rank fetch reads (file: /proc/self/io rchar + bytes memory-mapped; redis: the server's total_net_output_bytes), against
-that rank's payload and the whole rollout. Starts its own redis-server on a random 127.0.0.1 port and stops it.
+Each store operation is timed in turn with its raw counterpart on the same bytes (store, raw, store, raw, ...: a
+shared machine's drift hits both alike); MB/s counts the payload array bytes (the same for every row) over the
+median time, and the ratio is the median of the pairs' store / raw speed (target >= 0.5).
+Also: bytes a one-rank fetch reads (file: /proc/self/io rchar + bytes memory-mapped; redis: the server's
+total_net_output_bytes), against that rank's payload and the whole rollout. Starts its own redis-server on a random
+127.0.0.1 port and stops it.
 
-Usage: .venv/bin/python benchmarks/store.py [--samples 1024] [--max-len 16384] [--dp 8] [--repeat 5]
+Usage: .venv/bin/python benchmarks/store.py [--samples 1024] [--max-len 16384] [--dp 8] [--repeat 7]
 """
 
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -55,11 +60,13 @@ def make_rollout(n: int, max_len: int, dp: int, seed: int = 0):
     return payloads, schedule
 
 
-def best(fn, repeat: int) -> float:
-    times = []
-    for i in range(repeat):
-        times.append(fn(i))
-    return min(times)
+def paired(store_op, raw_op, repeat: int) -> tuple[float, float, float]:
+    """Time the store's operation and the raw one on the same bytes in turn (store i, raw i, store i+1, ...), so a
+    shared machine's drift hits both alike: (median store seconds, median raw seconds, median of the per-pair ratios
+    raw / store)."""
+    pairs = [(store_op(i), raw_op(i)) for i in range(repeat)]
+    return (statistics.median(t for t, _ in pairs), statistics.median(r for _, r in pairs),
+            statistics.median(r / t for t, r in pairs))
 
 
 def rchar() -> int:
@@ -72,7 +79,7 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=1024)
     ap.add_argument("--max-len", type=int, default=16384)
     ap.add_argument("--dp", type=int, default=8)
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=7)
     args = ap.parse_args()
 
     t0 = time.perf_counter()
@@ -82,7 +89,7 @@ def main() -> int:
     mb = nbytes / 1e6
     tokens = sum(len(p["tokens"]) for p in payloads.values())
     print(f"rollout: {args.samples} samples, {tokens / 1e6:.2f} M tokens, {mb:.1f} MB of arrays, dp {args.dp} "
-          f"(built in {time.perf_counter() - t0:.1f}s); best of {args.repeat}")
+          f"(built in {time.perf_counter() - t0:.1f}s); medians of {args.repeat} interleaved store/raw pairs")
     rows = []
     workdir = Path(tempfile.mkdtemp(prefix="trainingrun-bench-"))
     try:
@@ -122,27 +129,25 @@ def main() -> int:
                 return time.perf_counter() - s
 
             name = "file (fsync)" if fsync else "file (no fsync)"
-            rows.append((name, "publish", best(pub, args.repeat), best(raw_write, args.repeat)))
-            rows.append((name, "fetch", best(fetch, args.repeat), best(raw_read, args.repeat)))
+            rows.append((name, "publish", *paired(pub, raw_write, args.repeat)))
+            rows.append((name, "fetch", *paired(fetch, raw_read, args.repeat)))
             if fsync:
                 # bytes brought in: read() calls (rchar) plus the payload files memory-mapped by the file store
-                import trainingrun.store.file as file_store
-
                 mapped = []
-                original = file_store._map_or_read
+                original = mmap.mmap
 
-                def counting(*args):
-                    buf = original(*args)
-                    mapped.append(len(buf))
-                    return buf
+                def counting(*args, **kwargs):
+                    m = original(*args, **kwargs)
+                    mapped.append(len(m))
+                    return m
 
-                file_store._map_or_read = counting
+                mmap.mmap = counting
                 try:
                     before = rchar()
                     store.read_payload(0, 3)
                     file_rank_bytes = rchar() - before + sum(mapped)
                 finally:
-                    file_store._map_or_read = original
+                    mmap.mmap = original
         # ------------------------------------------------------------------ redis
         from tests.services import redis_server
 
@@ -173,8 +178,8 @@ def main() -> int:
                     client.get(f"raw:{i}:{r}")
                 return time.perf_counter() - s
 
-            rows.append(("redis", "publish", best(rpub, args.repeat), best(rraw_set, args.repeat)))
-            rows.append(("redis", "fetch", best(rfetch, args.repeat), best(rraw_get, args.repeat)))
+            rows.append(("redis", "publish", *paired(rpub, rraw_set, args.repeat)))
+            rows.append(("redis", "fetch", *paired(rfetch, rraw_get, args.repeat)))
             out0 = int(client.info("stats")["total_net_output_bytes"])
             store.read_payload(0, 3)
             redis_rank_bytes = int(client.info("stats")["total_net_output_bytes"]) - out0
@@ -184,8 +189,7 @@ def main() -> int:
 
     print(f"{'backend':<17}{'op':<9}{'store MB/s':>11}{'raw MB/s':>10}{'ratio':>7}  target >= 0.50")
     worst = 1e9
-    for backend, op, t_store, t_raw in rows:
-        ratio = t_raw / t_store
+    for backend, op, t_store, t_raw, ratio in rows:
         worst = min(worst, ratio)
         print(f"{backend:<17}{op:<9}{mb / t_store:>11.0f}{mb / t_raw:>10.0f}{ratio:>7.2f}  {'ok' if ratio >= 0.5 else 'BELOW'}")
     whole = sum(len(d) for d in encoded.values())

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from trainingrun.store import CorruptPayload, StoreError, StoreTimeout, open_store
-from trainingrun.store import file as file_backend
+from trainingrun.store import file_io
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -325,7 +325,7 @@ def test_redis_down_is_a_clear_permanent_error(redis):
 def test_file_store_full_leaves_no_half_rollout(tmp_path, monkeypatch):
     store = open_store(f"file://{tmp_path}/store")
     payloads, schedule = make_rollout(0, dp=3)
-    real_write_all = file_backend._write_all
+    real_write_all = file_io._write_all
     calls = {"n": 0}
 
     def write_to_full_device(fd, chunk):
@@ -339,13 +339,13 @@ def test_file_store_full_leaves_no_half_rollout(tmp_path, monkeypatch):
         else:
             real_write_all(fd, chunk)
 
-    monkeypatch.setattr(file_backend, "_write_all", write_to_full_device)
+    monkeypatch.setattr(file_io, "_write_all", write_to_full_device)
     with pytest.raises(StoreError, match="volume is full") as info:
         store.publish_rollout(0, payloads, schedule)
     assert str(store.root) in str(info.value)
     assert not store.is_committed(0) and store.pending_rollouts() == 0
     assert not list(store.root.rglob(".tmp.*"))  # no temporary file left behind
-    monkeypatch.setattr(file_backend, "_write_all", real_write_all)
+    monkeypatch.setattr(file_io, "_write_all", real_write_all)
     assert store.publish_rollout(0, payloads, schedule)
     assert_payload_equal(store.read_payload(0, 2), payloads[2])
 

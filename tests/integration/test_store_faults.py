@@ -162,6 +162,25 @@ def test_a_killed_writers_claim_is_taken_over_by_the_next_one(url):
     store.close()
 
 
+def test_an_unfenced_claim_is_decided_alike_on_both_backends(url):
+    # Before: the backends wrote the claim decision in two orders. Beside a live writer of attempt 0 an unfenced
+    # handle's claim was WriterConflict on files but StaleAttempt ("attempt 0 ... current attempt is 0") on Redis;
+    # beside a live writer of attempt 3 it was StaleAttempt on Redis but took a claim on files (and then failed at
+    # its first publish). Now both backends call one rule (`common.may_claim`).
+    writer = open_store(url, attempt=0)
+    writer.claim_writer()
+    with pytest.raises(WriterConflict, match="already holds the store"):
+        open_store(url).claim_writer()
+    newer = open_store(url, attempt=3)
+    newer.claim_writer()
+    with pytest.raises(StaleAttempt) as info:
+        open_store(url).claim_writer()
+    assert (info.value.attempt, info.value.current) == (0, 3)
+    assert open_store(url).writer()["attempt"] == 3
+    newer.close()
+    writer.close()
+
+
 def test_redis_writer_lease_is_renewed_while_the_writer_lives(redis):
     url = redis.url + "?lease_seconds=0.3"
     writer = open_store(url, attempt=0)

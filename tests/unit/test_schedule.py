@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
+from contextlib import contextmanager
+from unittest import mock
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from trainingrun.schedule import DPSchedule, build_dp_schedule, lower_bound_microbatches, schedule_stats
+from tests.schedule_reference import ReferenceRefiner
+from tests.schedule_reference import pack_lpt as reference_pack_lpt
+from trainingrun.schedule import DPSchedule, build_dp_schedule, lower_bound_microbatches, packing, schedule_stats
 
 # ------------------------------------------------------------------------------------------------ independent oracle
 
@@ -340,3 +345,135 @@ def test_bad_arguments_name_the_argument(lengths, kwargs, name):
     args = {"dp_size": 1, "max_tokens_per_gpu": 100} | kwargs
     with pytest.raises(ValueError, match=f"^{name}: "):
         build_dp_schedule(lengths, **args)
+
+
+# ------------------------------------------------------------------------------- faster code, the same schedules
+
+
+@contextmanager
+def reference_scheduler():
+    """The scheduler with its LPT heap and its refinement as they were before they were made faster (issue 19)."""
+    def lpt_tokens(tok, order, item_bin, btok, first_bin, n_bins, token_cap):
+        return reference_pack_lpt(tok, [float(t) for t in tok], order, item_bin, btok, first_bin, n_bins, token_cap,
+                                  math.inf, True)
+
+    def lpt(tok, cost, order, item_bin, btok, first_bin, n_bins, token_cap, count_cap):
+        return reference_pack_lpt(tok, cost, order, item_bin, btok, first_bin, n_bins, token_cap, count_cap, False)
+
+    with (mock.patch.object(packing, "_Refiner", ReferenceRefiner),
+          mock.patch.object(packing, "_pack_lpt_tokens", lpt_tokens),
+          mock.patch.object(packing, "_pack_lpt", lpt)):
+        yield
+
+
+def schedule_or_error(**kwargs):
+    try:
+        return build_dp_schedule(**kwargs)
+    except ValueError as exc:
+        return f"ValueError: {exc}"
+
+
+def assert_same_as_reference(**kwargs):
+    with reference_scheduler():
+        expected = schedule_or_error(**kwargs)
+    assert isinstance(expected, (DPSchedule, str))
+    assert schedule_or_error(**kwargs) == expected
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_same_schedule_as_the_reference_implementation(p):
+    assert_same_as_reference(lengths=p["lengths"], dp_size=p["dp"], global_batch_size=p["gbs"],
+                             group_ids=p["group_ids"], max_tokens_per_gpu=p["cap"], micro_batch_size=p["mbs"],
+                             microbatch_multiple=p["mult"], cost=p["cost"])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**32 - 1), st.sampled_from([8, 16, 64]), st.sampled_from([16_384, 32_768]),
+       st.sampled_from(["tokens", "flops"]), st.integers(1, 2), st.booleans())
+def test_same_schedule_as_the_reference_on_large_rl_like_steps(seed, dp, cap, cost, mult, outlier):
+    """Steps of the size the benchmark times (up to 1024 samples, dp up to 64), where the refinement runs longest."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(dp, 1025))
+    lengths = rng.integers(100, 1501, n) + np.minimum(rng.lognormal(7.0, 1.0, n), 16_000).astype(np.int64)
+    if outlier:
+        lengths[rng.integers(n)] = 2 * cap
+    assert_same_as_reference(lengths=lengths, dp_size=dp, max_tokens_per_gpu=cap, microbatch_multiple=mult,
+                             cost=cost, group_ids=np.arange(n) // 8)
+
+
+class _RecordingRefiner(packing._Refiner):
+    """The refinement, counting which of its branches each step takes."""
+
+    seen: Counter = Counter()
+
+    def _load_state(self):
+        self.seen["refined a step"] += 1
+        super()._load_state()
+
+    def _best_change(self, A, B, xs, gap):
+        op = super()._best_change(A, B, xs, gap)
+        lightest = self.rank_cost.index(min(self.rank_cost))
+        self.seen["the lightest partner" if B == lightest else "a later partner"] += 1
+        self.seen[op[0] if op else "no change with this partner"] += 1
+        return op
+
+
+def test_the_reference_comparison_covers_every_branch_of_the_refinement():
+    """On these steps the refinement takes each of its branches (a step already balanced, a whole micro-batch swapped,
+    a sample moved, two samples swapped, a partner with no change and a later partner tried), and the schedule is
+    the reference's on every one, so a wrong branch would show."""
+    rng = np.random.default_rng(11)
+    problems_ = []
+    for dp in (2, 4, 8):
+        for kind in ("dynamic", "outlier", "static"):
+            lengths = rng.integers(100, 1500, 96) + np.minimum(rng.lognormal(7, 1, 96), 16_000).astype(np.int64)
+            if kind == "outlier":
+                lengths[5] = 40_000
+            mode = {"micro_batch_size": 3} if kind == "static" else {"max_tokens_per_gpu": 16_384}
+            problems_.append(dict(lengths=lengths, dp_size=dp, global_batch_size=24, group_ids=np.arange(96) // 4,
+                                  **mode))
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(100, 1500, 64) + np.minimum(rng.lognormal(7, 1, 64), 16_000).astype(np.int64)
+    problems_.append(dict(lengths=lengths, dp_size=16, max_tokens_per_gpu=4096))
+
+    _RecordingRefiner.seen = Counter()
+    steps = 0
+    with mock.patch.object(packing, "_Refiner", _RecordingRefiner):
+        for kwargs in problems_:
+            steps += build_dp_schedule(**kwargs).num_steps
+    seen = _RecordingRefiner.seen
+    assert steps > seen["refined a step"] > 0
+    for branch in ("bins", "move", "swap", "no change with this partner", "a later partner"):
+        assert seen[branch] > 0, branch
+    for kwargs in problems_:
+        assert_same_as_reference(**kwargs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 9000), max_size=200), st.integers(1, 40), st.integers(0, 45),
+       st.integers(1000, 20_000))
+def test_token_lpt_places_like_the_general_lpt(lengths, n_bins, first_bin, cap):
+    """The int-keyed LPT heap for the token cost gives the general LPT's placement, its bin tokens and its stop."""
+    tok = [min(t, cap) for t in lengths]
+    order = sorted(range(len(tok)), key=lambda i: -tok[i])
+    first_bin = min(first_bin, n_bins)
+    got_bins, want_bins = [-1] * len(tok), [-1] * len(tok)
+    got_tok, want_tok = [0] * n_bins, [0] * n_bins
+    want = packing._pack_lpt(tok, [float(t) for t in tok], order, want_bins, want_tok, first_bin, n_bins, cap,
+                             math.inf)
+    got = packing._pack_lpt_tokens(tok, order, got_bins, got_tok, first_bin, n_bins, cap)
+    event("stopped early" if want < len(order) else "placed all")
+    assert (got, got_bins, got_tok) == (want, want_bins, want_tok)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 6000), min_size=8, max_size=300), st.sampled_from([1, 2, 4, 8]),
+       st.integers(2000, 20_000), st.integers(1, 3))
+def test_microbatches_run_largest_first_with_samples_in_index_order(lengths, dp, cap, mult):
+    sched = build_dp_schedule(lengths, dp_size=dp, max_tokens_per_gpu=cap, microbatch_multiple=mult)
+    for r in range(dp):
+        mbs = sched.step_microbatches(r, 0)
+        tokens = [sum(lengths[i] for i in mb) for mb in mbs]
+        assert tokens == sorted(tokens, reverse=True)
+        assert all(mb == sorted(mb) for mb in mbs)

@@ -8,6 +8,8 @@ import struct
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trainingrun.contract.errors import CorruptPayload
 from trainingrun.contract.payload import PAYLOAD_FIELDS
@@ -113,3 +115,89 @@ def test_checksum_catches_every_single_bit_flip_and_moved_blocks():
     block = CHECKSUM_BLOCK * 8
     swapped = data[block : 2 * block] + data[:block] + data[2 * block :]
     assert checksum(swapped) != ref and checksum(bytes(data)) == ref
+
+
+def _checksum_by_definition(data: bytes) -> int:
+    """The checksum as docs/store.md defines it, in plain integers: the sums mod 2**64 of each block of 4096
+    little-endian 64-bit words (the last partial word zero-padded), then the CRC-32 of those sums."""
+    import zlib
+
+    padded = data + b"\0" * (-len(data) % 8)
+    words = [int.from_bytes(padded[i : i + 8], "little") for i in range(0, len(padded), 8)]
+    sums = [sum(words[i : i + 4096]) % 2**64 for i in range(0, len(words), 4096)]
+    full = len(data) // 8 // 4096
+    if len(sums) == full:  # no words after the last full block: its (empty) rest still counts as 0
+        sums.append(0)
+    return zlib.crc32(b"".join(s.to_bytes(8, "little") for s in sums))
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.sampled_from([0, 1, 7, 8, 9, 4095 * 8, 4096 * 8 - 1, 4096 * 8, 4096 * 8 + 1, 2 * 4096 * 8 + 5])
+       | st.integers(0, 3 * 4096 * 8), fill=st.sampled_from(["random", "ones"]), seed=st.integers(0, 2**16))
+def test_checksum_is_the_documented_definition(size, fill, seed):
+    # The fast checksum (one numpy pass; a few integer operations for a buffer shorter than a block) must stay the
+    # stored format: payloads written before it must still decode.
+    from trainingrun.store.wire import checksum
+
+    data = np.random.default_rng(seed).bytes(size) if fill == "random" else b"\xff" * size  # ones: sums wrap
+    assert checksum(data) == _checksum_by_definition(data)
+    assert checksum(memoryview(bytearray(data))) == checksum(data)
+
+
+def test_a_header_parsed_beforehand_is_checked_against_the_bytes_it_came_with():
+    # The file store parses a payload's header before it maps the file and hands it to the decoder (not parsed
+    # twice); the decoder still refuses bytes whose length differs from what that header accounts for, and still
+    # checks every buffer's checksum.
+    from trainingrun.store.wire import parse_header
+
+    p = payload(5)
+    data = encode_payload(p)
+    header = parse_header(data, where="w")
+    back = decode_payload(data, where="w", header=header)
+    for name in PAYLOAD_FIELDS:
+        np.testing.assert_array_equal(back[name], p[name])
+    with pytest.raises(CorruptPayload, match="truncated write"):
+        decode_payload(data[:-64], where="w", header=header)
+    at = data.find(p["rewards"].tobytes())
+    flipped = data[:at] + bytes([data[at] ^ 4]) + data[at + 1 :]
+    with pytest.raises(CorruptPayload, match="'rewards' fails its checksum"):
+        decode_payload(flipped, where="w", header=header)
+
+
+@settings(max_examples=200, deadline=None)
+@given(field=st.integers(0, 5), key=st.sampled_from(["shape", "offset", "nbytes", "checksum", "dtype", "name"]),
+       value=st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
+                       st.text(max_size=4), st.lists(st.integers(-3, 2**64), max_size=3)))
+def test_any_header_value_is_accepted_only_when_valid_and_refused_naming_the_field(field, key, value):
+    # The header's checks take a fast path for well-formed headers; whatever one value is replaced by, the header
+    # is either still consistent (and decodes to the same arrays) or CorruptPayload, never another exception.
+    import json as _json
+
+    from trainingrun.store.wire import HEADER_PREFIX, parse_header
+
+    data = encode_payload(payload(4, seed=3))
+    hlen = struct.unpack_from("<I", data, len(MAGIC))[0]
+    header = _json.loads(data[HEADER_PREFIX : HEADER_PREFIX + hlen])
+    header["fields"][field][key] = value
+    raw = _json.dumps(header).encode()
+    tampered = MAGIC + struct.pack("<I", len(raw)) + raw
+    tampered += b"\0" * (-len(tampered) % ALIGN) + data[HEADER_PREFIX + hlen + (-(HEADER_PREFIX + hlen) % ALIGN) :]
+    try:
+        parse_header(tampered, where="w")
+    except CorruptPayload as exc:
+        assert str(exc).startswith("w: ")
+        return
+    try:
+        decode_payload(tampered, where="w")  # a consistent header may still describe other bytes: refused
+    except CorruptPayload:
+        pass
+
+
+@pytest.mark.parametrize("name", [[], {}, ["tokens"]])
+def test_a_header_field_named_by_a_list_or_an_object_is_corrupt_payload(name):
+    # Before: TypeError (unhashable type) escaped from the decoder instead of CorruptPayload naming the key.
+    raw = ('{"fields": [{"name": ' + __import__("json").dumps(name) + ', "dtype": "<i4", "shape": [1], "offset": 0, '
+           '"nbytes": 4, "checksum": 0}]}').encode()
+    data = MAGIC + struct.pack("<I", len(raw)) + raw
+    with pytest.raises(CorruptPayload, match="store x: key k: payload header has an unknown or repeated field"):
+        decode_payload(data + b"\0" * (-len(data) % ALIGN + 64), where="store x: key k")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainingrun.contract.errors import CorruptPayload
-from trainingrun.contract.records import KeyValue, count, number, read_object
+from trainingrun.contract.records import RecordStore, count, number, read_object
 
 PROGRESS_KEY = "progress"
 MAX_TIME = 253402300799.0  # 9999-12-31T23:59:59Z: the last second a datetime holds
@@ -67,11 +67,11 @@ class ProgressRecord:
             **{n: number(d, n, where=where, required=False) for n in _NUMBERS},
         )
 
-    def write(self, store: KeyValue) -> None:
+    def write(self, store: RecordStore) -> None:
         store.put_json(PROGRESS_KEY, self.to_json())
 
     @classmethod
-    def read(cls, store: KeyValue) -> ProgressRecord | None:
+    def read(cls, store: RecordStore) -> ProgressRecord | None:
         """The record in `store` (None before the first step); CorruptPayload naming the field when malformed."""
         found = read_object(store, PROGRESS_KEY)
         return None if found is None else cls.from_json(found[0], where=found[1])

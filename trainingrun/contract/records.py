@@ -16,7 +16,7 @@ from trainingrun.contract.errors import CorruptPayload
 MAX_COUNT = 2**63 - 1  # counts are int64 wherever they are stored
 
 
-class KeyValue(Protocol):
+class RecordStore(Protocol):
     """What a record needs of a store (`trainingrun.store` implements it): JSON objects under short keys."""
 
     url: str
@@ -26,7 +26,7 @@ class KeyValue(Protocol):
     def get_json(self, key: str) -> dict[str, Any] | None: ...
 
 
-def read_object(store: KeyValue, key: str) -> tuple[dict[str, Any], str] | None:
+def read_object(store: RecordStore, key: str) -> tuple[dict[str, Any], str] | None:
     """The JSON object under `key` and the "store URL: key K" that names it in errors; None when nothing is there."""
     d = store.get_json(key)
     if d is None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from trainingrun.contract.records import KeyValue, count, read_object
+from trainingrun.contract.records import RecordStore, count, read_object
 
 RESUME_KEY = "trainer_resume"
 
@@ -35,11 +35,11 @@ class ResumePoint:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
-    def write(self, store: KeyValue) -> None:
+    def write(self, store: RecordStore) -> None:
         store.put_json(RESUME_KEY, self.to_json())
 
     @classmethod
-    def read(cls, store: KeyValue) -> ResumePoint | None:
+    def read(cls, store: RecordStore) -> ResumePoint | None:
         """The trainers' resume point (None when they have not written one); CorruptPayload naming the field when
         the stored record is malformed."""
         found = read_object(store, RESUME_KEY)

@@ -21,11 +21,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from trainingrun.contract.progress import ProgressRecord
 from trainingrun.operator.observe import ProgressObs
-from trainingrun.store import open_store
+from trainingrun.store import KeyValue, open_store
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +39,7 @@ class ProgressReader:
     def __init__(self, timeout: float = 3.0, max_age: float = 2.0):
         self.timeout = timeout
         self.max_age = max_age
-        self._stores: dict[str, Any] = {}
+        self._stores: dict[str, KeyValue] = {}  # progress is read through the key/value part of the store only
         self._cache: dict[str, tuple[float, ProgressObs]] = {}
         self._tasks: dict[str, asyncio.Task] = {}
 

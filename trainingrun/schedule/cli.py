@@ -17,6 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .dp_schedule import build_dp_schedule
+from .stats import schedule_stats
+
 EXIT_USAGE = 2
 
 # build_dp_schedule's argument names -> the flags that set them, so errors name what the user typed.
@@ -98,8 +101,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from trainingrun.schedule import build_dp_schedule, schedule_stats
-
     if args.max_tokens is None and args.micro_batch_size is None:
         raise _UsageError("--max-tokens: give one of --max-tokens (dynamic) or --micro-batch-size (static)")
     lengths = _read_values(args.lengths, "LENGTHS", key="lengths")

@@ -316,17 +316,21 @@ def build_dp_schedule(
                              f"at least one sample per step (put a short trailing step into leftover)")
     for s, idx in enumerate(steps):
         try:
-            plan = plan_step(lens[idx], costs[idx], dp_size=dp, multiple=mult, token_cap=cap, count_cap=mbs,
-                             cost_is_tokens=cost == "tokens")
+            local, sizes = plan_step(lens[idx], costs[idx], dp_size=dp, multiple=mult, token_cap=cap, count_cap=mbs,
+                                     cost_is_tokens=cost == "tokens")
         except ValueError as exc:
             raise ValueError(f"{exc} (step {s})") from None
-        for r, (local, sizes) in enumerate(plan):
+        ordered = idx[local].tolist()
+        taken = 0
+        for r, rank_sizes in enumerate(sizes):
             start = len(partitions[r])
-            partitions[r].extend(idx[local].tolist())
-            for size in sizes:
+            count = sum(rank_sizes)
+            partitions[r] += ordered[taken:taken + count]
+            taken += count
+            for size in rank_sizes:
                 positions[r].append(list(range(start, start + size)))
                 start += size
-        num_microbatches.append(len(plan[0][1]))
+        num_microbatches.append(len(sizes[0]))
         global_batch_sizes.append(len(idx))
     return DPSchedule(
         partitions=partitions,

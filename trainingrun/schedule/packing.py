@@ -14,11 +14,13 @@
 3. **Distribute** the bins by decreasing cost, each to the least-loaded rank that still has room for a bin, so each
    rank gets exactly ``M / dp_size`` bins. A heavy bin (an oversized sample) makes its rank heavy, so that rank is
    skipped until the end and then receives the smallest bins.
-4. **Refine** by local search between ranks: while the heaviest rank ``A`` is above the mean, find the sample move
-   (from a bin of ``A`` holding at least two samples into the bin with most room of a light rank ``B``) or the sample
-   swap between ``A`` and ``B`` whose cost difference ``d`` is closest to half the gap, with ``0 < d < gap`` and every
-   bin still within its cap; apply it. Each such step strictly lowers the sum of squared rank loads, so the search
-   ends; it is also bounded by an iteration budget. Moves and swaps keep every bin's sample count ≥ 1 and ≤ the
+4. **Refine** by local search between ranks: while the heaviest rank ``A`` is above the mean (within a tolerance),
+   find the swap of a whole micro-batch of ``A`` with one of a light rank ``B``, the sample move (from a bin of ``A``
+   holding at least two samples into the bin with most room of ``B``) or the sample swap between ``A`` and ``B``
+   whose cost difference ``d`` is closest to half the gap, with ``0 < d < gap`` and every bin still within its cap;
+   apply it. Partners ``B`` are tried lightest first; ties go to the first candidate (micro-batch swaps, then moves,
+   then sample swaps; by bin id or sample position). Each such step strictly lowers the sum of squared rank loads, so
+   the search ends; it is also bounded by an iteration budget. Changes keep every bin's sample count ≥ 1 and ≤ the
    static size, every bin within the token cap (or a lone sample), and every rank's bin count.
 
 Finally each rank's micro-batches are ordered by decreasing tokens (the largest first, so a memory problem shows at
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from bisect import bisect_right, insort
+from bisect import bisect_left, bisect_right, insort
 
 import numpy as np
 
@@ -76,41 +78,76 @@ def lower_bound_microbatches(
 
 def _pack_lpt(
     tok: list[int], cost: list[float], order: list[int], item_bin: list[int], btok: list[int], first_bin: int,
-    n_bins: int, token_cap: float, count_cap: float, cost_is_tokens: bool,
+    n_bins: int, token_cap: float, count_cap: float,
 ) -> int:
     """Place ``order`` (decreasing cost) into bins ``first_bin..n_bins-1``, each into the least-cost bin that fits.
 
     Writes ``item_bin`` and the bins' tokens ``btok``; returns how many of ``order`` were placed (all, or up to the
-    first sample that fits nowhere)."""
+    first sample that fits nowhere). :func:`_pack_lpt_tokens` is the same for the common case."""
     heap = [(0.0, b) for b in range(first_bin, n_bins)]  # equal keys, increasing ids: already a heap
     bcnt = [0] * n_bins
-    pop, push = heapq.heappop, heapq.heappush
     for placed, i in enumerate(order):
         t = tok[i]
         if not heap:
             return placed
-        load, b = pop(heap)
+        load, b = heap[0]
+        popped = False
         if btok[b] + t > token_cap:
-            if cost_is_tokens:  # the least-loaded bin has the most room: nothing fits
+            found = _pop_fitting(heap, btok, t, token_cap)
+            if found is None:
                 return placed
-            aside = [(load, b)]
-            found = False
-            while heap:
-                load, b = pop(heap)
-                if btok[b] + t <= token_cap:
-                    found = True
-                    break
-                aside.append((load, b))
-            for entry in aside:
-                push(heap, entry)
-            if not found:
-                return placed
+            (load, b), popped = found, True
         item_bin[i] = b
         btok[b] += t
         bcnt[b] += 1
-        if bcnt[b] < count_cap:
-            push(heap, (load + cost[i], b))
+        if bcnt[b] < count_cap:  # back into the heap with its new load (bin ids are unique: no ties)
+            (heapq.heappush if popped else heapq.heapreplace)(heap, (load + cost[i], b))
+        elif not popped:
+            heapq.heappop(heap)
     return len(order)
+
+
+def _pack_lpt_tokens(
+    tok: list[int], order: list[int], item_bin: list[int], btok: list[int], first_bin: int, n_bins: int, token_cap: int
+) -> int:
+    """:func:`_pack_lpt` when the cost is the tokens and there is no count cap (the same placement, faster).
+
+    A bin's load is then its tokens, so the least-loaded bin is also the roomiest: if the sample does not fit there,
+    it fits nowhere. The heap holds plain ints ``load·n_bins + bin``, which order like ``(load, bin)`` pairs and
+    compare faster; adding ``t·n_bins`` adds ``t`` to the load and keeps the bin."""
+    heap = list(range(first_bin, n_bins))  # load 0: sorted, so already a heap
+    limit = (token_cap + 1) * n_bins  # key + t·n_bins < limit  <=>  load + t <= token_cap
+    placed = len(order)
+    for k, i in enumerate(order):
+        if not heap:
+            placed = k
+            break
+        key = heap[0] + tok[i] * n_bins
+        if key >= limit:
+            placed = k
+            break
+        item_bin[i] = key % n_bins
+        heapq.heapreplace(heap, key)
+    for key in heap:
+        load, b = divmod(key, n_bins)
+        btok[b] = load
+    return placed
+
+
+def _pop_fitting(heap: list[tuple[float, int]], btok: list[int], t: int, token_cap: float):
+    """Pop the least-cost entry of ``heap`` whose bin still has room for ``t`` tokens; the entries popped on the way
+    go back. None (and ``heap`` as it was) if no bin has room."""
+    aside = []
+    found = None
+    while heap:
+        entry = heapq.heappop(heap)
+        if btok[entry[1]] + t <= token_cap:
+            found = entry
+            break
+        aside.append(entry)
+    for entry in aside:
+        heapq.heappush(heap, entry)
+    return found
 
 
 def _pack_best_fit(
@@ -174,7 +211,10 @@ def _pack(
     first = len(over)
     order = rest[np.argsort(-cost[rest], kind="stable")].tolist()
     btok = [0] * n_bins
-    placed = _pack_lpt(tok_l, cost_l, order, item_bin, btok, first, n_bins, tcap, ccap, cost_is_tokens)
+    if cost_is_tokens and count_cap is None:
+        placed = _pack_lpt_tokens(tok_l, order, item_bin, btok, first, n_bins, tcap)
+    else:
+        placed = _pack_lpt(tok_l, cost_l, order, item_bin, btok, first, n_bins, tcap, ccap)
     if placed < len(order):
         if token_cap is None:
             return None
@@ -212,120 +252,179 @@ def _distribute(bin_cost: np.ndarray, dp_size: int, per_rank: int) -> np.ndarray
 
 
 class _Refiner:
-    """Local search between ranks; see phase 4 in the module docstring. Mutates ``item_bin``."""
+    """Local search between ranks; see phase 4 in the module docstring. Mutates ``item_bin`` and ``bin_rank``.
+
+    The state is kept in plain lists, not numpy arrays: a search looks at two ranks' few bins and samples (16 samples
+    per rank for 1024 samples over 64 ranks), where numpy's overhead per call costs more than the work itself.
+    Candidates are visited in a fixed order (bins of ``A`` by id, then bins of ``B`` by id; samples of ``A`` by
+    position; for a swap, ``B``'s samples by cost, ties by position). A candidate replaces the best one only if its
+    score is strictly lower, so ties go to the first one met. A candidate that cannot beat the best is not checked
+    against the cap. All costs are integer-valued floats (tokens, or ``a·L + L²`` with an integer ``a``), so every sum
+    below is exact, whatever the order of the additions.
+    """
 
     def __init__(self, tok, cost, item_bin, bin_rank, dp_size, token_cap, count_cap):
-        self.tok = tok.astype(np.float64)
-        self.cost = cost
-        self.item_bin = item_bin
-        self.bin_rank = bin_rank
-        n_bins = len(bin_rank)
-        self.bin_tok = np.bincount(item_bin, weights=self.tok, minlength=n_bins)
-        self.bin_cnt = np.bincount(item_bin, minlength=n_bins)
-        self.bin_cost = np.bincount(item_bin, weights=cost, minlength=n_bins)
-        self.rank_cost = np.bincount(bin_rank[item_bin], weights=cost, minlength=dp_size)
+        self._tok_in, self._cost_in = tok, cost
+        self._item_bin_out, self._bin_rank_out = item_bin, bin_rank
+        self.rank_cost = np.bincount(bin_rank[item_bin], weights=cost, minlength=dp_size).tolist()
         self.tcap = _NO_CAP if token_cap is None else float(token_cap)
         self.ccap = _NO_CAP if count_cap is None else count_cap
 
-    def _bin_ok(self, tokens: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        """A bin is valid with ``tokens`` and ``counts`` if within the cap or a single sample."""
-        return (tokens <= self.tcap) | (counts == 1)
+    def _load_state(self) -> None:
+        """The per-sample and per-bin lists; built only once a step needs refining."""
+        item_bin, bin_rank = self._item_bin_out, self._bin_rank_out
+        n_bins = len(bin_rank)
+        tok = self._tok_in.astype(np.float64)
+        self.tok = tok.tolist()
+        self.cost = self._cost_in.tolist()
+        self.item_bin = item_bin.tolist()
+        self.bin_rank = bin_rank.tolist()
+        counts = np.bincount(item_bin, minlength=n_bins)
+        self.bin_cnt = counts.tolist()
+        self.bin_tok = np.bincount(item_bin, weights=tok, minlength=n_bins).tolist()
+        self.bin_cost = np.bincount(item_bin, weights=self._cost_in, minlength=n_bins).tolist()
+        self.bin_items = _groups(np.argsort(item_bin, kind="stable").tolist(), counts.tolist())
+        self.rank_bins = _groups(np.argsort(bin_rank, kind="stable").tolist(),
+                                 np.bincount(bin_rank, minlength=len(self.rank_cost)).tolist())
 
-    def _best_move(self, xs: np.ndarray, B: int, gap: float):
-        bins_b = np.flatnonzero((self.bin_rank == B) & (self.bin_cnt < self.ccap))
-        if len(bins_b) == 0:
-            return None
-        room = np.where(self.bin_cnt[bins_b] == 0, _NO_CAP, self.tcap - self.bin_tok[bins_b])
-        k = int(np.argmax(room))
-        xs = xs[(self.bin_cnt[self.item_bin[xs]] >= 2) & (self.tok[xs] <= room[k]) & (self.cost[xs] < gap)]
-        if len(xs) == 0:
-            return None
-        score = np.abs(self.cost[xs] - gap / 2)
-        j = int(np.argmin(score))
-        return float(score[j]), ("move", int(xs[j]), int(bins_b[k]))
-
-    def _best_bin_swap(self, A: int, B: int, gap: float):
-        """Swap a whole micro-batch of ``A`` with one of ``B``: coarse, cheap, and no cap can break."""
-        ba = np.flatnonzero(self.bin_rank == A)
-        bb = np.flatnonzero(self.bin_rank == B)
-        d = self.bin_cost[ba][:, None] - self.bin_cost[bb][None, :]
-        score = np.where((d > 0) & (d < gap), np.abs(d - gap / 2), np.inf)
-        flat = int(np.argmin(score))
-        if not np.isfinite(score.flat[flat]):
-            return None
-        i, j = divmod(flat, len(bb))
-        return float(score.flat[flat]), ("bins", int(ba[i]), int(bb[j]))
-
-    def _best_swap(self, xs: np.ndarray, ys: np.ndarray, gap: float):
-        if len(xs) == 0 or len(ys) == 0:
-            return None
-        ys = ys[np.argsort(self.cost[ys], kind="stable")]
-        cy = self.cost[ys]
-        cx = self.cost[xs]
-        pos = np.searchsorted(cy, cx - gap / 2)
-        cand = np.clip(pos[:, None] + np.array([-2, -1, 0, 1]), 0, len(ys) - 1)  # (|xs|, 4) positions into ys
-        y = ys[cand]
-        x = np.broadcast_to(xs[:, None], y.shape)
-        d = self.cost[x] - self.cost[y]
-        bx, by = self.item_bin[x], self.item_bin[y]
-        tx, ty = self.tok[x], self.tok[y]
-        ok = (d > 0) & (d < gap)
-        ok &= self._bin_ok(self.bin_tok[bx] - tx + ty, self.bin_cnt[bx])
-        ok &= self._bin_ok(self.bin_tok[by] - ty + tx, self.bin_cnt[by])
-        if not ok.any():
-            return None
-        score = np.where(ok, np.abs(d - gap / 2), np.inf)
-        flat = int(np.argmin(score))
-        return float(score.flat[flat]), ("swap", int(x.flat[flat]), int(y.flat[flat]))
-
-    def run(self, max_iter: int, tol: float = 5e-4, quick_tries: int = 4) -> None:
+    def run(self, max_iter: int, tol: float = 5e-4) -> None:
         """Improve until the heaviest rank is within ``tol`` of the mean, nothing improves, or ``max_iter`` steps.
 
-        Partners ``B`` are tried lightest first; beyond the ``quick_tries`` lightest, all ranks' samples are grouped
-        once per iteration rather than searched rank by rank."""
-        dp = len(self.rank_cost)
-        if dp < 2:
+        Partners ``B`` are tried lightest first (ties: lower rank first)."""
+        rc = self.rank_cost
+        dp = len(rc)
+        limit = sum(rc) / dp * (1 + tol)  # changes keep the total: the mean is fixed
+        if dp < 2 or max(rc) <= limit:
             return
+        self._load_state()
         for _ in range(max_iter):
-            A = int(np.argmax(self.rank_cost))
-            top = self.rank_cost[A]
-            if top <= self.rank_cost.mean() * (1 + tol):
-                return
-            item_rank = self.bin_rank[self.item_bin]
-            xs = np.flatnonzero(item_rank == A)
-            by_rank = None
-            applied = False
-            for j, B in enumerate(np.argsort(self.rank_cost, kind="stable")[: dp - 1].tolist()):
-                gap = top - self.rank_cost[B]
-                if gap <= 0:
-                    break
-                if j == quick_tries:
-                    order = np.argsort(item_rank, kind="stable")
-                    by_rank = np.split(order, np.cumsum(np.bincount(item_rank, minlength=dp))[:-1])
-                ys = np.flatnonzero(item_rank == B) if by_rank is None else by_rank[B]
-                options = [o for o in (self._best_bin_swap(A, B, gap), self._best_move(xs, B, gap),
-                                       self._best_swap(xs, ys, gap)) if o]
-                if options:
-                    self._apply(min(options, key=lambda o: o[0])[1], A, B)
-                    applied = True
-                    break
-            if not applied:
-                return
+            top = max(rc)
+            if top <= limit or not self._improve(rc.index(top), top):
+                break
+        self._item_bin_out[:] = self.item_bin
+        self._bin_rank_out[:] = self.bin_rank
+
+    def _improve(self, A: int, top: float) -> bool:
+        """Apply the best change between the heaviest rank ``A`` and the lightest partner that has one; False if no
+        partner below ``top`` has one."""
+        rc = self.rank_cost
+        xs = self._samples(A)
+        partners = [rc.index(min(rc))]  # the lightest; all of them, sorted, only when it has no change
+        for j in range(len(rc) - 1):
+            if j == 1:
+                partners = sorted(range(len(rc)), key=rc.__getitem__)  # stable: ties by rank
+            B = partners[j]
+            gap = top - rc[B]
+            if gap <= 0:
+                return False
+            op = self._best_change(A, B, xs, gap)
+            if op is not None:
+                self._apply(op, A, B)
+                return True
+        return False
+
+    def _samples(self, rank: int) -> list[int]:
+        """The samples of ``rank``, by position."""
+        out: list[int] = []
+        for b in self.rank_bins[rank]:
+            out += self.bin_items[b]
+        out.sort()
+        return out
+
+    def _best_change(self, A: int, B: int, xs: list[int], gap: float):
+        """The change between ``A`` and ``B`` whose cost difference ``d`` is closest to ``gap / 2`` with
+        ``0 < d < gap`` and every bin within its cap: ``("bins", a, b)``, ``("move", x, bin)`` or ``("swap", x, y)``;
+        None if there is none. Kinds are tried in that order; a later one wins only with a strictly lower score."""
+        half = gap / 2
+        best, op = self._best_bin_swap(A, B, gap, half)
+        best, op = self._best_move(xs, B, gap, half, best, op)
+        return self._best_swap(xs, self._samples(B), gap, half, best, op)
+
+    def _best_bin_swap(self, A: int, B: int, gap: float, half: float):
+        """Swap a whole micro-batch of ``A`` with one of ``B``: coarse, cheap, and no cap can break."""
+        bin_cost = self.bin_cost
+        best, op = _NO_CAP, None
+        for a in self.rank_bins[A]:
+            ca = bin_cost[a]
+            for b in self.rank_bins[B]:
+                d = ca - bin_cost[b]
+                if 0 < d < gap and abs(d - half) < best:
+                    best, op = abs(d - half), ("bins", a, b)
+        return best, op
+
+    def _best_move(self, xs: list[int], B: int, gap: float, half: float, best: float, op):
+        """Move a sample of ``A`` from a bin holding at least two into ``B``'s roomiest bin (the first of equals)."""
+        bin_cnt, bin_tok = self.bin_cnt, self.bin_tok
+        dest, room = -1, 0.0
+        for b in self.rank_bins[B]:
+            if bin_cnt[b] < self.ccap:
+                r = _NO_CAP if bin_cnt[b] == 0 else self.tcap - bin_tok[b]
+                if dest < 0 or r > room:
+                    dest, room = b, r
+        if dest < 0:
+            return best, op
+        cost, tok, item_bin = self.cost, self.tok, self.item_bin
+        for x in xs:
+            cx = cost[x]
+            if cx < gap and abs(cx - half) < best and tok[x] <= room and bin_cnt[item_bin[x]] >= 2:
+                best, op = abs(cx - half), ("move", x, dest)
+        return best, op
+
+    def _best_swap(self, xs: list[int], ys: list[int], gap: float, half: float, best: float, op):
+        """Swap a sample ``x`` of ``A`` with a sample ``y`` of ``B``. For each ``x`` only the four samples of ``B``
+        nearest in cost to ``cost[x] - gap / 2`` are candidates (two below, two from there up)."""
+        if not xs or not ys:
+            return op
+        cost, tok, item_bin, tcap = self.cost, self.tok, self.item_bin, self.tcap
+        bin_tok, bin_cnt = self.bin_tok, self.bin_cnt
+        ys.sort(key=cost.__getitem__)  # stable: ties stay by position
+        cy = [cost[y] for y in ys]
+        last = len(ys) - 1
+        for x in xs:
+            cx = cost[x]
+            p = bisect_left(cy, cx - half)
+            # the candidates' scores grow away from p - 1 (below) and p (from there up): skip x if neither beats best
+            if ((p == 0 or abs(cx - cy[p - 1] - half) >= best)
+                    and (p > last or abs(cx - cy[p] - half) >= best)):
+                continue
+            tx, bx = tok[x], item_bin[x]
+            prev = -1
+            for c in (p - 2, p - 1, p, p + 1):
+                c = 0 if c < 0 else last if c > last else c
+                if c == prev:  # clipped at an end: the same candidate again
+                    continue
+                prev = c
+                d = cx - cy[c]
+                if not 0 < d < gap or abs(d - half) >= best:
+                    continue
+                y = ys[c]
+                by, ty = item_bin[y], tok[y]
+                if ((bin_tok[bx] - tx + ty <= tcap or bin_cnt[bx] == 1)
+                        and (bin_tok[by] - ty + tx <= tcap or bin_cnt[by] == 1)):
+                    best, op = abs(d - half), ("swap", x, y)
+        return op
 
     def _apply(self, op, A: int, B: int) -> None:
         kind, x, other = op
         if kind == "bins":
             self.bin_rank[x], self.bin_rank[other] = B, A
+            _replace_sorted(self.rank_bins[A], x, other)  # by id: the order the micro-batch swaps are tried in
+            _replace_sorted(self.rank_bins[B], other, x)
             d = self.bin_cost[x] - self.bin_cost[other]
         elif kind == "move":
             src = self.item_bin[x]
             self.item_bin[x] = other
+            self.bin_items[src].remove(x)
+            self.bin_items[other].append(x)
             self._shift(src, other, self.tok[x], self.cost[x], 1)
             d = self.cost[x]
         else:
             y = other
             bx, by = self.item_bin[x], self.item_bin[y]
             self.item_bin[x], self.item_bin[y] = by, bx
+            lx, ly = self.bin_items[bx], self.bin_items[by]  # in no particular order (see _samples)
+            lx[lx.index(x)] = y
+            ly[ly.index(y)] = x
             d = self.cost[x] - self.cost[y]
             self._shift(bx, by, self.tok[x] - self.tok[y], d, 0)
         self.rank_cost[A] -= d
@@ -341,6 +440,21 @@ class _Refiner:
         self.bin_cnt[dst] += count
 
 
+def _groups(order: list[int], counts: list[int]) -> list[list[int]]:
+    """``order`` cut into consecutive lists of ``counts[k]`` entries."""
+    out, start = [], 0
+    for c in counts:
+        out.append(order[start:start + c])
+        start += c
+    return out
+
+
+def _replace_sorted(items: list[int], old: int, new: int) -> None:
+    """Replace ``old`` by ``new`` in the sorted list ``items``, keeping it sorted."""
+    items.remove(old)
+    insort(items, new)
+
+
 # -------------------------------------------------------------------------------------------------------------- plan
 
 
@@ -354,9 +468,10 @@ def plan_step(
     count_cap: int | None = None,
     cost_is_tokens: bool = True,
     refine: bool = True,
-) -> list[tuple[np.ndarray, list[int]]]:
-    """Plan one step. ``result[rank] = (positions, sizes)``: the local positions (into ``tokens``) of rank ``rank``'s
-    samples in micro-batch order, and the size of each of its micro-batches (``sum(sizes) == len(positions)``).
+) -> tuple[np.ndarray, list[list[int]]]:
+    """Plan one step. Returns ``(positions, sizes)``: ``sizes[rank][k]`` is the sample count of rank ``rank``'s
+    ``k``-th micro-batch, and ``positions`` the local positions (into ``tokens``) of all samples, rank by rank, each
+    rank's in micro-batch order (rank ``r``'s are the next ``sum(sizes[r])``).
 
     Exactly one of ``token_cap`` (dynamic) and ``count_cap`` (static) is given. Every rank gets the same number of
     micro-batches, a multiple of ``multiple``. Requires ``len(tokens) >= dp_size``. Raises ``ValueError`` (naming
@@ -394,8 +509,6 @@ def _layout(tok: np.ndarray, item_bin: np.ndarray, bin_rank: np.ndarray, dp_size
     bin_order = np.lexsort((np.arange(n_bins), -bin_tok, bin_rank))  # rank-major: per_rank bins per rank
     bin_pos = np.empty(n_bins, dtype=np.int64)
     bin_pos[bin_order] = np.arange(n_bins)
-    items = np.lexsort((np.arange(len(item_bin)), bin_pos[item_bin]))
+    positions = np.argsort(bin_pos[item_bin], kind="stable")  # by bin position, then by sample position
     sizes = np.bincount(item_bin, minlength=n_bins)[bin_order].reshape(dp_size, per_rank)
-    rank_sizes = sizes.sum(axis=1)
-    flat = np.split(items, np.cumsum(rank_sizes)[:-1])
-    return [(flat[r], sizes[r].tolist()) for r in range(dp_size)]
+    return positions, sizes.tolist()

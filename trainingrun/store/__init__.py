@@ -1,8 +1,13 @@
 """trainingrun.store: the shared store between the rollout (writer) and the trainers (readers).
 
 `open_store(url)` picks the backend by URL scheme: `file:///abs/path` (or `file://relative/path`, resolved against the
-current directory) and `redis://host:port/db`. Protocol: `trainingrun.store.base`; what travels through it:
-`trainingrun.contract`; layout, atomicity and retention: docs/store.md.
+current directory) and `redis://host:port/db`. Protocol (`Store` = `RolloutStream` + `WeightVersions` + `KeyValue`):
+`trainingrun.store.base`; what travels through it (rank payloads, published rollouts, the resume point and the
+progress record): `trainingrun.contract`; layout, atomicity and retention: docs/store.md.
+
+Modules: `base.py` (protocols, the store's error types), `common.py` (the rules both backends follow, free of I/O),
+`wire.py` (JSON and the binary payload format), `file.py` + `file_io.py` (the `file://` backend and its
+file primitives), `redis.py` + `redis_io.py` (the `redis://` backend and its connection, retries, transactions).
 """
 
 from __future__ import annotations
@@ -11,22 +16,30 @@ import errno
 
 from trainingrun.contract.errors import EXIT_CONFIG_ERROR, CorruptPayload, StoreError
 from trainingrun.store.base import (
+    KeyValue,
     RolloutReleased,
+    RolloutStream,
     StaleAttempt,
     Store,
     StoreDataLost,
     StoreTimeout,
+    WeightVersions,
     WriterConflict,
 )
+from trainingrun.store.file import FileStore
+from trainingrun.store.redis import RedisStore
 
 __all__ = [
     "CorruptPayload",
+    "KeyValue",
     "RolloutReleased",
+    "RolloutStream",
     "StaleAttempt",
     "Store",
     "StoreDataLost",
     "StoreError",
     "StoreTimeout",
+    "WeightVersions",
     "WriterConflict",
     "exit_status",
     "open_store",
@@ -44,12 +57,8 @@ def open_store(url: str, *, attempt: int | None = None) -> Store:
     scheme = url.split("://", 1)[0].lower()
     store: Store
     if scheme == "file":
-        from trainingrun.store.file import FileStore
-
         store = FileStore.from_url(url, attempt=attempt)
     elif scheme == "redis":
-        from trainingrun.store.redis import RedisStore
-
         store = RedisStore.from_url(url, attempt=attempt)
     else:
         raise ValueError(f"store url: unsupported scheme {scheme!r} in {url!r}; allowed: file://, redis://")

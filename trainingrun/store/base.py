@@ -1,7 +1,9 @@
 """The Store protocol: the only channel between the rollout and the trainers.
 
 Contract between `trainingrun.rollout` (writer) and `trainingrun.trainer` (readers); backends in this package
-(`file://`, `redis://`) implement it. Open one with `trainingrun.store.open_store(url)`.
+(`file://`, `redis://`) implement it. Open one with `trainingrun.store.open_store(url)`. The protocol has three
+parts: the rollout stream (`RolloutStream`), weight versions (`WeightVersions`) and key/value (`KeyValue`); `Store`
+is all three.
 
 A rollout k is published as: per-rank payloads, then the schedule (JSON), then a commit marker. Readers only ever see
 committed rollouts. Payloads are numpy arrays (never pickled); schedules and metadata are JSON.
@@ -57,22 +59,42 @@ class WriterConflict(StoreError):
         self.owner = owner
 
 
-class Store(Protocol):
+class Handle(Protocol):
+    """What every store handle has: its URL, its attempt, fencing and `close()`."""
+
     url: str
     attempt: int | None  # the attempt this handle writes for (None: unfenced, e.g. tools and tests)
 
-    # --- fencing and the single writer (every write checks the store's epoch and current attempt)
     def enter_attempt(self) -> int:
         """Raise the store's current attempt to this handle's (StaleAttempt if it is already newer); returns it."""
 
+    def close(self) -> None:
+        """Release the writer claim (if held) and the connection."""
+
+
+class KeyValue(Handle, Protocol):
+    """Shared state between processes (trainer rank 0 writes progress and its resume point, the rollout its state;
+    the operator and the launcher read): JSON objects under short keys. The operator's progress reader needs only
+    this."""
+
+    def put_json(self, key: str, value: dict[str, Any]) -> None: ...
+
+    def get_json(self, key: str) -> dict[str, Any] | None: ...
+
+
+class RolloutStream(Handle, Protocol):
+    """The stream of rollouts: one writer (the rollout, holding the writer claim) publishes, the trainers read,
+    acknowledge and release."""
+
+    # --- the single writer
     def claim_writer(self) -> dict[str, Any]:
         """Claim the store for this handle as its one rollout writer (returns the owner record): a newer attempt
         takes over from an older one; a live writer of the same attempt is refused at once (WriterConflict naming
         it); an older attempt is StaleAttempt. Released by `close()`."""
 
     # --- writer (rollout)
-    def publish_rollout(self, rollout: int, payloads: dict[int, RankPayload], schedule: dict[str, Any]) -> None:
-        """Atomically publish rollout `rollout`; idempotent for a re-publish of the same rollout."""
+    def publish_rollout(self, rollout: int, payloads: dict[int, RankPayload], schedule: dict[str, Any]) -> bool:
+        """Atomically publish rollout `rollout`; False (nothing written) when it is already committed."""
 
     def finish(self, num_rollouts: int) -> None:
         """Mark the end of the stream: no rollout >= num_rollouts will ever be published."""
@@ -95,7 +117,11 @@ class Store(Protocol):
     def release_upto(self, rollout: int) -> None:
         """A checkpoint covers every rollout < `rollout`: those acknowledged by all ranks may be deleted."""
 
-    # --- weights (trainer rank 0 writes, the rollout's engine reads; `spec.weightSync.type: store`)
+
+class WeightVersions(Handle, Protocol):
+    """Weight versions (trainer rank 0 writes, fenced by its attempt, without the writer claim; the rollout's engine
+    reads; `spec.weightSync.type: store`)."""
+
     def publish_weights(self, version: int, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> bool:
         """Atomically publish weight version `version` (named numeric arrays + JSON meta); visible only when
         complete. False (nothing written) when that version is already committed."""
@@ -109,10 +135,7 @@ class Store(Protocol):
     def release_weights_below(self, version: int) -> None:
         """Delete committed versions < `version` (commit marker first: a reader never sees half a version)."""
 
-    # --- progress / state shared between processes (rank 0 writes, operator and launcher read)
-    def put_json(self, key: str, value: dict[str, Any]) -> None: ...
 
-    def get_json(self, key: str) -> dict[str, Any] | None: ...
-
-    def close(self) -> None:
-        """Release the writer claim (if held) and the connection."""
+class Store(RolloutStream, WeightVersions, KeyValue, Protocol):
+    """A whole store, as `open_store(url)` returns it: the rollout stream, weight versions and key/value. Code that
+    uses one part types its argument with that part."""

@@ -23,11 +23,12 @@ decoding, the payload's shape invariants (`check_payload`) are checked too, so a
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import struct
 import zlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -54,16 +55,21 @@ def _pad(n: int) -> int:
 def checksum(buf: memoryview | bytes) -> int:
     """Checksum of a buffer: the sums (mod 2**64) of each block of 4096 little-endian 64-bit words (the last partial
     word zero-padded), then the CRC-32 of those block sums. Any single flipped bit changes its block's sum; a moved
-    block changes the CRC. Not cryptographic: it detects damage, not tampering (the format is never executable)."""
+    block changes the CRC. Not cryptographic: it detects damage, not tampering (the format is never executable).
+    One pass at memory speed over the words; a buffer shorter than a block costs a handful of operations."""
     view = memoryview(buf).cast("B")
     n8 = len(view) // 8 * 8
-    words = np.frombuffer(view[:n8], dtype="<u8")
-    blocks = len(words) // CHECKSUM_BLOCK
-    sums = words[: blocks * CHECKSUM_BLOCK].reshape(blocks, CHECKSUM_BLOCK).sum(axis=1, dtype=np.uint64)
-    rest = words[blocks * CHECKSUM_BLOCK :].sum(dtype=np.uint64)
-    if n8 < len(view):
-        rest = rest + np.frombuffer(bytes(view[n8:]) + b"\0" * (8 - (len(view) - n8)), dtype="<u8")[0]
-    return zlib.crc32(np.append(sums, np.uint64(rest)).astype("<u8").tobytes())
+    words = np.frombuffer(view, dtype="<u8", count=n8 // 8)
+    full = len(words) // CHECKSUM_BLOCK * CHECKSUM_BLOCK
+    rest = int(np.add.reduce(words[full:], dtype=np.uint64)) if full < len(words) else 0
+    if n8 < len(view):  # the last partial word, zero-padded: its little-endian value
+        rest = (rest + int.from_bytes(view[n8:], "little")) % 2**64
+    if not full:
+        return zlib.crc32(rest.to_bytes(8, "little"))
+    sums = np.empty(full // CHECKSUM_BLOCK + 1, dtype="<u8")
+    np.add.reduce(words[:full].reshape(-1, CHECKSUM_BLOCK), axis=1, dtype=np.uint64, out=sums[:-1])
+    sums[-1] = rest
+    return zlib.crc32(sums)
 
 
 def check_payload(payload: RankPayload, *, where: str = "payload") -> None:
@@ -89,6 +95,12 @@ def check_payload(payload: RankPayload, *, where: str = "payload") -> None:
             raise ValueError(f"{where}.{name}: dtype must be {dtype}, got {arr.dtype}")
         if arr.ndim != 1:
             raise ValueError(f"{where}.{name}: must be 1-D, got shape {arr.shape}")
+    _check_invariants(payload, where)
+
+
+def _check_invariants(payload: RankPayload, where: str) -> None:
+    """`check_payload`'s checks of the values (offsets, lengths, mask), for arrays whose fields, dtypes and 1-D
+    shapes are known to be right (checked by `check_payload`, or decoded under a checked header)."""
     offsets = payload["offsets"]
     n = len(offsets) - 1
     total = len(payload["tokens"])
@@ -98,7 +110,7 @@ def check_payload(payload: RankPayload, *, where: str = "payload") -> None:
         raise ValueError(
             f"{where}.offsets: must start at 0 and end at len(tokens)={total}, got {offsets[0]}..{offsets[-1]}"
         )
-    if n and np.any(np.diff(offsets) < 0):
+    if n and (offsets[1:] < offsets[:-1]).any():
         raise ValueError(f"{where}.offsets: must not decrease")
     for name in ("loss_mask", "logprobs"):
         if name in payload and len(payload[name]) != total:
@@ -178,12 +190,31 @@ def _header_int(f: dict[str, Any], key: str, name: str, where: str, maximum: int
     return value
 
 
+def _is_count(value: Any) -> bool:
+    """A header integer as `_header_int` accepts it (0 to 2^63 - 1, not a bool): the fast test."""
+    return type(value) is int and 0 <= value <= _INT64_MAX
+
+
+@functools.lru_cache(maxsize=64)
+def _little(dtype: np.dtype) -> tuple[np.dtype, str]:
+    """A payload field's dtype as stored (little-endian) and its header spelling."""
+    le = dtype.newbyteorder("<")
+    return le, le.str
+
+
 Spec = tuple[dict[str, np.dtype], dict[str, np.dtype]]  # (required fields, optional fields) with their dtypes
 PAYLOAD_SPEC: Spec = (PAYLOAD_FIELDS, PAYLOAD_OPTIONAL)
 
 
-def parse_header(prefix: bytes | memoryview, *, where: str,
-                 spec: Spec | None = PAYLOAD_SPEC) -> tuple[dict[str, dict[str, Any]], int, int]:
+class Header(NamedTuple):
+    """A checked payload header: the fields by name (in buffer order), where the data section starts, total size."""
+
+    fields: dict[str, dict[str, Any]]
+    data_start: int
+    total: int
+
+
+def parse_header(prefix: bytes | memoryview, *, where: str, spec: Spec | None = PAYLOAD_SPEC) -> Header:
     """(fields by name, start of the data section, total size) from the first bytes of a payload: the magic, the
     header length and the JSON header (`header_span(prefix)` says how many bytes that takes). Every header value is
     checked (types, ranges, 64-byte alignment, no overlaps), so the total size is known before the buffers are read:
@@ -208,8 +239,8 @@ def parse_header(prefix: bytes | memoryview, *, where: str,
     end = 0
     for f in entries:  # in the order the buffers were written
         name = f.get("name")
-        known = (isinstance(name, str) and 0 < len(name) <= MAX_NAME) if spec is None else (
-            name in spec[0] or name in spec[1])
+        known = isinstance(name, str) and (0 < len(name) <= MAX_NAME if spec is None else (
+            name in spec[0] or name in spec[1]))  # a list or an object as the name: refused, not a TypeError
         if not known or name in fields:
             raise CorruptPayload(f"{where}: payload header has an unknown or repeated field {name!r:.60}")
         shape = f.get("shape")
@@ -220,14 +251,19 @@ def parse_header(prefix: bytes | memoryview, *, where: str,
                                      f"{shape!r:.40}, expected a little-endian numeric dtype and a shape")
             dtype = np.dtype(f["dtype"])
         else:
-            dtype = (spec[0].get(name) or spec[1][name]).newbyteorder("<")
-            if f.get("dtype") != dtype.str or not isinstance(shape, list) or len(shape) != 1:
+            dtype, dtype_str = _little(spec[0].get(name) or spec[1][name])
+            if f.get("dtype") != dtype_str or not isinstance(shape, list) or len(shape) != 1:
                 raise CorruptPayload(f"{where}: payload field {name!r}: header says {f.get('dtype')!r:.20}"
-                                     f"{shape!r:.40}, expected {dtype.str}[n]")
-        dims = tuple(_header_int({"shape": d}, "shape", name, where) for d in shape)
-        offset = _header_int(f, "offset", name, where)
-        nbytes = _header_int(f, "nbytes", name, where)
-        _header_int(f, "checksum", name, where, maximum=2**32 - 1)
+                                     f"{shape!r:.40}, expected {dtype_str}[n]")
+        offset, nbytes, crc = f.get("offset"), f.get("nbytes"), f.get("checksum")
+        if not (_is_count(offset) and _is_count(nbytes) and type(crc) is int and 0 <= crc <= 2**32 - 1
+                and all(_is_count(d) for d in shape)):  # the common case in one test; the exact error below
+            for d in shape:
+                _header_int({"shape": d}, "shape", name, where)
+            _header_int(f, "offset", name, where)
+            _header_int(f, "nbytes", name, where)
+            _header_int(f, "checksum", name, where, maximum=2**32 - 1)
+        dims = tuple(shape)
         count = 1
         for d in dims:
             count *= d
@@ -240,7 +276,7 @@ def parse_header(prefix: bytes | memoryview, *, where: str,
         if name not in fields:
             raise CorruptPayload(f"{where}: payload lacks field {name!r}")
     data_start = HEADER_PREFIX + hlen + _pad(HEADER_PREFIX + hlen)
-    return fields, data_start, data_start + end
+    return Header(fields, data_start, data_start + end)
 
 
 def header_span(prefix: bytes | memoryview) -> int:
@@ -252,13 +288,14 @@ def header_span(prefix: bytes | memoryview) -> int:
     return HEADER_PREFIX + min(hlen, MAX_HEADER_BYTES + 1)
 
 
-def decode_arrays(data: bytes | bytearray | memoryview, *, where: str,
-                  spec: Spec | None = None) -> dict[str, np.ndarray]:
+def decode_arrays(data: bytes | bytearray | memoryview, *, where: str, spec: Spec | None = None,
+                  header: Header | None = None) -> dict[str, np.ndarray]:
     """Decode bytes written by `encode_arrays_parts` (views of `data`, no copy, read-only when `data` is `bytes`);
     CorruptPayload naming `where` for anything that is not exactly that (bad magic, header, dtype, size or checksum).
-    `spec`: as for `parse_header` (None: any named numeric arrays)."""
+    `spec`: as for `parse_header` (None: any named numeric arrays). `header`: the result of `parse_header` on the
+    first bytes of these same `data` with this `spec`, when the caller has it already (not parsed twice)."""
     buf = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
-    fields, data_start, total = parse_header(buf, where=where, spec=spec)
+    fields, data_start, total = header or parse_header(buf, where=where, spec=spec)
     if total != len(buf):
         raise CorruptPayload(
             f"{where}: payload is {len(buf)} bytes but its header accounts for {total}"
@@ -273,14 +310,15 @@ def decode_arrays(data: bytes | bytearray | memoryview, *, where: str,
     return out
 
 
-def decode_payload(data: bytes | bytearray | memoryview, *, where: str) -> RankPayload:
-    """Decode bytes written by `encode_payload`; `where` (store URL and key) goes into every error message.
+def decode_payload(data: bytes | bytearray | memoryview, *, where: str, header: Header | None = None) -> RankPayload:
+    """Decode bytes written by `encode_payload`; `where` (store URL and key) goes into every error message;
+    `header` as for `decode_arrays`.
 
     The arrays are views of `data` (no copy); they are read-only when `data` is `bytes`.
     """
-    out = decode_arrays(data, where=where, spec=PAYLOAD_SPEC)
-    try:
-        check_payload(out, where=where)
+    out = decode_arrays(data, where=where, spec=PAYLOAD_SPEC, header=header)
+    try:  # fields, dtypes and shapes are the header's, checked against PAYLOAD_SPEC: the values remain
+        _check_invariants(out, where)
     except ValueError as exc:
         raise CorruptPayload(f"inconsistent payload: {exc}") from None
     return out
@@ -313,11 +351,16 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not allowed (stored JSON is strict)")
 
 
+_STRICT = json.JSONDecoder(parse_constant=_no_constants)  # made once (json.loads with an option makes one a call)
+
+
 def decode_json(data: bytes, *, where: str) -> Any:
     """Decode stored JSON; CorruptPayload (naming `where`) if it is not strict JSON (NaN/Infinity refused), not
     UTF-8, or nested too deeply to decode."""
     try:
-        return json.loads(data, parse_constant=_no_constants)
+        text = data.decode(json.detect_encoding(data), "surrogatepass") if isinstance(data, (bytes, bytearray)) \
+            else data  # what json.loads does with bytes
+        return _STRICT.decode(text)
     except (ValueError, UnicodeDecodeError) as exc:
         raise CorruptPayload(f"{where}: stored value is not valid JSON: {exc}") from None
     except RecursionError:
