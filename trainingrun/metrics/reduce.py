@@ -74,8 +74,8 @@ def reduce_sets(sets: Iterable[WeightedSet]) -> WeightedSet:
 def allreduce_pairs(pairs, group=None):
     """All-reduce (SUM) a float64 tensor [N, 2] of (sum, count) pairs over `group` in one collective; returns a new
     tensor. Without an initialised process group it returns a copy (single process)."""
-    import torch
-    import torch.distributed as dist
+    import torch  # deferred: torch
+    import torch.distributed as dist  # deferred: torch
 
     t = pairs.detach().to(torch.float64).clone()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:

@@ -23,11 +23,14 @@ import importlib
 import json
 import math
 import multiprocessing
+import os
 import multiprocessing.connection
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from trainingrun.rollout.prompts import reasoning_gym_dataset
 
 IN_PROCESS = ("exact_match", "token_match")
 FAILURE_REASONS = ("error", "timeout", "nan")
@@ -51,7 +54,7 @@ def token_match(response: Sequence, reference: Sequence) -> float:
 
 
 def math_verify(response: str, reference: Any) -> float:
-    from math_verify import parse, verify
+    from math_verify import parse, verify  # deferred: math_verify
 
     # timeouts off: math-verify's own use signal.alarm, which only works in a main thread; the pool enforces ours
     gold = parse(str(reference), parsing_timeout=None)
@@ -90,8 +93,6 @@ class RewardConfig:
             assert self.function is not None
             return load_function(self.function)
         if self.type == "reasoning_gym":
-            from trainingrun.rollout.prompts import reasoning_gym_dataset
-
             assert self.dataset is not None
             ds = reasoning_gym_dataset(**self.dataset)
             return lambda response, index: float(ds.score_answer(answer=response, entry=ds[int(index)]))
@@ -258,8 +259,6 @@ class _Worker:
 
 
 def _serve(conn, config_json: str) -> None:  # pragma: no cover - runs in the spawned worker
-    import os
-
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         scorer = RewardConfig(**json.loads(config_json)).scorer()

@@ -31,7 +31,7 @@ class MicroBatch:
         return int(self.cu_seqlens[-1]) if self.loss.num_samples else 0
 
     def packed_seq_params(self):
-        from megatron.core.packed_seq_params import PackedSeqParams
+        from megatron.core.packed_seq_params import PackedSeqParams  # deferred: megatron
 
         return PackedSeqParams(
             qkv_format="thd",

@@ -105,7 +105,7 @@ def token_nll(logits: torch.Tensor, tokens: torch.Tensor, vocab_parallel: bool =
     gradient of its slice). With TP 1 it equals the plain form. It works in place on a float32 `logits` (as Megatron's
     own loss does): compute it once per forward and do not read the logits afterwards."""
     if vocab_parallel:
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy  # deferred: megatron
 
         # position t predicts token t+1; the last position has no target (a dummy 0, dropped)
         target = torch.cat([tokens[1:], tokens.new_zeros(1)]).long()

@@ -15,6 +15,7 @@ from functools import partial
 
 import torch
 
+from trainingrun.metrics.reduce import allreduce_pairs
 from trainingrun.trainer.batch import MicroBatch
 from trainingrun.trainer.loss import STAT_NAMES, LossSettings, StepTotals, megatron_loss_factor, micro_batch_objective
 
@@ -110,7 +111,7 @@ def train_step(
     ref_model=None,
 ) -> StepResult:
     """Zero grads, forward/backward, advance the LR scheduler by GBS_s, optimizer step, reduce metrics."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # deferred: torch
 
     t0 = time.perf_counter()
     ddp_model.zero_grad_buffer()
@@ -126,8 +127,6 @@ def train_step(
     local_tokens = sum(mb.num_tokens for mb in microbatches)
     local_samples = sum(mb.loss.num_samples for mb in microbatches)
     id_sum = float(sum(sum(mb.sample_ids) for mb in microbatches))
-    from trainingrun.metrics.reduce import allreduce_pairs
-
     # One all-reduce for everything: the stats pairs, (tokens, samples) and (Σ sample ids, samples).
     extra = torch.tensor([[float(local_tokens), float(local_samples)], [id_sum, float(local_samples)]],
                          dtype=torch.float64)

@@ -38,7 +38,7 @@ class Snapshot:
 def pack(version: int, named: Iterable[tuple[str, Any]], *, dtype: str | None, device: Any,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Snapshot:
     """Copy `named` tensors (cast to `dtype` when given; floating point only) into flat per-dtype buckets."""
-    import torch
+    import torch  # deferred: torch
 
     groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
     for name, t in named:
@@ -71,7 +71,7 @@ class BroadcastSender:
     def __init__(self, port: int = 0, *, host: str = "0.0.0.0", backend: str = "gloo", timeout: float = 300.0,
                  dtype: str | None = "bfloat16", device: Any = "cpu", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  keep_versions: int = 1, log: Callable[[str], None] | None = None):
-        import torch.distributed as dist
+        import torch.distributed as dist  # deferred: torch
 
         self.backend = backend
         self.timeout = timeout
@@ -146,7 +146,7 @@ class BroadcastSender:
         return stats
 
     def _send(self, snap: Snapshot, req: dict[str, Any]) -> dict[str, Any]:
-        import torch.distributed as dist
+        import torch.distributed as dist  # deferred: torch
 
         group, world = str(req["group"]), int(req["world_size"])
         t0 = time.perf_counter()

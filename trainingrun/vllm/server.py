@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from trainingrun.childproc import DIE_WITH_PARENT
+from trainingrun.vllm.client import VLLMClient
 
 EXTENSION_CLS = "trainingrun.vllm.worker_ext.WeightSyncExtension"
 # Sampled tokens' log-probabilities under softmax(logits / temperature), as the Engine contract asks (vLLM's default,
@@ -148,8 +149,6 @@ class VLLMServer:
 
     def wait_healthy(self, timeout: float = 600) -> float:
         """Seconds until /health answered 200; RuntimeError (with the log's tail) when the process exits first."""
-        from trainingrun.vllm.client import VLLMClient
-
         client = VLLMClient(self.url, timeout=5)
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:

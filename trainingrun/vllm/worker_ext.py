@@ -42,7 +42,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def make_group(store, rank: int, world_size: int, backend: str, timeout: float, device=None):
     """A process group of its own on `store` (not the default group: vLLM's workers already have one)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # deferred: torch
 
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout))
@@ -55,7 +55,7 @@ def make_group(store, rank: int, world_size: int, backend: str, timeout: float, 
 
 def split_buckets(manifest: dict, buffers: list) -> list:
     """(name, tensor) views into the received flat buffers, in manifest order."""
-    import torch
+    import torch  # deferred: torch
 
     out = []
     offsets = [0] * len(buffers)
@@ -79,8 +79,8 @@ def split_buckets(manifest: dict, buffers: list) -> list:
 
 def receive(request: dict, *, rank: int, device) -> tuple[dict, list, object]:
     """Join the transfer described by `request` as `rank` (>= 1); return (manifest, [(name, tensor)], store)."""
-    import torch
-    import torch.distributed as dist
+    import torch  # deferred: torch
+    import torch.distributed as dist  # deferred: torch
 
     timeout = float(request.get("timeout", 300))
     store = dist.TCPStore(request["host"], int(request["port"]), is_master=False,
@@ -142,7 +142,7 @@ def check_complete(named: list, reference: dict[str, list[int]], what: str) -> N
 def read_dir(directory: Path) -> list:
     """Every tensor of an HF directory, read into memory (a missing or truncated file raises here, before any
     weight of the model is touched)."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # deferred: safetensors
 
     files = safetensors_files(directory)
     if not files:
