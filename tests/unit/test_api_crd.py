@@ -109,6 +109,10 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
     ("rollout.source.generate.prompts", "jsonl-settings"): ({"type": "jsonl", "jsonl": {"path": "/p.jsonl"}}, {"type": "jsonl"}),
     ("rollout.source.generate.prompts.synthetic", "min-length-at-most-max"): ({"minLength": 1, "maxLength": 3}, {"minLength": 4, "maxLength": 3}),
     ("rollout.source.generate.reward", "function-named"): ({"type": "function", "function": "m:f"}, {"type": "function"}),
+    ("rollout.source.generate.environment", "environment-class-named"): (
+        {"type": "class", "className": "envs:Maze"}, {"type": "class"}),
+    ("rollout.source.generate.environment", "environment-class-only-for-class"): (
+        {"type": "calculator"}, {"type": "calculator", "className": "envs:Maze"}),
     ("", "ppo-needs-generate"): (
         {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64, "lossType": "ppo"},
          "rollout": {"source": {"type": "generate", "generate": {}}}},
@@ -153,6 +157,7 @@ MODEL_OF = {
     "podTemplate": models.PodTemplateOverrides, "rollout.source.generate.prompts": models.PromptsSpec,
     "rollout.source.generate.prompts.synthetic": models.SyntheticPrompts,
     "rollout.source.generate.reward": models.RewardSpec, "": models.TrainingRunSpec,
+    "rollout.source.generate.environment": models.EnvironmentSpec,
 }
 
 
