@@ -49,7 +49,7 @@ NUM_ROLLOUTS = 6
 RUN_TIMEOUT = 300
 
 ALL_METRICS = {**names.TRAINER_WEIGHTED, **names.TRAINER_GAUGES, **names.TRAINER_COUNTERS, **names.ROLLOUT,
-               **names.OPERATOR}
+               **names.ROLLOUT_WEIGHTED, **names.OPERATOR}
 
 
 def dashboards() -> dict[str, dict]:

@@ -35,6 +35,12 @@ def counter(name: str) -> str:
     return f"{name}_total"
 
 
+def sparse_weighted_mean(base: str) -> str:
+    """`weighted_mean` of a pair that may not be counted at all (a run without multi-turn episodes): 0 then."""
+    return (f"sum(rate({base}_sum{{{RUN_SEL}}}[$__rate_interval]))"
+            f" / clamp_min(sum(rate({base}_count{{{RUN_SEL}}}[$__rate_interval])), 1e-9)")
+
+
 def weighted_mean(base: str, by: str = "") -> str:
     """Correct mean of a weighted metric over all matching ranks: Σ rate(sum) / Σ rate(count)."""
     group = f" by ({by})" if by else ""
@@ -406,6 +412,23 @@ def run_detail() -> dict:
                 "filtered"),
                (f"sum(rate({counter('trainingrun_rollout_samples_published')}{{{sel}}}[$__rate_interval]))",
                 "published")], unit="ops"),
+        row("Multi-turn episodes"),
+        panel("Turns and tool calls per episode", "Model turns and tool calls per episode: Σ rate(sum) / Σ "
+              "rate(count) over episodes (0 without an environment).",
+              [(sparse_weighted_mean("trainingrun_rollout_turns_per_episode"), "turns"),
+               (sparse_weighted_mean("trainingrun_rollout_tool_calls_per_episode"), "tool calls")]),
+        panel("Tool errors, truncated and failed episodes", "Share of tool calls answered with an error, and of "
+              "episodes truncated (maxTurns or the token cap) or failed in their environment.",
+              [(sparse_weighted_mean("trainingrun_rollout_tool_error_rate"), "tool errors / call"),
+               (sparse_weighted_mean("trainingrun_rollout_truncated_rate"), "truncated / episode"),
+               (sparse_weighted_mean("trainingrun_rollout_env_failure_rate"), "failed / episode")],
+              unit="percentunit"),
+        panel("Environment failures by reason", "Episodes whose environment failed, per second, by reason "
+              "(0 when none ever failed).",
+              [("sum by (reason) (rate(" + counter("trainingrun_rollout_environment_failures") + f"{{{sel}}}"
+                "[$__rate_interval])) or on() vector(0)", "{{reason}}")], unit="ops"),
+        panel("Response tokens per turn", "Tokens the model generated per turn: Σ rate(sum) / Σ rate(count).",
+              [(sparse_weighted_mean("trainingrun_rollout_response_tokens_per_turn"), "tokens / turn")]),
         gpu_row(),
     ]
     return dashboard("trainingrun-run", "TrainingRun run detail",
