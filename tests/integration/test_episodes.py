@@ -7,12 +7,19 @@ environments in real worker processes.
   per-turn samples      a group holds a variable number of samples; the scheduler never splits one
   faulty environments   hang, raise, non-text, oversized, exit, out of memory: counted by reason, the rollout goes on
                         within the timeouts, every episode is accounted for
+  restart               a rollout SIGKILLed while an environment is inside a step publishes, restarted, exactly what
+                        an uninterrupted run publishes
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -182,3 +189,74 @@ def test_faulty_environments_fail_their_episodes_only_and_are_counted(tmp_path):
     for pl in payloads(store, 0):
         for tokens, mask, logps in samples(pl):
             check_sample(tokens, mask, logps, engine.pairs())
+
+
+def calc_script(text: str, i: int) -> str:
+    """Even members call the calculator with the question's expression and answer with its value; odd ones guess 0."""
+    if "</calc>" in text:
+        return text.rsplit("</calc>", 1)[1].strip()
+    return f"<calc> {text.split('=')[0].strip()} </calc>" if i % 2 == 0 else "0"
+
+
+CALC_TEXTS = [f"{a} + {b} =" for a, b in [(3, 4), (12, 30), (7, 7), (50, 1), (9, 0), (21, 21), (2, 98), (5, 6),
+                                        (13, 8), (40, 2), (1, 1), (66, 3)]]
+
+
+def calc_spec(tmp_path, marker):
+    path = tmp_path / "calc.jsonl"
+    path.write_text("".join(json.dumps({"prompt": t, "answer": str(eval(t[:-1]))}) + "\n" for t in CALC_TEXTS))
+    env = {"type": "class", "className": "tests.envs_fixture:MarkedCalculator", "timeoutSeconds": 120,
+           "config": {"marker": str(marker), "index": 5, "pause": 120.0, "calls": 2}, "maxTurns": 3}
+    doc = spec_doc(path, env, samplesPerRollout=8, numRollouts=3)
+    doc["spec"]["rollout"]["source"]["generate"]["sampling"]["maxNewTokens"] = 24  # "<calc> 12 + 30 </calc>"
+    return parse_trainingrun(doc).spec
+
+
+def _killed_child(tmp_path: str, marker: str) -> None:
+    """The rollout of test_a_rollout_killed_mid_episode_restarts_to_the_same_stream, in its own process."""
+    store = open_store(f"file://{tmp_path}/store")
+    publish_versions(store, range(10))
+    loop(calc_spec(Path(tmp_path), marker), store, ScriptedEngine(store, calc_script)).run()
+
+
+def test_a_rollout_killed_mid_episode_restarts_to_the_same_stream(tmp_path):
+    """SIGKILL while an environment of rollout 1 is inside a step (its worker sleeps after writing the marker); the
+    restarted rollout publishes exactly what an uninterrupted run publishes: tokens, masks, log-probabilities,
+    rewards, sample ids, batch sizes and the episode counts."""
+    root = Path(__file__).resolve().parents[2]
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    ref_dir.mkdir(), run_dir.mkdir()
+    done = tmp_path / "already-paused"
+    done.write_text("")
+    ref = open_store(f"file://{ref_dir}/store")
+    publish_versions(ref, range(10))
+    loop(calc_spec(ref_dir, done), ref, ScriptedEngine(ref, calc_script)).run()  # the marker exists: no pause
+
+    marker = tmp_path / "marker"
+    code = (f"import sys; sys.path.insert(0, {str(root)!r}); from tests.integration.test_episodes import "
+            f"_killed_child; _killed_child({str(run_dir)!r}, {str(marker)!r})")
+    child = subprocess.Popen([sys.executable, "-c", code], cwd=root, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), child.stderr.read().decode()[-2000:] if child.poll() is not None else "no marker"
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)  # the rollout and its environment workers
+        child.wait()
+    store = open_store(f"file://{run_dir}/store")
+    assert store.is_committed(0) and not store.is_committed(1)  # killed inside rollout 1's episodes
+
+    result = loop(calc_spec(run_dir, marker), store, ScriptedEngine(store, calc_script)).run()
+    assert result.rollouts == 3
+    for k in range(3):
+        a, b = contract.read(store, k), contract.read(ref, k)
+        assert a.global_batch_sizes == b.global_batch_sizes and a.stats.episodes == b.stats.episodes
+        for x, y in zip(payloads(store, k), payloads(ref, k)):
+            assert x.keys() == y.keys() and all(np.array_equal(x[f], y[f]) for f in x), k
+    ep = contract.read(ref, 1).stats.episodes
+    assert ep.tool_calls == 4 and ep.turns == 12 and ep.reward == 4.0  # 2 of 4 prompts' members called and were right
+    report = data_report(store)
+    assert report["samples_produced"] == report["samples_published"] == 24
