@@ -62,16 +62,21 @@ def math_verify(response: str, reference: Any) -> float:
     return 1.0 if verify(gold, answer, timeout_seconds=None) else 0.0
 
 
-def load_function(path: str) -> Callable[[Any, Any], float]:
-    """`module:function` → the function; ValueError naming reward.function when it cannot be imported."""
+def load_named(path: str, field: str) -> Callable:
+    """`module:name` → that callable (a function or a class); ValueError naming `field` when it cannot be loaded."""
     module, _, name = path.partition(":")
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"rollout.source.generate.reward.function: cannot load {path!r}: {exc}") from None
+        raise ValueError(f"{field}: cannot load {path!r}: {exc}") from None
     if not callable(fn):
-        raise ValueError(f"rollout.source.generate.reward.function: {path!r} is not callable")
+        raise ValueError(f"{field}: {path!r} is not callable")
     return fn
+
+
+def load_function(path: str) -> Callable[[Any, Any], float]:
+    """`module:function` → the function; ValueError naming reward.function when it cannot be imported."""
+    return load_named(path, "rollout.source.generate.reward.function")
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,11 @@ as failed and counts the reason (FAILURE_REASONS).
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from trainingrun.rollout.rewards import load_named
 
 # why an environment call failed: raised, ran past timeoutSeconds, answered something malformed, an observation over
 # the size limit, its worker process exited, or it ran out of its memory limit
@@ -123,11 +124,4 @@ def environment_path(env_type: str, class_name: str | None) -> str:
 
 def load_class(path: str) -> type:
     """`module:Class` → the class; ValueError naming environment.className when it cannot be loaded."""
-    module, _, name = path.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"rollout.source.generate.environment.className: cannot load {path!r}: {exc}") from None
-    if not callable(cls):
-        raise ValueError(f"rollout.source.generate.environment.className: {path!r} is not a class")
-    return cls
+    return load_named(path, "rollout.source.generate.environment.className")
