@@ -37,7 +37,7 @@ class RolloutMetrics:
         self.weight_wait_seconds = mk(Counter, "trainingrun_rollout_weight_wait_seconds").labels(run)
         self.weight_version = mk(Gauge, "trainingrun_rollout_weight_version").labels(run)
         # multi-turn episodes: weighted (sum, count) pairs (names.ROLLOUT_WEIGHTED) and failures by reason
-        self.episodes = WeightedCollector(ROLLOUT_WEIGHTED, {"run": run})
+        self.episodes = WeightedCollector(ROLLOUT_WEIGHTED, {"run": run}, "rollout")
         self.registry.register(self.episodes)
         self.truncated_episodes = mk(Counter, "trainingrun_rollout_truncated_episodes").labels(run)
         self._env_failures = mk(Counter, "trainingrun_rollout_environment_failures", ["reason"])
