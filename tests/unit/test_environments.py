@@ -70,3 +70,27 @@ def test_a_user_class_that_cannot_be_loaded_names_the_field():
     with pytest.raises(ValueError, match=r"environment\.className: cannot load 'no_such_module_x:Env'"):
         load_class("no_such_module_x:Env")
     assert load_class("tests.envs_fixture:Echo").__name__ == "Echo"
+
+
+def test_reasoning_gym_environment_gives_feedback_until_right_or_out_of_attempts():
+    pytest.importorskip("reasoning_gym")
+    from trainingrun.rollout.environments.reasoning import ReasoningGymRetry, dataset
+
+    params = {"name": "chain_sum", "config": {"min_terms": 2, "max_terms": 2}, "seed": 3, "size": 10}
+    entry = dataset(params)[4]
+    prompt = {"text": None, "index": 4, "dataset": params}
+    env = ReasoningGymRetry(attempts=3, feedback="no.", decay=0.5)
+    assert env.reset(prompt) == entry["question"]
+    wrong = env.step("-123456")
+    assert (wrong.observation, wrong.reward, wrong.done, wrong.role) == ("no.", 0.0, False, "user")
+    right = env.step(f" {entry['answer']} ")
+    assert right.done and right.reward == 0.5  # right at the second attempt: decay¹
+    out = ReasoningGymRetry(attempts=2)
+    out.reset(prompt)
+    out.step("x")
+    last = out.step("y")
+    assert last.done and last.reward == 0.0  # out of attempts: its score ends the episode
+    with pytest.raises(ValueError, match="needs reasoningGym prompts"):
+        ReasoningGymRetry().reset({"text": "q", "index": 0})
+    with pytest.raises(ValueError, match="attempts must be"):
+        ReasoningGymRetry(attempts=0)
