@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from trainingrun.childproc import PipeWorker
 from trainingrun.contract.errors import ConfigError
 from trainingrun.rollout.environments.base import InvalidResult, StepResult, first_observation, load_class, step_result
 
@@ -72,7 +73,7 @@ class EnvironmentPool:
     # ---- life cycle
     def start(self) -> None:
         """Start every worker (in parallel); ConfigError when the environment cannot be built from its config."""
-        pending = [(i, _Worker.spawn(self.ctx, self._args())) for i in range(len(self.slots))]
+        pending = [(i, _Worker.spawn(self.ctx, _serve, *self._args())) for i in range(len(self.slots))]
         for i, w in pending:
             error = w.ready()
             if error is not None:
@@ -95,7 +96,7 @@ class EnvironmentPool:
     def _worker(self, slot: int) -> _Worker:
         w = self.slots[slot]
         if w is None:
-            w = _Worker.spawn(self.ctx, self._args())
+            w = _Worker.spawn(self.ctx, _serve, *self._args())
             error = w.ready()
             if error is not None:
                 raise RuntimeError(f"environment worker {slot} did not start: {error}")
@@ -216,19 +217,7 @@ class _Oversized(Exception):
     pass
 
 
-@dataclass
-class _Worker:
-    proc: Any
-    conn: Any
-
-    @classmethod
-    def spawn(cls, ctx, args: tuple) -> _Worker:
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_serve, args=(child, *args), daemon=True)
-        proc.start()
-        child.close()
-        return cls(proc, parent)
-
+class _Worker(PipeWorker):
     def ready(self) -> str | None:
         """Wait until the worker built its environment: None, or what went wrong ("build: ..." for a bad config)."""
         if not self.conn.poll(STARTUP_GRACE_SECONDS):
@@ -258,12 +247,6 @@ class _Worker:
         if not isinstance(reply, dict):
             raise ValueError("reply is not an object")
         return reply
-
-    def stop(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(timeout=5)
-        self.conn.close()
 
 
 # ------------------------------------------------------------------------------------------------------ the worker
