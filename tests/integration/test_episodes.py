@@ -260,3 +260,39 @@ def test_a_rollout_killed_mid_episode_restarts_to_the_same_stream(tmp_path):
     assert ep.tool_calls == 4 and ep.turns == 12 and ep.reward == 4.0  # 2 of 4 prompts' members called and were right
     report = data_report(store)
     assert report["samples_produced"] == report["samples_published"] == 24
+
+
+@pytest.mark.parametrize("truncation", ["mask", "penalize"])
+def test_truncated_episodes_are_marked_masked_or_penalised(tmp_path, truncation):
+    env = {"type": "class", "className": "tests.envs_fixture:Echo", "maxTurns": 2, "truncation": truncation,
+           "truncationReward": -5.0}
+    store, engine, _, _ = run(tmp_path, ["a", "b", "c", "d"], env, lambda text, i: "go", numRollouts=1)
+    ep = contract.read(store, 0).stats.episodes
+    assert ep.episodes == 8 and ep.truncated == 8 and ep.turns == 16  # never done: cut after maxTurns
+    for pl in payloads(store, 0):
+        rewards = pl["rewards"].tolist()
+        for tokens, mask, logps in samples(pl):
+            if truncation == "mask":
+                assert not mask.any()  # trains nothing
+            else:
+                assert check_sample(tokens, mask, logps, engine.pairs()) == 2
+        assert rewards == [-5.0] * len(rewards) if truncation == "penalize" else rewards == [3.0] * len(rewards)
+
+
+@pytest.mark.parametrize("reward, expected", [("sum", 1.0 + 2.0 + 3.0), ("final", 3.0)])
+def test_episode_reward_is_the_sum_or_the_last_turns(tmp_path, reward, expected):
+    env = {"type": "class", "className": "tests.envs_fixture:Echo", "config": {"turns": 3}, "episodeReward": reward}
+    store, _, _, _ = run(tmp_path, ["a", "b", "c", "d"], env, lambda text, i: "go", numRollouts=1)
+    assert all(r == expected for pl in payloads(store, 0) for r in pl["rewards"].tolist())
+
+
+def test_the_token_cap_truncates_an_episode_within_it(tmp_path):
+    env = {"type": "class", "className": "tests.envs_fixture:Echo", "maxTurns": 50, "maxTokens": 40,
+           "truncation": "penalize"}
+    store, engine, _, _ = run(tmp_path, ["abc"] * 4, env, lambda text, i: "go on", numRollouts=1)
+    ep = contract.read(store, 0).stats.episodes
+    assert ep.truncated == 8 and 1 < ep.turns / ep.episodes < 50
+    for pl in payloads(store, 0):
+        for tokens, mask, logps in samples(pl):
+            assert len(tokens) <= 40
+            check_sample(tokens, mask, logps, engine.pairs())
