@@ -122,8 +122,10 @@ def attention_choice(arch: Architecture, device: torch.device, *, generation: bo
                 "model.attentionBackend: te"
             raise ValueError(f"{field} needs TransformerEngine, which is not available: {te_missing}; allowed here: "
                              "model.attentionBackend auto, flash or sdpa with model.transformerImpl auto or local")
-        return AttentionChoice("te", f"{'named' if want == 'te' else 'auto'}: TransformerEngine's attention in its "
-                                     f"layer spec (model.transformerImpl {impl})")
+        if want == "te":
+            return AttentionChoice("te", "named")
+        return AttentionChoice("te", "auto: model.transformerImpl transformer_engine (its layer spec has only "
+                                     "TransformerEngine's attention)")
     flash_missing = flash_unavailable(device, precision, arch.head_dim)
     if want == "flash":
         if flash_missing and not generation:

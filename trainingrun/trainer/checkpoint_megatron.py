@@ -173,6 +173,29 @@ def load_shards(module, optimizer, directory: Path) -> None:
     adam.after(loaded["optimizer"])
 
 
+def optimizer_format_problem(root: Path, meta: dict[str, Any]) -> str | None:
+    """Why the newest checkpoint under `root` cannot load into the optimizer `meta` describes (None: it can, or
+    there is none): plain ↔ distributed, or the distributed optimizer's state at another tensor-parallel size. Said
+    before anything loads: a restart with the checkpoints' settings resumes, so nothing is set aside as unloadable."""
+    complete = ckpt.complete_checkpoints(root)
+    if not complete:
+        return None
+    try:
+        was = ckpt.read_meta(complete[-1])
+    except (OSError, ValueError):
+        return None  # a damaged record: the checkpoint's verification says so
+    kind, now = was.get("optimizer", "plain"), meta["optimizer"]
+    if kind != now:
+        return (f"checkpoint {complete[-1]} holds the {kind} optimizer's state and this run uses the {now} one "
+                f"(trainer.optimizer.distributed {str(now == 'distributed').lower()}): the two store it differently; "
+                f"allowed: trainer.optimizer.distributed {str(kind == 'distributed').lower()}, as it was written")
+    if now == "distributed" and was.get("tp_size") != meta.get("tp_size"):
+        return (f"checkpoint {complete[-1]} holds the distributed optimizer's state at tensor-parallel "
+                f"{was.get('tp_size')}: it loads at any data-parallel size, not at tensor-parallel "
+                f"{meta.get('tp_size')}; allowed: trainer.tensorParallelSize {was.get('tp_size')}")
+    return None
+
+
 @dataclass
 class TrainerCheckpoints:
     """The trainer's view: resume at start, save every `interval` steps (see `checkpoint.py` for the protocol)."""
@@ -197,34 +220,13 @@ class TrainerCheckpoints:
         self.group = DistGroup()
         self.meta = {**self.meta, "optimizer": "distributed" if is_distributed(self.optimizer) else "plain"}
 
-    def check_optimizer_format(self) -> None:
-        """CheckpointError before anything loads when the newest checkpoint's optimizer state cannot load into this
-        optimizer (plain ↔ distributed, or the distributed one's at another tensor-parallel size): a restart with the
-        checkpoints' settings resumes, so nothing is set aside as unloadable."""
-        complete = ckpt.complete_checkpoints(self.root)
-        if not complete:
-            return
-        try:
-            was = ckpt.read_meta(complete[-1])
-        except (OSError, ValueError):
-            return  # a damaged record: the checkpoint's verification says so
-        kind, now = was.get("optimizer", "plain"), self.meta["optimizer"]
-        if kind != now:
-            raise ckpt.CheckpointError(
-                f"checkpoint {complete[-1]} holds the {kind} optimizer's state and this run uses the {now} one "
-                f"(trainer.optimizer.distributed {str(now == 'distributed').lower()}): the two store it differently; "
-                f"allowed: trainer.optimizer.distributed {str(kind == 'distributed').lower()}, as it was written")
-        if now == "distributed" and was.get("tp_size") != self.meta.get("tp_size"):
-            raise ckpt.CheckpointError(
-                f"checkpoint {complete[-1]} holds the distributed optimizer's state at tensor-parallel "
-                f"{was.get('tp_size')}: it loads at any data-parallel size, not at tensor-parallel "
-                f"{self.meta.get('tp_size')}; allowed: trainer.tensorParallelSize {was.get('tp_size')}")
-
     def resume(self) -> ckpt.Resumed | None:
         """Restore from the newest loadable checkpoint (None: there is none). CheckpointError: none loads, or its
-        optimizer state does not fit this optimizer (`check_optimizer_format`)."""
+        optimizer state does not fit this optimizer (`optimizer_format_problem`)."""
         t0 = time.perf_counter()
-        self.check_optimizer_format()
+        problem = optimizer_format_problem(self.root, self.meta)
+        if problem:
+            raise ckpt.CheckpointError(problem)
         resumed = ckpt.resume(
             self.root, group=self.group, attempt=self.attempt, log=self.log, epoch=self.epoch,
             load_shards=lambda d: load_shards(self.module, self.optimizer, d),
