@@ -65,7 +65,7 @@ def arch_of(cfg: dict, backend: str):
 
 
 def prompt_lengths(n: int, longest: int, seed: int) -> list[int]:
-    """Heavy-tailed prompt lengths (Pareto 1.2, scale longest/16: median ~longest/20, ~1 % at longest), 4 .. longest."""
+    """Heavy-tailed prompt lengths (Pareto 1.2, scale longest/16: median ~longest/20, ~3 % at longest), 4 .. longest."""
     rng = np.random.default_rng(seed)
     return [int(min(longest, 4 + rng.pareto(1.2) * longest / 16)) for _ in range(n)]
 
