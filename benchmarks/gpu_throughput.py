@@ -147,7 +147,8 @@ def worker_train(cfg: dict, backend: str, cuda: bool) -> dict:
         if cuda:
             torch.cuda.synchronize()
         out["steps"].append({"seconds": time.perf_counter() - t0, "loss": loss, "tokens": tokens,
-                             "sum_len_sq": int(sum(n * n for n in lens)), "microbatches": int(sum(s["num_microbatches"]))})
+                             "sum_len_sq": int(sum(n * n for n in lens)),
+                             "microbatches": int(sum(s["num_microbatches"]))})
     if cuda:
         out["peak_allocated"] = torch.cuda.max_memory_allocated()
         out["peak_reserved"] = torch.cuda.max_memory_reserved()

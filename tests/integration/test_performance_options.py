@@ -4,9 +4,9 @@ read off the model (core-attention calls, gradient-buffer type, optimizer shards
 computes: the losses of every fp32 option equal the plain run's, the bf16 ones are within bf16's rounding. The
 distributed optimizer's checkpoints (with both overlaps on) resume at data-parallel 2 and 3 to the uninterrupted
 run's losses; a run with the plain optimizer is refused before anything loads (and one at another tensor-parallel
-size: tests/unit/test_attention_backends.py). The one option Megatron cannot run on CPU (gradient-accumulation fusion) is refused by name: tests/unit/
-test_attention_backends.py. Through `trainingrun run`: the options from a manifest reach the trainer, and a named
-attention backend the CPU lacks stops the run at start-up with exit 78."""
+size: tests/unit/test_attention_backends.py). The one option Megatron cannot run on CPU (gradient-accumulation
+fusion) is refused by name: tests/unit/test_attention_backends.py. Through `trainingrun run`: the options from a
+manifest reach the trainer, and a named attention backend the CPU lacks stops the run at start-up with exit 78."""
 
 from __future__ import annotations
 

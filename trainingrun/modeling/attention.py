@@ -130,7 +130,7 @@ class VarlenKernel:
 def find_varlen_kernel() -> VarlenKernel | str:
     """This torch's variable-length flash attention, or why there is none (a sentence naming what is missing)."""
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn  # deferred: torch submodule of recent releases only (probed)
     except ImportError as exc:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn ({exc})"
     params = inspect.signature(varlen_attn).parameters

@@ -12,6 +12,7 @@ on CPU, the distributed optimizer's checkpoints resuming too (tests/integration/
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 from trainingrun.modeling.architecture import Architecture
@@ -59,8 +60,8 @@ def grad_accumulation_fusion_unavailable(device) -> str | None:
     """Why Megatron's gradient-accumulation fusion cannot run here (None: it can)."""
     if device.type != "cuda":
         return f"it runs CUDA kernels (device {device})"
-    try:
-        import fused_weight_gradient_mlp_cuda  # noqa: F401  # deferred: optional CUDA extension of apex
+    try:  # probed by name: an optional compiled extension of apex (CUDA machines only)
+        importlib.import_module("fused_weight_gradient_mlp_cuda")
     except ImportError:
         return ("apex's fused_weight_gradient_mlp_cuda extension does not import (Megatron's output layer needs it "
                 "under either layer spec)")
