@@ -18,8 +18,8 @@ failed. Figures per backend, over the steps after the first (warm-up):
   peak memory   torch.cuda.max_memory_allocated of the training process (reserved beside it)
   generation    the in-process engine (rollout/megatron_engine.py) on the backend's layer spec: generated tokens/s for
                 a batch of heavy-tailed prompts (flash and sdpa generate through the same torch SDPA path)
-  parity        per-step loss of every backend against sdpa: max |Δloss|/loss ≤ 2e-2 (bf16). The local spec (flash,
-                sdpa) starts from identical weights; TE's layer spec draws its own initial weights
+  parity        per-step loss of every backend against sdpa (else the first that trained): max |Δloss|/loss ≤ 2e-2
+                (bf16). The local spec (flash, sdpa) starts from identical weights; TE's layer spec draws its own
 Lines `SMOKE throughput ...` and `SMOKE RESULT PASS|FAIL` as gpu_smoke.py; `--json FILE` writes every figure.
 """
 
@@ -49,7 +49,7 @@ GPU = dict(model=dict(architecture="llama", numLayers=16, hiddenSize=2048, numAt
 CPU = dict(model=dict(architecture="llama", numLayers=2, hiddenSize=64, numAttentionHeads=4, numQueryGroups=2,
                       ffnHiddenSize=192, vocabSize=256, seqLength=256),
            max_tokens=512, step_tokens=1024, steps=2, prompts=4, completions=2, new_tokens=8, timeout=240.0)
-BUDGET_S = 440.0  # the whole mode stays under 8 minutes: a backend not started by then is reported, not run
+BUDGET_S = 450.0  # the whole mode stays under 8 minutes: every subprocess gets at most what is left of it
 
 
 def arch_of(cfg: dict, backend: str):
@@ -223,12 +223,15 @@ def main(cpu: bool, json_path: str | None) -> int:
     t0 = time.perf_counter()
     report: dict = {"device": name, "model": m, "max_tokens_per_gpu": cfg["max_tokens"], "backends": {}}
     with tempfile.TemporaryDirectory(prefix="gpu-throughput-") as tmp:
+        def left() -> float:
+            return min(cfg["timeout"], BUDGET_S - (time.perf_counter() - t0))
+
         for backend in BACKENDS:
-            if time.perf_counter() - t0 > BUDGET_S:
-                say(f"throughput {backend}: not run (the mode's {BUDGET_S:.0f}s budget is spent)")
+            if left() < 30:
+                check(f"throughput-{backend}", False, f"not run: the mode's {BUDGET_S:.0f}s budget is spent")
                 report["backends"][backend] = {"failed": "time budget spent"}
                 continue
-            run = _spawn("train", backend, cuda, Path(tmp), cfg["timeout"])
+            run = _spawn("train", backend, cuda, Path(tmp), left())
             report["backends"][backend] = run
             if "refused" in run:
                 say(f"throughput {backend}: not available here: {run['refused']}")
@@ -243,7 +246,8 @@ def main(cpu: bool, json_path: str | None) -> int:
             say(f"throughput {backend}: {f['tokens_per_s']:,.0f} tokens/s/GPU, MFU {mfu} (attention "
                 f"{f['attention_share'] * 100:.0f}% of the FLOPs){mem}; losses "
                 f"{[round(s['loss'], 4) for s in run['steps']]} ({run['reason']})")
-            gen = _spawn("generate", backend, cuda, Path(tmp), cfg["timeout"])
+            gen = _spawn("generate", backend, cuda, Path(tmp), left()) if left() >= 30 else \
+                {"failed": f"not run: the mode's {BUDGET_S:.0f}s budget is spent"}
             run["generation"] = gen
             if "tokens_per_s" in gen:
                 say(f"throughput {backend} generation: {gen['tokens_per_s']:,.0f} tokens/s ({gen['rows']} rows, "
@@ -252,15 +256,13 @@ def main(cpu: bool, json_path: str | None) -> int:
             else:
                 check(f"generation-{backend}", False, gen.get("failed") or gen.get("refused", "?"))
         trained = {b: r for b, r in report["backends"].items() if "steps" in r}
-        ref = trained.get("sdpa")
+        ref_name = "sdpa" if "sdpa" in trained else next(iter(trained), None)  # sdpa, else the first that trained
         for backend, run in trained.items():
-            if backend == "sdpa":
+            if backend == ref_name:
                 continue
-            if ref is None:
-                check(f"parity-{backend}-vs-sdpa", False, "sdpa did not train")
-                continue
+            ref = trained[ref_name]
             worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(run["steps"], ref["steps"]))
-            check(f"parity-{backend}-vs-sdpa", worst <= PARITY_TOL,
+            check(f"parity-{backend}-vs-{ref_name}", worst <= PARITY_TOL,
                   f"max per-step |Δloss|/loss {worst:.2e} (tolerance {PARITY_TOL:g}) over {len(ref['steps'])} steps")
         if len(trained) < 2:
             say(f"throughput parity: one backend trained here ({', '.join(trained) or 'none'}): nothing to compare")
