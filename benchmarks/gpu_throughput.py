@@ -226,7 +226,16 @@ def main(cpu: bool, json_path: str | None) -> int:
         def left() -> float:
             return min(cfg["timeout"], BUDGET_S - (time.perf_counter() - t0))
 
+        from trainingrun.modeling.model import attention_choice
+
+        here = torch.device("cuda", 0) if cuda else torch.device("cpu")
         for backend in BACKENDS:
+            try:  # the trainer's own check, here first: a refused backend costs no subprocess (the worker checks too)
+                attention_choice(arch_of(cfg, backend), here)
+            except ValueError as exc:
+                report["backends"][backend] = {"refused": str(exc)}
+                say(f"throughput {backend}: not available here: {exc}")
+                continue
             if left() < 30:
                 check(f"throughput-{backend}", False, f"not run: the mode's {BUDGET_S:.0f}s budget is spent")
                 report["backends"][backend] = {"failed": "time budget spent"}
