@@ -219,7 +219,7 @@ def main(cpu: bool, json_path: str | None) -> int:
     say(f"throughput setup: device {name}, torch {torch.__version__}; llama {m['numLayers']} layers hidden "
         f"{m['hiddenSize']} ({n_params(m) / 1e6:.1f}M without the input embedding), seqLength {m['seqLength']}, "
         f"maxTokensPerGPU {cfg['max_tokens']}, bf16, {cfg['steps']} steps of ~{cfg['step_tokens']} tokens; "
-        f"MFU = (6·N·T + 6·L·H·d·Σs²) / (t · {peak or 'peak unknown'})")
+        f"MFU = (6·N·T + 6·L·H·d·Σs²) / (t · {f'{peak / 1e12:.0f} TFLOP/s' if peak else 'peak unknown'})")
     t0 = time.perf_counter()
     report: dict = {"device": name, "model": m, "max_tokens_per_gpu": cfg["max_tokens"], "backends": {}}
     with tempfile.TemporaryDirectory(prefix="gpu-throughput-") as tmp:
