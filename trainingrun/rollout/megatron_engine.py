@@ -24,12 +24,17 @@ trainers' `StoreWeightPublisher` as `modeling.state.state_dict_arrays`) and load
 `load_state_dict(strict=True)` after every tensor was decoded and checked: a failed read leaves the previous version
 in place (never half-applied).
 
+Device and attention: the first visible GPU, else the CPU (`engine_device`); the attention backend is the
+trainers' rule for this device (`modeling.model.attention_choice` with `generation=True`: te in TE's layer spec, else
+the local spec, whose padded KV-cache batches run torch SDPA whichever of flash and sdpa is named).
+
 The CPU shim (`modeling/cpu_compat.py`) is process-global; this module is used in the rollout process (or a
 subprocess in tests), never in the pytest process.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -38,9 +43,16 @@ import torch
 import torch.distributed as dist
 
 from trainingrun.contract.engine import Completion, Sampling
+from trainingrun.contract.errors import ConfigError
 from trainingrun.modeling.architecture import Architecture
-from trainingrun.modeling.model import build_model, prepare_device, set_seed
+from trainingrun.modeling.model import ModelOptions, attention_choice, build_model, prepare_device, set_seed
 from trainingrun.modeling.state import arrays_state_dict
+
+
+def engine_device() -> torch.device:
+    """Where the engine generates: the first visible GPU (CUDA), else the CPU (with the CPU shim)."""
+    return prepare_device(1)
+
 
 def sample_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(token [B], its log-probability [B] under softmax(logits / temperature)) for logits [B, V].
@@ -73,10 +85,17 @@ class MegatronEngine:
 
     def __init__(self, arch: Architecture, *, fetch: Callable[[int], tuple[dict[str, np.ndarray], dict]],
                  max_batch: int = 256, seed: int = 0, reuse_cache: bool = True):
-        self.device = prepare_device(0)  # the rollout generates on the CPU, or the first visible GPU
+        self.device = engine_device()
         _init_single_process()
         set_seed(seed)
-        self.model = build_model(arch, self.device, load_weights=False)  # weights: version 0 from the trainers
+        try:
+            self.attention = attention_choice(arch, self.device, generation=True)
+        except ValueError as exc:
+            raise ConfigError(f"rollout.engine.type megatron: {exc}") from None
+        print(f"megatron engine on {self.device}: attention {self.attention.backend} ({self.attention.reason})",
+              file=sys.stderr, flush=True)
+        # weights: version 0 from the trainers
+        self.model = build_model(arch, self.device, load_weights=False, options=ModelOptions(attention=self.attention))
         self.model.eval()
         self.arch = arch
         self.seq_length = arch.seq_length
@@ -112,7 +131,7 @@ class MegatronEngine:
         t0 = time.perf_counter()
         rows = [list(map(int, p)) for p in prompts for _ in range(n)]
         out: list[Completion] = []
-        gen = torch.Generator(device="cpu").manual_seed(int(sampling.seed))
+        gen = torch.Generator(device=self.device).manual_seed(int(sampling.seed))
         single = len(rows) <= self.max_batch
         if not single:
             self._cache = None
@@ -133,21 +152,22 @@ class MegatronEngine:
         if max(lengths) >= total:
             raise ValueError(f"prompts: a prompt of {max(lengths)} tokens leaves no room to generate within "
                              f"model seqLength {self.seq_length}")
-        b = len(rows)
+        b, dev = len(rows), self.device
         tokens = torch.zeros(b, total, dtype=torch.long)
         for i, r in enumerate(rows):
             tokens[i, : len(r)] = torch.tensor(r)
-        plen = torch.tensor(lengths)
-        logps = torch.zeros(b, total)
-        done = torch.zeros(b, dtype=torch.bool)
-        end = torch.full((b,), total, dtype=torch.long)  # first position after each row's completion
+        tokens = tokens.to(dev)
+        plen = torch.tensor(lengths, device=dev)
+        logps = torch.zeros(b, total, device=dev)
+        done = torch.zeros(b, dtype=torch.bool, device=dev)
+        end = torch.full((b,), total, dtype=torch.long, device=dev)  # first position after each row's completion
         reason = ["length"] * b
-        stop = torch.tensor(sorted(sampling.stop_token_ids), dtype=torch.long)
+        stop = torch.tensor(sorted(sampling.stop_token_ids), dtype=torch.long, device=dev)
         ctx, prev = self._continued(rows, total, min(lengths) - 1) if self.reuse_cache else (None, 0)
         if ctx is None:
             ctx = StaticInferenceContext(b, total)
         self._cache = None
-        pos = torch.arange(total).unsqueeze(0).expand(b, -1)
+        pos = torch.arange(total, device=dev).unsqueeze(0).expand(b, -1)
         cur = prev
         for cur in range(min(lengths), total):
             logits = self.model(tokens[:, prev:cur], pos[:, prev:cur], None, inference_context=ctx,
@@ -171,6 +191,7 @@ class MegatronEngine:
             if bool(done.all()):
                 break
         out = []
+        tokens, logps, end = tokens.cpu(), logps.cpu(), end.cpu()
         for i in range(b):
             a, e = lengths[i], int(end[i])
             out.append(Completion(tokens=tokens[i, a:e].numpy().astype(np.int32),
@@ -202,7 +223,7 @@ class MegatronEngine:
         if start < 1:
             return None, 0
         ctx = StaticInferenceContext(len(rows), total)
-        index = torch.tensor(pick)
+        index = torch.tensor(pick, device=self.device)
         self._cache = None
         for layer in list(old.key_value_memory_dict):
             memories = old.key_value_memory_dict.pop(layer)  # freed as we go: one layer's old cache at a time
