@@ -236,15 +236,22 @@ def test_each_child_is_rendered_by_its_own_renderer_as_exactly_that_object():
                  "rollout": {"source": {"type": "generate", "generate": {}}, "engine": {"type": "vllm"}},
                  "weightSync": {"type": "disk"}, "store": {"managed": True},
                  "gangScheduling": {"enabled": True}}})
-    children = vocabulary.base_children(run, 1) + [
-        vocabulary.Child("Pod", vocabulary.Names("tiny").pod(role, rank, 1), role=role, rank=rank)
+    native = run.model_copy(update={"spec": run.spec.model_copy(update={
+        "gang_scheduling": run.spec.gang_scheduling.model_copy(update={"provider": "kubernetes"})})})
+    children = [(run, c) for c in vocabulary.base_children(run, 1)] + [
+        (native, c) for c in vocabulary.base_children(native, 1) if c.kind == "Workload"] + [
+        (run, vocabulary.engine_child(run, 0, 2))] + [
+        (run, vocabulary.Child("Pod", vocabulary.Names("tiny").pod(role, rank, 1), role=role, rank=rank))
         for role, rank in (("rollout", None), ("trainer", 0), ("trainer", 1))]
-    assert {(c.kind, c.role) for c in children} == set(render.RENDERERS)
-    for child in children:
+    assert {(c.kind, c.role) for _, c in children} == set(render.RENDERERS)
+    for run, child in children:
         obj = render.render_child(run, OWNER, child, 1)
         assert (obj["kind"], obj["metadata"]["name"]) == (child.kind, child.name)
         assert obj["metadata"]["labels"].get(LABEL_ROLE) == child.role
-        if child.rank is not None:
-            assert obj["metadata"]["labels"][LABEL_RANK] == str(child.rank)
+        if child.rank is not None:  # a trainer's rank; an engine's replica (and its generation)
+            rank_label = "trainingrun.dev/replica" if child.role == "engine" else LABEL_RANK
+            assert obj["metadata"]["labels"][rank_label] == str(child.rank)
+        if child.kind == "Pod" and child.role in ("rollout", "engine"):
+            assert obj["metadata"]["labels"]["trainingrun.dev/role-attempt"] == str(child.generation)
     with pytest.raises(ValueError, match="no renderer for Secret/tiny-x"):
         render.render_child(run, OWNER, vocabulary.Child("Secret", "tiny-x", role="trainer"), 1)

@@ -1103,6 +1103,7 @@ class RoleRestartStatus(ApiModel):
     last_restart_time: str | None = Field(None, description="When the last restart was decided (RFC 3339).")
     backoff_seconds: int = Field(0, ge=0, le=MAX_SECONDS, description="The wait after lastRestartTime before the "
                                  "replacement is created.")
+    replacing: bool = Field(False, description="The replacement pod of the current generation was not seen yet.")
 
 
 class PaceAnchor(ApiModel):
