@@ -179,15 +179,16 @@ def test_failure_restarts_whole_group_then_fails_sticky(cluster):
                              if p["status"]["phase"] != "Failed"] == [], 10, "attempt-0 pods deleted")
     assert "Restarting" in cluster.reasons("beta")
     cluster.run_all("beta", 1)
-    cluster.set_pod("beta-rollout-a1", "Failed", exit_code=2)
+    # (a trainer: a failed rollout restarts alone, test_operator_roles.py)
+    cluster.set_pod("beta-trainer-0-a1", "Failed", exit_code=2)
     st = cluster.wait_phase("beta", "Failed")
-    assert "beta-rollout-a1" in st["message"] and "code 2" in st["message"] and "maxRestarts" in st["message"]
+    assert "beta-trainer-0-a1" in st["message"] and "code 2" in st["message"] and "maxRestarts" in st["message"]
     assert st["restarts"] == 1
     # running pods of a failed run are deleted (GPUs freed); the failed pod stays for its logs
-    wait_for(lambda: cluster.group_pods("beta", 1) == [cluster.get("/api/v1/namespaces/default/pods/beta-rollout-a1")],
-             10, "live pods of the failed run deleted")
+    wait_for(lambda: cluster.group_pods("beta", 1) == [
+        cluster.get("/api/v1/namespaces/default/pods/beta-trainer-0-a1")], 10, "live pods of the failed run deleted")
     # sticky: later pod changes never move it
-    cluster.set_pod("beta-rollout-a1", "Succeeded")
+    cluster.set_pod("beta-trainer-0-a1", "Succeeded")
     cluster.op.settle("beta")
     assert cluster.status("beta")["phase"] == "Failed"
     assert cluster.group_pods("beta", 2) == []
@@ -335,7 +336,7 @@ def test_per_run_metrics_follow_phase_and_restarts_and_go_with_the_run(cluster):
     assert cluster.status("eta")["restarts"] == 1
     cluster.run_all("eta", 1)
     wait_run_series(cluster, "eta", "Running", 1)
-    cluster.set_pod("eta-rollout-a1", "Failed", exit_code=2)
+    cluster.set_pod("eta-trainer-1-a1", "Failed", exit_code=2)
     cluster.wait_phase("eta", "Failed")
     wait_run_series(cluster, "eta", "Failed", 1)
     # the aggregate gauge still counts it
