@@ -19,9 +19,9 @@ handler (`managed_here`): the operator starts no daemon for it, adds no finalize
 writes no status; that controller runs it.
 
 With gang provider kubernetes the operator finds the scheduling.k8s.io version the cluster serves by discovery
-(`OperatorState.scheduling_version`, cached a minute; forgotten when a create of its objects gets 404), renders the
-Workload and PodGroup in it, and refuses their creation with a clear message (FailedCreate, retried) when none is
-served.
+(`OperatorState.scheduling_version`, cached a minute, "none" for 5 s; forgotten when a create of its objects gets
+404), renders the Workload and PodGroup in it, and refuses their creation with a clear message (FailedCreate,
+retried) when none is served.
 
 The run's spec is frozen at its first reconcile (annotation `trainingrun.dev/spec`), except MUTABLE_FIELDS.
 
@@ -86,6 +86,7 @@ CHILD_FILTER = {LABEL_NAME: APP, LABEL_RUN: kopf.PRESENT}
 CREATE_RETRY_MAX = 60.0  # seconds between retries of a refused create, at most
 EXPECT_SECONDS = 30.0  # how long a created child counts as existing before a watch shows it
 DISCOVERY_SECONDS = 60.0  # how long a discovered scheduling.k8s.io version is trusted
+DISCOVERY_SECONDS_NONE = 5.0  # ... and that none is served (an API enabled meanwhile is found within seconds)
 
 
 def managed_here(spec: Any, **_: Any) -> bool:
@@ -145,7 +146,8 @@ class OperatorState:
 
     async def scheduling_version(self) -> str | None:
         """The scheduling.k8s.io version whose Workload and PodGroup this cluster serves (discovery, cached)."""
-        if self.scheduling is not None and time.monotonic() - self.scheduling[0] < DISCOVERY_SECONDS:
+        if self.scheduling is not None and time.monotonic() - self.scheduling[0] < (
+                DISCOVERY_SECONDS if self.scheduling[1] else DISCOVERY_SECONDS_NONE):
             return self.scheduling[1]
         assert self.api is not None
         served: dict[str, list[str]] = {}
