@@ -266,17 +266,26 @@ def test_progress_from_real_redis_and_operator_restart(cluster, redis):
     env = {e["name"]: e["value"] for e in trainer["spec"]["containers"][0]["env"]}
     assert env["TRAININGRUN_STORE_URL"].startswith(redis.url + "?prefix=")
     store = open_store(env["TRAININGRUN_STORE_URL"])
+    t0 = time.time()
     store.put_json("progress", {"step": 7, "samples_consumed": 93, "last_global_batch_size": 12, "rollout": 2,
-                                "attempt": 0, "time": time.time()})
+                                "attempt": 0, "time": t0})
     st = wait_for(lambda: (lambda s: s if s.get("step") == 7 else None)(cluster.status("zeta")), 10, "progress")
     assert st["samplesConsumed"] == 93 and st["lastGlobalBatchSize"] == 12 and st["rollout"] == 2
+    total = TINY["spec"]["rollout"]["numRollouts"]
+    # status.progress: rollouts 0..2 trained of numRollouts; no pace yet (one record)
+    assert {k: v for k, v in st["progress"].items() if k != "paceFrom"} == {
+        "rolloutsDone": 3, "rolloutsTotal": total, "percentage": 300 // total,
+        "updatedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0))}
 
     # operator restarted mid-run: no duplicate pods, status continues
     names = sorted(p["metadata"]["name"] for p in cluster.pods("zeta"))
     cluster.op.restart()  # a new operator: nothing in memory
-    store.put_json("progress", {"step": 8, "samples_consumed": 105, "last_global_batch_size": 12, "rollout": 2,
-                                "attempt": 0, "time": time.time()})
+    store.put_json("progress", {"step": 8, "samples_consumed": 105, "last_global_batch_size": 12, "rollout": 3,
+                                "attempt": 0, "time": t0 + 20})
     wait_for(lambda: cluster.status("zeta").get("step") == 8, 15, "progress after operator restart")
+    # the pace is measured from the record before the restart (its anchor lives in the status): 1 rollout in 20 s
+    progress = cluster.status("zeta")["progress"]
+    assert progress["rolloutsDone"] == 4 and progress["estimatedRemainingSeconds"] == (total - 4) * 20
     assert sorted(p["metadata"]["name"] for p in cluster.pods("zeta")) == names
     assert cluster.status("zeta")["phase"] == "Running" and cluster.status("zeta")["restarts"] == 0
     store.close()
@@ -287,6 +296,8 @@ def test_progress_from_real_redis_and_operator_restart(cluster, redis):
     assert samples[("trainingrun_operator_reconcile_seconds_count", (("handler", "reconcile"),))] > 0
     # the run's progress as a per-run gauge (what the new operator process read from the store)
     assert run_series(cluster, "zeta")["trainingrun_operator_run_step"] == {(): 8}
+    assert run_series(cluster, "zeta")["trainingrun_operator_run_progress_percent"] == {(): 400 // total}
+    assert run_series(cluster, "zeta")["trainingrun_operator_run_eta_seconds"] == {(): (total - 4) * 20}
 
 
 PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended")

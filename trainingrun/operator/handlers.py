@@ -371,7 +371,8 @@ async def reconcile(state: OperatorState, run_state: RunState, body: kopf.Body,
     if gone:
         state.gone[(ns, name)] = {n: p for n, p in gone.items() if p.attempt is not None and p.attempt >= attempt}
     state.phases.set(uid, decision.status.get("phase"), namespace=ns, name=name,
-                     restarts=decision.status.get("restarts"), step=decision.status.get("step"))
+                     restarts=decision.status.get("restarts"), step=decision.status.get("step"),
+                     progress=decision.status.get("progress"))
     hint = await act(state, run_state, decision, run, body)
     if hint is not None:
         decision.wake_in(hint)
