@@ -284,8 +284,10 @@ def test_progress_from_real_redis_and_operator_restart(cluster, redis):
                                 "attempt": 0, "time": t0 + 20})
     wait_for(lambda: cluster.status("zeta").get("step") == 8, 15, "progress after operator restart")
     # the pace is measured from the record before the restart (its anchor lives in the status): 1 rollout in 20 s
+    # (the anchor's time is kept to the second: up to 1 s more)
     progress = cluster.status("zeta")["progress"]
-    assert progress["rolloutsDone"] == 4 and progress["estimatedRemainingSeconds"] == (total - 4) * 20
+    eta = progress["estimatedRemainingSeconds"]
+    assert progress["rolloutsDone"] == 4 and (total - 4) * 20 <= eta <= (total - 4) * 21
     assert sorted(p["metadata"]["name"] for p in cluster.pods("zeta")) == names
     assert cluster.status("zeta")["phase"] == "Running" and cluster.status("zeta")["restarts"] == 0
     store.close()
@@ -297,7 +299,7 @@ def test_progress_from_real_redis_and_operator_restart(cluster, redis):
     # the run's progress as a per-run gauge (what the new operator process read from the store)
     assert run_series(cluster, "zeta")["trainingrun_operator_run_step"] == {(): 8}
     assert run_series(cluster, "zeta")["trainingrun_operator_run_progress_percent"] == {(): 400 // total}
-    assert run_series(cluster, "zeta")["trainingrun_operator_run_eta_seconds"] == {(): (total - 4) * 20}
+    assert run_series(cluster, "zeta")["trainingrun_operator_run_eta_seconds"] == {(): eta}
 
 
 PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
