@@ -255,3 +255,28 @@ def test_each_child_is_rendered_by_its_own_renderer_as_exactly_that_object():
             assert obj["metadata"]["labels"]["trainingrun.dev/role-attempt"] == str(child.generation)
     with pytest.raises(ValueError, match="no renderer for Secret/tiny-x"):
         render.render_child(run, OWNER, vocabulary.Child("Secret", "tiny-x", role="trainer"), 1)
+
+
+def test_kubernetes_gang_objects_and_pods_match_the_served_versions_schemas():
+    """gangScheduling provider kubernetes: the Workload, PodGroup and pods the operator renders for each
+    scheduling.k8s.io version it supports are valid for that Kubernetes release's own schemas (strict: no unknown
+    field) — v1alpha2 (1.36) and v1beta1 (1.37) — with the gang's size, the run's priority class and whole-gang
+    disruption in each version's shape."""
+    import kubernetes_validate
+
+    run = run_of(gangScheduling={"enabled": True, "provider": "kubernetes"},
+                 podTemplate={"priorityClassName": "training"}, placement={"trainer": {"kueue": {
+                     "sliceRequired": "nvidia.com/gpu.clique", "sliceSize": 2}}}, queueName="team-a")
+    for version, release, disruption in (("v1alpha2", "1.36.0", "PodGroup"), ("v1beta1", "1.37.0", {"all": {}})):
+        children = render.render_children(run, OWNER, 1, gang_version=version)
+        by_kind = {c["kind"]: c for c in children if c["apiVersion"] == f"scheduling.k8s.io/{version}"}
+        assert set(by_kind) == {"Workload", "PodGroup"}
+        template = by_kind["Workload"]["spec"]["podGroupTemplates"][0]
+        assert template["schedulingPolicy"] == {"gang": {"minCount": 3}} and template["priorityClassName"] == "training"
+        assert template["disruptionMode"] == disruption
+        pods = [c for c in children if c["kind"] == "Pod" and c["metadata"]["labels"].get(LABEL_ROLE) != "store"]
+        assert len(pods) == 3 and all(p["spec"]["schedulingGroup"] == {"podGroupName": "tiny-a1"} for p in pods)
+        trainers = [p for p in pods if p["metadata"]["labels"][LABEL_ROLE] == "trainer"]
+        assert all(p["metadata"]["annotations"]["kueue.x-k8s.io/podset-slice-size"] == "2" for p in trainers)
+        for child in children:
+            kubernetes_validate.validate(child, release, strict=True)
