@@ -280,3 +280,32 @@ def test_kubernetes_gang_objects_and_pods_match_the_served_versions_schemas():
         assert all(p["metadata"]["annotations"]["kueue.x-k8s.io/podset-slice-size"] == "2" for p in trainers)
         for child in children:
             kubernetes_validate.validate(child, release, strict=True)
+
+
+def test_topology_placement_per_role_kueue_annotations_and_volcano_sub_groups():
+    """spec.placement: Kueue TAS annotations on the role's pods (trainers indexed by rank, so a slice is consecutive
+    ranks), none on the other role; Volcano's network topology as a sub-group of the attempt's PodGroup per role."""
+    run = run_of(queueName="team-a", placement={
+        "rollout": {"kueue": {"preferred": "cloud.provider.com/topology-rack"}},
+        "trainer": {"kueue": {"required": "cloud.provider.com/topology-block", "sliceRequired": "nvidia.com/gpu.clique",
+                              "sliceSize": 2}}})
+    pods = {p["metadata"]["labels"][LABEL_ROLE] + p["metadata"]["labels"].get(LABEL_RANK, ""): p
+            for p in render.render_pods(run, OWNER, 0)}
+    assert pods["rollout"]["metadata"]["annotations"]["kueue.x-k8s.io/podset-preferred-topology"] == (
+        "cloud.provider.com/topology-rack")
+    assert "kueue.x-k8s.io/podset-required-topology" not in pods["rollout"]["metadata"]["annotations"]
+    for rank in (0, 1):
+        meta = pods[f"trainer{rank}"]["metadata"]
+        assert meta["labels"]["kueue.x-k8s.io/pod-group-pod-index"] == str(rank)
+        assert {k: v for k, v in meta["annotations"].items() if "podset" in k} == {
+            "kueue.x-k8s.io/podset-required-topology": "cloud.provider.com/topology-block",
+            "kueue.x-k8s.io/podset-slice-required-topology": "nvidia.com/gpu.clique",
+            "kueue.x-k8s.io/podset-slice-size": "2"}
+    volcano = run_of(gangScheduling={"enabled": True, "provider": "volcano"},
+                     placement={"trainer": {"volcano": {"mode": "hard", "highestTierAllowed": 1, "subGroupSize": 1}}})
+    pg = render.render_podgroup(volcano, OWNER, 0)
+    assert pg["spec"]["subGroupPolicy"] == [{"name": "trainer", "networkTopology": {"mode": "hard",
+                                                                                    "highestTierAllowed": 1},
+                                             "subGroupSize": 1, "labelSelector": {"matchLabels": {LABEL_ROLE:
+                                                                                                  "trainer"}}}]
+    assert "subGroupPolicy" not in render.render_podgroup(run_of(gangScheduling={"enabled": True}), OWNER, 0)["spec"]
