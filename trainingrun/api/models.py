@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal, overload
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from trainingrun.api.constants import API_VERSION, KIND
+from trainingrun.api.constants import API_VERSION, KIND, MANAGED_BY_OPERATOR
 from trainingrun.modeling.architecture import (
     ARCH_FIELDS,
     TE_LAYERS_NEED_TE,
@@ -865,6 +865,64 @@ class MetricsSpec(ApiModel):
     wandb: WandbSpec | None = Field(None, description="Weights & Biases logging (off when unset).")
 
 
+class FailureRule(ApiModel):
+    """One rule of the failure policy (`trainingrun.failure_policy`): `action` for a failure that matches every
+    condition given (a condition left out matches anything); the first rule that matches decides."""
+
+    CEL_RULES = (
+        Rule(
+            name="restart-role-names-a-role",
+            rule="self.action != 'RestartRole' || (has(self.roles) && size(self.roles) > 0 && !('trainer' in "
+            "self.roles))",
+            message="action RestartRole restarts the rollout or one engine replica alone: give roles [rollout] and/or "
+            "[engine]; the trainers are one torch.distributed group fenced by the attempt number, so a trainer failure "
+            "restarts the group (RestartGroup), fails the run (FailRun) or uses no restart (Ignore)",
+            fieldPath=".roles",
+        ),
+    )
+
+    name: str | None = Field(None, min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+                             description="A name for events and messages (optional).")
+    roles: list[Literal["rollout", "trainer", "engine"]] = Field(
+        default_factory=list, max_length=3, description="The failed process's role; empty: any role.")
+    exit_codes: list[Annotated[int, Field(ge=1, le=255)]] = Field(
+        default_factory=list, max_length=32, description="Exit codes as a container reports them (a process killed "
+        "by signal N: 128 + N, e.g. 137 for SIGKILL); empty: any code.")
+    reasons: list[Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z][A-Za-z0-9]*$")]] = Field(
+        default_factory=list, max_length=32, description="Any of these reasons: the container's (OOMKilled, Error, "
+        "...), the pod's (Evicted, DeadlineExceeded, ...), a disruption condition's (DisruptionTarget, "
+        "EvictionByEvictionAPI, PreemptionByScheduler, TerminationTarget, ...) or the policy's own (Disrupted, "
+        "Deleted, ProgressDeadlineExceeded, Signal); empty: any reason.")
+    action: Literal["RestartGroup", "RestartRole", "FailRun", "Ignore"] = Field(
+        ..., description="RestartGroup: the rollout and the trainers restart as the next attempt (maxRestarts); "
+        "RestartRole: the rollout or the failed engine replica restarts alone (the role's budget); FailRun: the run "
+        "fails; Ignore: restarted as the role's default does, using no budget.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> FailureRule:
+        if self.action == "RestartRole" and (not self.roles or "trainer" in self.roles):
+            raise ValueError(self.cel_rule("restart-role-names-a-role").message)
+        return self
+
+
+class RoleBudget(ApiModel):
+    """Restarts of one role alone (RestartRole): how many, and the backoff before each."""
+
+    max_restarts: int | None = Field(
+        None, ge=0, le=1000, description="Restarts of this role alone (all its replicas together) before the run "
+        "fails; unset: failurePolicy.maxRestarts.")
+    backoff_seconds: int | None = Field(
+        None, ge=0, le=86400, description="Wait before such a restart, doubling like the group's; unset: "
+        "failurePolicy.backoffSeconds.")
+
+
+class RoleBudgets(ApiModel):
+    """The budgets of the roles that restart alone."""
+
+    rollout: RoleBudget = Field(default_factory=RoleBudget, description="The rollout process (pod).")
+    engine: RoleBudget = Field(default_factory=RoleBudget, description="The run's vLLM server(s).")
+
+
 class FailurePolicy(ApiModel):
     """What happens when a pod fails or the run stops making progress (`trainingrun.failure_policy`)."""
 
@@ -882,6 +940,11 @@ class FailurePolicy(ApiModel):
     terminating_timeout_seconds: int = Field(
         120, ge=0, le=MAX_SECONDS, description="How long pods of an older attempt that are still terminating (e.g. on a "
         "lost node) may delay a restart; after it they no longer block the next attempt (the message names them).")
+    rules: list[FailureRule] = Field(
+        default_factory=list, max_length=32, description="Rules by role, exit code and reason, tried in order before "
+        "the default rules (a disruption uses no restart; exit code 78 fails the run; the rollout and an engine "
+        "restart alone; anything else restarts the group); the first that matches decides.")
+    roles: RoleBudgets = Field(default_factory=RoleBudgets, description="Budgets of restarting one role alone.")
 
 
 class Toleration(ApiModel):
@@ -936,13 +999,87 @@ class PodTemplateOverrides(ApiModel):
 
 
 class GangScheduling(ApiModel):
-    """Create a PodGroup so all pods of the run are scheduled together (Volcano or scheduler-plugins)."""
+    """Schedule the rollout and trainer pods of an attempt together (`trainingrun.operator.gang`)."""
 
-    enabled: bool = Field(False, description="Create a PodGroup per attempt for the rollout and trainer pods.")
-    provider: Literal["volcano", "coscheduling"] = Field("volcano", description="Which PodGroup API to use.")
+    enabled: bool = Field(False, description="Group the rollout and trainer pods of each attempt.")
+    provider: Literal["volcano", "coscheduling", "kubernetes"] = Field(
+        "volcano", description="volcano: Volcano's PodGroup; coscheduling: scheduler-plugins' PodGroup; kubernetes: "
+        "Kubernetes' own Workload and PodGroup (scheduling.k8s.io v1beta1 or v1alpha2, whichever the cluster serves).")
     queue: str | None = Field(
         None, min_length=1, max_length=253,
-        description="Volcano queue of the PodGroup (unset: Volcano's default queue); not used by coscheduling.")
+        description="Volcano queue of the PodGroup (unset: Volcano's default queue); not used by the others.")
+
+
+class KueueTopology(ApiModel):
+    """Kueue's Topology Aware Scheduling for one role's pods (with spec.queueName): each level is a node label key of
+    the cluster's Kueue Topology (e.g. cloud.google.com/gce-topology-block, or nvidia.com/gpu.clique for an NVLink
+    domain)."""
+
+    CEL_RULES = (
+        Rule(name="required-or-preferred", rule="!(has(self.required) && has(self.preferred))",
+             message="set placement.<role>.kueue.required or .preferred, not both"),
+        Rule(name="slice-level-and-size", rule="has(self.sliceRequired) == has(self.sliceSize)",
+             message="placement.<role>.kueue.sliceRequired and sliceSize go together: each slice of sliceSize pods "
+             "(by rank) is placed inside one domain of the sliceRequired level"),
+    )
+
+    required: str | None = Field(None, min_length=1, max_length=253, description="All the role's pods inside one "
+                                 "domain of this level, or none runs (kueue.x-k8s.io/podset-required-topology).")
+    preferred: str | None = Field(None, min_length=1, max_length=253, description="Inside one domain of this level "
+                                  "when it fits, else the next level up (kueue.x-k8s.io/podset-preferred-topology).")
+    slice_required: str | None = Field(None, min_length=1, max_length=253, description="Each slice of sliceSize pods "
+                                       "inside one domain of this level (kueue.x-k8s.io/podset-slice-required-"
+                                       "topology), e.g. one model replica's trainer pods in one NVLink domain.")
+    slice_size: int | None = Field(None, ge=1, le=4096, description="Pods per slice (kueue.x-k8s.io/podset-slice-"
+                                   "size); trainers are ordered by rank, so a slice is consecutive ranks.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> KueueTopology:
+        if self.required is not None and self.preferred is not None:
+            raise ValueError(self.cel_rule("required-or-preferred").message)
+        if (self.slice_required is None) != (self.slice_size is None):
+            raise ValueError(self.cel_rule("slice-level-and-size").message)
+        return self
+
+
+class VolcanoTopology(ApiModel):
+    """Volcano's network topology for one role's pods (with gangScheduling provider volcano): a sub-group of the
+    attempt's PodGroup whose pods stay within one HyperNode tier."""
+
+    CEL_RULES = (
+        Rule(name="one-tier", rule="!(has(self.highestTierAllowed) && has(self.highestTierName))",
+             message="set placement.<role>.volcano.highestTierAllowed or highestTierName, not both"),
+    )
+
+    mode: Literal["hard", "soft"] = Field("hard", description="hard: the pods must stay within the tier; soft: "
+                                          "preferred.")
+    highest_tier_allowed: int | None = Field(None, ge=0, le=64, description="The highest HyperNode tier the pods may "
+                                             "span (1: one leaf switch).")
+    highest_tier_name: str | None = Field(None, min_length=1, max_length=253,
+                                          description="The highest tier by its name.")
+    sub_group_size: int | None = Field(None, ge=1, le=4096, description="Pods per sub-group kept within the tier "
+                                       "(consecutive ranks); unset: all the role's pods together.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> VolcanoTopology:
+        if self.highest_tier_allowed is not None and self.highest_tier_name is not None:
+            raise ValueError(self.cel_rule("one-tier").message)
+        return self
+
+
+class RolePlacement(ApiModel):
+    """Topology-aware placement of one role's pods: Kueue's or Volcano's (`trainingrun.operator.gang`)."""
+
+    kueue: KueueTopology | None = Field(None, description="Kueue Topology Aware Scheduling (needs spec.queueName).")
+    volcano: VolcanoTopology | None = Field(None, description="Volcano network topology (needs gangScheduling "
+                                            "provider volcano).")
+
+
+class Placement(ApiModel):
+    """Topology-aware placement per role."""
+
+    rollout: RolePlacement = Field(default_factory=RolePlacement, description="The rollout pod.")
+    trainer: RolePlacement = Field(default_factory=RolePlacement, description="The trainer pods.")
 
 
 # CEL terms of the spec's rules below. The API server defaults fields before it evaluates rules, but an object that is
@@ -950,6 +1087,7 @@ class GangScheduling(ApiModel):
 _GENERATED = "has(self.rollout) && has(self.rollout.source) && self.rollout.source.type == 'generate'"
 _VLLM = "has(self.rollout.engine) && self.rollout.engine.type == 'vllm'"
 _SYNC = "(has(self.weightSync) ? self.weightSync.type : 'store')"
+_PLACED = "(has(self.placement) && has(self.placement.{role}) && has(self.placement.{role}.{kind}))"
 
 
 class TrainingRunSpec(ApiModel):
@@ -997,6 +1135,43 @@ class TrainingRunSpec(ApiModel):
             "(in a cluster on a volume of podTemplate, which the engine pod mounts too)",
             fieldPath=".model.hf",
         ),
+        # A transition rule (oldSelf: the stored object on an update): the controller that owns a run is chosen when
+        # it is created. No Python twin: a single object has no old version.
+        Rule(
+            name="managed-by-immutable",
+            rule="has(self.managedBy) == has(oldSelf.managedBy) && (!has(self.managedBy) || self.managedBy == "
+            "oldSelf.managedBy)",
+            message="spec.managedBy is immutable: it cannot be set, changed or removed after the run is created",
+            fieldPath=".managedBy",
+        ),
+        Rule(
+            name="kueue-placement-needs-queue",
+            rule=f"has(self.queueName) || !({_PLACED.format(role='trainer', kind='kueue')} || "
+            f"{_PLACED.format(role='rollout', kind='kueue')})",
+            message="placement.<role>.kueue is Kueue's Topology Aware Scheduling: set queueName (a LocalQueue whose "
+            "ClusterQueue has a topology-aware ResourceFlavor)",
+            fieldPath=".placement",
+        ),
+        Rule(
+            name="volcano-placement-needs-volcano",
+            rule="(has(self.gangScheduling) && self.gangScheduling.enabled && has(self.gangScheduling.provider) && "
+            f"self.gangScheduling.provider == 'volcano') || !({_PLACED.format(role='trainer', kind='volcano')} || "
+            f"{_PLACED.format(role='rollout', kind='volcano')})",
+            message="placement.<role>.volcano is Volcano's network topology: set gangScheduling.enabled with provider "
+            "volcano",
+            fieldPath=".placement",
+        ),
+        Rule(
+            name="slices-divide-the-pods",
+            rule="!has(self.placement) || !has(self.placement.trainer) || ((!has(self.placement.trainer.kueue) || "
+            "!has(self.placement.trainer.kueue.sliceSize) || self.trainer.replicas % "
+            "self.placement.trainer.kueue.sliceSize == 0) && (!has(self.placement.trainer.volcano) || "
+            "!has(self.placement.trainer.volcano.subGroupSize) || self.trainer.replicas % "
+            "self.placement.trainer.volcano.subGroupSize == 0))",
+            message="placement.trainer.kueue.sliceSize and placement.trainer.volcano.subGroupSize must divide "
+            "trainer.replicas (every slice is full)",
+            fieldPath=".placement.trainer",
+        ),
     )
 
     image: str = Field("ghcr.io/trainingrun/trainer-te:0.1.0", min_length=1, description="Image of rollout and trainers.")
@@ -1020,6 +1195,14 @@ class TrainingRunSpec(ApiModel):
         "Kueue's pod-group labels (kueue.x-k8s.io/queue-name, pod-group-name, pod-group-total-count), so Kueue admits "
         "them as one workload; until then they wait, gated, and the run is Pending (WaitingForAdmission).")
     gang_scheduling: GangScheduling = Field(default_factory=GangScheduling, description="Gang scheduling.")
+    placement: Placement = Field(default_factory=Placement, description="Topology-aware placement per role (Kueue "
+                                 "topology annotations or Volcano network topology).")
+    managed_by: str | None = Field(
+        None, min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*"
+        r"[A-Za-z0-9])?$",
+        description=f"The controller that runs this TrainingRun (a domain-prefixed path); unset or "
+        f"{MANAGED_BY_OPERATOR!r}: the trainingrun operator; anything else (e.g. kueue.x-k8s.io/multikueue): the "
+        "operator creates nothing and writes no status. Immutable.")
     pod_template: PodTemplateOverrides = Field(
         default_factory=PodTemplateOverrides, description="Pod settings for every pod of the run."
     )
@@ -1036,6 +1219,18 @@ class TrainingRunSpec(ApiModel):
             raise ValueError(self.cel_rule("disk-broadcast-sync-need-vllm").message)
         if generated and vllm and self.model.hf is None:
             raise ValueError(self.cel_rule("vllm-needs-hf").message)
+        placed = {(role, kind) for role in ("rollout", "trainer") for kind in ("kueue", "volcano")
+                  if getattr(getattr(self.placement, role), kind) is not None}
+        if placed & {("rollout", "kueue"), ("trainer", "kueue")} and self.queue_name is None:
+            raise ValueError(self.cel_rule("kueue-placement-needs-queue").message)
+        gang = self.gang_scheduling
+        if placed & {("rollout", "volcano"), ("trainer", "volcano")} and not (gang.enabled and gang.provider == "volcano"):
+            raise ValueError(self.cel_rule("volcano-placement-needs-volcano").message)
+        t = self.placement.trainer
+        sizes = [x for x in (t.kueue.slice_size if t.kueue else None, t.volcano.sub_group_size if t.volcano else None)
+                 if x is not None]
+        if any(self.trainer.replicas % size for size in sizes):
+            raise ValueError(self.cel_rule("slices-divide-the-pods").message)
         if self.trainer.performance.grad_reduce_dtype == "bf16" and self.model.precision != "bf16":
             raise ValueError(self.cel_rule("bf16-grad-reduce-needs-bf16").message)
         return self
@@ -1069,6 +1264,42 @@ class Condition(ApiModel):
     last_transition_time: str | None = Field(None, description="RFC 3339 time of the last change of status.")
 
 
+class RoleRestartStatus(ApiModel):
+    """Restarts of one replica of a role that restarts alone (the rollout, an engine replica): the role's budget is
+    counted here, in the run's status, never in a child (a deleted pod never resets it)."""
+
+    role: Literal["rollout", "engine"] = Field(..., description="The role.")
+    replica: int = Field(0, ge=0, le=4096, description="The replica (engines); 0 for the rollout.")
+    restarts: int = Field(0, ge=0, le=INT64_MAX, description="Restarts counted against failurePolicy.roles.<role>.")
+    uncounted: int = Field(0, ge=0, le=INT64_MAX, description="Restarts that used no budget (disruptions, Ignore "
+                           "rules); restarts + uncounted is the replica's current pod generation.")
+    last_failure: str | None = Field(None, max_length=MESSAGE_MAX_LENGTH, description="What failed last time.")
+    last_restart_time: str | None = Field(None, description="When the last restart was decided (RFC 3339).")
+    backoff_seconds: int = Field(0, ge=0, le=MAX_SECONDS, description="The wait after lastRestartTime before the "
+                                 "replacement is created.")
+    replacing: bool = Field(False, description="The replacement pod of the current generation was not seen yet.")
+
+
+class PaceAnchor(ApiModel):
+    """The progress the pace (for estimatedRemainingSeconds) is measured from: the first record of an attempt."""
+
+    attempt: int = Field(0, ge=0, le=INT64_MAX, description="The trainers' attempt of that record.")
+    rollouts_done: int = Field(0, ge=0, le=INT64_MAX, description="Rollouts done then.")
+    time: str = Field(..., description="When that record was written (RFC 3339).")
+
+
+class ProgressStatus(ApiModel):
+    """How far the run is, from the trainers' progress record (`trainingrun.contract.progress`)."""
+
+    percentage: int = Field(0, ge=0, le=100, description="Rollouts trained, in percent of rollout.numRollouts.")
+    estimated_remaining_seconds: int | None = Field(
+        None, ge=0, le=INT64_MAX, description="At this attempt's pace so far; unset until it is known.")
+    rollouts_done: int = Field(0, ge=0, le=INT64_MAX, description="Rollouts trained (the one in training counts).")
+    rollouts_total: int = Field(0, ge=0, le=INT64_MAX, description="spec.rollout.numRollouts.")
+    updated_at: str | None = Field(None, description="When the trainers wrote the record (RFC 3339).")
+    pace_from: PaceAnchor | None = Field(None, description="What the pace is measured from.")
+
+
 class TrainingRunStatus(ApiModel):
     """Observed state of a TrainingRun, written by the operator from what it observes."""
 
@@ -1092,6 +1323,12 @@ class TrainingRunStatus(ApiModel):
                                             description="The spec generation this status reflects.")
     message: str | None = Field(None, max_length=MESSAGE_MAX_LENGTH,
                                 description="Last important message (e.g. why the run failed).")
+    role_restarts: list[RoleRestartStatus] = Field(
+        default_factory=list, max_length=4097, description="Restarts of the rollout and of each engine replica "
+        "alone (failurePolicy RestartRole), one entry per replica that restarted.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["role", "replica"]})
+    progress: ProgressStatus | None = Field(None, description="Percentage, rollouts done of the total and an "
+                                            "estimate of the time left, from the trainers' progress record.")
 
 
 class ObjectMeta(BaseModel):
@@ -1150,12 +1387,22 @@ ALL_MODELS: tuple[type[ApiModel], ...] = (
     SecretKeySelector,
     WandbSpec,
     MetricsSpec,
+    FailureRule,
+    RoleBudget,
+    RoleBudgets,
     FailurePolicy,
     Toleration,
     PodTemplateOverrides,
     GangScheduling,
+    KueueTopology,
+    VolcanoTopology,
+    RolePlacement,
+    Placement,
     TrainingRunSpec,
     Condition,
+    RoleRestartStatus,
+    PaceAnchor,
+    ProgressStatus,
     TrainingRunStatus,
     ResourceRequirements,
 )

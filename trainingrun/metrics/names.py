@@ -96,6 +96,11 @@ OPERATOR = {
                                          "namespace, run.",
     "trainingrun_operator_run_step": "The run's status.step: optimizer steps as the operator last read them from the "
                                      "store, 0 before the first progress (gauge), labels namespace, run.",
+    "trainingrun_operator_run_progress_percent": "The run's status.progress.percentage: rollouts trained in percent "
+                                                 "of rollout.numRollouts (gauge), labels namespace, run; absent before "
+                                                 "the first progress.",
+    "trainingrun_operator_run_eta_seconds": "The run's status.progress.estimatedRemainingSeconds (gauge), labels "
+                                            "namespace, run; absent while the pace is not known.",
 }
 
 # Common labels: run (TrainingRun name), rank (trainers), role.
