@@ -157,9 +157,11 @@ class TrainerCheckpoints:
         ckpt.set_rng_state(resumed.state["rng"])
         was = resumed.meta
         now = self.meta
-        if (was.get("dp_size"), was.get("tp_size")) != (now.get("dp_size"), now.get("tp_size")):
-            self.log(f"resharded {resumed.path.name}: written at data-parallel {was.get('dp_size')} / tensor-parallel "
-                     f"{was.get('tp_size')}, loaded at {now.get('dp_size')} / {now.get('tp_size')}")
+        sizes = ("dp_size", "tp_size", "pp_size")  # a checkpoint from before pipeline parallelism has no pp_size: 1
+        then, here = ([d.get(k, 1 if k == "pp_size" else None) for k in sizes] for d in (was, now))
+        if then != here:
+            self.log(f"resharded {resumed.path.name}: written at data-parallel {then[0]} / tensor-parallel {then[1]} "
+                     f"/ pipeline-parallel {then[2]}, loaded at {here[0]} / {here[1]} / {here[2]}")
         self.log(f"loaded {resumed.path} in {time.perf_counter() - t0:.2f}s")
         return resumed
 
