@@ -30,7 +30,9 @@ from trainingrun.contract.payload import RankPayload
 from trainingrun.contract.published import PublishedRollout, StepPlan
 from trainingrun.contract.resume import ResumePoint
 from trainingrun.modeling.architecture import Architecture
+from trainingrun.modeling.convert import check_tp
 from trainingrun.modeling.hf_io import copy_assets
+from trainingrun.modeling.pipeline import check_pp
 from trainingrun.store import RolloutReleased, StoreTimeout, open_store
 from trainingrun.tracking import TrackingConfigError, open_tracker, tracking_paths
 from trainingrun.trainer.checkpoint import CheckpointError, CheckpointFenced, TrainingProgress, release_point
@@ -115,6 +117,11 @@ class Trainer:
             arch = spec.model.resolved()
         except ValueError as exc:
             raise ConfigError(f"model: {exc}") from None
+        try:  # before any process group exists: every rank refuses alike, none waits in a collective for a peer gone
+            check_tp(arch, tp)
+            check_pp(arch, pp)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         loss = loss_settings(spec)
 
         # Import order: the device decision installs the CPU shim before megatron is imported.
