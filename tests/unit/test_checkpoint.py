@@ -348,3 +348,21 @@ def test_a_shard_failure_without_the_errno_is_a_full_volume_when_the_volume_is_f
     with pytest.raises(OSError) as info:
         _full_volume_save(tmp_path, write_shards=peer_failure)
     assert info.value.errno == 28 and "no space left on the volume holding" in str(info.value)
+
+
+def test_the_distributed_optimizers_state_is_refused_at_another_pipeline_parallel_size(tmp_path):
+    """Its shards are per pipeline stage as they are per tensor-parallel rank: refused before anything loads, naming
+    the field; the plain optimizer's state reshards across pipeline sizes (tests/integration/test_trainer_pipeline.py)."""
+    from trainingrun.trainer.checkpoint_megatron import optimizer_format_problem
+
+    d = tmp_path / "step_00000004"
+    d.mkdir()
+    (d / "meta.json").write_text(json.dumps({"optimizer": "distributed", "tp_size": 1, "dp_size": 2, "pp_size": 2}))
+    (d / "COMPLETE").write_text("{}")
+    here = {"optimizer": "distributed", "tp_size": 1, "dp_size": 4, "pp_size": 2}
+    assert optimizer_format_problem(tmp_path, here) is None  # another data-parallel size, the same stages
+    assert optimizer_format_problem(tmp_path, {**here, "pp_size": 1}) == (
+        f"checkpoint {d} holds the distributed optimizer's state at pipeline-parallel 2: it loads at any "
+        "data-parallel size, not at pipeline-parallel 1; allowed: trainer.pipelineParallelSize 2")
+    (d / "meta.json").write_text(json.dumps({"optimizer": "plain", "tp_size": 1, "dp_size": 2, "pp_size": 2}))
+    assert optimizer_format_problem(tmp_path, {**here, "optimizer": "plain", "pp_size": 1}) is None
