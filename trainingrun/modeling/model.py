@@ -32,6 +32,7 @@ from trainingrun.modeling.architecture import Architecture
 from trainingrun.modeling.attention import FlashVarlenAttention, PackedSDPAttention, flash_unavailable
 from trainingrun.modeling.convert import check_tp, model_names
 from trainingrun.modeling.hf_io import load_megatron_state
+from trainingrun.modeling.pipeline import check_pp
 
 
 def prepare_device(gpus: int) -> torch.device:
@@ -181,13 +182,17 @@ class ModelOptions:
     gradient_accumulation_fusion: bool = False  # needs apex's fused_weight_gradient_mlp_cuda (CUDA)
 
 
-def transformer_config(arch: Architecture, device: torch.device, options: ModelOptions = ModelOptions()):
+def transformer_config(arch: Architecture, device: torch.device, options: ModelOptions = ModelOptions(), *,
+                       pipeline_size: int = 1):
     """Megatron `TransformerConfig` of an architecture; no dropout, so runs are reproducible, and no fusions that
-    need CUDA kernels — except the gradient-accumulation fusion and the recomputation `options` ask for."""
+    need CUDA kernels — except the gradient-accumulation fusion and the recomputation `options` ask for.
+    `pipeline_size` > 1: the stages exchange each micro-batch's activation shape before the activation
+    (`variable_seq_lengths`: packed micro-batches differ in length)."""
     from megatron.core.transformer import TransformerConfig  # deferred: megatron
 
     dtype = torch_dtype(arch.precision)
-    return TransformerConfig(
+    config = TransformerConfig(
+        pipeline_model_parallel_size=pipeline_size,
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_attention_heads,
@@ -219,12 +224,17 @@ def transformer_config(arch: Architecture, device: torch.device, options: ModelO
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
     )
+    # Set after construction: the constructor refuses it with the default MoE token dispatcher (all-gather), which
+    # a model without experts never runs.
+    config.variable_seq_lengths = pipeline_size > 1
+    return config
 
 
 def build_model(arch: Architecture, device: torch.device, *, load_weights: bool = True,
                 parallel_output: bool = True, options: ModelOptions = ModelOptions()):
     """THE model builder (trainer, scoring, in-process inference): a Megatron `GPTModel` of `arch`, this rank's
-    tensor-parallel shard.
+    tensor-parallel shard of its pipeline stage (the stage's layers, `modeling.pipeline`; the embedding on the first
+    stage, the final norm and output layer on the last).
 
     gpt: LayerNorm + GELU; llama: RMSNorm + SwiGLU + grouped-query attention; both with RoPE (base `rope_base`;
     Llama-3 scaling when `rope_scaling_factor` is set), tied or untied output layer, optional biases. With `hf` set
@@ -236,15 +246,17 @@ def build_model(arch: Architecture, device: torch.device, *, load_weights: bool 
     from megatron.core.models.gpt import GPTModel  # deferred: megatron
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
     check_tp(arch, tp)
+    check_pp(arch, pp)
     scaling = arch.rope_scaling_factor
     model = GPTModel(
-        config=transformer_config(arch, device, options),
+        config=transformer_config(arch, device, options, pipeline_size=pp),
         transformer_layer_spec=layer_spec(arch, device, options.attention),
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.seq_length,
-        pre_process=True,
-        post_process=True,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=parallel_output,
         share_embeddings_and_output_weights=arch.tie_embeddings,
         position_embedding_type="rope",
@@ -256,7 +268,7 @@ def build_model(arch: Architecture, device: torch.device, *, load_weights: bool 
     _params_to_dtype(model, torch_dtype(arch.precision))
     if arch.hf and load_weights:
         state = load_megatron_state(arch.hf, arch, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-                                    tp_size=tp)
+                                    tp_size=tp, pp_rank=parallel_state.get_pipeline_model_parallel_rank(), pp_size=pp)
         load_canonical_state(model, state)
     return model
 

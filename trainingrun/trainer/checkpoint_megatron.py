@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from trainingrun.diskspace import no_space
 from trainingrun.trainer import checkpoint as ckpt
 
 _REASON_BYTES = 1024
@@ -150,20 +151,47 @@ def _strategies(load_dir: Path | None = None):
     return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(load_dir)), dp)
 
 
+class ShardsFailed(RuntimeError):
+    """Megatron's checkpoint writer or reader failed. torch reports it as a `CheckpointException`, which derives
+    from `BaseException` (it would pass every `except Exception` up to the interpreter, as a traceback); this carries
+    it as the cause, and the errno of a rank's failure when one names it (a full volume: `diskspace`)."""
+
+    def __init__(self, what: str, directory: Path, exc: BaseException):
+        full = no_space(exc)
+        self.errno = None if full is None else full.errno
+        self.filename = str(directory)
+        failures = getattr(exc, "failures", None) or {}
+        why = "; ".join(f"rank {r}: {_first_line(f[0] if isinstance(f, tuple) else f)}" for r, f in failures.items())
+        super().__init__(f"{directory}: {what} failed" + (f" ({why})" if why else " (on another rank)"))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = f"{exc.__class__.__name__}: {exc}"
+    return text.splitlines()[0][:300] if text else ""
+
+
 def write_shards(module, optimizer, directory: Path) -> None:
     from megatron.core import dist_checkpointing  # deferred: megatron
+    from torch.distributed.checkpoint.api import CheckpointException  # deferred: torch
 
-    dist_checkpointing.save(sharded_state(module, optimizer), str(directory), sharded_strategy=_strategies())
+    try:
+        dist_checkpointing.save(sharded_state(module, optimizer), str(directory), sharded_strategy=_strategies())
+    except CheckpointException as exc:
+        raise ShardsFailed("writing the checkpoint shards", directory, exc) from exc
 
 
 def load_shards(module, optimizer, directory: Path) -> None:
     """Load model and optimizer from a dist directory into `module`/`optimizer` (strict for the model)."""
     from megatron.core import dist_checkpointing  # deferred: megatron
+    from torch.distributed.checkpoint.api import CheckpointException  # deferred: torch
 
     adam = _DistributedAdamLoad(optimizer)
     adam.before()
-    loaded = dist_checkpointing.load(sharded_state(module, optimizer, is_loading=True), str(directory),
-                                     sharded_strategy=_strategies(directory))
+    try:
+        loaded = dist_checkpointing.load(sharded_state(module, optimizer, is_loading=True), str(directory),
+                                         sharded_strategy=_strategies(directory))
+    except CheckpointException as exc:
+        raise ShardsFailed("reading the checkpoint shards", directory, exc) from exc
     missing, unexpected = module.load_state_dict(loaded["model"], strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
@@ -193,6 +221,10 @@ def optimizer_format_problem(root: Path, meta: dict[str, Any]) -> str | None:
         return (f"checkpoint {complete[-1]} holds the distributed optimizer's state at tensor-parallel "
                 f"{was.get('tp_size')}: it loads at any data-parallel size, not at tensor-parallel "
                 f"{meta.get('tp_size')}; allowed: trainer.tensorParallelSize {was.get('tp_size')}")
+    if now == "distributed" and was.get("pp_size", 1) != meta.get("pp_size", 1):  # its shards are per stage too
+        return (f"checkpoint {complete[-1]} holds the distributed optimizer's state at pipeline-parallel "
+                f"{was.get('pp_size', 1)}: it loads at any data-parallel size, not at pipeline-parallel "
+                f"{meta.get('pp_size', 1)}; allowed: trainer.pipelineParallelSize {was.get('pp_size', 1)}")
     return None
 
 
@@ -237,9 +269,11 @@ class TrainerCheckpoints:
         ckpt.set_rng_state(resumed.state["rng"])
         was = resumed.meta
         now = self.meta
-        if (was.get("dp_size"), was.get("tp_size")) != (now.get("dp_size"), now.get("tp_size")):
-            self.log(f"resharded {resumed.path.name}: written at data-parallel {was.get('dp_size')} / tensor-parallel "
-                     f"{was.get('tp_size')}, loaded at {now.get('dp_size')} / {now.get('tp_size')}")
+        sizes = ("dp_size", "tp_size", "pp_size")  # a checkpoint from before pipeline parallelism has no pp_size: 1
+        then, here = ([d.get(k, 1 if k == "pp_size" else None) for k in sizes] for d in (was, now))
+        if then != here:
+            self.log(f"resharded {resumed.path.name}: written at data-parallel {then[0]} / tensor-parallel {then[1]} "
+                     f"/ pipeline-parallel {then[2]}, loaded at {here[0]} / {here[1]} / {here[2]}")
         self.log(f"loaded {resumed.path} in {time.perf_counter() - t0:.2f}s")
         return resumed
 
