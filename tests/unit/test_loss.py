@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from trainingrun.modeling.attention import PackedSDPAttention, block_causal_mask
 from trainingrun.trainer.loss import (
-    STAT_NAMES, LossInputs, LossSettings, StepTotals, megatron_loss_factor, micro_batch_objective, token_nll,
+    STAT_NAMES, LossInputs, LossSettings, StepTotals, megatron_loss_factor, micro_batch_objective, token_logprobs,
 )
 
 
@@ -106,7 +106,7 @@ def test_empty_micro_batch_contributes_zero_with_a_gradient_path() -> None:
 
 def test_token_nll_shift_and_bad_arguments() -> None:
     logits = torch.log(torch.tensor([[0.1, 0.9], [0.8, 0.2], [0.5, 0.5]]))
-    nll = token_nll(logits, torch.tensor([0, 1, 0]))
+    nll = -token_logprobs(logits, torch.tensor([0, 1, 0]))[0]
     assert torch.allclose(nll, torch.tensor([0.0, -np.log(0.9), -np.log(0.8)], dtype=torch.float32))
     with pytest.raises(ValueError, match="loss_type"):
         micro_batch_objective(logits, _inputs([[0, 1, 0]], [[0, 1, 1]], [1.0]), LossSettings("dpo", "sample"),
@@ -120,7 +120,7 @@ def test_token_nll_shift_and_bad_arguments() -> None:
 # ------------------------------------------------------------------------------------------------------ ppo
 def _with_old(inputs: LossInputs, old: torch.Tensor) -> LossInputs:
     return LossInputs(inputs.tokens, inputs.target_mask, inputs.sample_of, inputs.advantages, inputs.rewards,
-                      inputs.lengths, old_logprobs=old)
+                      inputs.lengths, engine_logprobs=old)
 
 
 @pytest.mark.parametrize("norm", ["sample", "token"])
@@ -211,6 +211,9 @@ def test_sampling_temperature_top_p_and_greedy() -> None:
     assert torch.allclose(logp, torch.log(p)[tok], atol=1e-6)  # the tempered distribution's log-probability
     tok, logp = sample_next(logits, Sampling(temperature=1.0, top_p=0.7), gen)
     assert set(tok.tolist()) <= {0, 1}  # the smallest set of most likely tokens reaching 0.7: p = 0.61, 0.22
-    assert torch.allclose(logp, torch.log_softmax(logits[0], -1)[tok], atol=1e-6)  # untruncated, as documented
+    # the log-probability of the distribution the token was drawn from: the top-p set renormalised, as vLLM's
+    # processed_logprobs (before: the untruncated one, so the two engines recorded different numbers)
+    p1 = torch.softmax(logits[0], -1)
+    assert torch.allclose(logp, torch.log(p1[tok] / p1[:2].sum()), atol=1e-6)
     tok, _ = sample_next(logits[:3], Sampling(temperature=0.0), gen)
     assert tok.tolist() == [0, 0, 0]

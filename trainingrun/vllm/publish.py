@@ -60,12 +60,10 @@ def commit_version(store, version: int, meta: dict[str, Any]) -> bool:
 def make_vllm_publisher(spec, store, *, arch: Architecture, rank: int, attempt: int = 0):
     """The publisher of `spec.weightSync.type` disk / broadcast for the vllm engine, on this trainer rank (Megatron's
     parallel state is initialised: the tensor-parallel ranks of replica 0 gather the weights of `arch`)."""
-    from megatron.core import parallel_state as ps  # deferred: megatron (the trainer imported it after its CPU shim)
+    from trainingrun.modeling.state import live_layout  # deferred: torch, megatron (after the trainer's CPU shim)
 
     kw = dict(rank=rank, arch=arch, dtype=spec.rollout.engine.vllm.dtype,
-              max_policy_lag=spec.rollout.max_policy_lag, tp_group=ps.get_tensor_model_parallel_group(),
-              tp_size=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
-              dp_rank=ps.get_data_parallel_rank(), attempt=attempt)
+              max_policy_lag=spec.rollout.max_policy_lag, attempt=attempt, **live_layout())
     ws = spec.weight_sync
     if ws.type == "disk":
         root = ws.path or str(Path(spec.trainer.checkpoint.path) / "weights")
