@@ -366,26 +366,29 @@ def micro_batch_objective(
 
     with torch.no_grad():
         count_tokens = float(mask.sum())
-        stats[0] = torch.tensor([float(objective), float(n)])
-        stats[1] = torch.tensor([float(sample_mean.sum()), float(n)])
-        stats[2] = torch.tensor([float(masked.sum()), count_tokens])
-        stats[3] = torch.tensor([float(inputs.rewards.double().sum()), float(n)])
-        stats[4] = torch.tensor([float(inputs.lengths.double().sum()), float(n)])
-        stats[5] = torch.tensor([float((inputs.rewards.double() ** 2).sum()), float(n)])
+        stats[0] = _pair(float(objective), float(n))
+        stats[1] = _pair(float(sample_mean.sum()), float(n))
+        stats[2] = _pair(float(masked.sum()), count_tokens)
+        stats[3] = _pair(float(inputs.rewards.double().sum()), float(n))
+        stats[4] = _pair(float(inputs.lengths.double().sum()), float(n))
+        stats[5] = _pair(float((inputs.rewards.double() ** 2).sum()), float(n))
         per_sample = {"seq_clip_fraction"}
         for name, values in terms.items():
             if name in MAX_STATS:
-                stats[STAT_NAMES.index(name)] = torch.tensor([float(values), count_tokens])
+                stats[STAT_NAMES.index(name)] = _pair(float(values), count_tokens)
             elif name in per_sample:
                 counted = has_tokens.double()
-                stats[STAT_NAMES.index(name)] = torch.tensor([float((values.double() * counted).sum()),
-                                                              float(counted.sum())])
+                stats[STAT_NAMES.index(name)] = _pair(float((values.double() * counted).sum()), float(counted.sum()))
             else:
-                stats[STAT_NAMES.index(name)] = torch.tensor([float((values.double() * mask.double()).sum()),
-                                                              count_tokens])
+                stats[STAT_NAMES.index(name)] = _pair(float((values.double() * mask.double()).sum()), count_tokens)
         if generated:
-            stats[STAT_NAMES.index("response_length")] = torch.tensor([float(tokens_per_sample.sum()), float(n)])
+            stats[STAT_NAMES.index("response_length")] = _pair(float(tokens_per_sample.sum()), float(n))
     return objective, stats
+
+
+def _pair(total: float, count: float) -> torch.Tensor:
+    """A (sum, count) row in float64 (a float32 tensor would round the sum)."""
+    return torch.tensor([total, count], dtype=torch.float64)
 
 
 def _per_sample_mean(x: torch.Tensor, inputs: LossInputs, mask: torch.Tensor,

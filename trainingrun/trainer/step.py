@@ -16,10 +16,11 @@ import time
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
 
 from trainingrun.metrics.reduce import allreduce_max, allreduce_pairs
-from trainingrun.trainer.batch import MicroBatch
+from trainingrun.trainer.batch import MicroBatch, step_microbatches
 from trainingrun.trainer.loss import (
     MAX_STATS, STAT_NAMES, LossSettings, StepTotals, megatron_loss_factor, merge_stats, micro_batch_objective,
     token_logprobs,
@@ -148,6 +149,25 @@ def old_logprobs_pass(ddp_model, microbatches: list[MicroBatch], loss: LossSetti
     if any(lp is None for lp in out):
         raise RuntimeError("old_logprobs_pass: the schedule returned no logits for some micro-batches")
     return out  # type: ignore[return-value]
+
+
+def payload_old_logprobs(ddp_model, payload, step_positions: list[list[list[int]]], loss: LossSettings,
+                         device) -> np.ndarray:
+    """log π_old of every token of a rank's payload (float32, the payload's token layout; 0 where no micro-batch of
+    `step_positions` — per step, its micro-batches as positions into the payload — holds the sample), by
+    `old_logprobs_pass` over each step's micro-batches."""
+    offsets = payload["offsets"]
+    old = np.zeros(len(payload["tokens"]), np.float32)
+    for positions in step_positions:
+        mbs = step_microbatches(payload, positions, device)
+        for pos, logp in zip(positions, old_logprobs_pass(ddp_model, mbs, loss)):
+            lp = logp.float().cpu().numpy()
+            at = 0
+            for p in pos:
+                a, b = int(offsets[p]), int(offsets[p + 1])
+                old[a:b] = lp[at:at + b - a]
+                at += b - a
+    return old
 
 
 def train_step(

@@ -25,8 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 from trainingrun.api import load_trainingrun
 from trainingrun.contract import published as contract
 from trainingrun.contract.errors import ConfigError
@@ -278,22 +276,11 @@ class Trainer:
         the current weights (a forward-only pass over the micro-batches of `steps`, `step.old_logprobs_pass`).
         Resumed in the middle of a rollout, the current weights are the checkpoint's (after its first steps): π_old
         of the rollout's remaining steps is theirs, and the log says so."""
-        from trainingrun.trainer.batch import step_microbatches  # deferred: torch
-        from trainingrun.trainer.step import old_logprobs_pass  # deferred: megatron
+        from trainingrun.trainer.step import payload_old_logprobs  # deferred: megatron
 
         t0 = time.perf_counter()
-        offsets = payload["offsets"]
-        old = np.zeros(len(payload["tokens"]), np.float32)
-        for step in steps:
-            positions = published.microbatch_positions(self.dp_rank, step)
-            mbs = step_microbatches(payload, positions, self.device)
-            for pos, mb, logp in zip(positions, mbs, old_logprobs_pass(self.ddp, mbs, self.loss)):
-                lp = logp.float().cpu().numpy()
-                at = 0
-                for p in pos:
-                    a, b = int(offsets[p]), int(offsets[p + 1])
-                    old[a:b] = lp[at:at + b - a]
-                    at += b - a
+        old = payload_old_logprobs(self.ddp, payload, [published.microbatch_positions(self.dp_rank, step)
+                                                       for step in steps], self.loss, self.device)
         self.old_logprob_seconds = time.perf_counter() - t0
         if self.rank == 0 and steps and steps[0].index > 0:
             log(self.rank, f"rollout {published.rollout}: resumed at step {steps[0].index}: pi_old of its remaining "
