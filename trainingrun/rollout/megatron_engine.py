@@ -15,12 +15,17 @@ them with `modeling.model.load_canonical_state` after every tensor was decoded a
 and shapes: a failed read leaves the previous version in place (never half-applied). The trainers may run at any
 tensor-parallel size; the engine is one rank.
 
+Device and attention: the first visible GPU, else the CPU (`engine_device`); the attention backend is the
+trainers' rule for this device (`modeling.model.attention_choice` with `generation=True`: te in TE's layer spec, else
+the local spec, whose padded KV-cache batches run torch SDPA whichever of flash and sdpa is named).
+
 The CPU shim (`modeling/cpu_compat.py`) is process-global; this module is used in the rollout process (or a
 subprocess in tests), never in the pytest process.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -29,9 +34,16 @@ import torch
 import torch.distributed as dist
 
 from trainingrun.contract.engine import Completion, Sampling
+from trainingrun.contract.errors import ConfigError
 from trainingrun.modeling.architecture import Architecture
-from trainingrun.modeling.model import build_model, load_canonical_state, prepare_device, set_seed
+from trainingrun.modeling.model import (ModelOptions, attention_choice, build_model, load_canonical_state,
+                                       prepare_device, set_seed)
 from trainingrun.modeling.state import arrays_state_dict
+
+
+def engine_device() -> torch.device:
+    """Where the engine generates: the first visible GPU (CUDA), else the CPU (with the CPU shim)."""
+    return prepare_device(1)
 
 
 def sample_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,10 +79,17 @@ class MegatronEngine:
 
     def __init__(self, arch: Architecture, *, fetch: Callable[[int], tuple[dict[str, np.ndarray], dict]],
                  max_batch: int = 256, seed: int = 0):
-        self.device = prepare_device(0)  # the rollout generates on the CPU, or the first visible GPU
+        self.device = engine_device()
         _init_single_process()
         set_seed(seed)
-        self.model = build_model(arch, self.device, load_weights=False)  # weights: version 0 from the trainers
+        try:
+            self.attention = attention_choice(arch, self.device, generation=True)
+        except ValueError as exc:
+            raise ConfigError(f"rollout.engine.type megatron: {exc}") from None
+        print(f"megatron engine on {self.device}: attention {self.attention.backend} ({self.attention.reason})",
+              file=sys.stderr, flush=True)
+        # weights: version 0 from the trainers
+        self.model = build_model(arch, self.device, load_weights=False, options=ModelOptions(attention=self.attention))
         self.model.eval()
         self.arch = arch
         self.seq_length = arch.seq_length
@@ -100,7 +119,7 @@ class MegatronEngine:
         t0 = time.perf_counter()
         rows = [list(map(int, p)) for p in prompts for _ in range(n)]
         out: list[Completion] = []
-        gen = torch.Generator(device="cpu").manual_seed(int(sampling.seed))
+        gen = torch.Generator(device=self.device).manual_seed(int(sampling.seed))
         for start in range(0, len(rows), self.max_batch):
             out.extend(self._generate_batch(rows[start : start + self.max_batch], sampling, gen))
         self.stats["generated_tokens"] += sum(len(c.tokens) for c in out)
@@ -117,18 +136,19 @@ class MegatronEngine:
         if max(lengths) >= total:
             raise ValueError(f"prompts: a prompt of {max(lengths)} tokens leaves no room to generate within "
                              f"model seqLength {self.seq_length}")
-        b = len(rows)
+        b, dev = len(rows), self.device
         tokens = torch.zeros(b, total, dtype=torch.long)
         for i, r in enumerate(rows):
             tokens[i, : len(r)] = torch.tensor(r)
-        plen = torch.tensor(lengths)
-        logps = torch.zeros(b, total)
-        done = torch.zeros(b, dtype=torch.bool)
-        end = torch.full((b,), total, dtype=torch.long)  # first position after each row's completion
+        tokens = tokens.to(dev)
+        plen = torch.tensor(lengths, device=dev)
+        logps = torch.zeros(b, total, device=dev)
+        done = torch.zeros(b, dtype=torch.bool, device=dev)
+        end = torch.full((b,), total, dtype=torch.long, device=dev)  # first position after each row's completion
         reason = ["length"] * b
-        stop = torch.tensor(sorted(sampling.stop_token_ids), dtype=torch.long)
+        stop = torch.tensor(sorted(sampling.stop_token_ids), dtype=torch.long, device=dev)
         ctx = StaticInferenceContext(b, total)
-        pos = torch.arange(total).unsqueeze(0).expand(b, -1)
+        pos = torch.arange(total, device=dev).unsqueeze(0).expand(b, -1)
         prev = 0
         for cur in range(min(lengths), total):
             logits = self.model(tokens[:, prev:cur], pos[:, prev:cur], None, inference_context=ctx,
@@ -152,6 +172,7 @@ class MegatronEngine:
             if bool(done.all()):
                 break
         out = []
+        tokens, logps, end = tokens.cpu(), logps.cpu(), end.cpu()
         for i in range(b):
             a, e = lengths[i], int(end[i])
             out.append(Completion(tokens=tokens[i, a:e].numpy().astype(np.int32),
