@@ -5,7 +5,9 @@ variables, every query on a known metric name, weighted metrics as Σrate(X_sum)
 
 Acceptance (marked `megatron`, ~1-2 min): every panel query, evaluated by a real Prometheus, returns data —
   * run-level panels (all of "run detail", the "Runs" row of "overview") against a real local run
-    (`trainingrun run`, a shortened examples/tiny.yaml: real rollout + 2 real Megatron-core trainers on CPU);
+    (`trainingrun run`, a shortened examples/rl.yaml with every policy option that has a panel on — pi_old from the
+    trainer, a rollout correction, sequence ratios, an entropy bonus: real rollout generating with the in-process
+    engine + 2 real Megatron-core trainers at tensor parallelism 2 on CPU);
   * operator panels ("Operator" row of "overview") against the real operator (`trainingrun operator`, kopf)
     reconciling a TrainingRun of the same name in the KMock API emulator of tests/kube.py — the operator's metrics
     (including the per-run series filtered by $namespace/$run) come from a real operator process, not from the local
@@ -318,9 +320,11 @@ def test_every_panel_returns_data_from_a_real_run_and_operator(tmp_path, redis):
     from tests.services import free_port, prometheus_server, stop_process, wait_for
     from trainingrun.local import metrics_port_block
 
-    doc = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+    doc = yaml.safe_load((ROOT / "examples" / "rl.yaml").read_text())
     doc["metadata"] = {"name": RUN_NAME}
     doc["spec"]["rollout"]["numRollouts"] = NUM_ROLLOUTS
+    doc["spec"]["trainer"]["policyLoss"] = {"oldLogprobs": "trainer", "rolloutCorrection": {"type": "tis"},
+                                            "ratioLevel": "sequence", "entropyCoef": 0.001}
     base = metrics_port_block(free_port(), 3)
     doc["spec"]["metrics"]["port"] = base
     doc["spec"]["metrics"]["lingerSeconds"] = 1  # 10 scrapes of every process's final values

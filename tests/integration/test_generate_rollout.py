@@ -89,7 +89,7 @@ def loop(spec, store, engine=None, **kw) -> RolloutLoop:
     loop_mod.make_source = lambda s, arch, say, st, max_wait: GenerateSource(s, st, arch=arch, say=say, engine=engine,
                                                                              max_wait=max_wait)
     try:
-        RolloutLoop.__init__(lp, spec, store, progress=lambda _m: None, **kw)
+        RolloutLoop.__init__(lp, spec, store, progress=kw.pop("progress", lambda _m: None), **kw)
     finally:
         loop_mod.make_source = orig
     return lp
@@ -183,9 +183,12 @@ def test_restart_after_commit_publishes_the_staged_groups_again(url):
         assert pa.global_batch_sizes == pb.global_batch_sizes
         for x, y in zip(la, lb):
             assert all(np.array_equal(x[f], y[f]) for f in x)
-    # rollout 3 starts with the groups carried out of rollout 2: the staged ones, as in the reference
+    # rollout 3 starts from the groups carried out of rollout 2: the staged ones, as in the reference. They were
+    # generated one weight version before rollout 3's, so both drop them as stale and carry none in (before, the
+    # published count said they were carried in)
     (p3, l3), (r3, m3) = a[3], b[3]
-    assert p3.stats.carried_in == r3.stats.carried_in > 0
+    assert p3.stats.filtered["stale"] == r3.stats.filtered["stale"] > 0
+    assert p3.stats.carried_in == r3.stats.carried_in == 0
     per_source = 4 * 8  # sample ids: (source index * prompts per rollout + prompt) * groupSize + i
     carried = lambda pls, src: sorted(i for pl in pls for i in pl["sample_ids"].tolist() if i // per_source < src)  # noqa: E731
     assert carried(l3, p3.stats.source_index) == carried(m3, r3.stats.source_index)
@@ -212,6 +215,26 @@ def test_carried_groups_older_than_the_bound_are_dropped_as_stale(url):
             assert (pl["versions"] == k).all()  # nothing older than the rollout's own version is trained
     assert report["samples_produced"] == (report["samples_published"] + sum(report["samples_filtered"].values())
                                           + report["leftover_samples"])
+
+
+def test_carried_in_counts_only_the_carried_groups_that_are_trained(url):
+    """At maxPolicyLag 0 a group carried past a published rollout was generated one weight version before the next
+    rollout's, so it is always dropped as stale. The published count and the log say so: nothing carried in, the
+    drop named. Before, both said the dropped groups were carried in."""
+    spec = parse_trainingrun(doc(numRollouts=4, steps={"policy": "fixed", "globalBatchSize": 3})).spec
+    store = open_store(url)
+    publish_versions(store, range(10))
+    said = []
+    result = loop(spec, store, progress=said.append).run()
+    stale = 0
+    for k in range(result.rollouts):
+        p = contract.read(store, k)
+        assert p.stats.carried_in == 0, (k, p.stats)
+        stale += p.stats.filtered.get("stale", 0)
+    assert stale > 0
+    published_lines = [m for m in said if m.startswith("rollout ") and "samples in" in m]
+    assert all(" 0 carried in" in m for m in published_lines), published_lines
+    assert any("carried dropped as stale" in m for m in published_lines)
 
 
 def test_failing_rewards_are_counted_and_the_rollout_goes_on(url, tmp_path):

@@ -49,8 +49,22 @@ def _worker(store_url: str, out_path: str) -> None:
                 for c in group:
                     seq = torch.tensor([p + c.tokens.tolist()])
                     logits = engine.model(seq, torch.arange(seq.shape[1])[None], None, runtime_gather_output=True)
-                    lp = torch.log_softmax(logits[0].float() / s.temperature, -1)
-                    ref = lp[len(p) - 1:-1].gather(-1, seq[0, len(p):, None]).squeeze(-1).numpy()
+                    lp = torch.log_softmax(logits[0].float() / s.temperature, -1)[len(p) - 1:-1]
+                    ref = lp.gather(-1, seq[0, len(p):, None]).squeeze(-1)
+                    if s.top_p < 1.0:  # the distribution drawn from: the top-p nucleus renormalised
+                        probs = lp.exp()
+                        mass = []
+                        for row in probs:
+                            ranked = sorted(row.tolist(), reverse=True)
+                            total, kept = 0.0, 0.0
+                            for q in ranked:  # the most likely tokens until their mass reaches top_p
+                                if total >= s.top_p:
+                                    break
+                                total += q
+                                kept += q
+                            mass.append(kept)
+                        ref = ref - torch.log(torch.tensor(mass))
+                    ref = ref.numpy()
                     diffs.append(float(np.abs(ref - c.logprobs).max()))
                     reasons[c.finish_reason] = reasons.get(c.finish_reason, 0) + 1
                     stopped = int(c.tokens[-1]) == 2

@@ -1,11 +1,15 @@
 """On-policy RL end to end with real processes: `trainingrun run` of examples/rl.yaml (the demo) and variants, the
 in-process Megatron engine generating, real Megatron-core trainers, weights through a real file store.
 
-  demo    examples/rl.yaml as `make demo` runs it (2 trainers, maxPolicyLag 0)      -> the reference
-  dp1     the same spec, 1 trainer, its first 12 rollouts                           -> DP invariance
+  demo    examples/rl.yaml as `make demo` runs it (2 trainers at tensor parallelism 2, data-parallel size 1,
+          maxPolicyLag 0)                                                           -> the reference
+  tp1     the same spec at tensorParallelSize 1 (2 data-parallel ranks), 12 rollouts -> TP invariance
+  dp1     the same spec at tensorParallelSize 1, 1 trainer, 12 rollouts            -> DP invariance (against tp1)
   lag1    maxPolicyLag 1, 12 rollouts                                               -> exactly one rollout of lag
   killed  16 rollouts, checkpoints every 4 steps, the rollout process SIGKILLed mid-run (the launcher restarts the
           group): the same steps as the reference — no prompt lost or trained twice
+  old0    policyLoss.oldLogprobs trainer + rolloutCorrection tis, 8 rollouts        -> ratio 1, weights 1, same loss
+  old1    the same with maxPolicyLag 1 and rolloutCorrection mask, 8 rollouts        -> ratio 1 at lag 1 too
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ ROOT = Path(__file__).resolve().parents[2]
 SHORT = 12
 
 
-def write_spec(path: Path, **rollout) -> Path:
+def write_spec(path: Path, trainer: dict | None = None, **rollout) -> Path:
     doc = yaml.safe_load((ROOT / "examples" / "rl.yaml").read_text())
     doc["spec"]["rollout"].update(rollout)
+    doc["spec"]["trainer"].update(trainer or {})
     doc["spec"]["metrics"]["port"] = metrics_port_block(free_port(), 3)
     doc["spec"]["failurePolicy"] = {"maxRestarts": 2, "backoffSeconds": 0, "progressDeadlineSeconds": 120}
     path.write_text(yaml.safe_dump(doc))
@@ -70,11 +75,32 @@ def test_lag_0_generator_and_trainer_hold_the_same_weights(demo):
         assert r["groups_kept"] * 8 == r["global_batch_size"]  # one step per rollout: all kept groups
 
 
-def test_dp_invariance(spec_dir, demo):
-    out = spec_dir / "dp1"
-    code, log = finish(start(write_spec(spec_dir / "dp1.yaml", numRollouts=SHORT), out, "--trainers", "1"))
+@pytest.fixture(scope="module")
+def tp1(spec_dir):
+    """The demo's spec at tensorParallelSize 1: its 2 trainers are 2 data-parallel ranks."""
+    out = spec_dir / "tp1"
+    code, log = finish(start(write_spec(spec_dir / "tp1.yaml", {"tensorParallelSize": 1}, numRollouts=SHORT), out))
     assert code == 0, log[-4000:]
-    one, two = records(out), demo["records"][:SHORT]
+    return records(out)
+
+
+def test_tp2_trains_the_steps_of_tp1(tp1, demo):
+    """examples/rl.yaml at tensor parallelism 2 (the in-process engine loads the weights the two ranks gather):
+    the global batch sizes, samples and weight versions of TP 1, and its losses within 1e-4."""
+    assert demo["records"][0]["dp_size"] == 1 and tp1[0]["dp_size"] == 2
+    for a, b in zip(demo["records"][:SHORT], tp1, strict=True):
+        assert (a["global_batch_size"], a["sample_id_sum"], a["weight_version"]) == (
+            b["global_batch_size"], b["sample_id_sum"], b["weight_version"]), a["step"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-7), a["step"]
+        assert a["logprob_abs_diff"] <= 1e-3 and b["logprob_abs_diff"] <= 1e-3, a["step"]
+
+
+def test_dp_invariance(spec_dir, tp1):
+    out = spec_dir / "dp1"
+    code, log = finish(start(write_spec(spec_dir / "dp1.yaml", {"tensorParallelSize": 1}, numRollouts=SHORT), out,
+                             "--trainers", "1"))
+    assert code == 0, log[-4000:]
+    one, two = records(out), tp1
     assert len(one) == SHORT
     for a, b in zip(one, two, strict=True):
         assert (a["global_batch_size"], a["samples_consumed"], a["sample_id_sum"], a["weight_version"]) == (
@@ -121,3 +147,42 @@ def test_rollout_killed_mid_run_resumes_without_losing_or_repeating_a_prompt(spe
     data = summary["data"]
     assert data["samples_produced"] == data["samples_published"] + sum(data["samples_filtered"].values()) + \
         data["leftover_samples"]
+
+
+OLD_RUN = 8
+
+
+def test_trainer_old_logprobs_at_lag_0_give_ratio_one_and_corrections_of_one(spec_dir, demo):
+    """oldLogprobs trainer: π_old from the trainer's own forward-only pass, so with one step per rollout the ratio
+    π/π_old is 1 (within 1e-6) at every step; the engine holds the trainer's weights (lag 0), so every tis weight
+    is 1 and the loss is the uncorrected demo's."""
+    out = spec_dir / "old0"
+    policy = {"clipLow": 0.2, "clipHigh": 0.28, "oldLogprobs": "trainer", "rolloutCorrection": {"type": "tis"}}
+    code, log = finish(start(write_spec(spec_dir / "old0.yaml", {"policyLoss": policy}, numRollouts=OLD_RUN), out))
+    assert code == 0, log[-4000:]
+    recs = records(out)
+    assert len(recs) == OLD_RUN
+    for r, ref in zip(recs, demo["records"][:OLD_RUN], strict=True):
+        assert r["importance_ratio"] == pytest.approx(1.0, abs=1e-6), r["step"]
+        assert r["correction_weight"] == pytest.approx(1.0, abs=1e-6), r["step"]
+        assert r["correction_weight_max"] == pytest.approx(1.0, abs=1e-6) and r["masked_fraction"] == 0
+        assert r["mismatch_kl"] < 1e-10 and r["old_logprob_seconds"] > 0, r["step"]
+        assert (r["global_batch_size"], r["sample_id_sum"]) == (ref["global_batch_size"], ref["sample_id_sum"])
+        assert r["loss"] == pytest.approx(ref["loss"], rel=1e-4, abs=1e-7), r["step"]
+
+
+def test_trainer_old_logprobs_at_lag_1_give_ratio_one(spec_dir):
+    """At maxPolicyLag 1 the engine is one update behind: the mismatch shows (mismatch KL, |Δ logprob|), the mask
+    correction acts on it, yet the ratio against the trainer's own π_old is 1 within 1e-6 at every step."""
+    out = spec_dir / "old1"
+    policy = {"clipLow": 0.2, "clipHigh": 0.28, "oldLogprobs": "trainer",
+              "rolloutCorrection": {"type": "mask", "threshold": 1.05, "lowerThreshold": 0.95}}
+    code, log = finish(start(write_spec(spec_dir / "old1.yaml", {"policyLoss": policy}, numRollouts=OLD_RUN,
+                                        maxPolicyLag=1), out))
+    assert code == 0, log[-4000:]
+    recs = records(out)
+    assert [r["policy_lag"] for r in recs] == [0] + [1] * (OLD_RUN - 1)
+    for r in recs:
+        assert r["importance_ratio"] == pytest.approx(1.0, abs=1e-6), r["step"]
+    assert all(r["logprob_abs_diff"] > 1e-3 and r["mismatch_kl"] > 0 for r in recs[1:])
+    assert any(r["masked_fraction"] > 0 for r in recs[1:])

@@ -20,7 +20,7 @@ import yaml
 
 from tests.services import free_port, wait_for
 from trainingrun.api import parse_trainingrun
-from trainingrun.contract.errors import EXIT_CONFIG_ERROR
+from trainingrun.contract.errors import EXIT_CONFIG_ERROR, ConfigError
 from trainingrun.metrics.rollout import RolloutMetrics
 from trainingrun.rollout.main import STATE_KEY, run_rollout
 from trainingrun.store import open_store
@@ -291,6 +291,22 @@ def test_jsonl_source_end_to_end(tmp_path):
         assert payload["loss_mask"][a:b].tolist() == [0, 0] + [1] * (b - a - 2)
         assert payload["rewards"][j] == line["reward"]
         assert payload["advantages"][j] == pytest.approx({0.0: -1.2247, 1.0: 0.0, 2.0: 1.2247}[line["reward"]], abs=1e-3)
+
+
+def test_jsonl_advantages_and_reinforce_pp_are_refused_naming_the_estimator(tmp_path):
+    """Given advantages are used as they are; reinforce_pp would normalise them over the step: a config error naming
+    trainer.advantage.estimator, nothing published."""
+    path = tmp_path / "adv.jsonl"
+    path.write_text("\n".join(json.dumps({"group": g, "tokens": [3, 4, 5, 6], "prompt_length": 2, "advantage": a})
+                              for g in range(4) for a in (-1.0, 1.0)))
+    doc = make_doc(source={"type": "jsonl", "jsonl": {"path": str(path)}}, samplesPerRollout=4, groupSize=2,
+                   steps={"policy": "dynamic"})
+    doc["spec"]["trainer"]["lossType"] = "policy_gradient"
+    doc["spec"]["trainer"]["advantage"] = {"estimator": "reinforce_pp"}
+    store = open_store(f"file://{tmp_path}/s")
+    with pytest.raises(ConfigError, match="trainer.advantage.estimator"):
+        run_rollout(parse_trainingrun(doc), store, progress=quiet)
+    assert not store.is_committed(0)
 
 
 @pytest.mark.parametrize(

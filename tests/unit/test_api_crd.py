@@ -129,6 +129,41 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
         {"replicas": 2, "gpusPerReplica": 4, "tensorParallelSize": 8, "maxTokensPerGPU": 64},
         {"replicas": 3, "tensorParallelSize": 2, "maxTokensPerGPU": 64},
     ),
+    ("trainer", "ppo-correction-needs-trainer-old-logprobs"): (
+        {"replicas": 1, "maxTokensPerGPU": 64, "lossType": "ppo",
+         "policyLoss": {"oldLogprobs": "trainer", "rolloutCorrection": {"type": "tis"}}},
+        {"replicas": 1, "maxTokensPerGPU": 64, "lossType": "ppo", "policyLoss": {"rolloutCorrection": {"type": "tis"}}},
+    ),
+    ("trainer", "sft-has-no-old-policy"): (
+        {"replicas": 1, "maxTokensPerGPU": 64, "lossType": "policy_gradient", "policyLoss": {"oldLogprobs": "trainer"}},
+        {"replicas": 1, "maxTokensPerGPU": 64, "lossType": "sft", "policyLoss": {"oldLogprobs": "trainer"}},
+    ),
+    ("trainer", "ratio-options-need-ppo"): (
+        {"replicas": 1, "maxTokensPerGPU": 64, "lossType": "ppo", "policyLoss": {"ratioLevel": "sequence",
+                                                                                "clipRatioC": 3.0}},
+        {"replicas": 1, "maxTokensPerGPU": 64, "lossType": "policy_gradient", "policyLoss": {"ratioLevel": "sequence"}},
+    ),
+    ("trainer.policyLoss.rolloutCorrection", "lower-threshold-for-mask"): (
+        {"type": "mask", "lowerThreshold": 0.5}, {"type": "tis", "lowerThreshold": 0.5}),
+    ("trainer.policyLoss.rolloutCorrection", "lower-below-threshold"): (
+        {"type": "mask", "threshold": 1.5, "lowerThreshold": 0.9}, {"type": "mask", "threshold": 1.0, "lowerThreshold": 1.0}),
+    ("rollout.source.generate", "overlong-buffer-within-max-new-tokens"): (
+        {"sampling": {"maxNewTokens": 16}, "reward": {"overlong": {"buffer": 16}}},
+        {"reward": {"overlong": {"buffer": 33}}}),
+    ("", "policy-options-need-generate"): (
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64, "lossType": "policy_gradient",
+                                                  "policyLoss": {"oldLogprobs": "trainer"}},
+         "rollout": {"source": {"type": "generate", "generate": {}}}},
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64, "lossType": "policy_gradient",
+                                                  "policyLoss": {"oldLogprobs": "trainer"}}},
+    ),
+    ("", "greedy-groups-never-vary"): (
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64},
+         "rollout": {"source": {"type": "generate", "generate": {"sampling": {"temperature": 0.0}}},
+                     "filters": {"zeroVariance": False}}},
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64},
+         "rollout": {"source": {"type": "generate", "generate": {"sampling": {"temperature": 0.0}}}}},
+    ),
     ("rollout.source.synthetic", "min-length-at-most-max"): ({"minLength": 2, "maxLength": 8}, {"minLength": 9, "maxLength": 8}),
     ("rollout.source", "jsonl-settings"): ({"type": "jsonl", "jsonl": {"path": "/x"}}, {"type": "jsonl"}),
     ("rollout.source", "jsonl-only-for-jsonl"): ({"type": "synthetic"}, {"type": "synthetic", "jsonl": {"path": "/x"}}),
@@ -214,6 +249,8 @@ MODEL_OF = {
     "podTemplate": models.PodTemplateOverrides, "rollout.source.generate.prompts": models.PromptsSpec,
     "rollout.source.generate.prompts.synthetic": models.SyntheticPrompts,
     "rollout.source.generate.reward": models.RewardSpec, "": models.TrainingRunSpec,
+    "trainer.policyLoss.rolloutCorrection": models.RolloutCorrectionSpec,
+    "rollout.source.generate": models.GenerateSource,
     "rollout.source.generate.environment": models.EnvironmentSpec,
     "failurePolicy.rules[items]": models.FailureRule, "placement.trainer.kueue": models.KueueTopology,
     "placement.rollout.kueue": models.KueueTopology, "placement.trainer.volcano": models.VolcanoTopology,

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from trainingrun.modeling.attention import PackedSDPAttention, block_causal_mask
 from trainingrun.trainer.loss import (
-    STAT_NAMES, LossInputs, LossSettings, StepTotals, megatron_loss_factor, micro_batch_objective, token_nll,
+    STAT_NAMES, LossInputs, LossSettings, StepTotals, megatron_loss_factor, micro_batch_objective, token_logprobs,
 )
 
 
@@ -106,7 +106,7 @@ def test_empty_micro_batch_contributes_zero_with_a_gradient_path() -> None:
 
 def test_token_nll_shift_and_bad_arguments() -> None:
     logits = torch.log(torch.tensor([[0.1, 0.9], [0.8, 0.2], [0.5, 0.5]]))
-    nll = token_nll(logits, torch.tensor([0, 1, 0]))
+    nll = -token_logprobs(logits, torch.tensor([0, 1, 0]))[0]
     assert torch.allclose(nll, torch.tensor([0.0, -np.log(0.9), -np.log(0.8)], dtype=torch.float32))
     with pytest.raises(ValueError, match="loss_type"):
         micro_batch_objective(logits, _inputs([[0, 1, 0]], [[0, 1, 1]], [1.0]), LossSettings("dpo", "sample"),
@@ -120,7 +120,7 @@ def test_token_nll_shift_and_bad_arguments() -> None:
 # ------------------------------------------------------------------------------------------------------ ppo
 def _with_old(inputs: LossInputs, old: torch.Tensor) -> LossInputs:
     return LossInputs(inputs.tokens, inputs.target_mask, inputs.sample_of, inputs.advantages, inputs.rewards,
-                      inputs.lengths, old_logprobs=old)
+                      inputs.lengths, engine_logprobs=old)
 
 
 @pytest.mark.parametrize("norm", ["sample", "token"])
@@ -211,6 +211,164 @@ def test_sampling_temperature_top_p_and_greedy() -> None:
     assert torch.allclose(logp, torch.log(p)[tok], atol=1e-6)  # the tempered distribution's log-probability
     tok, logp = sample_next(logits, Sampling(temperature=1.0, top_p=0.7), gen)
     assert set(tok.tolist()) <= {0, 1}  # the smallest set of most likely tokens reaching 0.7: p = 0.61, 0.22
-    assert torch.allclose(logp, torch.log_softmax(logits[0], -1)[tok], atol=1e-6)  # untruncated, as documented
+    # the log-probability of the distribution the token was drawn from: the top-p set renormalised, as vLLM's
+    # processed_logprobs (before: the untruncated one, so the two engines recorded different numbers)
+    p1 = torch.softmax(logits[0], -1)
+    assert torch.allclose(logp, torch.log(p1[tok] / p1[:2].sum()), atol=1e-6)
     tok, _ = sample_next(logits[:3], Sampling(temperature=0.0), gen)
     assert tok.tolist() == [0, 0, 0]
+
+
+# ------------------------------------------------------------------------------------------- issue 18: log π, H
+@pytest.mark.parametrize("chunk", [1, 3, None])
+@pytest.mark.parametrize("scale", [1.0, 1 / 0.7])
+def test_token_logprobs_and_entropy_match_log_softmax_and_its_gradients(chunk, scale) -> None:
+    """The one place every loss takes log π and H from: per chunk of rows, against a float64 log-softmax; gradients
+    of any combination of the two outputs; `overwrite` writes the same gradient into the logits."""
+    torch.manual_seed(4)
+    z = torch.randn(9, 13, dtype=torch.float64, requires_grad=True)
+    tok = torch.randint(0, 13, (9,))
+    lp, ent = token_logprobs(z, tok, scale, entropy=True, chunk_rows=chunk)
+    ref = torch.log_softmax(z * scale, -1)[:-1]
+    ref_lp = torch.cat([ref.new_zeros(1), ref.gather(-1, tok[1:, None]).squeeze(-1)])
+    ref_ent = torch.cat([ref.new_zeros(1), -(ref.exp() * ref).sum(-1)])
+    assert torch.allclose(lp, ref_lp, atol=1e-12) and torch.allclose(ent, ref_ent, atol=1e-12)
+    a, b = torch.randn(9, dtype=torch.float64), torch.randn(9, dtype=torch.float64)
+    (g,) = torch.autograd.grad((a * lp + b * ent).sum(), z)
+    (g_ref,) = torch.autograd.grad((a * ref_lp + b * ref_ent).sum(), z)
+    assert torch.allclose(g, g_ref, atol=1e-12)
+    buf = z.detach().float().clone().requires_grad_(True)
+    view = buf * 1.0  # a non-leaf, as the model's output
+    lp32, ent32 = token_logprobs(view, tok, scale, entropy=True, chunk_rows=chunk, overwrite=True)
+    (g32,) = torch.autograd.grad((a.float() * lp32 + b.float() * ent32).sum(), buf)
+    assert torch.allclose(g32.double(), g_ref, atol=1e-5)
+
+
+def test_far_off_tokens_give_finite_ratios_losses_and_gradients() -> None:
+    """Log-ratios are clamped at ±20 before exp: a generator log-probability 200 nats off gives a finite ratio (e^20),
+    loss and gradient, never inf/NaN."""
+    from trainingrun.trainer.loss import LOG_RATIO_CLAMP, PolicySettings
+
+    logits = torch.randn(4, 10, requires_grad=True)
+    inputs = _with_old(_inputs([[1, 2, 3, 4]], [[0, 1, 1, 1]], [-1.0]), torch.tensor([0.0, -200.0, -1.0, 150.0]))
+    obj, stats = micro_batch_objective(logits, inputs, LossSettings("ppo", "token", PolicySettings()),
+                                       StepTotals(global_batch_size=1, loss_tokens=3))
+    (g,) = torch.autograd.grad(obj, logits)
+    row = dict(zip(STAT_NAMES, stats.tolist()))
+    assert torch.isfinite(obj) and torch.isfinite(g).all()
+    assert all(np.isfinite(v).all() for v in row.values())
+    assert row["importance_ratio"][0] <= 3 * np.exp(LOG_RATIO_CLAMP)
+
+
+@pytest.mark.parametrize("log_r", [1e-5, 1e-3, 0.5, -0.5])
+def test_approx_kl_is_schulmans_k3_in_float64(log_r) -> None:
+    """approx_kl = r − 1 − log r with r = π/π_old (k3 of KL(π_old‖π)), exact near r = 1. Before: e^q − q − 1 with
+    q = −log r in float32 — another function (at log r = 0.5: 0.107 instead of 0.149) and 0 or negative below
+    |log r| ~1e-4."""
+    from trainingrun.trainer.loss import PolicySettings
+
+    seq, tok = [1, 2, 3], torch.tensor([1, 2, 3])
+    logits = torch.randn(3, 10, dtype=torch.float64)
+    logp, _ = token_logprobs(logits, tok)
+    old = logp - log_r
+    inputs = _with_old(_inputs([seq], [[0, 1, 1]], [1.0]), old.float())
+    inputs.tokens = tok
+    # float64 logits: the log-ratio reaches the statistic without float32 rounding
+    _, stats = micro_batch_objective(logits, LossInputs(inputs.tokens, inputs.target_mask, inputs.sample_of,
+                                                        inputs.advantages, inputs.rewards, inputs.lengths,
+                                                        engine_logprobs=old),
+                                     LossSettings("ppo", "token", PolicySettings()), StepTotals(1, 2))
+    s, c = dict(zip(STAT_NAMES, stats.tolist()))["approx_kl"]
+    x = (logp - old.float().double())[1:].numpy()  # the log-ratios the loss sees (π_old travels as float32)
+    assert np.allclose(x, log_r, rtol=0.05)
+    assert c == 2 and s == pytest.approx(float((np.expm1(x) - x).sum()), rel=1e-9)
+
+
+def test_policy_gradient_uses_the_sampling_temperature() -> None:
+    """On-policy at T 0.7 the policy_gradient gradient equals ppo's (the GRPO gradient). Before, policy_gradient took
+    log π at temperature 1 (34.5 % off in the audit)."""
+    from trainingrun.trainer.loss import PolicySettings
+
+    torch.manual_seed(5)
+    seqs, masks, adv = [[1, 2, 3, 4], [5, 6, 7]], [[0, 0, 1, 1], [0, 1, 1]], [1.5, -0.5]
+    logits = torch.randn(7, 10, requires_grad=True)
+    pol = PolicySettings(temperature=0.7)
+    inputs = _inputs(seqs, masks, adv)
+    old, _ = token_logprobs(logits.detach(), inputs.tokens, pol.logit_scale)
+    totals = StepTotals(global_batch_size=2, loss_tokens=4)
+    ppo, _ = micro_batch_objective(logits, _with_old(inputs, old), LossSettings("ppo", "sample", pol), totals)
+    pg, _ = micro_batch_objective(logits, _with_old(inputs, old), LossSettings("policy_gradient", "sample", pol),
+                                  totals)
+    g_ppo, g_pg = (torch.autograd.grad(x, logits)[0] for x in (ppo, pg))
+    assert torch.allclose(g_ppo, g_pg, atol=1e-6)
+
+
+def _corrected(kind: str, level: str, **pol):
+    from trainingrun.trainer.loss import PolicySettings, RolloutCorrection
+
+    return PolicySettings(old_logprobs="trainer", correction=RolloutCorrection(
+        type=kind, level=level, threshold=1.5, lower_threshold=0.7 if kind == "mask" else None), **pol)
+
+
+@pytest.mark.parametrize("kind,level", [("tis", "token"), ("tis", "sequence"), ("mask", "token"),
+                                        ("mask", "sequence")])
+def test_correction_weights_are_exactly_one_when_the_engine_is_the_trainer(kind, level) -> None:
+    """Engine log-probabilities equal to the trainer's π_old (engine weights = trainer weights): every tis/mask
+    weight is exactly 1, nothing is masked, and the loss and gradient are exactly the uncorrected ones."""
+    from trainingrun.trainer.loss import PolicySettings
+
+    torch.manual_seed(6)
+    seqs, masks, adv = [[1, 2, 3, 4], [5, 6, 7]], [[0, 0, 1, 1], [0, 1, 1]], [1.5, -0.5]
+    logits = torch.randn(7, 10, requires_grad=True)
+    inputs = _inputs(seqs, masks, adv)
+    old = (token_logprobs(logits.detach(), inputs.tokens)[0] - 0.1).detach()  # a later step: ratio ≠ 1
+    both = LossInputs(inputs.tokens, inputs.target_mask, inputs.sample_of, inputs.advantages, inputs.rewards,
+                      inputs.lengths, engine_logprobs=old, old_logprobs=old)
+    totals = StepTotals(global_batch_size=2, loss_tokens=4)
+    obj, stats = micro_batch_objective(logits, both, LossSettings("ppo", "sample", _corrected(kind, level)), totals)
+    plain, _ = micro_batch_objective(logits, both, LossSettings("ppo", "sample", PolicySettings(
+        old_logprobs="trainer")), totals)
+    row = dict(zip(STAT_NAMES, stats.tolist()))
+    assert row["correction_weight"] == [4.0, 4] and row["correction_weight_max"][0] == 1.0
+    assert row["masked_fraction"] == [0.0, 4] and row["mismatch_kl"][0] == 0.0
+    assert float(obj.detach()) == float(plain.detach())
+    assert torch.equal(torch.autograd.grad(obj, logits)[0], torch.autograd.grad(plain, logits)[0])
+
+
+@pytest.mark.parametrize("norm", ["sample", "token"])
+def test_masked_tokens_leave_the_numerator_only(norm) -> None:
+    """mask: a token whose ρ = π_old/π_engine is outside [lowerThreshold, threshold] adds nothing, but every
+    denominator stays the schedule's: GBS_s or T_s, and each sample's n_i (its loss tokens, masked ones included)."""
+    from trainingrun.trainer.loss import PolicySettings
+
+    torch.manual_seed(7)
+    seqs, masks, adv = [[1, 2, 3, 4], [5, 6, 7]], [[0, 1, 1, 1], [0, 1, 1]], [1.0, -2.0]
+    logits = torch.randn(7, 10, requires_grad=True)
+    inputs = _inputs(seqs, masks, adv)
+    old = token_logprobs(logits.detach(), inputs.tokens)[0].detach()
+    eng = old.clone()
+    eng[2] -= 1.0  # ρ = e^1 > 1.5: masked
+    eng[6] += 1.0  # ρ = e^-1 < 0.7: masked
+    li = LossInputs(inputs.tokens, inputs.target_mask, inputs.sample_of, inputs.advantages, inputs.rewards,
+                    inputs.lengths, engine_logprobs=eng, old_logprobs=old)
+    totals = StepTotals(global_batch_size=5, loss_tokens=11)
+    obj, stats = micro_batch_objective(logits, li, LossSettings("ppo", norm, _corrected("mask", "token")), totals)
+    # by hand: at ratio 1 each kept token adds −A (ppo at r = 1), n_i = 3 and 2, GBS 5, T 11
+    kept = {0: [1, 3], 1: [5]}  # token positions kept per sample
+    if norm == "sample":
+        expected = (-1.0 * len(kept[0]) / 3 + 2.0 * len(kept[1]) / 2) / 5
+    else:
+        expected = (-1.0 * len(kept[0]) + 2.0 * len(kept[1])) / 11
+    assert float(obj.detach()) == pytest.approx(expected, rel=1e-6)
+    row = dict(zip(STAT_NAMES, stats.tolist()))
+    assert row["masked_fraction"] == [2.0, 5]
+
+
+def test_stats_merge_takes_the_maximum_of_max_rows() -> None:
+    from trainingrun.trainer.loss import MAX_STATS, merge_stats
+
+    a, b = torch.zeros(len(STAT_NAMES), 2, dtype=torch.float64), torch.zeros(len(STAT_NAMES), 2, dtype=torch.float64)
+    i, j = STAT_NAMES.index(MAX_STATS[0]), STAT_NAMES.index("entropy")
+    a[i], b[i], a[j], b[j] = torch.tensor([3.0, 2]), torch.tensor([1.5, 4]), torch.tensor([1.0, 2]), torch.tensor([2.0, 3])
+    merge_stats(a, b)
+    assert a[i].tolist() == [3.0, 6] and a[j].tolist() == [3.0, 5]

@@ -11,7 +11,10 @@ from trainingrun.contract.errors import ConfigError
 from trainingrun.contract.published import PublishedRollout, build_published
 from trainingrun.rollout.groups import SampleGroup
 from trainingrun.rollout.jsonl import load_jsonl
-from trainingrun.rollout.pipeline import apply_filters, as_samples, compute_advantages, split_into_steps
+from trainingrun.rollout.generate import overlong_penalty
+from trainingrun.rollout.pipeline import (
+    apply_filters, as_samples, compute_advantages, group_advantages, normalize_over_steps, split_into_steps,
+)
 from trainingrun.rollout.synthetic import EOS, SEP, SyntheticConfig, synthetic_rollout, truncated_pareto_lengths
 
 CFG = SyntheticConfig(task="reverse", min_length=4, max_length=24, vocab_size=40, group_size=4,
@@ -91,6 +94,52 @@ def test_advantages_group_normalised_or_one_for_sft():
         assert np.array_equal(np.argsort(g.advantages, kind="stable"), np.argsort(g.rewards, kind="stable"))
     compute_advantages(groups, "sft")
     assert all((g.advantages == 1).all() for g in groups)
+
+
+def _reference_advantages(r: list[float], estimator: str, std: str) -> list[float]:
+    """The estimators written out element by element (docs/rl.md), in plain Python floats."""
+    n = len(r)
+    mean = sum(r) / n
+    if estimator == "grpo":
+        var = sum((x - mean) ** 2 for x in r) / (n - 1 if std == "unbiased" and n > 1 else n)
+        return [(x - mean) / (var ** 0.5 + 1e-6) for x in r]
+    if estimator == "rloo":  # each sample's baseline: the mean of the others' rewards
+        return [x - (sum(r) - x) / (n - 1) for x in r] if n > 1 else [0.0] * n
+    return [x - mean for x in r]  # dr_grpo; reinforce_pp before the step normalisation
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp"])
+@pytest.mark.parametrize("std", ["population", "unbiased"])
+def test_advantage_estimators_match_their_formulas(estimator, std):
+    rng = np.random.default_rng(1)
+    for n in (1, 2, 5, 8):
+        r = rng.integers(0, 3, n).astype(np.float64) / 2
+        got = group_advantages(r.astype(np.float32), estimator, std)
+        assert np.allclose(got, _reference_advantages(r.tolist(), estimator, std), rtol=1e-9, atol=1e-9), (n, r)
+    with pytest.raises(ValueError, match="estimator"):
+        group_advantages(np.ones(2), "ppo")
+
+
+def test_reinforce_pp_normalises_over_each_step():
+    groups = _groups([3, 2, 4, 3])
+    rng = np.random.default_rng(2)
+    for g in groups:
+        g.rewards = rng.random(len(g)).astype(np.float32)
+        g.advantages = None
+    compute_advantages(groups, "ppo", "reinforce_pp")
+    flat = as_samples(groups).advantages
+    for per_step, cuts in ((2, [0, 5, 12]), (None, [0, 12])):  # fixed steps of 2 groups; one dynamic step
+        out = normalize_over_steps(flat, groups, per_step, "unbiased")
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            x = flat[a:b].astype(np.float64)
+            assert np.allclose(out[a:b], (x - x.mean()) / (x.std(ddof=1) + 1e-6), atol=1e-6)
+        assert np.allclose([out[a:b].mean() for a, b in zip(cuts[:-1], cuts[1:])], 0, atol=1e-6)
+
+
+def test_overlong_penalty_is_dapos_linear_ramp():
+    # maxNewTokens 16, buffer 4: free up to 12 tokens, then −penalty · (L − 12) / 4
+    assert [overlong_penalty(n, 16, 4, 1.0) for n in (1, 12, 13, 14, 16)] == [0.0, 0.0, -0.25, -0.5, -1.0]
+    assert overlong_penalty(16, 16, 16, 0.5) == -0.5 and overlong_penalty(0, 16, 16, 0.5) == 0.0
 
 
 def _groups(sizes):

@@ -303,13 +303,72 @@ class CheckpointSpec(ApiModel):
     keep: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept; older ones are deleted.")
 
 
+class RolloutCorrectionSpec(ApiModel):
+    """Correction of the train–inference mismatch (docs/rl.md, "Rollout correction"): ρ = π_old/π_engine per token,
+    or at level sequence the geometric mean of the sample's per-token ρ."""
+
+    CEL_RULES = (
+        Rule(name="lower-threshold-for-mask", rule="!has(self.lowerThreshold) || self.type == 'mask'",
+             message="rolloutCorrection.lowerThreshold is for type mask only", fieldPath=".lowerThreshold"),
+        Rule(name="lower-below-threshold", rule="!has(self.lowerThreshold) || self.lowerThreshold < self.threshold",
+             message="rolloutCorrection.lowerThreshold must be below threshold", fieldPath=".lowerThreshold"),
+    )
+
+    type: Literal["none", "tis", "mask"] = Field(
+        "none", description="none; tis: each token's loss times min(ρ, threshold) (truncated importance sampling); "
+                            "mask: tokens (level token) or whole samples (level sequence) whose ρ lies outside "
+                            "[lowerThreshold, threshold] are left out of the loss.")
+    level: Literal["token", "sequence"] = Field(
+        "token", description="token: ρ per token; sequence: the geometric mean of the sample's per-token ρ.")
+    threshold: float = Field(2.0, ge=1.0, le=1e6, description="Upper bound of ρ (tis truncates at it).")
+    lower_threshold: float | None = Field(None, ge=0.0, le=1.0,
+                                          description="mask: lower bound of ρ; unset: 1 / threshold.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> RolloutCorrectionSpec:
+        if self.lower_threshold is not None and self.type != "mask":
+            raise ValueError(self.cel_rule("lower-threshold-for-mask").message)
+        if self.lower_threshold is not None and not self.lower_threshold < self.threshold:
+            raise ValueError(self.cel_rule("lower-below-threshold").message)
+        return self
+
+
 class PolicyLossSpec(ApiModel):
-    """The clipped importance-sampling objective (PPO/GRPO) with separate low/high clip (DAPO's clip-higher)."""
+    """The policy objectives of generated rollouts (docs/rl.md, "Policy loss"): the clipped importance-sampling
+    objective (PPO/GRPO) with separate low/high clip (DAPO's clip-higher), optional dual clip, token or sequence
+    (GSPO) ratios, the old policy, the train–inference mismatch correction and an entropy bonus."""
 
     clip_low: float = Field(0.2, ge=0.0, le=1.0, description="The ratio is clipped below at 1 - clipLow.")
     clip_high: float = Field(0.28, ge=0.0, le=10.0, description="The ratio is clipped above at 1 + clipHigh.")
     kl_coef: float = Field(0.0, ge=0.0, le=100.0, description="Weight of the KL penalty to the initial policy (k3 "
                                                               "estimator); 0: off (no reference model).")
+    old_logprobs: Literal["engine", "trainer"] = Field(
+        "engine", description="pi_old of the ratio: the engine's log-probabilities, or the trainer's own from a "
+                              "forward-only pass before a rollout's first update (the engine's then stay the "
+                              "behaviour policy of rolloutCorrection).")
+    rollout_correction: RolloutCorrectionSpec = Field(
+        default_factory=lambda: RolloutCorrectionSpec(),
+        description="Correction of the gap between the engine's and the trainer's log-probabilities.")
+    ratio_level: Literal["token", "sequence"] = Field(
+        "token", description="ppo: token ratios, or sequence (GSPO): the sample's length-normalised sequence ratio, "
+                             "clipped per sequence.")
+    clip_ratio_c: float | None = Field(None, gt=1.0, le=1000.0,
+                                       description="ppo dual clip: the loss of a negative advantage is at most "
+                                                   "-A * clipRatioC; unset: off.")
+    entropy_coef: float = Field(0.0, ge=0.0, le=10.0,
+                                description="Entropy bonus: the loss minus entropyCoef times the policy's entropy "
+                                            "at each trained token; 0: off.")
+
+
+class AdvantageSpec(ApiModel):
+    """How the rollout turns a group's rewards into advantages (docs/rl.md, "Advantages"), once per group."""
+
+    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = Field(
+        "grpo", description="grpo: (r - group mean) / (group std + 1e-6); dr_grpo: r - group mean; rloo: r - mean of "
+                            "the group's other rewards; reinforce_pp: r - group mean, then normalised over the step.")
+    std_normalization: Literal["population", "unbiased"] = Field(
+        "population", description="The std of grpo's group and of reinforce_pp's step: population (/n) or unbiased "
+                                  "(/(n - 1)).")
 
 
 class RecomputeSpec(ApiModel):
@@ -383,6 +442,29 @@ class TrainerSpec(ApiModel):
             fieldPath=".replicas",
         ),
         Rule(
+            name="ppo-correction-needs-trainer-old-logprobs",
+            rule="self.lossType != 'ppo' || !has(self.policyLoss) || !has(self.policyLoss.rolloutCorrection) || "
+            "self.policyLoss.rolloutCorrection.type == 'none' || self.policyLoss.oldLogprobs == 'trainer'",
+            message="policyLoss.rolloutCorrection with lossType ppo needs policyLoss.oldLogprobs trainer (with "
+            "oldLogprobs engine pi_old is the engine's own, so rho = pi_old / pi_engine is 1 and nothing is corrected)",
+            fieldPath=".policyLoss.rolloutCorrection",
+        ),
+        Rule(
+            name="sft-has-no-old-policy",
+            rule="self.lossType != 'sft' || !has(self.policyLoss) || (self.policyLoss.oldLogprobs == 'engine' && "
+            "(!has(self.policyLoss.rolloutCorrection) || self.policyLoss.rolloutCorrection.type == 'none'))",
+            message="lossType sft has no policy ratio: policyLoss.oldLogprobs trainer and rolloutCorrection need "
+            "lossType ppo or policy_gradient",
+            fieldPath=".policyLoss",
+        ),
+        Rule(
+            name="ratio-options-need-ppo",
+            rule="self.lossType == 'ppo' || !has(self.policyLoss) || (self.policyLoss.ratioLevel == 'token' && "
+            "!has(self.policyLoss.clipRatioC))",
+            message="policyLoss.ratioLevel sequence and clipRatioC shape the ppo ratio: they need lossType ppo",
+            fieldPath=".policyLoss",
+        ),
+        Rule(
             name="param-gather-overlap-needs-distributed-optimizer",
             rule="!has(self.performance) || !has(self.performance.overlapParamGather)"
             " || !self.performance.overlapParamGather"
@@ -407,7 +489,10 @@ class TrainerSpec(ApiModel):
     loss_type: Literal["sft", "policy_gradient", "ppo"] = Field(
         "sft", description="Masked cross-entropy, policy gradient, or ppo: the clipped importance-sampling objective "
                            "against the generator's log-probabilities (generated rollouts).")
-    policy_loss: PolicyLossSpec = Field(default_factory=lambda: PolicyLossSpec(), description="Settings of lossType ppo.")
+    policy_loss: PolicyLossSpec = Field(default_factory=lambda: PolicyLossSpec(),
+                                        description="Settings of the policy losses (ppo, policy_gradient).")
+    advantage: AdvantageSpec = Field(default_factory=lambda: AdvantageSpec(),
+                                     description="Advantage estimator of generated and synthetic rollouts.")
     loss_normalization: Literal["sample", "token"] = Field(
         "sample", description="Divide by the step's samples (mean over each sample's tokens) or its loss tokens."
     )
@@ -425,6 +510,14 @@ class TrainerSpec(ApiModel):
             raise ValueError(self.cel_rule("one-micro-batching").message)
         if self.world_size % (self.tensor_parallel_size * self.pipeline_parallel_size):
             raise ValueError(self.cel_rule("parallel-sizes-divide-world").message)
+        pl = self.policy_loss
+        correcting = pl.rollout_correction.type != "none"
+        if self.loss_type == "ppo" and correcting and pl.old_logprobs != "trainer":
+            raise ValueError(self.cel_rule("ppo-correction-needs-trainer-old-logprobs").message)
+        if self.loss_type == "sft" and (pl.old_logprobs != "engine" or correcting):
+            raise ValueError(self.cel_rule("sft-has-no-old-policy").message)
+        if self.loss_type != "ppo" and (pl.ratio_level != "token" or pl.clip_ratio_c is not None):
+            raise ValueError(self.cel_rule("ratio-options-need-ppo").message)
         if self.performance.overlap_param_gather and not self.optimizer.distributed:
             raise ValueError(self.cel_rule("param-gather-overlap-needs-distributed-optimizer").message)
         return self
@@ -545,6 +638,14 @@ class SamplingSpec(ApiModel):
                                       description="Token ids that end a completion (besides the end-of-text token).")
 
 
+class OverlongSpec(ApiModel):
+    """DAPO's overlong shaping: a completion of L tokens gets penalty · min(0, (maxNewTokens − buffer − L) / buffer)
+    added to its reward (0 up to maxNewTokens − buffer tokens, −penalty at maxNewTokens)."""
+
+    buffer: int = Field(..., ge=1, le=131072, description="Tokens before maxNewTokens over which the penalty grows.")
+    penalty: float = Field(1.0, ge=0.0, le=1e6, description="The penalty at maxNewTokens.")
+
+
 class RewardSpec(ApiModel):
     """How a completion is scored. A reward that raises, runs past timeoutSeconds or returns a non-finite number is
     recorded as failed (reward failedReward), counted in metrics, and never stops the rollout."""
@@ -568,6 +669,9 @@ class RewardSpec(ApiModel):
     failed_reward: float = Field(0.0, ge=-1e6, le=1e6, description="Reward of a sample whose reward failed.")
     workers: int = Field(1, ge=1, le=64, description="Processes scoring in parallel (reasoning_gym, math_verify, "
                                                      "function).")
+    overlong: OverlongSpec | None = Field(
+        None, description="DAPO's overlong reward shaping: a linear penalty over the last `buffer` tokens before "
+                          "sampling.maxNewTokens, added to the reward; unset: off.")
 
     @model_validator(mode="after")
     def _rules(self) -> RewardSpec:
@@ -637,12 +741,25 @@ class GenerateSource(ApiModel):
     """Rollouts generated by the policy itself: groupSize completions per prompt, scored by the reward (or groupSize
     multi-turn episodes per prompt with an environment)."""
 
+    CEL_RULES = (
+        Rule(name="overlong-buffer-within-max-new-tokens",
+             rule="!has(self.reward) || !has(self.reward.overlong) || self.reward.overlong.buffer <= "
+             "(has(self.sampling) ? self.sampling.maxNewTokens : 32)",
+             message="reward.overlong.buffer must be at most sampling.maxNewTokens", fieldPath=".reward.overlong"),
+    )
+
     prompts: PromptsSpec = Field(default_factory=PromptsSpec, description="Where prompts come from.")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec,
                                    description="Sampling settings (per model turn with an environment).")
     reward: RewardSpec = Field(default_factory=RewardSpec, description="The reward (not used with an environment).")
     environment: EnvironmentSpec | None = Field(
         None, description="Multi-turn episodes with an environment instead of single completions.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> GenerateSource:
+        if self.reward.overlong is not None and self.reward.overlong.buffer > self.sampling.max_new_tokens:
+            raise ValueError(self.cel_rule("overlong-buffer-within-max-new-tokens").message)
+        return self
 
 
 class VLLMSettings(ApiModel):
@@ -1120,6 +1237,25 @@ class TrainingRunSpec(ApiModel):
             fieldPath=".weightSync.type",
         ),
         Rule(
+            name="policy-options-need-generate",
+            rule=f"({_GENERATED}) || !has(self.trainer.policyLoss) || (self.trainer.policyLoss.oldLogprobs == "
+            "'engine' && (!has(self.trainer.policyLoss.rolloutCorrection) || "
+            "self.trainer.policyLoss.rolloutCorrection.type == 'none'))",
+            message="trainer.policyLoss.oldLogprobs trainer and rolloutCorrection compare with the engine's "
+            "log-probabilities: they need generated rollouts (rollout.source.type generate)",
+            fieldPath=".trainer.policyLoss",
+        ),
+        Rule(
+            name="greedy-groups-never-vary",
+            rule=f"!({_GENERATED}) || !has(self.rollout.source.generate.sampling) || "
+            "self.rollout.source.generate.sampling.temperature > 0.0 || self.rollout.groupSize < 2 || "
+            "(has(self.rollout.filters) && !self.rollout.filters.zeroVariance)",
+            message="rollout.source.generate.sampling.temperature 0 (greedy) gives every completion of a group the "
+            "same tokens and reward, so with groupSize > 1 the zero-variance filter drops every group and the run "
+            "can never train; set temperature > 0, groupSize 1, or rollout.filters.zeroVariance false",
+            fieldPath=".rollout.source.generate.sampling.temperature",
+        ),
+        Rule(
             name="bf16-grad-reduce-needs-bf16",
             rule="!has(self.trainer.performance) || !has(self.trainer.performance.gradReduceDtype)"
             " || self.trainer.performance.gradReduceDtype != 'bf16'"
@@ -1231,6 +1367,13 @@ class TrainingRunSpec(ApiModel):
                  if x is not None]
         if any(self.trainer.replicas % size for size in sizes):
             raise ValueError(self.cel_rule("slices-divide-the-pods").message)
+        pl = self.trainer.policy_loss
+        if not generated and (pl.old_logprobs != "engine" or pl.rollout_correction.type != "none"):
+            raise ValueError(self.cel_rule("policy-options-need-generate").message)
+        gen = self.rollout.source.generate
+        if generated and gen is not None and gen.sampling.temperature <= 0 and self.rollout.group_size >= 2 \
+                and self.rollout.filters.zero_variance:
+            raise ValueError(self.cel_rule("greedy-groups-never-vary").message)
         if self.trainer.performance.grad_reduce_dtype == "bf16" and self.model.precision != "bf16":
             raise ValueError(self.cel_rule("bf16-grad-reduce-needs-bf16").message)
         return self
@@ -1372,12 +1515,15 @@ ALL_MODELS: tuple[type[ApiModel], ...] = (
     PromptsJsonl,
     PromptsSpec,
     SamplingSpec,
+    OverlongSpec,
     RewardSpec,
     EnvironmentSpec,
     GenerateSource,
     EngineSpec,
     WeightSyncSpec,
+    RolloutCorrectionSpec,
     PolicyLossSpec,
+    AdvantageSpec,
     SourceSpec,
     FilterSpec,
     StepPolicy,

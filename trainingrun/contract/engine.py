@@ -7,10 +7,12 @@ OpenAI-compatible server (`vllm`).
     engine.close()
 
 Completion: the generated token ids (without the prompt; ending with the stop token when one ended it), the
-generator's log-probability of each of them, and why it ended. The log-probabilities are those of
-softmax(logits / temperature) over the whole vocabulary — the distribution the token was drawn from before top-p
-truncation — so the trainer, which divides its logits by the same temperature, computes the same numbers for the same
-weights (with temperature 1 they are the plain model log-probabilities).
+generator's log-probability of each of them, and why it ended. The log-probabilities are those of the distribution
+the token was drawn from: softmax(logits / temperature) over the whole vocabulary, and with top_p < 1 its top-p set
+renormalised (log p − log Σ_kept p) — what vLLM reports with `processed_logprobs`, and what the in-process engine
+records. With top_p 1 the trainer, which divides its logits by the same temperature, computes the same numbers for
+the same weights (with temperature 1 they are the plain model log-probabilities); with top_p < 1 the difference is
+the truncated mass, a mismatch the trainer's rollout correction sees (docs/rl.md).
 
 Weight versions count the rollouts the trainers have trained (0: the initial weights). The trainers' weight
 publisher (`trainingrun/trainer/weights.py`, chosen by `spec.weightSync`) makes a version loadable; an engine is

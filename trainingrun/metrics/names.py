@@ -23,6 +23,16 @@ TRAINER_WEIGHTED = {
     "trainingrun_trainer_approx_kl": "KL(pi_old || pi) estimate (k3) per trained token; sum and count per rank.",
     "trainingrun_trainer_entropy": "Entropy of the policy at each trained token; sum and count per rank.",
     "trainingrun_trainer_response_length": "Trained (response) tokens per sample; sum and count per rank.",
+    "trainingrun_trainer_mismatch_kl": "Train-inference mismatch KL(pi_engine || pi_trainer) estimate (k3) per "
+                                       "trained token, before the update; sum and count per rank.",
+    "trainingrun_trainer_correction_weight": "Rollout-correction weight (tis: min(rho, threshold); mask: 0 or 1) per "
+                                             "trained token; sum and count per rank.",
+    "trainingrun_trainer_masked_fraction": "Trained tokens the rollout correction masked (1) or kept (0); sum and "
+                                           "count per rank.",
+    "trainingrun_trainer_seq_clip_fraction": "ratioLevel sequence (GSPO): samples whose sequence ratio was clipped "
+                                             "(1) or not (0); sum and count per rank.",
+    "trainingrun_trainer_entropy_bonus": "Entropy bonus entropyCoef * entropy per trained token (subtracted from the "
+                                         "loss); sum and count per rank.",
 }
 
 # --- trainer: rank 0 gauges, reduced over all ranks for the last step.
@@ -41,6 +51,9 @@ TRAINER_GAUGES = {
     "trainingrun_trainer_reward_mean": "Mean reward of all samples generated for the last step's rollout.",
     "trainingrun_trainer_weight_version": "Weight version the last step's samples were generated with.",
     "trainingrun_trainer_policy_lag": "Rollouts between the trainer's weights and the generator's (last step).",
+    "trainingrun_trainer_correction_weight_max": "Largest rollout-correction weight of the last step (all ranks).",
+    "trainingrun_trainer_old_logprob_seconds": "Seconds of the forward-only pi_old pass of the last rollout "
+                                               "(policyLoss.oldLogprobs trainer).",
 }
 
 # --- trainer: per-rank counters

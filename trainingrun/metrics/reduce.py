@@ -74,14 +74,24 @@ def reduce_sets(sets: Iterable[WeightedSet]) -> WeightedSet:
 def allreduce_pairs(pairs, group=None):
     """All-reduce (SUM) a float64 tensor [N, 2] of (sum, count) pairs over `group` in one collective; returns a new
     tensor. Without an initialised process group it returns a copy (single process)."""
+    return _allreduce(pairs, group, "SUM")
+
+
+def allreduce_max(values, group=None):
+    """Element-wise maximum of a float64 tensor over `group` (a maximum statistic beside the pairs); a new tensor,
+    a copy without an initialised process group."""
+    return _allreduce(values, group, "MAX")
+
+
+def _allreduce(values, group, op: str):
     import torch  # deferred: torch
     import torch.distributed as dist  # deferred: torch
 
-    t = pairs.detach().to(torch.float64).clone()
+    t = values.detach().to(torch.float64).clone()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         if dist.get_backend(group) == "nccl":
             t = t.cuda()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=group)
         t = t.cpu()
     return t
 

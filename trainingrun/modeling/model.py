@@ -289,17 +289,18 @@ def _params_to_dtype(model, dtype: torch.dtype) -> None:
 
 def load_canonical_state(model, state: dict[str, torch.Tensor]) -> None:
     """Copy a canonical (local-spec names) state dict of this rank's shard into `model` (either spec), casting to
-    each parameter's dtype; ValueError naming missing, unexpected or misshapen tensors."""
+    each parameter's dtype; ValueError naming missing, unexpected or misshapen tensors, before anything is copied
+    (the model keeps its weights)."""
     own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     renamed = model_names(state, own.keys())
     missing = sorted(set(own) - set(renamed))
     unexpected = sorted(set(renamed) - set(own))
     if missing or unexpected:
         raise ValueError(f"weights do not fit the model: missing {missing[:6]}, unexpected {unexpected[:6]}")
+    for key, value in renamed.items():
+        if own[key].shape != value.shape:
+            raise ValueError(f"weights do not fit the model: {key} has shape {tuple(value.shape)}, the model "
+                             f"needs {tuple(own[key].shape)}")
     with torch.no_grad():
         for key, value in renamed.items():
-            target = own[key]
-            if target.shape != value.shape:
-                raise ValueError(f"weights do not fit the model: {key} has shape {tuple(value.shape)}, the model "
-                                 f"needs {tuple(target.shape)}")
-            target.copy_(value.to(device=target.device, dtype=target.dtype))
+            own[key].copy_(value.to(device=own[key].device, dtype=own[key].dtype))

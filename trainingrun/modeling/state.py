@@ -1,11 +1,11 @@
 """A live model's weights as plain tensors and arrays: what the trainers publish and the engines load.
 
-* `state_dict_arrays` / `arrays_state_dict`: a module's own state dict as numpy arrays and back (bf16 travels as
-  its raw 16 bits) — the `weightSync.type: store` wire form, written by the trainers' `StoreWeightPublisher` and
-  loaded by the rollout's in-process Megatron engine.
+* `tensors_arrays` / `arrays_state_dict`: a state dict as numpy arrays and back (bf16 travels as its raw 16 bits) —
+  the `weightSync.type: store` wire form, written by the trainers' `StoreWeightPublisher` (of `gather_live_state`)
+  and loaded by the rollout's in-process Megatron engine; `state_dict_arrays` the same of a module's own state dict.
 * `gather_live_state`: the full (tensor-parallel-gathered, pipeline stages joined) canonical Megatron state dict of a
-  live model, on the model-parallel group's first rank — what the disk/broadcast publishers of the vLLM engine
-  convert to Hugging Face names.
+  live model, on the model-parallel group's first rank — what every publisher sends: the store publisher as arrays,
+  the vLLM disk/broadcast publishers converted to Hugging Face names. `live_layout` says where this rank sits.
 """
 
 from __future__ import annotations
@@ -21,10 +21,15 @@ from trainingrun.modeling.architecture import Architecture
 
 
 def state_dict_arrays(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """(arrays, dtypes) of a module's state dict: numpy views (bf16 as uint16 bits), and each tensor's torch dtype
-    name. TransformerEngine `_extra_state` blobs are not weights and are skipped."""
+    """`tensors_arrays` of a module's own state dict."""
+    return tensors_arrays(module.state_dict())
+
+
+def tensors_arrays(state: dict[str, torch.Tensor]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(arrays, dtypes) of a state dict: numpy views (bf16 as uint16 bits), and each tensor's torch dtype name.
+    TransformerEngine `_extra_state` blobs are not weights and are skipped."""
     arrays, dtypes = {}, {}
-    for name, t in module.state_dict().items():
+    for name, t in state.items():
         if name.endswith("_extra_state") or not isinstance(t, torch.Tensor):
             continue
         t = t.detach().cpu().contiguous()
@@ -46,6 +51,20 @@ def arrays_state_dict(arrays: dict[str, np.ndarray], dtypes: dict[str, str]) -> 
             else:
                 out[name] = torch.from_numpy(arr)
     return out
+
+
+def live_layout() -> dict:
+    """Where this rank sits for `gather_live_state` (its keyword arguments) and the publishers: tp_group, tp_size,
+    tp_rank, pp_group, pp_size, pp_rank and dp_rank (only data-parallel replica 0 gathers), from Megatron's parallel
+    state; {} (one process: nothing to gather) where Megatron's model-parallel groups are not initialised."""
+    from megatron.core import parallel_state as ps  # deferred: megatron (imported after the CPU shim)
+
+    if not ps.model_parallel_is_initialized():
+        return {}
+    return dict(tp_group=ps.get_tensor_model_parallel_group(), tp_size=ps.get_tensor_model_parallel_world_size(),
+                tp_rank=ps.get_tensor_model_parallel_rank(), pp_group=ps.get_pipeline_model_parallel_group(),
+                pp_size=ps.get_pipeline_model_parallel_world_size(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+                dp_rank=ps.get_data_parallel_rank())
 
 
 def gather_live_state(module: torch.nn.Module, arch: Architecture, *, tp_group=None, tp_size: int = 1,

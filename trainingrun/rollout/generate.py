@@ -7,7 +7,8 @@ The three first stages of the rollout loop for generated rollouts:
                           trainers published it), samples groupSize completions per prompt; a sample = prompt +
                           completion, loss mask on the completion, the generator's per-token log-probabilities,
                           its weight version
-    score(groups)         the reward of every completion (`rollout/rewards.py`); failed rewards are counted
+    score(groups)         the reward of every completion (`rollout/rewards.py`); failed rewards are counted;
+                          with `reward.overlong`, DAPO's length penalty is added (`overlong_penalty`)
 
 With `environment` the generate stage runs groupSize multi-turn episodes per prompt instead (`rollout/episodes.py`:
 one engine call per turn, the environment's observations between turns, its rewards), and score has nothing left
@@ -61,14 +62,18 @@ class GenerateStats:
     episodes: EpisodeCounts | None = None  # with an environment
 
 
+def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: float) -> float:
+    """DAPO's overlong reward shaping: 0 for a completion of at most max_new_tokens − buffer tokens, then falling
+    linearly to −penalty at max_new_tokens: penalty · (max_new_tokens − buffer − length) / buffer."""
+    free = max_new_tokens - buffer
+    return 0.0 if length <= free else penalty * (free - min(length, max_new_tokens)) / buffer
+
+
 def make_engine(spec, store, arch: Architecture) -> Engine:
     """The engine `spec.rollout.engine` names (the in-process one builds `arch`), fetching weights through the run's
     weight sync."""
     e = spec.rollout.engine
     if e.type == "megatron":
-        if spec.trainer.tensor_parallel_size != 1:
-            raise ConfigError("trainer.tensorParallelSize: generated rollouts with the megatron engine need 1 "
-                              "(the weights are published from one rank)")
         from trainingrun.rollout.megatron_engine import MegatronEngine  # deferred: torch, megatron
 
         return MegatronEngine(arch, fetch=store.read_weights, max_batch=e.max_batch, seed=spec.seed)
@@ -216,7 +221,11 @@ class GenerateSource:
                 items.append((r, reference))
                 where.append((g, i))
         scored = self.scorer.score(items)
+        overlong = self.g.reward.overlong
         for (g, i), reward in zip(where, scored.rewards):
+            if overlong is not None:  # the completion's tokens are the loss-masked ones
+                reward += overlong_penalty(int(g.loss_masks[i].sum()), self.sampling.max_new_tokens,
+                                           overlong.buffer, overlong.penalty)
             g.rewards[i] = reward
 
         self.stats.reward_failed = scored.counts()

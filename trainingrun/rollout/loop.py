@@ -39,7 +39,9 @@ from trainingrun.modeling.tokenizer import TokenizerError, run_tokenizer
 from trainingrun.rollout.generate import GenerateSource, required_version
 from trainingrun.rollout.groups import SampleGroup
 from trainingrun.rollout.jsonl import JsonlSource, load_jsonl
-from trainingrun.rollout.pipeline import FilterStats, apply_filters, as_samples, compute_advantages, split_into_steps
+from trainingrun.rollout.pipeline import (
+    FilterStats, apply_filters, as_samples, compute_advantages, normalize_over_steps, split_into_steps,
+)
 from trainingrun.rollout.recovery import TrainersAhead, discard_below
 from trainingrun.rollout.source import Source
 from trainingrun.rollout.synthetic import SyntheticConfig, SyntheticSource
@@ -107,6 +109,7 @@ def config_fingerprint(spec: TrainingRunSpec, arch: Architecture) -> str:
     relevant = {
         "seed": spec.seed, "rollout": rollout, "model": arch.to_dict(),
         "trainer": [t.max_tokens_per_gpu, t.micro_batch_size, t.microbatch_multiple, t.loss_type],
+        "advantage": t.advantage.to_dict(),
     }
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -189,6 +192,11 @@ def make_source(spec: TrainingRunSpec, arch: Architecture, say: Callable[[str], 
         assert r.source.jsonl is not None
         data = load_jsonl(r.source.jsonl.path, vocab_size=arch.vocab_size, tokenizer=lambda: _run_tokenizer(arch))
         say(f"rollout: {data.path}: {data.num_samples} samples in {len(data.groups)} groups")
+        if spec.trainer.advantage.estimator == "reinforce_pp" and any(g.advantages is not None for g in data.groups):
+            raise ConfigError(
+                f"trainer.advantage.estimator: reinforce_pp normalises advantages over each step, but "
+                f"{r.source.jsonl.path} gives advantages, which are used as they are; use estimator grpo (or give "
+                "rewards only)")
         return JsonlSource(data, groups_per_rollout)
     s = r.source.synthetic
     return SyntheticSource(SyntheticConfig(
@@ -260,7 +268,7 @@ class RolloutLoop:
         after = self.account(state, groups, fstats, carry)
         if not step_groups:
             return self.carry_over(state, after, groups, fstats, quiet=replay), None, None
-        stats = self.source_stats(state, after, groups, kept, fstats)
+        stats = self.source_stats(state, after, groups, kept, fstats, carried_in=sum(len(g) for g in carried))
         published, payloads = self.schedule(state, step_groups, stats)
         return after, published, payloads
 
@@ -308,12 +316,13 @@ class RolloutLoop:
         return fresh, stale
 
     def source_stats(self, state: RolloutState, after: RolloutState, groups: list[SampleGroup], kept: list[SampleGroup],
-                     fstats: FilterStats) -> contract.SourceStats:
+                     fstats: FilterStats, *, carried_in: int) -> contract.SourceStats:
+        """`carried_in`: the carried samples this rollout trains or carries on (those dropped as stale are not)."""
         rewards = np.concatenate([g.rewards for g in groups]).astype(np.float64) if groups else np.zeros(0)
         gen = getattr(self.source, "stats", None)
         return contract.SourceStats(
             source_index=state.source_index, produced=sum(len(g) for g in groups), filtered=fstats.as_dict(),
-            carried_in=state.carried_samples, carried_out=after.carried_samples, seed=self.spec.seed,
+            carried_in=carried_in, carried_out=after.carried_samples, seed=self.spec.seed,
             reward_sum=float(rewards.sum()), reward_sq_sum=float((rewards ** 2).sum()), reward_count=len(rewards),
             reward_failed=sum(gen.reward_failed.values()) if gen is not None else 0,
             weight_version=min((int(g.versions.min()) for g in groups if g.versions is not None), default=-1),
@@ -359,7 +368,8 @@ class RolloutLoop:
     def filter(self, groups: list[SampleGroup], *, count: bool = True) -> tuple[list[SampleGroup], FilterStats]:
         kept, fstats = apply_filters(groups, max_length=self.max_length,
                                      zero_variance=self.spec.rollout.filters.zero_variance)
-        compute_advantages(kept, self.spec.trainer.loss_type)
+        adv = self.spec.trainer.advantage
+        compute_advantages(kept, self.spec.trainer.loss_type, adv.estimator, adv.std_normalization)
         if self.metrics is not None and count:
             self.metrics.produced.inc(sum(len(g) for g in groups))
             for name, n in fstats.as_dict().items():
@@ -408,9 +418,14 @@ class RolloutLoop:
     def schedule(self, state: RolloutState, step_groups: list[SampleGroup],
                  stats: contract.SourceStats) -> tuple[contract.PublishedRollout, dict]:
         r, t = self.spec.rollout, self.spec.trainer
+        groups_per_step = r.steps.global_batch_size if r.steps.policy == "fixed" else None
+        samples = as_samples(step_groups)
+        if t.advantage.estimator == "reinforce_pp" and t.loss_type != "sft":
+            samples.advantages = normalize_over_steps(samples.advantages, step_groups, groups_per_step,
+                                                      t.advantage.std_normalization)
         published, payloads, _ = contract.build_published(
-            state.next_rollout, as_samples(step_groups), dp_size=self.dp,
-            groups_per_step=r.steps.global_batch_size if r.steps.policy == "fixed" else None,
+            state.next_rollout, samples, dp_size=self.dp,
+            groups_per_step=groups_per_step,
             max_tokens_per_gpu=t.max_tokens_per_gpu, micro_batch_size=t.micro_batch_size,
             microbatch_multiple=t.microbatch_multiple, step_offset=state.step_offset,
             samples_offset=state.samples_offset, stats=stats,
@@ -434,7 +449,9 @@ class RolloutLoop:
         assert st is not None
         self.say(
             f"rollout {k}{'' if fresh else ' (already committed: re-publish skipped)'}: {st.produced} produced, "
-            f"filtered {st.filtered}, {st.carried_in} carried in, {published.num_samples} samples in "
+            f"filtered {st.filtered}, {st.carried_in} carried in"
+            + (f" ({st.filtered['stale']} carried dropped as stale)" if st.filtered.get("stale") else "")
+            + f", {published.num_samples} samples in "
             f"{published.num_steps} step(s) (global batch sizes {published.global_batch_sizes}), "
             f"{st.carried_out} carried out, imbalance {max(published.imbalance):.3f}, published in {seconds:.3f}s"
             + (f", reward mean {st.reward_mean:.3f}" if st.reward_count else "")

@@ -20,9 +20,10 @@ rounding (`tests/integration/test_episodes_megatron.py`). Loading weights drops 
 weights); `stats["reused_tokens"]` counts the positions not recomputed.
 
 Weights: `load_weights(version)` reads the version's tensors through the store (`Store.read_weights`, written by the
-trainers' `StoreWeightPublisher` as `modeling.state.state_dict_arrays`) and loads them with one
-`load_state_dict(strict=True)` after every tensor was decoded and checked: a failed read leaves the previous version
-in place (never half-applied).
+trainers' `StoreWeightPublisher`: the full, tensor-parallel-gathered canonical state of `modeling.state`), and loads
+them with `modeling.model.load_canonical_state` after every tensor was decoded and checked against the model's names
+and shapes: a failed read leaves the previous version in place (never half-applied). The trainers may run at any
+tensor-parallel size; the engine is one rank.
 
 Device and attention: the first visible GPU, else the CPU (`engine_device`); the attention backend is the
 trainers' rule for this device (`modeling.model.attention_choice` with `generation=True`: te in TE's layer spec, else
@@ -45,7 +46,8 @@ import torch.distributed as dist
 from trainingrun.contract.engine import Completion, Sampling
 from trainingrun.contract.errors import ConfigError
 from trainingrun.modeling.architecture import Architecture
-from trainingrun.modeling.model import ModelOptions, attention_choice, build_model, prepare_device, set_seed
+from trainingrun.modeling.model import (ModelOptions, attention_choice, build_model, load_canonical_state,
+                                       prepare_device, set_seed)
 from trainingrun.modeling.state import arrays_state_dict
 
 
@@ -55,11 +57,12 @@ def engine_device() -> torch.device:
 
 
 def sample_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token [B], its log-probability [B] under softmax(logits / temperature)) for logits [B, V].
+    """(token [B], its log-probability [B] under the distribution it was drawn from) for logits [B, V].
 
-    Top-p keeps the smallest set of most likely tokens whose probability reaches top_p (the sampled token is drawn
-    from them, renormalised); the returned log-probability is of the untruncated tempered distribution (the contract
-    in `rollout/engine.py`). Temperature 0 is greedy."""
+    That distribution is softmax(logits / temperature); with top_p < 1 it keeps the smallest set of most likely tokens
+    whose probability reaches top_p, renormalised (the sampled token is drawn from them, and its log-probability is
+    log p − log Σ_kept p: what vLLM's `processed_logprobs` report — the `Engine` contract, `contract/engine.py`).
+    Temperature 0 is greedy, with the log-probability at temperature 1."""
     logits = logits.float()
     if sampling.temperature <= 0:
         token = logits.argmax(dim=-1)
@@ -73,8 +76,9 @@ def sample_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Gener
         sorted_p = torch.where(keep, sorted_p, 0.0)
         choice = torch.multinomial(sorted_p, 1, generator=generator).squeeze(-1)
         token = order.gather(-1, choice[:, None]).squeeze(-1)
-    else:
-        token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        kept = torch.log(sorted_p.sum(-1))
+        return token, logp.gather(-1, token[:, None]).squeeze(-1) - kept
+    token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 
@@ -115,12 +119,10 @@ class MegatronEngine:
         t0 = time.perf_counter()
         arrays, meta = self.fetch(version)
         state = arrays_state_dict(arrays, meta.get("dtypes", {}))
-        current = {k for k in self.model.state_dict() if not k.endswith("_extra_state")}
-        if set(state) != current:
-            missing, unexpected = sorted(current - set(state))[:5], sorted(set(state) - current)[:5]
-            raise ValueError(f"weight version {version} does not match the model (missing {missing}, unexpected "
-                             f"{unexpected})")
-        self.model.load_state_dict(state, strict=False)  # strict on the weight names above; _extra_state aside
+        try:  # names and shapes are checked before anything is copied
+            load_canonical_state(self.model, state)
+        except ValueError as exc:
+            raise ValueError(f"weight version {version} does not match the model: {exc}") from None
         self._cache = None  # its keys and values were computed with the old weights
         self._version = version
         self.stats["load_seconds"] += time.perf_counter() - t0

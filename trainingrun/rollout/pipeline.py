@@ -8,8 +8,13 @@ Filters (applied to a rollout's new groups; carried-over groups were filtered wh
                  over seqLength).
   zero_variance  a group whose rewards are all equal is dropped (dynamic sampling: it carries no policy-gradient
                  signal). Groups that give only advantages (jsonl) are judged by their advantages.
-Advantages: policy_gradient — (reward − group mean) / (group std + 1e-6), population std; advantages given by a
-jsonl source are used as they are. sft — 1 for every sample.
+Advantages (`trainer.advantage`, computed once per group, `group_advantages`), r the group's rewards, n its size:
+  grpo          (r − mean r) / (std r + 1e-6), std population (/n) or unbiased (/(n − 1), `stdNormalization`)
+  dr_grpo       r − mean r (Dr. GRPO: no std, no length bias from it)
+  rloo          r_i − mean_{j≠i} r_j = n/(n − 1) · (r_i − mean r) (leave-one-out baseline; 0 for n = 1)
+  reinforce_pp  r − mean r here, then normalised over the step's samples when the step is formed
+                (`normalize_over_steps`: (a − mean) / (std + 1e-6), std as grpo's)
+Advantages given by a jsonl source are used as they are. sft — 1 for every sample.
 
 Scheduler lengths: a sample's length is len(tokens). The trainer packs whole samples (input = all tokens, target of
 position t-1 is token t where loss_mask[t] = 1), so a sample occupies len(tokens) positions of a micro-batch.
@@ -60,14 +65,54 @@ def apply_filters(groups: list[SampleGroup], *, max_length: int | None,
     return kept, stats
 
 
-def compute_advantages(groups: list[SampleGroup], loss_type: str) -> None:
-    """Set `advantages` of each group in place (see the module docstring)."""
+ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+STD_NORMALIZATIONS = ("population", "unbiased")
+
+
+def _std(x: np.ndarray, std: str) -> float:
+    """Population or unbiased std (unbiased of one value: 0)."""
+    if std not in STD_NORMALIZATIONS:
+        raise ValueError(f"trainer.advantage.stdNormalization: {std!r} is not one of {STD_NORMALIZATIONS}")
+    return float(x.std(ddof=1)) if std == "unbiased" and len(x) > 1 else float(x.std())
+
+
+def group_advantages(rewards: np.ndarray, estimator: str = "grpo", std: str = "population") -> np.ndarray:
+    """One group's advantages (float64) from its rewards by `estimator` (see the module docstring)."""
+    r = np.asarray(rewards, np.float64)
+    centred = r - r.mean()
+    if estimator == "grpo":
+        return centred / (_std(r, std) + ADV_EPS)
+    if estimator in ("dr_grpo", "reinforce_pp"):
+        return centred
+    if estimator == "rloo":
+        n = len(r)
+        return centred * (n / (n - 1)) if n > 1 else np.zeros_like(r)
+    raise ValueError(f"trainer.advantage.estimator: {estimator!r} is not one of {ESTIMATORS}")
+
+
+def compute_advantages(groups: list[SampleGroup], loss_type: str, estimator: str = "grpo",
+                       std: str = "population") -> None:
+    """Set `advantages` of each group in place (see the module docstring); given ones are kept."""
     for g in groups:
         if loss_type == "sft":
             g.advantages = np.ones(len(g), np.float32)
         elif g.advantages is None:
-            r = g.rewards.astype(np.float64)
-            g.advantages = ((r - r.mean()) / (r.std() + ADV_EPS)).astype(np.float32)
+            g.advantages = group_advantages(g.rewards, estimator, std).astype(np.float32)
+
+
+def normalize_over_steps(advantages: np.ndarray, groups: list[SampleGroup], groups_per_step: int | None,
+                         std: str = "population") -> np.ndarray:
+    """reinforce_pp: the flat advantages of `groups` (in order, as `as_samples` lays them out) normalised over each
+    step's samples — `groups_per_step` groups a step, or all of them in one (dynamic steps)."""
+    out = np.asarray(advantages, np.float64).copy()
+    per_step = groups_per_step or max(len(groups), 1)
+    at = 0
+    for s in range(0, len(groups), per_step):
+        n = sum(len(g) for g in groups[s:s + per_step])
+        a = out[at:at + n]
+        out[at:at + n] = (a - a.mean()) / (_std(a, std) + ADV_EPS)
+        at += n
+    return out.astype(np.float32)
 
 
 def split_into_steps(

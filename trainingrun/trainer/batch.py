@@ -4,6 +4,8 @@ A rank's payload holds its samples in `partitions[r]` order (flat over the rollo
 are lists of positions into it (`PublishedRollout.microbatch_positions(rank, step)`). A micro-batch packs its samples back to back
 (no padding) with `cu_seqlens` marking the documents. A micro-batch with no sample (possible when a rank has fewer
 samples than the step's micro-batch count) becomes a single dummy token with no targets: its loss and gradient are 0.
+Generated rollouts carry the engine's log-probabilities (`logprobs`) into `LossInputs.engine_logprobs`; a payload the
+trainer gave π_old (`old_logprobs`, `policyLoss.oldLogprobs: trainer`, same layout) into `LossInputs.old_logprobs`.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ def pack(payload: dict[str, np.ndarray], positions: list[int], device: torch.dev
     this, to measure what padding costs against packing on the same schedule.
     """
     offsets = payload["offsets"]
-    toks, masks, sample_of, lengths, doc_lens, old_lp = [], [], [], [], [], []
-    has_lp = "logprobs" in payload
+    toks, masks, sample_of, lengths, doc_lens = [], [], [], [], []
+    per_token = {name: [] for name in ("logprobs", "old_logprobs") if name in payload}
     for j, p in enumerate(positions):
         a, b = int(offsets[p]), int(offsets[p + 1])
         length = b - a
@@ -59,14 +61,13 @@ def pack(payload: dict[str, np.ndarray], positions: list[int], device: torch.dev
         t = payload["tokens"][a:b].astype(np.int64)
         m = payload["loss_mask"][a:b].astype(np.float32)
         m[0] = 0.0  # the first token of a document is never predicted
-        lp = payload["logprobs"][a:b].astype(np.float32) if has_lp else None
         padded = max(pad_to or length, length)
+        for name, parts in per_token.items():
+            parts.append(np.concatenate([payload[name][a:b].astype(np.float32),
+                                         np.zeros(padded - length, np.float32)]))
         if padded > length:
             t = np.concatenate([t, np.zeros(padded - length, np.int64)])
             m = np.concatenate([m, np.zeros(padded - length, np.float32)])
-            lp = None if lp is None else np.concatenate([lp, np.zeros(padded - length, np.float32)])
-        if lp is not None:
-            old_lp.append(lp)
         toks.append(t)
         masks.append(m)
         sample_of.append(np.full(padded, j, np.int64))
@@ -74,7 +75,7 @@ def pack(payload: dict[str, np.ndarray], positions: list[int], device: torch.dev
         doc_lens.append(padded)
     if not positions:  # empty micro-batch: one dummy token, no targets
         toks, masks, sample_of, doc_lens = [np.zeros(1, np.int64)], [np.zeros(1, np.float32)], [np.zeros(1, np.int64)], [1]
-        old_lp = [np.zeros(1, np.float32)] if has_lp else []
+        per_token = {name: [np.zeros(1, np.float32)] for name in per_token}
     cu = np.concatenate([[0], np.cumsum(doc_lens)]).astype(np.int32)
     positions_in_doc = np.concatenate([np.arange(n) for n in doc_lens])
     pos_arr = np.asarray(positions, dtype=np.int64)
@@ -82,6 +83,7 @@ def pack(payload: dict[str, np.ndarray], positions: list[int], device: torch.dev
     rew = payload["rewards"][pos_arr] if positions else np.zeros(0, np.float32)
     ids = tuple(int(i) for i in payload["sample_ids"][pos_arr]) if positions else ()
     tokens = torch.from_numpy(np.concatenate(toks)).to(device)
+    lps = {name: torch.from_numpy(np.concatenate(parts)).to(device) for name, parts in per_token.items()}
     return MicroBatch(
         input_ids=tokens.unsqueeze(0),
         position_ids=torch.from_numpy(positions_in_doc).to(device).unsqueeze(0),
@@ -94,7 +96,8 @@ def pack(payload: dict[str, np.ndarray], positions: list[int], device: torch.dev
             advantages=torch.from_numpy(np.asarray(adv, np.float32)).to(device),
             rewards=torch.from_numpy(np.asarray(rew, np.float32)).to(device),
             lengths=torch.tensor(lengths, dtype=torch.float32, device=device),
-            old_logprobs=torch.from_numpy(np.concatenate(old_lp)).to(device) if has_lp else None,
+            engine_logprobs=lps.get("logprobs"),
+            old_logprobs=lps.get("old_logprobs"),
         ),
         sample_ids=ids,
     )

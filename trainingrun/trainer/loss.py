@@ -3,12 +3,23 @@
 Contract (design.md, "Loss scaling"), for step s with GBS_s samples and T_s loss tokens (both from the schedule):
   sample:  J_s = (1/GBS_s) · Σ_{i in s} mean_{t in loss tokens of i} ℓ_{i,t}      (a sample without loss tokens adds 0)
   token:   J_s = (1/T_s)   · Σ_{i in s} Σ_t ℓ_{i,t}
-with ℓ_{i,t} = −log p(x_t | x_<t)            (loss type `sft`, masked cross-entropy)
-     ℓ_{i,t} = −A_i · log p(x_t | x_<t)      (loss type `policy_gradient`, A_i the sample's advantage)
-     ℓ_{i,t} = max(−A_i·r_t, −A_i·clip(r_t, 1 − ε_low, 1 + ε_high)) + β·k3_t     (loss type `ppo`)
-           r_t = exp(log π(x_t) − log π_gen(x_t)): the importance ratio against the generator's log-probability
-           (the old policy), log π of softmax(logits / temperature) as the generator sampled;
-           k3_t = exp(q_t) − q_t − 1 with q_t = log π_ref(x_t) − log π(x_t): the KL to the initial policy (β > 0 only).
+with ℓ_{i,t} = −log p(x_t | x_<t)                  (loss type `sft`, masked cross-entropy, at temperature 1)
+     ℓ_{i,t} = w_{i,t} · (−A_i · log π(x_t)) − c_H · H_t                           (loss type `policy_gradient`)
+     ℓ_{i,t} = w_{i,t} · (max(−A_i·r, −A_i·clip(r, 1 − ε_low, 1 + ε_high)) + β·k3_t) − c_H · H_t    (`ppo`)
+  π is softmax(logits / temperature), as the generator sampled; H_t its entropy, c_H `entropyCoef` (the entropy
+  bonus);
+  r = π(x_t)/π_old(x_t) (`ratioLevel: token`) or the sample's length-normalised sequence ratio
+      exp(mean_t log(π/π_old)) (`sequence`, GSPO), log-ratios clamped to ±LOG_RATIO_CLAMP before exp;
+      with `clipRatioC` c (dual clip) the term of a negative advantage is at most −A_i·c;
+  π_old = the engine's log-probability (`oldLogprobs: engine`) or the trainer's own, recomputed by a forward-only
+      pass before the rollout's first update (`oldLogprobs: trainer`, `trainer/step.py`);
+  k3_t = exp(q) − q − 1, q = log π_ref(x_t) − log π(x_t): the KL to the initial policy (β = klCoef > 0 only);
+  w_{i,t} the rollout correction (`rolloutCorrection`, detached): with ρ = π_old/π_engine per token, or at
+      `level: sequence` the sample's geometric mean exp(mean_t log ρ), `tis` w = min(ρ, threshold), `mask`
+      w = 1 if lowerThreshold ≤ ρ ≤ threshold else 0; `none` w = 1. With `oldLogprobs: engine`, π_old of `ppo` is
+      the engine's (ρ ≡ 1: the spec refuses a correction there) and for `policy_gradient`, whose objective has no
+      π_old, ρ = sg(π)/π_engine with π the weights before this step's update. A masked token leaves the numerator
+      only: GBS_s, T_s and each sample's n_i stay the schedule's.
 
 Both are a weighted sum over this rank's tokens with weights w_{i,t} = 1/(GBS_s·n_i) or 1/T_s, so every rank and every
 micro-batch computes its own part J_{r,m} = Σ_{t in (r,m)} w_t ℓ_t and J_s = Σ_r Σ_m J_{r,m} exactly.
@@ -19,8 +30,15 @@ Megatron then (megatron-core 0.16.1, two-value loss return, `calculate_per_token
 So the gradient after the step is (1/D)·Σ_r Σ_m ∇(returned_{r,m}/M). Returning returned_{r,m} = D·M·J_{r,m} makes it
 Σ_r Σ_m ∇J_{r,m} = ∇J_s: `megatron_loss_factor(D, M) = D·M`. Derivation in docs/trainer.md.
 
+log π and H are computed in ONE place for every loss type, `token_logprobs`: from the logits of this rank's
+vocabulary slice (Megatron's `parallel_output`, V/tp columns) as Megatron's vocab-parallel cross-entropy does it —
+the max, Σexp and Σexp·z all-reduced over the tensor-parallel group, each rank's gradient that of its own slice —
+and in chunks of rows, so the loss never holds more than a few [chunk, V/tp] float32 temporaries besides its input:
+peak memory O(T + chunk·V) (benchmarks/loss_memory.py).
+
 The run's choices travel as one frozen `LossSettings` (loss type, normalisation, `PolicySettings`; resolved once from
-the spec by `loss_settings`), each step's denominators GBS_s and T_s as `StepTotals`.
+the spec by `loss_settings`), each step's denominators GBS_s and T_s as `StepTotals`. New terms (an MoE router
+loss, ...) join `micro_batch_objective` through the settings.
 
 `loss_mask[t] = 1` marks token t as a trained target: it is predicted from the logits at t−1 of the same sample, so
 the first token of a sample is never a target (its mask is ignored).
@@ -28,29 +46,77 @@ the first token of a sample is never a target (its mask is ignored).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 LOSS_TYPES = ("sft", "policy_gradient", "ppo")
 NORMALIZATIONS = ("sample", "token")
+OLD_LOGPROBS = ("engine", "trainer")
+CORRECTION_TYPES = ("none", "tis", "mask")
+LEVELS = ("token", "sequence")
+
+# log-ratios are clamped to ±20 before exp: a far-off token (log-ratio 100) gives a ratio of e^20, never inf/NaN
+LOG_RATIO_CLAMP = 20.0
+# rows per chunk of `token_logprobs`: as many as keep one [rows, V/tp] float32 temporary at this many elements
+LOSS_CHUNK_ELEMENTS = 1 << 24
 
 # Names of the per-rank (sum, count) statistics a micro-batch reports, in all-reduce order (see metrics.reduce).
 # Those after sample_tokens need the generator's log-probabilities (generated rollouts); otherwise their count is 0.
+# MAX_STATS hold (max, count) instead: reduced by max over micro-batches and ranks (`merge_stats`).
 STAT_NAMES = ("objective", "sample_loss", "token_loss", "sample_reward", "sample_tokens", "sample_reward_sq",
               "logprob_abs_diff", "importance_ratio", "clip_fraction", "approx_kl", "entropy", "kl_ref",
-              "response_length")
+              "response_length", "mismatch_kl", "correction_weight", "masked_fraction", "seq_clip_fraction",
+              "entropy_bonus", "correction_weight_max")
+MAX_STATS = ("correction_weight_max",)
+
+
+@dataclass(frozen=True)
+class RolloutCorrection:
+    """`trainer.policyLoss.rolloutCorrection`: the train–inference mismatch correction (module docstring)."""
+
+    type: str = "none"
+    level: str = "token"
+    threshold: float = 2.0
+    lower_threshold: float | None = None  # mask only; None: 1/threshold
+
+    def __post_init__(self) -> None:
+        if self.type not in CORRECTION_TYPES:
+            raise ValueError(f"policyLoss.rolloutCorrection.type: {self.type!r} is not one of {CORRECTION_TYPES}")
+        if self.level not in LEVELS:
+            raise ValueError(f"policyLoss.rolloutCorrection.level: {self.level!r} is not one of {LEVELS}")
+        if not self.threshold > 0 or not self.lower < self.threshold:
+            raise ValueError(f"policyLoss.rolloutCorrection: need 0 <= lowerThreshold < threshold, got "
+                             f"{self.lower} and {self.threshold}")
+
+    @property
+    def lower(self) -> float:
+        return 1.0 / self.threshold if self.lower_threshold is None else self.lower_threshold
 
 
 @dataclass(frozen=True)
 class PolicySettings:
-    """What the generated-rollout statistics and the `ppo` objective need (`spec.trainer.policyLoss`, sampling).
+    """What the generated-rollout statistics and the policy objectives need (`spec.trainer.policyLoss`, sampling).
     New policy-loss options of the spec become fields here (with the spec's default), read in `loss_settings`."""
 
     temperature: float = 1.0  # the generator's sampling temperature (0 = greedy: log-probabilities at 1)
     clip_low: float = 0.2
     clip_high: float = 0.28
     kl_coef: float = 0.0
+    old_logprobs: str = "engine"
+    correction: RolloutCorrection = field(default_factory=RolloutCorrection)
+    ratio_level: str = "token"
+    clip_ratio_c: float | None = None  # dual clip (negative advantages); None: off
+    entropy_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.old_logprobs not in OLD_LOGPROBS:
+            raise ValueError(f"policyLoss.oldLogprobs: {self.old_logprobs!r} is not one of {OLD_LOGPROBS}")
+        if self.ratio_level not in LEVELS:
+            raise ValueError(f"policyLoss.ratioLevel: {self.ratio_level!r} is not one of {LEVELS}")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1.0:
+            raise ValueError(f"policyLoss.clipRatioC: must be > 1 (or unset), got {self.clip_ratio_c}")
 
     @property
     def logit_scale(self) -> float:
@@ -73,6 +139,11 @@ class LossSettings:
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"lossNormalization: {self.normalization!r} is not one of {NORMALIZATIONS}")
 
+    @property
+    def recomputes_old_logprobs(self) -> bool:
+        """The trainer runs the forward-only π_old pass before a rollout's first update (`oldLogprobs: trainer`)."""
+        return self.policy is not None and self.policy.old_logprobs == "trainer" and self.loss_type != "sft"
+
 
 @dataclass(frozen=True)
 class StepTotals:
@@ -91,38 +162,132 @@ def loss_settings(spec) -> LossSettings:
     policy = None
     if spec.rollout.source.type == "generate" and gen is not None:
         pl = t.policy_loss
-        policy = PolicySettings(temperature=gen.sampling.temperature, clip_low=pl.clip_low, clip_high=pl.clip_high,
-                                kl_coef=pl.kl_coef)
+        rc = pl.rollout_correction
+        policy = PolicySettings(
+            temperature=gen.sampling.temperature, clip_low=pl.clip_low, clip_high=pl.clip_high, kl_coef=pl.kl_coef,
+            old_logprobs=pl.old_logprobs, ratio_level=pl.ratio_level, clip_ratio_c=pl.clip_ratio_c,
+            entropy_coef=pl.entropy_coef,
+            correction=RolloutCorrection(type=rc.type, level=rc.level, threshold=rc.threshold,
+                                         lower_threshold=rc.lower_threshold))
     return LossSettings(loss_type=t.loss_type, normalization=t.loss_normalization, policy=policy)
 
 
-def token_nll(logits: torch.Tensor, tokens: torch.Tensor, vocab_parallel: bool = False) -> torch.Tensor:
-    """−log p(tokens[t] | logits[t−1]) for t ≥ 1, 0 at t = 0, in float32. logits [T, V], tokens [T].
-
-    `vocab_parallel=True`: `logits` is this tensor-parallel rank's vocabulary slice [T, V/tp] (Megatron's
-    `parallel_output`), and the log-softmax is taken over the whole vocabulary with Megatron's
-    `vocab_parallel_cross_entropy` (max and sum-exp all-reduced over the TP group; its backward gives each rank the
-    gradient of its slice). With TP 1 it equals the plain form. It works in place on a float32 `logits` (as Megatron's
-    own loss does): compute it once per forward and do not read the logits afterwards."""
-    if vocab_parallel:
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy  # deferred: megatron
-
-        # position t predicts token t+1; the last position has no target (a dummy 0, dropped)
-        target = torch.cat([tokens[1:], tokens.new_zeros(1)]).long()
-        nll = vocab_parallel_cross_entropy(logits.float(), target)
-        return torch.cat([nll.new_zeros(1), nll[:-1]])
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    picked = logp[:-1].gather(-1, tokens[1:].long().unsqueeze(-1)).squeeze(-1)
-    return torch.cat([picked.new_zeros(1), -picked])
+# ------------------------------------------------------------------------------------------ log π and entropy
+def _tp(group) -> tuple[int, int]:
+    """(rank, size) of the tensor-parallel group (None or a group of one: (0, 1))."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
+def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    """float32 for half/float32 logits (as Megatron's cross-entropy), float64 for float64 ones (reference checks)."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    """Rows of vocabulary-parallel logits z [R, V/tp] → (log softmax(s·z)[target], entropy of softmax(s·z)) per row.
+
+    Forward per chunk of rows, u = s·z in float32: m = max u, S = Σ exp(u − m), A = Σ exp(u − m)·u, and u[target]
+    on the rank whose slice holds the target — max all-reduced (MAX) and then (S, A, u[target]) in one all-reduce
+    (SUM) over the tensor-parallel group; log π = u[target] − m − log S, H = m + log S − A/S. Saved: z and the
+    per-row (m + log S, A/S). Backward per chunk (no collective: every term is local to the slice), with p = π(·):
+        ∂log π/∂u = onehot(target) − p,   ∂H/∂u = −p·(u − A/S),   ∂/∂z = s·∂/∂u
+    written into a new tensor or, with `overwrite`, into z itself (as Megatron's cross-entropy does: the caller
+    never reads the logits afterwards)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, scale, group, chunk, with_entropy, overwrite):
+        rank, size = _tp(group)
+        rows, vocab = logits.shape
+        start = rank * vocab
+        dev, dtype = logits.device, _compute_dtype(logits)
+        logp = torch.empty(rows, dtype=dtype, device=dev)
+        lse = torch.empty(rows, dtype=dtype, device=dev)
+        mean_u = torch.empty(rows, dtype=dtype, device=dev) if with_entropy else None
+        for a in range(0, rows, chunk):
+            b = min(rows, a + chunk)
+            u = logits[a:b].to(dtype) * scale  # a new [chunk, V/tp] float32 tensor
+            m = u.max(dim=-1).values
+            if size > 1:
+                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+            local = target[a:b] - start
+            inside = (local >= 0) & (local < vocab)
+            picked = u.gather(-1, local.clamp(0, vocab - 1).unsqueeze(-1)).squeeze(-1) * inside
+            e = torch.exp(u - m.unsqueeze(-1))
+            parts = [e.sum(-1), picked]
+            if with_entropy:
+                parts.append(e.mul_(u).sum(-1))
+            del e
+            sums = torch.stack(parts)
+            if size > 1:
+                dist.all_reduce(sums, group=group)
+            lse[a:b] = m + torch.log(sums[0])
+            logp[a:b] = sums[1] - lse[a:b]
+            if with_entropy:
+                mean_u[a:b] = sums[2] / sums[0]
+        ctx.scale, ctx.chunk, ctx.start, ctx.overwrite = scale, chunk, start, overwrite
+        ctx.with_entropy = with_entropy
+        ctx.save_for_backward(logits, target, lse, *([mean_u] if with_entropy else []))
+        if not with_entropy:
+            ent = torch.zeros_like(lse)
+            ctx.mark_non_differentiable(ent)
+            return logp, ent
+        return logp, lse - mean_u
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        logits, target, lse, *rest = ctx.saved_tensors
+        mean_u = rest[0] if ctx.with_entropy else None
+        rows, vocab = logits.shape
+        grad = logits if ctx.overwrite else torch.empty_like(logits)
+        for a in range(0, rows, ctx.chunk):
+            b = min(rows, a + ctx.chunk)
+            u = logits[a:b].to(lse.dtype) * ctx.scale
+            p = torch.exp(u - lse[a:b].unsqueeze(-1))
+            gl = g_logp[a:b].to(lse.dtype).unsqueeze(-1)
+            if mean_u is not None:
+                # −g_logp·p − g_ent·p·(u − ū), as p·w with w computed in place of u
+                w = u.sub_(mean_u[a:b].unsqueeze(-1)).mul_(-g_ent[a:b].to(lse.dtype).unsqueeze(-1)).sub_(gl)
+                p.mul_(w)
+            else:
+                p.mul_(-gl)
+            local = target[a:b] - ctx.start
+            inside = (local >= 0) & (local < vocab)
+            p.scatter_add_(-1, local.clamp(0, vocab - 1).unsqueeze(-1), (gl.squeeze(-1) * inside).unsqueeze(-1))
+            grad[a:b] = (p.mul_(ctx.scale)).to(grad.dtype)
+        return grad, None, None, None, None, None, None
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, scale: float = 1.0, *, tp_group=None,
+                   entropy: bool = False, overwrite: bool = False,
+                   chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log p(tokens[t] | logits[t−1]) for t ≥ 1 with 0 at t = 0, [T] float32; the entropy of the distribution
+    that predicts token t, likewise [T], or None without `entropy`) of softmax(logits · scale).
+
+    logits [T, V/tp]: this tensor-parallel rank's vocabulary slice (`tp_group`: the TP group, None for TP 1) — THE
+    place every loss type and every statistic takes log π and H from (see `_TokenLogProbs`). Differentiable in both
+    outputs. `chunk_rows`: rows per chunk (default: LOSS_CHUNK_ELEMENTS / (V/tp)). `overwrite`: the backward writes
+    the gradient into `logits` (the caller must not read them after the backward)."""
+    rows, vocab = logits.shape
+    chunk = chunk_rows or max(1, LOSS_CHUNK_ELEMENTS // max(vocab, 1))
+    # row t predicts token t+1; the last row has no target (a dummy 0, dropped)
+    target = torch.cat([tokens[1:], tokens.new_zeros(1)]).long()
+    logp, ent = _TokenLogProbs.apply(logits, target, float(scale), tp_group, int(chunk), bool(entropy),
+                                     bool(overwrite))
+    zero = logp.new_zeros(1)
+    return torch.cat([zero, logp[:-1]]), (torch.cat([zero, ent[:-1]]) if entropy else None)
+
+
+# ------------------------------------------------------------------------------------------------ the objective
 @dataclass
 class LossInputs:
     """What the loss needs for one packed micro-batch (all tensors on the model's device).
 
     tokens [T], target_mask [T] float (loss_mask with each sample's first token cleared), sample_of [T] long (index of
     the token's sample in this micro-batch), advantages [n], rewards [n], lengths [n]; n may be 0 (empty micro-batch).
-    old_logprobs [T]: the generator's log-probability of each token (generated rollouts; None otherwise).
+    engine_logprobs [T]: the generator's log-probability of each token (generated rollouts; None otherwise).
+    old_logprobs [T]: π_old recomputed by the trainer (`oldLogprobs: trainer`; None otherwise).
     """
 
     tokens: torch.Tensor
@@ -131,6 +296,7 @@ class LossInputs:
     advantages: torch.Tensor
     rewards: torch.Tensor
     lengths: torch.Tensor
+    engine_logprobs: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
 
     @property
@@ -144,97 +310,215 @@ def micro_batch_objective(
     loss: LossSettings,
     totals: StepTotals,
     *,
-    vocab_parallel: bool = False,
+    tp_group=None,
     ref_logits: torch.Tensor | None = None,
+    overwrite_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This micro-batch's part J_{r,m} of the contract objective (`loss`, with the step's denominators `totals`),
-    and its statistics. `vocab_parallel`: logits are this TP rank's vocabulary slice (see `token_nll`).
+    and its statistics. logits [T, V/tp]: this TP rank's vocabulary slice (`tp_group`: the TP group; None at TP 1).
 
-    Returns (objective, stats) where stats is a float64 tensor [len(STAT_NAMES), 2] of (sum, count) pairs, detached.
-    `ref_logits`: the initial policy's logits (ppo with kl_coef > 0).
+    Returns (objective, stats) where stats is a float64 tensor [len(STAT_NAMES), 2] of (sum, count) pairs
+    ((max, count) for MAX_STATS), detached. `ref_logits`: the initial policy's logits (ppo with kl_coef > 0).
+    `overwrite_logits`: the backward may write the gradient into `logits` (see `token_logprobs`).
     """
     loss_type, normalization = loss.loss_type, loss.normalization
-    global_batch_size, loss_tokens = totals.global_batch_size, totals.loss_tokens
     n = inputs.num_samples
     stats = torch.zeros(len(STAT_NAMES), 2, dtype=torch.float64)
     if n == 0:  # empty micro-batch: zero contribution, but keep the graph connected for Megatron's backward
-        return logits.float().sum() * 0.0, stats
-    mask = inputs.target_mask.float()
-    policy = loss.policy or PolicySettings()
-    gen = None
-    if inputs.old_logprobs is not None:
-        gen = _policy_terms(logits, inputs, mask, policy, ref_logits)
-    elif loss_type == "ppo":
+        return logits.sum() * 0.0, stats
+    generated = inputs.engine_logprobs is not None
+    if loss_type == "ppo" and not generated:
         raise ValueError("loss_type ppo: the payload has no generator log-probabilities (generated rollouts only)")
-    if loss_type == "ppo":
-        per_token = gen["ppo"]
-    else:
-        nll = token_nll(logits, inputs.tokens, vocab_parallel=vocab_parallel)
-        per_token = nll if loss_type == "sft" else nll * inputs.advantages.float()[inputs.sample_of]
-    masked = per_token * mask
+    policy = loss.policy or PolicySettings()
+    mask = inputs.target_mask.float()
+    scale = 1.0 if loss_type == "sft" else policy.logit_scale
+    entropy_grad = loss_type != "sft" and policy.entropy_coef > 0
+    logp, ent = token_logprobs(logits, inputs.tokens, scale, tp_group=tp_group, entropy=generated or entropy_grad,
+                               overwrite=overwrite_logits)
     tokens_per_sample = torch.zeros(n, dtype=torch.float32, device=mask.device).index_add_(0, inputs.sample_of, mask)
+    terms: dict[str, torch.Tensor] = {}
+    if generated:
+        stat_logp, stat_ent = logp, ent
+        if scale != policy.logit_scale:  # sft: the statistics are of the tempered policy
+            with torch.no_grad():
+                stat_logp, stat_ent = token_logprobs(logits.detach(), inputs.tokens, policy.logit_scale,
+                                                     tp_group=tp_group, entropy=True)
+        terms = _statistics(stat_logp, stat_ent, inputs, mask, tokens_per_sample, loss_type, policy)
+    if loss_type == "sft":
+        per_token = -logp
+    else:
+        ref_logp = None
+        if ref_logits is not None and loss_type == "ppo":
+            with torch.no_grad():
+                ref_logp, _ = token_logprobs(ref_logits, inputs.tokens, policy.logit_scale, tp_group=tp_group)
+        per_token = _policy_loss(logp, ent, inputs, mask, tokens_per_sample, loss_type, policy, ref_logp, terms)
+    masked = per_token * mask
     loss_per_sample = torch.zeros(n, dtype=masked.dtype, device=mask.device).index_add_(0, inputs.sample_of, masked)
     has_tokens = tokens_per_sample > 0
     sample_mean = torch.where(has_tokens, loss_per_sample / tokens_per_sample.clamp(min=1.0), 0.0)
     if normalization == "sample":
-        if global_batch_size <= 0:
-            raise ValueError(f"global_batch_size: must be > 0 for lossNormalization sample, got {global_batch_size}")
-        objective = sample_mean.sum() / global_batch_size
+        if totals.global_batch_size <= 0:
+            raise ValueError(f"global_batch_size: must be > 0 for lossNormalization sample, got "
+                             f"{totals.global_batch_size}")
+        objective = sample_mean.sum() / totals.global_batch_size
     else:
-        objective = masked.sum() / max(int(loss_tokens), 1)
+        objective = masked.sum() / max(int(totals.loss_tokens), 1)
 
     with torch.no_grad():
         count_tokens = float(mask.sum())
-        stats[0] = torch.tensor([float(objective), float(n)])
-        stats[1] = torch.tensor([float(sample_mean.sum()), float(n)])
-        stats[2] = torch.tensor([float(masked.sum()), count_tokens])
-        stats[3] = torch.tensor([float(inputs.rewards.double().sum()), float(n)])
-        stats[4] = torch.tensor([float(inputs.lengths.double().sum()), float(n)])
-        stats[5] = torch.tensor([float((inputs.rewards.double() ** 2).sum()), float(n)])
-        if gen is not None:
-            for name in ("logprob_abs_diff", "importance_ratio", "clip_fraction", "approx_kl", "entropy", "kl_ref"):
-                if name == "kl_ref" and ref_logits is None:
-                    continue
-                stats[STAT_NAMES.index(name)] = torch.tensor([float((gen[name] * mask).sum()), count_tokens])
-            stats[STAT_NAMES.index("response_length")] = torch.tensor([float(tokens_per_sample.sum()), float(n)])
+        stats[0] = _pair(float(objective), float(n))
+        stats[1] = _pair(float(sample_mean.sum()), float(n))
+        stats[2] = _pair(float(masked.sum()), count_tokens)
+        stats[3] = _pair(float(inputs.rewards.double().sum()), float(n))
+        stats[4] = _pair(float(inputs.lengths.double().sum()), float(n))
+        stats[5] = _pair(float((inputs.rewards.double() ** 2).sum()), float(n))
+        per_sample = {"seq_clip_fraction"}
+        for name, values in terms.items():
+            if name in MAX_STATS:
+                stats[STAT_NAMES.index(name)] = _pair(float(values), count_tokens)
+            elif name in per_sample:
+                counted = has_tokens.double()
+                stats[STAT_NAMES.index(name)] = _pair(float((values.double() * counted).sum()), float(counted.sum()))
+            else:
+                stats[STAT_NAMES.index(name)] = _pair(float((values.double() * mask.double()).sum()), count_tokens)
+        if generated:
+            stats[STAT_NAMES.index("response_length")] = _pair(float(tokens_per_sample.sum()), float(n))
     return objective, stats
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p(tokens[t] | logits[t−1]) for t ≥ 1 with 0 at t = 0, the full log-softmax [T−1, V]) of
-    softmax(logits · scale), in float32."""
-    logp_all = torch.log_softmax(logits.float() * scale, dim=-1)[:-1]
-    picked = logp_all.gather(-1, tokens[1:].long().unsqueeze(-1)).squeeze(-1)
-    return torch.cat([picked.new_zeros(1), picked]), logp_all
+def _pair(total: float, count: float) -> torch.Tensor:
+    """A (sum, count) row in float64 (a float32 tensor would round the sum)."""
+    return torch.tensor([total, count], dtype=torch.float64)
 
 
-def _policy_terms(logits, inputs: LossInputs, mask, policy: PolicySettings, ref_logits) -> dict[str, torch.Tensor]:
-    """Per-token tensors [T] of the clipped objective and its statistics (see the module docstring)."""
-    logp, logp_all = token_logprobs(logits, inputs.tokens, policy.logit_scale)
-    old = inputs.old_logprobs.float()
-    log_ratio = torch.where(mask > 0, logp - old, 0.0)
-    ratio = torch.exp(log_ratio)
-    adv = inputs.advantages.float()[inputs.sample_of]
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - policy.clip_low, 1.0 + policy.clip_high)
-    ppo = torch.maximum(unclipped, clipped)
-    out = {"ppo": ppo}
+def _per_sample_mean(x: torch.Tensor, inputs: LossInputs, mask: torch.Tensor,
+                     tokens_per_sample: torch.Tensor) -> torch.Tensor:
+    """mean over each sample's loss tokens of x [T] (0 for a sample without loss tokens), broadcast back to [T]."""
+    n = tokens_per_sample.numel()
+    sums = torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, inputs.sample_of, x * mask.to(x.dtype))
+    return (sums / tokens_per_sample.clamp(min=1.0).to(x.dtype))[inputs.sample_of]
+
+
+def _k3(log_r: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator r − 1 − log r of KL(q‖p) from log r = log p/q of a sample of q, in float64 (exact
+    near r = 1: no rounding to 0 below |log r| 1e-4, never negative)."""
+    x = log_r.double()
+    return torch.expm1(x) - x
+
+
+def _old_logprobs(inputs: LossInputs, loss_type: str, policy: PolicySettings) -> torch.Tensor:
+    """log π_old [T]: the trainer's recomputed (`oldLogprobs: trainer`, not sft) or the engine's."""
+    if policy.old_logprobs == "trainer" and loss_type != "sft":
+        if inputs.old_logprobs is None:
+            raise ValueError("policyLoss.oldLogprobs trainer: the micro-batch has no recomputed π_old (the "
+                             "trainer's forward-only pass did not run)")
+        return inputs.old_logprobs.float()
+    return inputs.engine_logprobs.float()
+
+
+def _log_ratio(logp, old, inputs: LossInputs, mask, tokens_per_sample, level: str) -> tuple[torch.Tensor, ...]:
+    """(token log-ratio log π − log π_old, clamped, 0 off the loss tokens; the log-ratio at `level`: the token's, or
+    its sample's mean over the loss tokens — GSPO's length-normalised sequence ratio)."""
+    tok = torch.where(mask > 0, logp - old, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return tok, (_per_sample_mean(tok, inputs, mask, tokens_per_sample) if level == "sequence" else tok)
+
+
+def _clipped(ratio, adv, policy: PolicySettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """(−A·r, −A·clip(r, 1 − clipLow, 1 + clipHigh))."""
+    return -adv * ratio, -adv * torch.clamp(ratio, 1.0 - policy.clip_low, 1.0 + policy.clip_high)
+
+
+def _statistics(logp, ent, inputs: LossInputs, mask, tokens_per_sample, loss_type: str,
+                policy: PolicySettings) -> dict[str, torch.Tensor]:
+    """Per-token statistics of a generated rollout, before the update (no gradient): |log π_engine − log π|, the
+    ratio π/π_old and its k3 KL estimate, the fraction of tokens the clip acts on, the entropy, and the mismatch KL
+    between engine and trainer (k3 of ρ = π_trainer/π_engine, π_trainer = the recomputed π_old with `oldLogprobs:
+    trainer`, else π before the update); GSPO's clipped-sequence fraction (per sample) at `ratioLevel: sequence`."""
     with torch.no_grad():
-        ent = -(logp_all.exp() * logp_all).sum(-1)
-        out["entropy"] = torch.cat([ent.new_zeros(1), ent])
-        out["logprob_abs_diff"] = (logp - old).abs().detach()
-        out["importance_ratio"] = ratio.detach()
-        out["clip_fraction"] = (clipped > unclipped).float()
-        neg = -log_ratio.detach()  # log pi_old - log pi
-        out["approx_kl"] = torch.exp(neg) - neg - 1.0
-    if ref_logits is not None:
-        with torch.no_grad():
-            ref_logp, _ = token_logprobs(ref_logits, inputs.tokens, policy.logit_scale)
-        q = torch.where(mask > 0, ref_logp - logp, 0.0)
-        k3 = torch.exp(q) - q - 1.0
-        out["ppo"] = ppo + policy.kl_coef * k3
-        out["kl_ref"] = k3.detach()
+        lp = logp.detach()
+        eng = inputs.engine_logprobs.float()
+        old = _old_logprobs(inputs, loss_type, policy)
+        adv = inputs.advantages.float()[inputs.sample_of]
+        tok, level = _log_ratio(lp, old, inputs, mask, tokens_per_sample, policy.ratio_level)
+        unclipped, clipped = _clipped(torch.exp(level), adv, policy)
+        is_clipped = (clipped > unclipped).float()
+        trainer_lp = old if policy.old_logprobs == "trainer" and loss_type != "sft" else lp
+        mismatch = torch.where(mask > 0, trainer_lp - eng, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        out = {"logprob_abs_diff": (lp - eng).abs(), "importance_ratio": torch.exp(tok), "approx_kl": _k3(tok),
+               "clip_fraction": is_clipped, "entropy": ent.detach(), "mismatch_kl": _k3(mismatch)}
+        if policy.ratio_level == "sequence":
+            per_sample = torch.zeros(tokens_per_sample.numel(), dtype=torch.float32, device=mask.device)
+            out["seq_clip_fraction"] = per_sample.index_reduce_(0, inputs.sample_of, is_clipped, "amax",
+                                                                include_self=False)
     return out
+
+
+def _policy_loss(logp, ent, inputs: LossInputs, mask, tokens_per_sample, loss_type: str, policy: PolicySettings,
+                 ref_logp, out: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-token loss ℓ_t [T] of policy_gradient or ppo (module docstring); adds the correction's and the
+    penalties' statistics to `out`."""
+    adv = inputs.advantages.float()[inputs.sample_of]
+    generated = inputs.engine_logprobs is not None
+    if loss_type == "policy_gradient":
+        per_token = -adv * logp
+    else:
+        old = _old_logprobs(inputs, loss_type, policy)
+        _, level = _log_ratio(logp, old, inputs, mask, tokens_per_sample, policy.ratio_level)
+        unclipped, clipped = _clipped(torch.exp(level), adv, policy)
+        per_token = torch.maximum(unclipped, clipped)
+        if policy.clip_ratio_c is not None:  # dual clip: the loss of a negative advantage is at most −A·c
+            per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * policy.clip_ratio_c), per_token)
+        if ref_logp is not None:
+            q = torch.where(mask > 0, ref_logp - logp, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+            k3 = torch.exp(q) - q - 1.0
+            per_token = per_token + policy.kl_coef * k3
+            out["kl_ref"] = k3.detach()
+    if generated:
+        weight = _correction_weights(logp, inputs, mask, tokens_per_sample, loss_type, policy, out)
+        if weight is not None:
+            per_token = per_token * weight
+    if policy.entropy_coef > 0:
+        per_token = per_token - policy.entropy_coef * ent
+        out["entropy_bonus"] = policy.entropy_coef * ent.detach()
+    return per_token
+
+
+def _correction_weights(logp, inputs: LossInputs, mask, tokens_per_sample, loss_type: str, policy: PolicySettings,
+                        out: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """w [T] (detached) of `rolloutCorrection` (None for `none`): ρ = π_old/π_engine, π_old of policy_gradient with
+    `oldLogprobs: engine` being π before this step's update; adds its statistics to `out`."""
+    rc = policy.correction
+    if rc.type == "none":
+        return None
+    with torch.no_grad():
+        if policy.old_logprobs == "engine" and loss_type == "policy_gradient":
+            trainer_lp = logp.detach().float()
+        else:
+            trainer_lp = _old_logprobs(inputs, loss_type, policy)  # ppo with oldLogprobs engine: the engine's, ρ ≡ 1
+        eng = inputs.engine_logprobs.float()
+        log_rho = torch.where(mask > 0, trainer_lp - eng, 0.0).double().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        if rc.level == "sequence":
+            log_rho = _per_sample_mean(log_rho, inputs, mask, tokens_per_sample)
+        rho = torch.exp(log_rho)
+        if rc.type == "tis":
+            weight = torch.clamp(rho, max=rc.threshold)
+        else:
+            weight = ((rho >= rc.lower) & (rho <= rc.threshold)).double()
+        on = mask > 0
+        out["correction_weight"] = weight
+        out["masked_fraction"] = (weight == 0).double()
+        out["correction_weight_max"] = weight[on].max() if bool(on.any()) else weight.new_zeros(())
+        return weight.to(logp.dtype)
+
+
+def merge_stats(total: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """`total` += `new` for (sum, count) pairs, in place; MAX_STATS rows take the max (and add their counts)."""
+    rows = [STAT_NAMES.index(name) for name in MAX_STATS]
+    keep = total[rows, 0].clone()
+    total.add_(new)
+    for i, r in enumerate(rows):
+        total[r, 0] = max(float(keep[i]), float(new[r, 0]))
+    return total
 
 
 def megatron_loss_factor(dp_size: int, num_microbatches: int) -> float:

@@ -17,7 +17,10 @@ from trainingrun.trainer.loss import STAT_NAMES
 
 
 RL_MEANS = ("logprob_abs_diff", "importance_ratio", "clip_fraction", "approx_kl", "entropy", "kl_ref",
-            "response_length")
+            "response_length", "mismatch_kl", "correction_weight", "masked_fraction", "seq_clip_fraction",
+            "entropy_bonus", "correction_weight_max")
+# exported per rank as (sum, count) counters; kl_ref and the maximum are not (the maximum is rank 0's gauge)
+RL_WEIGHTED = tuple(name for name in RL_MEANS if name not in ("kl_ref", "correction_weight_max"))
 
 
 def step_record(*, res, step, rollout: int, global_step: int, samples_consumed: int, scheduler_consumed: int,
@@ -25,7 +28,8 @@ def step_record(*, res, step, rollout: int, global_step: int, samples_consumed: 
     """The record of one trained step (`res`: step.StepResult, `step`: published.StepPlan). Generated rollouts add
     reward_mean/reward_std (all samples generated for the rollout, before filtering), weight_version, policy_lag
     (rollouts between the trainer's weights and the generator's: this rollout's index − the samples' version), the
-    per-token policy statistics (RL_MEANS, token-weighted over the step's trained tokens, before the update), the
+    per-token policy statistics (RL_MEANS, token-weighted over the step's trained tokens, before the update; the
+    correction's maximum weight over the step; GSPO's clipped-sequence fraction per sample), the
     trained samples' reward_std, and the rollout's kept/produced groups and failed rewards; with an environment also
     the rollout's episode statistics (`contract.published.EpisodeCounts.record`)."""
     gbs = step.global_batch_size
@@ -87,7 +91,7 @@ class StepReporter:
             "trainingrun_trainer_token_loss": local["token_loss"],
             "trainingrun_trainer_sample_reward": local["sample_reward"],
             "trainingrun_trainer_sample_tokens": local["sample_tokens"],
-            **{f"trainingrun_trainer_{name}": local[name] for name in RL_MEANS if name != "kl_ref"},
+            **{f"trainingrun_trainer_{name}": local[name] for name in RL_WEIGHTED},
         })
         exporter.inc("trainingrun_trainer_rank_tokens", res.local_tokens)
         exporter.inc("trainingrun_trainer_rank_samples", res.local_samples)
@@ -106,7 +110,11 @@ class StepReporter:
             "trainingrun_trainer_num_microbatches": record["num_microbatches"],
             **({"trainingrun_trainer_reward_mean": record["reward_mean"],
                 "trainingrun_trainer_weight_version": record["weight_version"],
-                "trainingrun_trainer_policy_lag": record["policy_lag"]} if "weight_version" in record else {}),
+                "trainingrun_trainer_policy_lag": record["policy_lag"],
+                "trainingrun_trainer_correction_weight_max": record["correction_weight_max"]}
+               if "weight_version" in record else {}),
+            **({"trainingrun_trainer_old_logprob_seconds": record["old_logprob_seconds"]}
+               if record.get("old_logprob_seconds", 0) > 0 else {}),  # a rollout's first step
         })
 
     def write(self, record: dict[str, Any]) -> None:

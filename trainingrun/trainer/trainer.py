@@ -3,7 +3,9 @@
 Read top to bottom, `fit` is the whole loop:
 
     for each rollout k from where the checkpoint left off (stop when the stream finished):
-        train_rollout(k):  for each step not yet trained: its micro-batches through Megatron, the loss scaled by the
+        train_rollout(k):  [oldLogprobs trainer: π_old of the rollout's tokens, a forward-only pass with the
+                           weights before its first update]
+                           for each step not yet trained: its micro-batches through Megatron, the loss scaled by the
                            step's real global batch size (or loss tokens), LR scheduler += GBS_s, optimizer step,
                            (sum, count) metrics reduced and reported; checkpoint when due
                            → ack k → checkpoint when due
@@ -74,6 +76,7 @@ class Trainer:
         self.progress = TrainingProgress()
         self.data_wait = 0.0  # seconds this rank waited for (and read) the rollout it trains now
         self.sync_seconds = 0.0  # seconds the last weight sync took (reported with the next step)
+        self.old_logprob_seconds = 0.0  # the π_old pass of the rollout trained now (reported with its first step)
         self.last_saved = -1  # global step of the newest checkpoint on disk
         self.tracking = None  # rank 0: where TensorBoard / W&B / the cluster's metrics.jsonl go (trainingrun.tracking)
         if self.rank == 0:
@@ -113,6 +116,10 @@ class Trainer:
             raise ConfigError(f"trainer.policyLoss.klCoef: {ts.policy_loss.kl_coef} needs the reference model, which "
                               f"is not pipelined (trainer.pipelineParallelSize {pp}); allowed: klCoef 0, or "
                               "pipelineParallelSize 1")
+        if pp > 1 and ts.policy_loss.old_logprobs == "trainer":
+            raise ConfigError(f"trainer.policyLoss.oldLogprobs: 'trainer' recomputes pi_old by a forward-only pass that "
+                              f"is not pipelined yet (trainer.pipelineParallelSize {pp}); allowed: oldLogprobs engine, "
+                              "or pipelineParallelSize 1")
         try:
             arch = spec.model.resolved()
         except ValueError as exc:
@@ -272,6 +279,8 @@ class Trainer:
 
     def train_rollout(self, published: PublishedRollout, payload: RankPayload) -> None:
         steps = published.steps()
+        if self.loss.recomputes_old_logprobs:
+            payload = self.recompute_old_logprobs(published, payload, steps[self.progress.step_in_rollout:])
         for step in steps[self.progress.step_in_rollout:]:
             self.train_step(published, payload, step)
             if self.checkpoint_due() and step is not steps[-1]:
@@ -284,6 +293,23 @@ class Trainer:
         self.progress.rollout, self.progress.step_in_rollout = published.rollout + 1, 0
         if self.checkpoint_due() and self.last_saved != self.progress.global_step:
             self.save_checkpoint()
+
+    def recompute_old_logprobs(self, published: PublishedRollout, payload: RankPayload,
+                               steps: list[StepPlan]) -> RankPayload:
+        """`policyLoss.oldLogprobs: trainer`: the payload with `old_logprobs`, log π_old of each of its tokens with
+        the current weights (a forward-only pass over the micro-batches of `steps`, `step.old_logprobs_pass`).
+        Resumed in the middle of a rollout, the current weights are the checkpoint's (after its first steps): π_old
+        of the rollout's remaining steps is theirs, and the log says so."""
+        from trainingrun.trainer.step import payload_old_logprobs  # deferred: megatron
+
+        t0 = time.perf_counter()
+        old = payload_old_logprobs(self.ddp, payload, [published.microbatch_positions(self.dp_rank, step)
+                                                       for step in steps], self.loss, self.device)
+        self.old_logprob_seconds = time.perf_counter() - t0
+        if self.rank == 0 and steps and steps[0].index > 0:
+            log(self.rank, f"rollout {published.rollout}: resumed at step {steps[0].index}: pi_old of its remaining "
+                           "steps recomputed with the checkpoint's weights (policyLoss.oldLogprobs trainer)")
+        return {**payload, "old_logprobs": old}
 
     def train_step(self, published: PublishedRollout, payload: RankPayload, step: StepPlan) -> dict:
         # deferred: torch and megatron (imported after the device decision, see the module docstring)
@@ -313,6 +339,8 @@ class Trainer:
                              attempt=self.env.attempt, dp_size=self.dp_size, published=published)
         record["data_wait_seconds"], self.data_wait = self.data_wait, 0.0
         record["weight_sync_seconds"], self.sync_seconds = self.sync_seconds, 0.0
+        if self.loss.recomputes_old_logprobs:
+            record["old_logprob_seconds"], self.old_logprob_seconds = self.old_logprob_seconds, 0.0
         self.reporter.report(res, record)
         return record
 

@@ -33,22 +33,30 @@ class WeightPublisher(Protocol):
 
 
 class StoreWeightPublisher:
-    """`weightSync.type: store`: the state dict as raw tensors through the run's store (`Store.publish_weights`,
+    """`weightSync.type: store`: the full weights as raw tensors through the run's store (`Store.publish_weights`,
     pickle-free wire format, bf16 as its 16 bits), written by rank 0; versions older than the newest the rollout may
-    still need (version − maxPolicyLag) are released."""
+    still need (version − maxPolicyLag) are released. At tensor parallelism > 1 the TP ranks of data-parallel
+    replica 0 first gather the full canonical state (`modeling.state.gather_live_state`, the gather every publisher
+    uses); the in-process engine is one rank."""
 
-    def __init__(self, store, *, rank: int, max_policy_lag: int):
+    def __init__(self, store, *, rank: int, max_policy_lag: int, arch: Architecture, dp_rank: int = 0, **layout):
         self.store, self.rank, self.lag = store, rank, max_policy_lag
+        self.arch, self.dp_rank = arch, dp_rank
+        self.layout = layout  # `gather_live_state`'s keywords (`modeling.state.live_layout`); none: one process
         self.last_seconds = 0.0
         self.last_bytes = 0
 
     def publish(self, version: int, module: Any) -> None:
-        if self.rank != 0:
+        if self.dp_rank != 0:
             return
-        from trainingrun.modeling.state import state_dict_arrays  # deferred: torch
+        from trainingrun.modeling.state import gather_live_state, tensors_arrays  # deferred: torch
 
         t0 = time.perf_counter()
-        arrays, dtypes = state_dict_arrays(module)
+        # a collective over the TP group: every TP rank of replica 0 takes part; rank 0 receives the full state
+        state = gather_live_state(module, self.arch, **self.layout)
+        if self.rank != 0:
+            return
+        arrays, dtypes = tensors_arrays(state)
         self.store.publish_weights(version, arrays, {"dtypes": dtypes, "version": version})
         self.store.release_weights_below(max(0, version - self.lag))
         self.last_seconds = time.perf_counter() - t0
@@ -70,5 +78,8 @@ def make_publisher(spec, store, *, arch: Architecture, rank: int, attempt: int =
                              f"of trainer.pipelineParallelSize {spec.trainer.pipeline_parallel_size}; allowed: "
                              "pipelineParallelSize 1 with store, or the vllm engine (disk, broadcast), whose "
                              "publishers gather the stages")
-        return StoreWeightPublisher(store, rank=rank, max_policy_lag=spec.rollout.max_policy_lag)
+        from trainingrun.modeling.state import live_layout  # deferred: torch, megatron
+
+        return StoreWeightPublisher(store, rank=rank, max_policy_lag=spec.rollout.max_policy_lag, arch=arch,
+                                    **live_layout())
     return make_vllm_publisher(spec, store, arch=arch, rank=rank, attempt=attempt)

@@ -60,13 +60,10 @@ def commit_version(store, version: int, meta: dict[str, Any]) -> bool:
 def make_vllm_publisher(spec, store, *, arch: Architecture, rank: int, attempt: int = 0):
     """The publisher of `spec.weightSync.type` disk / broadcast for the vllm engine, on this trainer rank (Megatron's
     parallel state is initialised: the tensor-parallel ranks of replica 0 gather the weights of `arch`)."""
-    from megatron.core import parallel_state as ps  # deferred: megatron (the trainer imported it after its CPU shim)
+    from trainingrun.modeling.state import live_layout  # deferred: torch, megatron (after the trainer's CPU shim)
 
     kw = dict(rank=rank, arch=arch, dtype=spec.rollout.engine.vllm.dtype,
-              max_policy_lag=spec.rollout.max_policy_lag, tp_group=ps.get_tensor_model_parallel_group(),
-              tp_size=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
-              pp_group=ps.get_pipeline_model_parallel_group(), pp_size=ps.get_pipeline_model_parallel_world_size(),
-              pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank(), attempt=attempt)
+              max_policy_lag=spec.rollout.max_policy_lag, attempt=attempt, **live_layout())
     ws = spec.weight_sync
     if ws.type == "disk":
         root = ws.path or str(Path(spec.trainer.checkpoint.path) / "weights")
@@ -78,13 +75,11 @@ def make_vllm_publisher(spec, store, *, arch: Architecture, rank: int, attempt: 
 
 
 class _Base:
-    def __init__(self, store, *, rank: int, arch: Architecture, dtype: str, max_policy_lag: int, tp_group=None,
-                 tp_size: int = 1, tp_rank: int = 0, pp_group=None, pp_size: int = 1, pp_rank: int = 0,
-                 dp_rank: int = 0, attempt: int = 0):
+    def __init__(self, store, *, rank: int, arch: Architecture, dtype: str, max_policy_lag: int, dp_rank: int = 0,
+                 attempt: int = 0, **layout):
         self.store, self.rank, self.arch, self.dtype, self.lag = store, rank, arch, dtype, max_policy_lag
-        self.attempt = attempt
-        self.tp_group, self.tp_size, self.tp_rank, self.dp_rank = tp_group, tp_size, tp_rank, dp_rank
-        self.pp_group, self.pp_size, self.pp_rank = pp_group, pp_size, pp_rank
+        self.attempt, self.dp_rank = attempt, dp_rank
+        self.layout = layout  # `gather_live_state`'s keywords (`modeling.state.live_layout`); none: one process
         self.last_seconds = 0.0
         self.last_bytes = 0
 
@@ -94,9 +89,7 @@ class _Base:
             return None
         from trainingrun.modeling.state import gather_live_state  # deferred: torch
 
-        state = gather_live_state(module, self.arch, tp_group=self.tp_group, tp_size=self.tp_size,
-                                  tp_rank=self.tp_rank, pp_group=self.pp_group, pp_size=self.pp_size,
-                                  pp_rank=self.pp_rank)
+        state = gather_live_state(module, self.arch, **self.layout)
         return state if self.rank == 0 else None
 
     def _committed(self, version: int) -> bool:

@@ -33,7 +33,8 @@ from trainingrun.vllm.client import VLLMClient
 
 EXTENSION_CLS = "trainingrun.vllm.worker_ext.WeightSyncExtension"
 # Sampled tokens' log-probabilities under softmax(logits / temperature), as the Engine contract asks (vLLM's default,
-# raw_logprobs, ignores the temperature). With topP < 1 vLLM reports the top-p-renormalised distribution.
+# raw_logprobs, ignores the temperature). With topP < 1 vLLM reports the top-p-renormalised distribution, as the
+# in-process engine does (the distribution the token was drawn from).
 LOGPROBS_MODE = "processed_logprobs"
 ENTRYPOINT = ("-m", "vllm.entrypoints.openai.api_server")
 DEFAULT_KV_CACHE_GIB = 2

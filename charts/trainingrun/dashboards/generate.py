@@ -415,6 +415,26 @@ def run_detail() -> dict:
                        [(f"max(trainingrun_trainer_lr{{{sel}}})", "lr")], x=SAMPLES_X, unit="sci"),
         per_step_panel("Gradient norm per step", "Gradient norm of each scraped step, before clipping.",
                        [(f"max(trainingrun_trainer_grad_norm{{{sel}}})", "grad norm")]),
+        row("Policy (generated rollouts)"),
+        panel("Train–inference mismatch", "KL(π_engine ‖ π_trainer) estimate (k3) and |engine logprob − trainer "
+              "logprob| per trained token, before the update: Σ rate(sum) / Σ rate(count) over all ranks.",
+              [(weighted_mean("trainingrun_trainer_mismatch_kl"), "mismatch KL"),
+               (weighted_mean("trainingrun_trainer_logprob_abs_diff"), "|Δ logprob|")],
+              right_axis={"|Δ logprob|": "short"}),
+        panel("Rollout correction", "trainer.policyLoss.rolloutCorrection: mean weight per trained token (tis: "
+              "min(ρ, threshold); mask: 1 kept, 0 masked), the last step's largest weight, and the masked fraction.",
+              [(weighted_mean("trainingrun_trainer_correction_weight"), "weight (mean)"),
+               (f"max(trainingrun_trainer_correction_weight_max{{{sel}}})", "weight (max, last step)"),
+               (weighted_mean("trainingrun_trainer_masked_fraction"), "masked fraction")]),
+        panel("Ratio and clipping", "π/π_old per trained token, the fraction of tokens the clip acts on and — "
+              "ratioLevel sequence (GSPO) — the fraction of sequences whose ratio was clipped.",
+              [(weighted_mean("trainingrun_trainer_importance_ratio"), "ratio"),
+               (weighted_mean("trainingrun_trainer_clip_fraction"), "tokens clipped"),
+               (weighted_mean("trainingrun_trainer_seq_clip_fraction"), "sequences clipped")]),
+        panel("Entropy", "The policy's entropy at the trained tokens and the entropy bonus (entropyCoef · entropy, "
+              "subtracted from the loss).",
+              [(weighted_mean("trainingrun_trainer_entropy"), "entropy"),
+               (weighted_mean("trainingrun_trainer_entropy_bonus"), "entropy bonus")]),
         row("Rollout"),
         panel("Samples produced, filtered, published", "Rollout sample flow per second.",
               [(f"sum(rate({counter('trainingrun_rollout_samples_produced')}{{{sel}}}[$__rate_interval]))",
