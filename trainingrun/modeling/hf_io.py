@@ -73,16 +73,24 @@ class HFWeights:
 
 
 def load_megatron_state(hf_dir: str | Path, arch: Architecture, *, tp_rank: int = 0, tp_size: int = 1,
-                        dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The canonical Megatron state dict of an HF directory, as TP rank `tp_rank` of `tp_size` holds it.
+                        ep_rank: int = 0, ep_size: int = 1, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The Megatron state dict of an HF directory as TP rank `tp_rank` of `tp_size` and expert-parallel rank
+    `ep_rank` of `ep_size` hold it (canonical names; the experts of this EP rank numbered from 0, `convert.split_ep`).
 
-    Reads and converts one Megatron tensor at a time, so peak memory is the shard plus one full tensor."""
+    Reads and converts one Megatron tensor at a time, so peak memory is the shard plus one full tensor; the experts
+    of other EP ranks are not read."""
+    per = arch.moe.num_experts // ep_size if arch.moe is not None else 0
+
+    def mine(name: str) -> bool:
+        e = convert.ep_layout(name)
+        return e is None or ep_rank * per <= e < (ep_rank + 1) * per
+
     out = {}
     with HFWeights(hf_dir) as w:
-        for name, full in convert.iter_hf_to_megatron(w.get, w.names(), arch):
+        for name, full in convert.iter_hf_to_megatron(w.get, w.names(), arch, only=mine):
             shard = convert.split_tp(name, full, arch, tp_rank, tp_size)
             out[name] = shard.to(dtype) if dtype is not None else shard.clone()
-    return out
+    return convert.split_ep(out, arch, ep_rank, ep_size)
 
 
 def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
