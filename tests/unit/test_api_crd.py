@@ -93,12 +93,18 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
         {"preset": "tiny-llama", "numAttentionHeads": 4, "numQueryGroups": 3},
     ),
     ("model", "hf-alone"): ({"hf": "/models/smollm2", "seqLength": 512}, {"hf": "/models/smollm2", "preset": "tiny"}),
+    ("model.moe", "top-k-within-experts"): ({"numExperts": 8, "topK": 2, "ffnHiddenSize": 64},
+                                            {"numExperts": 2, "topK": 4, "ffnHiddenSize": 64}),
     ("trainer.optimizer", "min-lr-at-most-lr"): ({"lr": 0.01, "minLr": 0.001}, {"lr": 0.001, "minLr": 0.01}),
     ("trainer.optimizer", "warmup-within-decay"): ({"warmupSamples": 10, "decaySamples": 100}, {"warmupSamples": 100, "decaySamples": 10}),
     ("trainer", "one-micro-batching"): ({"replicas": 1, "maxTokensPerGPU": 64}, {"replicas": 1, "maxTokensPerGPU": 64, "microBatchSize": 2}),
     ("trainer", "parallel-sizes-divide-world"): (
         {"replicas": 2, "gpusPerReplica": 4, "tensorParallelSize": 8, "maxTokensPerGPU": 64},
         {"replicas": 3, "tensorParallelSize": 2, "maxTokensPerGPU": 64},
+    ),
+    ("trainer", "expert-parallel-divides-data-parallel"): (
+        {"replicas": 4, "expertParallelSize": 2, "maxTokensPerGPU": 64},
+        {"replicas": 3, "expertParallelSize": 2, "maxTokensPerGPU": 64},
     ),
     ("rollout.source.synthetic", "min-length-at-most-max"): ({"minLength": 2, "maxLength": 8}, {"minLength": 9, "maxLength": 8}),
     ("rollout.source", "jsonl-settings"): ({"type": "jsonl", "jsonl": {"path": "/x"}}, {"type": "jsonl"}),
@@ -128,6 +134,13 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
         {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64},
          "rollout": {"source": {"type": "generate", "generate": {}}}, "weightSync": {"type": "disk"}},
     ),
+    ("", "routing-replay-needs-megatron-engine"): (
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64, "moe": {"routingReplay": True}},
+         "rollout": {"source": {"type": "generate", "generate": {}}}},
+        {"model": {"hf": "/models/qwen3-moe"}, "trainer": {"maxTokensPerGPU": 64, "moe": {"routingReplay": True}},
+         "rollout": {"source": {"type": "generate", "generate": {}}, "engine": {"type": "vllm"}},
+         "weightSync": {"type": "disk"}},
+    ),
     ("", "vllm-needs-hf"): (
         {"model": {"hf": "/models/smollm2"}, "trainer": {"maxTokensPerGPU": 64},
          "rollout": {"source": {"type": "generate", "generate": {}}, "engine": {"type": "vllm"}},
@@ -147,7 +160,7 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
 }
 
 MODEL_OF = {
-    "model": models.ModelSpec, "trainer.optimizer": models.OptimizerSpec, "trainer": models.TrainerSpec,
+    "model": models.ModelSpec, "model.moe": models.MoESpec, "trainer.optimizer": models.OptimizerSpec, "trainer": models.TrainerSpec,
     "rollout.source.synthetic": models.SyntheticSource, "rollout.source": models.SourceSpec,
     "rollout.steps": models.StepPolicy, "rollout": models.RolloutSpec, "store": models.StoreSpec,
     "podTemplate": models.PodTemplateOverrides, "rollout.source.generate.prompts": models.PromptsSpec,

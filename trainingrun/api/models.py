@@ -19,6 +19,7 @@ from pydantic.alias_generators import to_camel
 from trainingrun.api.constants import API_VERSION, KIND
 from trainingrun.modeling.architecture import (
     ARCH_FIELDS,
+    OPTIONAL_ARCH_FIELDS,
     Activation,
     Architecture,
     Family,
@@ -95,6 +96,38 @@ def _camel(name: str) -> str:
     return to_camel(name)
 
 
+class MoESpec(ApiModel):
+    """A mixture-of-experts MLP (Qwen3-MoE / Mixtral style): SwiGLU experts behind a softmax top-k router, in every
+    layer or every `sparseStep`-th one outside `denseLayers`. A model.hf model takes all of it from config.json."""
+
+    CEL_RULES = (
+        Rule(name="top-k-within-experts", rule="self.topK <= self.numExperts",
+             message="topK must be <= numExperts", fieldPath=".topK"),
+    )
+
+    num_experts: int = Field(..., ge=1, le=1024, description="Routed experts per MoE layer.")
+    top_k: int = Field(..., ge=1, le=64, description="Experts each token is routed to.")
+    ffn_hidden_size: int = Field(..., ge=8, le=1048576, description="Hidden size of one expert's SwiGLU MLP.")
+    norm_topk_prob: bool = Field(True, description="Renormalise the chosen experts' probabilities to sum 1 (Mixtral "
+                                                   "and Qwen3-MoE do; false: the plain softmax probabilities).")
+    sparse_step: int = Field(1, ge=1, le=1024, description="Every sparseStep-th layer is a mixture of experts.")
+    dense_layers: list[Annotated[int, Field(ge=0, le=1023)]] = Field(
+        default_factory=list, max_length=1024, description="Layer indices that keep a dense MLP (ffnHiddenSize).")
+    shared_expert_ffn_size: int | None = Field(None, ge=8, le=1048576,
+                                               description="A shared expert of this size beside the routed ones.")
+    shared_expert_gate: bool = Field(False, description="Scale the shared expert by a sigmoid gate (Qwen2-MoE).")
+
+    @model_validator(mode="after")
+    def _rules(self) -> MoESpec:
+        if self.top_k > self.num_experts:
+            raise ValueError(self.cel_rule("top-k-within-experts").message)
+        return self
+
+    def fields(self) -> dict[str, Any]:
+        """The `modeling.architecture.MoE` fields (snake_case)."""
+        return self.model_dump(by_alias=False)
+
+
 class ModelSpec(ApiModel):
     """The model to train: a Hugging Face directory (`hf`), a preset, explicit sizes, or a preset with some fields
     overridden. Architecture `gpt` is LayerNorm + GELU; `llama` is RMSNorm + SwiGLU + grouped-query attention (the
@@ -128,7 +161,7 @@ class ModelSpec(ApiModel):
             " && !has(self.hiddenSize) && !has(self.numAttentionHeads) && !has(self.numQueryGroups)"
             " && !has(self.headDim) && !has(self.ffnHiddenSize) && !has(self.vocabSize) && !has(self.normalization)"
             " && !has(self.normEpsilon) && !has(self.activation) && !has(self.ropeBase) && !has(self.tieEmbeddings)"
-            " && !has(self.addBiasLinear) && !has(self.addQkvBias))",
+            " && !has(self.addBiasLinear) && !has(self.addQkvBias) && !has(self.qkNorm) && !has(self.moe))",
             message="with model.hf the architecture and sizes come from its config.json: set only seqLength, "
             "precision and transformerImpl beside it (not preset or architecture fields)",
             fieldPath=".hf",
@@ -178,6 +211,10 @@ class ModelSpec(ApiModel):
     add_qkv_bias: bool | None = Field(
         None, description="Bias on the query/key/value projection only, as Qwen2 (default false)."
     )
+    qk_norm: bool | None = Field(
+        None, description="RMSNorm over each query and key head before RoPE, as Qwen3 (llama; default false)."
+    )
+    moe: MoESpec | None = Field(None, description="Mixture-of-experts MLPs (llama architecture; default: dense).")
     precision: Precision = Field("fp32", description="Parameter and compute precision.")
     transformer_impl: TransformerImpl = Field(
         "auto",
@@ -198,7 +235,7 @@ class ModelSpec(ApiModel):
             if self.num_attention_heads % self.num_query_groups:
                 raise ValueError(self.cel_rule("query-groups-divide-heads").message)
         if self.hf is not None:
-            clash = [_camel(k) for k in ("preset", *ARCH_FIELDS) if getattr(self, k) is not None]
+            clash = [_camel(k) for k in ("preset", *ARCH_FIELDS, *OPTIONAL_ARCH_FIELDS) if getattr(self, k) is not None]
             if clash:
                 raise ValueError(f"{self.cel_rule('hf-alone').message}; remove {', '.join(clash)}")
         return self
@@ -220,7 +257,8 @@ class ModelSpec(ApiModel):
             return read_hf_architecture(self.hf, seq_length=self.seq_length, precision=self.precision,
                                         transformer_impl=self.transformer_impl)
         return resolve(self.preset, precision=self.precision, transformer_impl=self.transformer_impl,
-                       seq_length=self.seq_length, **{k: getattr(self, k) for k in ARCH_FIELDS})
+                       seq_length=self.seq_length, **{k: getattr(self, k) for k in ARCH_FIELDS},
+                       qk_norm=self.qk_norm, moe=None if self.moe is None else self.moe.fields())
 
 
 # ------------------------------------------------------------------------------------------------------- trainer
@@ -277,6 +315,18 @@ class PolicyLossSpec(ApiModel):
                                                               "estimator); 0: off (no reference model).")
 
 
+class TrainerMoESpec(ApiModel):
+    """How a mixture-of-experts model trains (ignored for a dense model)."""
+
+    routing_replay: bool = Field(
+        False, description="Route every generated token through the experts the generator chose for it (the "
+        "in-process megatron engine records them), so the trainer's log-probabilities match the generator's at "
+        "maxPolicyLag 0. Needs generated rollouts with rollout.engine.type megatron.")
+    aux_loss_coeff: float | None = Field(
+        None, ge=0.0, le=100.0, description="Coefficient of the per-sample load-balancing loss; unset: the model's "
+        "(config.json router_aux_loss_coef, 0 for a model without model.hf); 0: off.")
+
+
 class TrainerSpec(ApiModel):
     """The trainer pods: data-parallel ranks, parallelism, micro-batching, loss and optimizer."""
 
@@ -293,12 +343,24 @@ class TrainerSpec(ApiModel):
             message="replicas × max(gpusPerReplica, 1) must be divisible by tensorParallelSize × pipelineParallelSize",
             fieldPath=".replicas",
         ),
+        Rule(
+            name="expert-parallel-divides-data-parallel",
+            rule="(self.replicas * (self.gpusPerReplica > 0 ? self.gpusPerReplica : 1)) %"
+            " (self.tensorParallelSize * self.pipelineParallelSize * self.expertParallelSize) == 0",
+            message="expertParallelSize must divide the data-parallel size (replicas × max(gpusPerReplica, 1) / "
+            "(tensorParallelSize × pipelineParallelSize)): the experts are split within the data-parallel group",
+            fieldPath=".expertParallelSize",
+        ),
     )
 
     replicas: int = Field(1, ge=1, le=4096, description="Trainer pods; with one process each, the data-parallel ranks.")
     gpus_per_replica: int = Field(0, ge=0, le=16, description="GPUs per trainer pod (nvidia.com/gpu); 0 trains on CPU.")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="Megatron tensor-parallel size.")
     pipeline_parallel_size: int = Field(1, ge=1, le=256, description="Megatron pipeline-parallel size.")
+    expert_parallel_size: int = Field(
+        1, ge=1, le=1024, description="Expert-parallel size (mixtures of experts): each group of this many "
+        "data-parallel ranks splits the experts between them; it must divide the data-parallel size and the experts.")
+    moe: TrainerMoESpec = Field(default_factory=TrainerMoESpec, description="Mixture-of-experts training settings.")
     max_tokens_per_gpu: int | None = Field(
         None, ge=1, le=MAX_TOKENS, alias="maxTokensPerGPU", description="Dynamic micro-batches: token cap per micro-batch."
     )
@@ -325,6 +387,8 @@ class TrainerSpec(ApiModel):
             raise ValueError(self.cel_rule("one-micro-batching").message)
         if self.world_size % (self.tensor_parallel_size * self.pipeline_parallel_size):
             raise ValueError(self.cel_rule("parallel-sizes-divide-world").message)
+        if self.world_size % (self.tensor_parallel_size * self.pipeline_parallel_size * self.expert_parallel_size):
+            raise ValueError(self.cel_rule("expert-parallel-divides-data-parallel").message)
         return self
 
     @property
@@ -819,6 +883,15 @@ class TrainingRunSpec(ApiModel):
             fieldPath=".weightSync.type",
         ),
         Rule(
+            name="routing-replay-needs-megatron-engine",
+            rule="!has(self.trainer.moe) || !has(self.trainer.moe.routingReplay) || !self.trainer.moe.routingReplay"
+            f" || (({_GENERATED}) && !({_VLLM}))",
+            message="trainer.moe.routingReplay needs generated rollouts (rollout.source.type generate) with "
+            "rollout.engine.type megatron: it records the experts each generated token was routed to (the vllm engine "
+            "does not hand them over yet)",
+            fieldPath=".trainer.moe.routingReplay",
+        ),
+        Rule(
             name="vllm-needs-hf",
             rule=f"!({_GENERATED}) || !({_VLLM}) || has(self.model.hf)",
             message="rollout.engine.type vllm loads Hugging Face weights: set model.hf to a Hugging Face directory "
@@ -862,6 +935,8 @@ class TrainingRunSpec(ApiModel):
             raise ValueError(self.cel_rule("store-sync-needs-megatron").message)
         if generated and sync in ("disk", "broadcast") and not vllm:
             raise ValueError(self.cel_rule("disk-broadcast-sync-need-vllm").message)
+        if self.trainer.moe.routing_replay and not (generated and not vllm):
+            raise ValueError(self.cel_rule("routing-replay-needs-megatron-engine").message)
         if generated and vllm and self.model.hf is None:
             raise ValueError(self.cel_rule("vllm-needs-hf").message)
         return self
@@ -949,8 +1024,10 @@ def parse_trainingrun(doc: dict[str, Any]) -> TrainingRun:
 
 ALL_MODELS: tuple[type[ApiModel], ...] = (
     ModelSpec,
+    MoESpec,
     OptimizerSpec,
     CheckpointSpec,
+    TrainerMoESpec,
     TrainerSpec,
     SyntheticSource,
     JsonlSource,

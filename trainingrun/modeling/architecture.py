@@ -314,3 +314,19 @@ def resolve(preset: str | None = None, *, precision: str = "fp32", transformer_i
                              "multiple of numAttentionHeads, or set model.headDim")
         values["head_dim"] = hidden // heads
     return Architecture(family=family, precision=precision, transformer_impl=transformer_impl, **values)
+
+
+def check_parallel(arch: Architecture, tp: int, ep: int) -> None:
+    """ValueError naming the trainer field when the architecture cannot run at tensor-parallel size `tp` and
+    expert-parallel size `ep` (the rules that need the resolved model; `trainingrun validate` applies them to models
+    it can resolve, every trainer at start-up)."""
+    if ep > 1 and arch.moe is None:
+        raise ValueError(f"trainer.expertParallelSize: {ep} needs a mixture-of-experts model (model.moe, or model.hf "
+                         "of a qwen3_moe, qwen2_moe or mixtral model); allowed for this dense model: 1")
+    if arch.moe is not None and arch.moe.num_experts % ep:
+        raise ValueError(f"trainer.expertParallelSize: {ep} does not divide the model's {arch.moe.num_experts} "
+                         "experts; allowed: a divisor of the number of experts")
+    if arch.moe is not None and tp > 1:
+        raise ValueError(f"trainer.tensorParallelSize: {tp} with a mixture-of-experts model needs sequence "
+                         "parallelism, which the packed variable-length micro-batches do not use; allowed: 1 (split "
+                         "the experts with trainer.expertParallelSize instead)")

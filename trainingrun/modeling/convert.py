@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainingrun.modeling.architecture import Architecture, spec_field
+from trainingrun.modeling.architecture import Architecture, check_parallel, spec_field
 
 
 class ConversionError(ValueError):
@@ -389,18 +389,9 @@ def tp_layout(name: str, arch: Architecture) -> tuple[int | None, bool]:
 
 
 def check_tp(arch: Architecture, tp: int, ep: int = 1) -> None:
-    """ValueError naming the size that tensor-parallel size `tp` (or expert-parallel size `ep`) does not divide, or
-    the parallelism the architecture cannot run with."""
-    if ep > 1 and arch.moe is None:
-        raise ValueError(f"trainer.expertParallelSize: {ep} needs a mixture-of-experts model (model.moe, or model.hf "
-                         "of a qwen3_moe, qwen2_moe or mixtral model); allowed for this dense model: 1")
-    if arch.moe is not None and arch.moe.num_experts % ep:
-        raise ValueError(f"trainer.expertParallelSize: {ep} does not divide the model's {arch.moe.num_experts} "
-                         "experts; allowed: a divisor of the number of experts")
-    if arch.moe is not None and tp > 1:
-        raise ValueError(f"trainer.tensorParallelSize: {tp} with a mixture-of-experts model needs sequence "
-                         "parallelism, which the packed variable-length micro-batches do not use; allowed: 1 (split "
-                         "the experts with trainer.expertParallelSize instead)")
+    """ValueError naming the size that tensor-parallel size `tp` does not divide, or the parallelism the architecture
+    cannot run with (`architecture.check_parallel`: expert parallelism)."""
+    check_parallel(arch, tp, ep)
     if tp == 1:
         return
     for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):

@@ -23,7 +23,7 @@ from trainingrun.modeling.architecture import Architecture
 from trainingrun.modeling.attention import PackedSDPAttention
 from trainingrun.modeling.convert import check_tp, model_names
 from trainingrun.modeling.hf_io import load_megatron_state
-from trainingrun.modeling.moe import patch_megatron_moe
+from trainingrun.modeling.moe import init_weights, patch_megatron_moe
 
 
 def prepare_device(gpus: int) -> torch.device:
@@ -194,7 +194,7 @@ def transformer_config(arch: Architecture, device: torch.device, ep: int = 1):
 
 
 def build_model(arch: Architecture, device: torch.device, *, load_weights: bool = True,
-                parallel_output: bool = True):
+                parallel_output: bool = True, seed: int = 0):
     """THE model builder (trainer, scoring, in-process inference): a Megatron `GPTModel` of `arch`, this rank's
     tensor-parallel shard.
 
@@ -204,7 +204,8 @@ def build_model(arch: Architecture, device: torch.device, *, load_weights: bool 
     the experts). With `hf` set and `load_weights`, the Hugging Face weights are converted and this rank's shard is
     loaded
     (`trainingrun.modeling.hf_io.load_megatron_state`); else the parameters keep Megatron's seeded initialisation.
-    `parallel_output=False` gathers the logits over the vocabulary (full [.., V] on every TP rank)."""
+    `parallel_output=False` gathers the logits over the vocabulary (full [.., V] on every TP rank). `seed`: the run's
+    seed, which the weights of a seeded mixture of experts are drawn from (`modeling.moe.init_weights`)."""
     from megatron.core import parallel_state  # deferred: megatron after prepare_device
     from megatron.core.models.gpt import GPTModel  # deferred: megatron
 
@@ -231,6 +232,8 @@ def build_model(arch: Architecture, device: torch.device, *, load_weights: bool 
     )
     model = model.to(device)
     _params_to_dtype(model, torch_dtype(arch.precision))
+    if arch.moe is not None and not (arch.hf and load_weights):  # the same model at every expert-parallel size
+        init_weights(model, arch, seed=seed, std=config.init_method_std)
     if arch.hf and load_weights:
         state = load_megatron_state(arch.hf, arch, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
                                     tp_size=tp, ep_rank=parallel_state.get_expert_model_parallel_rank(), ep_size=ep)

@@ -3,8 +3,10 @@
 * `state_dict_arrays` / `arrays_state_dict`: a module's own state dict as numpy arrays and back (bf16 travels as
   its raw 16 bits) — the `weightSync.type: store` wire form, written by the trainers' `StoreWeightPublisher` and
   loaded by the rollout's in-process Megatron engine.
-* `gather_live_state`: the full (tensor-parallel-gathered) canonical Megatron state dict of a live model, on TP rank
-  0 — what the disk/broadcast publishers of the vLLM engine convert to Hugging Face names.
+* `gather_live_state`: the full (tensor-parallel- and expert-parallel-gathered) canonical Megatron state dict of a
+  live model, on TP rank 0 / EP rank 0 — what the disk/broadcast publishers of the vLLM engine convert to Hugging
+  Face names. The ranks taking part are one whole copy of the model: the TP × EP ranks of expert-data-parallel
+  replica 0 (for a dense model: data-parallel replica 0).
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from trainingrun.modeling import convert
 from trainingrun.modeling.architecture import Architecture
 
 
-def state_dict_arrays(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """(arrays, dtypes) of a module's state dict: numpy views (bf16 as uint16 bits), and each tensor's torch dtype
-    name. TransformerEngine `_extra_state` blobs are not weights and are skipped."""
+def state_dict_arrays(module: torch.nn.Module | dict[str, torch.Tensor]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(arrays, dtypes) of a module's state dict (or of a state dict, e.g. `gather_live_state`'s): numpy views (bf16 as
+    uint16 bits), and each tensor's torch dtype name. TransformerEngine `_extra_state` blobs are not weights and are
+    skipped."""
     arrays, dtypes = {}, {}
-    for name, t in module.state_dict().items():
+    state = module if isinstance(module, dict) else module.state_dict()
+    for name, t in state.items():
         if name.endswith("_extra_state") or not isinstance(t, torch.Tensor):
             continue
         t = t.detach().cpu().contiguous()
@@ -48,11 +52,16 @@ def arrays_state_dict(arrays: dict[str, np.ndarray], dtypes: dict[str, str]) -> 
 
 
 def gather_live_state(module: torch.nn.Module, arch: Architecture, *, tp_group=None, tp_size: int = 1,
-                      tp_rank: int = 0) -> dict[str, torch.Tensor] | None:
-    """The full (TP-gathered) canonical Megatron state dict of a live model: on TP rank 0 of `tp_group`, None on the
-    others. Every rank of the group must call it (a collective per tensor-parallel tensor, in name order). The
-    tensors are detached copies on the model's device (CPU copies are the caller's choice)."""
+                      tp_rank: int = 0, ep_group=None, ep_size: int = 1,
+                      ep_rank: int = 0) -> dict[str, torch.Tensor] | None:
+    """The full canonical Megatron state dict of a live model: on TP rank 0 of `tp_group` and EP rank 0 of
+    `ep_group`, None on the others. Every rank of both groups must call it (a collective per tensor-parallel tensor
+    and per expert tensor, in name order). The tensors are detached copies on the model's device (CPU copies are the
+    caller's choice). Experts: each EP rank holds `local_experts` 0 … E/R − 1; all-gathered, they get their global
+    numbers (`convert.ep_global_name`); a mixture of experts runs at TP 1 (`architecture.check_parallel`)."""
     state = convert.canonical_names({k: v for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)})
+    if ep_size > 1:
+        return _gather_experts(state, arch, ep_group, ep_size, ep_rank)
     if tp_size == 1:
         return {k: v.detach().clone() for k, v in state.items()}
     out: dict[str, torch.Tensor] = {}
@@ -68,3 +77,20 @@ def gather_live_state(module: torch.nn.Module, arch: Architecture, *, tp_group=N
         if tp_rank == 0:
             out[name] = convert.gather_tp(name, shards, arch)
     return out if tp_rank == 0 else None
+
+
+def _gather_experts(state: dict[str, torch.Tensor], arch: Architecture, group, size: int,
+                    rank: int) -> dict[str, torch.Tensor] | None:
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(state):
+        local = state[name].detach().contiguous()
+        if convert.ep_layout(name) is None:  # replicated over the expert-parallel group (it is data-parallel)
+            if rank == 0:
+                out[name] = local.clone()
+            continue
+        parts = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(parts, local, group=group)
+        if rank == 0:
+            for r, part in enumerate(parts):
+                out[convert.ep_global_name(name, arch, r, size)] = part
+    return out if rank == 0 else None

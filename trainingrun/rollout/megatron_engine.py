@@ -14,6 +14,10 @@ trainers' `StoreWeightPublisher` as `modeling.state.state_dict_arrays`) and load
 `load_state_dict(strict=True)` after every tensor was decoded and checked: a failed read leaves the previous version
 in place (never half-applied).
 
+Routing (mixtures of experts, `record_routing`, set by `trainer.moe.routingReplay`): every forward records which
+experts each fed token went to (`modeling.moe.RoutingHooks`), and each `Completion` carries them for its prompt and
+completion tokens (`routed_experts`), so the trainer can route those tokens the same way.
+
 The CPU shim (`modeling/cpu_compat.py`) is process-global; this module is used in the rollout process (or a
 subprocess in tests), never in the pytest process.
 """
@@ -30,7 +34,9 @@ import torch.distributed as dist
 from trainingrun.contract.engine import Completion, Sampling
 from trainingrun.modeling.architecture import Architecture
 from trainingrun.modeling.model import build_model, prepare_device, set_seed
+from trainingrun.modeling.moe import RoutingHooks
 from trainingrun.modeling.state import arrays_state_dict
+
 
 def sample_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(token [B], its log-probability [B] under softmax(logits / temperature)) for logits [B, V].
@@ -62,12 +68,13 @@ class MegatronEngine:
     name = "megatron"
 
     def __init__(self, arch: Architecture, *, fetch: Callable[[int], tuple[dict[str, np.ndarray], dict]],
-                 max_batch: int = 256, seed: int = 0):
+                 max_batch: int = 256, seed: int = 0, record_routing: bool = False):
         self.device = prepare_device(0)  # the rollout generates on the CPU, or the first visible GPU
         _init_single_process()
         set_seed(seed)
         self.model = build_model(arch, self.device, load_weights=False)  # weights: version 0 from the trainers
         self.model.eval()
+        self.routing = RoutingHooks.install(self.model, arch) if record_routing else None
         self.arch = arch
         self.seq_length = arch.seq_length
         self.max_batch = max_batch
@@ -127,10 +134,18 @@ class MegatronEngine:
         stop = torch.tensor(sorted(sampling.stop_token_ids), dtype=torch.long)
         ctx = StaticInferenceContext(b, total)
         pos = torch.arange(total).unsqueeze(0).expand(b, -1)
+        routed = None
+        if self.routing is not None:  # [rows, positions, layers, k]: -1 until a position is fed
+            routed = torch.full((b, total, self.routing.num_layers, self.routing.top_k), -1, dtype=torch.int16)
         prev = 0
         for cur in range(min(lengths), total):
+            if routed is not None:
+                self.routing.prepare(record=True)
             logits = self.model(tokens[:, prev:cur], pos[:, prev:cur], None, inference_context=ctx,
                                 runtime_gather_output=True)
+            if routed is not None:  # the router saw [positions, rows] flattened: position s of row i is s·b + i
+                rec = self.routing.recorded()
+                routed[:, prev:cur] = rec.view(cur - prev, b, *rec.shape[1:]).transpose(0, 1)
             ctx.sequence_len_offset += cur - prev
             if prev == 0:
                 ctx.enable_decode_mode()
@@ -153,7 +168,9 @@ class MegatronEngine:
         for i in range(b):
             a, e = lengths[i], int(end[i])
             out.append(Completion(tokens=tokens[i, a:e].numpy().astype(np.int32),
-                                  logprobs=logps[i, a:e].numpy().astype(np.float32), finish_reason=reason[i]))
+                                  logprobs=logps[i, a:e].numpy().astype(np.float32), finish_reason=reason[i],
+                                  routed_experts=None if routed is None else
+                                  routed[i, :e].reshape(e, -1).numpy().copy()))
         return out
 
     def close(self) -> None:

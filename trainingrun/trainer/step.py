@@ -38,6 +38,7 @@ class StepResult:
     sample_id_sum: int = 0  # Σ global sample ids of the step (exactly-once checks)
     loss_scale: float = 1.0  # fp16 dynamic loss scale used by this step (1 for bf16/fp32)
     skipped: bool = False  # fp16: gradients overflowed at this loss scale; the update was skipped (scale lowered)
+    moe: dict | None = None  # mixtures of experts: the step's router statistics (`trainer.moe.MoETraining.step_stats`)
 
     def mean(self, name: str) -> float:
         s, c = self.stats[STAT_NAMES.index(name)].tolist()
@@ -52,11 +53,14 @@ def forward_backward(
     *,
     dp_size: int,
     ref_model=None,
+    moe=None,
 ) -> torch.Tensor:
     """Run the micro-batches (forward + backward, gradients reduced over DP) with the run's `loss` and the step's
     denominators `totals`; return local stats [S, 2].
 
-    `ref_model`: the frozen initial policy (ppo with a KL penalty), run forward-only on the same micro-batch."""
+    `ref_model`: the frozen initial policy (ppo with a KL penalty), run forward-only on the same micro-batch.
+    `moe`: a mixture of experts' `trainer.moe.MoETraining` (equal lengths over the expert-parallel group, the balance
+    loss, routing replay and statistics of each micro-batch's forward)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func  # deferred: megatron
 
     m = len(microbatches)
@@ -64,6 +68,8 @@ def forward_backward(
         raise ValueError("num_microbatches: a step needs at least one micro-batch per rank")
     factor = megatron_loss_factor(dp_size, m)
     stats = torch.zeros(len(STAT_NAMES), 2, dtype=torch.float64)
+    if moe is not None:
+        microbatches = moe.prepare_step(microbatches)
 
     def loss_func(mb: MicroBatch, ref_logits, logits: torch.Tensor):
         objective, mb_stats = micro_batch_objective(
@@ -82,6 +88,8 @@ def forward_backward(
         if ref_model is not None and mb.loss.num_samples:
             with torch.no_grad():
                 ref_logits = ref_model(**inputs)
+        if moe is not None:
+            moe.before_forward(mb, loss, totals, factor)
         logits = model(**inputs)
         return logits, partial(loss_func, mb, ref_logits)
 
@@ -109,6 +117,7 @@ def train_step(
     dp_size: int,
     dp_group=None,
     ref_model=None,
+    moe=None,
 ) -> StepResult:
     """Zero grads, forward/backward, advance the LR scheduler by GBS_s, optimizer step, reduce metrics."""
     import torch.distributed as dist  # deferred: torch
@@ -116,7 +125,7 @@ def train_step(
     t0 = time.perf_counter()
     ddp_model.zero_grad_buffer()
     optimizer.zero_grad()
-    local = forward_backward(ddp_model, microbatches, loss, totals, dp_size=dp_size, ref_model=ref_model)
+    local = forward_backward(ddp_model, microbatches, loss, totals, dp_size=dp_size, ref_model=ref_model, moe=moe)
     scheduler.step(increment=totals.global_batch_size)
     lr = float(optimizer.param_groups[0]["lr"])
     loss_scale = float(optimizer.get_loss_scale())
@@ -146,4 +155,5 @@ def train_step(
         sample_id_sum=int(ids[0]),
         loss_scale=loss_scale,
         skipped=skipped,
+        moe=None if moe is None else moe.step_stats(),
     )

@@ -29,7 +29,7 @@ from trainingrun.contract.errors import ConfigError
 from trainingrun.contract.payload import RankPayload
 from trainingrun.contract.published import PublishedRollout, StepPlan
 from trainingrun.contract.resume import ResumePoint
-from trainingrun.modeling.architecture import Architecture
+from trainingrun.modeling.architecture import Architecture, check_parallel
 from trainingrun.modeling.hf_io import copy_assets
 from trainingrun.store import RolloutReleased, StoreTimeout, open_store
 from trainingrun.tracking import TrackingConfigError, open_tracker, tracking_paths
@@ -37,6 +37,7 @@ from trainingrun.trainer.checkpoint import CheckpointError, CheckpointFenced, Tr
 from trainingrun.trainer.checkpoint_megatron import TrainerCheckpoints
 from trainingrun.trainer.config import TrainerEnv
 from trainingrun.trainer.loss import LossSettings, StepTotals, loss_settings
+from trainingrun.trainer.moe import MoETraining, aux_loss_coeff
 from trainingrun.trainer.reshard import acked_ranks, reschedule
 
 
@@ -53,7 +54,7 @@ class Trainer:
     """One trainer rank (see the module docstring). Build it with `Trainer.build(env)`."""
 
     def __init__(self, *, env: TrainerEnv, spec, arch: Architecture, loss: LossSettings, run_name: str, device,
-                 model, ddp, optimizer, scheduler, store, reporter, publisher=None, ref_model=None):
+                 model, ddp, optimizer, scheduler, store, reporter, publisher=None, ref_model=None, moe=None):
         from megatron.core import parallel_state  # deferred: megatron (after the CPU shim)
 
         self.env, self.spec, self.run_name, self.device = env, spec, run_name, device
@@ -62,6 +63,7 @@ class Trainer:
         self.arch = arch  # the model (checkpoints record it)
         self.loss = loss
         self.ref_model = ref_model  # the frozen initial policy (ppo with policyLoss.klCoef > 0)
+        self.moe = moe  # mixtures of experts: trainer.moe.MoETraining (router hooks, EP padding, statistics)
         self.rank = env.rank
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
@@ -83,7 +85,8 @@ class Trainer:
             self.checkpoints = TrainerCheckpoints(
                 self.ckpt_root, ddp.module, optimizer, scheduler, attempt=env.attempt,
                 keep=spec.trainer.checkpoint.keep, epoch=env.epoch,
-                meta={"run": run_name, "dp_size": self.dp_size, "tp_size": tp_size, "model": arch.to_dict()},
+                meta={"run": run_name, "dp_size": self.dp_size, "tp_size": tp_size, "model": arch.to_dict(),
+                      **({"ep_size": parallel_state.get_expert_model_parallel_world_size()} if arch.moe else {})},
                 log=lambda msg: log(self.rank, msg) if self.rank == 0 else None,
                 assets=(lambda d: _copy_hf_assets(hf, d)) if hf else None,
             )
@@ -113,7 +116,11 @@ class Trainer:
             arch = spec.model.resolved()
         except ValueError as exc:
             raise ConfigError(f"model: {exc}") from None
-        loss = loss_settings(spec)
+        try:
+            check_parallel(arch, ts.tensor_parallel_size, ts.expert_parallel_size)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        loss = dataclasses.replace(loss_settings(spec), moe_aux_coeff=aux_loss_coeff(spec, arch))
 
         # Import order: the device decision installs the CPU shim before megatron is imported.
         from trainingrun.modeling.model import build_model, init_distributed, layer_impl, prepare_device, set_seed
@@ -125,7 +132,7 @@ class Trainer:
             raise ConfigError(str(exc)) from None
         log(env.rank, f"run {run_name} attempt {env.attempt}: world {env.world_size}, device {device}, "
                       f"store {env.store_url}")
-        init_distributed(device, tp=ts.tensor_parallel_size, pp=1)
+        init_distributed(device, tp=ts.tensor_parallel_size, pp=1, ep=ts.expert_parallel_size)
 
         # deferred, like the model above: megatron, prometheus_client and torch come after the device decision
         from megatron.core import parallel_state  # deferred: megatron
@@ -137,13 +144,18 @@ class Trainer:
         set_seed(spec.seed)
         try:
             impl = layer_impl(arch, device)
-            model = build_model(arch, device)
+            model = build_model(arch, device, seed=spec.seed)
         except (ValueError, AssertionError, TypeError, OSError) as exc:
             raise ConfigError(f"model: cannot build the model from {arch.to_dict()}: {exc}") from None
         ddp = wrap_ddp(model)
+        import os as _os
+        if _os.environ.get("DBG_H19"):
+            import torch as _t
+            log(env.rank, "DBG " + " ".join(f"{k}={float(v.double().abs().sum()):.6f}" for k, v in sorted(model.state_dict().items()) if isinstance(v, _t.Tensor) and "layers.1.mlp" in k))
+        moe = MoETraining.build(model, arch, replay=ts.moe.routing_replay, device=device)
         ref_model = None
         if ts.loss_type == "ppo" and ts.policy_loss.kl_coef > 0:  # a copy of the initial weights, before any resume
-            ref_model = build_model(arch, device)
+            ref_model = build_model(arch, device, seed=spec.seed)
             ref_model.load_state_dict(model.state_dict())
             ref_model.eval()
             for prm in ref_model.parameters():
@@ -152,7 +164,8 @@ class Trainer:
         n_params = sum(p.numel() for p in model.parameters())
         log(env.rank, f"model: {n_params / 1e6:.2f}M parameters {arch.to_dict()}; {impl} layers; dp "
                       f"{parallel_state.get_data_parallel_world_size()} (dp rank "
-                      f"{parallel_state.get_data_parallel_rank()}), tp {ts.tensor_parallel_size}")
+                      f"{parallel_state.get_data_parallel_rank()}), tp {ts.tensor_parallel_size}"
+                      + (f", ep {ts.expert_parallel_size}" if arch.moe else ""))
 
         store = open_store(env.store_url, attempt=env.attempt)  # every write fenced by the attempt
         exporter = TrainerExporter(run_name, env.rank)
@@ -168,7 +181,7 @@ class Trainer:
             raise ConfigError(str(exc)) from None
         return cls(env=env, spec=spec, arch=arch, loss=loss, run_name=run_name, device=device, model=model, ddp=ddp,
                    optimizer=optimizer, scheduler=scheduler, store=store, reporter=reporter, publisher=publisher,
-                   ref_model=ref_model)
+                   ref_model=ref_model, moe=moe)
 
     # ------------------------------------------------------------------------------------------------ resume
     def resume(self) -> None:
@@ -275,7 +288,7 @@ class Trainer:
         res = train_step(
             self.ddp, self.optimizer, self.scheduler, mbs, self.loss,
             StepTotals(global_batch_size=step.global_batch_size, loss_tokens=step.loss_tokens),
-            dp_size=self.dp_size, dp_group=self.dp_group, ref_model=self.ref_model,
+            dp_size=self.dp_size, dp_group=self.dp_group, ref_model=self.ref_model, moe=self.moe,
         )
         p = self.progress
         p.global_step += 1

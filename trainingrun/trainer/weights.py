@@ -35,20 +35,29 @@ class WeightPublisher(Protocol):
 class StoreWeightPublisher:
     """`weightSync.type: store`: the state dict as raw tensors through the run's store (`Store.publish_weights`,
     pickle-free wire format, bf16 as its 16 bits), written by rank 0; versions older than the newest the rollout may
-    still need (version − maxPolicyLag) are released."""
+    still need (version − maxPolicyLag) are released. With expert parallelism the ranks of rank 0's expert-parallel
+    group gather the experts first (`modeling.state.gather_live_state`)."""
 
-    def __init__(self, store, *, rank: int, max_policy_lag: int):
+    def __init__(self, store, *, rank: int, max_policy_lag: int, arch: Architecture | None = None,
+                 ep: tuple | None = None):
         self.store, self.rank, self.lag = store, rank, max_policy_lag
+        self.arch, self.ep = arch, ep  # ep: (group, size, rank, expert-data-parallel rank) when size > 1
         self.last_seconds = 0.0
         self.last_bytes = 0
 
     def publish(self, version: int, module: Any) -> None:
+        from trainingrun.modeling.state import gather_live_state, state_dict_arrays  # deferred: torch
+
+        state = module
+        if self.ep is not None:
+            group, size, ep_rank, replica = self.ep
+            if replica != 0:
+                return
+            state = gather_live_state(module, self.arch, ep_group=group, ep_size=size, ep_rank=ep_rank)
         if self.rank != 0:
             return
-        from trainingrun.modeling.state import state_dict_arrays  # deferred: torch
-
         t0 = time.perf_counter()
-        arrays, dtypes = state_dict_arrays(module)
+        arrays, dtypes = state_dict_arrays(state)
         self.store.publish_weights(version, arrays, {"dtypes": dtypes, "version": version})
         self.store.release_weights_below(max(0, version - self.lag))
         self.last_seconds = time.perf_counter() - t0
@@ -65,5 +74,11 @@ def make_publisher(spec, store, *, arch: Architecture, rank: int, attempt: int =
     if spec.rollout.source.type != "generate":
         return None
     if spec.weight_sync.type == "store":
-        return StoreWeightPublisher(store, rank=rank, max_policy_lag=spec.rollout.max_policy_lag)
+        ep = None
+        if spec.trainer.expert_parallel_size > 1:
+            from megatron.core import parallel_state as ps  # deferred: megatron (the trainer imported it already)
+
+            ep = (ps.get_expert_model_parallel_group(), ps.get_expert_model_parallel_world_size(),
+                  ps.get_expert_model_parallel_rank(), ps.get_expert_data_parallel_rank())
+        return StoreWeightPublisher(store, rank=rank, max_policy_lag=spec.rollout.max_policy_lag, arch=arch, ep=ep)
     return make_vllm_publisher(spec, store, arch=arch, rank=rank, attempt=attempt)

@@ -62,10 +62,13 @@ def make_vllm_publisher(spec, store, *, arch: Architecture, rank: int, attempt: 
     parallel state is initialised: the tensor-parallel ranks of replica 0 gather the weights of `arch`)."""
     from megatron.core import parallel_state as ps  # deferred: megatron (the trainer imported it after its CPU shim)
 
+    # the ranks gathering one whole copy: expert-data-parallel replica 0 (= data-parallel replica 0 when dense)
     kw = dict(rank=rank, arch=arch, dtype=spec.rollout.engine.vllm.dtype,
               max_policy_lag=spec.rollout.max_policy_lag, tp_group=ps.get_tensor_model_parallel_group(),
               tp_size=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
-              dp_rank=ps.get_data_parallel_rank(), attempt=attempt)
+              dp_rank=ps.get_expert_data_parallel_rank(), attempt=attempt,
+              ep_group=ps.get_expert_model_parallel_group(), ep_size=ps.get_expert_model_parallel_world_size(),
+              ep_rank=ps.get_expert_model_parallel_rank())
     ws = spec.weight_sync
     if ws.type == "disk":
         root = ws.path or str(Path(spec.trainer.checkpoint.path) / "weights")
@@ -78,10 +81,12 @@ def make_vllm_publisher(spec, store, *, arch: Architecture, rank: int, attempt: 
 
 class _Base:
     def __init__(self, store, *, rank: int, arch: Architecture, dtype: str, max_policy_lag: int, tp_group=None,
-                 tp_size: int = 1, tp_rank: int = 0, dp_rank: int = 0, attempt: int = 0):
+                 tp_size: int = 1, tp_rank: int = 0, dp_rank: int = 0, attempt: int = 0, ep_group=None,
+                 ep_size: int = 1, ep_rank: int = 0):
         self.store, self.rank, self.arch, self.dtype, self.lag = store, rank, arch, dtype, max_policy_lag
         self.attempt = attempt
         self.tp_group, self.tp_size, self.tp_rank, self.dp_rank = tp_group, tp_size, tp_rank, dp_rank
+        self.ep_group, self.ep_size, self.ep_rank = ep_group, ep_size, ep_rank
         self.last_seconds = 0.0
         self.last_bytes = 0
 
@@ -92,7 +97,8 @@ class _Base:
         from trainingrun.modeling.state import gather_live_state  # deferred: torch
 
         state = gather_live_state(module, self.arch, tp_group=self.tp_group, tp_size=self.tp_size,
-                                  tp_rank=self.tp_rank)
+                                  tp_rank=self.tp_rank, ep_group=self.ep_group, ep_size=self.ep_size,
+                                  ep_rank=self.ep_rank)
         return state if self.rank == 0 else None
 
     def _committed(self, version: int) -> bool:
