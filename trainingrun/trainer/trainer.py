@@ -148,10 +148,6 @@ class Trainer:
         except (ValueError, AssertionError, TypeError, OSError) as exc:
             raise ConfigError(f"model: cannot build the model from {arch.to_dict()}: {exc}") from None
         ddp = wrap_ddp(model)
-        import os as _os
-        if _os.environ.get("DBG_H19"):
-            import torch as _t
-            log(env.rank, "DBG " + " ".join(f"{k}={float(v.double().abs().sum()):.6f}" for k, v in sorted(model.state_dict().items()) if isinstance(v, _t.Tensor) and "layers.1.mlp" in k))
         moe = MoETraining.build(model, arch, replay=ts.moe.routing_replay, device=device)
         ref_model = None
         if ts.loss_type == "ppo" and ts.policy_loss.kl_coef > 0:  # a copy of the initial weights, before any resume
