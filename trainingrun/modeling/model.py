@@ -23,7 +23,7 @@ from trainingrun.modeling.architecture import Architecture
 from trainingrun.modeling.attention import PackedSDPAttention
 from trainingrun.modeling.convert import check_tp, model_names
 from trainingrun.modeling.hf_io import load_megatron_state
-from trainingrun.modeling.moe import init_weights, patch_megatron_moe
+from trainingrun.modeling.moe import init_weights, mark_expert_params, patch_megatron_moe
 
 
 def prepare_device(gpus: int) -> torch.device:
@@ -232,8 +232,10 @@ def build_model(arch: Architecture, device: torch.device, *, load_weights: bool 
     )
     model = model.to(device)
     _params_to_dtype(model, torch_dtype(arch.precision))
-    if arch.moe is not None and not (arch.hf and load_weights):  # the same model at every expert-parallel size
-        init_weights(model, arch, seed=seed, std=config.init_method_std)
+    if arch.moe is not None:
+        mark_expert_params(model)
+        if not (arch.hf and load_weights):  # the same model at every expert-parallel size
+            init_weights(model, arch, seed=seed, std=config.init_method_std)
     if arch.hf and load_weights:
         state = load_megatron_state(arch.hf, arch, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
                                     tp_size=tp, ep_rank=parallel_state.get_expert_model_parallel_rank(), ep_size=ep)

@@ -50,6 +50,17 @@ def patch_megatron_moe() -> None:
         moe_utils.te_general_gemm = None
 
 
+def mark_expert_params(model) -> None:
+    """Mark every expert parameter as expert-parallel (`allreduce` False) at every expert-parallel size, EP 1
+    included. Megatron marks them only at EP > 1, so at EP 1 the optimizer was one plain optimizer and at EP 2 a
+    `ChainedOptimizer` (dense + expert), whose checkpoint keys differ (`chained_0.optimizer.state...`): an EP 2
+    checkpoint did not load at EP 1. Marked, both sizes build the chained pair and write the same keys; at EP 1 the
+    expert-data-parallel group is the data-parallel group, so the gradients are reduced exactly as before."""
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
+
+
 def init_weights(model, arch: Architecture, *, seed: int, std: float = 0.02) -> None:
     """Draw every weight matrix of a seeded mixture-of-experts model from a generator of its own, keyed by the run's
     seed and the tensor's canonical name (global layer and expert numbers): the same model whatever the
