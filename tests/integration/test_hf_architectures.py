@@ -6,11 +6,15 @@
 * HF → Megatron → HF is bit-exact for each, with each rank holding a part: the dense models at TP 2 (each rank a
   shard), the mixtures of experts at EP 2 (each rank half of the experts), read back from the live models through
   the one gathering function of the weight publishers (`modeling.state.gather_live_state`) and converted back.
+* Routing replay (the mixtures of experts, EP 2): the router hook records each token's experts; replaying them gives
+  the same logits bit for bit, replaying other experts routes the tokens there and changes the logits, −1 leaves the
+  router its own choice.
 * One process pair runs all four (Megatron's parallel state rebuilt per model), this file as the worker script.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -100,6 +104,12 @@ def test_hf_to_megatron_to_hf_is_bit_exact_at_tp2_and_ep2(models: dict[str, Path
         assert set(back) == set(original), kind
         for name, tensor in original.items():
             assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), f"{kind}: {name}"
+        if kind in MOE:
+            replay = json.loads((tmp_path / f"{kind}-replay.json").read_text())
+            assert replay["shape"] == [16, arch.num_layers, arch.moe.top_k], replay
+            assert replay["same_logits"] and replay["same_choice"], replay
+            assert replay["forced_routed"] and replay["forced_change"] > 1e-3, replay
+            assert replay["unset_logits"] and replay["unset_choice"], replay
 
 
 # ---------------------------------------------------------------------------------------------- subprocess worker
@@ -134,7 +144,44 @@ def _worker(out: str, models: list[str]) -> None:
                                  ep_rank=ps.get_expert_model_parallel_rank())
         if dist.get_rank() == 0:
             torch.save(full, Path(out) / f"{kind}-gathered.pt")
+        if moe:
+            replay = _replay_checks(model, arch, device)
+            if dist.get_rank() == 0:
+                (Path(out) / f"{kind}-replay.json").write_text(json.dumps(replay))
         dist.barrier()
+
+
+def _replay_checks(model, arch, device) -> dict:
+    """Routing replay through the router hook (`modeling.moe.RoutingHooks`), at EP 2: record the router's own
+    choices; replaying them gives the same logits; replaying other experts routes there (recorded = given) and
+    changes the logits; −1 everywhere leaves the router its choice."""
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from trainingrun.modeling.moe import RoutingHooks
+
+    hooks = RoutingHooks.install(model, arch)
+    n = 16
+    ids = torch.arange(n, device=device)[None] * 3 % arch.vocab_size
+    cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n)
+
+    def forward(**how):
+        hooks.prepare(record=True, **how)
+        with torch.no_grad():
+            logits = model(input_ids=ids, position_ids=torch.arange(n, device=device)[None], attention_mask=None,
+                           packed_seq_params=params)
+        return logits.float(), hooks.recorded().long()
+
+    plain, chosen = forward()
+    same, again = forward(replay=chosen)
+    other = (chosen + 1) % arch.moe.num_experts  # still k distinct experts per token
+    forced, routed = forward(replay=other)
+    unset, own = forward(replay=torch.full_like(chosen, -1))
+    return {"shape": list(chosen.shape), "same_logits": bool(torch.equal(same, plain)),
+            "same_choice": bool(torch.equal(again, chosen)), "forced_routed": bool(torch.equal(routed, other)),
+            "forced_change": float((forced - plain).abs().max()), "unset_logits": bool(torch.equal(unset, plain)),
+            "unset_choice": bool(torch.equal(own, chosen))}
 
 
 if __name__ == "__main__":
