@@ -1,4 +1,4 @@
-"""Every architecture from config.json (qwen2, qwen3, qwen3_moe, mixtral), on real Megatron code and real
+"""Every architecture from config.json (qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe with its gated shared expert), on real Megatron code and real
 `transformers` (small random models saved by transformers, CPU, fp32).
 
 * `trainingrun score` on each HF directory gives transformers' per-token log-probabilities (≤ 1e-4). Before the
@@ -37,8 +37,10 @@ KINDS = {
     "qwen3_moe": dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True,
                       decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.01),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=False,
+                      shared_expert_intermediate_size=40, decoder_sparse_step=1, mlp_only_layers=[]),
 }
-MOE = ("qwen3_moe", "mixtral")
+MOE = ("qwen3_moe", "mixtral", "qwen2_moe")
 
 
 def make_model(kind: str, out: Path, seed: int = 0) -> Path:
