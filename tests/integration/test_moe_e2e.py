@@ -76,7 +76,7 @@ def test_ep2_trains_like_ep1_exports_and_resumes_at_ep1(tmp_path: Path) -> None:
     assert code == 143, log[-3000:]
     ep2 = records(out)
     assert len(ep2) >= 2, ep2
-    assert "ep 2" in (out / "logs" / "trainer-0.log").read_text()
+    assert any(", ep 2" in f.read_text() for f in (out / "logs").glob("trainer-0*.log"))
     for got, want in zip(ep2, ref):
         for key in ("loss", "grad_norm", "moe_aux_loss"):
             assert got[key] == pytest.approx(want[key], rel=1e-5), (got["step"], key)
@@ -101,7 +101,7 @@ def test_ep2_trains_like_ep1_exports_and_resumes_at_ep1(tmp_path: Path) -> None:
     # resumed at EP 1: the same run as the EP 1 reference
     code, log = finish(start(spec, out, "--resume", "--set", "trainer.expertParallelSize=1"))
     assert code == 0, log[-4000:]
-    assert "resumed from checkpoints/step_" in (out / "logs" / "trainer-0.log").read_text()
+    assert any("resumed from checkpoints/step_" in f.read_text() for f in (out / "logs").glob("trainer-0*.log"))
     assert_same_run(records(out), ref, rel=1e-5)
 
 
