@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import warnings
 
 import numpy as np
@@ -60,37 +62,28 @@ def gather_live_state(module: torch.nn.Module, arch: Architecture, *, tp_group=N
     caller's choice). Experts: each EP rank holds `local_experts` 0 … E/R − 1; all-gathered, they get their global
     numbers (`convert.ep_global_name`); a mixture of experts runs at TP 1 (`architecture.check_parallel`)."""
     state = convert.canonical_names({k: v for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)})
-    if ep_size > 1:
-        return _gather_experts(state, arch, ep_group, ep_size, ep_rank)
+    if ep_size > 1:  # the experts: all-gathered, renamed to their global numbers
+        return _gather(state, ep_group, ep_size, ep_rank, lambda n: convert.ep_layout(n) is not None,
+                       lambda n, parts: {convert.ep_global_name(n, arch, r, ep_size): p for r, p in enumerate(parts)})
     if tp_size == 1:
         return {k: v.detach().clone() for k, v in state.items()}
+    return _gather(state, tp_group, tp_size, tp_rank, lambda n: convert.tp_layout(n, arch)[0] is not None,
+                   lambda n, parts: {n: convert.gather_tp(n, parts, arch)})
+
+
+def _gather(state: dict[str, torch.Tensor], group, size: int, rank: int, split: Callable[[str], bool],
+            merge: Callable[[str, list[torch.Tensor]], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:
+    """Every tensor of `state` on rank 0 of `group`: those `split` names all-gathered (in name order, a collective
+    per tensor) and `merge`d into full tensors, the others (replicated over the group) copied; None on the others."""
     out: dict[str, torch.Tensor] = {}
     for name in sorted(state):
         local = state[name].detach().contiguous()
-        dim, _ = convert.tp_layout(name, arch)
-        if dim is None:
-            if tp_rank == 0:
-                out[name] = local.clone()
-            continue
-        shards = [torch.empty_like(local) for _ in range(tp_size)]
-        dist.all_gather(shards, local, group=tp_group)
-        if tp_rank == 0:
-            out[name] = convert.gather_tp(name, shards, arch)
-    return out if tp_rank == 0 else None
-
-
-def _gather_experts(state: dict[str, torch.Tensor], arch: Architecture, group, size: int,
-                    rank: int) -> dict[str, torch.Tensor] | None:
-    out: dict[str, torch.Tensor] = {}
-    for name in sorted(state):
-        local = state[name].detach().contiguous()
-        if convert.ep_layout(name) is None:  # replicated over the expert-parallel group (it is data-parallel)
+        if not split(name):
             if rank == 0:
                 out[name] = local.clone()
             continue
         parts = [torch.empty_like(local) for _ in range(size)]
         dist.all_gather(parts, local, group=group)
         if rank == 0:
-            for r, part in enumerate(parts):
-                out[convert.ep_global_name(name, arch, r, size)] = part
+            out.update(merge(name, parts))
     return out if rank == 0 else None
