@@ -95,6 +95,32 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
     ("model", "hf-alone"): ({"hf": "/models/smollm2", "seqLength": 512}, {"hf": "/models/smollm2", "preset": "tiny"}),
     ("model.moe", "top-k-within-experts"): ({"numExperts": 8, "topK": 2, "ffnHiddenSize": 64},
                                             {"numExperts": 2, "topK": 4, "ffnHiddenSize": 64}),
+    # the attention backend and the layer spec it runs in
+    ("model", "te-attention-needs-te-layers"): (
+        {"preset": "tiny", "attentionBackend": "te", "transformerImpl": "transformer_engine"},
+        {"preset": "tiny", "attentionBackend": "te", "transformerImpl": "local"},
+    ),
+    ("model", "te-layers-need-te-attention"): (
+        {"preset": "tiny", "transformerImpl": "transformer_engine"},
+        {"preset": "tiny", "attentionBackend": "flash", "precision": "bf16", "transformerImpl": "transformer_engine"},
+    ),
+    ("model", "flash-needs-half-precision"): (
+        {"preset": "tiny", "attentionBackend": "flash", "precision": "bf16"},
+        {"preset": "tiny", "attentionBackend": "flash"},
+    ),
+    ("trainer.performance.recompute", "layers-for-full"): (
+        {"granularity": "full", "numLayers": 2}, {"granularity": "selective", "numLayers": 2}),
+    ("trainer.performance.recompute", "block-needs-layers"): (
+        {"granularity": "full", "method": "block", "numLayers": 1}, {"granularity": "full", "method": "block"}),
+    ("trainer", "param-gather-overlap-needs-distributed-optimizer"): (
+        {"maxTokensPerGPU": 64, "optimizer": {"distributed": True}, "performance": {"overlapParamGather": True}},
+        {"maxTokensPerGPU": 64, "performance": {"overlapParamGather": True}},
+    ),
+    ("", "bf16-grad-reduce-needs-bf16"): (
+        {"model": {"preset": "tiny", "precision": "bf16"},
+         "trainer": {"maxTokensPerGPU": 64, "performance": {"gradReduceDtype": "bf16"}}},
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64, "performance": {"gradReduceDtype": "bf16"}}},
+    ),
     ("trainer.optimizer", "min-lr-at-most-lr"): ({"lr": 0.01, "minLr": 0.001}, {"lr": 0.001, "minLr": 0.01}),
     ("trainer.optimizer", "warmup-within-decay"): ({"warmupSamples": 10, "decaySamples": 100}, {"warmupSamples": 100, "decaySamples": 10}),
     ("trainer", "one-micro-batching"): ({"replicas": 1, "maxTokensPerGPU": 64}, {"replicas": 1, "maxTokensPerGPU": 64, "microBatchSize": 2}),
@@ -161,6 +187,7 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
 
 MODEL_OF = {
     "model": models.ModelSpec, "model.moe": models.MoESpec, "trainer.optimizer": models.OptimizerSpec, "trainer": models.TrainerSpec,
+    "trainer.performance.recompute": models.RecomputeSpec,
     "rollout.source.synthetic": models.SyntheticSource, "rollout.source": models.SourceSpec,
     "rollout.steps": models.StepPolicy, "rollout": models.RolloutSpec, "store": models.StoreSpec,
     "podTemplate": models.PodTemplateOverrides, "rollout.source.generate.prompts": models.PromptsSpec,

@@ -20,8 +20,11 @@ from trainingrun.api.constants import API_VERSION, KIND
 from trainingrun.modeling.architecture import (
     ARCH_FIELDS,
     OPTIONAL_ARCH_FIELDS,
+    TE_LAYERS_NEED_TE,
+    TE_NEEDS_TE_LAYERS,
     Activation,
     Architecture,
+    AttentionBackend,
     Family,
     Normalization,
     Precision,
@@ -163,9 +166,20 @@ class ModelSpec(ApiModel):
             " && !has(self.normEpsilon) && !has(self.activation) && !has(self.ropeBase) && !has(self.tieEmbeddings)"
             " && !has(self.addBiasLinear) && !has(self.addQkvBias) && !has(self.qkNorm) && !has(self.moe))",
             message="with model.hf the architecture and sizes come from its config.json: set only seqLength, "
-            "precision and transformerImpl beside it (not preset or architecture fields)",
+            "precision, transformerImpl and attentionBackend beside it (not preset or architecture fields)",
             fieldPath=".hf",
         ),
+        # The attention backend and the layer spec it runs in (docs/trainer.md, "Attention backends").
+        Rule(name="te-attention-needs-te-layers",
+             rule="self.attentionBackend != 'te' || self.transformerImpl != 'local'",
+             message=TE_NEEDS_TE_LAYERS, fieldPath=".attentionBackend"),
+        Rule(name="te-layers-need-te-attention",
+             rule="self.transformerImpl != 'transformer_engine' || self.attentionBackend in ['auto', 'te']",
+             message=TE_LAYERS_NEED_TE, fieldPath=".attentionBackend"),
+        Rule(name="flash-needs-half-precision",
+             rule="self.attentionBackend != 'flash' || self.precision != 'fp32'",
+             message="model.attentionBackend flash runs in bf16 or fp16 (flash kernels have no fp32): set precision "
+             "bf16 or fp16, or attentionBackend sdpa or auto", fieldPath=".attentionBackend"),
     )
 
     hf: str | None = Field(
@@ -222,6 +236,14 @@ class ModelSpec(ApiModel):
         "installed, else local (Megatron's own layers with an SDPA core attention that handles packed sequences); "
         "transformer_engine: required (the trainer refuses to start without it or on CPU).",
     )
+    attention_backend: AttentionBackend = Field(
+        "auto",
+        description="Attention of packed (THD) micro-batches. te: TransformerEngine's fused attention (in its layer "
+        "spec: transformerImpl auto or transformer_engine); flash: torch's variable-length flash attention (CUDA, "
+        "bf16/fp16; local spec); sdpa: torch SDPA with a block-diagonal mask (any device, O(T^2) memory; local spec). "
+        "auto: te, then flash, then sdpa, the first the device offers (the trainer logs the choice). A named backend "
+        "the device cannot run stops the trainer at start-up (exit 78) naming what is missing.",
+    )
 
     @model_validator(mode="after")
     def _rules(self) -> ModelSpec:
@@ -238,6 +260,12 @@ class ModelSpec(ApiModel):
             clash = [_camel(k) for k in ("preset", *ARCH_FIELDS, *OPTIONAL_ARCH_FIELDS) if getattr(self, k) is not None]
             if clash:
                 raise ValueError(f"{self.cel_rule('hf-alone').message}; remove {', '.join(clash)}")
+        if self.attention_backend == "te" and self.transformer_impl == "local":
+            raise ValueError(self.cel_rule("te-attention-needs-te-layers").message)
+        if self.transformer_impl == "transformer_engine" and self.attention_backend not in ("auto", "te"):
+            raise ValueError(self.cel_rule("te-layers-need-te-attention").message)
+        if self.attention_backend == "flash" and self.precision == "fp32":
+            raise ValueError(self.cel_rule("flash-needs-half-precision").message)
         return self
 
     @overload
@@ -255,9 +283,11 @@ class ModelSpec(ApiModel):
             if not read_hf:
                 return None
             return read_hf_architecture(self.hf, seq_length=self.seq_length, precision=self.precision,
-                                        transformer_impl=self.transformer_impl)
+                                        transformer_impl=self.transformer_impl,
+                                        ).replace(attention_backend=self.attention_backend)
         return resolve(self.preset, precision=self.precision, transformer_impl=self.transformer_impl,
-                       seq_length=self.seq_length, **{k: getattr(self, k) for k in ARCH_FIELDS},
+                       attention_backend=self.attention_backend, seq_length=self.seq_length,
+                       **{k: getattr(self, k) for k in ARCH_FIELDS},
                        qk_norm=self.qk_norm, moe=None if self.moe is None else self.moe.fields())
 
 
@@ -288,6 +318,11 @@ class OptimizerSpec(ApiModel):
     clip_grad: float = Field(1.0, ge=0, le=1e6, description="Gradient norm clipping; 0 turns clipping off.")
     adam_beta1: float = Field(0.9, gt=0, lt=1, description="AdamW beta1.")
     adam_beta2: float = Field(0.999, gt=0, lt=1, description="AdamW beta2.")
+    distributed: bool = Field(
+        False, description="Megatron's distributed optimizer (ZeRO-1): the fp32 main parameters and Adam moments are "
+        "sharded over the data-parallel ranks (their memory / DP), gradients are reduce-scattered and parameters "
+        "all-gathered after each step instead of one all-reduce (the same bytes on the wire). Its checkpoints load at "
+        "any data-parallel size, not at another tensorParallelSize, and not into the plain optimizer (or back).")
 
     @model_validator(mode="after")
     def _rules(self) -> OptimizerSpec:
@@ -327,6 +362,60 @@ class TrainerMoESpec(ApiModel):
         "(config.json router_aux_loss_coef, 0 for a model without model.hf); 0: off.")
 
 
+class RecomputeSpec(ApiModel):
+    """Activation recomputation: keep fewer activations for the backward pass and compute them again there."""
+
+    CEL_RULES = (
+        Rule(name="layers-for-full", rule="!has(self.numLayers) || self.granularity == 'full'",
+             message="recompute.numLayers is for granularity full only", fieldPath=".numLayers"),
+        Rule(name="block-needs-layers",
+             rule="self.granularity != 'full' || self.method != 'block' || has(self.numLayers)",
+             message="recompute method block needs recompute.numLayers (how many layers are recomputed)",
+             fieldPath=".numLayers"),
+    )
+
+    granularity: Literal["none", "selective", "full"] = Field(
+        "none", description="none: every activation kept. selective: the core attention is recomputed in backward "
+        "(its inputs kept; costs about one more attention forward; saves most with sdpa, whose [T, T] scores it no "
+        "longer keeps). full: whole layers are recomputed from their inputs (costs about one more forward of those "
+        "layers, ~1/3 more compute when all are; saves their activations).")
+    method: Literal["uniform", "block"] = Field(
+        "uniform", description="full only. uniform: the layers are split into chunks of numLayers (default 1) and "
+        "only each chunk's input is kept; block: the first numLayers layers are recomputed, the others keep their "
+        "activations.")
+    num_layers: int | None = Field(None, ge=1, le=1024, description="full only: layers per chunk (uniform, default "
+                                   "1) or layers recomputed (block); at most model.numLayers.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> RecomputeSpec:
+        if self.num_layers is not None and self.granularity != "full":
+            raise ValueError(self.cel_rule("layers-for-full").message)
+        if self.granularity == "full" and self.method == "block" and self.num_layers is None:
+            raise ValueError(self.cel_rule("block-needs-layers").message)
+        return self
+
+
+class PerformanceSpec(ApiModel):
+    """Megatron's speed switches. Every default is the safe one (nothing overlapped, fp32 gradient reduction, no
+    recomputation, no fusion); docs/trainer.md ("Performance options") gives what each costs and saves."""
+
+    overlap_grad_reduce: bool = Field(
+        False, description="Reduce gradients bucket by bucket while the backward of the last micro-batch still runs "
+        "(hides the data-parallel all-reduce / reduce-scatter behind compute; same result).")
+    overlap_param_gather: bool = Field(
+        False, description="With optimizer.distributed: all-gather the updated parameters during the next forward, "
+        "layer by layer, instead of right after the optimizer step (same result).")
+    grad_reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="Type of the gradient buffer and its data-parallel reduction. bf16 (model.precision "
+        "bf16) halves the buffer's memory and the bytes reduced, at the cost of rounding the accumulated gradient "
+        "(8 mantissa bits) over micro-batches and ranks; the optimizer still updates fp32 main parameters.")
+    recompute: RecomputeSpec = Field(default_factory=RecomputeSpec, description="Activation recomputation.")
+    gradient_accumulation_fusion: bool = Field(
+        False, description="Fuse the weight-gradient matmul with its accumulation into the fp32 gradient buffer (one "
+        "kernel, no temporary gradient). Needs CUDA and apex's fused_weight_gradient_mlp_cuda extension (Megatron's "
+        "own output layer uses it under either layer spec); refused without them.")
+
+
 class TrainerSpec(ApiModel):
     """The trainer pods: data-parallel ranks, parallelism, micro-batching, loss and optimizer."""
 
@@ -350,6 +439,15 @@ class TrainerSpec(ApiModel):
             message="expertParallelSize must divide the data-parallel size (replicas × max(gpusPerReplica, 1) / "
             "(tensorParallelSize × pipelineParallelSize)): the experts are split within the data-parallel group",
             fieldPath=".expertParallelSize",
+        ),
+        Rule(
+            name="param-gather-overlap-needs-distributed-optimizer",
+            rule="!has(self.performance) || !has(self.performance.overlapParamGather)"
+            " || !self.performance.overlapParamGather"
+            " || (has(self.optimizer) && has(self.optimizer.distributed) && self.optimizer.distributed)",
+            message="performance.overlapParamGather overlaps the distributed optimizer's parameter all-gather: set "
+            "optimizer.distributed true, or overlapParamGather false",
+            fieldPath=".performance.overlapParamGather",
         ),
     )
 
@@ -377,6 +475,8 @@ class TrainerSpec(ApiModel):
     )
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="Optimizer and LR schedule.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpointing.")
+    performance: PerformanceSpec = Field(default_factory=PerformanceSpec,
+                                         description="Megatron's performance options (all off by default).")
     resources: ResourceRequirements = Field(
         default_factory=ResourceRequirements, description="Resources of each trainer container."
     )
@@ -389,6 +489,8 @@ class TrainerSpec(ApiModel):
             raise ValueError(self.cel_rule("parallel-sizes-divide-world").message)
         if self.world_size % (self.tensor_parallel_size * self.pipeline_parallel_size * self.expert_parallel_size):
             raise ValueError(self.cel_rule("expert-parallel-divides-data-parallel").message)
+        if self.performance.overlap_param_gather and not self.optimizer.distributed:
+            raise ValueError(self.cel_rule("param-gather-overlap-needs-distributed-optimizer").message)
         return self
 
     @property
@@ -892,6 +994,15 @@ class TrainingRunSpec(ApiModel):
             fieldPath=".trainer.moe.routingReplay",
         ),
         Rule(
+            name="bf16-grad-reduce-needs-bf16",
+            rule="!has(self.trainer.performance) || !has(self.trainer.performance.gradReduceDtype)"
+            " || self.trainer.performance.gradReduceDtype != 'bf16'"
+            " || (has(self.model.precision) && self.model.precision == 'bf16')",
+            message="trainer.performance.gradReduceDtype bf16 reduces gradients in the parameters' type: set "
+            "model.precision bf16, or gradReduceDtype fp32",
+            fieldPath=".trainer.performance.gradReduceDtype",
+        ),
+        Rule(
             name="vllm-needs-hf",
             rule=f"!({_GENERATED}) || !({_VLLM}) || has(self.model.hf)",
             message="rollout.engine.type vllm loads Hugging Face weights: set model.hf to a Hugging Face directory "
@@ -939,6 +1050,8 @@ class TrainingRunSpec(ApiModel):
             raise ValueError(self.cel_rule("routing-replay-needs-megatron-engine").message)
         if generated and vllm and self.model.hf is None:
             raise ValueError(self.cel_rule("vllm-needs-hf").message)
+        if self.trainer.performance.grad_reduce_dtype == "bf16" and self.model.precision != "bf16":
+            raise ValueError(self.cel_rule("bf16-grad-reduce-needs-bf16").message)
         return self
 
 
@@ -1028,6 +1141,8 @@ ALL_MODELS: tuple[type[ApiModel], ...] = (
     OptimizerSpec,
     CheckpointSpec,
     TrainerMoESpec,
+    RecomputeSpec,
+    PerformanceSpec,
     TrainerSpec,
     SyntheticSource,
     JsonlSource,

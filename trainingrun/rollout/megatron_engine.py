@@ -14,6 +14,10 @@ trainers' `StoreWeightPublisher` as `modeling.state.state_dict_arrays`) and load
 `load_state_dict(strict=True)` after every tensor was decoded and checked: a failed read leaves the previous version
 in place (never half-applied).
 
+Device and attention: the first visible GPU, else the CPU (`engine_device`); the attention backend is the
+trainers' rule for this device (`modeling.model.attention_choice` with `generation=True`: te in TE's layer spec, else
+the local spec, whose padded KV-cache batches run torch SDPA whichever of flash and sdpa is named).
+
 Routing (mixtures of experts, `record_routing`, set by `trainer.moe.routingReplay`): every forward records which
 experts each fed token went to (`modeling.moe.RoutingHooks`), and each `Completion` carries them for its prompt and
 completion tokens (`routed_experts`), so the trainer can route those tokens the same way.
@@ -24,6 +28,7 @@ subprocess in tests), never in the pytest process.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -32,10 +37,16 @@ import torch
 import torch.distributed as dist
 
 from trainingrun.contract.engine import Completion, Sampling
+from trainingrun.contract.errors import ConfigError
 from trainingrun.modeling.architecture import Architecture
-from trainingrun.modeling.model import build_model, prepare_device, set_seed
+from trainingrun.modeling.model import ModelOptions, attention_choice, build_model, prepare_device, set_seed
 from trainingrun.modeling.moe import RoutingHooks
 from trainingrun.modeling.state import arrays_state_dict
+
+
+def engine_device() -> torch.device:
+    """Where the engine generates: the first visible GPU (CUDA), else the CPU (with the CPU shim)."""
+    return prepare_device(1)
 
 
 def sample_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,10 +80,17 @@ class MegatronEngine:
 
     def __init__(self, arch: Architecture, *, fetch: Callable[[int], tuple[dict[str, np.ndarray], dict]],
                  max_batch: int = 256, seed: int = 0, record_routing: bool = False):
-        self.device = prepare_device(0)  # the rollout generates on the CPU, or the first visible GPU
+        self.device = engine_device()
         _init_single_process()
         set_seed(seed)
-        self.model = build_model(arch, self.device, load_weights=False)  # weights: version 0 from the trainers
+        try:
+            self.attention = attention_choice(arch, self.device, generation=True)
+        except ValueError as exc:
+            raise ConfigError(f"rollout.engine.type megatron: {exc}") from None
+        print(f"megatron engine on {self.device}: attention {self.attention.backend} ({self.attention.reason})",
+              file=sys.stderr, flush=True)
+        # weights: version 0 from the trainers
+        self.model = build_model(arch, self.device, load_weights=False, options=ModelOptions(attention=self.attention))
         self.model.eval()
         self.routing = RoutingHooks.install(self.model, arch) if record_routing else None
         self.arch = arch
@@ -105,7 +123,7 @@ class MegatronEngine:
         t0 = time.perf_counter()
         rows = [list(map(int, p)) for p in prompts for _ in range(n)]
         out: list[Completion] = []
-        gen = torch.Generator(device="cpu").manual_seed(int(sampling.seed))
+        gen = torch.Generator(device=self.device).manual_seed(int(sampling.seed))
         for start in range(0, len(rows), self.max_batch):
             out.extend(self._generate_batch(rows[start : start + self.max_batch], sampling, gen))
         self.stats["generated_tokens"] += sum(len(c.tokens) for c in out)
@@ -122,18 +140,19 @@ class MegatronEngine:
         if max(lengths) >= total:
             raise ValueError(f"prompts: a prompt of {max(lengths)} tokens leaves no room to generate within "
                              f"model seqLength {self.seq_length}")
-        b = len(rows)
+        b, dev = len(rows), self.device
         tokens = torch.zeros(b, total, dtype=torch.long)
         for i, r in enumerate(rows):
             tokens[i, : len(r)] = torch.tensor(r)
-        plen = torch.tensor(lengths)
-        logps = torch.zeros(b, total)
-        done = torch.zeros(b, dtype=torch.bool)
-        end = torch.full((b,), total, dtype=torch.long)  # first position after each row's completion
+        tokens = tokens.to(dev)
+        plen = torch.tensor(lengths, device=dev)
+        logps = torch.zeros(b, total, device=dev)
+        done = torch.zeros(b, dtype=torch.bool, device=dev)
+        end = torch.full((b,), total, dtype=torch.long, device=dev)  # first position after each row's completion
         reason = ["length"] * b
-        stop = torch.tensor(sorted(sampling.stop_token_ids), dtype=torch.long)
+        stop = torch.tensor(sorted(sampling.stop_token_ids), dtype=torch.long, device=dev)
         ctx = StaticInferenceContext(b, total)
-        pos = torch.arange(total).unsqueeze(0).expand(b, -1)
+        pos = torch.arange(total, device=dev).unsqueeze(0).expand(b, -1)
         routed = None
         if self.routing is not None:  # [rows, positions, layers, k]: -1 until a position is fed
             routed = torch.full((b, total, self.routing.num_layers, self.routing.top_k), -1, dtype=torch.int16)
@@ -165,6 +184,7 @@ class MegatronEngine:
             if bool(done.all()):
                 break
         out = []
+        tokens, logps, end = tokens.cpu(), logps.cpu(), end.cpu()
         for i in range(b):
             a, e = lengths[i], int(end[i])
             out.append(Completion(tokens=tokens[i, a:e].numpy().astype(np.int32),

@@ -123,8 +123,13 @@ class Trainer:
         loss = dataclasses.replace(loss_settings(spec), moe_aux_coeff=aux_loss_coeff(spec, arch))
 
         # Import order: the device decision installs the CPU shim before megatron is imported.
-        from trainingrun.modeling.model import build_model, init_distributed, layer_impl, prepare_device, set_seed
-        from trainingrun.trainer.optim import build_optimizer, optim_settings, wrap_ddp  # deferred: megatron
+        from trainingrun.modeling.model import attention_choice, build_model, init_distributed, prepare_device, set_seed
+        from trainingrun.trainer.optim import (  # deferred: megatron
+            build_optimizer,
+            optim_settings,
+            performance_settings,
+            wrap_ddp,
+        )
 
         try:
             device = prepare_device(ts.gpus_per_replica)
@@ -141,13 +146,18 @@ class Trainer:
         from trainingrun.trainer.report import StepReporter  # deferred: torch (loss statistics)
         from trainingrun.trainer.weights import make_publisher  # deferred: torch
 
+        try:  # what this device runs: the attention backend and the performance options (refused by name)
+            attention = attention_choice(arch, device)
+            options, ddp_settings = performance_settings(ts, arch, device, attention)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        log(env.rank, f"attention: {attention.backend} ({attention.reason})")
         set_seed(spec.seed)
         try:
-            impl = layer_impl(arch, device)
-            model = build_model(arch, device, seed=spec.seed)
+            model = build_model(arch, device, options=options, seed=spec.seed)
         except (ValueError, AssertionError, TypeError, OSError) as exc:
             raise ConfigError(f"model: cannot build the model from {arch.to_dict()}: {exc}") from None
-        ddp = wrap_ddp(model)
+        ddp = wrap_ddp(model, ddp_settings)
         moe = MoETraining.build(model, arch, replay=ts.moe.routing_replay, device=device)
         ref_model = None
         if ts.loss_type == "ppo" and ts.policy_loss.kl_coef > 0:  # a copy of the initial weights, before any resume
@@ -158,7 +168,7 @@ class Trainer:
                 prm.requires_grad_(False)
         optimizer, scheduler = build_optimizer(ddp, optim_settings(ts.optimizer), arch.precision)
         n_params = sum(p.numel() for p in model.parameters())
-        log(env.rank, f"model: {n_params / 1e6:.2f}M parameters {arch.to_dict()}; {impl} layers; dp "
+        log(env.rank, f"model: {n_params / 1e6:.2f}M parameters {arch.to_dict()}; {attention.layer_impl} layers; dp "
                       f"{parallel_state.get_data_parallel_world_size()} (dp rank "
                       f"{parallel_state.get_data_parallel_rank()}), tp {ts.tensor_parallel_size}"
                       + (f", ep {ts.expert_parallel_size}" if arch.moe else ""))
@@ -311,7 +321,10 @@ class Trainer:
         Collective: every rank calls it (a publisher may gather tensor-parallel shards); the publisher writes from
         rank 0. The version is the number of rollouts trained (`progress.rollout`)."""
         if self.publisher is not None:
+            from trainingrun.trainer.optim import params_current  # deferred: torch
+
             t0 = time.perf_counter()
+            params_current(self.ddp)
             self.publisher.publish(self.progress.rollout, self.ddp.module)
             self.sync_seconds = time.perf_counter() - t0
             if self.rank == 0 and getattr(self.publisher, "last_bytes", 0):
@@ -365,7 +378,10 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """Collective checkpoint of the current progress (trainer/checkpoint.py). A newer attempt owning the
         checkpoints (this process is a leftover of an older attempt): ConfigError, nothing written."""
+        from trainingrun.trainer.optim import params_current  # deferred: torch
+
         p = self.progress
+        params_current(self.ddp)
         try:
             res = self.checkpoints.save(p)
         except CheckpointFenced as exc:
