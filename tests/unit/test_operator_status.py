@@ -84,7 +84,7 @@ def _engine_run(max_restarts: int = 3):
 def test_terminal_phases_are_sticky():
     run = run_of(failurePolicy={"maxRestarts": 3, "backoffSeconds": 10})
     st = {**_restarting(run), "restarts": 3, "phase": "Running", "attempt": 1}
-    d = decide(run, st, pods_of(run, 1, **{"tiny-rollout-a1": "Failed"}), attempt=1)
+    d = decide(run, st, pods_of(run, 1, **{"tiny-trainer-0-a1": "Failed"}), attempt=1)
     assert d.status["phase"] == "Failed"
     d2 = decide(run, d.status, pods_of(run, 1, phase="Succeeded"), attempt=1)
     assert d2.status["phase"] == "Failed" and not d2.create
@@ -197,13 +197,13 @@ def test_group_exit_restarts_within_the_budget_doubling_the_backoff_then_fails()
     d = decide(run, d.status, [], now=T0 + dt.timedelta(seconds=10), attempt=1)
     st = decide(run, d.status, pods_of(run, 1), attempt=1).status
     assert st["phase"] == "Running"
-    # the second restart waits 2 x backoffSeconds
-    d = decide(run, st, pods_of(run, 1, **{"tiny-rollout-a1": "Failed"}), attempt=1)
+    # the second restart waits 2 x backoffSeconds (a trainer: the rollout restarts alone, test_role_restart_*)
+    d = decide(run, st, pods_of(run, 1, **{"tiny-trainer-0-a1": "Failed"}), attempt=1)
     assert d.status["restarts"] == 2 and "in 20s" in d.status["message"]
     # budget used: Failed with the failing pod in the message
     st = {**d.status, "restarts": 3, "phase": "Running", "attempt": 1}
-    d = decide(run, st, pods_of(run, 1, **{"tiny-rollout-a1": "Failed"}), attempt=1)
-    assert d.status["phase"] == "Failed" and "tiny-rollout-a1" in d.status["message"]
+    d = decide(run, st, pods_of(run, 1, **{"tiny-trainer-0-a1": "Failed"}), attempt=1)
+    assert d.status["phase"] == "Failed" and "tiny-trainer-0-a1" in d.status["message"]
 
 
 def test_group_exit_disruptions_do_not_use_the_budget():
@@ -218,8 +218,8 @@ def test_group_exit_disruptions_do_not_use_the_budget():
     assert d.status["phase"] == "Restarting" and d.status["restarts"] == 0 and d.status["disruptions"] == 1
     assert d.requeue_after == 7 and d.events[-1][1] == "Disrupted"
     # DisruptionTarget on a pod that was deleted (the Eviction API): known from its last state
-    preempted = observe_pod({"metadata": {"name": "tiny-rollout-a0", "labels": {LABEL_ROLE: "rollout",
-                                                                               LABEL_ATTEMPT: "0"}},
+    preempted = observe_pod({"metadata": {"name": "tiny-trainer-1-a0", "labels": {LABEL_ROLE: "trainer", LABEL_RANK: "1",
+                                                                                 LABEL_ATTEMPT: "0"}},
                              "status": {"phase": "Running", "conditions": [
                                  {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}]}})
     d = decide(run, st, [p for p in pods_of(run, 0) if p.name != preempted.name], gone=(preempted,))

@@ -40,6 +40,67 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
+class EpisodeCounts:
+    """Multi-turn episodes of a source rollout (`rollout.source.generate.environment`): counts that add up across
+    rollouts and ranks, so each mean below is a weighted (sum, count) pair (`record` names them)."""
+
+    episodes: int = 0
+    turns: int = 0  # model turns
+    tool_calls: int = 0
+    tool_errors: int = 0
+    truncated: int = 0  # episodes
+    response_tokens: int = 0  # tokens of the model's turns
+    failures: dict[str, int] = field(default_factory=dict)  # failed episodes by reason (environments.base)
+    reward: float = 0.0  # sum of the episodes' rewards (with per-turn samples reward_mean is over samples)
+
+    # record field -> (sum, count)
+    def pairs(self) -> dict[str, tuple[int, int]]:
+        failed = sum(self.failures.values())
+        return {
+            "turns_per_episode": (self.turns, self.episodes),
+            "tool_calls_per_episode": (self.tool_calls, self.episodes),
+            "tool_error_rate": (self.tool_errors, self.tool_calls),
+            "env_failure_rate": (failed, self.episodes),
+            "env_timeout_rate": (self.failures.get("timeout", 0), self.episodes),
+            "truncated_rate": (self.truncated, self.episodes),
+            "response_tokens_per_turn": (self.response_tokens, self.turns),
+            "episode_reward_mean": (self.reward, self.episodes),
+        }
+
+    def record(self) -> dict[str, float | int]:
+        """The per-step record's episode fields: the means (0 with nothing counted) and the counts."""
+        out: dict[str, float | int] = {name: s / c if c else 0.0 for name, (s, c) in self.pairs().items()}
+        out.update({"episodes": self.episodes, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
+                    "env_failures": sum(self.failures.values()), "env_timeouts": self.failures.get("timeout", 0),
+                    "truncated_episodes": self.truncated})
+        return out
+
+    def summary(self) -> str:
+        """One line for the rollout's log."""
+        r = self.record()
+        return (f"{self.episodes} episodes, {r['turns_per_episode']:.2f} turns and {r['tool_calls_per_episode']:.2f} "
+                f"tool calls each ({self.tool_errors} tool errors), {self.truncated} truncated, "
+                f"{r['env_failures']} failed {self.failures or ''}".rstrip())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"episodes": self.episodes, "turns": self.turns, "tool_calls": self.tool_calls,
+                "tool_errors": self.tool_errors, "truncated": self.truncated,
+                "response_tokens": self.response_tokens, "failures": dict(self.failures), "reward": self.reward}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> EpisodeCounts:
+        """ValueError naming the field when `d` is not a well-formed record."""
+        if not isinstance(d, dict):
+            raise ValueError(f"episodes: must be an object, got {type(d).__name__}")
+        try:
+            return cls(**{k: int(d[k]) for k in ("episodes", "turns", "tool_calls", "tool_errors", "truncated",
+                                                  "response_tokens")},
+                       failures={str(k): int(v) for k, v in d["failures"].items()}, reward=float(d["reward"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"episodes: malformed ({type(exc).__name__}: {exc})") from None
+
+
+@dataclass(frozen=True)
 class SourceStats:
     """How the rollout's samples came to be (absent in hand-built rollouts): accounting for reports and tests."""
 
@@ -57,6 +118,7 @@ class SourceStats:
     weight_version: int = -1  # generated rollouts: the weight version the source rollout was generated with
     groups_produced: int = 0
     groups_kept: int = 0
+    episodes: EpisodeCounts | None = None  # multi-turn episodes (generated rollouts with an environment)
 
     @property
     def reward_mean(self) -> float:
@@ -74,7 +136,8 @@ class SourceStats:
                 "carried_in": self.carried_in, "carried_out": self.carried_out, "seed": self.seed,
                 "reward_sum": self.reward_sum, "reward_sq_sum": self.reward_sq_sum, "reward_count": self.reward_count,
                 "reward_failed": self.reward_failed, "weight_version": self.weight_version,
-                "groups_produced": self.groups_produced, "groups_kept": self.groups_kept}
+                "groups_produced": self.groups_produced, "groups_kept": self.groups_kept,
+                **({"episodes": self.episodes.to_json()} if self.episodes is not None else {})}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> SourceStats | None:
@@ -86,7 +149,8 @@ class SourceStats:
                    reward_sum=float(d.get("reward_sum", 0.0)), reward_sq_sum=float(d.get("reward_sq_sum", 0.0)),
                    reward_count=int(d.get("reward_count", 0)), reward_failed=int(d.get("reward_failed", 0)),
                    weight_version=int(d.get("weight_version", -1)), groups_produced=int(d.get("groups_produced", 0)),
-                   groups_kept=int(d.get("groups_kept", 0)))
+                   groups_kept=int(d.get("groups_kept", 0)),
+                   episodes=EpisodeCounts.from_json(d["episodes"]) if "episodes" in d else None)
 
 
 @dataclass(frozen=True)
@@ -181,7 +245,7 @@ class PublishedRollout:
                  "num_steps", "num_samples", "num_groups", "step_offset", "samples_offset", "mean_reward",
                  "step_weight_versions", "source_index", "produced", "filtered", "carried_in", "carried_out", "seed",
                  "reward_sum", "reward_sq_sum", "reward_count", "reward_failed", "weight_version", "groups_produced",
-                 "groups_kept"}
+                 "groups_kept", "episodes"}
         versions = tuple(int(x) for x in d.get("step_weight_versions", ()))
         if versions and len(versions) != sched.num_steps:
             raise ValueError(f"schedule.step_weight_versions: {len(versions)} entries for {sched.num_steps} steps")

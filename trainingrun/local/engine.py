@@ -70,7 +70,7 @@ class LocalEngine:
         if proc is None or proc.poll() is None:
             return None
         code = proc.returncode
-        return policy.Failure(name="engine", kind=policy.classify(code), role="engine", code=code,
+        return policy.Failure(name="engine", kind=policy.classify(code), role="engine", rank=0, code=code,
                               description=f"vLLM server {describe_exit(code)} (log {self.server.log_path})")
 
     def restart_after(self, seconds: float) -> None:

@@ -12,12 +12,16 @@ Children of a run `R` in namespace `NS`:
   Pod        R-rollout-a<k>     the rollout (attempt k)
   Pod        R-trainer-<i>-a<k> trainer rank i (attempt k)
   Pod+Svc    R-store            Redis, only with `store.managed: true` (or no store configured)
-  PodGroup   R-a<k>             only with `gangScheduling.enabled` (`trainingrun.operator.gang`), per attempt
+  PodGroup   R-a<k>             only with `gangScheduling.enabled` (`trainingrun.operator.gang`), per attempt; with
+                                provider kubernetes a Workload R-a<k> first
   CM+Pod+Svc R-engine           the run's own vLLM server, only with `rollout.engine.type: vllm` and no `engine.url`
-                                (`trainingrun.vllm.k8s`); like the store it outlives attempts
+                                (`trainingrun.vllm.k8s`); like the store it outlives attempts; restartPolicy Never:
+                                the operator replaces a failed engine pod (R-engine-r<g>, the failure policy)
 Pod names carry the attempt so a restarted group never collides with pods of the previous attempt still terminating;
 every pod's TRAININGRUN_ATTEMPT is its attempt, which the store and checkpoints use to refuse an older attempt's
-writes. The names, the owner and `Child` (one child, as `status.decide` asks for it) are the operator's vocabulary
+writes. A rollout or engine pod restarted alone carries its generation in its name, its label
+trainingrun.dev/role-attempt and (the rollout) TRAININGRUN_ROLE_ATTEMPT, by which the store's writer claim prefers
+the newer rollout over an older one of the same attempt. The names, the owner and `Child` (one child, as `status.decide` asks for it) are the operator's vocabulary
 (`trainingrun.operator.vocabulary`); `render_child` renders one child with the function `RENDERERS` names for its
 kind and role, and nothing else.
 """
@@ -34,7 +38,9 @@ from trainingrun.api.constants import (
     LABEL_ATTEMPT,
     LABEL_NAME,
     LABEL_RANK,
+    LABEL_REPLICA,
     LABEL_ROLE,
+    LABEL_ROLE_ATTEMPT,
     LABEL_RUN,
     ROLE_CONFIG,
     ROLE_ENGINE,
@@ -54,7 +60,9 @@ from trainingrun.operator.vocabulary import (
     base_children,
     config_hash,
     config_text,
+    engine_child,
     engine_is_managed,
+    engine_replicas,
     master_addr,
     run_epoch,
     store_is_managed,
@@ -62,7 +70,7 @@ from trainingrun.operator.vocabulary import (
 )
 from trainingrun.plan import CONFIG_MOUNT_PATH, DEFAULT_MASTER_PORT, ProcessPlan, RunPlan, build_plan
 from trainingrun.vllm import k8s as engine_k8s
-from trainingrun.contract.env import ENGINE_URL_ENV
+from trainingrun.contract.env import ENGINE_URL_ENV, ProcessEnv
 
 DEFAULT_REDIS_IMAGE = "redis:7.2-alpine"
 GPU_RESOURCE = gang.GPU_RESOURCE
@@ -123,7 +131,7 @@ def render_service(run: TrainingRun, owner: Owner) -> dict[str, Any]:
     }
 
 
-def _pod_spec_common(run: TrainingRun) -> dict[str, Any]:
+def _pod_spec_common(run: TrainingRun, gang_version: str | None = None) -> dict[str, Any]:
     t = run.spec.pod_template
     spec: dict[str, Any] = {
         "automountServiceAccountToken": False,  # rollout and trainers never call the Kubernetes API
@@ -145,7 +153,7 @@ def _pod_spec_common(run: TrainingRun) -> dict[str, Any]:
         spec["priorityClassName"] = t.priority_class_name
     if t.service_account_name:
         spec["serviceAccountName"] = t.service_account_name
-    provider = gang.provider(run)
+    provider = gang.provider(run, gang_version)
     scheduler = run.spec.scheduler_name or (provider.scheduler_name if provider is not None else None)
     if scheduler:
         spec["schedulerName"] = scheduler
@@ -169,8 +177,10 @@ def _resources(requests: dict, limits: dict, gpus: int) -> dict[str, Any]:
     return out
 
 
-def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, attempt: int) -> dict[str, Any]:
-    """The pod of one process of the plan (rollout or trainer rank)."""
+def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, attempt: int, generation: int = 0,
+                       gang_version: str | None = None) -> dict[str, Any]:
+    """The pod of one process of the plan (rollout or trainer rank); `generation`: the rollout's generation (its
+    restarts alone); `gang_version`: the served scheduling.k8s.io version (gang provider kubernetes)."""
     spec = run.spec
     names = Names(owner.name)
     t = spec.pod_template
@@ -178,10 +188,16 @@ def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, att
     annotations = dict(t.annotations)
     if process.rank is not None:
         labels[LABEL_RANK] = str(process.rank)
-    provider = gang.provider(run)
+    env = dict(process.env)
+    if process.role == ROLE_ROLLOUT:
+        labels[LABEL_ROLE_ATTEMPT] = str(generation)
+        env.update(ProcessEnv(role_attempt=generation).to_env())
+    provider = gang.provider(run, gang_version)
+    group = names.podgroup(attempt)
     for extra_labels, extra_annotations in (
-        provider.pod_metadata(names.podgroup(attempt)) if provider is not None else ({}, {}),
-        gang.kueue_metadata(run, names.podgroup(attempt)),
+        provider.pod_metadata(group) if provider is not None else ({}, {}),
+        gang.kueue_metadata(run, group),
+        gang.placement_metadata(run, process.role, process.rank),
     ):
         labels.update(extra_labels)
         annotations.update(extra_annotations)
@@ -203,7 +219,7 @@ def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, att
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["trainingrun"],
         "args": list(process.args),
-        "env": [{"name": k, "value": v} for k, v in sorted(process.env.items())],
+        "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
         "ports": ports,
         "volumeMounts": [
             {"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT_PATH.rsplit("/", 1)[0], "readOnly": True},
@@ -219,8 +235,9 @@ def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, att
     if resources:
         container["resources"] = resources
     pod_spec = {
-        **_pod_spec_common(run),
-        "restartPolicy": "Never",  # restarts are the operator's: the whole group, with an attempt label
+        **_pod_spec_common(run, gang_version),
+        **(provider.pod_spec(group) if provider is not None else {}),
+        "restartPolicy": "Never",  # restarts are the operator's (the failure policy), with attempt/generation labels
         "containers": [container],
         "volumes": [
             {"name": CONFIG_VOLUME, "configMap": {"name": names.config, "items": [{"key": "run.yaml", "path": "run.yaml"}]}},
@@ -238,15 +255,15 @@ def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, att
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": _meta(names.pod(process.role, process.rank, attempt), owner, labels, annotations),
+        "metadata": _meta(names.pod(process.role, process.rank, attempt, generation), owner, labels, annotations),
         "spec": pod_spec,
     }
 
 
-def render_pods(run: TrainingRun, owner: Owner, attempt: int) -> list[dict[str, Any]]:
+def render_pods(run: TrainingRun, owner: Owner, attempt: int, *, gang_version: str | None = None) -> list[dict[str, Any]]:
     """Rollout pod first, then trainers by rank, for one attempt."""
     plan = plan_for(run, owner.namespace, attempt)
-    return [render_process_pod(run, owner, p, attempt) for p in plan.processes]
+    return [render_process_pod(run, owner, p, attempt, gang_version=gang_version) for p in plan.processes]
 
 
 def render_store_pod(run: TrainingRun, owner: Owner, image: str = DEFAULT_REDIS_IMAGE) -> dict[str, Any]:
@@ -317,11 +334,13 @@ def render_engine_config_map(run: TrainingRun, owner: Owner) -> dict[str, Any]:
     }
 
 
-def render_engine_pod(run: TrainingRun, owner: Owner) -> dict[str, Any]:
-    """The run's vLLM server: restartPolicy Always, the run's podTemplate volumes (model.hf and weightSync.path live
-    there)."""
+def render_engine_pod(run: TrainingRun, owner: Owner, replica: int = 0, generation: int = 0) -> dict[str, Any]:
+    """The run's vLLM server `replica` in its `generation`: restartPolicy Never (the operator replaces a failed one:
+    the failure policy, its budget in the run's status), the run's podTemplate volumes (model.hf and weightSync.path
+    live there)."""
     names = Names(owner.name)
     labels = {**base_labels(owner.name), LABEL_ROLE: ROLE_ENGINE}
+    pod_labels = {**labels, LABEL_REPLICA: str(replica), LABEL_ROLE_ATTEMPT: str(generation)}
     t = run.spec.pod_template
     v = run.spec.rollout.engine.vllm
     common = _pod_spec_common(run)
@@ -332,10 +351,11 @@ def render_engine_pod(run: TrainingRun, owner: Owner) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": _meta(names.engine, owner, {**t.labels, **labels}, dict(t.annotations) or None),
+        "metadata": _meta(names.engine_pod(replica, generation), owner, {**t.labels, **pod_labels},
+                          dict(t.annotations) or None),
         "spec": {
             **common,
-            "restartPolicy": "Always",
+            "restartPolicy": "Never",
             "containers": [container],
             "volumes": [engine_k8s.extension_volume(names.engine), *t.volumes],
         },
@@ -362,19 +382,27 @@ def render_engine(run: TrainingRun, owner: Owner) -> list[dict[str, Any]]:
     return [render_engine_config_map(run, owner), render_engine_pod(run, owner), render_engine_service(run, owner)]
 
 
-def render_podgroup(run: TrainingRun, owner: Owner, attempt: int) -> dict[str, Any] | None:
-    """The attempt's PodGroup for its rollout + trainer pods (`trainingrun.operator.gang`), or None without gang
-    scheduling."""
-    provider = gang.provider(run)
+def render_gang(run: TrainingRun, owner: Owner, kind: str, attempt: int,
+                gang_version: str | None = None) -> dict[str, Any] | None:
+    """The attempt's `kind` object of its gang provider (`trainingrun.operator.gang`: a PodGroup; with provider
+    kubernetes also a Workload), or None without gang scheduling."""
+    provider = gang.provider(run, gang_version)
     if provider is None:
         return None
+    assert kind in provider.kinds, f"{provider.name} creates {provider.kinds}, not {kind}"
+    name = Names(owner.name).podgroup(attempt)
     return {
         "apiVersion": provider.api_version,
-        "kind": "PodGroup",
-        "metadata": _meta(Names(owner.name).podgroup(attempt), owner,
-                          {**base_labels(owner.name), LABEL_ATTEMPT: str(attempt)}),
-        "spec": provider.podgroup_spec(run),
+        "kind": kind,
+        "metadata": _meta(name, owner, {**base_labels(owner.name), LABEL_ATTEMPT: str(attempt)}),
+        "spec": provider.spec(kind, run, name),
     }
+
+
+def render_podgroup(run: TrainingRun, owner: Owner, attempt: int,
+                    gang_version: str | None = None) -> dict[str, Any] | None:
+    """The attempt's PodGroup (`render_gang`)."""
+    return render_gang(run, owner, "PodGroup", attempt, gang_version)
 
 
 # ------------------------------------------------------------------------------------------------------ dispatch
@@ -387,19 +415,20 @@ class Target:
     child: Child
     attempt: int
     redis_image: str = DEFAULT_REDIS_IMAGE
+    gang_version: str | None = None  # the served scheduling.k8s.io version (gang provider kubernetes)
 
 
 def _process_pod(t: Target) -> dict[str, Any]:
     plan = plan_for(t.run, t.owner.namespace, t.attempt)
     process = plan.rollout if t.child.role == ROLE_ROLLOUT else next(p for p in plan.trainers
                                                                      if p.rank == t.child.rank)
-    return render_process_pod(t.run, t.owner, process, t.attempt)
+    return render_process_pod(t.run, t.owner, process, t.attempt, t.child.generation, t.gang_version)
 
 
-def _podgroup(t: Target) -> dict[str, Any]:
-    pg = render_podgroup(t.run, t.owner, t.attempt)
-    assert pg is not None, "a PodGroup child without gang scheduling"
-    return pg
+def _gang(t: Target) -> dict[str, Any]:
+    obj = render_gang(t.run, t.owner, t.child.kind, t.attempt, t.gang_version)
+    assert obj is not None, f"a {t.child.kind} child without gang scheduling"
+    return obj
 
 
 # (kind, role) of a `Child` -> the function rendering exactly that object
@@ -410,25 +439,30 @@ RENDERERS: dict[tuple[str, str | None], Callable[[Target], dict[str, Any]]] = {
     ("Pod", ROLE_STORE): lambda t: render_store_pod(t.run, t.owner, t.redis_image),
     ("ConfigMap", ROLE_ENGINE): lambda t: render_engine_config_map(t.run, t.owner),
     ("Service", ROLE_ENGINE): lambda t: render_engine_service(t.run, t.owner),
-    ("Pod", ROLE_ENGINE): lambda t: render_engine_pod(t.run, t.owner),
-    ("PodGroup", None): _podgroup,
+    ("Pod", ROLE_ENGINE): lambda t: render_engine_pod(t.run, t.owner, t.child.rank or 0, t.child.generation),
+    ("PodGroup", None): _gang,
+    ("Workload", None): _gang,
     ("Pod", ROLE_ROLLOUT): _process_pod,
     ("Pod", ROLE_TRAINER): _process_pod,
 }
 
 
 def render_child(run: TrainingRun, owner: Owner, child: Child, attempt: int, *,
-                 redis_image: str = DEFAULT_REDIS_IMAGE) -> dict[str, Any]:
+                 redis_image: str = DEFAULT_REDIS_IMAGE, gang_version: str | None = None) -> dict[str, Any]:
     """The object of one `Child` of attempt `attempt` (`RENDERERS`)."""
     render = RENDERERS.get((child.kind, child.role))
     if render is None:
         raise ValueError(f"no renderer for {child.key} with role {child.role!r}; known: {sorted(map(str, RENDERERS))}")
-    return render(Target(run, owner, child, attempt, redis_image))
+    return render(Target(run, owner, child, attempt, redis_image, gang_version))
 
 
-def render_children(run: TrainingRun, owner: Owner, attempt: int, *, redis_image: str = DEFAULT_REDIS_IMAGE) -> list[dict]:
-    """Every child of one attempt, in creation order: config, services, store, podgroup, then the pods."""
+def render_children(run: TrainingRun, owner: Owner, attempt: int, *, redis_image: str = DEFAULT_REDIS_IMAGE,
+                    gang_version: str | None = None) -> list[dict]:
+    """Every child of one attempt, in creation order: config, services, store, gang objects, engines, then the
+    pods."""
     children = base_children(run, attempt)
+    children += [engine_child(run, replica, 0) for replica in range(engine_replicas(run))]
     children += [Child("Pod", Names(owner.name).pod(p.role, p.rank, attempt), role=p.role, rank=p.rank)
                  for p in plan_for(run, owner.namespace, attempt).processes]
-    return [render_child(run, owner, c, attempt, redis_image=redis_image) for c in children]
+    return [render_child(run, owner, c, attempt, redis_image=redis_image, gang_version=gang_version)
+            for c in children]

@@ -3,11 +3,13 @@ values derived from a run that several modules need (its store URL, its epoch, t
 I/O; `status` decides with it, `render` renders with it, `checks` checks with it, `handlers` acts with it.
 
   Owner          the TrainingRun that owns the children (the ownerReference every child carries)
-  Names          the children's names: R-config, R-trainers, R-store, R-engine, R-a<k> (PodGroup), pods
-                 R-rollout-a<k> and R-trainer-<i>-a<k>, trainer hostnames trainer-<i>-a<k>
+  Names          the children's names: R-config, R-trainers, R-store, R-engine, R-a<k> (PodGroup, Workload), pods
+                 R-rollout-a<k> and R-trainer-<i>-a<k>, trainer hostnames trainer-<i>-a<k>; a rollout or engine pod
+                 restarted alone carries its generation: R-rollout-a<k>-r<g>, R-engine-r<g> (R-engine-<i>-r<g>)
   Child          one child by kind, name and role (the role label of the object: config, trainer, store, engine,
-                 rollout; a PodGroup has none) and rank (trainer pods)
+                 rollout; a PodGroup has none), rank (trainer pods; an engine's replica) and generation
   base_children  what an attempt's pods need before they are created, in creation order
+  engine_child   the engine pod of one replica in one generation (engine_replicas: how many the run has)
   store_url      the run's store as the pods see it; run_epoch its creation time; config_hash the ConfigMap's content
 """
 
@@ -85,8 +87,16 @@ class Names:
         prefix = f"{self.run}-a"
         return name.startswith(prefix) and name[len(prefix):].isdigit()
 
-    def pod(self, role: str, rank: int | None, attempt: int) -> str:
-        return f"{self.run}-{role}-a{attempt}" if rank is None else f"{self.run}-{role}-{rank}-a{attempt}"
+    def pod(self, role: str, rank: int | None, attempt: int, generation: int = 0) -> str:
+        """A rollout or trainer pod of attempt `attempt`; a rollout restarted alone gets `-r<generation>`."""
+        base = f"{self.run}-{role}-a{attempt}" if rank is None else f"{self.run}-{role}-{rank}-a{attempt}"
+        return base if generation == 0 else f"{base}-r{generation}"
+
+    def engine_pod(self, replica: int, generation: int = 0) -> str:
+        """Engine replica `replica` (R-engine for replica 0, R-engine-<i> for the others), `-r<generation>` once it
+        was restarted alone (a replacement never waits for its predecessor's name)."""
+        base = self.engine if replica == 0 else f"{self.engine}-{replica}"
+        return base if generation == 0 else f"{base}-r{generation}"
 
     @staticmethod
     def hostname(rank: int, attempt: int) -> str:
@@ -99,10 +109,11 @@ class Child:
     """One child object of a run, by kind and name; `role` is the role label the object carries (None: a PodGroup),
     `rank` a trainer pod's rank."""
 
-    kind: str  # ConfigMap, Service, Pod, PodGroup
+    kind: str  # ConfigMap, Service, Pod, PodGroup, Workload
     name: str
     role: str | None = None
-    rank: int | None = None
+    rank: int | None = None  # a trainer's rank; an engine's replica
+    generation: int = 0  # rollout and engine pods: the role's generation (restarts of the role alone)
 
     @property
     def key(self) -> str:
@@ -132,11 +143,23 @@ def base_children(run: TrainingRun, attempt: int) -> list[Child]:
     if store_is_managed(run):
         out += [Child("Service", names.store, role=ROLE_STORE), Child("Pod", names.store, role=ROLE_STORE)]
     if engine_is_managed(run):
-        out += [Child("ConfigMap", names.engine, role=ROLE_ENGINE), Child("Service", names.engine, role=ROLE_ENGINE),
-                Child("Pod", names.engine, role=ROLE_ENGINE)]
-    if gang.provider(run) is not None:
-        out.append(Child("PodGroup", names.podgroup(attempt)))
+        out += [Child("ConfigMap", names.engine, role=ROLE_ENGINE), Child("Service", names.engine, role=ROLE_ENGINE)]
+    provider = gang.provider(run)
+    if provider is not None:
+        out += [Child(kind, names.podgroup(attempt)) for kind in provider.kinds]
     return out
+
+
+def engine_replicas(run: TrainingRun) -> int:
+    """How many engine pods the operator runs for the run (0: none; the engine pool makes it
+    spec.rollout.engine.replicas)."""
+    return 1 if engine_is_managed(run) else 0
+
+
+def engine_child(run: TrainingRun, replica: int, generation: int) -> Child:
+    """The engine pod of `replica` in its `generation`."""
+    return Child("Pod", Names(run.metadata.name).engine_pod(replica, generation), role=ROLE_ENGINE, rank=replica,
+                 generation=generation)
 
 
 def store_url(run: TrainingRun, namespace: str) -> str:

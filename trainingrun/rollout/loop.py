@@ -291,7 +291,8 @@ class RolloutLoop:
         self.say(f"rollout: source rollout generated with weight version {gen.weight_version}: {gen.samples} "
                  f"samples, {gen.generated_tokens} tokens in {gen.generate_seconds:.2f}s "
                  f"({gen.generated_tokens / max(gen.generate_seconds, 1e-9):.0f} tok/s), waited "
-                 f"{gen.wait_seconds:.2f}s for weights, reward mean {rewards.mean():.3f}")
+                 f"{gen.wait_seconds:.2f}s for weights, reward mean {rewards.mean():.3f}"
+                 + (f"; {gen.episodes.summary()}" if gen.episodes is not None else ""))
         if self.metrics is not None:
             self.metrics.observe_generation(gen, rewards)
 
@@ -317,6 +318,7 @@ class RolloutLoop:
             reward_failed=sum(gen.reward_failed.values()) if gen is not None else 0,
             weight_version=min((int(g.versions.min()) for g in groups if g.versions is not None), default=-1),
             groups_produced=len(groups), groups_kept=len(kept),
+            episodes=gen.episodes if gen is not None else None,
         )
 
     def resume(self) -> tuple[RolloutState, bool]:

@@ -9,6 +9,16 @@ max new tokens) is done here with a `torch.Generator` seeded per call, so the sa
 same tokens. Why this loop and not Megatron's `StaticInferenceEngine`: docs/rl.md ("Engines", figures from
 benchmarks/rl_loop.py).
 
+Multi-turn episodes (`rollout/episodes.py`) call `generate` once per turn with each episode's whole context: the
+engine keeps the last call's KV cache (when the call fit in one batch of `max_batch` rows) and continues it. Each new
+context is matched with the cached row that shares its longest prefix (the episode's previous turn: the KV of its
+prompt and earlier turns is valid), the cached rows are gathered into a new cache, and the forward starts at the
+shortest shared prefix instead of position 0 (rows that share more are fed their own tokens up to where they differ,
+as prompts of different lengths are). The sampling draws are the same as without the cache (one per position from
+the shortest context on), so the tokens are those a fresh prefill gives, and the log-probabilities agree to float
+rounding (`tests/integration/test_episodes_megatron.py`). Loading weights drops the cache (its KV is of the old
+weights); `stats["reused_tokens"]` counts the positions not recomputed.
+
 Weights: `load_weights(version)` reads the version's tensors through the store (`Store.read_weights`, written by the
 trainers' `StoreWeightPublisher` as `modeling.state.state_dict_arrays`) and loads them with one
 `load_state_dict(strict=True)` after every tensor was decoded and checked: a failed read leaves the previous version
@@ -79,7 +89,7 @@ class MegatronEngine:
     name = "megatron"
 
     def __init__(self, arch: Architecture, *, fetch: Callable[[int], tuple[dict[str, np.ndarray], dict]],
-                 max_batch: int = 256, seed: int = 0, record_routing: bool = False):
+                 max_batch: int = 256, seed: int = 0, reuse_cache: bool = True, record_routing: bool = False):
         self.device = engine_device()
         _init_single_process()
         set_seed(seed)
@@ -98,7 +108,11 @@ class MegatronEngine:
         self.max_batch = max_batch
         self.fetch = fetch
         self._version = -1  # no weights loaded yet
-        self.stats = {"generated_tokens": 0, "generate_seconds": 0.0, "load_seconds": 0.0, "loaded_bytes": 0}
+        # routing replay needs every token's experts from this call: a continued cache would leave its prefix unrecorded
+        self.reuse_cache = reuse_cache and not record_routing
+        self._cache = None  # (StaticInferenceContext, per row: the tokens whose KV it holds) of the last call
+        self.stats = {"generated_tokens": 0, "generate_seconds": 0.0, "load_seconds": 0.0, "loaded_bytes": 0,
+                      "reused_tokens": 0}
 
     @property
     def weight_version(self) -> int:
@@ -114,6 +128,7 @@ class MegatronEngine:
             raise ValueError(f"weight version {version} does not match the model (missing {missing}, unexpected "
                              f"{unexpected})")
         self.model.load_state_dict(state, strict=False)  # strict on the weight names above; _extra_state aside
+        self._cache = None  # its keys and values were computed with the old weights
         self._version = version
         self.stats["load_seconds"] += time.perf_counter() - t0
         self.stats["loaded_bytes"] += sum(a.nbytes for a in arrays.values())
@@ -124,13 +139,17 @@ class MegatronEngine:
         rows = [list(map(int, p)) for p in prompts for _ in range(n)]
         out: list[Completion] = []
         gen = torch.Generator(device=self.device).manual_seed(int(sampling.seed))
+        single = len(rows) <= self.max_batch
+        if not single:
+            self._cache = None
         for start in range(0, len(rows), self.max_batch):
-            out.extend(self._generate_batch(rows[start : start + self.max_batch], sampling, gen))
+            out.extend(self._generate_batch(rows[start : start + self.max_batch], sampling, gen, keep=single))
         self.stats["generated_tokens"] += sum(len(c.tokens) for c in out)
         self.stats["generate_seconds"] += time.perf_counter() - t0
         return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def _generate_batch(self, rows: list[list[int]], sampling: Sampling, gen: torch.Generator) -> list[Completion]:
+    def _generate_batch(self, rows: list[list[int]], sampling: Sampling, gen: torch.Generator, *,
+                        keep: bool = False) -> list[Completion]:
         from megatron.core.inference.contexts import StaticInferenceContext  # deferred: megatron after prepare_device
 
         lengths = [len(r) for r in rows]
@@ -151,12 +170,15 @@ class MegatronEngine:
         end = torch.full((b,), total, dtype=torch.long, device=dev)  # first position after each row's completion
         reason = ["length"] * b
         stop = torch.tensor(sorted(sampling.stop_token_ids), dtype=torch.long, device=dev)
-        ctx = StaticInferenceContext(b, total)
+        ctx, prev = self._continued(rows, total, min(lengths) - 1) if self.reuse_cache else (None, 0)
+        if ctx is None:
+            ctx = StaticInferenceContext(b, total)
+        self._cache = None
         pos = torch.arange(total, device=dev).unsqueeze(0).expand(b, -1)
         routed = None
         if self.routing is not None:  # [rows, positions, layers, k]: -1 until a position is fed
             routed = torch.full((b, total, self.routing.num_layers, self.routing.top_k), -1, dtype=torch.int16)
-        prev = 0
+        cur = prev
         for cur in range(min(lengths), total):
             if routed is not None:
                 self.routing.prepare(record=True)
@@ -191,7 +213,47 @@ class MegatronEngine:
                                   logprobs=logps[i, a:e].numpy().astype(np.float32), finish_reason=reason[i],
                                   routed_experts=None if routed is None else
                                   routed[i, :e].reshape(e, -1).numpy().copy()))
+        if keep and self.reuse_cache:  # positions < cur were fed: their keys and values are in the cache
+            self._cache = (ctx, [tokens[i, :min(int(end[i]), cur)].numpy() for i in range(b)])
         return out
+
+    def _continued(self, rows: list[list[int]], total: int, limit: int):
+        """(a cache for `rows` holding the last call's keys and values of their longest cached prefixes, the
+        position to feed from), or (None, 0) when no row shares a prefix with the cache (see the module docstring).
+        `limit`: feed at least the last token of the shortest row."""
+        from megatron.core.inference.contexts import StaticInferenceContext  # deferred: megatron after prepare_device
+
+        if self._cache is None or limit < 1:
+            return None, 0
+        old, cached = self._cache
+        width = max(len(c) for c in cached)
+        table = np.full((len(cached), width), -1, np.int64)
+        for j, c in enumerate(cached):
+            table[j, :len(c)] = c
+        pick, start = [], limit
+        for r in rows:
+            n = min(len(r), width)
+            shared = np.cumprod(table[:, :n] == np.asarray(r[:n], np.int64), axis=1).sum(axis=1)
+            j = int(shared.argmax())
+            pick.append(j)
+            start = min(start, int(shared[j]))
+        if start < 1:
+            return None, 0
+        ctx = StaticInferenceContext(len(rows), total)
+        index = torch.tensor(pick, device=self.device)
+        self._cache = None
+        for layer in list(old.key_value_memory_dict):
+            memories = old.key_value_memory_dict.pop(layer)  # freed as we go: one layer's old cache at a time
+            fresh = []
+            for m in memories:
+                t = torch.empty((total, len(rows), *m.shape[2:]), dtype=m.dtype, device=m.device)
+                t[:start] = m[:start, index]
+                fresh.append(t)
+            ctx.key_value_memory_dict[layer] = tuple(fresh)
+        ctx.sequence_len_offset = start
+        ctx.enable_decode_mode()
+        self.stats["reused_tokens"] += start * len(rows)
+        return ctx, start
 
     def close(self) -> None:
         pass

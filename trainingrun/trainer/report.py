@@ -26,7 +26,8 @@ def step_record(*, res, step, rollout: int, global_step: int, samples_consumed: 
     reward_mean/reward_std (all samples generated for the rollout, before filtering), weight_version, policy_lag
     (rollouts between the trainer's weights and the generator's: this rollout's index − the samples' version), the
     per-token policy statistics (RL_MEANS, token-weighted over the step's trained tokens, before the update), the
-    trained samples' reward_std, and the rollout's kept/produced groups and failed rewards."""
+    trained samples' reward_std, and the rollout's kept/produced groups and failed rewards; with an environment also
+    the rollout's episode statistics (`contract.published.EpisodeCounts.record`)."""
     gbs = step.global_batch_size
     record = {
         "step": global_step, "rollout": rollout, "step_in_rollout": step.index,
@@ -59,6 +60,8 @@ def step_record(*, res, step, rollout: int, global_step: int, samples_consumed: 
             "groups_produced": st.groups_produced if st is not None else 0,
             "groups_kept": st.groups_kept if st is not None else 0,
             "rewards_failed": st.reward_failed if st is not None else 0,
+            # multi-turn episodes: turns_per_episode, tool calls, environment failures, ... (EpisodeCounts.record)
+            **(st.episodes.record() if st is not None and st.episodes is not None else {}),
         })
     return record
 
