@@ -96,6 +96,8 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
         {"preset": "tiny-llama", "numAttentionHeads": 4, "numQueryGroups": 3},
     ),
     ("model", "hf-alone"): ({"hf": "/models/smollm2", "seqLength": 512}, {"hf": "/models/smollm2", "preset": "tiny"}),
+    ("model.moe", "top-k-within-experts"): ({"numExperts": 8, "topK": 2, "ffnHiddenSize": 64},
+                                            {"numExperts": 2, "topK": 4, "ffnHiddenSize": 64}),
     # the attention backend and the layer spec it runs in
     ("model", "te-attention-needs-te-layers"): (
         {"preset": "tiny", "attentionBackend": "te", "transformerImpl": "transformer_engine"},
@@ -164,6 +166,10 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
         {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64},
          "rollout": {"source": {"type": "generate", "generate": {"sampling": {"temperature": 0.0}}}}},
     ),
+    ("trainer", "expert-parallel-divides-data-parallel"): (
+        {"replicas": 4, "expertParallelSize": 2, "maxTokensPerGPU": 64},
+        {"replicas": 3, "expertParallelSize": 2, "maxTokensPerGPU": 64},
+    ),
     ("rollout.source.synthetic", "min-length-at-most-max"): ({"minLength": 2, "maxLength": 8}, {"minLength": 9, "maxLength": 8}),
     ("rollout.source", "jsonl-settings"): ({"type": "jsonl", "jsonl": {"path": "/x"}}, {"type": "jsonl"}),
     ("rollout.source", "jsonl-only-for-jsonl"): ({"type": "synthetic"}, {"type": "synthetic", "jsonl": {"path": "/x"}}),
@@ -195,6 +201,13 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
          "weightSync": {"type": "broadcast"}},
         {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64},
          "rollout": {"source": {"type": "generate", "generate": {}}}, "weightSync": {"type": "disk"}},
+    ),
+    ("", "routing-replay-needs-megatron-engine"): (
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64, "moe": {"routingReplay": True}},
+         "rollout": {"source": {"type": "generate", "generate": {}}}},
+        {"model": {"hf": "/models/qwen3-moe"}, "trainer": {"maxTokensPerGPU": 64, "moe": {"routingReplay": True}},
+         "rollout": {"source": {"type": "generate", "generate": {}}, "engine": {"type": "vllm"}},
+         "weightSync": {"type": "disk"}},
     ),
     ("", "vllm-needs-hf"): (
         {"model": {"hf": "/models/smollm2"}, "trainer": {"maxTokensPerGPU": 64},
@@ -242,7 +255,7 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
 }
 
 MODEL_OF = {
-    "model": models.ModelSpec, "trainer.optimizer": models.OptimizerSpec, "trainer": models.TrainerSpec,
+    "model": models.ModelSpec, "model.moe": models.MoESpec, "trainer.optimizer": models.OptimizerSpec, "trainer": models.TrainerSpec,
     "trainer.performance.recompute": models.RecomputeSpec,
     "rollout.source.synthetic": models.SyntheticSource, "rollout.source": models.SourceSpec,
     "rollout.steps": models.StepPolicy, "rollout": models.RolloutSpec, "store": models.StoreSpec,

@@ -201,3 +201,17 @@ def test_a_header_field_named_by_a_list_or_an_object_is_corrupt_payload(name):
     data = MAGIC + struct.pack("<I", len(raw)) + raw
     with pytest.raises(CorruptPayload, match="store x: key k: payload header has an unknown or repeated field"):
         decode_payload(data + b"\0" * (-len(data) % ALIGN + 64), where="store x: key k")
+
+
+def test_routed_experts_travel_bit_exact_and_are_checked():
+    """The optional per-token `routed_experts` (routing replay: MoE layers × top-k per token, −1 for none) round-trips
+    exactly; a length that is not a positive multiple of the tokens, or an id below −1, is refused naming it."""
+    p = payload(4)
+    width = 6
+    p["routed_experts"] = np.random.default_rng(1).integers(-1, 8, size=len(p["tokens"]) * width).astype(np.int16)
+    back = decode_payload(encode_payload(p), where="t")
+    assert back["routed_experts"].dtype == np.int16 and np.array_equal(back["routed_experts"], p["routed_experts"])
+    for bad, why in ((p["routed_experts"][:-1], "not a positive multiple"),
+                     (np.full(len(p["tokens"]) * width, -2, np.int16), "must be >= 0, or -1")):
+        with pytest.raises(ValueError, match=f"routed_experts: .*{why}"):
+            check_payload({**p, "routed_experts": bad})

@@ -23,6 +23,7 @@ from trainingrun.api.constants import API_VERSION, KIND
 from trainingrun.api.crd import spec_schema
 from trainingrun.api.models import parse_trainingrun
 from trainingrun.api.yamlcodec import dotted
+from trainingrun.modeling.architecture import check_parallel
 
 
 @dataclass(frozen=True)
@@ -289,9 +290,28 @@ def validate_document(doc: Any) -> list[Problem]:
 
 def _model_problems(doc: dict[str, Any]) -> list[Problem]:
     """The strict pydantic models hold the same rules; anything they still reject is reported too (and they are
-    the only check where the `validate` extra is not installed)."""
+    the only check where the `validate` extra is not installed). Then the rules that need the resolved model."""
     try:
-        parse_trainingrun(doc)
+        run = parse_trainingrun(doc)
     except ValidationError as exc:
         return [Problem(tuple(e["loc"]), e["msg"]) for e in exc.errors()]
+    return _architecture_problems(run)
+
+
+def _architecture_problems(run: Any) -> list[Problem]:
+    """The parallel sizes against the model (`modeling.architecture.check_parallel`, which every trainer applies at
+    start-up too): here for a model the spec resolves by itself (a preset or explicit sizes; a model.hf directory is
+    read by the trainers). Not CEL: presets are tables the API server does not have."""
+    try:
+        arch = run.spec.model.resolved(read_hf=False)
+    except ValueError:
+        return []  # reported where the model is resolved (the trainer, the operator's checks)
+    if arch is None:
+        return []
+    ts = run.spec.trainer
+    try:
+        check_parallel(arch, ts.tensor_parallel_size, ts.expert_parallel_size)
+    except ValueError as exc:
+        field, _, message = str(exc).partition(": ")
+        return [Problem(("spec", *field.split(".")), message)]
     return []

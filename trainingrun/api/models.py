@@ -19,6 +19,7 @@ from pydantic.alias_generators import to_camel
 from trainingrun.api.constants import API_VERSION, KIND, MANAGED_BY_OPERATOR
 from trainingrun.modeling.architecture import (
     ARCH_FIELDS,
+    OPTIONAL_ARCH_FIELDS,
     TE_LAYERS_NEED_TE,
     TE_NEEDS_TE_LAYERS,
     Activation,
@@ -98,6 +99,38 @@ def _camel(name: str) -> str:
     return to_camel(name)
 
 
+class MoESpec(ApiModel):
+    """A mixture-of-experts MLP (Qwen3-MoE / Mixtral style): SwiGLU experts behind a softmax top-k router, in every
+    layer or every `sparseStep`-th one outside `denseLayers`. A model.hf model takes all of it from config.json."""
+
+    CEL_RULES = (
+        Rule(name="top-k-within-experts", rule="self.topK <= self.numExperts",
+             message="topK must be <= numExperts", fieldPath=".topK"),
+    )
+
+    num_experts: int = Field(..., ge=1, le=1024, description="Routed experts per MoE layer.")
+    top_k: int = Field(..., ge=1, le=64, description="Experts each token is routed to.")
+    ffn_hidden_size: int = Field(..., ge=8, le=1048576, description="Hidden size of one expert's SwiGLU MLP.")
+    norm_topk_prob: bool = Field(True, description="Renormalise the chosen experts' probabilities to sum 1 (Mixtral "
+                                                   "and Qwen3-MoE do; false: the plain softmax probabilities).")
+    sparse_step: int = Field(1, ge=1, le=1024, description="Every sparseStep-th layer is a mixture of experts.")
+    dense_layers: list[Annotated[int, Field(ge=0, le=1023)]] = Field(
+        default_factory=list, max_length=1024, description="Layer indices that keep a dense MLP (ffnHiddenSize).")
+    shared_expert_ffn_size: int | None = Field(None, ge=8, le=1048576,
+                                               description="A shared expert of this size beside the routed ones.")
+    shared_expert_gate: bool = Field(False, description="Scale the shared expert by a sigmoid gate (Qwen2-MoE).")
+
+    @model_validator(mode="after")
+    def _rules(self) -> MoESpec:
+        if self.top_k > self.num_experts:
+            raise ValueError(self.cel_rule("top-k-within-experts").message)
+        return self
+
+    def fields(self) -> dict[str, Any]:
+        """The `modeling.architecture.MoE` fields (snake_case)."""
+        return self.model_dump(by_alias=False)
+
+
 class ModelSpec(ApiModel):
     """The model to train: a Hugging Face directory (`hf`), a preset, explicit sizes, or a preset with some fields
     overridden. Architecture `gpt` is LayerNorm + GELU; `llama` is RMSNorm + SwiGLU + grouped-query attention (the
@@ -131,7 +164,7 @@ class ModelSpec(ApiModel):
             " && !has(self.hiddenSize) && !has(self.numAttentionHeads) && !has(self.numQueryGroups)"
             " && !has(self.headDim) && !has(self.ffnHiddenSize) && !has(self.vocabSize) && !has(self.normalization)"
             " && !has(self.normEpsilon) && !has(self.activation) && !has(self.ropeBase) && !has(self.tieEmbeddings)"
-            " && !has(self.addBiasLinear) && !has(self.addQkvBias))",
+            " && !has(self.addBiasLinear) && !has(self.addQkvBias) && !has(self.qkNorm) && !has(self.moe))",
             message="with model.hf the architecture and sizes come from its config.json: set only seqLength, "
             "precision, transformerImpl and attentionBackend beside it (not preset or architecture fields)",
             fieldPath=".hf",
@@ -192,6 +225,10 @@ class ModelSpec(ApiModel):
     add_qkv_bias: bool | None = Field(
         None, description="Bias on the query/key/value projection only, as Qwen2 (default false)."
     )
+    qk_norm: bool | None = Field(
+        None, description="RMSNorm over each query and key head before RoPE, as Qwen3 (llama; default false)."
+    )
+    moe: MoESpec | None = Field(None, description="Mixture-of-experts MLPs (llama architecture; default: dense).")
     precision: Precision = Field("fp32", description="Parameter and compute precision.")
     transformer_impl: TransformerImpl = Field(
         "auto",
@@ -220,7 +257,7 @@ class ModelSpec(ApiModel):
             if self.num_attention_heads % self.num_query_groups:
                 raise ValueError(self.cel_rule("query-groups-divide-heads").message)
         if self.hf is not None:
-            clash = [_camel(k) for k in ("preset", *ARCH_FIELDS) if getattr(self, k) is not None]
+            clash = [_camel(k) for k in ("preset", *ARCH_FIELDS, *OPTIONAL_ARCH_FIELDS) if getattr(self, k) is not None]
             if clash:
                 raise ValueError(f"{self.cel_rule('hf-alone').message}; remove {', '.join(clash)}")
         if self.attention_backend == "te" and self.transformer_impl == "local":
@@ -250,7 +287,8 @@ class ModelSpec(ApiModel):
                                         ).replace(attention_backend=self.attention_backend)
         return resolve(self.preset, precision=self.precision, transformer_impl=self.transformer_impl,
                        attention_backend=self.attention_backend, seq_length=self.seq_length,
-                       **{k: getattr(self, k) for k in ARCH_FIELDS})
+                       **{k: getattr(self, k) for k in ARCH_FIELDS},
+                       qk_norm=self.qk_norm, moe=None if self.moe is None else self.moe.fields())
 
 
 # ------------------------------------------------------------------------------------------------------- trainer
@@ -371,6 +409,18 @@ class AdvantageSpec(ApiModel):
                                   "(/(n - 1)).")
 
 
+class TrainerMoESpec(ApiModel):
+    """How a mixture-of-experts model trains (ignored for a dense model)."""
+
+    routing_replay: bool = Field(
+        False, description="Route every generated token through the experts the generator chose for it (the "
+        "in-process megatron engine records them), so the trainer's log-probabilities match the generator's at "
+        "maxPolicyLag 0. Needs generated rollouts with rollout.engine.type megatron.")
+    aux_loss_coeff: float | None = Field(
+        None, ge=0.0, le=100.0, description="Coefficient of the per-sample load-balancing loss; unset: the model's "
+        "(config.json router_aux_loss_coef, 0 for a model without model.hf); 0: off.")
+
+
 class RecomputeSpec(ApiModel):
     """Activation recomputation: keep fewer activations for the backward pass and compute them again there."""
 
@@ -465,6 +515,14 @@ class TrainerSpec(ApiModel):
             fieldPath=".policyLoss",
         ),
         Rule(
+            name="expert-parallel-divides-data-parallel",
+            rule="(self.replicas * (self.gpusPerReplica > 0 ? self.gpusPerReplica : 1)) %"
+            " (self.tensorParallelSize * self.pipelineParallelSize * self.expertParallelSize) == 0",
+            message="expertParallelSize must divide the data-parallel size (replicas × max(gpusPerReplica, 1) / "
+            "(tensorParallelSize × pipelineParallelSize)): the experts are split within the data-parallel group",
+            fieldPath=".expertParallelSize",
+        ),
+        Rule(
             name="param-gather-overlap-needs-distributed-optimizer",
             rule="!has(self.performance) || !has(self.performance.overlapParamGather)"
             " || !self.performance.overlapParamGather"
@@ -479,6 +537,10 @@ class TrainerSpec(ApiModel):
     gpus_per_replica: int = Field(0, ge=0, le=16, description="GPUs per trainer pod (nvidia.com/gpu); 0 trains on CPU.")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="Megatron tensor-parallel size.")
     pipeline_parallel_size: int = Field(1, ge=1, le=256, description="Megatron pipeline-parallel size.")
+    expert_parallel_size: int = Field(
+        1, ge=1, le=1024, description="Expert-parallel size (mixtures of experts): each group of this many "
+        "data-parallel ranks splits the experts between them; it must divide the data-parallel size and the experts.")
+    moe: TrainerMoESpec = Field(default_factory=TrainerMoESpec, description="Mixture-of-experts training settings.")
     max_tokens_per_gpu: int | None = Field(
         None, ge=1, le=MAX_TOKENS, alias="maxTokensPerGPU", description="Dynamic micro-batches: token cap per micro-batch."
     )
@@ -518,6 +580,8 @@ class TrainerSpec(ApiModel):
             raise ValueError(self.cel_rule("sft-has-no-old-policy").message)
         if self.loss_type != "ppo" and (pl.ratio_level != "token" or pl.clip_ratio_c is not None):
             raise ValueError(self.cel_rule("ratio-options-need-ppo").message)
+        if self.world_size % (self.tensor_parallel_size * self.pipeline_parallel_size * self.expert_parallel_size):
+            raise ValueError(self.cel_rule("expert-parallel-divides-data-parallel").message)
         if self.performance.overlap_param_gather and not self.optimizer.distributed:
             raise ValueError(self.cel_rule("param-gather-overlap-needs-distributed-optimizer").message)
         return self
@@ -1256,6 +1320,15 @@ class TrainingRunSpec(ApiModel):
             fieldPath=".rollout.source.generate.sampling.temperature",
         ),
         Rule(
+            name="routing-replay-needs-megatron-engine",
+            rule="!has(self.trainer.moe) || !has(self.trainer.moe.routingReplay) || !self.trainer.moe.routingReplay"
+            f" || (({_GENERATED}) && !({_VLLM}))",
+            message="trainer.moe.routingReplay needs generated rollouts (rollout.source.type generate) with "
+            "rollout.engine.type megatron: it records the experts each generated token was routed to (the vllm engine "
+            "does not hand them over yet)",
+            fieldPath=".trainer.moe.routingReplay",
+        ),
+        Rule(
             name="bf16-grad-reduce-needs-bf16",
             rule="!has(self.trainer.performance) || !has(self.trainer.performance.gradReduceDtype)"
             " || self.trainer.performance.gradReduceDtype != 'bf16'"
@@ -1353,6 +1426,8 @@ class TrainingRunSpec(ApiModel):
             raise ValueError(self.cel_rule("store-sync-needs-megatron").message)
         if generated and sync in ("disk", "broadcast") and not vllm:
             raise ValueError(self.cel_rule("disk-broadcast-sync-need-vllm").message)
+        if self.trainer.moe.routing_replay and not (generated and not vllm):
+            raise ValueError(self.cel_rule("routing-replay-needs-megatron-engine").message)
         if generated and vllm and self.model.hf is None:
             raise ValueError(self.cel_rule("vllm-needs-hf").message)
         placed = {(role, kind) for role in ("rollout", "trainer") for kind in ("kueue", "volcano")
@@ -1503,8 +1578,10 @@ def parse_trainingrun(doc: dict[str, Any]) -> TrainingRun:
 
 ALL_MODELS: tuple[type[ApiModel], ...] = (
     ModelSpec,
+    MoESpec,
     OptimizerSpec,
     CheckpointSpec,
+    TrainerMoESpec,
     RecomputeSpec,
     PerformanceSpec,
     TrainerSpec,

@@ -12,7 +12,9 @@ the token was drawn from: softmax(logits / temperature) over the whole vocabular
 renormalised (log p − log Σ_kept p) — what vLLM reports with `processed_logprobs`, and what the in-process engine
 records. With top_p 1 the trainer, which divides its logits by the same temperature, computes the same numbers for
 the same weights (with temperature 1 they are the plain model log-probabilities); with top_p < 1 the difference is
-the truncated mass, a mismatch the trainer's rollout correction sees (docs/rl.md).
+the truncated mass, a mismatch the trainer's rollout correction sees (docs/rl.md). For a mixture of experts, optionally
+(`routed_experts`, the in-process engine with routing replay), the experts every token of prompt + completion was
+routed to: int16 [len(prompt) + len(tokens), MoE layers × top-k], −1 for a token it never fed through the model.
 
 Weight versions count the rollouts the trainers have trained (0: the initial weights). The trainers' weight
 publisher (`trainingrun/trainer/weights.py`, chosen by `spec.weightSync`) makes a version loadable; an engine is
@@ -48,10 +50,15 @@ class Completion:
     logprobs: np.ndarray  # float32 [m]
     finish_reason: str  # one of FINISH_REASONS
     meta: dict = field(default_factory=dict)  # engine-specific extras (timings, ...)
+    routed_experts: np.ndarray | None = None  # int16 [prompt + m, MoE layers × top-k] (see the module docstring)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.logprobs):
             raise ValueError(f"completion: {len(self.tokens)} tokens but {len(self.logprobs)} logprobs")
+        if self.routed_experts is not None and (self.routed_experts.ndim != 2
+                                                or len(self.routed_experts) < len(self.tokens)):
+            raise ValueError(f"completion.routed_experts: shape {self.routed_experts.shape}; must be [prompt + "
+                             f"{len(self.tokens)} tokens, MoE layers × top-k]")
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"completion.finish_reason: {self.finish_reason!r}; allowed: {FINISH_REASONS}")
 

@@ -11,6 +11,10 @@ order, flat over the rollout's steps):
 Optional (generated rollouts, `rollout.source.type: generate`):
   logprobs    float32 [total tokens]   the generator's log-probability of each token (0 where loss_mask is 0)
   versions    int64   [n]              weight version each sample was generated with
+  routed_experts int16 [total tokens × W] mixtures of experts with `trainer.moe.routingReplay`: the experts the
+                                       generator routed each token to, W = MoE layers × top-k per token (layer-major:
+                                       token t, layer l, choice c at t·W + l·k + c); −1 where it routed none (the
+                                       last token, which it never fed back) — the trainer's router then chooses
 
 Built by `trainingrun.contract.published.rank_payload`; encoded and checked by the store (`trainingrun.store.wire`:
 raw little-endian arrays, never pickled).
@@ -32,6 +36,20 @@ PAYLOAD_FIELDS: dict[str, np.dtype] = {
 PAYLOAD_OPTIONAL: dict[str, np.dtype] = {
     "logprobs": np.dtype(np.float32),
     "versions": np.dtype(np.int64),
+    "routed_experts": np.dtype(np.int16),
 }
+NOT_ROUTED = -1  # routed_experts: the generator routed this token nowhere (the trainer's router chooses)
+
+
+def token_width(payload: dict[str, np.ndarray], name: str) -> int:
+    """How many entries per token a per-token field holds (1, or W for `routed_experts`); ValueError naming the
+    field when its length is not a multiple of the tokens."""
+    total = len(payload["tokens"])
+    n = len(payload[name])
+    if total == 0:
+        return 1 if n == 0 else 0
+    if n % total:
+        raise ValueError(f"{name}: length {n} is not a multiple of len(tokens)={total}")
+    return n // total
 
 RankPayload = dict[str, np.ndarray]

@@ -271,6 +271,7 @@ class Samples:
     group_ids: list[int]  # [n]; a group is never split across steps
     logprobs: list[np.ndarray] | None = None  # generated: float32 per token (0 on the prompt)
     versions: np.ndarray | None = None  # generated: int64 [n] weight version of each sample
+    routed_experts: list[np.ndarray] | None = None  # routing replay: int16 [tokens, MoE layers × top-k] per sample
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -346,6 +347,9 @@ def rank_payload(samples: Samples, indices: list[int]) -> RankPayload:
                                else np.zeros(0, np.float32))
     if samples.versions is not None:
         payload["versions"] = samples.versions[idx].astype(np.int64)
+    if samples.routed_experts is not None:  # flat: token t's W experts at t·W … (t+1)·W − 1 (contract.payload)
+        payload["routed_experts"] = (np.concatenate([samples.routed_experts[i] for i in idx]).astype(np.int16).ravel()
+                                     if len(idx) else np.zeros(0, np.int16))
     return payload
 
 

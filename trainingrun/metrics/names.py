@@ -33,6 +33,13 @@ TRAINER_WEIGHTED = {
                                              "(1) or not (0); sum and count per rank.",
     "trainingrun_trainer_entropy_bonus": "Entropy bonus entropyCoef * entropy per trained token (subtracted from the "
                                          "loss); sum and count per rank.",
+    # mixtures of experts: router statistics (trainer/moe.py)
+    "trainingrun_trainer_moe_aux_loss": "Per-sample load-balancing loss of the routers (mean over MoE layers; 1 = "
+                                        "balanced); sum and count per rank.",
+    "trainingrun_trainer_moe_load_imbalance": "Per MoE layer: tokens of the busiest expert / mean tokens per expert "
+                                              "over the step's tokens (1 = balanced); the step-wide pair on every rank.",
+    "trainingrun_trainer_moe_tokens_per_expert": "Tokens routed to each expert of each MoE layer in the step; the "
+                                                 "step-wide pair on every rank.",
 }
 
 # --- trainer: rank 0 gauges, reduced over all ranks for the last step.

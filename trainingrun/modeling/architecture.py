@@ -71,15 +71,17 @@ if set(MODEL_PRESETS) != set(get_args(PresetName)):  # the API's enum of preset 
 ARCH_FIELDS = ("architecture", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
                "ffn_hidden_size", "vocab_size", "normalization", "norm_epsilon", "activation", "rope_base",
                "tie_embeddings", "add_bias_linear", "add_qkv_bias")
+# Architecture fields no family sets a default for (a Qwen3 query/key norm, a mixture-of-experts block).
+OPTIONAL_ARCH_FIELDS = ("qk_norm", "moe")
 # What a spec without `hf` or `preset` must set itself.
 REQUIRED_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length")
 
 # Fields the plain record holds only when set (not at their default), so that records written without them stay
 # exactly as they were.
-_RECORD_WHEN_SET = ("hf_model_type", "attention_backend")
+_RECORD_WHEN_SET = ("hf_model_type", "attention_backend", "qk_norm", "moe")
 _INTS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim", "ffn_hidden_size",
          "vocab_size", "seq_length")
-_BOOLS = ("tie_embeddings", "add_bias_linear", "add_qkv_bias")
+_BOOLS = ("tie_embeddings", "add_bias_linear", "add_qkv_bias", "qk_norm")
 _CHOICES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "family": FAMILIES, "normalization": get_args(Normalization), "activation": get_args(Activation),
     "precision": get_args(Precision), "transformer_impl": get_args(TransformerImpl),
@@ -120,6 +122,66 @@ def default_ffn_hidden_size(family: str, hidden_size: int) -> int:
 
 
 @dataclass(frozen=True)
+class MoE:
+    """The mixture-of-experts block of an `Architecture` (None: every MLP is dense). Layer i is a mixture of experts
+    when i is not in `dense_layers` and (i + 1) is a multiple of `sparse_step` (Qwen-MoE's `decoder_sparse_step` and
+    `mlp_only_layers`); the other layers keep the dense MLP of `Architecture.ffn_hidden_size`."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    ffn_hidden_size: int  # of one expert (Hugging Face moe_intermediate_size; Mixtral's intermediate_size)
+    norm_topk_prob: bool = True  # renormalise the top-k probabilities to sum 1 (Mixtral: always)
+    sparse_step: int = 1
+    dense_layers: tuple[int, ...] = ()
+    shared_expert_ffn_size: int | None = None  # a shared expert beside the routed ones (Qwen2-MoE)
+    shared_expert_gate: bool = False  # its output scaled by sigmoid(gate · x)
+    aux_loss_coeff: float = 0.0  # the load-balancing loss's coefficient (Hugging Face router_aux_loss_coef)
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "ffn_hidden_size", "sparse_step"):
+            _check_positive_int(f"moe.{name}", getattr(self, name))
+        if self.top_k > self.num_experts:
+            raise ValueError(f"model.moe.topK: {self.top_k} exceeds numExperts {self.num_experts}; allowed: 1 to "
+                             f"{self.num_experts}")
+        if self.shared_expert_ffn_size is not None:
+            _check_positive_int("moe.shared_expert_ffn_size", self.shared_expert_ffn_size)
+        elif self.shared_expert_gate:
+            raise ValueError("model.moe.sharedExpertGate: true needs model.moe.sharedExpertFfnSize")
+        for name in ("norm_topk_prob", "shared_expert_gate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{spec_field('moe.' + name)}: must be true or false, got {getattr(self, name)!r}")
+        layers = tuple(self.dense_layers)
+        if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in layers):
+            raise ValueError(f"model.moe.denseLayers: must be layer indices >= 0, got {list(layers)!r}")
+        object.__setattr__(self, "dense_layers", tuple(sorted(set(layers))))
+        coeff = self.aux_loss_coeff
+        if not isinstance(coeff, (int, float)) or isinstance(coeff, bool) or not 0 <= coeff < float("inf"):
+            raise ValueError(f"model.moe.auxLossCoeff: must be a number >= 0, got {coeff!r}")
+        object.__setattr__(self, "aux_loss_coeff", float(coeff))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
+
+    @classmethod
+    def from_dict(cls, data: Any) -> MoE:
+        if isinstance(data, MoE):
+            return data
+        if not isinstance(data, Mapping):
+            raise ValueError(f"model.moe: must be an object of mixture-of-experts fields, got {type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"model.moe: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(names))}")
+        values = dict(data)
+        if "dense_layers" in values and isinstance(values["dense_layers"], list):
+            values["dense_layers"] = tuple(values["dense_layers"])
+        try:
+            return cls(**values)
+        except TypeError as exc:  # a required field missing
+            raise ValueError(f"model.moe: {exc}") from None
+
+
+@dataclass(frozen=True)
 class Architecture:
     """A model this trainer builds, fully resolved (see the module docstring). Invalid values are refused on
     construction with a ValueError naming the spec field, what was wrong and what is allowed."""
@@ -141,6 +203,8 @@ class Architecture:
     tie_embeddings: bool = False
     add_bias_linear: bool = False  # biases in every linear layer
     add_qkv_bias: bool = False  # bias on the query/key/value projection only (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
+    moe: MoE | None = None  # mixture-of-experts MLPs (None: dense)
     # how the model is run, and where its initial weights come from
     precision: Precision = "fp32"
     transformer_impl: TransformerImpl = "auto"
@@ -170,11 +234,31 @@ class Architecture:
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(f"model.numQueryGroups: {self.num_query_groups} does not divide numAttentionHeads "
                              f"{self.num_attention_heads}; allowed: a divisor of numAttentionHeads")
+        if self.moe is not None:
+            object.__setattr__(self, "moe", MoE.from_dict(self.moe))
+            if self.family != "llama" or not self.gated:
+                raise ValueError("model.moe: mixture-of-experts layers are SwiGLU experts of the llama architecture; "
+                                 "allowed with architecture llama and activation swiglu")
+            if self.add_bias_linear:
+                raise ValueError("model.moe: experts without biases only (Megatron's MoE layer has none); set "
+                                 "addBiasLinear false")
+            if any(i >= self.num_layers for i in self.moe.dense_layers):
+                raise ValueError(f"model.moe.denseLayers: {list(self.moe.dense_layers)} names layers past numLayers "
+                                 f"{self.num_layers}")
+            if not self.moe_layers:
+                raise ValueError("model.moe: no layer is a mixture of experts (sparseStep and denseLayers leave none)")
 
     @property
     def gated(self) -> bool:
         """SwiGLU: the first MLP layer holds the gate and the up projection ([2f, h])."""
         return self.activation == "swiglu"
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices of the mixture-of-experts layers (empty for a dense model)."""
+        if self.moe is None:
+            return ()
+        return tuple(i for i in range(self.num_layers) if self.moe.is_moe_layer(i))
 
     @property
     def qkv_bias(self) -> bool:
@@ -194,6 +278,8 @@ class Architecture:
         for name in _RECORD_WHEN_SET:
             if out[name] == defaults[name]:
                 del out[name]
+        if "moe" in out:
+            out["moe"]["dense_layers"] = list(out["moe"]["dense_layers"])
         return out
 
     @classmethod
@@ -220,10 +306,10 @@ def resolve(preset: str | None = None, *, precision: str = "fp32", transformer_i
             attention_backend: str = "auto", **fields: Any) -> Architecture:
     """The architecture of a preset and/or explicit spec fields (snake_case names of `ARCH_FIELDS` and seq_length;
     None means unset), as the module docstring describes. ValueError naming the field on a bad combination."""
-    unknown = sorted(set(fields) - {*ARCH_FIELDS, "seq_length"})
+    unknown = sorted(set(fields) - {*ARCH_FIELDS, *OPTIONAL_ARCH_FIELDS, "seq_length"})
     if unknown:
         raise ValueError(f"model: {', '.join(unknown)} is not an architecture field; allowed: "
-                         f"{', '.join((*ARCH_FIELDS, 'seq_length'))}")
+                         f"{', '.join((*ARCH_FIELDS, *OPTIONAL_ARCH_FIELDS, 'seq_length'))}")
     if preset is not None and preset not in MODEL_PRESETS:
         raise ValueError(f"model.preset: {preset!r} is not a preset; allowed: {', '.join(MODEL_PRESETS)}")
     values: dict[str, Any] = dict(MODEL_PRESETS[preset]) if preset is not None else {}
@@ -248,3 +334,19 @@ def resolve(preset: str | None = None, *, precision: str = "fp32", transformer_i
         values["head_dim"] = hidden // heads
     return Architecture(family=family, precision=precision, transformer_impl=transformer_impl,
                         attention_backend=attention_backend, **values)
+
+
+def check_parallel(arch: Architecture, tp: int, ep: int) -> None:
+    """ValueError naming the trainer field when the architecture cannot run at tensor-parallel size `tp` and
+    expert-parallel size `ep` (the rules that need the resolved model; `trainingrun validate` applies them to models
+    it can resolve, every trainer at start-up)."""
+    if ep > 1 and arch.moe is None:
+        raise ValueError(f"trainer.expertParallelSize: {ep} needs a mixture-of-experts model (model.moe, or model.hf "
+                         "of a qwen3_moe, qwen2_moe or mixtral model); allowed for this dense model: 1")
+    if arch.moe is not None and arch.moe.num_experts % ep:
+        raise ValueError(f"trainer.expertParallelSize: {ep} does not divide the model's {arch.moe.num_experts} "
+                         "experts; allowed: a divisor of the number of experts")
+    if arch.moe is not None and tp > 1:
+        raise ValueError(f"trainer.tensorParallelSize: {tp} with a mixture-of-experts model needs sequence "
+                         "parallelism, which the packed variable-length micro-batches do not use; allowed: 1 (split "
+                         "the experts with trainer.expertParallelSize instead)")

@@ -10,8 +10,17 @@ Shapes (h hidden, n query heads, g key/value groups, d head size, f MLP size; Me
                                          `fuse_qkv` / `split_qkv` interleave HF's q_proj [n·d, h], k_proj and v_proj
                                          [g·d, h] (a key/value head j serves query heads j·n/g … (j+1)·n/g − 1, as
                                          HF's repeat_kv); biases alike without the h axis
-  linear_fc1.weight [2f, h]              SwiGLU: gate_proj rows, then up_proj rows (`cat` / `chunk`)
+  linear_fc1.weight [2f, h]              SwiGLU: gate_proj rows, then up_proj rows (`cat` / `chunk`) — also each
+                                         expert's and the shared expert's (Mixtral's w1 = gate, w3 = up, w2 = down)
   everything else                        copied as is (no transpose: both store Linear weights [out, in])
+
+Mixtures of experts (`Architecture.moe`): a layer's MLP is `mlp.router.weight` [E, h] (HF `mlp.gate` /
+Mixtral's `block_sparse_moe.gate`), the experts `mlp.experts.local_experts.<e>.linear_fc{1,2}` and, for Qwen2-MoE,
+`mlp.shared_experts.linear_fc{1,2}` with `mlp.shared_experts.gate_weight` [1, h] (HF `mlp.shared_expert_gate`).
+Canonical names number the experts globally (0 … E−1); a live model numbers its own `local_experts` from 0, so under
+expert parallelism (`ep_layout`, `split_ep`, `ep_global_name`) rank r of R holds experts r·E/R … (r+1)·E/R − 1 under
+local indices — a rename, never a slice. Qwen3's per-head norms are `self_attention.{q,k}_layernorm.weight` [d]
+(HF `self_attn.{q,k}_norm`).
 
 Tensor parallelism (`TP_RULES`): column-parallel weights (embedding, output layer, linear_qkv, linear_fc1 and their
 biases) are split along dim 0, row-parallel weights (linear_proj, linear_fc2) along dim 1, everything else is
@@ -30,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainingrun.modeling.architecture import Architecture, spec_field
+from trainingrun.modeling.architecture import Architecture, check_parallel, spec_field
 
 
 class ConversionError(ValueError):
@@ -78,8 +87,12 @@ def _same1(t: torch.Tensor, arch: Architecture) -> tuple[torch.Tensor]:  # noqa:
 
 
 # --------------------------------------------------------------------------------------------------- the two tables
-# `when`: which architectures have the tensor — "always", "untied" (separate output layer), "bias" (addBiasLinear),
-# "qkv_bias" (addBiasLinear or addQkvBias).
+# `when`: which architectures (and which of their layers) have the tensor — "always", "untied" (separate output
+# layer), "bias" (addBiasLinear), "qkv_bias" (addBiasLinear or addQkvBias), "qk_norm" (Qwen3), "mlp" / "mlp_bias"
+# (a dense MLP layer), "moe" (a mixture-of-experts layer; one tensor per expert where the name has {e}), "shared"
+# (a mixture-of-experts layer with a shared expert). HF names of a mixture of experts name its block {moe} and the
+# expert projections {gate} {up} {down} (`_EXPERT_NAMES`: Qwen's mlp.gate_proj/up_proj/down_proj, Mixtral's
+# block_sparse_moe.w1/w3/w2).
 @dataclass(frozen=True)
 class ImportRule:
     """HF → Megatron: the Megatron tensor `megatron` is `combine(*hf tensors)`."""
@@ -101,6 +114,8 @@ class ExportRule:
 
 
 L, HL = "decoder.layers.{i}.", "model.layers.{i}."
+EXPERT, HEXPERT = L + "mlp.experts.local_experts.{e}.", HL + "{moe}.experts.{e}."
+SHARED, HSHARED = L + "mlp.shared_experts.", HL + "mlp.shared_expert."
 
 IMPORT_RULES: tuple[ImportRule, ...] = (
     ImportRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), _same),
@@ -114,10 +129,19 @@ IMPORT_RULES: tuple[ImportRule, ...] = (
     ImportRule(L + "self_attention.linear_proj.weight", (HL + "self_attn.o_proj.weight",), _same),
     ImportRule(L + "self_attention.linear_proj.bias", (HL + "self_attn.o_proj.bias",), _same, "bias"),
     ImportRule(L + "pre_mlp_layernorm.weight", (HL + "post_attention_layernorm.weight",), _same),
-    ImportRule(L + "mlp.linear_fc1.weight", (HL + "mlp.gate_proj.weight", HL + "mlp.up_proj.weight"), _cat),
-    ImportRule(L + "mlp.linear_fc1.bias", (HL + "mlp.gate_proj.bias", HL + "mlp.up_proj.bias"), _cat, "bias"),
-    ImportRule(L + "mlp.linear_fc2.weight", (HL + "mlp.down_proj.weight",), _same),
-    ImportRule(L + "mlp.linear_fc2.bias", (HL + "mlp.down_proj.bias",), _same, "bias"),
+    ImportRule(L + "mlp.linear_fc1.weight", (HL + "mlp.gate_proj.weight", HL + "mlp.up_proj.weight"), _cat, "mlp"),
+    ImportRule(L + "mlp.linear_fc1.bias", (HL + "mlp.gate_proj.bias", HL + "mlp.up_proj.bias"), _cat, "mlp_bias"),
+    ImportRule(L + "mlp.linear_fc2.weight", (HL + "mlp.down_proj.weight",), _same, "mlp"),
+    ImportRule(L + "mlp.linear_fc2.bias", (HL + "mlp.down_proj.bias",), _same, "mlp_bias"),
+    ImportRule(L + "self_attention.q_layernorm.weight", (HL + "self_attn.q_norm.weight",), _same, "qk_norm"),
+    ImportRule(L + "self_attention.k_layernorm.weight", (HL + "self_attn.k_norm.weight",), _same, "qk_norm"),
+    ImportRule(L + "mlp.router.weight", (HL + "{moe}.gate.weight",), _same, "moe"),
+    ImportRule(EXPERT + "linear_fc1.weight", (HEXPERT + "{gate}.weight", HEXPERT + "{up}.weight"), _cat, "moe"),
+    ImportRule(EXPERT + "linear_fc2.weight", (HEXPERT + "{down}.weight",), _same, "moe"),
+    ImportRule(SHARED + "linear_fc1.weight", (HSHARED + "gate_proj.weight", HSHARED + "up_proj.weight"), _cat,
+               "shared"),
+    ImportRule(SHARED + "linear_fc2.weight", (HSHARED + "down_proj.weight",), _same, "shared"),
+    ImportRule(SHARED + "gate_weight", (HL + "mlp.shared_expert_gate.weight",), _same, "shared"),
     ImportRule("decoder.final_layernorm.weight", ("model.norm.weight",), _same),
     ImportRule("output_layer.weight", ("lm_head.weight",), _same, "untied"),
 )
@@ -134,19 +158,41 @@ EXPORT_RULES: tuple[ExportRule, ...] = (
     ExportRule(L + "self_attention.linear_proj.weight", (HL + "self_attn.o_proj.weight",), _same1),
     ExportRule(L + "self_attention.linear_proj.bias", (HL + "self_attn.o_proj.bias",), _same1, "bias"),
     ExportRule(L + "pre_mlp_layernorm.weight", (HL + "post_attention_layernorm.weight",), _same1),
-    ExportRule(L + "mlp.linear_fc1.weight", (HL + "mlp.gate_proj.weight", HL + "mlp.up_proj.weight"), _chunk2),
-    ExportRule(L + "mlp.linear_fc1.bias", (HL + "mlp.gate_proj.bias", HL + "mlp.up_proj.bias"), _chunk2, "bias"),
-    ExportRule(L + "mlp.linear_fc2.weight", (HL + "mlp.down_proj.weight",), _same1),
-    ExportRule(L + "mlp.linear_fc2.bias", (HL + "mlp.down_proj.bias",), _same1, "bias"),
+    ExportRule(L + "mlp.linear_fc1.weight", (HL + "mlp.gate_proj.weight", HL + "mlp.up_proj.weight"), _chunk2, "mlp"),
+    ExportRule(L + "mlp.linear_fc1.bias", (HL + "mlp.gate_proj.bias", HL + "mlp.up_proj.bias"), _chunk2, "mlp_bias"),
+    ExportRule(L + "mlp.linear_fc2.weight", (HL + "mlp.down_proj.weight",), _same1, "mlp"),
+    ExportRule(L + "mlp.linear_fc2.bias", (HL + "mlp.down_proj.bias",), _same1, "mlp_bias"),
+    ExportRule(L + "self_attention.q_layernorm.weight", (HL + "self_attn.q_norm.weight",), _same1, "qk_norm"),
+    ExportRule(L + "self_attention.k_layernorm.weight", (HL + "self_attn.k_norm.weight",), _same1, "qk_norm"),
+    ExportRule(L + "mlp.router.weight", (HL + "{moe}.gate.weight",), _same1, "moe"),
+    ExportRule(EXPERT + "linear_fc1.weight", (HEXPERT + "{gate}.weight", HEXPERT + "{up}.weight"), _chunk2, "moe"),
+    ExportRule(EXPERT + "linear_fc2.weight", (HEXPERT + "{down}.weight",), _same1, "moe"),
+    ExportRule(SHARED + "linear_fc1.weight", (HSHARED + "gate_proj.weight", HSHARED + "up_proj.weight"), _chunk2,
+               "shared"),
+    ExportRule(SHARED + "linear_fc2.weight", (HSHARED + "down_proj.weight",), _same1, "shared"),
+    ExportRule(SHARED + "gate_weight", (HL + "mlp.shared_expert_gate.weight",), _same1, "shared"),
     ExportRule("decoder.final_layernorm.weight", ("model.norm.weight",), _same1),
     ExportRule("output_layer.weight", ("lm_head.weight",), _same1, "untied"),
 )
+
+# The HF names of a mixture-of-experts block: Mixtral's (a mixture without a query/key norm or shared expert, as
+# `hf_config.export_model_type` decides) or the Qwen-MoE models'.
+_EXPERT_NAMES = {
+    "mixtral": {"moe": "block_sparse_moe", "gate": "w1", "up": "w3", "down": "w2"},
+    "qwen": {"moe": "mlp", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+}
 
 # HF keys that carry no weights of ours and may be present in a checkpoint: skipped on import.
 IGNORED_HF = (re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$"), re.compile(r"^model\.rotary_emb\."))
 
 
-def _applies(when: str, arch: Architecture) -> bool:
+def _expert_names(arch: Architecture) -> dict[str, str]:
+    mixtral = arch.moe is not None and not arch.qk_norm and arch.moe.shared_expert_ffn_size is None
+    return _EXPERT_NAMES["mixtral" if mixtral else "qwen"]
+
+
+def _applies(when: str, arch: Architecture, layer: int | None = None) -> bool:
+    moe_layer = layer is not None and arch.moe is not None and arch.moe.is_moe_layer(layer)
     if when == "always":
         return True
     if when == "untied":
@@ -155,38 +201,42 @@ def _applies(when: str, arch: Architecture) -> bool:
         return arch.add_bias_linear
     if when == "qkv_bias":
         return arch.qkv_bias
+    if when == "qk_norm":
+        return arch.qk_norm
+    if when == "mlp":
+        return not moe_layer
+    if when == "mlp_bias":
+        return not moe_layer and arch.add_bias_linear
+    if when == "moe":
+        return moe_layer
+    if when == "shared":
+        return moe_layer and arch.moe.shared_expert_ffn_size is not None
     raise AssertionError(when)
 
 
-def _expand(template: str, layers: int) -> list[tuple[int | None, str]]:
-    if "{i}" in template:
-        return [(i, template.format(i=i)) for i in range(layers)]
-    return [(None, template)]
+def _expand(megatron: str, hf: tuple[str, ...], when: str, arch: Architecture):
+    """(Megatron name, HF names) of one rule for every layer (and expert) of `arch` it applies to."""
+    names = _expert_names(arch)
+    layers = range(arch.num_layers) if "{i}" in megatron else (None,)
+    for i in layers:
+        if not _applies(when, arch, i):
+            continue
+        experts = range(arch.moe.num_experts) if "{e}" in megatron else (None,)
+        for e in experts:
+            yield megatron.format(i=i, e=e), tuple(h.format(i=i, e=e, **names) for h in hf)
 
 
 def import_plan(arch: Architecture) -> list[tuple[str, tuple[str, ...], Callable[..., torch.Tensor]]]:
     """(Megatron name, HF source names, combine) for every Megatron tensor of `arch`."""
-    out = []
-    for rule in IMPORT_RULES:
-        if not _applies(rule.when, arch):
-            continue
-        for i, name in _expand(rule.megatron, arch.num_layers):
-            out.append((name, tuple(h.format(i=i) for h in rule.hf), rule.combine))
-    return out
+    return [(m, h, rule.combine) for rule in IMPORT_RULES for m, h in _expand(rule.megatron, rule.hf, rule.when, arch)]
 
 
 def export_plan(arch: Architecture) -> list[tuple[str, tuple[str, ...], Callable[..., tuple[torch.Tensor, ...]]]]:
-    out = []
-    for rule in EXPORT_RULES:
-        if not _applies(rule.when, arch):
-            continue
-        for i, name in _expand(rule.megatron, arch.num_layers):
-            out.append((name, tuple(h.format(i=i) for h in rule.hf), rule.split))
-    return out
+    return [(m, h, rule.split) for rule in EXPORT_RULES for m, h in _expand(rule.megatron, rule.hf, rule.when, arch)]
 
 
 def expected_shapes(arch: Architecture) -> dict[str, tuple[int, ...]]:
-    """Full (TP 1) Megatron shape of every canonical tensor of `arch`."""
+    """Full (TP 1, every expert) Megatron shape of every canonical tensor of `arch`."""
     n, g, d = _groups(arch)
     h, f, v = arch.hidden_size, arch.ffn_hidden_size, arch.vocab_size
     fc1 = 2 * f if arch.gated else f
@@ -195,15 +245,31 @@ def expected_shapes(arch: Architecture) -> dict[str, tuple[int, ...]]:
         "embedding.word_embeddings.weight": (v, h), "decoder.final_layernorm.weight": (h,),
         "output_layer.weight": (v, h),
     }
+    moe = arch.moe
     for i in range(arch.num_layers):
         p = f"decoder.layers.{i}."
         shapes.update({
             p + "input_layernorm.weight": (h,), p + "self_attention.linear_qkv.weight": (qkv, h),
             p + "self_attention.linear_qkv.bias": (qkv,), p + "self_attention.linear_proj.weight": (h, n * d),
             p + "self_attention.linear_proj.bias": (h,), p + "pre_mlp_layernorm.weight": (h,),
-            p + "mlp.linear_fc1.weight": (fc1, h), p + "mlp.linear_fc1.bias": (fc1,),
-            p + "mlp.linear_fc2.weight": (h, f), p + "mlp.linear_fc2.bias": (h,),
+            p + "self_attention.q_layernorm.weight": (d,), p + "self_attention.k_layernorm.weight": (d,),
         })
+        if moe is not None and moe.is_moe_layer(i):
+            fm = moe.ffn_hidden_size
+            shapes[p + "mlp.router.weight"] = (moe.num_experts, h)
+            for e in range(moe.num_experts):
+                shapes[p + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * fm, h)
+                shapes[p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, fm)
+            if moe.shared_expert_ffn_size is not None:
+                fs = moe.shared_expert_ffn_size
+                shapes.update({p + "mlp.shared_experts.linear_fc1.weight": (2 * fs, h),
+                               p + "mlp.shared_experts.linear_fc2.weight": (h, fs),
+                               p + "mlp.shared_experts.gate_weight": (1, h)})
+        else:
+            shapes.update({
+                p + "mlp.linear_fc1.weight": (fc1, h), p + "mlp.linear_fc1.bias": (fc1,),
+                p + "mlp.linear_fc2.weight": (h, f), p + "mlp.linear_fc2.bias": (h,),
+            })
         if arch.normalization == "LayerNorm":
             shapes[p + "input_layernorm.bias"] = (h,)
             shapes[p + "pre_mlp_layernorm.bias"] = (h,)
@@ -225,12 +291,16 @@ def check_hf_names(hf_names: Iterable[str], arch: Architecture) -> None:
                               f"{' …' if len(unexpected) > 8 else ''}")
 
 
-def iter_hf_to_megatron(get_hf: Callable[[str], torch.Tensor], hf_names: Iterable[str], arch: Architecture):
-    """(Megatron name, full tensor) for every canonical tensor of `arch`, built one at a time from HF tensors;
-    `get_hf(name)` loads one HF tensor (lazily: a safetensors file is read a tensor at a time)."""
+def iter_hf_to_megatron(get_hf: Callable[[str], torch.Tensor], hf_names: Iterable[str], arch: Architecture,
+                        only: Callable[[str], bool] | None = None):
+    """(Megatron name, full tensor) for every canonical tensor of `arch` (those `only` accepts, if given), built one
+    at a time from HF tensors; `get_hf(name)` loads one HF tensor (lazily: a safetensors file is read a tensor at a
+    time)."""
     check_hf_names(hf_names, arch)
     shapes = expected_shapes(arch)
     for name, sources, combine in import_plan(arch):
+        if only is not None and not only(name):
+            continue
         tensor = combine(*(get_hf(s) for s in sources), arch=arch)
         if tuple(tensor.shape) != shapes[name]:
             raise ConversionError(f"{name} (from {', '.join(sources)}): shape {tuple(tensor.shape)}, the "
@@ -318,8 +388,10 @@ def tp_layout(name: str, arch: Architecture) -> tuple[int | None, bool]:
     return None, False
 
 
-def check_tp(arch: Architecture, tp: int) -> None:
-    """ValueError naming the size that tensor-parallel size `tp` does not divide."""
+def check_tp(arch: Architecture, tp: int, ep: int = 1) -> None:
+    """ValueError naming the size that tensor-parallel size `tp` does not divide, or the parallelism the architecture
+    cannot run with (`architecture.check_parallel`: expert parallelism)."""
+    check_parallel(arch, tp, ep)
     if tp == 1:
         return
     for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
@@ -355,3 +427,42 @@ def gather_tp(name: str, shards: list[torch.Tensor], arch: Architecture) -> torc
         halves = [torch.chunk(s, 2, dim=0) for s in shards]
         return torch.cat([torch.cat([h[0] for h in halves], 0), torch.cat([h[1] for h in halves], 0)], 0)
     return torch.cat(shards, dim=dim)
+
+
+# ----------------------------------------------------------------------------------------------- expert parallelism
+_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
+def ep_layout(name: str) -> int | None:
+    """The expert index in an expert tensor's name (`….mlp.experts.local_experts.<e>.…`), None for other tensors."""
+    m = _EXPERT.match(name)
+    return int(m.group(2)) if m else None
+
+
+def _renumber(name: str, index: int) -> str:
+    m = _EXPERT.match(name)
+    return f"{m.group(1)}{index}{m.group(3)}"
+
+
+def split_ep(state: dict[str, torch.Tensor], arch: Architecture, rank: int, size: int) -> dict[str, torch.Tensor]:
+    """Expert-parallel rank `rank` of `size`'s part of a canonical state (global expert numbers): its experts,
+    renumbered from 0 as the live model numbers them, and every other tensor."""
+    if size == 1:
+        return state
+    per = arch.moe.num_experts // size
+    out = {}
+    for name, t in state.items():
+        e = ep_layout(name)
+        if e is None:
+            out[name] = t
+        elif rank * per <= e < (rank + 1) * per:
+            out[_renumber(name, e - rank * per)] = t
+    return out
+
+
+def ep_global_name(name: str, arch: Architecture, rank: int, size: int) -> str:
+    """The canonical (global expert number) name of a live model's tensor on expert-parallel rank `rank`."""
+    e = ep_layout(name)
+    if e is None or size == 1:
+        return name
+    return _renumber(name, rank * (arch.moe.num_experts // size) + e)

@@ -16,7 +16,9 @@ megatron-core assumes CUDA in a handful of places that have nothing to do with t
   3. ``torch.cuda.current_device()`` returns 0, ``torch.cuda.device_count()`` 1, and the CUDA RNG functions act on
      the CPU generator (the tracker's "CUDA" state is the CPU state), so seeding is deterministic.
 
-  4. ``torch.cuda.synchronize()`` returns at once (Megatron's distributed-checkpoint writer calls it before copying
+  4. the device routing stays active inside ``Tensor.backward`` / ``torch.autograd.backward`` (a mode is popped
+     while it handles a call, which would otherwise leave the whole backward pass without it);
+  5. ``torch.cuda.synchronize()`` returns at once (Megatron's distributed-checkpoint writer calls it before copying
      tensors out; there is no device to wait for).
 
 Nothing here runs on a GPU machine: `install()` refuses when CUDA is available. It touches no stream or event API
@@ -54,7 +56,29 @@ class _CudaToCpu(TorchFunctionMode):
             kwargs["device"] = "cpu"
         if func in (torch.Tensor.to,) and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
+        if func is torch.Tensor.backward or func is torch.autograd.backward:
+            # A mode is popped while its own __torch_function__ runs, so the whole backward pass would run without
+            # it (torch 2.13 dispatches `torch.autograd.backward` to modes too); autograd functions that allocate on
+            # `torch.cuda.current_device()` in backward (Megatron's all-gather/reduce-scatter mappings of the MoE
+            # token dispatcher) need it there.
+            return _backward_routed(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _backward_routed(tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None, *,
+                     gradient=None, grad_variables=None):
+    """`torch.autograd.backward` with the device routing active while the autograd engine runs (the body of torch
+    2.13's function after its dispatch check; `gradient` is `Tensor.backward`'s name for `grad_tensors`)."""
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple  # deferred: private torch helpers
+    from torch.autograd.graph import _engine_run_backward  # deferred: private torch helper
+
+    grad_tensors = grad_tensors if grad_tensors is not None else (gradient if gradient is not None else grad_variables)
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    inputs = () if inputs is None else ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs))
+    grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(grad_tensors, len(tensors)), is_grads_batched=False)
+    with _CudaToCpu():
+        _engine_run_backward(tensors, grads, create_graph if retain_graph is None else retain_graph, create_graph,
+                             inputs, allow_unreachable=True, accumulate_grad=True)
 
 
 def installed() -> bool:

@@ -73,19 +73,27 @@ class HFWeights:
 
 
 def load_megatron_state(hf_dir: str | Path, arch: Architecture, *, tp_rank: int = 0, tp_size: int = 1,
-                        pp_rank: int = 0, pp_size: int = 1,
+                        pp_rank: int = 0, pp_size: int = 1, ep_rank: int = 0, ep_size: int = 1,
                         dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The canonical Megatron state dict of an HF directory, as TP rank `tp_rank` of `tp_size` of pipeline stage
-    `pp_rank` of `pp_size` holds it (the stage's layers under its own numbers: `modeling.pipeline.to_stage`).
+    `pp_rank` of `pp_size` and expert-parallel rank `ep_rank` of `ep_size` hold it (the stage's layers under its own
+    numbers: `modeling.pipeline.to_stage`; the experts of this EP rank numbered from 0, `convert.split_ep`).
 
-    Reads and converts one Megatron tensor at a time, so peak memory is the shard plus one full tensor."""
+    Reads and converts one Megatron tensor at a time, so peak memory is the shard plus one full tensor; the experts
+    of other EP ranks are not read."""
+    per = arch.moe.num_experts // ep_size if arch.moe is not None else 0
+
+    def mine(name: str) -> bool:
+        e = convert.ep_layout(name)
+        return e is None or ep_rank * per <= e < (ep_rank + 1) * per
+
     out = {}
     with HFWeights(hf_dir) as w:
-        for name, full in convert.iter_hf_to_megatron(w.get, w.names(), arch):
+        for name, full in convert.iter_hf_to_megatron(w.get, w.names(), arch, only=mine):
             for stage_name, value in pipeline.to_stage({name: full}, arch, pp_rank, pp_size).items():
                 shard = convert.split_tp(name, value, arch, tp_rank, tp_size)
                 out[stage_name] = shard.to(dtype) if dtype is not None else shard.clone()
-    return out
+    return convert.split_ep(out, arch, ep_rank, ep_size)
 
 
 def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:

@@ -33,6 +33,7 @@ from trainingrun.modeling.attention import FlashVarlenAttention, PackedSDPAttent
 from trainingrun.modeling.convert import check_tp, model_names
 from trainingrun.modeling.hf_io import load_megatron_state
 from trainingrun.modeling.pipeline import check_pp
+from trainingrun.modeling.moe import init_weights, mark_expert_params, patch_megatron_moe
 
 
 def prepare_device(gpus: int) -> torch.device:
@@ -53,8 +54,10 @@ def prepare_device(gpus: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: torch.device, tp: int = 1, pp: int = 1, timeout_s: float = 600) -> None:
-    """torch.distributed from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, then Megatron's parallel state."""
+def init_distributed(device: torch.device, tp: int = 1, pp: int = 1, timeout_s: float = 600, ep: int = 1) -> None:
+    """torch.distributed from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, then Megatron's parallel state. `ep`: the
+    expert-parallel size (groups of `ep` data-parallel ranks share the experts of a mixture-of-experts model; their
+    expert-data-parallel groups reduce the experts' gradients)."""
     from megatron.core import parallel_state  # deferred: megatron after prepare_device
 
     if not dist.is_initialized():
@@ -64,7 +67,8 @@ def init_distributed(device: torch.device, tp: int = 1, pp: int = 1, timeout_s: 
             timeout=datetime.timedelta(seconds=timeout_s),
         )
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 expert_model_parallel_size=ep)
 
 
 def set_seed(seed: int) -> None:
@@ -155,18 +159,58 @@ def layer_impl(arch: Architecture, device: torch.device) -> str:
 _CORE_ATTENTION = {"flash": FlashVarlenAttention, "sdpa": PackedSDPAttention}
 
 
-def layer_spec(arch: Architecture, device: torch.device, attention: AttentionChoice | None = None):
+def layer_spec(arch: Architecture, device: torch.device, attention: AttentionChoice | None = None, config=None):
     """Megatron's TransformerEngine layer spec (backend te), or its local spec with the flash or the packed SDPA core
     attention. `attention`: the process's resolved choice (default: `attention_choice(arch, device)`). The norm type
-    comes from the architecture (RMSNorm for llama)."""
+    comes from the architecture (RMSNorm for llama); `qk_norm` adds the per-head query/key norms. A mixture of experts
+    is Megatron's block spec of dense and MoE layers (`get_gpt_decoder_block_spec` of `config`, by its
+    `moe_layer_freq`; experts as a `SequentialMLP`, no grouped GEMM)."""
     from megatron.core.models.gpt import gpt_layer_specs  # deferred: megatron
 
     choice = attention or attention_choice(arch, device)
-    if choice.backend == "te":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=arch.normalization)
+    te = choice.backend == "te"
+    if arch.moe is not None:
+        block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=te,
+                                                           normalization=arch.normalization)
+        if not te:
+            for spec in block.layer_specs:
+                spec.submodules.self_attention.submodules.core_attention = _CORE_ATTENTION[choice.backend]
+        return block
+    if te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=arch.normalization, qk_layernorm=arch.qk_norm)
     spec.submodules.self_attention.submodules.core_attention = _CORE_ATTENTION[choice.backend]
     return spec
+
+
+def moe_config(arch: Architecture, device: torch.device, ep: int = 1) -> dict:
+    """The `TransformerConfig` fields of a mixture of experts (empty for a dense model).
+
+    Routing as Hugging Face computes it: softmax over all experts, then top-k (`moe_router_pre_softmax`) when
+    `norm_topk_prob` is false; top-k of the logits, then softmax over those k (= the renormalised top-k
+    probabilities) when it is true; router logits in fp32. Megatron's own load-balancing loss is off: the trainer adds
+    its per-sample form through `modeling.moe` (docs/trainer.md, "MoE loss scaling"). Tokens reach the experts by
+    all-gather on the CPU (the all-to-all dispatcher needs CUDA streams) and all-to-all on CUDA."""
+    moe = arch.moe
+    if moe is None:
+        return {}
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_router_topk=moe.top_k,
+        moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_layer_freq=[1 if moe.is_moe_layer(i) else 0 for i in range(arch.num_layers)],
+        moe_shared_expert_intermediate_size=moe.shared_expert_ffn_size,
+        moe_shared_expert_gate=moe.shared_expert_gate,
+        moe_token_dispatcher_type="alltoall" if device.type == "cuda" else "allgather",
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        expert_model_parallel_size=ep,
+    )
 
 
 @dataclass(frozen=True)
@@ -183,11 +227,12 @@ class ModelOptions:
 
 
 def transformer_config(arch: Architecture, device: torch.device, options: ModelOptions = ModelOptions(), *,
-                       pipeline_size: int = 1):
+                       pipeline_size: int = 1, ep: int = 1):
     """Megatron `TransformerConfig` of an architecture; no dropout, so runs are reproducible, and no fusions that
     need CUDA kernels — except the gradient-accumulation fusion and the recomputation `options` ask for.
     `pipeline_size` > 1: the stages exchange each micro-batch's activation shape before the activation
-    (`variable_seq_lengths`: packed micro-batches differ in length)."""
+    (`variable_seq_lengths`: packed micro-batches differ in length). `ep`: the expert-parallel size (mixtures of
+    experts, `moe_config`)."""
     from megatron.core.transformer import TransformerConfig  # deferred: megatron
 
     dtype = torch_dtype(arch.precision)
@@ -205,6 +250,7 @@ def transformer_config(arch: Architecture, device: torch.device, options: ModelO
         activation_func=F.silu if arch.gated else F.gelu,
         add_bias_linear=arch.add_bias_linear,
         add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
         use_cpu_initialization=device.type == "cpu",
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -223,6 +269,7 @@ def transformer_config(arch: Architecture, device: torch.device, options: ModelO
         apply_rope_fusion=False,
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
+        **moe_config(arch, device, ep),
     )
     # Set after construction: the constructor refuses it with the default MoE token dispatcher (all-gather), which
     # a model without experts never runs.
@@ -231,28 +278,35 @@ def transformer_config(arch: Architecture, device: torch.device, options: ModelO
 
 
 def build_model(arch: Architecture, device: torch.device, *, load_weights: bool = True,
-                parallel_output: bool = True, options: ModelOptions = ModelOptions()):
+                parallel_output: bool = True, options: ModelOptions = ModelOptions(), seed: int = 0):
     """THE model builder (trainer, scoring, in-process inference): a Megatron `GPTModel` of `arch`, this rank's
     tensor-parallel shard of its pipeline stage (the stage's layers, `modeling.pipeline`; the embedding on the first
     stage, the final norm and output layer on the last).
 
     gpt: LayerNorm + GELU; llama: RMSNorm + SwiGLU + grouped-query attention; both with RoPE (base `rope_base`;
-    Llama-3 scaling when `rope_scaling_factor` is set), tied or untied output layer, optional biases. With `hf` set
-    and `load_weights`, the Hugging Face weights are converted and this rank's shard is loaded
+    Llama-3 scaling when `rope_scaling_factor` is set), tied or untied output layer, optional biases, optional per-head
+    query/key norms (`qk_norm`) and mixture-of-experts layers (`moe`: this rank holds its expert-parallel share of
+    the experts). With `hf` set and `load_weights`, the Hugging Face weights are converted and this rank's shard is
+    loaded
     (`trainingrun.modeling.hf_io.load_megatron_state`); else the parameters keep Megatron's seeded initialisation.
     `parallel_output=False` gathers the logits over the vocabulary (full [.., V] on every TP rank). `options`: the
-    attention backend, recomputation and fusion (`ModelOptions`; by default the attention resolved on `device`)."""
+    attention backend, recomputation and fusion (`ModelOptions`; by default the attention resolved on `device`). `seed`: the run's
+    seed, which the weights of a seeded mixture of experts are drawn from (`modeling.moe.init_weights`)."""
     from megatron.core import parallel_state  # deferred: megatron after prepare_device
     from megatron.core.models.gpt import GPTModel  # deferred: megatron
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    check_tp(arch, tp)
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    check_tp(arch, tp, ep)
     check_pp(arch, pp)
+    if arch.moe is not None:
+        patch_megatron_moe()
     scaling = arch.rope_scaling_factor
+    config = transformer_config(arch, device, options, pipeline_size=pp, ep=ep)
     model = GPTModel(
-        config=transformer_config(arch, device, options, pipeline_size=pp),
-        transformer_layer_spec=layer_spec(arch, device, options.attention),
+        config=config,
+        transformer_layer_spec=layer_spec(arch, device, options.attention, config),
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -266,9 +320,14 @@ def build_model(arch: Architecture, device: torch.device, *, load_weights: bool 
     )
     model = model.to(device)
     _params_to_dtype(model, torch_dtype(arch.precision))
+    if arch.moe is not None:
+        mark_expert_params(model)
+        if not (arch.hf and load_weights):  # the same model at every expert-parallel size
+            init_weights(model, arch, seed=seed, std=config.init_method_std)
     if arch.hf and load_weights:
         state = load_megatron_state(arch.hf, arch, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-                                    tp_size=tp, pp_rank=parallel_state.get_pipeline_model_parallel_rank(), pp_size=pp)
+                                    tp_size=tp, pp_rank=parallel_state.get_pipeline_model_parallel_rank(), pp_size=pp,
+                                    ep_rank=parallel_state.get_expert_model_parallel_rank(), ep_size=ep)
         load_canonical_state(model, state)
     return model
 

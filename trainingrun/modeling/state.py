@@ -3,14 +3,17 @@
 * `tensors_arrays` / `arrays_state_dict`: a state dict as numpy arrays and back (bf16 travels as its raw 16 bits) —
   the `weightSync.type: store` wire form, written by the trainers' `StoreWeightPublisher` (of `gather_live_state`)
   and loaded by the rollout's in-process Megatron engine; `state_dict_arrays` the same of a module's own state dict.
-* `gather_live_state`: the full (tensor-parallel-gathered, pipeline stages joined) canonical Megatron state dict of a
-  live model, on the model-parallel group's first rank — what every publisher sends: the store publisher as arrays,
-  the vLLM disk/broadcast publishers converted to Hugging Face names. `live_layout` says where this rank sits.
+* `gather_live_state`: the full canonical Megatron state dict of a live model — tensor-parallel shards gathered,
+  experts gathered over the expert-parallel group, pipeline stages joined — on the first rank of one whole copy of
+  the model: what every publisher sends (the store publisher as arrays, the vLLM disk/broadcast publishers converted
+  to Hugging Face names). The ranks taking part are the TP × EP × PP ranks of (expert-)data-parallel replica 0;
+  `live_layout` says where this rank sits.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -54,30 +57,42 @@ def arrays_state_dict(arrays: dict[str, np.ndarray], dtypes: dict[str, str]) -> 
 
 
 def live_layout() -> dict:
-    """Where this rank sits for `gather_live_state` (its keyword arguments) and the publishers: tp_group, tp_size,
-    tp_rank, pp_group, pp_size, pp_rank and dp_rank (only data-parallel replica 0 gathers), from Megatron's parallel
+    """Where this rank sits for `gather_live_state` (its keyword arguments) and the publishers: the tensor-,
+    pipeline- and expert-parallel groups with this rank's size and rank in each, and dp_rank — its data-parallel
+    replica (with expert parallelism its expert-data-parallel one): only replica 0 gathers. From Megatron's parallel
     state; {} (one process: nothing to gather) where Megatron's model-parallel groups are not initialised."""
     from megatron.core import parallel_state as ps  # deferred: megatron (imported after the CPU shim)
 
     if not ps.model_parallel_is_initialized():
         return {}
+    ep = ps.get_expert_model_parallel_world_size()
     return dict(tp_group=ps.get_tensor_model_parallel_group(), tp_size=ps.get_tensor_model_parallel_world_size(),
                 tp_rank=ps.get_tensor_model_parallel_rank(), pp_group=ps.get_pipeline_model_parallel_group(),
                 pp_size=ps.get_pipeline_model_parallel_world_size(), pp_rank=ps.get_pipeline_model_parallel_rank(),
-                dp_rank=ps.get_data_parallel_rank())
+                ep_group=ps.get_expert_model_parallel_group() if ep > 1 else None, ep_size=ep,
+                ep_rank=ps.get_expert_model_parallel_rank() if ep > 1 else 0,
+                dp_rank=ps.get_expert_data_parallel_rank() if ep > 1 else ps.get_data_parallel_rank())
 
 
 def gather_live_state(module: torch.nn.Module, arch: Architecture, *, tp_group=None, tp_size: int = 1,
-                      tp_rank: int = 0, pp_group=None, pp_size: int = 1,
-                      pp_rank: int = 0) -> dict[str, torch.Tensor] | None:
-    """The full canonical Megatron state dict of a live model — tensor-parallel shards gathered, pipeline stages
-    joined under the whole model's layer numbers (`modeling.pipeline.to_whole`) — on TP rank 0 of pipeline stage 0,
-    None on the other ranks. Every rank of the tensor × pipeline group must call it: an all-gather per
-    tensor-parallel tensor in name order within each stage, then TP rank 0 of every later stage sends its part to
-    stage 0 (`pp_group`: the stages of this rank's TP position). The tensors are detached copies on the model's
-    device (CPU copies are the caller's choice)."""
+                      tp_rank: int = 0, pp_group=None, pp_size: int = 1, pp_rank: int = 0, ep_group=None,
+                      ep_size: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor] | None:
+    """The full canonical Megatron state dict of a live model, on TP rank 0 / EP rank 0 of pipeline stage 0, None on
+    the other ranks. Every rank of the tensor × expert × pipeline group must call it: within each stage an
+    all-gather per tensor-parallel tensor (or, for a mixture of experts, which runs at TP 1, per expert tensor) in name
+    order; then the first rank of every later stage sends its part to stage 0 (`pp_group`: the stages of this rank's
+    position). Experts: each EP rank holds `local_experts` 0 … E/R − 1; gathered, they get their global numbers
+    (`convert.ep_global_name`); stages are joined under the whole model's layer numbers (`modeling.pipeline.to_whole`).
+    The tensors are detached copies on the model's device (CPU copies are the caller's choice)."""
     state = convert.canonical_names({k: v for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)})
-    stage = _gather_tp(state, arch, tp_group, tp_size, tp_rank)
+    if ep_size > 1:  # the experts: all-gathered, renamed to their global numbers
+        stage = _gather(state, ep_group, ep_size, ep_rank, lambda n: convert.ep_layout(n) is not None,
+                        lambda n, parts: {convert.ep_global_name(n, arch, r, ep_size): p for r, p in enumerate(parts)})
+    elif tp_size > 1:
+        stage = _gather(state, tp_group, tp_size, tp_rank, lambda n: convert.tp_layout(n, arch)[0] is not None,
+                        lambda n, parts: {n: convert.gather_tp(n, parts, arch)})
+    else:
+        stage = {k: v.detach().clone() for k, v in state.items()}
     if stage is None or pp_size == 1:
         return stage
     stage = pipeline.to_whole(stage, arch, pp_rank, pp_size)
@@ -90,24 +105,22 @@ def gather_live_state(module: torch.nn.Module, arch: Architecture, *, tp_group=N
     return stage
 
 
-def _gather_tp(state: dict[str, torch.Tensor], arch: Architecture, tp_group, tp_size: int,
-               tp_rank: int) -> dict[str, torch.Tensor] | None:
-    """One stage's canonical state with its tensor-parallel shards gathered: on TP rank 0, None on the others."""
-    if tp_size == 1:
-        return {k: v.detach().clone() for k, v in state.items()}
+def _gather(state: dict[str, torch.Tensor], group, size: int, rank: int, split: Callable[[str], bool],
+            merge: Callable[[str, list[torch.Tensor]], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:
+    """Every tensor of `state` on rank 0 of `group`: those `split` names all-gathered (in name order, a collective
+    per tensor) and `merge`d into full tensors, the others (replicated over the group) copied; None on the others."""
     out: dict[str, torch.Tensor] = {}
     for name in sorted(state):
         local = state[name].detach().contiguous()
-        dim, _ = convert.tp_layout(name, arch)
-        if dim is None:
-            if tp_rank == 0:
+        if not split(name):
+            if rank == 0:
                 out[name] = local.clone()
             continue
-        shards = [torch.empty_like(local) for _ in range(tp_size)]
-        dist.all_gather(shards, local, group=tp_group)
-        if tp_rank == 0:
-            out[name] = convert.gather_tp(name, shards, arch)
-    return out if tp_rank == 0 else None
+        parts = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(parts, local, group=group)
+        if rank == 0:
+            out.update(merge(name, parts))
+    return out if rank == 0 else None
 
 
 # Tensors between pipeline stages, without pickle: a header of int64s (name bytes, then per tensor its dtype code,

@@ -76,7 +76,8 @@ def make_engine(spec, store, arch: Architecture) -> Engine:
     if e.type == "megatron":
         from trainingrun.rollout.megatron_engine import MegatronEngine  # deferred: torch, megatron
 
-        return MegatronEngine(arch, fetch=store.read_weights, max_batch=e.max_batch, seed=spec.seed)
+        return MegatronEngine(arch, fetch=store.read_weights, max_batch=e.max_batch, seed=spec.seed,
+                              record_routing=spec.trainer.moe.routing_replay and arch.moe is not None)
     if e.type == "vllm":
         return make_vllm_engine(spec, store)
     raise ConfigError(f"rollout.engine.type: {e.type!r} is not available in this build; allowed: megatron, vllm")
@@ -168,11 +169,13 @@ class GenerateSource:
         n = self.group_size
         for j, (prompt, comps) in enumerate(zip(prompts, completions)):
             gid = self._index * self.prompts_per_rollout + j
-            toks, masks, logps, responses = [], [], [], []
+            toks, masks, logps, responses, routed = [], [], [], [], []
             for c in comps:
                 ctoks, clogp = self._cut_at_stop(c.tokens, c.logprobs)
                 plen = len(prompt.tokens)
                 toks.append(np.concatenate([prompt.tokens, ctoks]).astype(np.int32))
+                if c.routed_experts is not None:  # the sample's tokens' experts (prompt + kept completion)
+                    routed.append(np.ascontiguousarray(c.routed_experts[:plen + len(ctoks)], dtype=np.int16))
                 mask = np.zeros(plen + len(ctoks), np.uint8)
                 mask[plen:] = 1
                 masks.append(mask)
@@ -181,7 +184,8 @@ class GenerateSource:
                 self.stats.generated_tokens += len(ctoks)
             groups.append(SampleGroup(group_id=gid, tokens=toks, loss_masks=masks, rewards=np.zeros(n, np.float32),
                                       sample_ids=np.arange(gid * n, (gid + 1) * n, dtype=np.int64), logprobs=logps,
-                                      versions=np.full(n, version, np.int64)))
+                                      versions=np.full(n, version, np.int64),
+                                      routed_experts=routed if len(routed) == n else None))
             self._pending[gid] = (prompt, responses)
         self.stats.samples = n * len(prompts)
         return groups

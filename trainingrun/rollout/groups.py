@@ -30,6 +30,8 @@ class SampleGroup:
     # generated rollouts only: the generator's log-probability of each token (0 on the prompt) and weight versions
     logprobs: list[np.ndarray] | None = None  # float32 each, same length as the tokens
     versions: np.ndarray | None = None  # int64 [n]
+    # mixtures of experts with routing replay: the experts each token was routed to, int16 [tokens, layers × top-k]
+    routed_experts: list[np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -54,6 +56,9 @@ class SampleGroup:
             "has_reward": self.has_reward,
             "logprobs": None if self.logprobs is None else b64(np.concatenate(self.logprobs).astype("<f4")),
             "versions": None if self.versions is None else b64(self.versions.astype("<i8")),
+            **({} if self.routed_experts is None else {
+                "routed_experts": b64(np.concatenate(self.routed_experts).astype("<i2")),
+                "routed_width": int(self.routed_experts[0].shape[1])}),
         }
 
     @classmethod
@@ -73,4 +78,7 @@ class SampleGroup:
             logprobs=None if d.get("logprobs") is None else
             [a.copy() for a in np.split(dec(d["logprobs"], "<f4").astype(np.float32), offsets[1:-1])],
             versions=None if d.get("versions") is None else dec(d["versions"], "<i8").astype(np.int64),
+            routed_experts=None if d.get("routed_experts") is None else
+            [a.copy() for a in np.split(dec(d["routed_experts"], "<i2").astype(np.int16).reshape(
+                -1, int(d["routed_width"])), offsets[1:-1])],
         )

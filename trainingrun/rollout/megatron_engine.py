@@ -29,6 +29,10 @@ Device and attention: the first visible GPU, else the CPU (`engine_device`); the
 trainers' rule for this device (`modeling.model.attention_choice` with `generation=True`: te in TE's layer spec, else
 the local spec, whose padded KV-cache batches run torch SDPA whichever of flash and sdpa is named).
 
+Routing (mixtures of experts, `record_routing`, set by `trainer.moe.routingReplay`): every forward records which
+experts each fed token went to (`modeling.moe.RoutingHooks`), and each `Completion` carries them for its prompt and
+completion tokens (`routed_experts`), so the trainer can route those tokens the same way.
+
 The CPU shim (`modeling/cpu_compat.py`) is process-global; this module is used in the rollout process (or a
 subprocess in tests), never in the pytest process.
 """
@@ -48,6 +52,7 @@ from trainingrun.contract.errors import ConfigError
 from trainingrun.modeling.architecture import Architecture
 from trainingrun.modeling.model import (ModelOptions, attention_choice, build_model, load_canonical_state,
                                        prepare_device, set_seed)
+from trainingrun.modeling.moe import RoutingHooks
 from trainingrun.modeling.state import arrays_state_dict
 
 
@@ -88,7 +93,7 @@ class MegatronEngine:
     name = "megatron"
 
     def __init__(self, arch: Architecture, *, fetch: Callable[[int], tuple[dict[str, np.ndarray], dict]],
-                 max_batch: int = 256, seed: int = 0, reuse_cache: bool = True):
+                 max_batch: int = 256, seed: int = 0, reuse_cache: bool = True, record_routing: bool = False):
         self.device = engine_device()
         _init_single_process()
         set_seed(seed)
@@ -101,12 +106,14 @@ class MegatronEngine:
         # weights: version 0 from the trainers
         self.model = build_model(arch, self.device, load_weights=False, options=ModelOptions(attention=self.attention))
         self.model.eval()
+        self.routing = RoutingHooks.install(self.model, arch) if record_routing else None
         self.arch = arch
         self.seq_length = arch.seq_length
         self.max_batch = max_batch
         self.fetch = fetch
         self._version = -1  # no weights loaded yet
-        self.reuse_cache = reuse_cache
+        # routing replay needs every token's experts from this call: a continued cache would leave its prefix unrecorded
+        self.reuse_cache = reuse_cache and not record_routing
         self._cache = None  # (StaticInferenceContext, per row: the tokens whose KV it holds) of the last call
         self.stats = {"generated_tokens": 0, "generate_seconds": 0.0, "load_seconds": 0.0, "loaded_bytes": 0,
                       "reused_tokens": 0}
@@ -170,10 +177,18 @@ class MegatronEngine:
             ctx = StaticInferenceContext(b, total)
         self._cache = None
         pos = torch.arange(total, device=dev).unsqueeze(0).expand(b, -1)
+        routed = None
+        if self.routing is not None:  # [rows, positions, layers, k]: -1 until a position is fed
+            routed = torch.full((b, total, self.routing.num_layers, self.routing.top_k), -1, dtype=torch.int16)
         cur = prev
         for cur in range(min(lengths), total):
+            if routed is not None:
+                self.routing.prepare(record=True)
             logits = self.model(tokens[:, prev:cur], pos[:, prev:cur], None, inference_context=ctx,
                                 runtime_gather_output=True)
+            if routed is not None:  # the router saw [positions, rows] flattened: position s of row i is s·b + i
+                rec = self.routing.recorded()
+                routed[:, prev:cur] = rec.view(cur - prev, b, *rec.shape[1:]).transpose(0, 1)
             ctx.sequence_len_offset += cur - prev
             if prev == 0:
                 ctx.enable_decode_mode()
@@ -197,7 +212,9 @@ class MegatronEngine:
         for i in range(b):
             a, e = lengths[i], int(end[i])
             out.append(Completion(tokens=tokens[i, a:e].numpy().astype(np.int32),
-                                  logprobs=logps[i, a:e].numpy().astype(np.float32), finish_reason=reason[i]))
+                                  logprobs=logps[i, a:e].numpy().astype(np.float32), finish_reason=reason[i],
+                                  routed_experts=None if routed is None else
+                                  routed[i, :e].reshape(e, -1).numpy().copy()))
         if keep and self.reuse_cache:  # positions < cur were fed: their keys and values are in the cache
             self._cache = (ctx, [tokens[i, :min(int(end[i]), cur)].numpy() for i in range(b)])
         return out

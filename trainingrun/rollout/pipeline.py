@@ -173,4 +173,6 @@ def as_samples(groups: list[SampleGroup]) -> Samples:
         else None,
         versions=np.concatenate([g.versions for g in groups]).astype(np.int64)
         if groups and all(g.versions is not None for g in groups) else None,
+        routed_experts=[r for g in groups for r in g.routed_experts]
+        if groups and all(g.routed_experts is not None for g in groups) else None,
     )

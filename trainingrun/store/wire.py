@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from trainingrun.contract.errors import CorruptPayload
-from trainingrun.contract.payload import PAYLOAD_FIELDS, PAYLOAD_OPTIONAL, RankPayload
+from trainingrun.contract.payload import NOT_ROUTED, PAYLOAD_FIELDS, PAYLOAD_OPTIONAL, RankPayload
 
 MAGIC = b"TRPAYLD1"
 ALIGN = 64
@@ -120,6 +120,13 @@ def _check_invariants(payload: RankPayload, where: str) -> None:
     for name in ("advantages", "rewards", "sample_ids", "versions"):
         if name in payload and len(payload[name]) != n:
             raise ValueError(f"{where}.{name}: length {len(payload[name])} != number of samples {n}")
+    if "routed_experts" in payload:
+        routed = payload["routed_experts"]
+        if total == 0 and len(routed) or total and (len(routed) == 0 or len(routed) % total):
+            raise ValueError(f"{where}.routed_experts: length {len(routed)} is not a positive multiple of "
+                             f"len(tokens)={total} (MoE layers × top-k per token)")
+        if len(routed) and routed.min() < NOT_ROUTED:
+            raise ValueError(f"{where}.routed_experts: expert ids must be >= 0, or {NOT_ROUTED} for none")
 
 
 def _payload_fields(payload: RankPayload) -> dict[str, np.dtype]:

@@ -6,14 +6,20 @@ are lists of positions into it (`PublishedRollout.microbatch_positions(rank, ste
 samples than the step's micro-batch count) becomes a single dummy token with no targets: its loss and gradient are 0.
 Generated rollouts carry the engine's log-probabilities (`logprobs`) into `LossInputs.engine_logprobs`; a payload the
 trainer gave π_old (`old_logprobs`, `policyLoss.oldLogprobs: trainer`, same layout) into `LossInputs.old_logprobs`.
+`pad_to_length` appends a document of dummy tokens (no targets, in no sample) — how the expert-parallel ranks of a
+mixture of experts give their all-gather token dispatcher equally long micro-batches. Routing replay: the payload's
+`routed_experts` rows of the micro-batch's tokens travel along (−1 rows for dummy tokens).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
 import numpy as np
 import torch
 
+from trainingrun.contract.payload import NOT_ROUTED, token_width
 from trainingrun.trainer.loss import LossInputs
 
 
@@ -27,10 +33,22 @@ class MicroBatch:
     max_seqlen: int
     loss: LossInputs
     sample_ids: tuple[int, ...]
+    routed_experts: torch.Tensor | None = None  # [T, MoE layers × top-k] int16, the generator's (routing replay)
+    pad_tokens: int = 0  # dummy tokens appended by `pad_to_length` (in no sample)
 
     @property
     def num_tokens(self) -> int:
-        return int(self.cu_seqlens[-1]) if self.loss.num_samples else 0
+        return int(self.cu_seqlens[-1]) - self.pad_tokens if self.loss.num_samples else 0
+
+    @property
+    def token_sample(self) -> torch.Tensor:
+        """[T] long: the index of each token's sample in this micro-batch, −1 for dummy tokens."""
+        total = self.input_ids.shape[1]
+        out = torch.full((total,), -1, dtype=torch.long, device=self.input_ids.device)
+        if self.loss.num_samples:
+            real = total - self.pad_tokens
+            out[:real] = self.loss.sample_of[:real]
+        return out
 
     def packed_seq_params(self):
         from megatron.core.packed_seq_params import PackedSeqParams  # deferred: megatron
@@ -51,8 +69,9 @@ def pack(payload: dict[str, np.ndarray], positions: list[int], device: torch.dev
     this, to measure what padding costs against packing on the same schedule.
     """
     offsets = payload["offsets"]
-    toks, masks, sample_of, lengths, doc_lens = [], [], [], [], []
+    toks, masks, sample_of, lengths, doc_lens, routed = [], [], [], [], [], []
     per_token = {name: [] for name in ("logprobs", "old_logprobs") if name in payload}
+    width = token_width(payload, "routed_experts") if "routed_experts" in payload else 0
     for j, p in enumerate(positions):
         a, b = int(offsets[p]), int(offsets[p + 1])
         length = b - a
@@ -68,6 +87,9 @@ def pack(payload: dict[str, np.ndarray], positions: list[int], device: torch.dev
         if padded > length:
             t = np.concatenate([t, np.zeros(padded - length, np.int64)])
             m = np.concatenate([m, np.zeros(padded - length, np.float32)])
+        if width:
+            r = payload["routed_experts"][a * width:b * width].reshape(length, width)
+            routed.append(np.concatenate([r, np.full((padded - length, width), NOT_ROUTED, np.int16)]))
         toks.append(t)
         masks.append(m)
         sample_of.append(np.full(padded, j, np.int64))
@@ -76,6 +98,7 @@ def pack(payload: dict[str, np.ndarray], positions: list[int], device: torch.dev
     if not positions:  # empty micro-batch: one dummy token, no targets
         toks, masks, sample_of, doc_lens = [np.zeros(1, np.int64)], [np.zeros(1, np.float32)], [np.zeros(1, np.int64)], [1]
         per_token = {name: [np.zeros(1, np.float32)] for name in per_token}
+        routed = [np.full((1, width), NOT_ROUTED, np.int16)] if width else []
     cu = np.concatenate([[0], np.cumsum(doc_lens)]).astype(np.int32)
     positions_in_doc = np.concatenate([np.arange(n) for n in doc_lens])
     pos_arr = np.asarray(positions, dtype=np.int64)
@@ -100,7 +123,34 @@ def pack(payload: dict[str, np.ndarray], positions: list[int], device: torch.dev
             old_logprobs=lps.get("old_logprobs"),
         ),
         sample_ids=ids,
+        routed_experts=torch.from_numpy(np.concatenate(routed)).to(device) if width else None,
     )
+
+
+def pad_to_length(mb: MicroBatch, length: int) -> MicroBatch:
+    """`mb` with a document of dummy tokens appended so that it holds `length` tokens: no targets, in no sample
+    (token 0, position 0 …), routed as the router chooses; unchanged when it already has `length` tokens."""
+    extra = length - mb.input_ids.shape[1]
+    if extra < 0:
+        raise ValueError(f"pad_to_length: the micro-batch has {mb.input_ids.shape[1]} tokens, more than {length}")
+    if extra == 0:
+        return mb
+    dev = mb.input_ids.device
+    zeros = torch.zeros(extra, dtype=torch.long, device=dev)
+    li = mb.loss
+    loss = dataclasses.replace(
+        li, tokens=torch.cat([li.tokens, zeros]), target_mask=torch.cat([li.target_mask, zeros.float()]),
+        sample_of=torch.cat([li.sample_of, zeros]) if li.num_samples else li.sample_of,
+        engine_logprobs=None if li.engine_logprobs is None else torch.cat([li.engine_logprobs, zeros.float()]),
+        old_logprobs=None if li.old_logprobs is None else torch.cat([li.old_logprobs, zeros.float()]))
+    routed = mb.routed_experts
+    if routed is not None:
+        routed = torch.cat([routed, torch.full((extra, routed.shape[1]), NOT_ROUTED, dtype=routed.dtype, device=dev)])
+    return dataclasses.replace(
+        mb, input_ids=torch.cat([mb.input_ids[0], zeros])[None],
+        position_ids=torch.cat([mb.position_ids[0], torch.arange(extra, device=dev)])[None],
+        cu_seqlens=torch.cat([mb.cu_seqlens, mb.cu_seqlens[-1:] + extra]), max_seqlen=max(mb.max_seqlen, extra),
+        loss=loss, routed_experts=routed, pad_tokens=mb.pad_tokens + extra)
 
 
 def step_microbatches(payload: dict[str, np.ndarray], positions: list[list[int]], device: torch.device,

@@ -630,7 +630,8 @@ def read_tensors(path: str | Path, *, model_only: bool = False) -> dict[str, Any
     """Every tensor of a verified checkpoint at full (tensor-parallel-gathered) shape, in this process and without
     torch.distributed: {Megatron's sharded key: tensor}. Model keys are the GPT model's (layers stacked along a first
     axis: `decoder.layers.<name>` [num_layers, ...]; `model_tensors` unstacks them), optimizer keys start with
-    `optimizer.` (`optimizer.state.exp_avg.<model key>`, ...). CheckpointError naming the path and why if the
+    `optimizer.` (`optimizer.state.exp_avg.<model key>`, ...), or `chained_<i>.optimizer.` for a mixture of experts'
+    dense and expert optimizers (Megatron's `ChainedOptimizer`). CheckpointError naming the path and why if the
     checkpoint does not verify."""
     import torch  # deferred: torch
     from torch.distributed.checkpoint import FileSystemReader  # deferred: torch
@@ -644,7 +645,7 @@ def read_tensors(path: str | Path, *, model_only: bool = False) -> dict[str, Any
     reader = FileSystemReader(str(path / DIST_DIR))
     out = {k: torch.empty(md.size, dtype=md.properties.dtype)
            for k, md in reader.read_metadata().state_dict_metadata.items()
-           if isinstance(md, TensorStorageMetadata) and not (model_only and k.startswith("optimizer."))}
+           if isinstance(md, TensorStorageMetadata) and not (model_only and _OPTIMIZER_KEY.match(k))}
     dcp_load(out, storage_reader=reader, no_dist=True)
     return out
 
@@ -652,16 +653,25 @@ def read_tensors(path: str | Path, *, model_only: bool = False) -> dict[str, Any
 def model_tensors(path: str | Path) -> dict[str, Any]:
     """The model's tensors of a checkpoint at full shape, one entry per layer (`decoder.layers.<i>.<name>`), named as
     Megatron's sharded state dict names them (TransformerEngine-style names, e.g. `linear_qkv.layer_norm_weight`,
-    whichever layer spec wrote it)."""
+    whichever layer spec wrote it); a mixture of experts' layers are stored per layer, their experts stacked
+    (`mlp.experts.experts.linear_fc1.weight` [E, ...] → `mlp.experts.local_experts.<e>.linear_fc1.weight`)."""
     out = {}
     for key, t in read_tensors(path, model_only=True).items():
-        if key.startswith("decoder.layers."):
+        experts = _EXPERTS_KEY.match(key)
+        if experts:  # a mixture of experts' layer: its experts stacked along a first axis, numbered globally
+            for e in range(t.shape[0]):
+                out[f"{experts.group(1)}.local_experts.{e}.{experts.group(2)}"] = t[e].clone()
+        elif key.startswith("decoder.layers.") and not key[len("decoder.layers."):][:1].isdigit():
             rest = key[len("decoder.layers."):]
             for i in range(t.shape[0]):
                 out[f"decoder.layers.{i}.{rest}"] = t[i].clone()
-        else:
+        else:  # per layer already (the layers of a mixture of experts)
             out[key] = t
     return out
+
+
+_OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
+_EXPERTS_KEY = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(linear_fc[12]\.(?:weight|bias))$")
 
 
 def rng_state() -> dict[str, Any]:

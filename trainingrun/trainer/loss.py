@@ -36,6 +36,12 @@ the max, Σexp and Σexp·z all-reduced over the tensor-parallel group, each ran
 and in chunks of rows, so the loss never holds more than a few [chunk, V/tp] float32 temporaries besides its input:
 peak memory O(T + chunk·V) (benchmarks/loss_memory.py).
 
+Mixtures of experts add the per-sample load-balancing loss aux_j (`modeling.moe`) with the same normalisation:
+  A_s = c · (1/GBS_s) · Σ_{i in s} aux_i   (sample)      A_s = c · (1/T_s) · Σ_i n_i · aux_i   (token; n_i loss tokens)
+(c = `LossSettings.moe_aux_coeff`); `sample_weights` gives each sample's weight, the router attaches c·w_i·aux_i
+times the same Megatron factor D·M, so the gradient after the step is ∇(J_s + A_s) (docs/trainer.md, "MoE loss
+scaling").
+
 The run's choices travel as one frozen `LossSettings` (loss type, normalisation, `PolicySettings`; resolved once from
 the spec by `loss_settings`), each step's denominators GBS_s and T_s as `StepTotals`. New terms (an MoE router
 loss, ...) join `micro_batch_objective` through the settings.
@@ -132,6 +138,7 @@ class LossSettings:
     loss_type: str = "sft"
     normalization: str = "sample"
     policy: PolicySettings | None = None
+    moe_aux_coeff: float = 0.0  # mixtures of experts: the per-sample load-balancing loss's coefficient c
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -178,6 +185,19 @@ def _tp(group) -> tuple[int, int]:
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def sample_weights(inputs: LossInputs, loss: LossSettings, totals: StepTotals) -> torch.Tensor:
+    """[n] float32: the weight of each sample of a micro-batch in the step's objective — 1/GBS_s (sample
+    normalisation), or its loss tokens / T_s (token) — the weights a per-sample term (the MoE balance loss) takes to
+    be normalised as the loss is."""
+    n = inputs.num_samples
+    if loss.normalization == "sample":
+        return torch.full((n,), 1.0 / totals.global_batch_size, dtype=torch.float32, device=inputs.lengths.device)
+    counts = torch.zeros(n, dtype=torch.float32, device=inputs.target_mask.device)
+    if n:
+        counts.index_add_(0, inputs.sample_of, inputs.target_mask.float())
+    return counts / max(int(totals.loss_tokens), 1)
 
 
 def _compute_dtype(logits: torch.Tensor) -> torch.dtype:

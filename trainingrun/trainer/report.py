@@ -49,6 +49,8 @@ def step_record(*, res, step, rollout: int, global_step: int, samples_consumed: 
         "dp_size": dp_size, "time": time.time(),
         "loss_scale": res.loss_scale, "skipped_step": int(res.skipped),
     }
+    if res.moe is not None:  # mixtures of experts: the step's router statistics
+        record.update({k: v for k, v in res.moe.items() if k != "weighted"})
     if step.weight_version >= 0:
         st = published.stats if published is not None else None
         mean, sq = res.mean("sample_reward"), res.mean("sample_reward_sq")
@@ -92,6 +94,8 @@ class StepReporter:
             "trainingrun_trainer_sample_reward": local["sample_reward"],
             "trainingrun_trainer_sample_tokens": local["sample_tokens"],
             **{f"trainingrun_trainer_{name}": local[name] for name in RL_WEIGHTED},
+            **({f"trainingrun_trainer_{name}": pair for name, pair in res.moe["weighted"].items()}
+               if res.moe is not None else {}),
         })
         exporter.inc("trainingrun_trainer_rank_tokens", res.local_tokens)
         exporter.inc("trainingrun_trainer_rank_samples", res.local_samples)

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainingrun.contract.payload import PAYLOAD_FIELDS, PAYLOAD_OPTIONAL, RankPayload
+from trainingrun.contract.payload import PAYLOAD_FIELDS, PAYLOAD_OPTIONAL, RankPayload, token_width
 from trainingrun.schedule import DPSchedule, build_dp_schedule
 
 _PER_SAMPLE = ("advantages", "rewards", "sample_ids", "versions")
-_PER_TOKEN = ("tokens", "loss_mask", "logprobs")
+_PER_TOKEN = ("tokens", "loss_mask", "logprobs", "routed_experts")
 
 
 def acked_ranks(old_dp: int, new_dp: int, rank: int) -> list[int]:
@@ -74,11 +74,13 @@ def _gather(payloads: dict[int, RankPayload], picks: list[tuple[int, int]]) -> R
     per_token: dict[str, list] = {name: [] for name in _PER_TOKEN if name in fields}
     per_sample: dict[str, list] = {name: [] for name in _PER_SAMPLE if name in fields}
     lens = []
+    width = {name: {r: token_width(payloads[r], name) for r in payloads} for name in per_token}
     for r, p in picks:
         src = payloads[r]
         a, b = int(src["offsets"][p]), int(src["offsets"][p + 1])
         for name in per_token:
-            per_token[name].append(np.asarray(src[name][a:b]))
+            w = width[name][r]  # entries per token (routed_experts: MoE layers × top-k)
+            per_token[name].append(np.asarray(src[name][a * w:b * w]))
         lens.append(b - a)
         for name in per_sample:
             per_sample[name].append(src[name][p])

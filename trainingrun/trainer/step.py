@@ -45,6 +45,7 @@ class StepResult:
     sample_id_sum: int = 0  # Σ global sample ids of the step (exactly-once checks)
     loss_scale: float = 1.0  # fp16 dynamic loss scale used by this step (1 for bf16/fp32)
     skipped: bool = False  # fp16: gradients overflowed at this loss scale; the update was skipped (scale lowered)
+    moe: dict | None = None  # mixtures of experts: the step's router statistics (`trainer.moe.MoETraining.step_stats`)
 
     def mean(self, name: str) -> float:
         """Σsum / Σcount of a (sum, count) statistic; for MAX_STATS the maximum (0 when nothing was counted)."""
@@ -89,6 +90,7 @@ def forward_backward(
     *,
     dp_size: int,
     ref_model=None,
+    moe=None,
 ) -> torch.Tensor:
     """Run the micro-batches (forward + backward, gradients reduced over DP) with the run's `loss` and the step's
     denominators `totals`; return local stats [S, 2] (this data-parallel rank's, the same on each pipeline stage).
@@ -100,7 +102,10 @@ def forward_backward(
     previous one's activations — [tokens, 1, hidden], another length for every packed micro-batch, so the shape goes
     first (`variable_seq_lengths`, set by `build_model`) — and the last computes the loss. The schedule divides it by
     M as at P = 1 and DDP reduces over the same D ranks, so the factor and the gradient are those of P = 1. Only the
-    last stage sees the losses: its statistics are summed over the pipeline group (the others contribute zeros)."""
+    last stage sees the losses: its statistics are summed over the pipeline group (the others contribute zeros).
+
+    `moe`: a mixture of experts' `trainer.moe.MoETraining` (equal lengths over the expert-parallel group, the balance
+    loss, routing replay and statistics of each micro-batch's forward)."""
     from megatron.core import parallel_state  # deferred: megatron
 
     m = len(microbatches)
@@ -113,6 +118,8 @@ def forward_backward(
     factor = megatron_loss_factor(dp_size, m)
     stats = torch.zeros(len(STAT_NAMES), 2, dtype=torch.float64)
     group = tp_group()
+    if moe is not None:
+        microbatches = moe.prepare_step(microbatches)
 
     def loss_func(mb: MicroBatch, ref_logits, logits: torch.Tensor):
         # the logits are read by the loss alone: its backward writes their gradient in place (as Megatron's own)
@@ -131,6 +138,8 @@ def forward_backward(
         if ref_model is not None and mb.loss.num_samples:
             with torch.no_grad():
                 ref_logits = ref_model(**inputs)
+        if moe is not None:
+            moe.before_forward(mb, loss, totals, factor)
         logits = model(**inputs)
         return logits, partial(loss_func, mb, ref_logits)
 
@@ -196,6 +205,7 @@ def train_step(
     dp_size: int,
     dp_group=None,
     ref_model=None,
+    moe=None,
 ) -> StepResult:
     """Zero grads, forward/backward, advance the LR scheduler by GBS_s, optimizer step, reduce metrics."""
     import torch.distributed as dist  # deferred: torch
@@ -203,7 +213,7 @@ def train_step(
     t0 = time.perf_counter()
     ddp_model.zero_grad_buffer()
     optimizer.zero_grad()
-    local = forward_backward(ddp_model, microbatches, loss, totals, dp_size=dp_size, ref_model=ref_model)
+    local = forward_backward(ddp_model, microbatches, loss, totals, dp_size=dp_size, ref_model=ref_model, moe=moe)
     scheduler.step(increment=totals.global_batch_size)
     lr = float(optimizer.param_groups[0]["lr"])
     loss_scale = float(optimizer.get_loss_scale())
@@ -237,4 +247,5 @@ def train_step(
         sample_id_sum=int(ids[0]),
         loss_scale=loss_scale,
         skipped=skipped,
+        moe=None if moe is None else moe.step_stats(),
     )

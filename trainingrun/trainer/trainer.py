@@ -41,6 +41,7 @@ from trainingrun.trainer.checkpoint import CheckpointError, CheckpointFenced, Tr
 from trainingrun.trainer.checkpoint_megatron import TrainerCheckpoints
 from trainingrun.trainer.config import TrainerEnv
 from trainingrun.trainer.loss import LossSettings, StepTotals, loss_settings
+from trainingrun.trainer.moe import MoETraining, aux_loss_coeff
 from trainingrun.trainer.reshard import acked_ranks, reschedule
 
 
@@ -57,7 +58,7 @@ class Trainer:
     """One trainer rank (see the module docstring). Build it with `Trainer.build(env)`."""
 
     def __init__(self, *, env: TrainerEnv, spec, arch: Architecture, loss: LossSettings, run_name: str, device,
-                 model, ddp, optimizer, scheduler, store, reporter, publisher=None, ref_model=None):
+                 model, ddp, optimizer, scheduler, store, reporter, publisher=None, ref_model=None, moe=None):
         from megatron.core import parallel_state  # deferred: megatron (after the CPU shim)
 
         self.env, self.spec, self.run_name, self.device = env, spec, run_name, device
@@ -66,6 +67,7 @@ class Trainer:
         self.arch = arch  # the model (checkpoints record it)
         self.loss = loss
         self.ref_model = ref_model  # the frozen initial policy (ppo with policyLoss.klCoef > 0)
+        self.moe = moe  # mixtures of experts: trainer.moe.MoETraining (router hooks, EP padding, statistics)
         self.rank = env.rank
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
@@ -91,7 +93,8 @@ class Trainer:
                 self.ckpt_root, ddp.module, optimizer, scheduler, attempt=env.attempt,
                 keep=spec.trainer.checkpoint.keep, epoch=env.epoch,
                 meta={"run": run_name, "dp_size": self.dp_size, "tp_size": tp_size, "pp_size": pp_size,
-                      "model": arch.to_dict()},
+                      "model": arch.to_dict(),
+                      **({"ep_size": parallel_state.get_expert_model_parallel_world_size()} if arch.moe else {})},
                 log=lambda msg: log(self.rank, msg) if self.rank == 0 else None,
                 assets=(lambda d: _copy_hf_assets(hf, d)) if hf else None,
             )
@@ -120,16 +123,21 @@ class Trainer:
             raise ConfigError(f"trainer.policyLoss.oldLogprobs: 'trainer' recomputes pi_old by a forward-only pass that "
                               f"is not pipelined yet (trainer.pipelineParallelSize {pp}); allowed: oldLogprobs engine, "
                               "or pipelineParallelSize 1")
+        if ts.expert_parallel_size > 1 and ts.policy_loss.old_logprobs == "trainer":
+            raise ConfigError(f"trainer.policyLoss.oldLogprobs: 'trainer' recomputes pi_old by a forward-only pass that "
+                              f"does not yet pad the micro-batches of an expert-parallel group nor replay routes "
+                              f"(trainer.expertParallelSize {ts.expert_parallel_size}); allowed: oldLogprobs engine, or "
+                              "expertParallelSize 1")
         try:
             arch = spec.model.resolved()
         except ValueError as exc:
             raise ConfigError(f"model: {exc}") from None
         try:  # before any process group exists: every rank refuses alike, none waits in a collective for a peer gone
-            check_tp(arch, tp)
+            check_tp(arch, tp, ts.expert_parallel_size)
             check_pp(arch, pp)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        loss = loss_settings(spec)
+        loss = dataclasses.replace(loss_settings(spec), moe_aux_coeff=aux_loss_coeff(spec, arch))
 
         # Import order: the device decision installs the CPU shim before megatron is imported.
         from trainingrun.modeling.model import attention_choice, build_model, init_distributed, prepare_device, set_seed
@@ -146,7 +154,7 @@ class Trainer:
             raise ConfigError(str(exc)) from None
         log(env.rank, f"run {run_name} attempt {env.attempt}: world {env.world_size}, device {device}, "
                       f"store {env.store_url}")
-        init_distributed(device, tp=tp, pp=pp)
+        init_distributed(device, tp=tp, pp=pp, ep=ts.expert_parallel_size)
 
         # deferred, like the model above: megatron, prometheus_client and torch come after the device decision
         from megatron.core import parallel_state  # deferred: megatron
@@ -163,13 +171,14 @@ class Trainer:
         log(env.rank, f"attention: {attention.backend} ({attention.reason})")
         set_seed(spec.seed)
         try:
-            model = build_model(arch, device, options=options)
+            model = build_model(arch, device, options=options, seed=spec.seed)
         except (ValueError, AssertionError, TypeError, OSError) as exc:
             raise ConfigError(f"model: cannot build the model from {arch.to_dict()}: {exc}") from None
         ddp = wrap_ddp(model, ddp_settings)
+        moe = MoETraining.build(model, arch, replay=ts.moe.routing_replay, device=device)
         ref_model = None
         if ts.loss_type == "ppo" and ts.policy_loss.kl_coef > 0:  # a copy of the initial weights, before any resume
-            ref_model = build_model(arch, device)
+            ref_model = build_model(arch, device, seed=spec.seed)
             ref_model.load_state_dict(model.state_dict())
             ref_model.eval()
             for prm in ref_model.parameters():
@@ -179,7 +188,8 @@ class Trainer:
         log(env.rank, f"model: {n_params / 1e6:.2f}M parameters {arch.to_dict()}; {attention.layer_impl} layers; dp "
                       f"{parallel_state.get_data_parallel_world_size()} (dp rank "
                       f"{parallel_state.get_data_parallel_rank()}), tp {tp}, pp {pp} (stage "
-                      f"{parallel_state.get_pipeline_model_parallel_rank()})")
+                      f"{parallel_state.get_pipeline_model_parallel_rank()})"
+                      + (f", ep {ts.expert_parallel_size}" if arch.moe else ""))
 
         store = open_store(env.store_url, attempt=env.attempt)  # every write fenced by the attempt
         exporter = TrainerExporter(run_name, env.rank)
@@ -195,7 +205,7 @@ class Trainer:
             raise ConfigError(str(exc)) from None
         return cls(env=env, spec=spec, arch=arch, loss=loss, run_name=run_name, device=device, model=model, ddp=ddp,
                    optimizer=optimizer, scheduler=scheduler, store=store, reporter=reporter, publisher=publisher,
-                   ref_model=ref_model)
+                   ref_model=ref_model, moe=moe)
 
     # ------------------------------------------------------------------------------------------------ resume
     def resume(self) -> None:
@@ -321,7 +331,7 @@ class Trainer:
         res = train_step(
             self.ddp, self.optimizer, self.scheduler, mbs, self.loss,
             StepTotals(global_batch_size=step.global_batch_size, loss_tokens=step.loss_tokens),
-            dp_size=self.dp_size, dp_group=self.dp_group, ref_model=self.ref_model,
+            dp_size=self.dp_size, dp_group=self.dp_group, ref_model=self.ref_model, moe=self.moe,
         )
         p = self.progress
         p.global_step += 1

@@ -35,9 +35,10 @@ class WeightPublisher(Protocol):
 class StoreWeightPublisher:
     """`weightSync.type: store`: the full weights as raw tensors through the run's store (`Store.publish_weights`,
     pickle-free wire format, bf16 as its 16 bits), written by rank 0; versions older than the newest the rollout may
-    still need (version − maxPolicyLag) are released. At tensor parallelism > 1 the TP ranks of data-parallel
-    replica 0 first gather the full canonical state (`modeling.state.gather_live_state`, the gather every publisher
-    uses); the in-process engine is one rank."""
+    still need (version − maxPolicyLag) are released. At tensor or expert parallelism > 1 the ranks of one whole copy
+    of the model (data-parallel replica 0; with experts, expert-data-parallel replica 0) first gather the full
+    canonical state (`modeling.state.gather_live_state`, the gather every publisher uses); the in-process engine is
+    one rank."""
 
     def __init__(self, store, *, rank: int, max_policy_lag: int, arch: Architecture, dp_rank: int = 0, **layout):
         self.store, self.rank, self.lag = store, rank, max_policy_lag

@@ -62,6 +62,7 @@ def make_vllm_publisher(spec, store, *, arch: Architecture, rank: int, attempt: 
     parallel state is initialised: the tensor-parallel ranks of replica 0 gather the weights of `arch`)."""
     from trainingrun.modeling.state import live_layout  # deferred: torch, megatron (after the trainer's CPU shim)
 
+    # the ranks gathering one whole copy: expert-data-parallel replica 0 (= data-parallel replica 0 when dense)
     kw = dict(rank=rank, arch=arch, dtype=spec.rollout.engine.vllm.dtype,
               max_policy_lag=spec.rollout.max_policy_lag, attempt=attempt, **live_layout())
     ws = spec.weight_sync
