@@ -10,7 +10,9 @@ order, flat over the rollout's steps):
   sample_ids  int64   [n]              global sample ids (rollout-unique), for exactly-once checks
 Optional (generated rollouts, `rollout.source.type: generate`):
   logprobs    float32 [total tokens]   the generator's log-probability of each token (0 where loss_mask is 0)
-  versions    int64   [n]              weight version each sample was generated with
+  versions    int64   [n]              weight version each sample was generated with (its oldest token's)
+Optional (partial rollouts, `rollout.partialRollout`):
+  token_versions int64 [total tokens]  the weight version of every token (-1 on the prompt)
 
 Built by `trainingrun.contract.published.rank_payload`; encoded and checked by the store (`trainingrun.store.wire`:
 raw little-endian arrays, never pickled).
@@ -32,6 +34,7 @@ PAYLOAD_FIELDS: dict[str, np.dtype] = {
 PAYLOAD_OPTIONAL: dict[str, np.dtype] = {
     "logprobs": np.dtype(np.float32),
     "versions": np.dtype(np.int64),
+    "token_versions": np.dtype(np.int64),
 }
 
 RankPayload = dict[str, np.ndarray]

@@ -41,7 +41,7 @@ from trainingrun.local.report import (
 )
 from trainingrun import failure_policy as policy
 from trainingrun.contract.env import ProcessEnv
-from trainingrun.local.engine import LocalEngine, needs_local_engine
+from trainingrun.local.engine import LocalEnginePool, needs_local_engine
 from trainingrun.local.progress import ProgressLine
 from trainingrun.plan import build_plan
 from trainingrun.rollout.main import data_report
@@ -127,8 +127,10 @@ class Launcher:
         self.first_attempt = 0
         self.write_failures: set[str] = set()  # outputs the launcher could not write (a full volume), said once each
         self.summary_written = False
-        self.engine: LocalEngine | None = None  # the run's vLLM server (rollout.engine.type vllm without url)
+        self.engine: LocalEnginePool | None = None  # the run's vLLM servers (rollout.engine.type vllm without url)
         self.restarts = 0  # restarts the failure policy counted (group and engine alike)
+        self._pids: dict[str, Any] | None = None  # pids.json of the current attempt
+        self._engine_starts = 0
 
     def volumes(self) -> list[Path]:
         """Where the run writes: the run directory, the checkpoints (relative to it) and a file store."""
@@ -195,7 +197,7 @@ class Launcher:
         )
         self.progress.reopen()
         group = ProcessGroup.start(plan, cwd=self.out_dir.resolve(), log_dir=self.out_dir / "logs")
-        self.try_write("pids.json", lambda: write_json_atomic(self.out_dir / "pids.json", {
+        self._pids = {
             "launcher": os.getpid(),
             "attempt": attempt,
             "first_attempt": self.first_attempt,  # this invocation's first (attempt - first_attempt = its restarts)
@@ -207,9 +209,8 @@ class Launcher:
                          "metrics_ports": list(c.plan.metrics_ports), "log": str(c.log)}
                 for c in group.children
             },
-            **({"engine": {"pid": self.engine.server.pid, "url": self.engine.url, "log": str(self.engine.server.log_path)}}
-               if self.engine is not None else {}),
-        }))
+        }
+        self.write_pids()
         ports = ", ".join(
             f"{c.name}={c.plan.metrics_port}" if c.plan.workers == 1
             else f"{c.name}={c.plan.metrics_ports[0]}-{c.plan.metrics_ports[-1]}" for c in group.children)
@@ -218,6 +219,15 @@ class Launcher:
                             f"(1 rollout, {len(plan.trainers)} trainers{workers}); logs in {self.out_dir / 'logs'}; "
                             f"metrics ports {ports}")
         return group
+
+    def write_pids(self) -> None:
+        """pids.json: the attempt's processes and the run's engines (`engine-<i>`, rewritten when one restarts)."""
+        if self._pids is None:
+            return
+        doc = dict(self._pids)
+        if self.engine is not None:
+            doc["processes"] = {**doc["processes"], **self.engine.processes()}
+        self.try_write("pids.json", lambda: write_json_atomic(self.out_dir / "pids.json", doc))
 
     def watch(self, group: ProcessGroup, attempt: int) -> Outcome:
         """Poll the children until the attempt succeeds, fails, stalls or the launcher is signalled."""
@@ -236,11 +246,13 @@ class Launcher:
                 self.tokens_this_run += sum(float(r.get("tokens", 0) or 0) for r in records)
                 self._check_fields(records[-1])
             self.progress.tick()
-            engine_failure = self.engine.check() if self.engine is not None else None
-            if engine_failure is not None:
+            for engine_failure in self.engine.check() if self.engine is not None else []:
                 outcome = self._engine_failed(engine_failure)
                 if outcome is not None:
                     return outcome
+            if self.engine is not None and self.engine.starts() != self._engine_starts:  # a replica restarted
+                self._engine_starts = self.engine.starts()
+                self.write_pids()
             failed = {c.name: c for c in group.children if c.returncode not in (None, 0)}
             if failed:
                 # Several may have died in one poll (a rank's death breaks its peers' collectives): the policy names
@@ -272,22 +284,36 @@ class Launcher:
             time.sleep(POLL_SECONDS)
 
     def _engine_failed(self, failure: policy.Failure) -> Outcome | None:
-        """The run's vLLM server exited: restart only the server (after the policy's backoff, counted as a restart)
-        while the budget allows — the rollout waits for it and loads its weight version again — else fail the run."""
+        """A vLLM server of the run's pool exited: restart only that replica (after the policy's backoff, counted as a
+        restart) while the budget allows — the rollout sends its prompts to the other replicas meanwhile and loads
+        the current weight version into it when it is back — else leave it down; the run fails only when no replica
+        is left (naming every replica and its last exit)."""
         fp = self.spec.failure_policy
         assert self.engine is not None
+        replica = self.engine.replica(failure.name)
         verdict = policy.on_failure(failure, restarts=self.restarts, max_restarts=fp.max_restarts)
         self.progress.event(f"engine failed: {failure.description}")
         if not verdict.restart:
-            self.progress.event(f"no restarts left ({self.restarts}/{fp.max_restarts} used)")
+            replica.give_up()
+            self.write_pids()
+            left = self.engine.live()
             status = "config_error" if failure.kind is policy.ExitKind.CONFIG_ERROR else "failed"
-            return Outcome(status, culprit="engine", reason=failure.description, log=self.engine.server.log_path,
-                           failure=failure)
+            if left and status != "config_error":
+                self.progress.event(f"{replica.name} stays down: no restarts left ({self.restarts}/{fp.max_restarts} "
+                                    f"used); {len(left)} engine(s) left in the pool: "
+                                    f"{', '.join(r.name for r in left)}")
+                return None
+            self.progress.event(f"no restarts left ({self.restarts}/{fp.max_restarts} used)")
+            reason = failure.description if len(self.engine.replicas) == 1 else (
+                "no engine of the pool is left: " + "; ".join(f"{r.name}: {r.last_exit or 'down'}"
+                                                              for r in self.engine.replicas))
+            return Outcome(status, culprit="engine" if len(self.engine.replicas) == 1 else "engines", reason=reason,
+                           log=replica.server.log_path, failure=failure)
         self.restarts += int(verdict.counted)
         backoff = policy.backoff_seconds(fp.backoff_seconds, self.restarts, counted=verdict.counted)
-        self.progress.event(f"restarting the engine in {backoff:g}s (restart {self.restarts}/{fp.max_restarts}); "
-                            "the rollout waits for it")
-        self.engine.restart_after(backoff)
+        self.progress.event(f"restarting {replica.name} in {backoff:g}s (restart {self.restarts}/{fp.max_restarts}); "
+                            "the rollout sends its prompts to the other engines or waits for it")
+        replica.restart_after(backoff)
         return None
 
     def start_engine(self) -> Outcome | None:
@@ -295,25 +321,31 @@ class Launcher:
         if not needs_local_engine(self.spec):
             return None
         try:
-            self.engine = LocalEngine(self.spec, self.out_dir)
+            self.engine = LocalEnginePool(self.spec, self.out_dir)
         except ValueError as exc:
             return Outcome("config_error", culprit="engine", reason=str(exc), failure=policy.Failure(
                 name="engine", kind=policy.ExitKind.CONFIG_ERROR, description=str(exc), role="engine"))
         self.engine.start()
-        self.progress.event(f"engine: starting vLLM at {self.engine.url} (log {self.engine.server.log_path})")
+        for r in self.engine.replicas:
+            self.progress.event(f"engine: starting vLLM {r.name} at {r.url} (log {r.server.log_path})")
         t0 = time.monotonic()
         while not self.engine.healthy():
             if self.signals.received:
                 return Outcome("interrupted", reason=f"{signal.Signals(self.signals.received).name} received")
-            failure = self.engine.check()
-            if failure is not None or time.monotonic() - t0 > ENGINE_START_TIMEOUT:
-                reason = (failure.description if failure is not None
-                          else f"vLLM server not healthy after {ENGINE_START_TIMEOUT:.0f}s")
-                return Outcome("failed", culprit="engine", reason=reason, log=self.engine.server.log_path,
-                               failure=failure or policy.Failure(name="engine", kind=policy.ExitKind.FAILURE,
-                                                                 description=reason, role="engine"))
+            failures = self.engine.check()
+            if failures or time.monotonic() - t0 > ENGINE_START_TIMEOUT:
+                waiting = [r for r in self.engine.replicas if not r.healthy()]
+                reason = (failures[0].description if failures
+                          else f"vLLM server(s) {', '.join(r.name for r in waiting)} not healthy after "
+                               f"{ENGINE_START_TIMEOUT:.0f}s")
+                culprit = failures[0].name if failures else waiting[0].name
+                return Outcome("failed", culprit=culprit, reason=reason,
+                               log=self.engine.replica(culprit).server.log_path,
+                               failure=failures[0] if failures else policy.Failure(
+                                   name=culprit, kind=policy.ExitKind.FAILURE, description=reason, role="engine"))
             time.sleep(1.0)
-        self.progress.event(f"engine: healthy after {time.monotonic() - t0:.0f}s")
+        self.progress.event(f"engine: {len(self.engine.replicas)} vLLM server(s) healthy after "
+                            f"{time.monotonic() - t0:.0f}s")
         return None
 
     def _check_fields(self, rec: dict[str, Any]) -> None:

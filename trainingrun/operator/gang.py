@@ -13,6 +13,12 @@ to one; adding a scheduler is adding a provider here (and its RBAC rule in `rbac
                 labelled scheduling.x-k8s.io/pod-group; the scheduler profile that runs the plugin is
                 spec.schedulerName
 
+The run's own vLLM engines (`rollout.engine.replicas` pods, `trainingrun.vllm.k8s`) are a serving group of their
+own: PodGroup `R-engine` (minMember = replicas, minResources = their requests) and, with Kueue, the pod group
+`R-engine` in the same LocalQueue. Not the attempt's group: the engines outlive attempts (a restarted trainer group
+keeps them, and their minutes of model loading), while an attempt's PodGroup and Kueue workload end with it. So the
+engines' GPUs are inside the run's Kueue quota and gang-scheduled, without tying their lifetime to an attempt's.
+
 Kueue (`spec.queueName`, `kueue_metadata`): Kueue's plain-pod integration admits a group of pods as one workload
 when each carries the label kueue.x-k8s.io/queue-name (the LocalQueue), the label kueue.x-k8s.io/pod-group-name (the
 group: per attempt, so a restarted group is a new workload) and the annotation
@@ -48,9 +54,11 @@ class GangProvider:
     group_label: str | None = None  # pod label naming the group
     group_annotation: str | None = None  # pod annotation naming the group
 
-    def podgroup_spec(self, run: TrainingRun) -> dict[str, Any]:
-        spec: dict[str, Any] = {"minMember": run.spec.trainer.replicas + 1}
-        resources = min_resources(run)
+    def podgroup_spec(self, run: TrainingRun, *, engines: bool = False) -> dict[str, Any]:
+        """The attempt's PodGroup (rollout + trainers), or with `engines` the engines' serving group."""
+        spec: dict[str, Any] = {"minMember": run.spec.rollout.engine.replicas if engines
+                                else run.spec.trainer.replicas + 1}
+        resources = engine_min_resources(run) if engines else min_resources(run)
         if resources:
             spec["minResources"] = resources
         return spec
@@ -64,8 +72,8 @@ class GangProvider:
 
 @dataclass(frozen=True)
 class VolcanoProvider(GangProvider):
-    def podgroup_spec(self, run: TrainingRun) -> dict[str, Any]:
-        spec = super().podgroup_spec(run)
+    def podgroup_spec(self, run: TrainingRun, *, engines: bool = False) -> dict[str, Any]:
+        spec = super().podgroup_spec(run, engines=engines)
         if run.spec.gang_scheduling.queue:
             spec["queue"] = run.spec.gang_scheduling.queue
         if run.spec.pod_template.priority_class_name:
@@ -88,14 +96,27 @@ def provider(run: TrainingRun) -> GangProvider | None:
 
 def min_resources(run: TrainingRun) -> dict[str, str]:
     """The sum of the requests of the rollout and every trainer pod (requests default to limits, as in a Pod)."""
-    from kubernetes.utils.quantity import parse_quantity  # deferred: kubernetes (the operator only)
-
-    total: dict[str, Decimal] = {}
     t, r = run.spec.trainer, run.spec.rollout
     pods = [({**t.resources.limits, **t.resources.requests}, t.replicas), ({**r.resources.limits,
                                                                            **r.resources.requests}, 1)]
     if t.gpus_per_replica > 0:
         pods[0][0][GPU_RESOURCE] = t.gpus_per_replica
+    return _sum_requests(pods)
+
+
+def engine_min_resources(run: TrainingRun) -> dict[str, str]:
+    """The sum of the requests of the run's engine pods (their GPUs included)."""
+    v = run.spec.rollout.engine.vllm
+    requests = {**v.resources.limits, **v.resources.requests}
+    if v.gpus > 0:
+        requests[GPU_RESOURCE] = v.gpus
+    return _sum_requests([(requests, run.spec.rollout.engine.replicas)])
+
+
+def _sum_requests(pods: list[tuple[dict, int]]) -> dict[str, str]:
+    from kubernetes.utils.quantity import parse_quantity  # deferred: kubernetes (the operator only)
+
+    total: dict[str, Decimal] = {}
     for requests, count in pods:
         for name, quantity in requests.items():
             total[name] = total.get(name, Decimal(0)) + parse_quantity(quantity) * count
@@ -109,9 +130,11 @@ def _quantity(value: Decimal) -> str:
     return f"{int((value * 1000).to_integral_value())}m"
 
 
-def kueue_metadata(run: TrainingRun, group: str) -> tuple[dict[str, str], dict[str, str]]:
-    """(labels, annotations) of Kueue's plain-pod group integration; empty without spec.queueName."""
+def kueue_metadata(run: TrainingRun, group: str, *, engines: bool = False) -> tuple[dict[str, str], dict[str, str]]:
+    """(labels, annotations) of Kueue's plain-pod group integration (the attempt's group, or with `engines` the
+    engines' own); empty without spec.queueName."""
     if not run.spec.queue_name:
         return {}, {}
+    total = run.spec.rollout.engine.replicas if engines else run.spec.trainer.replicas + 1
     return ({KUEUE_QUEUE_LABEL: run.spec.queue_name, KUEUE_GROUP_LABEL: group},
-            {KUEUE_TOTAL_ANNOTATION: str(run.spec.trainer.replicas + 1)})
+            {KUEUE_TOTAL_ANNOTATION: str(total)})

@@ -13,8 +13,11 @@ Children of a run `R` in namespace `NS`:
   Pod        R-trainer-<i>-a<k> trainer rank i (attempt k)
   Pod+Svc    R-store            Redis, only with `store.managed: true` (or no store configured)
   PodGroup   R-a<k>             only with `gangScheduling.enabled` (`trainingrun.operator.gang`), per attempt
-  CM+Pod+Svc R-engine           the run's own vLLM server, only with `rollout.engine.type: vllm` and no `engine.url`
-                                (`trainingrun.vllm.k8s`); like the store it outlives attempts
+  CM+Svc     R-engine           the run's own vLLM servers, only with `rollout.engine.type: vllm` and no `engine.url`
+  Pod        R-engine-<i>       (`trainingrun.vllm.k8s`): the worker extension's ConfigMap, a headless Service (pod i is
+                                engine-<i>.R-engine.NS.svc) and one pod per `rollout.engine.replicas`; like the store
+                                they outlive attempts. In Kueue's accounting (the run's queue, pod group R-engine) and,
+                                with gang scheduling, in a serving PodGroup R-engine of their own (`gang`)
 Pod names carry the attempt so a restarted group never collides with pods of the previous attempt still terminating;
 every pod's TRAININGRUN_ATTEMPT is its attempt, which the store and checkpoints use to refuse an older attempt's
 writes. The names, the owner and `Child` (one child, as `status.decide` asks for it) are the operator's vocabulary
@@ -77,7 +80,8 @@ def plan_for(run: TrainingRun, namespace: str, attempt: int) -> RunPlan:
         master_port=DEFAULT_MASTER_PORT,
         attempt=attempt,
         epoch=run_epoch(run),
-        extra_env={ENGINE_URL_ENV: engine_k8s.engine_url(Names(run.metadata.name).engine, namespace)}
+        extra_env={ENGINE_URL_ENV: engine_k8s.engine_url(Names(run.metadata.name).engine, namespace,
+                                                          run.spec.rollout.engine.replicas)}
         if engine_is_managed(run) else None,
     )
 
@@ -317,25 +321,33 @@ def render_engine_config_map(run: TrainingRun, owner: Owner) -> dict[str, Any]:
     }
 
 
-def render_engine_pod(run: TrainingRun, owner: Owner) -> dict[str, Any]:
-    """The run's vLLM server: restartPolicy Always, the run's podTemplate volumes (model.hf and weightSync.path live
-    there)."""
+def render_engine_pod(run: TrainingRun, owner: Owner, index: int = 0) -> dict[str, Any]:
+    """Engine replica `index`: restartPolicy Always, the run's podTemplate volumes (model.hf and weightSync.path live
+    there), hostname engine-<i> under the headless Service, in the engines' Kueue pod group and serving PodGroup."""
     names = Names(owner.name)
-    labels = {**base_labels(owner.name), LABEL_ROLE: ROLE_ENGINE}
     t = run.spec.pod_template
+    labels = {**t.labels, **base_labels(owner.name), LABEL_ROLE: ROLE_ENGINE, LABEL_RANK: str(index)}
+    annotations = dict(t.annotations)
+    provider = gang.provider(run)
+    for extra_labels, extra_annotations in (
+        provider.pod_metadata(names.engine) if provider is not None else ({}, {}),
+        gang.kueue_metadata(run, names.engine, engines=True),
+    ):
+        labels.update(extra_labels)
+        annotations.update(extra_annotations)
     v = run.spec.rollout.engine.vllm
-    common = _pod_spec_common(run)
-    common.pop("schedulerName", None)  # a service of the run, not part of the attempt's gang
     container = engine_k8s.engine_container(run.spec, volume_mounts=list(t.volume_mounts),
                                             resources=_resources(v.resources.requests, v.resources.limits, v.gpus))
     container["securityContext"] = _container_security()
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": _meta(names.engine, owner, {**t.labels, **labels}, dict(t.annotations) or None),
+        "metadata": _meta(names.engine_pod(index), owner, labels, annotations or None),
         "spec": {
-            **common,
+            **_pod_spec_common(run),
             "restartPolicy": "Always",
+            "hostname": Names.engine_hostname(index),
+            "subdomain": names.engine,
             "containers": [container],
             "volumes": [engine_k8s.extension_volume(names.engine), *t.volumes],
         },
@@ -343,23 +355,38 @@ def render_engine_pod(run: TrainingRun, owner: Owner) -> dict[str, Any]:
 
 
 def render_engine_service(run: TrainingRun, owner: Owner) -> dict[str, Any]:
-    """The run's vLLM server's Service (the rollout's TRAININGRUN_ENGINE_URL)."""
+    """The engines' headless Service: a stable name per replica (engine-<i>.R-engine.NS.svc), ready pods only."""
     labels = {**base_labels(owner.name), LABEL_ROLE: ROLE_ENGINE}
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _meta(Names(owner.name).engine, owner, labels),
-        "spec": {"selector": labels, "ports": [{"name": "http", "port": engine_k8s.ENGINE_PORT,
-                                                 "targetPort": engine_k8s.ENGINE_PORT}]},
+        "spec": {"clusterIP": "None", "selector": labels,
+                 "ports": [{"name": "http", "port": engine_k8s.ENGINE_PORT, "targetPort": engine_k8s.ENGINE_PORT}]},
+    }
+
+
+def render_engine_podgroup(run: TrainingRun, owner: Owner) -> dict[str, Any]:
+    """The engines' serving PodGroup (gang scheduling): all replicas or none, for the run's whole life."""
+    provider = gang.provider(run)
+    assert provider is not None, "an engine PodGroup without gang scheduling"
+    return {
+        "apiVersion": provider.api_version,
+        "kind": "PodGroup",
+        "metadata": _meta(Names(owner.name).engine, owner, {**base_labels(owner.name), LABEL_ROLE: ROLE_ENGINE}),
+        "spec": provider.podgroup_spec(run, engines=True),
     }
 
 
 def render_engine(run: TrainingRun, owner: Owner) -> list[dict[str, Any]]:
-    """The run's vLLM server (`trainingrun.vllm.k8s`): its worker-extension ConfigMap, Pod and Service; [] when not
-    managed."""
+    """The run's vLLM servers (`trainingrun.vllm.k8s`): their worker-extension ConfigMap, headless Service, serving
+    PodGroup (gang scheduling) and one Pod per replica; [] when not managed."""
     if not engine_is_managed(run):
         return []
-    return [render_engine_config_map(run, owner), render_engine_pod(run, owner), render_engine_service(run, owner)]
+    out = [render_engine_config_map(run, owner), render_engine_service(run, owner)]
+    if gang.provider(run) is not None:
+        out.append(render_engine_podgroup(run, owner))
+    return out + [render_engine_pod(run, owner, i) for i in range(run.spec.rollout.engine.replicas)]
 
 
 def render_podgroup(run: TrainingRun, owner: Owner, attempt: int) -> dict[str, Any] | None:
@@ -410,7 +437,8 @@ RENDERERS: dict[tuple[str, str | None], Callable[[Target], dict[str, Any]]] = {
     ("Pod", ROLE_STORE): lambda t: render_store_pod(t.run, t.owner, t.redis_image),
     ("ConfigMap", ROLE_ENGINE): lambda t: render_engine_config_map(t.run, t.owner),
     ("Service", ROLE_ENGINE): lambda t: render_engine_service(t.run, t.owner),
-    ("Pod", ROLE_ENGINE): lambda t: render_engine_pod(t.run, t.owner),
+    ("Pod", ROLE_ENGINE): lambda t: render_engine_pod(t.run, t.owner, t.child.rank or 0),
+    ("PodGroup", ROLE_ENGINE): lambda t: render_engine_podgroup(t.run, t.owner),
     ("PodGroup", None): _podgroup,
     ("Pod", ROLE_ROLLOUT): _process_pod,
     ("Pod", ROLE_TRAINER): _process_pod,

@@ -183,7 +183,7 @@ def expected_group(run: TrainingRun) -> list[tuple[str, int | None]]:
 
 _STATUS_KEYS = {
     "phase", "conditions", "restarts", "disruptions", "attempt", "trainerReplicas", "step", "samplesConsumed",
-    "lastGlobalBatchSize", "rollout", "startTime", "completionTime", "observedGeneration", "message",
+    "lastGlobalBatchSize", "rollout", "startTime", "completionTime", "observedGeneration", "message", "enginesDown",
 }
 
 
@@ -289,17 +289,30 @@ def _invalid_spec(ctx: _Ctx) -> bool:
 
 
 def _engine_budget(ctx: _Ctx) -> bool:
-    """The run's own vLLM server (restartPolicy Always: the kubelet restarts it in place, and the rollout waits for it
-    and resends what it had asked) shares the failure policy's budget: restarted more than `maxRestarts` times, the
-    run fails naming the pod and its last failure, instead of crash-looping for ever."""
+    """The run's own vLLM servers (restartPolicy Always: the kubelet restarts one in place, and the rollout sends its
+    prompts to the others and loads the current version into it when it is back) have the failure policy's budget:
+    an engine pod restarted more than `maxRestarts` times is out of the pool (an event says so); once no engine pod
+    is within the budget the run fails, naming the pods and their last failures, instead of crash-looping for
+    ever."""
     budget = ctx.fp.max_restarts
-    for p in _live(ctx.obs.pods):
-        if p.role == ROLE_ENGINE and p.restarts > budget:
-            why = p.failure or p.waiting or "no exit recorded"
-            return ctx.fail("BackoffLimitExceeded",
-                            f"the run's vLLM server (pod {p.name}) restarted {p.restarts} times, more than "
-                            f"failurePolicy.maxRestarts={budget}; last: {why}")
-    return False
+    engines = [p for p in _live(ctx.obs.pods) if p.role == ROLE_ENGINE]
+    beyond = [p for p in engines if p.restarts > budget]
+    if not beyond:
+        return False
+    if len(beyond) < len(engines):
+        for p in beyond:
+            down = ctx.st["enginesDown"] = list(ctx.st.get("enginesDown") or [])
+            if p.name not in down:
+                down.append(p.name)
+                ctx.d.events.append(("Warning", "EngineDown", f"engine pod {p.name} restarted {p.restarts} times, "
+                                     f"more than failurePolicy.maxRestarts={budget}: out of the pool; "
+                                     f"{len(engines) - len(beyond)} engine pod(s) left; last: "
+                                     f"{p.failure or p.waiting or 'no exit recorded'}"))
+        return False
+    why = "; ".join(f"pod {p.name} restarted {p.restarts} times, last: {p.failure or p.waiting or 'no exit recorded'}"
+                    for p in beyond)
+    what = "the run's vLLM server" if len(beyond) == 1 else "every vLLM server of the run's pool"
+    return ctx.fail("BackoffLimitExceeded", f"{what} restarted more than failurePolicy.maxRestarts={budget} times ({why})")
 
 
 def _permanent_refusal(ctx: _Ctx) -> bool:

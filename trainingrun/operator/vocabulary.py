@@ -3,8 +3,9 @@ values derived from a run that several modules need (its store URL, its epoch, t
 I/O; `status` decides with it, `render` renders with it, `checks` checks with it, `handlers` acts with it.
 
   Owner          the TrainingRun that owns the children (the ownerReference every child carries)
-  Names          the children's names: R-config, R-trainers, R-store, R-engine, R-a<k> (PodGroup), pods
-                 R-rollout-a<k> and R-trainer-<i>-a<k>, trainer hostnames trainer-<i>-a<k>
+  Names          the children's names: R-config, R-trainers, R-store, R-engine (the engines' ConfigMap, headless
+                 Service and serving PodGroup), R-a<k> (PodGroup), pods R-rollout-a<k>, R-trainer-<i>-a<k> and
+                 R-engine-<i>, trainer hostnames trainer-<i>-a<k>, engine hostnames engine-<i>
   Child          one child by kind, name and role (the role label of the object: config, trainer, store, engine,
                  rollout; a PodGroup has none) and rank (trainer pods)
   base_children  what an attempt's pods need before they are created, in creation order
@@ -30,6 +31,7 @@ from trainingrun.api.models import TrainingRun
 from trainingrun.api.yamlcodec import dump_yaml
 from trainingrun.operator import gang
 from trainingrun.operator.observe import parse_time
+from trainingrun.vllm import k8s as engine_k8s
 
 STORE_PORT = 6379
 CONFIG_VOLUME = "config"  # pod volume of the run's ConfigMap (reserved: podTemplate.volumes may not use it)
@@ -75,7 +77,16 @@ class Names:
 
     @property
     def engine(self) -> str:
+        """The engines' ConfigMap, headless Service and serving PodGroup."""
         return f"{self.run}-engine"
+
+    def engine_pod(self, index: int) -> str:
+        return f"{self.run}-engine-{index}"
+
+    @staticmethod
+    def engine_hostname(index: int) -> str:
+        """Engine pod i's hostname under the headless Service: engine-<i>.R-engine.NS.svc, stable over restarts."""
+        return engine_k8s.replica_hostname(index)
 
     def podgroup(self, attempt: int) -> str:
         return f"{self.run}-a{attempt}"
@@ -132,8 +143,11 @@ def base_children(run: TrainingRun, attempt: int) -> list[Child]:
     if store_is_managed(run):
         out += [Child("Service", names.store, role=ROLE_STORE), Child("Pod", names.store, role=ROLE_STORE)]
     if engine_is_managed(run):
-        out += [Child("ConfigMap", names.engine, role=ROLE_ENGINE), Child("Service", names.engine, role=ROLE_ENGINE),
-                Child("Pod", names.engine, role=ROLE_ENGINE)]
+        out += [Child("ConfigMap", names.engine, role=ROLE_ENGINE), Child("Service", names.engine, role=ROLE_ENGINE)]
+        if gang.provider(run) is not None:  # the engines' own (serving) group: they outlive attempts
+            out.append(Child("PodGroup", names.engine, role=ROLE_ENGINE))
+        out += [Child("Pod", names.engine_pod(i), role=ROLE_ENGINE, rank=i)
+                for i in range(run.spec.rollout.engine.replicas)]
     if gang.provider(run) is not None:
         out.append(Child("PodGroup", names.podgroup(attempt)))
     return out

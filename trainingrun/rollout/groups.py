@@ -29,7 +29,9 @@ class SampleGroup:
     has_reward: bool = True  # jsonl lines may give only an advantage
     # generated rollouts only: the generator's log-probability of each token (0 on the prompt) and weight versions
     logprobs: list[np.ndarray] | None = None  # float32 each, same length as the tokens
-    versions: np.ndarray | None = None  # int64 [n]
+    versions: np.ndarray | None = None  # int64 [n]: each sample's oldest token's weight version
+    # partial rollouts: the weight version of every token (-1 on the prompt), same length as the tokens
+    token_versions: list[np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -54,6 +56,8 @@ class SampleGroup:
             "has_reward": self.has_reward,
             "logprobs": None if self.logprobs is None else b64(np.concatenate(self.logprobs).astype("<f4")),
             "versions": None if self.versions is None else b64(self.versions.astype("<i8")),
+            "token_versions": None if self.token_versions is None else b64(np.concatenate(self.token_versions)
+                                                                              .astype("<i8")),
         }
 
     @classmethod
@@ -73,4 +77,6 @@ class SampleGroup:
             logprobs=None if d.get("logprobs") is None else
             [a.copy() for a in np.split(dec(d["logprobs"], "<f4").astype(np.float32), offsets[1:-1])],
             versions=None if d.get("versions") is None else dec(d["versions"], "<i8").astype(np.int64),
+            token_versions=None if d.get("token_versions") is None else
+            [a.copy() for a in np.split(dec(d["token_versions"], "<i8").astype(np.int64), offsets[1:-1])],
         )

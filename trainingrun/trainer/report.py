@@ -24,9 +24,10 @@ def step_record(*, res, step, rollout: int, global_step: int, samples_consumed: 
                 attempt: int, dp_size: int, published=None) -> dict[str, Any]:
     """The record of one trained step (`res`: step.StepResult, `step`: published.StepPlan). Generated rollouts add
     reward_mean/reward_std (all samples generated for the rollout, before filtering), weight_version, policy_lag
-    (rollouts between the trainer's weights and the generator's: this rollout's index − the samples' version), the
+    (rollouts between the trainer's weights and the generator's: this rollout's index − the version of the step's
+    oldest trained token) and policy_lag_mean (the same over every trained token: partial rollouts mix versions), the
     per-token policy statistics (RL_MEANS, token-weighted over the step's trained tokens, before the update), the
-    trained samples' reward_std, and the rollout's kept/produced groups and failed rewards."""
+    trained samples' reward_std, and the rollout's produced/kept/filtered/aborted groups and failed rewards."""
     gbs = step.global_batch_size
     record = {
         "step": global_step, "rollout": rollout, "step_in_rollout": step.index,
@@ -51,11 +52,15 @@ def step_record(*, res, step, rollout: int, global_step: int, samples_consumed: 
             "reward_mean": st.reward_mean if st is not None else 0.0,
             "reward_std": st.reward_std if st is not None else 0.0,
             "weight_version": step.weight_version,
-            "policy_lag": rollout - step.weight_version,
+            "policy_lag": rollout - step.weight_version,  # the step's oldest trained token
+            "policy_lag_mean": (step.policy_lag_mean if step.policy_lag_mean is not None
+                                else float(rollout - step.weight_version)),
             **{name: res.mean(name) for name in RL_MEANS},
             "trained_reward_std": max(sq - mean * mean, 0.0) ** 0.5,
             "groups_produced": st.groups_produced if st is not None else 0,
             "groups_kept": st.groups_kept if st is not None else 0,
+            "groups_filtered": st.groups_produced - st.groups_kept if st is not None else 0,
+            "groups_aborted": st.groups_aborted if st is not None else 0,
             "rewards_failed": st.reward_failed if st is not None else 0,
         })
     return record
