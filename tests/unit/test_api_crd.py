@@ -138,6 +138,10 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
     ),
     ("rollout.steps", "batch-size-with-fixed"): ({"policy": "fixed", "globalBatchSize": 8}, {"policy": "dynamic", "globalBatchSize": 8}),
     ("rollout", "whole-groups"): ({"samplesPerRollout": 64, "groupSize": 8}, {"samplesPerRollout": 60, "groupSize": 8}),
+    ("rollout", "partial-needs-over-sampling"): ({"overSampling": 0.25, "partialRollout": True},
+                                                 {"partialRollout": True}),
+    ("rollout.engine", "replicas-of-own-servers"): ({"type": "vllm", "url": "http://a:8000,http://b:8000"},
+                                                    {"type": "vllm", "url": "http://a:8000", "replicas": 2}),
     ("store", "url-or-managed"): ({"url": "redis://r:6379/0"}, {"url": "redis://r:6379/0", "managed": True}),
     ("podTemplate", "mounts-name-volumes"): (
         {"volumes": [{"name": "ckpt", "persistentVolumeClaim": {"claimName": "c"}}],
@@ -150,6 +154,7 @@ MODEL_OF = {
     "model": models.ModelSpec, "trainer.optimizer": models.OptimizerSpec, "trainer": models.TrainerSpec,
     "rollout.source.synthetic": models.SyntheticSource, "rollout.source": models.SourceSpec,
     "rollout.steps": models.StepPolicy, "rollout": models.RolloutSpec, "store": models.StoreSpec,
+    "rollout.engine": models.EngineSpec,
     "podTemplate": models.PodTemplateOverrides, "rollout.source.generate.prompts": models.PromptsSpec,
     "rollout.source.generate.prompts.synthetic": models.SyntheticPrompts,
     "rollout.source.generate.reward": models.RewardSpec, "": models.TrainingRunSpec,

@@ -634,6 +634,12 @@ class RolloutSpec(ApiModel):
             message="samplesPerRollout must be a multiple of groupSize",
             fieldPath=".samplesPerRollout",
         ),
+        Rule(
+            name="partial-needs-over-sampling",
+            rule="!has(self.partialRollout) || !self.partialRollout || (has(self.overSampling) && self.overSampling > 0.0)",
+            message="partialRollout continues completions cut by over-sampling's abort: set overSampling > 0",
+            fieldPath=".partialRollout",
+        ),
     )
 
     source: SourceSpec = Field(default_factory=SourceSpec, description="Where samples come from.")
@@ -673,6 +679,8 @@ class RolloutSpec(ApiModel):
     def _rules(self) -> RolloutSpec:
         if self.samples_per_rollout % self.group_size:
             raise ValueError(self.cel_rule("whole-groups").message)
+        if self.partial_rollout and not self.over_sampling > 0:
+            raise ValueError(self.cel_rule("partial-needs-over-sampling").message)
         return self
 
 
