@@ -18,7 +18,8 @@ seed and the sample's index (with a seed; random without), never of the server, 
 simulated engine answers the same. The log-probability of a token is a fixed function of the token and the loaded
 weight version.
 
-Endpoints: GET /health, /v1/models, /is_paused, /weight_info, /get_world_size; POST /v1/completions (n, max_tokens,
+Endpoints: GET /health, /v1/models, /is_paused, /weight_info, /get_world_size, /sim_stats (its counters: requests
+served, by weight label, most sequences at once, loads); POST /v1/completions (n, max_tokens,
 stop_token_ids, seed, logprobs, return_token_ids), /pause?mode=wait|abort|keep (abort: every sequence in flight ends
 now with finish "abort" and the tokens so far, as vLLM 0.32 does), /resume, /update_weight_version,
 /reset_prefix_cache, /collective_rpc with `trainingrun_load_dir` (the published files' sizes and SHA-256 checked and
@@ -82,6 +83,8 @@ class SimEngine:
         self.label = "default"
         self.version_loaded = 0
         self.served = 0
+        self.served_by_label: dict[str, int] = {}  # requests answered, by the weight label they were generated under
+        self.max_busy = 0  # most sequences decoding at once
         self.generated_tokens = 0
         self.loads: list[dict[str, Any]] = []
         self.reference: dict[str, list[int]] | None = None  # tensor shapes of the first directory loaded
@@ -100,6 +103,7 @@ class SimEngine:
         stops = set(int(t) for t in body.get("stop_token_ids") or []) | {EOS}
         lengths, rngs = self.lengths(n, max_tokens, None if seed is None else int(seed))
         me = self._admit(n)
+        label = self.label  # the weights it is generated with
         try:
             t0 = time.monotonic()
             ends = sorted(set(lengths))
@@ -140,6 +144,7 @@ class SimEngine:
                             "logprobs": {"token_logprobs": lps}, "text": ""})
         with self.cond:
             self.served += 1
+            self.served_by_label[label] = self.served_by_label.get(label, 0) + 1
             self.generated_tokens += sum(len(c["token_ids"]) for c in choices)
         return {"id": "cmpl-sim", "object": "text_completion", "model": self.cfg.model, "choices": choices}
 
@@ -160,6 +165,7 @@ class SimEngine:
                 self.cond.wait()
             self.queue.pop(0)
             self.busy += n
+            self.max_busy = max(self.max_busy, self.busy)
             me = _Active(self.abort_epoch)
             self.active.add(me)
             self.cond.notify_all()
@@ -265,6 +271,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(200, {"weight_version": e.label})
         elif path == "/get_world_size":
             self._reply(200, {"world_size": 1})
+        elif path == "/sim_stats":  # the simulator's own counters (tests, benchmarks)
+            self._reply(200, {"served": e.served, "served_by_label": e.served_by_label, "max_busy": e.max_busy,
+                              "generated_tokens": e.generated_tokens, "loads": e.loads, "label": e.label})
         else:
             self._reply(404, {"error": f"no route {path}"})
 
