@@ -314,7 +314,7 @@ def parse() -> argparse.Namespace:
     sim.add_argument("--max-new-tokens", type=int, default=256, help="the completions' cap")
     sim.add_argument("--sim-requests", type=int, default=64, help="throughput: groups (of 4) per engine")
     sim.add_argument("--sim-prompts", type=int, default=16, help="oversample/idle: prompts (groups) per rollout")
-    sim.add_argument("--train-s", type=float, default=1.0, help="idle: the stand-in trainer's seconds per rollout")
+    sim.add_argument("--train-s", type=float, default=3.0, help="idle: the stand-in trainer's seconds per rollout")
     sim.add_argument("--repeats-sim", type=int, default=3)
     args = ap.parse_args()
     if args.parts is None:
