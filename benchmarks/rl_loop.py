@@ -5,7 +5,7 @@ how long trainers wait for data at maxPolicyLag 0 and 1.
     python benchmarks/rl_loop.py --parts generation   # one part (generation, sync, wait)
     python benchmarks/rl_loop.py --engine vllm ...    # another engine (added by its own module, see ENGINES)
     python benchmarks/rl_loop.py --engine sim         # the rollout's scheduling against simulated vLLM servers:
-                                                      # parts throughput, oversample, idle (benchmarks/rl_loop_sim.py)
+                                                      # parts throughput, oversample, broadcast, idle (benchmarks/rl_loop_sim.py)
 
 generation  The same requests (prompts of examples/rl.yaml's task, groupSize completions each) through
             `GenerateSource.generate` (the rollout's generate stage: engine + building the samples) and through the
@@ -280,7 +280,7 @@ def _vllm_part(part: str):
 
 ENGINES["vllm"] = {"generation": _vllm_part("generation"), "sync": _vllm_part("sync")}
 ENGINES["sim"] = {}  # its own parts: benchmarks/rl_loop_sim.py
-SIM_PARTS = "throughput,oversample,idle"
+SIM_PARTS = "throughput,oversample,broadcast,idle"
 
 
 def _in_subprocess(part: str, args) -> dict:
@@ -316,6 +316,7 @@ def parse() -> argparse.Namespace:
     sim.add_argument("--sim-prompts", type=int, default=16, help="oversample/idle: prompts (groups) per rollout")
     sim.add_argument("--train-s", type=float, default=3.0, help="idle: the stand-in trainer's seconds per rollout")
     sim.add_argument("--repeats-sim", type=int, default=3)
+    sim.add_argument("--sync-mb", type=float, default=64, help="broadcast: MB of bf16 weights per version")
     args = ap.parse_args()
     if args.parts is None:
         args.parts = SIM_PARTS if args.engine == "sim" else "generation,sync,wait"

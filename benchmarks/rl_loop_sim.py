@@ -10,6 +10,10 @@ throughput   the same requests through a pool of 1, 2 and 4 engines: generated t
 oversample   the rollout's generate stage (`GenerateSource`, the prompt stream) on the long-tailed mix: wall time to
              P accepted groups without over-sampling (P requests, every one waited for) and with overSampling 0.5
              (1.5 P requests, the rest aborted once P groups finished); target: >= 30 % less wall time.
+broadcast    weight sync by `broadcast` to pools of 1, 2 and 4 simulated engines (each receives over gloo with the
+             worker extension's own `receive`, as a real server's worker does): trainer 0's sender serves one transfer
+             per engine, one after another (a fan-out, not one process group over all engines); the pool's wall
+             time and each engine's seconds, for --sync-mb of bf16 weights.
 idle         the rollout loop (`RolloutLoop`) with a stand-in trainer that trains each rollout for --train-s seconds
              and then publishes the next weight version (the engines load it from disk as from a real trainer):
              the trainer's idle fraction (time waiting for rollout k over its loop time) at maxPolicyLag 0 and 1,
@@ -82,6 +86,43 @@ def throughput(args) -> dict:
     for r in rows:
         r["vs_ideal"] = r["tok_s"] / (r["engines"] * one)
     return {"rows": rows, "target_4": rows[-1]["vs_ideal"] >= 0.9}
+
+
+def broadcast(args) -> dict:
+    """Weight sync by broadcast (fan-out) to 1, 2, 4 engines: wall time of `load_weights` and per-engine seconds."""
+    import torch  # deferred: torch (the broadcast part only)
+
+    from trainingrun.vllm.broadcast import BroadcastSender
+
+    numel = int(args.sync_mb * (1 << 20)) // 2 // 8
+    named = [(f"model.layers.{i}.weight", torch.randn(numel)) for i in range(8)]  # bf16 on the wire
+    rows = []
+    for count in (1, 2, 4):
+        sender = BroadcastSender(0, host="127.0.0.1", dtype="bfloat16", keep_versions=1, timeout=120,
+                                 log=lambda m: None).start()
+        sims = _engines(count, args)
+        try:
+            metas: dict[int, dict] = {}
+            pool = VLLMEngine(make_clients([s.url for s in sims], timeout=600), fetch=metas.__getitem__,
+                              say=lambda m: None, load_timeout=120)
+            walls, per_engine = [], []
+            for v in range(args.repeats_sim + 1):
+                snap = sender.set_weights(v, named)
+                metas[v] = {"method": "broadcast", "host": "127.0.0.1", "port": sender.port, "backend": "gloo",
+                            "bytes": snap.nbytes}
+                t0 = time.perf_counter()
+                pool.load_weights(v)
+                if v:  # the first transfer includes the workers' first group set-up: warm-up
+                    walls.append(time.perf_counter() - t0)
+                    per_engine.append(sorted(pool.last_sync.values()))
+            pool.close()
+        finally:
+            for s in sims:
+                s.close()
+            sender.close()
+        rows.append({"engines": count, "MB": snap.nbytes / 1e6, "wall_s": statistics.median(walls),
+                     "per_engine_s": per_engine[len(per_engine) // 2]})
+    return {"rows": rows}
 
 
 def _doc(**rollout) -> dict:
@@ -191,6 +232,8 @@ def run_all(args, parts: list[str]) -> dict:
         figures["throughput"] = throughput(args)
     if "oversample" in parts:
         figures["oversample"] = oversample(args)
+    if "broadcast" in parts:
+        figures["broadcast"] = broadcast(args)
     if "idle" in parts:
         figures["idle"] = [idle(args, lag) for lag in (0, 1)]
     return figures
@@ -213,6 +256,11 @@ def report(f: dict, args) -> None:
         print(f"  overSampling 0.5 + abort   {o['over_sampling_0.5']['wall_s']:7.2f} s  (groups "
               f"{o['over_sampling_0.5']['groups']}, aborted {o['over_sampling_0.5']['aborted']})")
         print(f"  cut {100 * o['cut']:.1f} %  (target >= 30 %: {'ok' if o['target'] else 'MISSED'})")
+    if "broadcast" in f:
+        print("weight sync by broadcast (trainer 0 serves each engine in turn: a fan-out):")
+        for r in f["broadcast"]["rows"]:
+            print(f"  {r['engines']} engine(s)  {r['MB']:7.1f} MB  pool {r['wall_s']:7.3f} s   per engine "
+                  + " ".join(f"{x:.3f}" for x in r["per_engine_s"]))
     if "idle" in f:
         print(f"trainer idle (stand-in trainer {args.train_s} s per rollout, 2 engines, {args.rollouts} rollouts):")
         for r in f["idle"]:
