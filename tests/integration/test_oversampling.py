@@ -18,6 +18,7 @@ import pytest
 from tests.simengine import publish_disk_version
 from trainingrun.api import parse_trainingrun
 from trainingrun.contract import published as contract
+from trainingrun.metrics.rollout import RolloutMetrics
 from trainingrun.rollout.generate import GenerateSource
 from trainingrun.rollout.loop import STATE_KEY, RolloutLoop, data_report
 from trainingrun.rollout.stream import PromptStream
@@ -81,10 +82,15 @@ def test_over_sampling_aborts_the_slowest_and_loses_no_prompt(tmp_path: Path, se
     store = open_store(f"file://{tmp_path / 'store'}")
     for v in range(5):
         publish_disk_version(store, tmp_path / "w", v)
-    result = loop(spec, store, server.url).run()
+    metrics = RolloutMetrics("o")
+    result = loop(spec, store, server.url, metrics=metrics).run()
     assert result.rollouts == 4
     stats = [contract.read(store, k).stats for k in range(4)]
     assert sum(s.groups_aborted for s in stats) > 0, "the long tail is aborted once enough groups finished"
+    value = metrics.registry.get_sample_value
+    assert value("trainingrun_rollout_groups_total", {"run": "o", "state": "aborted"}) >= sum(
+        s.groups_aborted for s in stats)  # (source rollouts carried whole are counted too)
+    assert value("trainingrun_rollout_engine_weight_sync_seconds", {"run": "o", "engine": "engine-0"}) > 0
     assert all(s.groups_produced >= 8 for s in stats)
     trained = trained_positions(store, 4)
     assert len(trained) == len(set(trained)), "no prompt trained twice"

@@ -1,7 +1,8 @@
 """Prometheus metrics of the rollout process (prometheus-client, its own CollectorRegistry).
 
 The `trainingrun_rollout_*` families (names and help: `names.ROLLOUT`), label `run` on every one: what the source
-produced and the filters dropped, generated rollouts' rewards, tokens and waits, what was published, the schedule's
+produced and the filters dropped, generated rollouts' rewards, tokens, waits, groups aborted and
+each engine's last weight-sync seconds, what was published, the schedule's
 imbalance and the publish latency, the rollouts pending. Served on `TRAININGRUN_METRICS_PORT` by `trainingrun rollout`
 (`trainingrun.rollout.main`); the trainer's counterpart is `exporter.TrainerExporter`.
 """
@@ -34,6 +35,7 @@ class RolloutMetrics:
         self.generate_seconds = mk(Counter, "trainingrun_rollout_generate_seconds").labels(run)
         self.weight_wait_seconds = mk(Counter, "trainingrun_rollout_weight_wait_seconds").labels(run)
         self.weight_version = mk(Gauge, "trainingrun_rollout_weight_version").labels(run)
+        self.engine_sync_seconds = mk(Gauge, "trainingrun_rollout_engine_weight_sync_seconds", ["engine"])
         self.published = mk(Counter, "trainingrun_rollout_samples_published").labels(run)
         self.rollouts = mk(Counter, "trainingrun_rollout_rollouts_published").labels(run)
         self.imbalance = mk(Gauge, "trainingrun_rollout_schedule_imbalance").labels(run)
@@ -54,6 +56,10 @@ class RolloutMetrics:
         self.generate_seconds.inc(gen.generate_seconds)
         self.weight_wait_seconds.inc(gen.wait_seconds)
         self.weight_version.set(gen.weight_version)
+        for engine, seconds in gen.sync_seconds.items():
+            self.engine_sync_seconds.labels(self.run, engine).set(seconds)
+        if gen.groups_aborted:
+            self.groups.labels(self.run, "aborted").inc(gen.groups_aborted)
 
     def serve(self, port: int, addr: str | None = None) -> int:
         if addr is None:  # a pod is scraped on its IP; elsewhere stay on loopback
