@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.integration.test_generate_rollout import loop as loop_with_engine
 from tests.simengine import publish_disk_version
 from trainingrun.api import parse_trainingrun
 from trainingrun.contract import published as contract
 from trainingrun.metrics.rollout import RolloutMetrics
-from trainingrun.rollout.generate import GenerateSource
 from trainingrun.rollout.loop import STATE_KEY, RolloutLoop, data_report
 from trainingrun.rollout.stream import PromptStream
 from trainingrun.store import open_store
@@ -51,17 +51,7 @@ def server():
 def loop(spec, store, url: str, **kw) -> RolloutLoop:
     """A RolloutLoop whose source generates with the pool client over the simulated server."""
     engine = VLLMEngine(make_clients([url], timeout=60), fetch=lambda v: store.read_weights(v)[1], concurrency=64)
-    lp = RolloutLoop.__new__(RolloutLoop)
-    import trainingrun.rollout.loop as loop_mod
-
-    orig = loop_mod.make_source
-    loop_mod.make_source = lambda s, arch, say, st, max_wait: GenerateSource(s, st, arch=arch, say=say, engine=engine,
-                                                                             max_wait=max_wait)
-    try:
-        RolloutLoop.__init__(lp, spec, store, progress=lambda _m: None, **kw)
-    finally:
-        loop_mod.make_source = orig
-    return lp
+    return loop_with_engine(spec, store, engine, **kw)
 
 
 def trained_positions(store, rollouts: int) -> list[int]:
