@@ -287,7 +287,13 @@ class Launcher:
         """A vLLM server of the run's pool exited: restart only that replica (after the policy's backoff, counted as a
         restart) while the budget allows — the rollout sends its prompts to the other replicas meanwhile and loads
         the current weight version into it when it is back — else leave it down; the run fails only when no replica
-        is left (naming every replica and its last exit)."""
+        is left (naming every replica and its last exit).
+
+        Issue 22 (failurePolicy.rules / RestartRole, branch h22-operator) replaces the budget below: the verdict is
+        then `self.policy.decide(failure, self.counts())` (failure.role "engine", failure.rank the replica's index),
+        RestartRole → `replica.restart_after(verdict.backoff)` counted in role_restarts["engine"], FailRun /
+        BackoffLimitExceeded → the `give_up` branch below, RestartGroup → that branch's group restart. The pool
+        parts (replica by name, give_up, live(), pids.json, the empty-pool outcome) stay as they are."""
         fp = self.spec.failure_policy
         assert self.engine is not None
         replica = self.engine.replica(failure.name)
