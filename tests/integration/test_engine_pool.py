@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -121,6 +122,38 @@ def test_a_dead_engine_is_replaced_by_the_others_and_restarted_it_loads_the_vers
         pool.close()
     finally:
         reference_server.close()
+        for s in sims:
+            s.close()
+
+
+def test_an_engine_that_dies_during_a_weight_load_does_not_hold_up_the_others(store, versions):
+    """Regression (found in the 2-server vLLM acceptance run): engine-1 killed between two rollouts made the pool's
+    load of the next version wait for engine-1's restart (176 s there) before anything was generated. Now the
+    others load and serve; engine-1 is recovered in the background and comes back holding the pool's version."""
+    versions(0)
+    versions(1)
+    cfg = dict(token_seconds=0.002, median_tokens=20)
+    sims = [SimProcess(**cfg), SimProcess(**cfg)]
+    said: list[str] = []
+    try:
+        pool = make_pool([s.url for s in sims], store, said)
+        pool.load_weights(0)
+        sims[1].kill()
+        threading.Timer(6.0, sims[1].start).start()  # the launcher restarts it, after a while
+        t0 = time.monotonic()
+        pool.load_weights(1)
+        out = pool.generate_groups(requests(8), SAMPLING)
+        assert time.monotonic() - t0 < 5, "the load and the rollout went on without engine-1"
+        assert pool.weight_version == 1 and all(c.finished for g in out for c in g)
+        assert pool.served()["engine-1"] == 0
+        deadline = time.monotonic() + 60
+        while not any("engine-1" in m and "back in the pool" in m for m in said) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sims[1].stats()["label"] == "v1", said  # the version barrier: back with the pool's version
+        pool.generate_groups(requests(16), SAMPLING)
+        assert pool.served()["engine-1"] > 0
+        pool.close()
+    finally:
         for s in sims:
             s.close()
 

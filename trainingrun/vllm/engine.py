@@ -163,37 +163,19 @@ class VLLMEngine:
         return f"{self.label_prefix}{version}"
 
     def load_weights(self, version: int) -> None:
-        """Load `version` into every replica that is not being recovered (those load it when they are back)."""
+        """Load `version` into every replica that is not being recovered (those load it when they are back). In a
+        pool a replica that goes away during the load is not waited for: it is recovered in the background while
+        the others serve; only when no replica loaded the version are the ones that went away waited for."""
         meta = self.fetch(version)
         t0 = time.perf_counter()
         with self._lock:
             targets = [r for r in self.replicas if not r.recovering]
         outcome: dict[str, BaseException | None] = {}
-        started: dict[str, float] = {}
-
-        def one(r: Replica) -> None:
-            started[r.name] = time.time()
-            try:
-                self._load_replica(r, version, meta)
-                outcome[r.name] = None
-            except BaseException as exc:  # noqa: BLE001 - sorted out below
-                outcome[r.name] = exc
-
-        threads = [threading.Thread(target=one, args=(r,), name=f"load-{r.name}", daemon=True) for r in targets]
-        for t in threads:
-            t.start()
-        reported = time.monotonic()
-        while any(t.is_alive() for t in threads):
-            for t in threads:
-                t.join(0.2)
-            if time.monotonic() - reported >= LOAD_REPORT_SECONDS:
-                reported = time.monotonic()
-                for r, t in zip(targets, threads):
-                    if t.is_alive():
-                        since = started.get(r.name, time.time())
-                        self.say(f"{r.describe()}: busy loading weights since "
-                                 f"{time.strftime('%H:%M:%S', time.localtime(since))} ({time.time() - since:.0f}s; "
-                                 f"gives up after {self.load_timeout:.0f}s)")
+        self._load_all(targets, version, meta, outcome, wait=len(targets) == 1)
+        if len(targets) > 1 and not any(outcome.get(r.name, 1) is None for r in targets):
+            gone = [r for r in targets if isinstance(outcome.get(r.name), EngineUnavailable)
+                    and not isinstance(outcome.get(r.name), WeightsRefused)]
+            self._load_all(gone, version, meta, outcome, wait=True)
         refused = [(r, outcome[r.name]) for r in targets if isinstance(outcome.get(r.name), WeightsRefused)]
         if refused:
             r, exc = refused[0]
@@ -218,9 +200,40 @@ class VLLMEngine:
         self.stats["load_seconds"] += time.perf_counter() - t0
         self.stats["loaded_bytes"] += int(meta.get("bytes", 0))
 
-    def _load_replica(self, r: Replica, version: int, meta: dict[str, Any]) -> None:
-        """Load `version` into `r`. A server found down (unreachable, or back with vLLM's initial label) is waited for
-        (restart_timeout) and loaded again, up to MAX_RECOVERIES times; a load the live server failed raises."""
+    def _load_all(self, targets: list[Replica], version: int, meta: dict[str, Any],
+                  outcome: dict[str, BaseException | None], *, wait: bool) -> None:
+        """Load `version` into `targets` in parallel (`outcome`: None or the exception, by replica), saying which
+        replica is still busy loading every LOAD_REPORT_SECONDS."""
+        started: dict[str, float] = {}
+
+        def one(r: Replica) -> None:
+            started[r.name] = time.time()
+            try:
+                self._load_replica(r, version, meta, wait=wait)
+                outcome[r.name] = None
+            except BaseException as exc:  # noqa: BLE001 - sorted out by load_weights
+                outcome[r.name] = exc
+
+        threads = [threading.Thread(target=one, args=(r,), name=f"load-{r.name}", daemon=True) for r in targets]
+        for t in threads:
+            t.start()
+        reported = time.monotonic()
+        while any(t.is_alive() for t in threads):
+            for t in threads:
+                t.join(0.2)
+            if time.monotonic() - reported >= LOAD_REPORT_SECONDS:
+                reported = time.monotonic()
+                for r, t in zip(targets, threads):
+                    if t.is_alive():
+                        since = started.get(r.name, time.time())
+                        self.say(f"{r.describe()}: busy loading weights since "
+                                 f"{time.strftime('%H:%M:%S', time.localtime(since))} ({time.time() - since:.0f}s; "
+                                 f"gives up after {self.load_timeout:.0f}s)")
+
+    def _load_replica(self, r: Replica, version: int, meta: dict[str, Any], *, wait: bool = True) -> None:
+        """Load `version` into `r`. With `wait`, a server found down (unreachable, or back with vLLM's initial label)
+        is waited for (restart_timeout) and loaded again, up to MAX_RECOVERIES times; a load the live server failed,
+        or without `wait` any failure, raises."""
         for tries in range(MAX_RECOVERIES + 1):
             try:
                 return self._load_once(r, version, meta)
@@ -228,7 +241,7 @@ class VLLMEngine:
                 raise
             except EngineUnavailable as exc:
                 r.last_error = str(exc)
-                if tries == MAX_RECOVERIES or not self._went_away(r):
+                if not wait or tries == MAX_RECOVERIES or not self._went_away(r):
                     with self._lock:
                         r.live = False
                     raise
