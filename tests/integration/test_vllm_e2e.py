@@ -69,6 +69,14 @@ def write_spec(path: Path, model: Path, *, sync: str, dtype: str, url: str | Non
     return path
 
 
+def signal_group(pid: int, sig: int) -> None:
+    """`sig` to the process and, when it leads its own process group, to the group."""
+    if os.getpgid(pid) == pid:
+        os.killpg(pid, sig)
+    else:
+        os.kill(pid, sig)
+
+
 REWARD_MODULE = '''
 def reward(response, reference):
     """1 for an even first token: about half of every group, so every step has advantages and moves the weights
@@ -115,7 +123,17 @@ def test_disk_sync_with_a_pool_of_two_servers_one_of_which_dies_mid_run(tmp_path
         assert proc.poll() is None, proc.stdout.read()[-4000:]
         processes = json.loads((out / "pids.json").read_text())["processes"]
         assert {"engine-0", "engine-1"} <= set(processes), processes
+        # the trainer held (SIGSTOP) while engine-1 is down, so that the run outlasts engine-1's restart (minutes
+        # on this CPU; the run takes seconds on engine-0 alone) and the later rollouts use both engines again
+        trainer = processes["trainer-0"]["pid"]
+        signal_group(trainer, signal.SIGSTOP)
         os.killpg(processes["engine-1"]["pid"], signal.SIGKILL)
+        rollout_log = out / "logs" / "rollout.log"
+        try:
+            wait_for(lambda: proc.poll() is not None or "back in the pool" in rollout_log.read_text(), 900,
+                     "engine-1 back in the pool")
+        finally:
+            signal_group(trainer, signal.SIGCONT)
     except BaseException:
         proc.kill()
         raise
