@@ -11,6 +11,12 @@
 # reported, not a failure). On a machine without CUDA: `bash benchmarks/gpu_smoke.sh --cpu` runs the same script
 # path with tiny models on the CPU (gloo) in about two minutes (what the tests can check here).
 #
+# Throughput mode (issue #23 item 4), one prepared command, under 8 minutes on one H200:
+#   bash benchmarks/gpu_smoke.sh --throughput [--json FILE]   # --throughput --cpu: its dry mode
+# a ~1B Llama (seqLength 8192, maxTokensPerGPU 16384, bf16, heavy-tailed packed lengths) trained for each attention
+# backend the device offers (te, flash, sdpa): tokens/s/GPU, MFU counting attention FLOPs, peak memory, the
+# in-process engine's generation tokens/s, loss parity between backends (benchmarks/gpu_throughput.py).
+#
 # Packages: the trainer needs megatron-core, pydantic and psutil (Megatron's checkpoint writer). When they do not import and wheels were carried in
 # .whl/ (see docs/trainer.md, "GPU smoke check"), they are installed without network into /tmp/site first.
 set -euo pipefail
@@ -31,4 +37,5 @@ if ! "$PY" -c "import megatron.core, pydantic, psutil" >/dev/null 2>&1; then
   fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ "${1:-}" = "--throughput" ]; then shift; exec "$PY" benchmarks/gpu_throughput.py "$@"; fi
 exec "$PY" benchmarks/gpu_smoke.py "$@"

@@ -20,6 +20,7 @@ tests (tests/e2e), not here.
     lists and watches; `/api/v1` discovery reporting groupVersion "v1", subresources listed without short names;
   - admission (`admission` hooks on create): `refuse` (ResourceQuota, a webhook: 403/422/429/5xx, N times or until
     lifted), mutations (Kueue's scheduling gate), `enforce_owner_references` (OwnerReferencesPermissionEnforcement);
+    on updates (`update_admission` hooks on PATCH): `refuse_update` (a write lost to a conflict: 409, N times);
   - server-side printing: a GET with `Accept: ...;as=Table` of a CRD resource returns a meta.k8s.io/v1 Table with the
     CRD's additionalPrinterColumns, so the real kubectl prints the columns users see;
   - per client (User-Agent): request counts (the benchmark), Authorization headers, the last watch's query.
@@ -123,6 +124,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
     # Admission: callables (request, object) run on every create, in order; they may change the object (a mutating
     # webhook) or raise kmock.KubernetesError (a refusal: ResourceQuota, a validating webhook, ...). `refuse` adds one.
     admission: list = attrs.field(factory=list, init=False)
+    # Admission of updates: callables (request, patch) run on every PATCH before it applies (`refuse_update`).
+    update_admission: list = attrs.field(factory=list, init=False)
 
     async def _render_error(self, exc: Exception) -> Any:
         """An API error as the server sends it (a Status object), without KMock's traceback in `details`."""
@@ -156,6 +159,22 @@ class FidelityEmulator(kmock.KubernetesEmulator):
 
         self.admission.append(hook)
         return lambda: self.admission.remove(hook) if hook in self.admission else None
+
+    def refuse_update(self, plural: str, namespace: str | None, name: str, status: int, reason: str, message: str,
+                      *, subresource: str | None = None, times: int = 1) -> Callable[[], int]:
+        """Refuse `times` PATCHes of object `name` (of its `subresource`, e.g. status) with an API error — what a
+        writer sees when another write won (409 Conflict); returns how many were refused so far."""
+        refused = [0]
+
+        def hook(request: kmock.Request, patch: Any) -> None:
+            if (request.resource.plural, request.namespace, request.name, request.subresource or None) != (
+                    plural, namespace, name, subresource) or refused[0] >= times:
+                return
+            refused[0] += 1
+            raise kmock.KubernetesError(status, reason, message)
+
+        self.update_admission.append(hook)
+        return lambda: refused[0]
 
     def enforce_owner_references(self, rules: list[dict]) -> Callable[[], None]:
         """The OwnerReferencesPermissionEnforcement admission plugin (on in OpenShift) for a client holding `rules`
@@ -237,6 +256,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             raise kmock.KubernetesError(404, "NotFound", f"{res.plural} {req.name!r} not found")
         if req.action == action.DELETE:
             return self._delete(key)
+        for hook in list(self.update_admission):
+            hook(req, req.data)
         return self._patch(key, req)
 
     def _create(self, req: kmock.Request) -> list[tuple[Any, dict]]:

@@ -18,12 +18,14 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT = 300
 
 
-def start(spec: Path, out: Path, *extra: str, cwd: Path = ROOT, progress_interval: int = 10) -> subprocess.Popen:
-    """`trainingrun run SPEC --out OUT ...` in the background, stdout and stderr together."""
+def start(spec: Path, out: Path, *extra: str, cwd: Path = ROOT, progress_interval: int = 10,
+          env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`trainingrun run SPEC --out OUT ...` in the background, stdout and stderr together (`env`: the launcher's
+    environment, which its children inherit; default this process's)."""
     return subprocess.Popen(
         [sys.executable, "-m", "trainingrun", "run", str(spec), "--out", str(out),
          "--progress-interval", str(progress_interval), *extra],
-        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
 
 

@@ -7,6 +7,8 @@ workers, a vLLM server): pure, importable from every layer.
   DIE_WITH_PARENT          a `subprocess.Popen(preexec_fn=...)` that makes the kernel SIGKILL the child when the
                            process that started it dies (Linux PR_SET_PDEATHSIG), so even a parent killed with
                            SIGKILL leaves no children behind; None where the platform has no such thing
+  PipeWorker               a spawned worker process and the parent's end of its pipe (the reward and environment
+                           worker pools: rollout/rewards.py, rollout/environments/pool.py)
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import shlex
 import signal
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 CHILD_COMMAND_ENV = "TRAININGRUN_CHILD_COMMAND"
 _PR_SET_PDEATHSIG = 1
@@ -39,3 +43,27 @@ def die_with_parent() -> None:  # pragma: no cover - runs in the forked child
 
 
 DIE_WITH_PARENT: Callable[[], None] | None = die_with_parent if sys.platform.startswith("linux") else None
+
+
+@dataclass
+class PipeWorker:
+    """A worker process of a multiprocessing context (`ctx`) and the parent's end of its pipe."""
+
+    proc: Any
+    conn: Any
+
+    @classmethod
+    def spawn(cls, ctx, target: Callable[..., None], *args: Any):
+        """Start `target(child_end, *args)` as a daemon process."""
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+        proc.start()
+        child.close()
+        return cls(proc, parent)
+
+    def stop(self) -> None:
+        """Kill the worker if it still runs, reap it, close the pipe."""
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=5)
+        self.conn.close()

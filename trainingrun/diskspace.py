@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -18,16 +19,40 @@ NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 FULL_BELOW_BYTES = 1 << 20
 
 
+# "[Errno 28] No space left on device" inside the message of an exception that wrapped the OSError as text (the
+# worker processes of Megatron's checkpoint writer report "Worker failure: [Errno 28] ..."; the errno is gone)
+_ERRNO_IN_TEXT = re.compile(r"\[Errno (\d+)\]")
+
+
 def no_space(exc: BaseException | None) -> OSError | None:
-    """The OSError saying "no space left" (or "quota exceeded") that caused `exc`, following its causes."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
+    """The OSError saying "no space left" (or "quota exceeded") that caused `exc`, following its causes.
+
+    Also found: an errno attribute (e.g. a StoreError carrying it), the failures of a checkpoint writer that gathers
+    its ranks' exceptions (torch's `CheckpointException.failures`: {rank: (exception, stack)}), and an OSError that a
+    writer turned into text (`[Errno 28] No space left on device` in the message)."""
+    todo: list[BaseException] = [] if exc is None else [exc]
+    seen: set[int] = set()
+    while todo:
+        exc = todo.pop(0)
+        if id(exc) in seen:
+            continue
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS:
             return exc
-        if getattr(exc, "errno", None) in NO_SPACE_ERRNOS:  # e.g. a StoreError carrying the errno
+        if getattr(exc, "errno", None) in NO_SPACE_ERRNOS:
             return OSError(exc.errno, str(exc))
-        exc = exc.__cause__ or exc.__context__
+        m = _ERRNO_IN_TEXT.search(str(exc)) if exc.args else None
+        if m and int(m.group(1)) in NO_SPACE_ERRNOS:
+            return OSError(int(m.group(1)), os.strerror(int(m.group(1))))
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict):
+            for failure in failures.values():
+                inner = failure[0] if isinstance(failure, tuple) and failure else failure
+                if isinstance(inner, BaseException):
+                    todo.append(inner)
+        for nxt in (exc.__cause__, exc.__context__):
+            if nxt is not None:
+                todo.append(nxt)
     return None
 
 

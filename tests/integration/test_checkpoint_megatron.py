@@ -64,7 +64,8 @@ def test_checkpoints_reshard_and_fall_back(tmp_path: Path) -> None:
 
     outs = _group(tmp_path, 3, "dp3", str(root), "1")
     same_losses("dp3", range(5, STEPS + 1))
-    assert "resharded step_00000004: written at data-parallel 2 / tensor-parallel 1, loaded at 3 / 1" in outs[0]
+    assert ("resharded step_00000004: written at data-parallel 2 / tensor-parallel 1 / pipeline-parallel 1, "
+            "loaded at 3 / 1 / 1") in outs[0]
 
     _group(tmp_path, 2, "tp2", str(root), "2", str(root_tp2))
     a, b = ckpt.read_tensors(root / "step_00000004"), ckpt.read_tensors(root_tp2 / "step_00000004")

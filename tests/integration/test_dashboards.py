@@ -28,13 +28,14 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 import pytest
 import yaml
 
 from trainingrun.metrics import names
+from trainingrun.store import open_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "charts" / "trainingrun" / "dashboards"))
 from generate import DCGM_SEL  # noqa: E402 - the generator is a script beside the dashboards
@@ -49,7 +50,7 @@ NUM_ROLLOUTS = 6
 RUN_TIMEOUT = 300
 
 ALL_METRICS = {**names.TRAINER_WEIGHTED, **names.TRAINER_GAUGES, **names.TRAINER_COUNTERS, **names.ROLLOUT,
-               **names.OPERATOR}
+               **names.ROLLOUT_WEIGHTED, **names.OPERATOR}
 
 
 def dashboards() -> dict[str, dict]:
@@ -192,7 +193,8 @@ def test_run_table_restart_annotations_and_gpu_rows():
     table = overview["TrainingRuns"]
     assert table["type"] == "table" and all(t["format"] == "table" and t["instant"] for t in table["targets"])
     rename = table["transformations"][1]["options"]["renameByName"]
-    assert list(rename.values()) == ["NAMESPACE", "NAME", "PHASE", "STEP", "GBS", "SAMPLES", "RESTARTS"]
+    assert list(rename.values()) == ["NAMESPACE", "NAME", "PHASE", "STEP", "GBS", "SAMPLES", "RESTARTS", "PROGRESS",
+                                     "ETA"]
     for d in dashboards().values():
         (restarts,) = [a for a in d["annotations"]["list"] if a.get("name") == "Restarts"]
         assert "trainingrun_operator_run_restarts" in restarts["expr"] and restarts["enable"]
@@ -311,7 +313,7 @@ def check_per_step_panels(url: str, start: float, end: float) -> None:
 
 
 @pytest.mark.megatron
-def test_every_panel_returns_data_from_a_real_run_and_operator(tmp_path):
+def test_every_panel_returns_data_from_a_real_run_and_operator(tmp_path, redis):
     from tests.kube import Cluster
     from tests.services import free_port, prometheus_server, stop_process, wait_for
     from trainingrun.local import metrics_port_block
@@ -341,10 +343,20 @@ def test_every_panel_returns_data_from_a_real_run_and_operator(tmp_path):
             # the operator reconciles a TrainingRun in the emulator; its pods are reported Running like a kubelet would
             k8s_run = copy.deepcopy(doc)
             k8s_run["metadata"] = {"name": RUN_NAME}  # the same name: the per-run operator panels filter by $run
+            k8s_run["spec"]["store"] = {"url": redis.url}  # a store the operator reads the trainers' progress from
             cluster.create(cluster.tr_path(), k8s_run)
             wait_for(lambda: len(cluster.pods(RUN_NAME, role="trainer")) == 2, 30, "the operator's trainer pods")
-            for pod in cluster.pods(RUN_NAME):  # rollout, trainers and the managed store
+            for pod in cluster.pods(RUN_NAME):  # rollout and trainers
                 cluster.set_pod(pod["metadata"]["name"], "Running")
+            # the cluster run's trainers report progress (two records: the operator's progress and ETA panels)
+            env = {e["name"]: e.get("value") for e in cluster.pods(RUN_NAME, role="trainer")[0]["spec"]["containers"][0]
+                   ["env"]}
+            with closing(open_store(env["TRAININGRUN_STORE_URL"])) as store:
+                for rollout, dt_s in ((0, 0.0), (1, 10.0)):
+                    store.put_json("progress", {"step": rollout + 1, "samples_consumed": 8, "last_global_batch_size": 8,
+                                                "rollout": rollout, "attempt": 0, "time": t0 + dt_s})
+                    wait_for(lambda: (cluster.run(RUN_NAME).get("status") or {}).get("step") == rollout + 1, 30,
+                             "the operator to read the progress")
             # a trainer pod fails: the operator restarts the group (the restart annotation's source), once Prometheus
             # has scraped the count before it (a loaded machine misses 100 ms scrapes)
             wait_for(lambda: prom.query(f'trainingrun_operator_run_restarts{{run="{RUN_NAME}"}} == 0'), 30,

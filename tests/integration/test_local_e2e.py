@@ -318,13 +318,22 @@ def test_prometheus_weighted_mean_matches_metrics_jsonl(ref2):
             assert any(x == pytest.approx(by_step[k], rel=1e-6) for x in losses), (k, losses, by_step[k])
 
 
+def _layers(spec: Path, n: int) -> Path:
+    doc = yaml.safe_load(spec.read_text())
+    doc["spec"]["model"]["numLayers"] = n
+    spec.write_text(yaml.safe_dump(doc))
+    return spec
+
+
 def test_config_error_from_trainer_is_not_restarted(spec_dir):
-    # valid spec (replicas 2 divisible by tp×pp 2), but the trainer does not support pipeline parallelism: exit 78
-    spec = write_spec(spec_dir / "pp2.yaml", metrics_port=metrics_port_block(free_port(), 3), pipelineParallelSize=2)
+    # valid spec (replicas 2 divisible by tp×pp 2), but 3 layers cannot be split over 2 pipeline stages: the trainer
+    # refuses at start-up with exit 78 naming the field
+    spec = _layers(write_spec(spec_dir / "pp2.yaml", metrics_port=metrics_port_block(free_port(), 3),
+                              pipelineParallelSize=2), 3)
     out = spec_dir / "pp2"
     code, log = finish(start(spec, out))
     assert code == 78, log[-3000:]
-    assert "trainer-" in log and "pipelineParallelSize" in log
+    assert "trainer-" in log and "model.numLayers: 3 layers are not divisible by trainer.pipelineParallelSize 2" in log
     summary = json.loads((out / "summary.json").read_text())
     assert summary["restarts"] == 0 and len(summary["attempts"]) == 1
 
@@ -365,10 +374,10 @@ def test_workers_per_pod_match_pods(spec_dir, ref2):
 
 
 def test_config_error_in_workers_is_78_without_orphans(spec_dir):
-    # valid spec (world 1×2 divisible by tp×pp 2); the workers refuse pipeline parallelism with exit 78, which the
-    # pod's supervisor passes on unchanged, so the launcher fails the run without a restart
-    spec = write_spec(spec_dir / "g2pp2.yaml", metrics_port=metrics_port_block(free_port(), 3), replicas=1,
-                      gpusPerReplica=2, pipelineParallelSize=2)
+    # valid spec (world 1×2 divisible by tp×pp 2); the workers refuse 3 layers over 2 pipeline stages with exit 78,
+    # which the pod's supervisor passes on unchanged, so the launcher fails the run without a restart
+    spec = _layers(write_spec(spec_dir / "g2pp2.yaml", metrics_port=metrics_port_block(free_port(), 3), replicas=1,
+                              gpusPerReplica=2, pipelineParallelSize=2), 3)
     out = spec_dir / "g2pp2"
     code, log = finish(start(spec, out))
     assert code == 78, log[-3000:]

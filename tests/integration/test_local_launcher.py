@@ -41,7 +41,12 @@ if mode == "sleep":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     time.sleep(600)
 if role == "rollout":
+    generation = int(os.environ.get("TRAININGRUN_ROLE_ATTEMPT", "0"))
+    print(f"fake rollout generation {generation}", flush=True)
     time.sleep(0.2)
+    if mode == "rollout-always" or (mode == "rollout-once" and attempt == 0 and generation == 0):
+        print("fake failure marker: the rollout gives up", flush=True)
+        sys.exit(2)
     sys.exit(0)
 rank = int(os.environ["RANK"])
 assert int(os.environ["WORLD_SIZE"]) >= 1 and os.environ["MASTER_ADDR"] == "127.0.0.1"
@@ -287,3 +292,117 @@ def test_children_get_one_openmp_thread_unless_the_user_says_otherwise(tmp_path,
     assert code == 0, stderr
     for name in ("rollout", "trainer-0", "trainer-1"):
         assert f"fake OMP_NUM_THREADS={user_value or 1}" in (out / "logs" / f"{name}.log").read_text(), name
+
+
+def test_failed_rollout_restarts_alone_while_the_trainers_run_on(tmp_path, fake):
+    """The default rule for the rollout: it restarts alone (same attempt, its next generation in
+    TRAININGRUN_ROLE_ATTEMPT, after the rollout role's backoff), the trainers are never touched, pids.json names the
+    new rollout, and the restart counts against failurePolicy.roles.rollout, not maxRestarts (0 here)."""
+    out = tmp_path / "run"
+    spec = make_spec(tmp_path, maxRestarts=0, roles={"rollout": {"maxRestarts": 1, "backoffSeconds": 0}})
+    proc = launch(spec, out, fake, mode="rollout-once", FAKE_STEP_SECONDS="0.15")
+    first = wait_for(lambda: json.loads((out / "pids.json").read_text()) if (out / "pids.json").exists() else None,
+                     30, "pids.json")
+    code, stdout, stderr = finish(proc)
+    assert code == 0, stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and len(summary["attempts"]) == 1
+    assert summary["restarts"] == 1 and summary["role_restarts"] == {"rollout": 1}
+    (event,) = summary["attempts"][0]["role_restarts"]
+    assert event["process"] == "rollout" and event["generation"] == 1 and event["counted"]
+    pids = summary["attempts"][0]["pids"]
+    trainers = {n: p for n, p in first["processes"].items() if n != "rollout"}
+    assert {n: pids[n] for n in trainers} == {n: p["pid"] for n, p in trainers.items()}  # never restarted
+    assert pids["rollout"] != first["processes"]["rollout"]["pid"]
+    assert json.loads((out / "pids.json").read_text())["processes"]["rollout"]["pid"] == pids["rollout"]
+    log = (out / "logs" / "rollout.log").read_text()
+    assert "fake rollout generation 0" in log and "fake rollout generation 1" in log and "restarted alone" in log
+    assert [r["step"] for r in read_metrics(out)] == list(range(12))  # one attempt, every step once
+    assert "restarting the rollout alone" in stdout and not list((out / "logs").glob("*.attempt1.log"))
+
+
+def test_rollout_budget_and_a_rule_that_restarts_the_group(tmp_path, fake):
+    """A rollout that keeps failing spends failurePolicy.roles.rollout and the run fails naming that budget; a rule
+    sends a rollout failure to the whole group instead (counted against maxRestarts)."""
+    out = tmp_path / "spent"
+    spec = make_spec(tmp_path, maxRestarts=3, roles={"rollout": {"maxRestarts": 1, "backoffSeconds": 0}})
+    code, stdout, stderr = finish(launch(spec, out, fake, mode="rollout-always", FAKE_STEP_SECONDS="0.3"))
+    assert code == 1 and "rollout" in stderr and "exit 2" in stderr, stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["role_restarts"] == {"rollout": 1} and len(summary["attempts"]) == 1
+    assert "failurePolicy.roles.rollout.maxRestarts" in stdout
+    out = tmp_path / "group"
+    spec = make_spec(tmp_path, maxRestarts=2, rules=[{"roles": ["rollout"], "exitCodes": [2], "action": "RestartGroup"}])
+    code, stdout, stderr = finish(launch(spec, out, fake, mode="rollout-once", FAKE_STEP_SECONDS="0.15"))
+    assert code == 0, stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["restarts"] == 1 and summary["role_restarts"] == {} and len(summary["attempts"]) == 2
+    assert summary["attempts"][0]["culprit"] == "rollout" and "restarting the group" in stdout
+
+
+FAKE_VLLM = r'''
+import http.server, os, sys, threading, time
+args = sys.argv[1:]
+port, model = int(args[args.index("--port") + 1]), args[args.index("--model") + 1]
+starts = os.path.join(model, "starts")
+n = int(open(starts).read()) if os.path.exists(starts) else 0
+open(starts, "w").write(str(n + 1))
+print(f"fake vllm start {n}", flush=True)
+
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, *a):
+        pass
+
+
+threading.Thread(target=http.server.ThreadingHTTPServer(("127.0.0.1", port), Health).serve_forever,
+                 daemon=True).start()
+time.sleep(1.0)
+if n == 0:
+    print("fake vllm dies", flush=True)
+    os._exit(3)
+time.sleep(600)
+'''
+
+
+def test_the_runs_vllm_server_restarts_alone_on_the_engine_budget(tmp_path, fake):
+    """The run's own vLLM server (a stand-in serving /health) dies once: the default rule restarts that engine
+    replica alone on failurePolicy.roles.engine (maxRestarts 0 for the group), the rollout and trainers run on."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 256,
+        "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}))
+    engine = tmp_path / "fake-vllm"
+    engine.write_text(f"#!{sys.executable}\n{FAKE_VLLM}")
+    engine.chmod(0o755)
+    doc = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+    spec = doc["spec"]
+    spec["model"] = {"hf": str(model), "seqLength": 64}
+    spec["trainer"] = {**spec["trainer"], "lossType": "ppo"}
+    spec["rollout"] = {**spec["rollout"], "numRollouts": 3, "source": {"type": "generate", "generate": {
+        "prompts": {"type": "synthetic", "synthetic": {"task": "copy", "minLength": 2, "maxLength": 2}},
+        "sampling": {"maxNewTokens": 4}, "reward": {"type": "function", "function": "m:f"}}},
+        "engine": {"type": "vllm", "vllm": {"maxModelLen": 64}}}
+    spec["weightSync"] = {"type": "disk"}
+    spec["failurePolicy"] = {"maxRestarts": 0, "backoffSeconds": 0, "roles": {"engine": {"maxRestarts": 1}}}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    out = tmp_path / "run"
+    proc = launch(path, out, fake, FAKE_STEP_SECONDS="0.4", TRAININGRUN_VLLM_PYTHON=str(engine))
+    first = wait_for(lambda: json.loads((out / "pids.json").read_text()) if (out / "pids.json").exists() else None,
+                     60, "pids.json")
+    code, stdout, stderr = finish(proc)
+    assert code == 0, stderr + stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and len(summary["attempts"]) == 1
+    assert summary["role_restarts"] == {"engine": 1} and summary["restarts"] == 1
+    assert summary["attempts"][0]["pids"] == {n: p["pid"] for n, p in first["processes"].items()}  # none touched
+    assert (model / "starts").read_text() == "2" and "restarting the engine" in stdout
+    assert "engine replica 0" in stdout and "failurePolicy.roles.engine" in stdout

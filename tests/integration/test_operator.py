@@ -179,15 +179,16 @@ def test_failure_restarts_whole_group_then_fails_sticky(cluster):
                              if p["status"]["phase"] != "Failed"] == [], 10, "attempt-0 pods deleted")
     assert "Restarting" in cluster.reasons("beta")
     cluster.run_all("beta", 1)
-    cluster.set_pod("beta-rollout-a1", "Failed", exit_code=2)
+    # (a trainer: a failed rollout restarts alone, test_operator_roles.py)
+    cluster.set_pod("beta-trainer-0-a1", "Failed", exit_code=2)
     st = cluster.wait_phase("beta", "Failed")
-    assert "beta-rollout-a1" in st["message"] and "code 2" in st["message"] and "maxRestarts" in st["message"]
+    assert "beta-trainer-0-a1" in st["message"] and "code 2" in st["message"] and "maxRestarts" in st["message"]
     assert st["restarts"] == 1
     # running pods of a failed run are deleted (GPUs freed); the failed pod stays for its logs
-    wait_for(lambda: cluster.group_pods("beta", 1) == [cluster.get("/api/v1/namespaces/default/pods/beta-rollout-a1")],
-             10, "live pods of the failed run deleted")
+    wait_for(lambda: cluster.group_pods("beta", 1) == [
+        cluster.get("/api/v1/namespaces/default/pods/beta-trainer-0-a1")], 10, "live pods of the failed run deleted")
     # sticky: later pod changes never move it
-    cluster.set_pod("beta-rollout-a1", "Succeeded")
+    cluster.set_pod("beta-trainer-0-a1", "Succeeded")
     cluster.op.settle("beta")
     assert cluster.status("beta")["phase"] == "Failed"
     assert cluster.group_pods("beta", 2) == []
@@ -265,17 +266,28 @@ def test_progress_from_real_redis_and_operator_restart(cluster, redis):
     env = {e["name"]: e["value"] for e in trainer["spec"]["containers"][0]["env"]}
     assert env["TRAININGRUN_STORE_URL"].startswith(redis.url + "?prefix=")
     store = open_store(env["TRAININGRUN_STORE_URL"])
+    t0 = time.time()
     store.put_json("progress", {"step": 7, "samples_consumed": 93, "last_global_batch_size": 12, "rollout": 2,
-                                "attempt": 0, "time": time.time()})
+                                "attempt": 0, "time": t0})
     st = wait_for(lambda: (lambda s: s if s.get("step") == 7 else None)(cluster.status("zeta")), 10, "progress")
     assert st["samplesConsumed"] == 93 and st["lastGlobalBatchSize"] == 12 and st["rollout"] == 2
+    total = TINY["spec"]["rollout"]["numRollouts"]
+    # status.progress: rollouts 0..2 trained of numRollouts; no pace yet (one record)
+    assert {k: v for k, v in st["progress"].items() if k != "paceFrom"} == {
+        "rolloutsDone": 3, "rolloutsTotal": total, "percentage": 300 // total,
+        "updatedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0))}
 
     # operator restarted mid-run: no duplicate pods, status continues
     names = sorted(p["metadata"]["name"] for p in cluster.pods("zeta"))
     cluster.op.restart()  # a new operator: nothing in memory
-    store.put_json("progress", {"step": 8, "samples_consumed": 105, "last_global_batch_size": 12, "rollout": 2,
-                                "attempt": 0, "time": time.time()})
+    store.put_json("progress", {"step": 8, "samples_consumed": 105, "last_global_batch_size": 12, "rollout": 3,
+                                "attempt": 0, "time": t0 + 20})
     wait_for(lambda: cluster.status("zeta").get("step") == 8, 15, "progress after operator restart")
+    # the pace is measured from the record before the restart (its anchor lives in the status): 1 rollout in 20 s
+    # (the anchor's time is kept to the second: up to 1 s more)
+    progress = cluster.status("zeta")["progress"]
+    eta = progress["estimatedRemainingSeconds"]
+    assert progress["rolloutsDone"] == 4 and (total - 4) * 20 <= eta <= (total - 4) * 21
     assert sorted(p["metadata"]["name"] for p in cluster.pods("zeta")) == names
     assert cluster.status("zeta")["phase"] == "Running" and cluster.status("zeta")["restarts"] == 0
     store.close()
@@ -286,6 +298,8 @@ def test_progress_from_real_redis_and_operator_restart(cluster, redis):
     assert samples[("trainingrun_operator_reconcile_seconds_count", (("handler", "reconcile"),))] > 0
     # the run's progress as a per-run gauge (what the new operator process read from the store)
     assert run_series(cluster, "zeta")["trainingrun_operator_run_step"] == {(): 8}
+    assert run_series(cluster, "zeta")["trainingrun_operator_run_progress_percent"] == {(): 400 // total}
+    assert run_series(cluster, "zeta")["trainingrun_operator_run_eta_seconds"] == {(): eta}
 
 
 PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
@@ -335,7 +349,7 @@ def test_per_run_metrics_follow_phase_and_restarts_and_go_with_the_run(cluster):
     assert cluster.status("eta")["restarts"] == 1
     cluster.run_all("eta", 1)
     wait_run_series(cluster, "eta", "Running", 1)
-    cluster.set_pod("eta-rollout-a1", "Failed", exit_code=2)
+    cluster.set_pod("eta-trainer-1-a1", "Failed", exit_code=2)
     cluster.wait_phase("eta", "Failed")
     wait_run_series(cluster, "eta", "Failed", 1)
     # the aggregate gauge still counts it

@@ -162,6 +162,30 @@ def test_a_killed_writers_claim_is_taken_over_by_the_next_one(url):
     store.close()
 
 
+def test_a_rollout_restarted_alone_takes_over_from_its_live_predecessor_which_is_refused(url, monkeypatch):
+    """The rollout restarted alone (same attempt, TRAININGRUN_ROLE_ATTEMPT 1) while its predecessor still runs and
+    holds the claim (a pod on a lost node; on Redis a lease that has not run out) takes the store at once; the
+    predecessor's next publish is refused (WriterConflict: it exits 78, and its pod is of an older generation)."""
+    proc = child("import sys\nfrom trainingrun.store import open_store\nfrom tests.integration.test_store_faults "
+                 "import make_rollout\ns = open_store(sys.argv[1], attempt=2)\ns.claim_writer()\n"
+                 "print('claimed', flush=True)\nsys.stdin.readline()\n"
+                 "try:\n    s.publish_rollout(0, *make_rollout(0, dp=1))\n    print('published', flush=True)\n"
+                 "except Exception as exc:\n    print(type(exc).__name__, exc, flush=True)\n", url)
+    try:
+        assert proc.stdout.readline().strip() == "claimed"
+        monkeypatch.setenv("TRAININGRUN_ROLE_ATTEMPT", "1")
+        new = open_store(url, attempt=2)
+        assert new.claim_writer()["generation"] == 1  # at once, the predecessor alive
+        out, _ = proc.communicate("go\n", timeout=60)
+        assert out.startswith("WriterConflict") and "lost its claim" in out and "generation 1" in out, out
+        assert new.publish_rollout(0, *make_rollout(0, dp=1))
+        new.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_an_unfenced_claim_is_decided_alike_on_both_backends(url):
     # Before: the backends wrote the claim decision in two orders. Beside a live writer of attempt 0 an unfenced
     # handle's claim was WriterConflict on files but StaleAttempt ("attempt 0 ... current attempt is 0") on Redis;

@@ -77,7 +77,10 @@ def test_crd_names_and_columns():
 def node_at(schema: dict[str, Any], path: str) -> dict[str, Any]:
     node = schema
     for part in filter(None, path.split(".")):
-        node = node["properties"][part]
+        name, _, rest = part.partition("[")
+        node = node["properties"][name]
+        if rest:
+            node = node[rest.rstrip("]")]
     return node
 
 
@@ -93,6 +96,32 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
         {"preset": "tiny-llama", "numAttentionHeads": 4, "numQueryGroups": 3},
     ),
     ("model", "hf-alone"): ({"hf": "/models/smollm2", "seqLength": 512}, {"hf": "/models/smollm2", "preset": "tiny"}),
+    # the attention backend and the layer spec it runs in
+    ("model", "te-attention-needs-te-layers"): (
+        {"preset": "tiny", "attentionBackend": "te", "transformerImpl": "transformer_engine"},
+        {"preset": "tiny", "attentionBackend": "te", "transformerImpl": "local"},
+    ),
+    ("model", "te-layers-need-te-attention"): (
+        {"preset": "tiny", "transformerImpl": "transformer_engine"},
+        {"preset": "tiny", "attentionBackend": "flash", "precision": "bf16", "transformerImpl": "transformer_engine"},
+    ),
+    ("model", "flash-needs-half-precision"): (
+        {"preset": "tiny", "attentionBackend": "flash", "precision": "bf16"},
+        {"preset": "tiny", "attentionBackend": "flash"},
+    ),
+    ("trainer.performance.recompute", "layers-for-full"): (
+        {"granularity": "full", "numLayers": 2}, {"granularity": "selective", "numLayers": 2}),
+    ("trainer.performance.recompute", "block-needs-layers"): (
+        {"granularity": "full", "method": "block", "numLayers": 1}, {"granularity": "full", "method": "block"}),
+    ("trainer", "param-gather-overlap-needs-distributed-optimizer"): (
+        {"maxTokensPerGPU": 64, "optimizer": {"distributed": True}, "performance": {"overlapParamGather": True}},
+        {"maxTokensPerGPU": 64, "performance": {"overlapParamGather": True}},
+    ),
+    ("", "bf16-grad-reduce-needs-bf16"): (
+        {"model": {"preset": "tiny", "precision": "bf16"},
+         "trainer": {"maxTokensPerGPU": 64, "performance": {"gradReduceDtype": "bf16"}}},
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64, "performance": {"gradReduceDtype": "bf16"}}},
+    ),
     ("trainer.optimizer", "min-lr-at-most-lr"): ({"lr": 0.01, "minLr": 0.001}, {"lr": 0.001, "minLr": 0.01}),
     ("trainer.optimizer", "warmup-within-decay"): ({"warmupSamples": 10, "decaySamples": 100}, {"warmupSamples": 100, "decaySamples": 10}),
     ("trainer", "one-micro-batching"): ({"replicas": 1, "maxTokensPerGPU": 64}, {"replicas": 1, "maxTokensPerGPU": 64, "microBatchSize": 2}),
@@ -109,6 +138,10 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
     ("rollout.source.generate.prompts", "jsonl-settings"): ({"type": "jsonl", "jsonl": {"path": "/p.jsonl"}}, {"type": "jsonl"}),
     ("rollout.source.generate.prompts.synthetic", "min-length-at-most-max"): ({"minLength": 1, "maxLength": 3}, {"minLength": 4, "maxLength": 3}),
     ("rollout.source.generate.reward", "function-named"): ({"type": "function", "function": "m:f"}, {"type": "function"}),
+    ("rollout.source.generate.environment", "environment-class-named"): (
+        {"type": "class", "className": "envs:Maze"}, {"type": "class"}),
+    ("rollout.source.generate.environment", "environment-class-only-for-class"): (
+        {"type": "calculator"}, {"type": "calculator", "className": "envs:Maze"}),
     ("", "ppo-needs-generate"): (
         {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64, "lossType": "ppo"},
          "rollout": {"source": {"type": "generate", "generate": {}}}},
@@ -143,6 +176,33 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
     ("rollout.engine", "replicas-of-own-servers"): ({"type": "vllm", "url": "http://a:8000,http://b:8000"},
                                                     {"type": "vllm", "url": "http://a:8000", "replicas": 2}),
     ("store", "url-or-managed"): ({"url": "redis://r:6379/0"}, {"url": "redis://r:6379/0", "managed": True}),
+    ("failurePolicy.rules[items]", "restart-role-names-a-role"): (
+        {"roles": ["rollout", "engine"], "action": "RestartRole"}, {"roles": ["trainer"], "action": "RestartRole"}),
+    ("placement.trainer.kueue", "required-or-preferred"): ({"required": "rack"}, {"required": "rack", "preferred": "block"}),
+    ("placement.trainer.kueue", "slice-level-and-size"): ({"sliceRequired": "nvidia.com/gpu.clique", "sliceSize": 2},
+                                                          {"sliceRequired": "nvidia.com/gpu.clique"}),
+    ("placement.trainer.volcano", "one-tier"): ({"highestTierAllowed": 1},
+                                                {"highestTierAllowed": 1, "highestTierName": "leaf"}),
+    ("", "kueue-placement-needs-queue"): (
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64}, "queueName": "team-a",
+         "placement": {"trainer": {"kueue": {"required": "rack"}}}},
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64},
+         "placement": {"trainer": {"kueue": {"required": "rack"}}}},
+    ),
+    ("", "volcano-placement-needs-volcano"): (
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64},
+         "gangScheduling": {"enabled": True, "provider": "volcano"},
+         "placement": {"trainer": {"volcano": {"highestTierAllowed": 1}}}},
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64},
+         "gangScheduling": {"enabled": True, "provider": "coscheduling"},
+         "placement": {"rollout": {"volcano": {"highestTierAllowed": 1}}}},
+    ),
+    ("", "slices-divide-the-pods"): (
+        {"model": {"preset": "tiny"}, "trainer": {"replicas": 4, "maxTokensPerGPU": 64}, "queueName": "team-a",
+         "placement": {"trainer": {"kueue": {"sliceRequired": "nvidia.com/gpu.clique", "sliceSize": 2}}}},
+        {"model": {"preset": "tiny"}, "trainer": {"replicas": 3, "maxTokensPerGPU": 64}, "queueName": "team-a",
+         "placement": {"trainer": {"kueue": {"sliceRequired": "nvidia.com/gpu.clique", "sliceSize": 2}}}},
+    ),
     ("podTemplate", "mounts-name-volumes"): (
         {"volumes": [{"name": "ckpt", "persistentVolumeClaim": {"claimName": "c"}}],
          "volumeMounts": [{"name": "ckpt", "mountPath": "/checkpoints"}]},
@@ -152,12 +212,28 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
 
 MODEL_OF = {
     "model": models.ModelSpec, "trainer.optimizer": models.OptimizerSpec, "trainer": models.TrainerSpec,
+    "trainer.performance.recompute": models.RecomputeSpec,
     "rollout.source.synthetic": models.SyntheticSource, "rollout.source": models.SourceSpec,
     "rollout.steps": models.StepPolicy, "rollout": models.RolloutSpec, "store": models.StoreSpec,
     "rollout.engine": models.EngineSpec,
     "podTemplate": models.PodTemplateOverrides, "rollout.source.generate.prompts": models.PromptsSpec,
     "rollout.source.generate.prompts.synthetic": models.SyntheticPrompts,
     "rollout.source.generate.reward": models.RewardSpec, "": models.TrainingRunSpec,
+    "rollout.source.generate.environment": models.EnvironmentSpec,
+    "failurePolicy.rules[items]": models.FailureRule, "placement.trainer.kueue": models.KueueTopology,
+    "placement.rollout.kueue": models.KueueTopology, "placement.trainer.volcano": models.VolcanoTopology,
+    "placement.rollout.volcano": models.VolcanoTopology,
+}
+
+# Transition rules (over oldSelf: run by the API server on updates only; a single object has no Python twin):
+# (path, rule name) -> (the stored object, an update the rule admits, an update it refuses).
+TRANSITION_CASES: dict[tuple[str, str], tuple[dict, dict, dict]] = {
+    ("", "managed-by-immutable"): (
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64}, "managedBy": "kueue.x-k8s.io/multikueue"},
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64, "replicas": 4},
+         "managedBy": "kueue.x-k8s.io/multikueue"},
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64}, "managedBy": "trainingrun.dev/operator"},
+    ),
 }
 
 
@@ -177,8 +253,30 @@ def all_rules() -> list[tuple[str, str, str]]:
 
 
 def test_every_cel_rule_has_a_case():
-    rules = {(path, name) for path, name, _ in all_rules()}
-    assert rules == set(CASES), f"rules without a test case: {rules - set(CASES)}; stale cases: {set(CASES) - rules}"
+    # the same model's rules under several paths (placement.rollout.* and placement.trainer.*) are one case each
+    rules = {(path.replace("placement.rollout.", "placement.trainer."), name) for path, name, _ in all_rules()}
+    cases = set(CASES) | set(TRANSITION_CASES)
+    assert rules == cases, f"rules without a test case: {rules - cases}; stale cases: {cases - rules}"
+
+
+@pytest.mark.parametrize("path,name", sorted(TRANSITION_CASES))
+def test_transition_rule_admits_and_refuses_updates(path, name):
+    schema = node_at(spec_schema(), path)
+    rule = MODEL_OF[path].cel_rule(name).rule
+    assert rule in [r["rule"] for r in schema["x-kubernetes-validations"]]
+    old, good, bad = (apply_defaults(x, schema) for x in TRANSITION_CASES[(path, name)])
+    assert evaluate_rule(rule, good, schema, old=old) is True
+    assert evaluate_rule(rule, bad, schema, old=old) is False
+    assert evaluate_rule(rule, old, schema, old=bad) is False  # and back
+    # unset on both sides, or set to the same value: admitted; set or removed later: refused
+    bare = {k: v for k, v in old.items() if k != "managedBy"}
+    assert evaluate_rule(rule, bare, schema, old=bare) is True
+    assert evaluate_rule(rule, old, schema, old=bare) is False and evaluate_rule(rule, bare, schema, old=old) is False
+    # an object on its own (a create, `trainingrun validate`) is never checked against a transition rule
+    from trainingrun.api.checks import is_transition_rule
+
+    assert is_transition_rule(rule) and not any(is_transition_rule(r.rule) for r in models.TrainingRunSpec.CEL_RULES
+                                                if r.name != name)
 
 
 @pytest.mark.parametrize("path,name", sorted(CASES))
@@ -222,4 +320,5 @@ def test_engine_rules_bind_generated_rollouts_only():
     # an absent rollout (the API server defaults nothing inside it) is not an error of the rules either
     bare = {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64}}
     for rule in models.TrainingRunSpec.CEL_RULES:
-        assert evaluate_rule(rule.rule, apply_defaults(bare, schema), schema), rule.name
+        old = apply_defaults(bare, schema) if "oldSelf" in rule.rule else None
+        assert evaluate_rule(rule.rule, apply_defaults(bare, schema), schema, old=old), rule.name

@@ -5,6 +5,7 @@ files here; tests/integration/test_checkpoint_megatron.py runs the same protocol
 from __future__ import annotations
 
 import json
+import os
 import pickle
 from pathlib import Path
 
@@ -279,3 +280,89 @@ def test_same_step_saved_again_replaces_it(tmp_path):
     [only] = ckpt.complete_checkpoints(tmp_path)
     assert json.loads((only / "meta.json").read_text())["attempt"] == 1
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".old-")]
+
+
+# ------------------------------------------------------------------------------------------------ full volume
+def _full_volume_save(root: Path, *, write_shards=None, assets=None) -> ckpt.SaveResult:
+    progress = TrainingProgress(global_step=4, rollout=4, samples_consumed=40)
+    return ckpt.save(root, progress, group=Solo(), write_shards=write_shards or _shards("s4"),
+                     state=lambda: {"scheduler": {"num_steps": 40}, "rng": ckpt.rng_state()},
+                     meta={"run": "t"}, attempt=0, keep=3, assets=assets)
+
+
+def _writer_failure(d: Path) -> None:
+    # what a rank sees from Megatron's shard writer: the worker's OSError as text, under torch's CheckpointException
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    (d / "__0_0.distcp").write_bytes(b"partial")
+    try:
+        raise RuntimeError("Worker failure: [Errno 28] No space left on device")
+    except RuntimeError as exc:
+        failure = _wrap_exception(exc)
+    from trainingrun.trainer.checkpoint_megatron import ShardsFailed
+
+    raise ShardsFailed("writing the checkpoint shards", d, CheckpointException("write", {1: failure}))
+
+
+def _commit_failure(d: Path) -> None:
+    raise OSError(28, "No space left on device", str(d / "hf" / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("where", ["shards", "commit"])
+def test_a_full_volume_is_one_oserror_naming_the_root_and_nothing_half_written(tmp_path, where):
+    # Before: the shard writer's failure escaped as a CheckpointException (a BaseException: a traceback past every
+    # handler) and the commit's as a CheckpointError, neither told apart from other failures (trainer/main.py).
+    save(tmp_path, 2)
+    kw = {"write_shards": _writer_failure} if where == "shards" else {"assets": _commit_failure}
+    with pytest.raises(OSError) as info:
+        _full_volume_save(tmp_path, **kw)
+    assert info.value.errno == 28 and info.value.filename == str(tmp_path)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")] == []  # the partial one removed
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == ["step_00000002"]
+
+
+def test_other_failures_of_a_save_pass_unchanged(tmp_path):
+    def broken(d: Path) -> None:
+        raise ValueError("a bug, not a full disk")
+
+    with pytest.raises(ValueError, match="a bug"):
+        _full_volume_save(tmp_path, write_shards=broken)
+    with pytest.raises(CheckpointError, match="cannot commit checkpoint step_00000004"):
+        _full_volume_save(tmp_path, assets=lambda d: (_ for _ in ()).throw(PermissionError(13, "denied")))
+
+
+def test_a_shard_failure_without_the_errno_is_a_full_volume_when_the_volume_is_full(tmp_path, monkeypatch):
+    # rank 1 of torch's writer: a CheckpointException without failures (they went to rank 0); the volume decides
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from trainingrun import diskspace
+    from trainingrun.trainer.checkpoint_megatron import ShardsFailed
+
+    def peer_failure(d: Path) -> None:
+        raise ShardsFailed("writing the checkpoint shards", d, CheckpointException("write", {}))
+
+    with pytest.raises(ShardsFailed, match=r"on another rank"):  # the volume has room: not a full disk
+        _full_volume_save(tmp_path, write_shards=peer_failure)
+    full = os.statvfs_result((4096, 4096, 16384, 0, 0, 1000, 0, 0, 0, 255))  # 64 MiB, nothing available
+    monkeypatch.setattr(diskspace.os, "statvfs", lambda _path: full)
+    with pytest.raises(OSError) as info:
+        _full_volume_save(tmp_path, write_shards=peer_failure)
+    assert info.value.errno == 28 and "no space left on the volume holding" in str(info.value)
+
+
+def test_the_distributed_optimizers_state_is_refused_at_another_pipeline_parallel_size(tmp_path):
+    """Its shards are per pipeline stage as they are per tensor-parallel rank: refused before anything loads, naming
+    the field; the plain optimizer's state reshards across pipeline sizes (tests/integration/test_trainer_pipeline.py)."""
+    from trainingrun.trainer.checkpoint_megatron import optimizer_format_problem
+
+    d = tmp_path / "step_00000004"
+    d.mkdir()
+    (d / "meta.json").write_text(json.dumps({"optimizer": "distributed", "tp_size": 1, "dp_size": 2, "pp_size": 2}))
+    (d / "COMPLETE").write_text("{}")
+    here = {"optimizer": "distributed", "tp_size": 1, "dp_size": 4, "pp_size": 2}
+    assert optimizer_format_problem(tmp_path, here) is None  # another data-parallel size, the same stages
+    assert optimizer_format_problem(tmp_path, {**here, "pp_size": 1}) == (
+        f"checkpoint {d} holds the distributed optimizer's state at pipeline-parallel 2: it loads at any "
+        "data-parallel size, not at pipeline-parallel 1; allowed: trainer.pipelineParallelSize 2")
+    (d / "meta.json").write_text(json.dumps({"optimizer": "plain", "tp_size": 1, "dp_size": 2, "pp_size": 2}))
+    assert optimizer_format_problem(tmp_path, {**here, "optimizer": "plain", "pp_size": 1}) is None

@@ -49,14 +49,122 @@ def test_root_cause_is_deterministic_and_prefers_config_error(exits):
         assert cause.kind is ExitKind.CONFIG_ERROR
 
 
+def _policy(max_restarts=2, backoff=10.0, rules=(), **roles):
+    return policy.Policy(group=policy.Budget(max_restarts, backoff),
+                         roles={r: roles.get(r, policy.Budget(max_restarts, backoff)) for r in policy.ALONE_ROLES},
+                         rules=tuple(rules))
+
+
 def test_budget_verdicts():
     fail = _f("t", 3)
-    assert policy.on_failure(fail, restarts=0, max_restarts=2) == policy.Verdict(
-        True, "PodFailed", "restart 1 of 2", counted=True)
-    v = policy.on_failure(fail, restarts=2, max_restarts=2)
+    v = _policy().decide(fail, policy.Counts(restarts=0))
+    assert (v.restart, v.reason, v.counted, v.action) == (True, "PodFailed", True, policy.Action.RESTART_GROUP)
+    assert v.why == "restart 1 of failurePolicy.maxRestarts=2"
+    v = _policy().decide(fail, policy.Counts(restarts=2))
     assert not v.restart and v.reason == "BackoffLimitExceeded" and "all 2 restart(s)" in v.why
-    v = policy.on_failure(_f("c", EXIT_CONFIG_ERROR), restarts=0, max_restarts=5)
+    v = _policy(max_restarts=5).decide(_f("c", EXIT_CONFIG_ERROR))
     assert not v.restart and v.reason == "ConfigError" and "78" in v.why
+
+
+# The policy before rules existed, for a failure of the group (a trainer, or the rollout): kept as the reference the
+# default rules must reproduce for trainers.
+def _old_on_failure(f: Failure, restarts: int, max_restarts: int) -> tuple[bool, str, bool]:
+    if f.kind is ExitKind.CONFIG_ERROR:
+        return False, "ConfigError", False
+    if f.kind is ExitKind.DISRUPTION:
+        return True, "Disrupted", False
+    if restarts >= max_restarts:
+        return False, "BackoffLimitExceeded", False
+    return True, "PodFailed", True
+
+
+@given(st.sampled_from([1, 2, 3, 137, -9, -15, EXIT_CONFIG_ERROR, None]), st.booleans(), st.integers(0, 4),
+       st.integers(0, 4), st.sampled_from(["trainer", None]))
+def test_default_rules_keep_the_old_behaviour_for_trainers(code, disrupted, restarts, max_restarts, role):
+    f = Failure(name="p", kind=policy.classify(code, disrupted=disrupted), description="", role=role, code=code)
+    v = _policy(max_restarts=max_restarts).decide(f, policy.Counts(restarts=restarts, role_restarts={"rollout": 9}))
+    assert (v.restart, v.reason, v.counted) == _old_on_failure(f, restarts, max_restarts)
+    assert v.action in (policy.Action.RESTART_GROUP, policy.Action.FAIL_RUN) and not v.alone
+    if v.restart:  # the backoff the operator and the launcher waited before rules existed
+        assert v.backoff == (policy.backoff_seconds(10.0, restarts + 1) if v.counted else 10.0)
+
+
+def test_default_rules_restart_the_rollout_and_an_engine_alone_on_their_own_budget():
+    p = _policy(max_restarts=1, engine=policy.Budget(2, 4.0))
+    rollout = _f("r", 1, role="rollout", rank=None)
+    v = p.decide(rollout, policy.Counts(restarts=1, role_restarts={"engine": 2}))  # the group's budget is spent
+    assert v.alone and v.counted and v.role == "rollout" and "failurePolicy.roles.rollout.maxRestarts=1" in v.why
+    v = p.decide(rollout, policy.Counts(role_restarts={"rollout": 1}))
+    assert not v.restart and v.reason == "BackoffLimitExceeded" and "failurePolicy.roles.rollout.maxRestarts" in v.why
+    engine = _f("e", -9, role="engine", rank=3)
+    v = p.decide(engine, policy.Counts(role_restarts={"engine": 1}))
+    assert v.alone and v.rank == 3 and v.backoff == 8.0  # the engine's own base, doubled after its second restart
+    # evicted: restarted alone, counted nowhere, the base backoff
+    v = p.decide(_f("e", 137, role="engine", rank=0, disrupted=True), policy.Counts(role_restarts={"engine": 2}))
+    assert v.alone and not v.counted and v.reason == "Disrupted" and v.backoff == 4.0
+    # a configuration error fails the run whatever the role
+    assert p.decide(_f("r", EXIT_CONFIG_ERROR, role="rollout", rank=None)).reason == "ConfigError"
+
+
+def test_rules_match_role_exit_code_and_reason_and_the_first_match_wins():
+    oom = policy.Rule(policy.Action.FAIL_RUN, roles=frozenset({"trainer"}), reasons=frozenset({"OOMKilled"}),
+                      name="failurePolicy.rules[0] (oom)")
+    sigkill = policy.Rule(policy.Action.IGNORE, exit_codes=frozenset({137}), name="failurePolicy.rules[1]")
+    rollout_all = policy.Rule(policy.Action.RESTART_GROUP, roles=frozenset({"rollout"}), name="failurePolicy.rules[2]")
+    p = _policy(rules=[oom, sigkill, rollout_all])
+    t_oom = Failure(name="t", kind=ExitKind.FAILURE, description="", code=137, reasons=frozenset({"OOMKilled"}))
+    assert p.rule_for(t_oom) is oom  # matches rule 1 too: the first wins
+    v = p.decide(t_oom)
+    assert not v.restart and v.reason == "FailurePolicyRule" and "rules[0] (oom)" in v.why
+    # a local process killed by SIGKILL (-9) is exit code 137, as in a container; Ignore uses no budget
+    v = p.decide(_f("t", -9), policy.Counts(restarts=2))
+    assert p.rule_for(_f("t", -9)) is sigkill and v.restart and not v.counted and v.reason == "FailureIgnored"
+    # the rollout with another code: rule 3 restarts the whole group (against maxRestarts)
+    v = p.decide(_f("r", 1, role="rollout", rank=None))
+    assert v.action is policy.Action.RESTART_GROUP and v.counted and v.rule == "failurePolicy.rules[2]"
+    # nothing matches an engine's exit 2: the default rule restarts it alone
+    assert p.decide(_f("e", 2, role="engine", rank=0)).alone
+    # conditions given together must all hold
+    both = policy.Rule(policy.Action.FAIL_RUN, roles=frozenset({"engine"}), exit_codes=frozenset({3}))
+    assert both.matches(_f("e", 3, role="engine")) and not both.matches(_f("e", 4, role="engine"))
+    assert not both.matches(_f("t", 3))
+    # the policy's own reasons
+    hang = Failure(name="progress deadline", kind=ExitKind.FAILURE, description="", role=None,
+                   reasons=frozenset({policy.PROGRESS_DEADLINE}))
+    fail_hangs = policy.Rule(policy.Action.FAIL_RUN, reasons=frozenset({policy.PROGRESS_DEADLINE}))
+    assert _policy(rules=[fail_hangs]).decide(hang).action is policy.Action.FAIL_RUN
+    assert _policy().decide(hang).action is policy.Action.RESTART_GROUP
+    assert policy.DISRUPTED in _f("x", 1, disrupted=True).all_reasons and policy.SIGNAL in _f("x", -15).all_reasons
+
+
+def test_a_trainer_never_restarts_alone():
+    """RestartRole (refused by the API for trainers) and Ignore both restart the trainers with the group."""
+    alone = policy.Rule(policy.Action.RESTART_ROLE)
+    v = _policy(rules=[alone]).decide(_f("t", 1))
+    assert v.action is policy.Action.RESTART_GROUP and v.counted
+    v = _policy(rules=[policy.Rule(policy.Action.IGNORE)]).decide(_f("t", 1), policy.Counts(restarts=5))
+    assert v.action is policy.Action.RESTART_GROUP and not v.counted
+
+
+def test_policy_from_the_spec():
+    from trainingrun.api.models import FailurePolicy
+
+    fp = FailurePolicy.model_validate({
+        "maxRestarts": 4, "backoffSeconds": 7, "roles": {"engine": {"maxRestarts": 9}},
+        "rules": [{"name": "oom", "roles": ["trainer"], "reasons": ["OOMKilled"], "action": "FailRun"},
+                  {"exitCodes": [137, 143], "action": "Ignore"}]})
+    p = policy.Policy.from_spec(fp)
+    assert p.group == policy.Budget(4, 7.0)
+    assert p.roles == {"rollout": policy.Budget(4, 7.0), "engine": policy.Budget(9, 7.0)}
+    assert [r.name for r in p.rules] == ["failurePolicy.rules[0] (oom)", "failurePolicy.rules[1]"]
+    assert p.rules[1].exit_codes == {137, 143} and p.rules[0].action is policy.Action.FAIL_RUN
+    # the API's vocabulary is the policy's
+    import typing
+
+    from trainingrun.api.models import FailureRule
+
+    assert set(typing.get_args(FailureRule.model_fields["action"].annotation)) == {a.value for a in policy.Action}
+    assert set(typing.get_args(typing.get_args(FailureRule.model_fields["roles"].annotation)[0])) == set(policy.ROLES)
 
 
 def test_deadlines():

@@ -144,6 +144,15 @@ def test_admission_refusals_and_owner_reference_enforcement(kube):
                                              "verbs": ["update"]}])
     assert kube.create(PODS, child)["metadata"]["name"] == "a3"
     kube.emulator.admission.clear()
+    # updates too: a status write lost to a conflict, once
+    refused = kube.emulator.refuse_update("trainingruns", "default", "f3", 409, "Conflict", "the object has been "
+                                          "modified", subresource="status")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        kube.patch(kube.tr_path("f3") + "/status", {"status": {"phase": "Running"}})
+    assert err.value.code == 409 and refused() == 1
+    kube.patch(kube.tr_path("f3") + "/status", {"status": {"phase": "Running"}})
+    assert kube.status("f3")["phase"] == "Running" and refused() == 1
+    kube.emulator.update_admission.clear()
 
 
 def test_finalizer_held_pod_stays_terminating(kube):

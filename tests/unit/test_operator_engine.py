@@ -1,6 +1,6 @@
 """The operator's children for a run with the vLLM engine and no engine.url: the engine's ConfigMap (worker
-extension), Pod (official vLLM image, restartPolicy Always, the run's volumes) and Service, created with the run's
-other base children; the rollout pod is given the engine's URL; a vllm run without model.hf is refused. (What the
+extension), Pod (official vLLM image, restartPolicy Never: the operator replaces a failed engine, its budget in the
+run's status, the run's volumes) and Service, created with the run's other base children; the rollout pod is given the engine's URL; a vllm run without model.hf is refused. (What the
 lifecycle does with the engine's children and restarts: tests/unit/test_operator_status.py.)"""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def test_engine_children_and_the_rollouts_url():
     assert cm["data"] == k8s.extension_config_map_data()
     assert svc["spec"]["ports"][0]["port"] == k8s.ENGINE_PORT
     assert svc["spec"]["selector"][LABEL_ROLE] == "engine" == pod["metadata"]["labels"][LABEL_ROLE]
-    assert pod["spec"]["restartPolicy"] == "Always" and "schedulerName" not in pod["spec"]
+    assert pod["spec"]["restartPolicy"] == "Never" and "schedulerName" not in pod["spec"]
     assert svc["spec"]["clusterIP"] == "None" and pod["spec"]["subdomain"] == "rl-engine"
     c = pod["spec"]["containers"][0]
     assert c["image"].startswith("vllm/vllm-openai:") and c["args"][c["args"].index("--model") + 1] == "/models/smol"

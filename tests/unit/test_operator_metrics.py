@@ -35,6 +35,12 @@ def test_one_series_per_phase_with_the_current_one_set_and_removed_with_the_run(
     assert phase_values("r1") == {p: float(p == "Running") for p in PHASES}
     assert series("r1")[("trainingrun_operator_run_restarts", ())] == 2
     assert series("r1")[("trainingrun_operator_run_step", ())] == 17
+    assert ("trainingrun_operator_run_progress_percent", ()) not in series("r1")  # no status.progress yet
+    t.set("u1", "Running", restarts=2, step=18, progress={"percentage": 40, "estimatedRemainingSeconds": 90})
+    assert series("r1")[("trainingrun_operator_run_progress_percent", ())] == 40
+    assert series("r1")[("trainingrun_operator_run_eta_seconds", ())] == 90
+    t.set("u1", "Running", restarts=2, step=18, progress={"percentage": 40})  # the pace unknown again
+    assert ("trainingrun_operator_run_eta_seconds", ()) not in series("r1")
     assert runs_by_phase() == {p: float(p == "Running") for p in PHASES}  # the aggregate counts the run too
     t.set("u1", None)
     assert series("r1") == {}

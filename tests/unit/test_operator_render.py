@@ -236,15 +236,76 @@ def test_each_child_is_rendered_by_its_own_renderer_as_exactly_that_object():
                  "rollout": {"source": {"type": "generate", "generate": {}}, "engine": {"type": "vllm"}},
                  "weightSync": {"type": "disk"}, "store": {"managed": True},
                  "gangScheduling": {"enabled": True}}})
-    children = vocabulary.base_children(run, 1) + [
-        vocabulary.Child("Pod", vocabulary.Names("tiny").pod(role, rank, 1), role=role, rank=rank)
+    native = run.model_copy(update={"spec": run.spec.model_copy(update={
+        "gang_scheduling": run.spec.gang_scheduling.model_copy(update={"provider": "kubernetes"})})})
+    children = [(run, c) for c in vocabulary.base_children(run, 1)] + [
+        (native, c) for c in vocabulary.base_children(native, 1) if c.kind == "Workload"] + [
+        (run, vocabulary.engine_child(run, 0, 2))] + [
+        (run, vocabulary.Child("Pod", vocabulary.Names("tiny").pod(role, rank, 1), role=role, rank=rank))
         for role, rank in (("rollout", None), ("trainer", 0), ("trainer", 1))]
-    assert {(c.kind, c.role) for c in children} == set(render.RENDERERS)
-    for child in children:
+    assert {(c.kind, c.role) for _, c in children} == set(render.RENDERERS)
+    for run, child in children:
         obj = render.render_child(run, OWNER, child, 1)
         assert (obj["kind"], obj["metadata"]["name"]) == (child.kind, child.name)
         assert obj["metadata"]["labels"].get(LABEL_ROLE) == child.role
-        if child.rank is not None:
-            assert obj["metadata"]["labels"][LABEL_RANK] == str(child.rank)
+        if child.rank is not None:  # a trainer's rank; an engine's replica (and its generation)
+            rank_label = "trainingrun.dev/replica" if child.role == "engine" else LABEL_RANK
+            assert obj["metadata"]["labels"][rank_label] == str(child.rank)
+        if child.kind == "Pod" and child.role in ("rollout", "engine"):
+            assert obj["metadata"]["labels"]["trainingrun.dev/role-attempt"] == str(child.generation)
     with pytest.raises(ValueError, match="no renderer for Secret/tiny-x"):
         render.render_child(run, OWNER, vocabulary.Child("Secret", "tiny-x", role="trainer"), 1)
+
+
+def test_kubernetes_gang_objects_and_pods_match_the_served_versions_schemas():
+    """gangScheduling provider kubernetes: the Workload, PodGroup and pods the operator renders for each
+    scheduling.k8s.io version it supports are valid for that Kubernetes release's own schemas (strict: no unknown
+    field) — v1alpha2 (1.36) and v1beta1 (1.37) — with the gang's size, the run's priority class and whole-gang
+    disruption in each version's shape."""
+    import kubernetes_validate
+
+    run = run_of(gangScheduling={"enabled": True, "provider": "kubernetes"},
+                 podTemplate={"priorityClassName": "training"}, placement={"trainer": {"kueue": {
+                     "sliceRequired": "nvidia.com/gpu.clique", "sliceSize": 2}}}, queueName="team-a")
+    for version, release, disruption in (("v1alpha2", "1.36.0", "PodGroup"), ("v1beta1", "1.37.0", {"all": {}})):
+        children = render.render_children(run, OWNER, 1, gang_version=version)
+        by_kind = {c["kind"]: c for c in children if c["apiVersion"] == f"scheduling.k8s.io/{version}"}
+        assert set(by_kind) == {"Workload", "PodGroup"}
+        template = by_kind["Workload"]["spec"]["podGroupTemplates"][0]
+        assert template["schedulingPolicy"] == {"gang": {"minCount": 3}} and template["priorityClassName"] == "training"
+        assert template["disruptionMode"] == disruption
+        pods = [c for c in children if c["kind"] == "Pod" and c["metadata"]["labels"].get(LABEL_ROLE) != "store"]
+        assert len(pods) == 3 and all(p["spec"]["schedulingGroup"] == {"podGroupName": "tiny-a1"} for p in pods)
+        trainers = [p for p in pods if p["metadata"]["labels"][LABEL_ROLE] == "trainer"]
+        assert all(p["metadata"]["annotations"]["kueue.x-k8s.io/podset-slice-size"] == "2" for p in trainers)
+        for child in children:
+            kubernetes_validate.validate(child, release, strict=True)
+
+
+def test_topology_placement_per_role_kueue_annotations_and_volcano_sub_groups():
+    """spec.placement: Kueue TAS annotations on the role's pods (trainers indexed by rank, so a slice is consecutive
+    ranks), none on the other role; Volcano's network topology as a sub-group of the attempt's PodGroup per role."""
+    run = run_of(queueName="team-a", placement={
+        "rollout": {"kueue": {"preferred": "cloud.provider.com/topology-rack"}},
+        "trainer": {"kueue": {"required": "cloud.provider.com/topology-block", "sliceRequired": "nvidia.com/gpu.clique",
+                              "sliceSize": 2}}})
+    pods = {p["metadata"]["labels"][LABEL_ROLE] + p["metadata"]["labels"].get(LABEL_RANK, ""): p
+            for p in render.render_pods(run, OWNER, 0)}
+    assert pods["rollout"]["metadata"]["annotations"]["kueue.x-k8s.io/podset-preferred-topology"] == (
+        "cloud.provider.com/topology-rack")
+    assert "kueue.x-k8s.io/podset-required-topology" not in pods["rollout"]["metadata"]["annotations"]
+    for rank in (0, 1):
+        meta = pods[f"trainer{rank}"]["metadata"]
+        assert meta["labels"]["kueue.x-k8s.io/pod-group-pod-index"] == str(rank)
+        assert {k: v for k, v in meta["annotations"].items() if "podset" in k} == {
+            "kueue.x-k8s.io/podset-required-topology": "cloud.provider.com/topology-block",
+            "kueue.x-k8s.io/podset-slice-required-topology": "nvidia.com/gpu.clique",
+            "kueue.x-k8s.io/podset-slice-size": "2"}
+    volcano = run_of(gangScheduling={"enabled": True, "provider": "volcano"},
+                     placement={"trainer": {"volcano": {"mode": "hard", "highestTierAllowed": 1, "subGroupSize": 1}}})
+    pg = render.render_podgroup(volcano, OWNER, 0)
+    assert pg["spec"]["subGroupPolicy"] == [{"name": "trainer", "networkTopology": {"mode": "hard",
+                                                                                    "highestTierAllowed": 1},
+                                             "subGroupSize": 1, "labelSelector": {"matchLabels": {LABEL_ROLE:
+                                                                                                  "trainer"}}}]
+    assert "subGroupPolicy" not in render.render_podgroup(run_of(gangScheduling={"enabled": True}), OWNER, 0)["spec"]

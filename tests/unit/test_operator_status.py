@@ -11,7 +11,7 @@ import yaml
 
 from tests.kube import ROOT
 from trainingrun.api import parse_trainingrun
-from trainingrun.api.constants import LABEL_ATTEMPT, LABEL_RANK, LABEL_ROLE
+from trainingrun.api.constants import LABEL_ATTEMPT, LABEL_RANK, LABEL_REPLICA, LABEL_ROLE, LABEL_ROLE_ATTEMPT
 from trainingrun.operator import status, vocabulary
 from trainingrun.operator.observe import Observed, PodObs, ProgressObs, Refusal, observe_pod
 from trainingrun.contract.errors import EXIT_CONFIG_ERROR
@@ -85,7 +85,7 @@ def _engine_run(max_restarts: int = 3, replicas: int = 1):
 def test_terminal_phases_are_sticky():
     run = run_of(failurePolicy={"maxRestarts": 3, "backoffSeconds": 10})
     st = {**_restarting(run), "restarts": 3, "phase": "Running", "attempt": 1}
-    d = decide(run, st, pods_of(run, 1, **{"tiny-rollout-a1": "Failed"}), attempt=1)
+    d = decide(run, st, pods_of(run, 1, **{"tiny-trainer-0-a1": "Failed"}), attempt=1)
     assert d.status["phase"] == "Failed"
     d2 = decide(run, d.status, pods_of(run, 1, phase="Succeeded"), attempt=1)
     assert d2.status["phase"] == "Failed" and not d2.create
@@ -198,13 +198,13 @@ def test_group_exit_restarts_within_the_budget_doubling_the_backoff_then_fails()
     d = decide(run, d.status, [], now=T0 + dt.timedelta(seconds=10), attempt=1)
     st = decide(run, d.status, pods_of(run, 1), attempt=1).status
     assert st["phase"] == "Running"
-    # the second restart waits 2 x backoffSeconds
-    d = decide(run, st, pods_of(run, 1, **{"tiny-rollout-a1": "Failed"}), attempt=1)
+    # the second restart waits 2 x backoffSeconds (a trainer: the rollout restarts alone, test_role_restart_*)
+    d = decide(run, st, pods_of(run, 1, **{"tiny-trainer-0-a1": "Failed"}), attempt=1)
     assert d.status["restarts"] == 2 and "in 20s" in d.status["message"]
     # budget used: Failed with the failing pod in the message
     st = {**d.status, "restarts": 3, "phase": "Running", "attempt": 1}
-    d = decide(run, st, pods_of(run, 1, **{"tiny-rollout-a1": "Failed"}), attempt=1)
-    assert d.status["phase"] == "Failed" and "tiny-rollout-a1" in d.status["message"]
+    d = decide(run, st, pods_of(run, 1, **{"tiny-trainer-0-a1": "Failed"}), attempt=1)
+    assert d.status["phase"] == "Failed" and "tiny-trainer-0-a1" in d.status["message"]
 
 
 def test_group_exit_disruptions_do_not_use_the_budget():
@@ -219,8 +219,8 @@ def test_group_exit_disruptions_do_not_use_the_budget():
     assert d.status["phase"] == "Restarting" and d.status["restarts"] == 0 and d.status["disruptions"] == 1
     assert d.requeue_after == 7 and d.events[-1][1] == "Disrupted"
     # DisruptionTarget on a pod that was deleted (the Eviction API): known from its last state
-    preempted = observe_pod({"metadata": {"name": "tiny-rollout-a0", "labels": {LABEL_ROLE: "rollout",
-                                                                               LABEL_ATTEMPT: "0"}},
+    preempted = observe_pod({"metadata": {"name": "tiny-trainer-1-a0", "labels": {LABEL_ROLE: "trainer", LABEL_RANK: "1",
+                                                                                 LABEL_ATTEMPT: "0"}},
                              "status": {"phase": "Running", "conditions": [
                                  {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}]}})
     d = decide(run, st, [p for p in pods_of(run, 0) if p.name != preempted.name], gone=(preempted,))
@@ -311,35 +311,50 @@ def test_ensure_children_creates_what_is_missing_on_every_reconcile():
     assert d.status["phase"] == "Running" and [c.key for c in d.create] == ["Service/tiny-trainers"]
 
 
-def test_an_engine_pod_beyond_the_budget_leaves_the_pool_and_only_an_empty_pool_fails_the_run():
-    """A pool of 2: engine-1 crash-looping beyond maxRestarts is out of the pool (an event, status.enginesDown), the
-    run goes on with engine-0, its trainers untouched; once engine-0 is beyond the budget too the run fails naming
-    both pods and their last exits."""
+def test_an_engine_replica_beyond_the_budget_leaves_the_pool_and_only_an_empty_pool_fails_the_run():
+    """A pool of 2 (engine pods restartPolicy Never, replaced by the failure policy): engine-1 failed is replaced
+    alone (rl-engine-1-r1, trainers untouched, status.roleRestarts); failed again with failurePolicy.roles.engine's
+    budget spent it leaves the pool (roleRestarts marks it down, an EngineDown event, never replaced), the run goes on
+    with engine-0; once engine-0 fails too the run fails naming both pods and their last exits."""
     run = _engine_run(max_restarts=1, replicas=2)
     children = frozenset(c.key for c in vocabulary.base_children(run, 0) if c.kind != "Pod")
     st = {"phase": "Running", "attempt": 0, "restarts": 0}
     group = [PodObs(name=vocabulary.Names("rl").pod(role, rank, 0), role=role, rank=rank, attempt=0, phase="Running")
              for role, rank in status.expected_group(run)]
 
-    def engine(i: int, restarts: int):
-        return observe_pod({"metadata": {"name": f"rl-engine-{i}", "labels": {LABEL_ROLE: "engine"}},
-                            "status": {"phase": "Running", "containerStatuses": [{
-                                "name": "vllm", "restartCount": restarts, "state": {"running": {}},
-                                "lastState": {"terminated": {"exitCode": 137, "reason": "OOMKilled",
-                                                             "finishedAt": "2025-01-01T00:00:00Z"}}}]}})
+    def engine(i: int, generation: int, phase: str = "Running"):
+        name = vocabulary.Names("rl").engine_pod(i, generation)
+        state = ({"running": {}} if phase == "Running" else
+                 {"terminated": {"exitCode": 137, "reason": "OOMKilled", "finishedAt": "2025-01-01T00:00:00Z"}})
+        return observe_pod({"metadata": {"name": name, "labels": {
+                                LABEL_ROLE: "engine", LABEL_REPLICA: str(i), LABEL_ROLE_ATTEMPT: str(generation)}},
+                            "status": {"phase": phase, "conditions": [{"type": "Ready", "status": "True"}],
+                                       "containerStatuses": [{"name": "vllm", "restartCount": 0, "state": state,
+                                                              "ready": phase == "Running"}]}})
 
-    d = status.decide(run, dict(st), Observed(pods=(engine(0, 1), engine(1, 2), *group), children=children), now=T0)
-    assert d.status["phase"] == "Running" and not d.delete_pods
-    assert d.status["enginesDown"] == ["rl-engine-1"]
-    assert [(t, r) for t, r, m in d.events if "rl-engine-1" in m] == [("Warning", "EngineDown")]
-    again = status.decide(run, dict(d.status), Observed(pods=(engine(0, 1), engine(1, 3), *group),
-                                                        children=children), now=T0)
+    def decide(st, *engines):
+        return status.decide(run, dict(st), Observed(pods=(*engines, *group), children=children), now=T0)
+
+    d = decide(st, engine(0, 0), engine(1, 0, "Failed"))
+    assert d.status["phase"] == "Running" and not d.delete_pods, d.status
+    entry = next(e for e in d.status["roleRestarts"] if e["role"] == "engine" and e["replica"] == 1)
+    assert entry["restarts"] == 1 and not entry.get("down")
+    d = status.decide(run, dict(d.status), Observed(pods=(engine(0, 0), engine(1, 0, "Failed"), *group),
+                                                    children=children), now=T0 + dt.timedelta(seconds=120))
+    assert "Pod/rl-engine-1-r1" in {c.key for c in d.create} and not {c.key for c in d.create} & {
+        f"Pod/{p.name}" for p in group}
+    d = decide(d.status, engine(0, 0), engine(1, 0, "Failed"), engine(1, 1, "Failed"))  # the replacement failed too
+    assert d.status["phase"] == "Running" and not d.delete_pods, d.status
+    entry = next(e for e in d.status["roleRestarts"] if e["role"] == "engine" and e["replica"] == 1)
+    assert entry["down"] is True and entry["restarts"] == 1 and "rl-engine-1-r1" in entry["lastFailure"]
+    assert [(t, r) for t, r, m in d.events if "rl-engine-1-r1" in m] == [("Warning", "EngineDown")]
+    again = decide(d.status, engine(0, 0), engine(1, 1, "Failed"))
     assert again.status["phase"] == "Running" and not [e for e in again.events if e[1] == "EngineDown"]  # said once
-    d = status.decide(run, dict(again.status), Observed(pods=(engine(0, 2), engine(1, 3), *group), children=children),
-                      now=T0)
+    assert not [c for c in again.create if c.role == "engine"]  # out of the pool: never replaced again
+    d = decide(again.status, engine(0, 0, "Failed"), engine(1, 1, "Failed"))
     assert d.status["phase"] == "Failed", d.status
     message = d.status["message"]
-    assert "rl-engine-0" in message and "rl-engine-1" in message and "137" in message, message
+    assert "rl-engine-0" in message and "rl-engine-1-r1" in message and "137" in message, message
 
 
 def test_ensure_children_creates_missing_engine_children_but_not_a_running_engine_pod():

@@ -60,6 +60,31 @@ def test_may_claim_table(current, me, is_dead, expected):
     assert verdict(common.may_claim, holder, owner(me, "me"), url=URL, dead=dead if is_dead else alive) == expected
 
 
+def test_a_rollout_restarted_alone_takes_the_claim_from_its_predecessor_of_the_same_attempt():
+    """A rollout restarted alone (TRAININGRUN_ROLE_ATTEMPT g+1, same attempt) takes over at once from generation g,
+    even while g's lease lives (a pod on a lost node, a lease not yet expired); g is refused from then on: at its
+    next write (it held the claim) and when it tries to claim again. Claims stored before generations existed read
+    as generation 0."""
+    old = Owner(token="old", attempt=3, host="node-1", pid=1, pid_start=1, run="r", since=0.0, generation=1)
+    new = Owner(token="new", attempt=3, host="node-2", pid=2, pid_start=1, run="r", since=1.0, generation=2)
+    assert verdict(common.may_claim, old, new, url=URL, dead=alive) == "False"
+    assert verdict(common.check_writer, new, old, held=True, url=URL, op="publishing", dead=alive) == "conflict"
+    assert verdict(common.may_claim, new, old, url=URL, dead=dead) == "conflict"
+    # a newer attempt still wins over any generation of an older one, and fences it
+    assert verdict(common.may_claim, new, owner(4, "next"), url=URL, dead=alive) == "False"
+    assert verdict(common.may_claim, owner(4, "next"), new, url=URL, dead=alive) == "stale"
+    assert "generation 2" in new.describe() and Owner.from_json(new.to_json(), where="w") == new
+    legacy = {k: v for k, v in old.to_json().items() if k != "generation"}
+    assert Owner.from_json(legacy, where="w").generation == 0
+
+
+def test_the_writer_generation_comes_from_the_process_environment(monkeypatch):
+    monkeypatch.setenv("TRAININGRUN_ROLE_ATTEMPT", "3")
+    assert Owner.me(1).generation == 3
+    monkeypatch.delenv("TRAININGRUN_ROLE_ATTEMPT")
+    assert Owner.me(1).generation == 0
+
+
 def test_may_claim_holder_and_error_contents():
     me = owner(2, "me")
     assert common.may_claim(me, me, url=URL, dead=alive) is True  # already ours (the lease is just refreshed)

@@ -161,6 +161,7 @@ def test_a_pool_replica_beyond_the_budget_stays_down_and_only_an_empty_pool_fail
     its new pid); killed again beyond the budget it stays down and the run goes on with engine-0; once engine-0
     dies too the run fails naming both engines and their last exits."""
     import json
+    from types import SimpleNamespace
 
     from trainingrun.local.launcher import Launcher
     from trainingrun.vllm.server import PYTHON_ENV
@@ -176,7 +177,7 @@ def test_a_pool_replica_beyond_the_budget_stays_down_and_only_an_empty_pool_fail
         assert launcher.start_engine() is None
         pool = launcher.engine
         assert [r.name for r in pool.replicas] == ["engine-0", "engine-1"] and len(pool.url.split(",")) == 2
-        launcher._pids = {"processes": {}}
+        launcher._pids_of = (SimpleNamespace(children=[]), 0, "file://store")  # no attempt's processes: the engines
         launcher.write_pids()
         procs = json.loads((tmp_path / "out" / "pids.json").read_text())["processes"]
         assert {k: (v["role"], v["rank"], Path(v["log"]).name) for k, v in procs.items()} == {
@@ -294,3 +295,16 @@ def test_a_fenced_off_trainer_cannot_commit_a_weight_version(tmp_path: Path):
     finally:
         zombie.close()
         live.close()
+
+
+def test_the_store_publisher_is_refused_at_pipeline_parallel_size_2_naming_the_field(tmp_path: Path, store):
+    """weightSync store publishes trainer rank 0's own state dict, which at PP 2 holds one stage of the model: the
+    trainer refuses it at start-up (exit 78 through its ValueError → ConfigError) rather than publishing half a model."""
+    from trainingrun.trainer.weights import StoreWeightPublisher, make_publisher
+
+    doc = run_doc(tmp_path, engine={"type": "megatron"}, sync="store")
+    doc["spec"]["trainer"]["replicas"] = 2
+    assert isinstance(make_publisher(parse_trainingrun(doc).spec, store, arch=ARCH, rank=0), StoreWeightPublisher)
+    doc["spec"]["trainer"]["pipelineParallelSize"] = 2
+    with pytest.raises(ValueError, match=r"^weightSync\.type: store .* trainer\.pipelineParallelSize 2; allowed: "):
+        make_publisher(parse_trainingrun(doc).spec, store, arch=ARCH, rank=0)

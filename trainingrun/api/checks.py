@@ -184,11 +184,20 @@ def _program(rule: str) -> Any:
     return env.program(env.compile(rule))
 
 
-def evaluate_rule(rule: str, obj: Any, schema: dict[str, Any]) -> bool:
-    """Evaluate one CEL rule with `self` = obj; raises ValueError when the rule cannot be evaluated."""
+def is_transition_rule(rule: str) -> bool:
+    """A rule over `oldSelf` (the stored object): the API server runs it on updates only."""
+    return re.search(r"\boldSelf\b", rule) is not None
+
+
+def evaluate_rule(rule: str, obj: Any, schema: dict[str, Any], *, old: Any = None) -> bool:
+    """Evaluate one CEL rule with `self` = obj (and `oldSelf` = old, for a transition rule); raises ValueError when
+    the rule cannot be evaluated."""
     import celpy  # deferred: the optional `validate` extra
 
-    result = _program(rule).evaluate({"self": to_cel(obj, schema)})
+    bindings = {"self": to_cel(obj, schema)}
+    if old is not None:
+        bindings["oldSelf"] = to_cel(old, schema)
+    result = _program(rule).evaluate(bindings)
     if isinstance(result, celpy.CELEvalError):
         raise ValueError(f"rule {rule!r} could not be evaluated: {result}")
     return bool(result)
@@ -206,6 +215,8 @@ def _cel_problems(value: Any, schema: dict[str, Any], path: tuple[str | int, ...
     problems = []
     if isinstance(value, dict):
         for rule in schema.get("x-kubernetes-validations", []):
+            if is_transition_rule(rule["rule"]):
+                continue  # a document alone has no stored version to compare with
             try:
                 ok = evaluate_rule(rule["rule"], value, schema)
             except ValueError as exc:

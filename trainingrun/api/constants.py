@@ -16,11 +16,16 @@ Labels of every child object (pods also carry LABEL_ROLE; trainers LABEL_RANK; r
   LABEL_ROLE    "trainingrun.dev/role"            (contract) rollout | trainer | store | config | engine
   LABEL_RANK    "trainingrun.dev/rank"            (contract) trainer node rank
   LABEL_ATTEMPT "trainingrun.dev/attempt"         the restart attempt the pod belongs to
+  LABEL_ROLE_ATTEMPT "trainingrun.dev/role-attempt"  rollout and engine pods: their generation within the role (one
+                                                  more for each restart of the role alone; 0 when absent)
+  LABEL_REPLICA "trainingrun.dev/replica"         engine pods: the replica index
 
 Annotations and other names the operator writes on a TrainingRun:
   ANNOTATION_SPEC  the spec frozen at the first reconcile
   ANNOTATION_CONFIG_HASH  on the run's ConfigMap: a hash of the manifest it holds (a resize changes it)
   FINALIZER        kopf's finalizer on every TrainingRun it handles (docs/operator.md: removing it by hand)
+  MANAGED_BY_OPERATOR  spec.managedBy naming this operator (unset means the same); any other value: another
+                   controller (e.g. MultiKueue) runs the run and the operator leaves it alone
   EVENT_SOURCE     source.component / reportingComponent of the operator's Events
 """
 
@@ -44,6 +49,8 @@ LABEL_RUN: Final = f"{GROUP}/run"
 LABEL_ROLE: Final = f"{GROUP}/role"
 LABEL_RANK: Final = f"{GROUP}/rank"
 LABEL_ATTEMPT: Final = f"{GROUP}/attempt"
+LABEL_ROLE_ATTEMPT: Final = f"{GROUP}/role-attempt"  # a pod's generation within its role (restarts of the role alone)
+LABEL_REPLICA: Final = f"{GROUP}/replica"  # an engine pod's replica index
 
 ROLE_ROLLOUT: Final = "rollout"
 ROLE_TRAINER: Final = "trainer"
@@ -56,4 +63,5 @@ ANNOTATION_SPEC: Final = f"{GROUP}/spec"
 ANNOTATION_CONFIG_HASH: Final = f"{GROUP}/spec-hash"  # on the run's ConfigMap: a hash of the manifest it holds
 ANNOTATION_PREFIX: Final = GROUP  # kopf's progress and diff-base annotations
 FINALIZER: Final = f"{GROUP}/operator"
+MANAGED_BY_OPERATOR: Final = f"{GROUP}/operator"  # spec.managedBy of runs this operator runs (unset means the same)
 EVENT_SOURCE: Final = "trainingrun-operator"

@@ -16,11 +16,14 @@ from typing import Annotated, Any, ClassVar, Literal, overload
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from trainingrun.api.constants import API_VERSION, KIND
+from trainingrun.api.constants import API_VERSION, KIND, MANAGED_BY_OPERATOR
 from trainingrun.modeling.architecture import (
     ARCH_FIELDS,
+    TE_LAYERS_NEED_TE,
+    TE_NEEDS_TE_LAYERS,
     Activation,
     Architecture,
+    AttentionBackend,
     Family,
     Normalization,
     Precision,
@@ -130,9 +133,20 @@ class ModelSpec(ApiModel):
             " && !has(self.normEpsilon) && !has(self.activation) && !has(self.ropeBase) && !has(self.tieEmbeddings)"
             " && !has(self.addBiasLinear) && !has(self.addQkvBias))",
             message="with model.hf the architecture and sizes come from its config.json: set only seqLength, "
-            "precision and transformerImpl beside it (not preset or architecture fields)",
+            "precision, transformerImpl and attentionBackend beside it (not preset or architecture fields)",
             fieldPath=".hf",
         ),
+        # The attention backend and the layer spec it runs in (docs/trainer.md, "Attention backends").
+        Rule(name="te-attention-needs-te-layers",
+             rule="self.attentionBackend != 'te' || self.transformerImpl != 'local'",
+             message=TE_NEEDS_TE_LAYERS, fieldPath=".attentionBackend"),
+        Rule(name="te-layers-need-te-attention",
+             rule="self.transformerImpl != 'transformer_engine' || self.attentionBackend in ['auto', 'te']",
+             message=TE_LAYERS_NEED_TE, fieldPath=".attentionBackend"),
+        Rule(name="flash-needs-half-precision",
+             rule="self.attentionBackend != 'flash' || self.precision != 'fp32'",
+             message="model.attentionBackend flash runs in bf16 or fp16 (flash kernels have no fp32): set precision "
+             "bf16 or fp16, or attentionBackend sdpa or auto", fieldPath=".attentionBackend"),
     )
 
     hf: str | None = Field(
@@ -185,6 +199,14 @@ class ModelSpec(ApiModel):
         "installed, else local (Megatron's own layers with an SDPA core attention that handles packed sequences); "
         "transformer_engine: required (the trainer refuses to start without it or on CPU).",
     )
+    attention_backend: AttentionBackend = Field(
+        "auto",
+        description="Attention of packed (THD) micro-batches. te: TransformerEngine's fused attention (in its layer "
+        "spec: transformerImpl auto or transformer_engine); flash: torch's variable-length flash attention (CUDA, "
+        "bf16/fp16; local spec); sdpa: torch SDPA with a block-diagonal mask (any device, O(T^2) memory; local spec). "
+        "auto: te, then flash, then sdpa, the first the device offers (the trainer logs the choice). A named backend "
+        "the device cannot run stops the trainer at start-up (exit 78) naming what is missing.",
+    )
 
     @model_validator(mode="after")
     def _rules(self) -> ModelSpec:
@@ -201,6 +223,12 @@ class ModelSpec(ApiModel):
             clash = [_camel(k) for k in ("preset", *ARCH_FIELDS) if getattr(self, k) is not None]
             if clash:
                 raise ValueError(f"{self.cel_rule('hf-alone').message}; remove {', '.join(clash)}")
+        if self.attention_backend == "te" and self.transformer_impl == "local":
+            raise ValueError(self.cel_rule("te-attention-needs-te-layers").message)
+        if self.transformer_impl == "transformer_engine" and self.attention_backend not in ("auto", "te"):
+            raise ValueError(self.cel_rule("te-layers-need-te-attention").message)
+        if self.attention_backend == "flash" and self.precision == "fp32":
+            raise ValueError(self.cel_rule("flash-needs-half-precision").message)
         return self
 
     @overload
@@ -218,9 +246,11 @@ class ModelSpec(ApiModel):
             if not read_hf:
                 return None
             return read_hf_architecture(self.hf, seq_length=self.seq_length, precision=self.precision,
-                                        transformer_impl=self.transformer_impl)
+                                        transformer_impl=self.transformer_impl,
+                                        ).replace(attention_backend=self.attention_backend)
         return resolve(self.preset, precision=self.precision, transformer_impl=self.transformer_impl,
-                       seq_length=self.seq_length, **{k: getattr(self, k) for k in ARCH_FIELDS})
+                       attention_backend=self.attention_backend, seq_length=self.seq_length,
+                       **{k: getattr(self, k) for k in ARCH_FIELDS})
 
 
 # ------------------------------------------------------------------------------------------------------- trainer
@@ -250,6 +280,11 @@ class OptimizerSpec(ApiModel):
     clip_grad: float = Field(1.0, ge=0, le=1e6, description="Gradient norm clipping; 0 turns clipping off.")
     adam_beta1: float = Field(0.9, gt=0, lt=1, description="AdamW beta1.")
     adam_beta2: float = Field(0.999, gt=0, lt=1, description="AdamW beta2.")
+    distributed: bool = Field(
+        False, description="Megatron's distributed optimizer (ZeRO-1): the fp32 main parameters and Adam moments are "
+        "sharded over the data-parallel ranks (their memory / DP), gradients are reduce-scattered and parameters "
+        "all-gathered after each step instead of one all-reduce (the same bytes on the wire). Its checkpoints load at "
+        "any data-parallel size, not at another tensorParallelSize, and not into the plain optimizer (or back).")
 
     @model_validator(mode="after")
     def _rules(self) -> OptimizerSpec:
@@ -277,6 +312,60 @@ class PolicyLossSpec(ApiModel):
                                                               "estimator); 0: off (no reference model).")
 
 
+class RecomputeSpec(ApiModel):
+    """Activation recomputation: keep fewer activations for the backward pass and compute them again there."""
+
+    CEL_RULES = (
+        Rule(name="layers-for-full", rule="!has(self.numLayers) || self.granularity == 'full'",
+             message="recompute.numLayers is for granularity full only", fieldPath=".numLayers"),
+        Rule(name="block-needs-layers",
+             rule="self.granularity != 'full' || self.method != 'block' || has(self.numLayers)",
+             message="recompute method block needs recompute.numLayers (how many layers are recomputed)",
+             fieldPath=".numLayers"),
+    )
+
+    granularity: Literal["none", "selective", "full"] = Field(
+        "none", description="none: every activation kept. selective: the core attention is recomputed in backward "
+        "(its inputs kept; costs about one more attention forward; saves most with sdpa, whose [T, T] scores it no "
+        "longer keeps). full: whole layers are recomputed from their inputs (costs about one more forward of those "
+        "layers, ~1/3 more compute when all are; saves their activations).")
+    method: Literal["uniform", "block"] = Field(
+        "uniform", description="full only. uniform: the layers are split into chunks of numLayers (default 1) and "
+        "only each chunk's input is kept; block: the first numLayers layers are recomputed, the others keep their "
+        "activations.")
+    num_layers: int | None = Field(None, ge=1, le=1024, description="full only: layers per chunk (uniform, default "
+                                   "1) or layers recomputed (block); at most model.numLayers.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> RecomputeSpec:
+        if self.num_layers is not None and self.granularity != "full":
+            raise ValueError(self.cel_rule("layers-for-full").message)
+        if self.granularity == "full" and self.method == "block" and self.num_layers is None:
+            raise ValueError(self.cel_rule("block-needs-layers").message)
+        return self
+
+
+class PerformanceSpec(ApiModel):
+    """Megatron's speed switches. Every default is the safe one (nothing overlapped, fp32 gradient reduction, no
+    recomputation, no fusion); docs/trainer.md ("Performance options") gives what each costs and saves."""
+
+    overlap_grad_reduce: bool = Field(
+        False, description="Reduce gradients bucket by bucket while the backward of the last micro-batch still runs "
+        "(hides the data-parallel all-reduce / reduce-scatter behind compute; same result).")
+    overlap_param_gather: bool = Field(
+        False, description="With optimizer.distributed: all-gather the updated parameters during the next forward, "
+        "layer by layer, instead of right after the optimizer step (same result).")
+    grad_reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="Type of the gradient buffer and its data-parallel reduction. bf16 (model.precision "
+        "bf16) halves the buffer's memory and the bytes reduced, at the cost of rounding the accumulated gradient "
+        "(8 mantissa bits) over micro-batches and ranks; the optimizer still updates fp32 main parameters.")
+    recompute: RecomputeSpec = Field(default_factory=RecomputeSpec, description="Activation recomputation.")
+    gradient_accumulation_fusion: bool = Field(
+        False, description="Fuse the weight-gradient matmul with its accumulation into the fp32 gradient buffer (one "
+        "kernel, no temporary gradient). Needs CUDA and apex's fused_weight_gradient_mlp_cuda extension (Megatron's "
+        "own output layer uses it under either layer spec); refused without them.")
+
+
 class TrainerSpec(ApiModel):
     """The trainer pods: data-parallel ranks, parallelism, micro-batching, loss and optimizer."""
 
@@ -292,6 +381,15 @@ class TrainerSpec(ApiModel):
             " (self.tensorParallelSize * self.pipelineParallelSize) == 0",
             message="replicas × max(gpusPerReplica, 1) must be divisible by tensorParallelSize × pipelineParallelSize",
             fieldPath=".replicas",
+        ),
+        Rule(
+            name="param-gather-overlap-needs-distributed-optimizer",
+            rule="!has(self.performance) || !has(self.performance.overlapParamGather)"
+            " || !self.performance.overlapParamGather"
+            " || (has(self.optimizer) && has(self.optimizer.distributed) && self.optimizer.distributed)",
+            message="performance.overlapParamGather overlaps the distributed optimizer's parameter all-gather: set "
+            "optimizer.distributed true, or overlapParamGather false",
+            fieldPath=".performance.overlapParamGather",
         ),
     )
 
@@ -315,6 +413,8 @@ class TrainerSpec(ApiModel):
     )
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="Optimizer and LR schedule.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpointing.")
+    performance: PerformanceSpec = Field(default_factory=PerformanceSpec,
+                                         description="Megatron's performance options (all off by default).")
     resources: ResourceRequirements = Field(
         default_factory=ResourceRequirements, description="Resources of each trainer container."
     )
@@ -325,6 +425,8 @@ class TrainerSpec(ApiModel):
             raise ValueError(self.cel_rule("one-micro-batching").message)
         if self.world_size % (self.tensor_parallel_size * self.pipeline_parallel_size):
             raise ValueError(self.cel_rule("parallel-sizes-divide-world").message)
+        if self.performance.overlap_param_gather and not self.optimizer.distributed:
+            raise ValueError(self.cel_rule("param-gather-overlap-needs-distributed-optimizer").message)
         return self
 
     @property
@@ -474,12 +576,73 @@ class RewardSpec(ApiModel):
         return self
 
 
+class EnvironmentSpec(ApiModel):
+    """Multi-turn episodes (docs/rl.md, "Multi-turn"): each prompt starts groupSize episodes of an environment that
+    answers every model turn with an observation, a reward and whether the episode is done; the environment's
+    rewards replace `reward`. Environments run in worker processes with per-call timeouts and limits; one that hangs,
+    raises, returns something malformed or too large, or exits ends that episode as failed (counted)."""
+
+    CEL_RULES = (
+        Rule(name="environment-class-named", rule="self.type != 'class' || has(self.className)",
+             message="environment type class needs environment.className (module:Class)"),
+        Rule(name="environment-class-only-for-class", rule="self.type == 'class' || !has(self.className)",
+             message="environment.className is only for environment type class"),
+    )
+
+    type: Literal["calculator", "reasoningGym", "class"] = Field(
+        "calculator",
+        description="calculator: the model calls <calc>EXPR</calc>, gets the value back, and its final answer is "
+                    "scored against the prompt's answer; reasoningGym: the prompt's reasoning-gym task, answered "
+                    "again after feedback until right or out of attempts; class: environment.className.",
+    )
+    class_name: str | None = Field(
+        None, pattern=r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$",
+        description="module:Class of a user environment, built as Class(**config) for every episode.",
+    )
+    config: dict[str, Any] = Field(default_factory=dict, description="Keyword settings of the environment.")
+    max_turns: int = Field(4, ge=1, le=1024, description="Model turns per episode; an episode not done after them "
+                                                         "is truncated.")
+    max_tokens: int | None = Field(
+        None, ge=2, le=MAX_LENGTH,
+        description="Cap on an episode's tokens (first observation, turns and observations); default and at most "
+                    "model seqLength. An episode that reaches it is truncated.")
+    episode_reward: Literal["sum", "final"] = Field(
+        "sum", description="The episode's reward: the sum of its per-turn rewards, or the last turn's.")
+    samples: Literal["episode", "turn"] = Field(
+        "episode", description="episode: one sample per episode; turn: one sample per model turn (its context "
+                               "unmasked), each with the episode's reward: a group then has a variable sample count.")
+    truncation: Literal["mask", "penalize"] = Field(
+        "mask", description="Truncated episodes: mask (their loss mask is zero: they train nothing) or penalize "
+                            "(their reward is truncationReward).")
+    truncation_reward: float = Field(0.0, ge=-1e6, le=1e6, description="Reward of a truncated episode (penalize).")
+    failed_reward: float = Field(0.0, ge=-1e6, le=1e6, description="Reward of an episode whose environment failed.")
+    timeout_seconds: float = Field(10.0, gt=0.0, le=3600.0, description="Longest one environment call may take.")
+    workers: int = Field(1, ge=1, le=256, description="Environment worker processes.")
+    memory_mib: int = Field(1024, ge=16, le=1_048_576,
+                            description="Address space an environment worker may add beyond its start (MiB).")
+    max_observation_tokens: int = Field(
+        512, ge=1, le=MAX_LENGTH,
+        description="Longest observation in tokens (text beyond 16 characters per token is refused unread).")
+
+    @model_validator(mode="after")
+    def _rules(self) -> EnvironmentSpec:
+        if self.type == "class" and self.class_name is None:
+            raise ValueError(self.cel_rule("environment-class-named").message)
+        if self.type != "class" and self.class_name is not None:
+            raise ValueError(self.cel_rule("environment-class-only-for-class").message)
+        return self
+
+
 class GenerateSource(ApiModel):
-    """Rollouts generated by the policy itself: groupSize completions per prompt, scored by the reward."""
+    """Rollouts generated by the policy itself: groupSize completions per prompt, scored by the reward (or groupSize
+    multi-turn episodes per prompt with an environment)."""
 
     prompts: PromptsSpec = Field(default_factory=PromptsSpec, description="Where prompts come from.")
-    sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Sampling settings.")
-    reward: RewardSpec = Field(default_factory=RewardSpec, description="The reward.")
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec,
+                                   description="Sampling settings (per model turn with an environment).")
+    reward: RewardSpec = Field(default_factory=RewardSpec, description="The reward (not used with an environment).")
+    environment: EnvironmentSpec | None = Field(
+        None, description="Multi-turn episodes with an environment instead of single completions.")
 
 
 class VLLMSettings(ApiModel):
@@ -762,6 +925,64 @@ class MetricsSpec(ApiModel):
     wandb: WandbSpec | None = Field(None, description="Weights & Biases logging (off when unset).")
 
 
+class FailureRule(ApiModel):
+    """One rule of the failure policy (`trainingrun.failure_policy`): `action` for a failure that matches every
+    condition given (a condition left out matches anything); the first rule that matches decides."""
+
+    CEL_RULES = (
+        Rule(
+            name="restart-role-names-a-role",
+            rule="self.action != 'RestartRole' || (has(self.roles) && size(self.roles) > 0 && !('trainer' in "
+            "self.roles))",
+            message="action RestartRole restarts the rollout or one engine replica alone: give roles [rollout] and/or "
+            "[engine]; the trainers are one torch.distributed group fenced by the attempt number, so a trainer failure "
+            "restarts the group (RestartGroup), fails the run (FailRun) or uses no restart (Ignore)",
+            fieldPath=".roles",
+        ),
+    )
+
+    name: str | None = Field(None, min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+                             description="A name for events and messages (optional).")
+    roles: list[Literal["rollout", "trainer", "engine"]] = Field(
+        default_factory=list, max_length=3, description="The failed process's role; empty: any role.")
+    exit_codes: list[Annotated[int, Field(ge=1, le=255)]] = Field(
+        default_factory=list, max_length=32, description="Exit codes as a container reports them (a process killed "
+        "by signal N: 128 + N, e.g. 137 for SIGKILL); empty: any code.")
+    reasons: list[Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z][A-Za-z0-9]*$")]] = Field(
+        default_factory=list, max_length=32, description="Any of these reasons: the container's (OOMKilled, Error, "
+        "...), the pod's (Evicted, DeadlineExceeded, ...), a disruption condition's (DisruptionTarget, "
+        "EvictionByEvictionAPI, PreemptionByScheduler, TerminationTarget, ...) or the policy's own (Disrupted, "
+        "Deleted, ProgressDeadlineExceeded, Signal); empty: any reason.")
+    action: Literal["RestartGroup", "RestartRole", "FailRun", "Ignore"] = Field(
+        ..., description="RestartGroup: the rollout and the trainers restart as the next attempt (maxRestarts); "
+        "RestartRole: the rollout or the failed engine replica restarts alone (the role's budget); FailRun: the run "
+        "fails; Ignore: restarted as the role's default does, using no budget.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> FailureRule:
+        if self.action == "RestartRole" and (not self.roles or "trainer" in self.roles):
+            raise ValueError(self.cel_rule("restart-role-names-a-role").message)
+        return self
+
+
+class RoleBudget(ApiModel):
+    """Restarts of one role alone (RestartRole): how many, and the backoff before each."""
+
+    max_restarts: int | None = Field(
+        None, ge=0, le=1000, description="Restarts of this role alone (all its replicas together) before the run "
+        "fails; unset: failurePolicy.maxRestarts.")
+    backoff_seconds: int | None = Field(
+        None, ge=0, le=86400, description="Wait before such a restart, doubling like the group's; unset: "
+        "failurePolicy.backoffSeconds.")
+
+
+class RoleBudgets(ApiModel):
+    """The budgets of the roles that restart alone."""
+
+    rollout: RoleBudget = Field(default_factory=RoleBudget, description="The rollout process (pod).")
+    engine: RoleBudget = Field(default_factory=RoleBudget, description="The run's vLLM server(s).")
+
+
 class FailurePolicy(ApiModel):
     """What happens when a pod fails or the run stops making progress (`trainingrun.failure_policy`)."""
 
@@ -779,6 +1000,11 @@ class FailurePolicy(ApiModel):
     terminating_timeout_seconds: int = Field(
         120, ge=0, le=MAX_SECONDS, description="How long pods of an older attempt that are still terminating (e.g. on a "
         "lost node) may delay a restart; after it they no longer block the next attempt (the message names them).")
+    rules: list[FailureRule] = Field(
+        default_factory=list, max_length=32, description="Rules by role, exit code and reason, tried in order before "
+        "the default rules (a disruption uses no restart; exit code 78 fails the run; the rollout and an engine "
+        "restart alone; anything else restarts the group); the first that matches decides.")
+    roles: RoleBudgets = Field(default_factory=RoleBudgets, description="Budgets of restarting one role alone.")
 
 
 class Toleration(ApiModel):
@@ -833,13 +1059,87 @@ class PodTemplateOverrides(ApiModel):
 
 
 class GangScheduling(ApiModel):
-    """Create a PodGroup so all pods of the run are scheduled together (Volcano or scheduler-plugins)."""
+    """Schedule the rollout and trainer pods of an attempt together (`trainingrun.operator.gang`)."""
 
-    enabled: bool = Field(False, description="Create a PodGroup per attempt for the rollout and trainer pods.")
-    provider: Literal["volcano", "coscheduling"] = Field("volcano", description="Which PodGroup API to use.")
+    enabled: bool = Field(False, description="Group the rollout and trainer pods of each attempt.")
+    provider: Literal["volcano", "coscheduling", "kubernetes"] = Field(
+        "volcano", description="volcano: Volcano's PodGroup; coscheduling: scheduler-plugins' PodGroup; kubernetes: "
+        "Kubernetes' own Workload and PodGroup (scheduling.k8s.io v1beta1 or v1alpha2, whichever the cluster serves).")
     queue: str | None = Field(
         None, min_length=1, max_length=253,
-        description="Volcano queue of the PodGroup (unset: Volcano's default queue); not used by coscheduling.")
+        description="Volcano queue of the PodGroup (unset: Volcano's default queue); not used by the others.")
+
+
+class KueueTopology(ApiModel):
+    """Kueue's Topology Aware Scheduling for one role's pods (with spec.queueName): each level is a node label key of
+    the cluster's Kueue Topology (e.g. cloud.google.com/gce-topology-block, or nvidia.com/gpu.clique for an NVLink
+    domain)."""
+
+    CEL_RULES = (
+        Rule(name="required-or-preferred", rule="!(has(self.required) && has(self.preferred))",
+             message="set placement.<role>.kueue.required or .preferred, not both"),
+        Rule(name="slice-level-and-size", rule="has(self.sliceRequired) == has(self.sliceSize)",
+             message="placement.<role>.kueue.sliceRequired and sliceSize go together: each slice of sliceSize pods "
+             "(by rank) is placed inside one domain of the sliceRequired level"),
+    )
+
+    required: str | None = Field(None, min_length=1, max_length=253, description="All the role's pods inside one "
+                                 "domain of this level, or none runs (kueue.x-k8s.io/podset-required-topology).")
+    preferred: str | None = Field(None, min_length=1, max_length=253, description="Inside one domain of this level "
+                                  "when it fits, else the next level up (kueue.x-k8s.io/podset-preferred-topology).")
+    slice_required: str | None = Field(None, min_length=1, max_length=253, description="Each slice of sliceSize pods "
+                                       "inside one domain of this level (kueue.x-k8s.io/podset-slice-required-"
+                                       "topology), e.g. one model replica's trainer pods in one NVLink domain.")
+    slice_size: int | None = Field(None, ge=1, le=4096, description="Pods per slice (kueue.x-k8s.io/podset-slice-"
+                                   "size); trainers are ordered by rank, so a slice is consecutive ranks.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> KueueTopology:
+        if self.required is not None and self.preferred is not None:
+            raise ValueError(self.cel_rule("required-or-preferred").message)
+        if (self.slice_required is None) != (self.slice_size is None):
+            raise ValueError(self.cel_rule("slice-level-and-size").message)
+        return self
+
+
+class VolcanoTopology(ApiModel):
+    """Volcano's network topology for one role's pods (with gangScheduling provider volcano): a sub-group of the
+    attempt's PodGroup whose pods stay within one HyperNode tier."""
+
+    CEL_RULES = (
+        Rule(name="one-tier", rule="!(has(self.highestTierAllowed) && has(self.highestTierName))",
+             message="set placement.<role>.volcano.highestTierAllowed or highestTierName, not both"),
+    )
+
+    mode: Literal["hard", "soft"] = Field("hard", description="hard: the pods must stay within the tier; soft: "
+                                          "preferred.")
+    highest_tier_allowed: int | None = Field(None, ge=0, le=64, description="The highest HyperNode tier the pods may "
+                                             "span (1: one leaf switch).")
+    highest_tier_name: str | None = Field(None, min_length=1, max_length=253,
+                                          description="The highest tier by its name.")
+    sub_group_size: int | None = Field(None, ge=1, le=4096, description="Pods per sub-group kept within the tier "
+                                       "(consecutive ranks); unset: all the role's pods together.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> VolcanoTopology:
+        if self.highest_tier_allowed is not None and self.highest_tier_name is not None:
+            raise ValueError(self.cel_rule("one-tier").message)
+        return self
+
+
+class RolePlacement(ApiModel):
+    """Topology-aware placement of one role's pods: Kueue's or Volcano's (`trainingrun.operator.gang`)."""
+
+    kueue: KueueTopology | None = Field(None, description="Kueue Topology Aware Scheduling (needs spec.queueName).")
+    volcano: VolcanoTopology | None = Field(None, description="Volcano network topology (needs gangScheduling "
+                                            "provider volcano).")
+
+
+class Placement(ApiModel):
+    """Topology-aware placement per role."""
+
+    rollout: RolePlacement = Field(default_factory=RolePlacement, description="The rollout pod.")
+    trainer: RolePlacement = Field(default_factory=RolePlacement, description="The trainer pods.")
 
 
 # CEL terms of the spec's rules below. The API server defaults fields before it evaluates rules, but an object that is
@@ -847,6 +1147,7 @@ class GangScheduling(ApiModel):
 _GENERATED = "has(self.rollout) && has(self.rollout.source) && self.rollout.source.type == 'generate'"
 _VLLM = "has(self.rollout.engine) && self.rollout.engine.type == 'vllm'"
 _SYNC = "(has(self.weightSync) ? self.weightSync.type : 'store')"
+_PLACED = "(has(self.placement) && has(self.placement.{role}) && has(self.placement.{role}.{kind}))"
 
 
 class TrainingRunSpec(ApiModel):
@@ -879,11 +1180,57 @@ class TrainingRunSpec(ApiModel):
             fieldPath=".weightSync.type",
         ),
         Rule(
+            name="bf16-grad-reduce-needs-bf16",
+            rule="!has(self.trainer.performance) || !has(self.trainer.performance.gradReduceDtype)"
+            " || self.trainer.performance.gradReduceDtype != 'bf16'"
+            " || (has(self.model.precision) && self.model.precision == 'bf16')",
+            message="trainer.performance.gradReduceDtype bf16 reduces gradients in the parameters' type: set "
+            "model.precision bf16, or gradReduceDtype fp32",
+            fieldPath=".trainer.performance.gradReduceDtype",
+        ),
+        Rule(
             name="vllm-needs-hf",
             rule=f"!({_GENERATED}) || !({_VLLM}) || has(self.model.hf)",
             message="rollout.engine.type vllm loads Hugging Face weights: set model.hf to a Hugging Face directory "
             "(in a cluster on a volume of podTemplate, which the engine pod mounts too)",
             fieldPath=".model.hf",
+        ),
+        # A transition rule (oldSelf: the stored object on an update): the controller that owns a run is chosen when
+        # it is created. No Python twin: a single object has no old version.
+        Rule(
+            name="managed-by-immutable",
+            rule="has(self.managedBy) == has(oldSelf.managedBy) && (!has(self.managedBy) || self.managedBy == "
+            "oldSelf.managedBy)",
+            message="spec.managedBy is immutable: it cannot be set, changed or removed after the run is created",
+            fieldPath=".managedBy",
+        ),
+        Rule(
+            name="kueue-placement-needs-queue",
+            rule=f"has(self.queueName) || !({_PLACED.format(role='trainer', kind='kueue')} || "
+            f"{_PLACED.format(role='rollout', kind='kueue')})",
+            message="placement.<role>.kueue is Kueue's Topology Aware Scheduling: set queueName (a LocalQueue whose "
+            "ClusterQueue has a topology-aware ResourceFlavor)",
+            fieldPath=".placement",
+        ),
+        Rule(
+            name="volcano-placement-needs-volcano",
+            rule="(has(self.gangScheduling) && self.gangScheduling.enabled && has(self.gangScheduling.provider) && "
+            f"self.gangScheduling.provider == 'volcano') || !({_PLACED.format(role='trainer', kind='volcano')} || "
+            f"{_PLACED.format(role='rollout', kind='volcano')})",
+            message="placement.<role>.volcano is Volcano's network topology: set gangScheduling.enabled with provider "
+            "volcano",
+            fieldPath=".placement",
+        ),
+        Rule(
+            name="slices-divide-the-pods",
+            rule="!has(self.placement) || !has(self.placement.trainer) || ((!has(self.placement.trainer.kueue) || "
+            "!has(self.placement.trainer.kueue.sliceSize) || self.trainer.replicas % "
+            "self.placement.trainer.kueue.sliceSize == 0) && (!has(self.placement.trainer.volcano) || "
+            "!has(self.placement.trainer.volcano.subGroupSize) || self.trainer.replicas % "
+            "self.placement.trainer.volcano.subGroupSize == 0))",
+            message="placement.trainer.kueue.sliceSize and placement.trainer.volcano.subGroupSize must divide "
+            "trainer.replicas (every slice is full)",
+            fieldPath=".placement.trainer",
         ),
     )
 
@@ -908,6 +1255,14 @@ class TrainingRunSpec(ApiModel):
         "Kueue's pod-group labels (kueue.x-k8s.io/queue-name, pod-group-name, pod-group-total-count), so Kueue admits "
         "them as one workload; until then they wait, gated, and the run is Pending (WaitingForAdmission).")
     gang_scheduling: GangScheduling = Field(default_factory=GangScheduling, description="Gang scheduling.")
+    placement: Placement = Field(default_factory=Placement, description="Topology-aware placement per role (Kueue "
+                                 "topology annotations or Volcano network topology).")
+    managed_by: str | None = Field(
+        None, min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*"
+        r"[A-Za-z0-9])?$",
+        description=f"The controller that runs this TrainingRun (a domain-prefixed path); unset or "
+        f"{MANAGED_BY_OPERATOR!r}: the trainingrun operator; anything else (e.g. kueue.x-k8s.io/multikueue): the "
+        "operator creates nothing and writes no status. Immutable.")
     pod_template: PodTemplateOverrides = Field(
         default_factory=PodTemplateOverrides, description="Pod settings for every pod of the run."
     )
@@ -924,6 +1279,20 @@ class TrainingRunSpec(ApiModel):
             raise ValueError(self.cel_rule("disk-broadcast-sync-need-vllm").message)
         if generated and vllm and self.model.hf is None:
             raise ValueError(self.cel_rule("vllm-needs-hf").message)
+        placed = {(role, kind) for role in ("rollout", "trainer") for kind in ("kueue", "volcano")
+                  if getattr(getattr(self.placement, role), kind) is not None}
+        if placed & {("rollout", "kueue"), ("trainer", "kueue")} and self.queue_name is None:
+            raise ValueError(self.cel_rule("kueue-placement-needs-queue").message)
+        gang = self.gang_scheduling
+        if placed & {("rollout", "volcano"), ("trainer", "volcano")} and not (gang.enabled and gang.provider == "volcano"):
+            raise ValueError(self.cel_rule("volcano-placement-needs-volcano").message)
+        t = self.placement.trainer
+        sizes = [x for x in (t.kueue.slice_size if t.kueue else None, t.volcano.sub_group_size if t.volcano else None)
+                 if x is not None]
+        if any(self.trainer.replicas % size for size in sizes):
+            raise ValueError(self.cel_rule("slices-divide-the-pods").message)
+        if self.trainer.performance.grad_reduce_dtype == "bf16" and self.model.precision != "bf16":
+            raise ValueError(self.cel_rule("bf16-grad-reduce-needs-bf16").message)
         return self
 
 
@@ -955,6 +1324,45 @@ class Condition(ApiModel):
     last_transition_time: str | None = Field(None, description="RFC 3339 time of the last change of status.")
 
 
+class RoleRestartStatus(ApiModel):
+    """Restarts of one replica of a role that restarts alone (the rollout, an engine replica): the role's budget is
+    counted here, in the run's status, never in a child (a deleted pod never resets it)."""
+
+    role: Literal["rollout", "engine"] = Field(..., description="The role.")
+    replica: int = Field(0, ge=0, le=4096, description="The replica (engines); 0 for the rollout.")
+    restarts: int = Field(0, ge=0, le=INT64_MAX, description="Restarts counted against failurePolicy.roles.<role>.")
+    uncounted: int = Field(0, ge=0, le=INT64_MAX, description="Restarts that used no budget (disruptions, Ignore "
+                           "rules); restarts + uncounted is the replica's current pod generation.")
+    last_failure: str | None = Field(None, max_length=MESSAGE_MAX_LENGTH, description="What failed last time.")
+    last_restart_time: str | None = Field(None, description="When the last restart was decided (RFC 3339).")
+    backoff_seconds: int = Field(0, ge=0, le=MAX_SECONDS, description="The wait after lastRestartTime before the "
+                                 "replacement is created.")
+    replacing: bool = Field(False, description="The replacement pod of the current generation was not seen yet.")
+    down: bool = Field(False, description="An engine replica out of the pool: it failed with "
+                       "failurePolicy.roles.engine's budget spent while other replicas served; not replaced again "
+                       "(the run fails once no replica is left).")
+
+
+class PaceAnchor(ApiModel):
+    """The progress the pace (for estimatedRemainingSeconds) is measured from: the first record of an attempt."""
+
+    attempt: int = Field(0, ge=0, le=INT64_MAX, description="The trainers' attempt of that record.")
+    rollouts_done: int = Field(0, ge=0, le=INT64_MAX, description="Rollouts done then.")
+    time: str = Field(..., description="When that record was written (RFC 3339).")
+
+
+class ProgressStatus(ApiModel):
+    """How far the run is, from the trainers' progress record (`trainingrun.contract.progress`)."""
+
+    percentage: int = Field(0, ge=0, le=100, description="Rollouts trained, in percent of rollout.numRollouts.")
+    estimated_remaining_seconds: int | None = Field(
+        None, ge=0, le=INT64_MAX, description="At this attempt's pace so far; unset until it is known.")
+    rollouts_done: int = Field(0, ge=0, le=INT64_MAX, description="Rollouts trained (the one in training counts).")
+    rollouts_total: int = Field(0, ge=0, le=INT64_MAX, description="spec.rollout.numRollouts.")
+    updated_at: str | None = Field(None, description="When the trainers wrote the record (RFC 3339).")
+    pace_from: PaceAnchor | None = Field(None, description="What the pace is measured from.")
+
+
 class TrainingRunStatus(ApiModel):
     """Observed state of a TrainingRun, written by the operator from what it observes."""
 
@@ -978,10 +1386,12 @@ class TrainingRunStatus(ApiModel):
                                             description="The spec generation this status reflects.")
     message: str | None = Field(None, max_length=MESSAGE_MAX_LENGTH,
                                 description="Last important message (e.g. why the run failed).")
-    engines_down: list[Annotated[str, Field(max_length=253)]] = Field(
-        default_factory=list, max_length=256,
-        description="Engine pods of the run's vLLM pool restarted more than failurePolicy.maxRestarts times: out of "
-                    "the pool (the run fails once no engine pod is left within the budget).")
+    role_restarts: list[RoleRestartStatus] = Field(
+        default_factory=list, max_length=4097, description="Restarts of the rollout and of each engine replica "
+        "alone (failurePolicy RestartRole), one entry per replica that restarted.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["role", "replica"]})
+    progress: ProgressStatus | None = Field(None, description="Percentage, rollouts done of the total and an "
+                                            "estimate of the time left, from the trainers' progress record.")
 
 
 class ObjectMeta(BaseModel):
@@ -1015,6 +1425,8 @@ ALL_MODELS: tuple[type[ApiModel], ...] = (
     ModelSpec,
     OptimizerSpec,
     CheckpointSpec,
+    RecomputeSpec,
+    PerformanceSpec,
     TrainerSpec,
     SyntheticSource,
     JsonlSource,
@@ -1024,6 +1436,7 @@ ALL_MODELS: tuple[type[ApiModel], ...] = (
     PromptsSpec,
     SamplingSpec,
     RewardSpec,
+    EnvironmentSpec,
     GenerateSource,
     EngineSpec,
     WeightSyncSpec,
@@ -1037,12 +1450,22 @@ ALL_MODELS: tuple[type[ApiModel], ...] = (
     SecretKeySelector,
     WandbSpec,
     MetricsSpec,
+    FailureRule,
+    RoleBudget,
+    RoleBudgets,
     FailurePolicy,
     Toleration,
     PodTemplateOverrides,
     GangScheduling,
+    KueueTopology,
+    VolcanoTopology,
+    RolePlacement,
+    Placement,
     TrainingRunSpec,
     Condition,
+    RoleRestartStatus,
+    PaceAnchor,
+    ProgressStatus,
     TrainingRunStatus,
     ResourceRequirements,
 )

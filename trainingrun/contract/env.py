@@ -8,6 +8,8 @@ writers and the child log read them with `ProcessEnv.from_environ()`. Nobody els
   TRAININGRUN_STORE_URL       store_url     file:///... or redis://...                            (contract)
   TRAININGRUN_CONFIG          config        path of the TrainingRun YAML (a ConfigMap mount in a cluster)
   TRAININGRUN_ATTEMPT         attempt       restart attempt of the group (0, 1, ...)
+  TRAININGRUN_ROLE_ATTEMPT    role_attempt  the rollout's generation within its role: one more each time it was
+                                            restarted alone (the store's writer claim orders writers by both)
   TRAININGRUN_RUN_EPOCH       run_epoch     the run's creation time, unix seconds (unset: unknown, e.g. local runs)
   TRAININGRUN_METRICS_PORT    metrics_port  port of this process's /metrics (a trainer's workers: + local rank)
   TRAININGRUN_METRICS_JSONL   metrics_jsonl trainer rank 0 appends one JSON object per step here (local runs)
@@ -36,6 +38,7 @@ RUN_ENV = "TRAININGRUN_RUN"
 STORE_URL_ENV = "TRAININGRUN_STORE_URL"
 CONFIG_ENV = "TRAININGRUN_CONFIG"
 ATTEMPT_ENV = "TRAININGRUN_ATTEMPT"
+ROLE_ATTEMPT_ENV = "TRAININGRUN_ROLE_ATTEMPT"
 RUN_EPOCH_ENV = "TRAININGRUN_RUN_EPOCH"
 METRICS_PORT_ENV = "TRAININGRUN_METRICS_PORT"
 METRICS_JSONL_ENV = "TRAININGRUN_METRICS_JSONL"
@@ -58,6 +61,7 @@ class ProcessEnv:
     store_url: str | None = _var(STORE_URL_ENV)
     config: str | None = _var(CONFIG_ENV)
     attempt: int | None = _var(ATTEMPT_ENV, int)
+    role_attempt: int | None = _var(ROLE_ATTEMPT_ENV, int)
     run_epoch: int | None = _var(RUN_EPOCH_ENV, int)
     metrics_port: int | None = _var(METRICS_PORT_ENV, int)
     metrics_jsonl: str | None = _var(METRICS_JSONL_ENV)

@@ -18,6 +18,9 @@ Kubernetes API permission. Both sides go through `ProgressRecord`; nobody reads 
 The trainer writes every field. A reader requires `step` and `time` and takes the others when present (a record
 written by hand, e.g. in a test, may carry fewer); a field present with a wrong type is refused naming it
 (`CorruptPayload`), and fields it does not know are ignored.
+
+`rollouts_done(rollout, total)`: how many of `total` rollouts a record of rollout `rollout` counts as trained (the
+rollout in training counts), the one figure the local progress line and the operator's status.progress both show.
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ MAX_TIME = 253402300799.0  # 9999-12-31T23:59:59Z: the last second a datetime ho
 
 _COUNTS = ("rollout", "samples_consumed", "last_global_batch_size", "attempt", "tokens")
 _NUMBERS = ("loss", "lr", "samples_per_second")
+
+
+def rollouts_done(rollout: int | None, total: int) -> int:
+    """Rollouts trained by the time a step of rollout `rollout` (0-based; None: no step yet) is done, out of
+    `total`: the rollout in training counts, never more than `total`."""
+    return 0 if rollout is None else max(0, min(int(rollout) + 1, int(total)))
 
 
 @dataclass(frozen=True)

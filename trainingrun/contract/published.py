@@ -41,6 +41,67 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
+class EpisodeCounts:
+    """Multi-turn episodes of a source rollout (`rollout.source.generate.environment`): counts that add up across
+    rollouts and ranks, so each mean below is a weighted (sum, count) pair (`record` names them)."""
+
+    episodes: int = 0
+    turns: int = 0  # model turns
+    tool_calls: int = 0
+    tool_errors: int = 0
+    truncated: int = 0  # episodes
+    response_tokens: int = 0  # tokens of the model's turns
+    failures: dict[str, int] = field(default_factory=dict)  # failed episodes by reason (environments.base)
+    reward: float = 0.0  # sum of the episodes' rewards (with per-turn samples reward_mean is over samples)
+
+    # record field -> (sum, count)
+    def pairs(self) -> dict[str, tuple[int, int]]:
+        failed = sum(self.failures.values())
+        return {
+            "turns_per_episode": (self.turns, self.episodes),
+            "tool_calls_per_episode": (self.tool_calls, self.episodes),
+            "tool_error_rate": (self.tool_errors, self.tool_calls),
+            "env_failure_rate": (failed, self.episodes),
+            "env_timeout_rate": (self.failures.get("timeout", 0), self.episodes),
+            "truncated_rate": (self.truncated, self.episodes),
+            "response_tokens_per_turn": (self.response_tokens, self.turns),
+            "episode_reward_mean": (self.reward, self.episodes),
+        }
+
+    def record(self) -> dict[str, float | int]:
+        """The per-step record's episode fields: the means (0 with nothing counted) and the counts."""
+        out: dict[str, float | int] = {name: s / c if c else 0.0 for name, (s, c) in self.pairs().items()}
+        out.update({"episodes": self.episodes, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
+                    "env_failures": sum(self.failures.values()), "env_timeouts": self.failures.get("timeout", 0),
+                    "truncated_episodes": self.truncated})
+        return out
+
+    def summary(self) -> str:
+        """One line for the rollout's log."""
+        r = self.record()
+        return (f"{self.episodes} episodes, {r['turns_per_episode']:.2f} turns and {r['tool_calls_per_episode']:.2f} "
+                f"tool calls each ({self.tool_errors} tool errors), {self.truncated} truncated, "
+                f"{r['env_failures']} failed {self.failures or ''}".rstrip())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"episodes": self.episodes, "turns": self.turns, "tool_calls": self.tool_calls,
+                "tool_errors": self.tool_errors, "truncated": self.truncated,
+                "response_tokens": self.response_tokens, "failures": dict(self.failures), "reward": self.reward}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> EpisodeCounts:
+        """ValueError naming the field when `d` is not a well-formed record."""
+        if not isinstance(d, dict):
+            raise ValueError(f"episodes: must be an object, got {type(d).__name__}")
+        try:
+            return cls(**{k: int(d[k]) for k in ("episodes", "turns", "tool_calls", "tool_errors", "truncated",
+                                                  "response_tokens")},
+                       failures={str(k): int(v) for k, v in d["failures"].items()}, reward=float(d["reward"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"episodes: malformed ({type(exc).__name__}: {exc})") from None
+
+
+@dataclass(frozen=True)
 class SourceStats:
     """How the rollout's samples came to be (absent in hand-built rollouts): accounting for reports and tests."""
 
@@ -62,6 +123,7 @@ class SourceStats:
     partials_carried: int = 0  # partial rollouts: cut groups carried into the next source rollout
     partials_dropped: int = 0  # partial rollouts: carried cut groups dropped as older than the staleness bound
     tokens_masked: int = 0  # partial rollouts (staleTokens mask): old tokens masked out of the loss
+    episodes: EpisodeCounts | None = None  # multi-turn episodes (generated rollouts with an environment)
 
     @property
     def reward_mean(self) -> float:
@@ -81,7 +143,8 @@ class SourceStats:
                 "reward_failed": self.reward_failed, "weight_version": self.weight_version,
                 "groups_produced": self.groups_produced, "groups_kept": self.groups_kept,
                 "groups_aborted": self.groups_aborted, "partials_carried": self.partials_carried,
-                "partials_dropped": self.partials_dropped, "tokens_masked": self.tokens_masked}
+                "partials_dropped": self.partials_dropped, "tokens_masked": self.tokens_masked,
+                **({"episodes": self.episodes.to_json()} if self.episodes is not None else {})}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> SourceStats | None:
@@ -95,7 +158,8 @@ class SourceStats:
                    weight_version=int(d.get("weight_version", -1)), groups_produced=int(d.get("groups_produced", 0)),
                    groups_kept=int(d.get("groups_kept", 0)), groups_aborted=int(d.get("groups_aborted", 0)),
                    partials_carried=int(d.get("partials_carried", 0)),
-                   partials_dropped=int(d.get("partials_dropped", 0)), tokens_masked=int(d.get("tokens_masked", 0)))
+                   partials_dropped=int(d.get("partials_dropped", 0)), tokens_masked=int(d.get("tokens_masked", 0)),
+                   episodes=EpisodeCounts.from_json(d["episodes"]) if "episodes" in d else None)
 
 
 @dataclass(frozen=True)
@@ -194,7 +258,7 @@ class PublishedRollout:
                  "step_weight_versions", "source_index", "produced", "filtered", "carried_in", "carried_out", "seed",
                  "reward_sum", "reward_sq_sum", "reward_count", "reward_failed", "weight_version", "groups_produced",
                  "groups_kept", "groups_aborted", "partials_carried", "partials_dropped", "tokens_masked",
-                 "step_lag_means"}
+                 "step_lag_means", "episodes"}
         versions = tuple(int(x) for x in d.get("step_weight_versions", ()))
         if versions and len(versions) != sched.num_steps:
             raise ValueError(f"schedule.step_weight_versions: {len(versions)} entries for {sched.num_steps} steps")

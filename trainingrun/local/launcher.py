@@ -5,6 +5,13 @@ An attempt is the plan's processes (`trainingrun.plan.build_plan`) started by `t
 polls them and rank 0's step records (`trainingrun.local.report`) until the attempt succeeds, fails, stalls or the
 launcher is signalled; `execute` restarts the group while the policy allows and writes metrics.jsonl and
 summary.json.
+
+Every failure goes through `Policy.decide` (the run's rules, then the defaults) with the launcher's counters
+(`counts`): RestartGroup ends the attempt and `execute` starts the next one after the backoff; RestartRole restarts
+one process alone while the others run on — the rollout (`_restart_rollout`: the same attempt, its next generation in
+TRAININGRUN_ROLE_ATTEMPT, resuming from its state in the store; the trainers keep waiting for its next rollout) or the
+run's vLLM server (`_engine_failed`: the engine replica, `trainingrun.local.engine`); FailRun ends the run. Counted
+restarts of a role use that role's budget (failurePolicy.roles.<role>).
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import os
 import re
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -128,8 +135,13 @@ class Launcher:
         self.write_failures: set[str] = set()  # outputs the launcher could not write (a full volume), said once each
         self.summary_written = False
         self.engine: LocalEnginePool | None = None  # the run's vLLM servers (rollout.engine.type vllm without url)
-        self.restarts = 0  # restarts the failure policy counted (group and engine alike)
-        self._pids: dict[str, Any] | None = None  # pids.json of the current attempt
+        self.policy = policy.Policy.from_spec(run.spec.failure_policy)
+        self.restarts = 0  # restarts the failure policy counted (group and roles alike): summary.json's `restarts`
+        self.group_restarts = 0  # counted restarts of the whole group (failurePolicy.maxRestarts)
+        self.role_restarts: dict[str, int] = {}  # counted restarts of each role alone (failurePolicy.roles.<role>)
+        self.generations: dict[str, int] = {}  # restarts of the rollout alone, counted or not (its generation)
+        self.role_events: list[dict[str, Any]] = []  # this attempt's restarts of a role alone (summary: attempts)
+        self._pids_of: tuple[ProcessGroup, int, str] | None = None  # pids.json: the attempt's group, attempt, store
         self._engine_starts = 0
 
     def volumes(self) -> list[Path]:
@@ -173,6 +185,21 @@ class Launcher:
             store_url = f"file://{(out / 'store').resolve()}"
         return store_url, config.resolve()
 
+    def counts(self) -> policy.Counts:
+        """The restarts used so far, for `Policy.decide`."""
+        return policy.Counts(restarts=self.group_restarts, role_restarts=dict(self.role_restarts))
+
+    def count(self, verdict: policy.Verdict) -> int:
+        """Count a restart of `verdict`'s role alone (the rollout, or one engine replica: `verdict.rank`); its new
+        generation (of that replica)."""
+        assert verdict.role is not None
+        if verdict.counted:
+            self.restarts += 1
+            self.role_restarts[verdict.role] = self.role_restarts.get(verdict.role, 0) + 1
+        key = verdict.role if verdict.role == "rollout" else f"{verdict.role}-{verdict.rank or 0}"
+        self.generations[key] = self.generations.get(key, 0) + 1
+        return self.generations[key]
+
     # -- one attempt
     def start_attempt(self, attempt: int, store_url: str, config: Path) -> ProcessGroup:
         # the rollout, then max(gpusPerReplica, 1) worker ports per trainer process (plan.build_plan)
@@ -196,20 +223,12 @@ class Launcher:
             ).to_env(),
         )
         self.progress.reopen()
+        self.role_events = []
+        rollout = replace(plan.rollout, env={**plan.rollout.env,
+                                             **ProcessEnv(role_attempt=self.generations.get("rollout", 0)).to_env()})
+        plan = replace(plan, processes=tuple(rollout if p.role == "rollout" else p for p in plan.processes))
         group = ProcessGroup.start(plan, cwd=self.out_dir.resolve(), log_dir=self.out_dir / "logs")
-        self._pids = {
-            "launcher": os.getpid(),
-            "attempt": attempt,
-            "first_attempt": self.first_attempt,  # this invocation's first (attempt - first_attempt = its restarts)
-            "store_url": store_url,
-            "master_port": int(plan.trainers[0].env["MASTER_PORT"]) if plan.trainers else None,
-            "processes": {
-                c.name: {"pid": c.proc.pid, "role": c.plan.role, "rank": c.plan.rank,
-                         "metrics_port": c.plan.metrics_port, "workers": c.plan.workers,
-                         "metrics_ports": list(c.plan.metrics_ports), "log": str(c.log)}
-                for c in group.children
-            },
-        }
+        self._pids_of = (group, attempt, store_url)
         self.write_pids()
         ports = ", ".join(
             f"{c.name}={c.plan.metrics_port}" if c.plan.workers == 1
@@ -221,15 +240,49 @@ class Launcher:
         return group
 
     def write_pids(self) -> None:
-        """pids.json: the attempt's processes and the run's engines (`engine-<i>`, rewritten when one restarts)."""
-        if self._pids is None:
+        """pids.json: the launcher, the attempt and every process of it now, and the run's engines (`engine-<i>`);
+        rewritten when one restarts alone."""
+        if self._pids_of is None:
             return
-        doc = dict(self._pids)
+        group, attempt, store_url = self._pids_of
+        trainers = [c for c in group.children if c.plan.role == "trainer"]
+        processes = {
+            c.name: {"pid": c.proc.pid, "role": c.plan.role, "rank": c.plan.rank,
+                     "metrics_port": c.plan.metrics_port, "workers": c.plan.workers,
+                     "metrics_ports": list(c.plan.metrics_ports), "log": str(c.log)}
+            for c in group.children
+        }
         if self.engine is not None:
-            doc["processes"] = {**doc["processes"], **self.engine.processes()}
-        self.try_write("pids.json", lambda: write_json_atomic(self.out_dir / "pids.json", doc))
+            processes.update(self.engine.processes())
+        self.try_write("pids.json", lambda: write_json_atomic(self.out_dir / "pids.json", {
+            "launcher": os.getpid(),
+            "attempt": attempt,
+            "first_attempt": self.first_attempt,  # this invocation's first (attempt - first_attempt = its restarts)
+            "store_url": store_url,
+            "master_port": int(trainers[0].plan.env["MASTER_PORT"]) if trainers else None,
+            "processes": processes,
+        }))
 
-    def watch(self, group: ProcessGroup, attempt: int) -> Outcome:
+    def _restart_rollout(self, group: ProcessGroup, failure: policy.Failure, verdict: policy.Verdict,
+                         attempt: int, store_url: str) -> bool:
+        """Restart the rollout process alone after the role's backoff (the trainers keep waiting for its next
+        rollout); False when a signal came during the backoff."""
+        generation = self.count(verdict)
+        budget = self.policy.roles["rollout"].max_restarts
+        self.progress.event(f"rollout failed: {failure.description}; restarting the rollout alone in "
+                            f"{verdict.backoff:g}s (generation {generation}; "
+                            + (f"restart {self.role_restarts['rollout']}/{budget} of failurePolicy.roles.rollout"
+                               if verdict.counted else verdict.why) + "); the trainers keep running")
+        self.role_events.append({"process": "rollout", "reason": failure.description, "counted": verdict.counted,
+                                 "generation": generation, "rule": verdict.rule})
+        if not self._sleep(verdict.backoff):
+            return False
+        group.restart("rollout", cwd=self.out_dir.resolve(), why=f"attempt {attempt} generation {generation} "
+                      "(restarted alone)", extra_env=ProcessEnv(role_attempt=generation).to_env())
+        self.write_pids()
+        return True
+
+    def watch(self, group: ProcessGroup, attempt: int, store_url: str = "") -> Outcome:
         """Poll the children until the attempt succeeds, fails, stalls or the launcher is signalled."""
         follower = MetricsTail(raw_metrics_path(self.out_dir, attempt))
         deadline_s = self.spec.failure_policy.progress_deadline_seconds
@@ -265,6 +318,12 @@ class Launcher:
                 full = full_volume(self.volumes())
                 if full is not None:  # no restart can fix a full disk: stop cleanly, whatever the exit code
                     return Outcome("failed", culprit=c.name, reason=f"{cause.description}: {full}", log=c.log)
+                verdict = self.policy.decide(cause, self.counts())
+                if verdict.alone and cause.role == "rollout":
+                    if not self._restart_rollout(group, cause, verdict, attempt, store_url):
+                        return Outcome("interrupted", reason="signal received during backoff")
+                    last_progress = time.monotonic()  # the deadline counts from the rollout's return
+                    continue
                 status = "config_error" if cause.kind is policy.ExitKind.CONFIG_ERROR else "failed"
                 return Outcome(status, culprit=c.name, reason=cause.description, log=c.log, failure=cause)
             if all(c.returncode == 0 for c in trainers):
@@ -284,42 +343,49 @@ class Launcher:
             time.sleep(POLL_SECONDS)
 
     def _engine_failed(self, failure: policy.Failure) -> Outcome | None:
-        """A vLLM server of the run's pool exited: restart only that replica (after the policy's backoff, counted as a
-        restart) while the budget allows — the rollout sends its prompts to the other replicas meanwhile and loads
-        the current weight version into it when it is back — else leave it down; the run fails only when no replica
-        is left (naming every replica and its last exit).
-
-        Issue 22 (failurePolicy.rules / RestartRole, branch h22-operator) replaces the budget below: the verdict is
-        then `self.policy.decide(failure, self.counts())` (failure.role "engine", failure.rank the replica's index),
-        RestartRole → `replica.restart_after(verdict.backoff)` counted in role_restarts["engine"], FailRun /
-        BackoffLimitExceeded → the `give_up` branch below, RestartGroup → that branch's group restart. The pool
-        parts (replica by name, give_up, live(), pids.json, the empty-pool outcome) stay as they are."""
-        fp = self.spec.failure_policy
+        """A vLLM server of the run's pool exited: the failure policy decides for that replica (failure.rank) — by
+        default it restarts alone (after the engine role's backoff, on the role's budget, all replicas together)
+        while the rollout sends its prompts to the other replicas and loads the current weight version into it
+        when it is back; a RestartGroup rule restarts the group and that replica; FailRun (a rule, exit 78) fails
+        the run. With the budget spent the replica leaves the pool (stays down); the run fails only when no replica
+        is left, naming every replica and its last exit."""
         assert self.engine is not None
-        replica = self.engine.replica(failure.name)
-        verdict = policy.on_failure(failure, restarts=self.restarts, max_restarts=fp.max_restarts)
+        replica = self.engine.replicas[failure.rank or 0]
+        verdict = self.policy.decide(failure, self.counts())
         self.progress.event(f"engine failed: {failure.description}")
+        pool = len(self.engine.replicas)
         if not verdict.restart:
-            replica.give_up()
-            self.write_pids()
-            left = self.engine.live()
-            status = "config_error" if failure.kind is policy.ExitKind.CONFIG_ERROR else "failed"
-            if left and status != "config_error":
-                self.progress.event(f"{replica.name} stays down: no restarts left ({self.restarts}/{fp.max_restarts} "
-                                    f"used); {len(left)} engine(s) left in the pool: "
-                                    f"{', '.join(r.name for r in left)}")
-                return None
-            self.progress.event(f"no restarts left ({self.restarts}/{fp.max_restarts} used)")
-            reason = failure.description if len(self.engine.replicas) == 1 else (
+            if verdict.reason == "BackoffLimitExceeded":
+                replica.give_up()
+                self.write_pids()
+                left = self.engine.live()
+                if left:
+                    self.progress.event(f"{replica.name} leaves the pool ({verdict.why}); {len(left)} engine(s) "
+                                        f"left: {', '.join(r.name for r in left)}")
+                    return None
+                self.progress.event(f"no restarts left ({verdict.why})")
+            else:
+                self.progress.event(f"not restarting: {verdict.why}")
+            status = "config_error" if verdict.reason == "ConfigError" else "failed"
+            reason = failure.description if pool == 1 or verdict.reason != "BackoffLimitExceeded" else (
                 "no engine of the pool is left: " + "; ".join(f"{r.name}: {r.last_exit or 'down'}"
                                                               for r in self.engine.replicas))
-            return Outcome(status, culprit="engine" if len(self.engine.replicas) == 1 else "engines", reason=reason,
+            return Outcome(status, culprit="engine" if pool == 1 else "engines", reason=reason,
                            log=replica.server.log_path, failure=failure)
-        self.restarts += int(verdict.counted)
-        backoff = policy.backoff_seconds(fp.backoff_seconds, self.restarts, counted=verdict.counted)
-        self.progress.event(f"restarting {replica.name} in {backoff:g}s (restart {self.restarts}/{fp.max_restarts}); "
-                            "the rollout sends its prompts to the other engines or waits for it")
-        replica.restart_after(backoff)
+        if not verdict.alone:  # RestartGroup: the group's next attempt, with the replica started again meanwhile
+            replica.restart_after(verdict.backoff)
+            return Outcome("failed", culprit="engine" if pool == 1 else replica.name, reason=failure.description,
+                           log=replica.server.log_path, failure=failure)
+        generation = self.count(verdict)
+        budget = self.policy.roles["engine"].max_restarts
+        what = (f"restart {self.role_restarts['engine']}/{budget} of failurePolicy.roles.engine" if verdict.counted
+                else verdict.why)
+        self.progress.event(f"restarting {replica.name} alone in {verdict.backoff:g}s (engine replica "
+                            f"{failure.rank or 0}, generation {generation}; {what}); the rollout sends its prompts "
+                            "to the other engines or waits for it")
+        self.role_events.append({"process": replica.name, "reason": failure.description, "counted": verdict.counted,
+                                 "generation": generation, "rule": verdict.rule})
+        replica.restart_after(verdict.backoff)
         return None
 
     def start_engine(self) -> Outcome | None:
@@ -394,7 +460,8 @@ class Launcher:
         store_url, config = self.prepare()
         attempt = next_attempt(self.out_dir)
         first_attempt = self.first_attempt = attempt
-        self.restarts = 0
+        self.restarts = self.group_restarts = 0
+        self.role_restarts, self.generations = {}, {}
         outcome = Outcome("failed", reason="not started")
         self.signals.install()
         try:
@@ -402,30 +469,36 @@ class Launcher:
             while engine_outcome is None:
                 group = self.start_attempt(attempt, store_url, config)
                 try:
-                    outcome = self.watch(group, attempt)
+                    outcome = self.watch(group, attempt, store_url)
                 finally:
                     if outcome.status != "succeeded":
                         self.progress.close()
                     self.stop_group(group)
                 self.attempts.append({"attempt": attempt, "outcome": outcome.status, "culprit": outcome.culprit,
                                       "reason": outcome.reason, "exit_codes": group.exit_codes(),
-                                      "pids": group.pids()})
+                                      "pids": group.pids(), "role_restarts": self.role_events})
                 self.try_write("metrics.jsonl", lambda: write_metrics(self.out_dir, merge_metrics(self.out_dir)))
                 if outcome.status in ("succeeded", "interrupted") or outcome.failure is None:
                     break
-                verdict = policy.on_failure(outcome.failure, restarts=self.restarts, max_restarts=fp.max_restarts)
+                verdict = self.policy.decide(outcome.failure, self.counts())
+                if verdict.alone:  # (the launcher restarts a role alone while it watches; a group end is a group's)
+                    verdict = policy.Verdict(policy.Action.RESTART_GROUP, verdict.reason, verdict.why, verdict.rule,
+                                             counted=verdict.counted, backoff=verdict.backoff)
                 if outcome.status == "failed":
                     self.progress.event(f"attempt {attempt} failed: {outcome.culprit}: {outcome.reason}")
                 if not verdict.restart:
                     if outcome.status == "failed":
-                        self.progress.event(f"no restarts left ({self.restarts}/{fp.max_restarts} used)")
+                        self.progress.event(f"no restarts left ({verdict.why})" if verdict.reason ==
+                                            "BackoffLimitExceeded" else f"not restarting: {verdict.why}")
+                    if verdict.reason == "FailurePolicyRule":
+                        outcome.reason = f"{outcome.reason}; {verdict.why}"
                     break
                 self.restarts += int(verdict.counted)
+                self.group_restarts += int(verdict.counted)
                 attempt += 1
-                backoff = policy.backoff_seconds(fp.backoff_seconds, self.restarts, counted=verdict.counted)
-                self.progress.event(f"restarting the group in {backoff:g}s "
-                                    f"(restart {self.restarts}/{fp.max_restarts}, attempt {attempt})")
-                if not self._sleep(backoff):
+                self.progress.event(f"restarting the group in {verdict.backoff:g}s "
+                                    f"(restart {self.group_restarts}/{fp.max_restarts}, attempt {attempt})")
+                if not self._sleep(verdict.backoff):
                     outcome = Outcome("interrupted", reason="signal received during backoff")
                     break
             if engine_outcome is not None:
@@ -451,6 +524,7 @@ class Launcher:
                             tokens_this_run=self.tokens_this_run, attempts=self.attempts, failure=failure,
                             name=self.name, out_dir=self.out_dir, data=self.data_report(store_url))
         summary["first_attempt"] = first_attempt
+        summary["role_restarts"] = dict(self.role_restarts)
         data = summary.get("data") or {}
         if data.get("finished") and data.get("leftover_samples"):
             self.progress.event(

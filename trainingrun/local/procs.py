@@ -71,33 +71,24 @@ class ProcessGroup:
     def start(cls, plan: RunPlan, *, cwd: Path, log_dir: Path, extra_env: dict[str, str] | None = None) -> ProcessGroup:
         """Start every process of `plan` (the rollout first), each logging to its own file under `log_dir`."""
         group = cls(attempt=plan.attempt)
-        prefix = child_command_prefix()
         log_dir.mkdir(parents=True, exist_ok=True)
         try:
             for p in (plan.rollout, *plan.trainers):
-                # one OpenMP thread per process unless the user says otherwise: N processes sharing a few cores with
-                # torch's default thread count ran a tiny model ~100x slower (docs/local.md)
-                env = {"OMP_NUM_THREADS": "1", **os.environ, **p.env, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
                 log = log_path(log_dir, p.name, plan.attempt)
-                with open(log, "ab") as fh:
-                    fh.write(f"# trainingrun local: {p.name} attempt {plan.attempt}: {shlex.join([*prefix, *p.args])}\n"
-                             .encode())
-                    fh.flush()
-                    proc = subprocess.Popen(
-                        [*prefix, *p.args],
-                        cwd=cwd,
-                        env=env,
-                        stdin=subprocess.DEVNULL,
-                        stdout=fh,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                        preexec_fn=DIE_WITH_PARENT,
-                    )
-                group.children.append(Child(plan=p, proc=proc, log=log, started=time.monotonic()))
+                group.children.append(_spawn(p, cwd, log, extra_env, f"attempt {plan.attempt}"))
         except BaseException:
             group.stop(grace=0)
             raise
         return group
+
+    def restart(self, name: str, *, cwd: Path, extra_env: dict[str, str], why: str) -> Child:
+        """Start process `name` of the group again (it exited), alone, appending to its log; the others run on."""
+        i = next(i for i, c in enumerate(self.children) if c.name == name)
+        old = self.children[i]
+        assert old.returncode is not None, f"{name} is still running"
+        _signal_group(old.proc, signal.SIGKILL)  # whatever it left in its process group goes with it
+        self.children[i] = _spawn(old.plan, cwd, old.log, extra_env, why)
+        return self.children[i]
 
     def pids(self) -> dict[str, int]:
         return {c.name: c.proc.pid for c in self.children}
@@ -124,6 +115,28 @@ class ProcessGroup:
                 c.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:  # pragma: no cover - a process in uninterruptible sleep
                 pass
+
+
+def _spawn(p: ProcessPlan, cwd: Path, log: Path, extra_env: dict[str, str] | None, what: str) -> Child:
+    """Start one process of the plan, its stdout and stderr appended to `log` after a header line."""
+    prefix = child_command_prefix()
+    # one OpenMP thread per process unless the user says otherwise: N processes sharing a few cores with torch's
+    # default thread count ran a tiny model ~100x slower (docs/local.md)
+    env = {"OMP_NUM_THREADS": "1", **os.environ, **p.env, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    with open(log, "ab") as fh:
+        fh.write(f"# trainingrun local: {p.name} {what}: {shlex.join([*prefix, *p.args])}\n".encode())
+        fh.flush()
+        proc = subprocess.Popen(
+            [*prefix, *p.args],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=DIE_WITH_PARENT,
+        )
+    return Child(plan=p, proc=proc, log=log, started=time.monotonic())
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

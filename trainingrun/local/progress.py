@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from trainingrun.contract.progress import rollouts_done
 from trainingrun.local.report import _fmt
 
 STARTING = "starting: loading torch / Megatron-core"
@@ -73,9 +74,7 @@ class ProgressLine:
 
     # ------------------------------------------------------------------------------------------------ text
     def rollouts_done(self) -> int:
-        if self.last is None:
-            return 0
-        return min(int(self.last.get("rollout", 0)) + 1, self.num_rollouts)
+        return rollouts_done(None if self.last is None else self.last.get("rollout", 0), self.num_rollouts)
 
     def samples_per_second(self) -> float | None:
         """Throughput over the last (up to 20) steps as seen by the launcher, waits included; before two steps

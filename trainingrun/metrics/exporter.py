@@ -20,17 +20,20 @@ from trainingrun.metrics.names import TRAINER_COUNTERS, TRAINER_GAUGES, TRAINER_
 from trainingrun.metrics.reduce import Weighted
 
 
-class _WeightedCollector:
-    """Serves the running (sum, count) pairs as summary families (X_sum, X_count)."""
+class WeightedCollector:
+    """Serves running (sum, count) pairs as summary families (X_sum, X_count): `names` maps each metric name to its
+    help text; one label set per collector (a trainer rank's {run, rank}, the rollout's {run}); `kind` names the
+    program in errors."""
 
-    def __init__(self, run: str, rank: int):
-        self.labels = (run, str(rank))
-        self.pairs = {name: Weighted() for name in TRAINER_WEIGHTED}
+    def __init__(self, names: Mapping[str, str], labels: Mapping[str, str], kind: str):
+        self.names, self.kind = dict(names), kind
+        self.label_names, self.labels = tuple(labels), tuple(labels.values())
+        self.pairs = {name: Weighted() for name in self.names}
         self.lock = threading.Lock()
 
     def add(self, name: str, total: float, count: float) -> None:
         if name not in self.pairs:
-            raise KeyError(f"metric name: {name!r} is not a weighted trainer metric; allowed: {sorted(self.pairs)}")
+            raise KeyError(f"metric name: {name!r} is not a weighted {self.kind} metric; allowed: {sorted(self.pairs)}")
         with self.lock:
             self.pairs[name].add(total, count)
 
@@ -38,7 +41,7 @@ class _WeightedCollector:
         with self.lock:
             snapshot = {n: (w.sum, w.count) for n, w in self.pairs.items()}
         for name, (total, count) in snapshot.items():
-            fam = SummaryMetricFamily(name, TRAINER_WEIGHTED[name], labels=("run", "rank"))
+            fam = SummaryMetricFamily(name, self.names[name], labels=self.label_names)
             fam.add_metric(self.labels, count_value=count, sum_value=total)
             yield fam
 
@@ -49,7 +52,7 @@ class TrainerExporter:
     def __init__(self, run: str, rank: int, *, gauges: bool | None = None):
         self.run, self.rank = run, rank
         self.registry = CollectorRegistry(auto_describe=True)
-        self.weighted = _WeightedCollector(run, rank)
+        self.weighted = WeightedCollector(TRAINER_WEIGHTED, {"run": run, "rank": str(rank)}, "trainer")
         self.registry.register(self.weighted)
         self.counters = {
             name: Counter(name.removesuffix("_total"), doc, ("run", "rank"), registry=self.registry).labels(run, str(rank))

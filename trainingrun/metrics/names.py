@@ -70,6 +70,20 @@ ROLLOUT = {
     "trainingrun_rollout_weight_version": "Weight version the last rollout was generated with (gauge).",
     "trainingrun_rollout_engine_weight_sync_seconds": "Seconds the engine's last weight load took (gauge), label "
                                                       "engine (engine-0, engine-1, ...: the vLLM pool's replicas).",
+    # multi-turn episodes (rollout.source.generate.environment); their means are ROLLOUT_WEIGHTED below
+    "trainingrun_rollout_truncated_episodes": "Episodes truncated by maxTurns or the token cap (counter).",
+    "trainingrun_rollout_environment_failures": "Episodes whose environment failed (counter), label reason: error, "
+                                                "timeout, invalid, oversized, exit, memory.",
+}
+
+# --- rollout: weighted (sum, count) pairs of multi-turn episodes, as the two counters f"{base}_sum" / f"{base}_count"
+ROLLOUT_WEIGHTED = {
+    "trainingrun_rollout_turns_per_episode": "Model turns per episode; sum over episodes and their count.",
+    "trainingrun_rollout_tool_calls_per_episode": "Tool calls per episode; sum over episodes and their count.",
+    "trainingrun_rollout_tool_error_rate": "Tool calls answered with an error (1) or not (0); sum and count of calls.",
+    "trainingrun_rollout_truncated_rate": "Episodes truncated (1) or not (0); sum and count of episodes.",
+    "trainingrun_rollout_env_failure_rate": "Episodes whose environment failed (1) or not (0); sum and count.",
+    "trainingrun_rollout_response_tokens_per_turn": "Tokens per model turn; sum over turns and their count.",
 }
 
 # --- operator
@@ -85,6 +99,11 @@ OPERATOR = {
                                          "namespace, run.",
     "trainingrun_operator_run_step": "The run's status.step: optimizer steps as the operator last read them from the "
                                      "store, 0 before the first progress (gauge), labels namespace, run.",
+    "trainingrun_operator_run_progress_percent": "The run's status.progress.percentage: rollouts trained in percent "
+                                                 "of rollout.numRollouts (gauge), labels namespace, run; absent before "
+                                                 "the first progress.",
+    "trainingrun_operator_run_eta_seconds": "The run's status.progress.estimatedRemainingSeconds (gauge), labels "
+                                            "namespace, run; absent while the pace is not known.",
 }
 
 # Common labels: run (TrainingRun name), rank (trainers), role.

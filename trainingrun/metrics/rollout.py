@@ -1,9 +1,10 @@
 """Prometheus metrics of the rollout process (prometheus-client, its own CollectorRegistry).
 
-The `trainingrun_rollout_*` families (names and help: `names.ROLLOUT`), label `run` on every one: what the source
-produced and the filters dropped, generated rollouts' rewards, tokens, waits, groups aborted and
-each engine's last weight-sync seconds, what was published, the schedule's
-imbalance and the publish latency, the rollouts pending. Served on `TRAININGRUN_METRICS_PORT` by `trainingrun rollout`
+The `trainingrun_rollout_*` families (names and help: `names.ROLLOUT`, `names.ROLLOUT_WEIGHTED`), label `run` on
+every one: what the source produced and the filters dropped, generated rollouts' rewards, tokens and waits, groups
+aborted and each engine's last weight-sync seconds, multi-turn episodes (weighted (sum, count) pairs: turns and tool
+calls per episode, tool error rate, ...; failures by reason), what was published, the schedule's imbalance and the
+publish latency, the rollouts pending. Served on `TRAININGRUN_METRICS_PORT` by `trainingrun rollout`
 (`trainingrun.rollout.main`); the trainer's counterpart is `exporter.TrainerExporter`.
 """
 
@@ -13,7 +14,8 @@ import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, start_http_server
 
-from trainingrun.metrics.names import ROLLOUT
+from trainingrun.metrics.exporter import WeightedCollector
+from trainingrun.metrics.names import ROLLOUT, ROLLOUT_WEIGHTED
 
 
 class RolloutMetrics:
@@ -36,6 +38,11 @@ class RolloutMetrics:
         self.weight_wait_seconds = mk(Counter, "trainingrun_rollout_weight_wait_seconds").labels(run)
         self.weight_version = mk(Gauge, "trainingrun_rollout_weight_version").labels(run)
         self.engine_sync_seconds = mk(Gauge, "trainingrun_rollout_engine_weight_sync_seconds", ["engine"])
+        # multi-turn episodes: weighted (sum, count) pairs (names.ROLLOUT_WEIGHTED) and failures by reason
+        self.episodes = WeightedCollector(ROLLOUT_WEIGHTED, {"run": run}, "rollout")
+        self.registry.register(self.episodes)
+        self.truncated_episodes = mk(Counter, "trainingrun_rollout_truncated_episodes").labels(run)
+        self._env_failures = mk(Counter, "trainingrun_rollout_environment_failures", ["reason"])
         self.published = mk(Counter, "trainingrun_rollout_samples_published").labels(run)
         self.rollouts = mk(Counter, "trainingrun_rollout_rollouts_published").labels(run)
         self.imbalance = mk(Gauge, "trainingrun_rollout_schedule_imbalance").labels(run)
@@ -60,6 +67,18 @@ class RolloutMetrics:
             self.engine_sync_seconds.labels(self.run, engine).set(seconds)
         if gen.groups_aborted:
             self.groups.labels(self.run, "aborted").inc(gen.groups_aborted)
+        if gen.episodes is not None:
+            self.observe_episodes(gen.episodes)
+
+    def observe_episodes(self, ep) -> None:
+        """A source rollout's episodes (`contract.published.EpisodeCounts`): its (sum, count) pairs and failures."""
+        for name, (total, count) in ep.pairs().items():
+            metric = f"trainingrun_rollout_{name}"
+            if metric in ROLLOUT_WEIGHTED:
+                self.episodes.add(metric, total, count)
+        self.truncated_episodes.inc(ep.truncated)
+        for reason, n in ep.failures.items():
+            self._env_failures.labels(self.run, reason).inc(n)
 
     def serve(self, port: int, addr: str | None = None) -> int:
         if addr is None:  # a pod is scraped on its IP; elsewhere stay on loopback

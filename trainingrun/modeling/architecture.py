@@ -31,6 +31,7 @@ Normalization = Literal["LayerNorm", "RMSNorm"]
 Activation = Literal["gelu", "swiglu"]
 Precision = Literal["fp32", "bf16", "fp16"]
 TransformerImpl = Literal["auto", "local", "transformer_engine"]
+AttentionBackend = Literal["auto", "te", "flash", "sdpa"]  # how packed (THD) attention runs: modeling.model
 PresetName = Literal["tiny", "small", "gpt-125m", "tiny-llama", "llama-1b", "llama-8b"]
 
 FAMILIES: tuple[str, ...] = get_args(Family)
@@ -73,14 +74,28 @@ ARCH_FIELDS = ("architecture", "num_layers", "hidden_size", "num_attention_heads
 # What a spec without `hf` or `preset` must set itself.
 REQUIRED_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length")
 
-# Fields the plain record holds only when set, so that records written without them stay exactly as they were.
-_RECORD_WHEN_SET = ("hf_model_type",)
+# Fields the plain record holds only when set (not at their default), so that records written without them stay
+# exactly as they were.
+_RECORD_WHEN_SET = ("hf_model_type", "attention_backend")
 _INTS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim", "ffn_hidden_size",
          "vocab_size", "seq_length")
 _BOOLS = ("tie_embeddings", "add_bias_linear", "add_qkv_bias")
 _CHOICES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "family": FAMILIES, "normalization": get_args(Normalization), "activation": get_args(Activation),
     "precision": get_args(Precision), "transformer_impl": get_args(TransformerImpl),
+    "attention_backend": get_args(AttentionBackend),
+})
+
+# attentionBackend × transformerImpl pairs that cannot run: TE's attention exists only in TE's layer spec, which has
+# no other (the API's CEL rules say the same at admission).
+TE_NEEDS_TE_LAYERS = ("model.attentionBackend te is TransformerEngine's attention, which runs in its layer spec: set "
+                      "transformerImpl auto or transformer_engine, or attentionBackend flash or sdpa")
+TE_LAYERS_NEED_TE = ("model.transformerImpl transformer_engine runs TransformerEngine's own attention: set "
+                     "attentionBackend auto or te (flash and sdpa are core attentions of the local layer spec)")
+_CONTRADICTIONS: Mapping[tuple[str, str], str] = MappingProxyType({
+    ("te", "local"): TE_NEEDS_TE_LAYERS,
+    ("flash", "transformer_engine"): TE_LAYERS_NEED_TE,
+    ("sdpa", "transformer_engine"): TE_LAYERS_NEED_TE,
 })
 
 
@@ -129,6 +144,7 @@ class Architecture:
     # how the model is run, and where its initial weights come from
     precision: Precision = "fp32"
     transformer_impl: TransformerImpl = "auto"
+    attention_backend: AttentionBackend = "auto"  # te | flash | sdpa, or auto: what the device offers
     hf: str | None = None  # Hugging Face directory of the initial weights (None: Megatron's seeded initialisation)
     hf_model_type: str | None = None  # config.json's model_type, when read from one
 
@@ -149,6 +165,8 @@ class Architecture:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{spec_field(name)}: {getattr(self, name)!r} is not supported; allowed: "
                                  f"{', '.join(allowed)}")
+        if (self.attention_backend, self.transformer_impl) in _CONTRADICTIONS:
+            raise ValueError(_CONTRADICTIONS[self.attention_backend, self.transformer_impl])
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(f"model.numQueryGroups: {self.num_query_groups} does not divide numAttentionHeads "
                              f"{self.num_attention_heads}; allowed: a divisor of numAttentionHeads")
@@ -172,8 +190,9 @@ class Architecture:
         out = dataclasses.asdict(self)
         out["architecture"] = out.pop("family")
         out["kv_channels"] = self.head_dim
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for name in _RECORD_WHEN_SET:
-            if out[name] is None:
+            if out[name] == defaults[name]:
                 del out[name]
         return out
 
@@ -198,7 +217,7 @@ class Architecture:
 
 
 def resolve(preset: str | None = None, *, precision: str = "fp32", transformer_impl: str = "auto",
-            **fields: Any) -> Architecture:
+            attention_backend: str = "auto", **fields: Any) -> Architecture:
     """The architecture of a preset and/or explicit spec fields (snake_case names of `ARCH_FIELDS` and seq_length;
     None means unset), as the module docstring describes. ValueError naming the field on a bad combination."""
     unknown = sorted(set(fields) - {*ARCH_FIELDS, "seq_length"})
@@ -227,4 +246,5 @@ def resolve(preset: str | None = None, *, precision: str = "fp32", transformer_i
             raise ValueError(f"model.hiddenSize: {hidden} is not divisible by numAttentionHeads {heads}; allowed: a "
                              "multiple of numAttentionHeads, or set model.headDim")
         values["head_dim"] = hidden // heads
-    return Architecture(family=family, precision=precision, transformer_impl=transformer_impl, **values)
+    return Architecture(family=family, precision=precision, transformer_impl=transformer_impl,
+                        attention_backend=attention_backend, **values)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from trainingrun.modeling import convert
+from trainingrun.modeling import convert, pipeline
 from trainingrun.modeling.architecture import Architecture
 from trainingrun.modeling.hf_config import hf_config_for, read_config
 
@@ -73,15 +73,18 @@ class HFWeights:
 
 
 def load_megatron_state(hf_dir: str | Path, arch: Architecture, *, tp_rank: int = 0, tp_size: int = 1,
+                        pp_rank: int = 0, pp_size: int = 1,
                         dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The canonical Megatron state dict of an HF directory, as TP rank `tp_rank` of `tp_size` holds it.
+    """The canonical Megatron state dict of an HF directory, as TP rank `tp_rank` of `tp_size` of pipeline stage
+    `pp_rank` of `pp_size` holds it (the stage's layers under its own numbers: `modeling.pipeline.to_stage`).
 
     Reads and converts one Megatron tensor at a time, so peak memory is the shard plus one full tensor."""
     out = {}
     with HFWeights(hf_dir) as w:
         for name, full in convert.iter_hf_to_megatron(w.get, w.names(), arch):
-            shard = convert.split_tp(name, full, arch, tp_rank, tp_size)
-            out[name] = shard.to(dtype) if dtype is not None else shard.clone()
+            for stage_name, value in pipeline.to_stage({name: full}, arch, pp_rank, pp_size).items():
+                shard = convert.split_tp(name, value, arch, tp_rank, tp_size)
+                out[stage_name] = shard.to(dtype) if dtype is not None else shard.clone()
     return out
 
 

@@ -5,6 +5,13 @@ Import order matters on a CPU-only machine: call `prepare_device(cpu)` (which in
 anything imports megatron, so megatron is imported inside the functions here. Every function takes plain values (an
 `Architecture`, a device), so tests build exactly the trainer's model. The trainer's DDP wrapper, optimizer and LR
 schedule are in `trainer/optim.py`.
+
+Attention of packed (THD) micro-batches (`attention_choice`, from `model.attentionBackend` and
+`model.transformerImpl`): `te` is TransformerEngine's attention inside its layer spec; `flash` and `sdpa` are core
+attentions of the local spec (`modeling.attention.FlashVarlenAttention`, `PackedSDPAttention`). `auto` takes te, then
+flash, then sdpa, the first this device offers; a named backend the device cannot run is refused (ValueError naming
+it and what is missing; the programs exit 78). What the model computes beside its architecture — that choice,
+activation recomputation, gradient-accumulation fusion — is one `ModelOptions` value.
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ from __future__ import annotations
 import datetime
 import os
 import random
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -20,9 +29,10 @@ import torch.nn.functional as F  # noqa: N812
 
 from trainingrun.modeling import cpu_compat
 from trainingrun.modeling.architecture import Architecture
-from trainingrun.modeling.attention import PackedSDPAttention
+from trainingrun.modeling.attention import FlashVarlenAttention, PackedSDPAttention, flash_unavailable
 from trainingrun.modeling.convert import check_tp, model_names
 from trainingrun.modeling.hf_io import load_megatron_state
+from trainingrun.modeling.pipeline import check_pp
 
 
 def prepare_device(gpus: int) -> torch.device:
@@ -72,51 +82,117 @@ def torch_dtype(precision: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
+def te_unavailable(device: torch.device) -> str | None:
+    """Why TransformerEngine cannot run here (None: it can): CUDA and the transformer_engine package."""
+    if device.type != "cuda":
+        return f"TransformerEngine runs on CUDA only (device {device})"
+    try:
+        import transformer_engine  # noqa: F401  # deferred: optional, CUDA only
+    except ImportError as exc:
+        return f"the transformer_engine package does not import here ({exc})"
+    return None
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    """The attention backend a process runs (te, flash or sdpa) and why: the line its log prints."""
+
+    backend: Literal["te", "flash", "sdpa"]
+    reason: str
+
+    @property
+    def layer_impl(self) -> str:
+        """The Megatron layer implementation it runs in: TE's attention only in TE's layer spec."""
+        return "transformer_engine" if self.backend == "te" else "local"
+
+
+def attention_choice(arch: Architecture, device: torch.device, *, generation: bool = False) -> AttentionChoice:
+    """The attention backend of `arch` on `device` (see the module docstring; the rules are in docs/trainer.md).
+
+    `model.transformerImpl: transformer_engine` means TE's attention (its layer spec has no other); `local` means
+    flash or sdpa (the API refuses the contradictory combinations). `auto` under `transformerImpl: auto` takes te only
+    in bf16/fp16, as the layer spec always did: TE's kernels for packed input are half-precision ones. A named
+    backend that cannot run here raises ValueError naming the field, the backend and what is missing.
+    `generation`: the in-process engine's padded batches, which never reach the flash kernel (the flash module runs
+    them through torch SDPA), so a named flash is not refused there."""
+    want, impl, precision = arch.attention_backend, arch.transformer_impl, arch.precision
+    te_missing = te_unavailable(device)
+    if impl == "transformer_engine" or want == "te":
+        if te_missing:
+            field = "model.transformerImpl: transformer_engine" if impl == "transformer_engine" else \
+                "model.attentionBackend: te"
+            raise ValueError(f"{field} needs TransformerEngine, which is not available: {te_missing}; allowed here: "
+                             "model.attentionBackend auto, flash or sdpa with model.transformerImpl auto or local")
+        if want == "te":
+            return AttentionChoice("te", "named")
+        return AttentionChoice("te", "auto: model.transformerImpl transformer_engine (its layer spec has only "
+                                     "TransformerEngine's attention)")
+    flash_missing = flash_unavailable(device, precision, arch.head_dim)
+    if want == "flash":
+        if flash_missing and not generation:
+            raise ValueError(f"model.attentionBackend: flash is not available here: {flash_missing}; allowed here: "
+                             "sdpa or auto")
+        note = " (generation: padded batches through torch SDPA)" if generation else ""
+        return AttentionChoice("flash", "named" + note)
+    if want == "sdpa":
+        return AttentionChoice("sdpa", "named")
+    if impl == "auto" and not te_missing and precision in ("bf16", "fp16"):
+        return AttentionChoice("te", "auto: TransformerEngine imports on CUDA and the model is " + precision)
+    why_not_te = te_missing or (f"model.transformerImpl {impl}" if impl != "auto" else
+                                f"TransformerEngine's packed kernels are half precision, the model is {precision}")
+    if not flash_missing:
+        return AttentionChoice("flash", f"auto: te not taken ({why_not_te}); torch's varlen flash attention runs here")
+    return AttentionChoice("sdpa", f"auto: te not taken ({why_not_te}); flash not available ({flash_missing})")
+
+
 def layer_impl(arch: Architecture, device: torch.device) -> str:
-    """Which Megatron layer implementation `build_model` uses: "transformer_engine" or "local".
-
-    `transformerImpl: auto` takes TransformerEngine on CUDA in bf16/fp16 when it imports, else the local spec.
-    fp32 stays local under auto: TE's fused/flash attention kernels (the ones that take packed THD input) run only in
-    fp16/bf16. `transformer_engine` insists (ValueError on CPU or without the package)."""
-    want = arch.transformer_impl
-    have_te = False
-    if device.type == "cuda":
-        try:
-            import transformer_engine  # noqa: F401  # deferred: optional, CUDA only
-
-            have_te = True
-        except ImportError:
-            pass
-    if want == "transformer_engine":
-        if not have_te:
-            raise ValueError("model.transformerImpl: transformer_engine needs CUDA and the transformer_engine package "
-                             f"(device {device}; package {'present' if have_te else 'not importable here'}); allowed "
-                             "here: local or auto")
-        return "transformer_engine"
-    if want == "auto" and have_te and arch.precision in ("bf16", "fp16"):
-        return "transformer_engine"
-    return "local"
+    """Which Megatron layer implementation `build_model` uses: "transformer_engine" (the te attention backend) or
+    "local" (flash or sdpa); ValueError as `attention_choice`."""
+    return attention_choice(arch, device).layer_impl
 
 
-def layer_spec(arch: Architecture, device: torch.device):
-    """Megatron's TransformerEngine layer spec, or its local spec with the packed SDPA core attention
-    (`layer_impl` decides). The norm type comes from the architecture (RMSNorm for llama)."""
+# Megatron's core attention per local-spec backend
+_CORE_ATTENTION = {"flash": FlashVarlenAttention, "sdpa": PackedSDPAttention}
+
+
+def layer_spec(arch: Architecture, device: torch.device, attention: AttentionChoice | None = None):
+    """Megatron's TransformerEngine layer spec (backend te), or its local spec with the flash or the packed SDPA core
+    attention. `attention`: the process's resolved choice (default: `attention_choice(arch, device)`). The norm type
+    comes from the architecture (RMSNorm for llama)."""
     from megatron.core.models.gpt import gpt_layer_specs  # deferred: megatron
 
-    if layer_impl(arch, device) == "transformer_engine":
+    choice = attention or attention_choice(arch, device)
+    if choice.backend == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=arch.normalization)
-    spec.submodules.self_attention.submodules.core_attention = PackedSDPAttention
+    spec.submodules.self_attention.submodules.core_attention = _CORE_ATTENTION[choice.backend]
     return spec
 
 
-def transformer_config(arch: Architecture, device: torch.device):
+@dataclass(frozen=True)
+class ModelOptions:
+    """How the model computes beside its architecture (module docstring). The defaults are what inference and
+    scoring use: the attention resolved on the device, nothing recomputed, nothing fused. The trainer's come from
+    `spec.trainer.performance` (`trainingrun.trainer.optim.performance_settings`, which checks them for the device)."""
+
+    attention: AttentionChoice | None = None  # None: attention_choice(arch, device)
+    recompute_granularity: Literal["selective", "full"] | None = None
+    recompute_method: Literal["uniform", "block"] | None = None  # full only
+    recompute_num_layers: int | None = None  # full only
+    gradient_accumulation_fusion: bool = False  # needs apex's fused_weight_gradient_mlp_cuda (CUDA)
+
+
+def transformer_config(arch: Architecture, device: torch.device, options: ModelOptions = ModelOptions(), *,
+                       pipeline_size: int = 1):
     """Megatron `TransformerConfig` of an architecture; no dropout, so runs are reproducible, and no fusions that
-    need CUDA kernels."""
+    need CUDA kernels — except the gradient-accumulation fusion and the recomputation `options` ask for.
+    `pipeline_size` > 1: the stages exchange each micro-batch's activation shape before the activation
+    (`variable_seq_lengths`: packed micro-batches differ in length)."""
     from megatron.core.transformer import TransformerConfig  # deferred: megatron
 
     dtype = torch_dtype(arch.precision)
-    return TransformerConfig(
+    config = TransformerConfig(
+        pipeline_model_parallel_size=pipeline_size,
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_attention_heads,
@@ -137,7 +213,10 @@ def transformer_config(arch: Architecture, device: torch.device):
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=0.02,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=options.gradient_accumulation_fusion,
+        recompute_granularity=options.recompute_granularity,
+        recompute_method=options.recompute_method,
+        recompute_num_layers=options.recompute_num_layers,
         masked_softmax_fusion=False,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
@@ -145,31 +224,39 @@ def transformer_config(arch: Architecture, device: torch.device):
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
     )
+    # Set after construction: the constructor refuses it with the default MoE token dispatcher (all-gather), which
+    # a model without experts never runs.
+    config.variable_seq_lengths = pipeline_size > 1
+    return config
 
 
 def build_model(arch: Architecture, device: torch.device, *, load_weights: bool = True,
-                parallel_output: bool = True):
+                parallel_output: bool = True, options: ModelOptions = ModelOptions()):
     """THE model builder (trainer, scoring, in-process inference): a Megatron `GPTModel` of `arch`, this rank's
-    tensor-parallel shard.
+    tensor-parallel shard of its pipeline stage (the stage's layers, `modeling.pipeline`; the embedding on the first
+    stage, the final norm and output layer on the last).
 
     gpt: LayerNorm + GELU; llama: RMSNorm + SwiGLU + grouped-query attention; both with RoPE (base `rope_base`;
     Llama-3 scaling when `rope_scaling_factor` is set), tied or untied output layer, optional biases. With `hf` set
     and `load_weights`, the Hugging Face weights are converted and this rank's shard is loaded
     (`trainingrun.modeling.hf_io.load_megatron_state`); else the parameters keep Megatron's seeded initialisation.
-    `parallel_output=False` gathers the logits over the vocabulary (full [.., V] on every TP rank)."""
+    `parallel_output=False` gathers the logits over the vocabulary (full [.., V] on every TP rank). `options`: the
+    attention backend, recomputation and fusion (`ModelOptions`; by default the attention resolved on `device`)."""
     from megatron.core import parallel_state  # deferred: megatron after prepare_device
     from megatron.core.models.gpt import GPTModel  # deferred: megatron
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
     check_tp(arch, tp)
+    check_pp(arch, pp)
     scaling = arch.rope_scaling_factor
     model = GPTModel(
-        config=transformer_config(arch, device),
-        transformer_layer_spec=layer_spec(arch, device),
+        config=transformer_config(arch, device, options, pipeline_size=pp),
+        transformer_layer_spec=layer_spec(arch, device, options.attention),
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.seq_length,
-        pre_process=True,
-        post_process=True,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=parallel_output,
         share_embeddings_and_output_weights=arch.tie_embeddings,
         position_embedding_type="rope",
@@ -181,7 +268,7 @@ def build_model(arch: Architecture, device: torch.device, *, load_weights: bool 
     _params_to_dtype(model, torch_dtype(arch.precision))
     if arch.hf and load_weights:
         state = load_megatron_state(arch.hf, arch, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-                                    tp_size=tp)
+                                    tp_size=tp, pp_rank=parallel_state.get_pipeline_model_parallel_rank(), pp_size=pp)
         load_canonical_state(model, state)
     return model
 

@@ -14,6 +14,15 @@
     precondition → post events → act (delete, update, create children; pods only after what they need exists).
   - `spec_changed` (on.update of spec): mutable fields take effect; other changes are ignored with a Warning event.
 
+A run whose `spec.managedBy` names another controller (e.g. MultiKueue's `kueue.x-k8s.io/multikueue`) matches no
+handler (`managed_here`): the operator starts no daemon for it, adds no finalizer or annotation, creates nothing and
+writes no status; that controller runs it.
+
+With gang provider kubernetes the operator finds the scheduling.k8s.io version the cluster serves by discovery
+(`OperatorState.scheduling_version`, cached a minute, "none" for 5 s; forgotten when a create of its objects gets
+404), renders the Workload and PodGroup in it, and refuses their creation with a clear message (FailedCreate,
+retried) when none is served.
+
 The run's spec is frozen at its first reconcile (annotation `trainingrun.dev/spec`), except MUTABLE_FIELDS.
 
 State lives in kopf's memos, never in a module global: the operator's memo (`operator_memo`, passed to
@@ -52,6 +61,7 @@ from trainingrun.api.constants import (
     KIND,
     LABEL_NAME,
     LABEL_RUN,
+    MANAGED_BY_OPERATOR,
     PLURAL,
     VERSION,
 )
@@ -75,6 +85,14 @@ RUN_SELECTOR = f"{LABEL_NAME}={APP},{LABEL_RUN}"  # server-side: the runs' child
 CHILD_FILTER = {LABEL_NAME: APP, LABEL_RUN: kopf.PRESENT}
 CREATE_RETRY_MAX = 60.0  # seconds between retries of a refused create, at most
 EXPECT_SECONDS = 30.0  # how long a created child counts as existing before a watch shows it
+DISCOVERY_SECONDS = 60.0  # how long a discovered scheduling.k8s.io version is trusted
+DISCOVERY_SECONDS_NONE = 5.0  # ... and that none is served (an API enabled meanwhile is found within seconds)
+
+
+def managed_here(spec: Any, **_: Any) -> bool:
+    """Whether this operator runs the TrainingRun: spec.managedBy unset or naming it (kopf's `when` filter)."""
+    managed_by = (spec or {}).get("managedBy")
+    return managed_by in (None, MANAGED_BY_OPERATOR)
 
 
 @dataclass
@@ -99,7 +117,7 @@ class RunState:
     # {"Kind/name": monotonic time} of children created but not yet seen in a watch: counted as existing for
     # EXPECT_SECONDS, so a reconcile woken before the watch caught up does not create them again
     expected: dict[str, float] = field(default_factory=dict)
-    podgroups: set[str] = field(default_factory=set)  # PodGroups created or found existing (no watch on them)
+    gang: set[str] = field(default_factory=set)  # "Kind/name" of gang objects created or found (no watch on them)
 
 
 @dataclass
@@ -118,11 +136,31 @@ class OperatorState:
     runs: dict[tuple[str, str], RunState] = field(default_factory=dict)  # (namespace, name) -> a live daemon's state
     gone: dict[tuple[str, str], dict[str, PodObs]] = field(default_factory=lambda: defaultdict(dict))
     reconciles: Counter = field(default_factory=Counter)  # (namespace, run) -> reconciles done (tests, debugging)
+    # (monotonic time, the scheduling.k8s.io version served: gang.served_version) of the last discovery
+    scheduling: tuple[float, str | None] | None = None
 
     def wake(self, key: tuple[str, str]) -> None:
         run = self.runs.get(key)
         if run is not None:
             run.wakeup.set()
+
+    async def scheduling_version(self) -> str | None:
+        """The scheduling.k8s.io version whose Workload and PodGroup this cluster serves (discovery, cached)."""
+        if self.scheduling is not None and time.monotonic() - self.scheduling[0] < (
+                DISCOVERY_SECONDS if self.scheduling[1] else DISCOVERY_SECONDS_NONE):
+            return self.scheduling[1]
+        assert self.api is not None
+        served: dict[str, list[str]] = {}
+        for version in gang.SCHEDULING_VERSIONS:
+            try:
+                doc = await self.api.get(f"/apis/{gang.SCHEDULING_GROUP}/{version}")
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
+                continue
+            served[version] = [r.get("name", "") for r in (doc or {}).get("resources") or []]
+        self.scheduling = (time.monotonic(), gang.served_version(served))
+        return self.scheduling[1]
 
 
 def operator_memo(**settings: Any) -> kopf.Memo:
@@ -269,7 +307,7 @@ def observe(state: OperatorState, run_state: RunState, run: TrainingRun, body: k
         children.add(f"ConfigMap/{cm}")
         if cm == names.config:
             config_hash = digest
-    children |= {f"PodGroup/{pg}" for pg in run_state.podgroups if names.is_podgroup(pg)}
+    children |= {key for key in run_state.gang if names.is_podgroup(key.partition("/")[2])}
     pods = tuple(indexes["trpods"].get(key, []))
     seen = children | {f"Pod/{p.name}" for p in pods}
     if run_state.expected:
@@ -333,7 +371,8 @@ async def reconcile(state: OperatorState, run_state: RunState, body: kopf.Body,
     if gone:
         state.gone[(ns, name)] = {n: p for n, p in gone.items() if p.attempt is not None and p.attempt >= attempt}
     state.phases.set(uid, decision.status.get("phase"), namespace=ns, name=name,
-                     restarts=decision.status.get("restarts"), step=decision.status.get("step"))
+                     restarts=decision.status.get("restarts"), step=decision.status.get("step"),
+                     progress=decision.status.get("progress"))
     hint = await act(state, run_state, decision, run, body)
     if hint is not None:
         decision.wake_in(hint)
@@ -352,18 +391,18 @@ async def act(state: OperatorState, run_state: RunState, decision: status.Decisi
         # none (the next attempt is a new group), so Kueue finishes the workload once the pods are gone.
         await asyncio.gather(*(_annotate(api, ns, pod, {gang.KUEUE_RETRIABLE_ANNOTATION: "false"})
                                for pod in decision.delete_pods))
-    await asyncio.gather(*(api.delete("v1", "Pod", ns, pod) for pod in decision.delete_pods))
+    await asyncio.gather(*(api.delete("v1", "Pod", ns, pod) for pod in decision.delete_pods + decision.replace_pods))
     if decision.delete_run:
         state.phases.set(uid, None)
         await api.delete(API_VERSION, KIND, ns, name)
         return None
     if run is None:
         return None
-    provider = gang.provider(run)
-    for child in decision.delete:  # PodGroups of earlier attempts
+    provider = gang.provider(run, await state.scheduling_version() if _kubernetes_gang(run) else None)
+    for child in decision.delete:  # gang objects of earlier attempts
         if provider is not None:
             await api.delete(provider.api_version, child.kind, ns, child.name)
-        run_state.podgroups.discard(child.name)
+        run_state.gang.discard(child.key)
     if not decision.create and not decision.update:
         return None
     record = run_state.refusal
@@ -407,22 +446,31 @@ class _Refused(Exception):
         self.refusal = refusal
 
 
+def _kubernetes_gang(run: TrainingRun) -> bool:
+    return run.spec.gang_scheduling.enabled and run.spec.gang_scheduling.provider == "kubernetes"
+
+
 async def create(state: OperatorState, run_state: RunState, run: TrainingRun, owner: Owner, child: Child,
                  attempt: int) -> None:
     api = state.api
     assert api is not None
-    obj = render_child(run, owner, child, attempt, redis_image=state.redis_image)
+    gang_object = child.kind in ("PodGroup", "Workload")
+    version = await state.scheduling_version() if _kubernetes_gang(run) else None
+    if gang_object and _kubernetes_gang(run) and version is None:
+        raise _Refused(Refusal(kind=child.kind, name=child.name, code=404, message=gang.not_served_message(run),
+                               permanent=False))
+    obj = render_child(run, owner, child, attempt, redis_image=state.redis_image, gang_version=version)
     try:
         await api.create(obj)
     except ApiError as exc:
         message = exc.detail
-        if child.kind == "PodGroup" and exc.status == 404:
-            message = (f"the PodGroup API {obj['apiVersion']} is not served by this cluster (spec.gangScheduling: "
-                       f"install {run.spec.gang_scheduling.provider} or turn gang scheduling off)")
+        if gang_object and exc.status == 404:
+            state.scheduling = None  # discover again: the API may have gone (or come)
+            message = gang.not_served_message(run)
         raise _Refused(Refusal(kind=child.kind, name=child.name, code=exc.status, message=message,
                                permanent=is_permanent(exc.status))) from exc
-    if child.kind == "PodGroup":
-        run_state.podgroups.add(child.name)
+    if gang_object:
+        run_state.gang.add(child.key)
     else:
         run_state.expected[child.key] = time.monotonic()
 
@@ -450,7 +498,7 @@ def refused_create(state: OperatorState, run_state: RunState, body: kopf.Body, r
     return delay
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=2.0)
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=2.0, when=managed_here)
 async def run_daemon(body: kopf.Body, namespace: str, name: str, uid: str, stopped: kopf.DaemonStopped,
                      memo: kopf.Memo, trpods: kopf.Index, trconfigmaps: kopf.Index, trservices: kopf.Index,
                      **_: Any) -> None:
@@ -495,7 +543,7 @@ async def run_daemon(body: kopf.Body, namespace: str, name: str, uid: str, stopp
         state.phases.set(uid, None)
 
 
-@kopf.on.update(GROUP, VERSION, PLURAL, field="spec", retries=5, backoff=2, timeout=60)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec", retries=5, backoff=2, timeout=60, when=managed_here)
 def spec_changed(diff: kopf.Diff, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Mutable fields take effect; other changes are ignored (the run keeps its frozen spec) with a Warning."""
     applied, ignored = [], []

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 USER_AGENT = f"trainingrun-operator/{__version__}"
 PLURALS = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps", "Event": "events",
-           "PodGroup": "podgroups", "TrainingRun": "trainingruns"}
+           "PodGroup": "podgroups", "Workload": "workloads", "TrainingRun": "trainingruns"}
 
 
 class ApiError(RuntimeError):

@@ -5,8 +5,9 @@ Two kinds:
     counter — no run label;
   - per run, kube-state-metrics style, labels `namespace` (the run's namespace) and `run` (its name):
     `trainingrun_operator_run_phase{phase}` (1 for the current phase, 0 for every other phase),
-    `trainingrun_operator_run_restarts` (status.restarts) and `trainingrun_operator_run_step` (status.step, 0 before the
-    trainers report progress). A run's series are removed when the run goes away, so nothing stale is exported.
+    `trainingrun_operator_run_restarts` (status.restarts), `trainingrun_operator_run_step` (status.step, 0 before the
+    trainers report progress), `trainingrun_operator_run_progress_percent` and `trainingrun_operator_run_eta_seconds`
+    (status.progress.percentage and .estimatedRemainingSeconds, absent while unset). A run's series are removed when the run goes away, so nothing stale is exported.
     Because the run's namespace is a label of the exposition, scrape the operator with `honor_labels: true` (the
     chart's ServiceMonitor does), else Prometheus renames it to `exported_namespace`.
 """
@@ -41,6 +42,12 @@ RUN_RESTARTS = Gauge("trainingrun_operator_run_restarts", _help("trainingrun_ope
                      ["namespace", "run"], registry=REGISTRY)
 RUN_STEP = Gauge("trainingrun_operator_run_step", _help("trainingrun_operator_run_step"), ["namespace", "run"],
                  registry=REGISTRY)
+RUN_PROGRESS = Gauge("trainingrun_operator_run_progress_percent", _help("trainingrun_operator_run_progress_percent"),
+                     ["namespace", "run"], registry=REGISTRY)
+RUN_ETA = Gauge("trainingrun_operator_run_eta_seconds", _help("trainingrun_operator_run_eta_seconds"),
+                ["namespace", "run"], registry=REGISTRY)
+# per-run gauges that are absent while their status field is unset: (gauge, RunObs attribute)
+_OPTIONAL = ((RUN_STEP, "step"), (RUN_PROGRESS, "progress"), (RUN_ETA, "eta"))
 
 for _phase in PHASES:
     RUNS.labels(phase=_phase).set(0)
@@ -55,6 +62,8 @@ class RunObs:
     phase: str
     restarts: int = 0
     step: int | None = None
+    progress: int | None = None  # status.progress.percentage
+    eta: int | None = None  # status.progress.estimatedRemainingSeconds
 
 
 class PhaseTracker:
@@ -67,7 +76,7 @@ class PhaseTracker:
         self.owner: dict[tuple[str, str], str] = {}
 
     def set(self, uid: str, phase: str | None, *, namespace: str | None = None, name: str | None = None,
-            restarts: int | None = None, step: int | None = None) -> None:
+            restarts: int | None = None, step: int | None = None, progress: dict | None = None) -> None:
         """Record the run's phase (None: the run is gone or unknown — its series are removed)."""
         if phase is None:
             self._forget(uid)
@@ -77,7 +86,9 @@ class PhaseTracker:
             nm = name if name is not None else (old.name if old else None)
             if ns is None or nm is None:
                 raise ValueError(f"run {uid}: namespace and name are needed the first time its phase is set")
-            obs = RunObs(ns, nm, phase, int(restarts or 0), None if step is None else int(step))
+            progress = progress or {}
+            obs = RunObs(ns, nm, phase, int(restarts or 0), None if step is None else int(step),
+                         _int_or_none(progress.get("percentage")), _int_or_none(progress.get("estimatedRemainingSeconds")))
             self.runs[uid] = obs
             self.owner[(ns, nm)] = uid
             self._export(obs)
@@ -92,10 +103,12 @@ class PhaseTracker:
         for p in phases:
             RUN_PHASE.labels(namespace=obs.namespace, run=obs.name, phase=p).set(1 if p == obs.phase else 0)
         RUN_RESTARTS.labels(namespace=obs.namespace, run=obs.name).set(obs.restarts)
-        if obs.step is None:
-            _remove(RUN_STEP, obs.namespace, obs.name)
-        else:
-            RUN_STEP.labels(namespace=obs.namespace, run=obs.name).set(obs.step)
+        for gauge, attr in _OPTIONAL:
+            value = getattr(obs, attr)
+            if value is None:
+                _remove(gauge, obs.namespace, obs.name)
+            else:
+                gauge.labels(namespace=obs.namespace, run=obs.name).set(value)
 
     def _forget(self, uid: str) -> None:
         obs = self.runs.pop(uid, None)
@@ -106,7 +119,12 @@ class PhaseTracker:
         for p in phases:
             _remove(RUN_PHASE, obs.namespace, obs.name, p)
         _remove(RUN_RESTARTS, obs.namespace, obs.name)
-        _remove(RUN_STEP, obs.namespace, obs.name)
+        for gauge, _ in _OPTIONAL:
+            _remove(gauge, obs.namespace, obs.name)
+
+
+def _int_or_none(value: object) -> int | None:
+    return None if value is None else int(value)  # type: ignore[call-overload]
 
 
 def _remove(metric: Gauge, *labels: str) -> None:

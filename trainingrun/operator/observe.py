@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainingrun import failure_policy as policy
-from trainingrun.api.constants import LABEL_ATTEMPT, LABEL_RANK, LABEL_ROLE
+from trainingrun.api.constants import LABEL_ATTEMPT, LABEL_RANK, LABEL_REPLICA, LABEL_ROLE, LABEL_ROLE_ATTEMPT
 from trainingrun.contract.progress import ProgressRecord
 
 # Pod status reasons of a pod ended by the platform, not by its program: the kubelet's node-pressure eviction,
@@ -39,9 +39,12 @@ class PodObs:
 
     name: str
     role: str
-    rank: int | None
+    rank: int | None  # a trainer's rank; an engine's replica index
     attempt: int | None
     phase: str  # Pending, Running, Succeeded, Failed, Unknown
+    generation: int = 0  # rollout and engine pods: the role's generation (label role-attempt; 0 when absent)
+    ready: bool = False  # Running with every container ready (the Ready condition, or the containers' ready flags)
+    reasons: frozenset[str] = frozenset()  # Kubernetes reasons of its end (failure_policy.Failure.reasons)
     deleting: bool = False
     deleted_at: float | None = None  # unix time of metadata.deletionTimestamp
     failure: str | None = None  # "pod P container C exited with code N (reason R)" for a Failed pod
@@ -60,7 +63,13 @@ class PodObs:
         description = self.disruption or self.failure or f"pod {self.name} failed"
         return policy.Failure(name=self.name, kind=policy.classify(code, disrupted=self.disruption is not None),
                               description=description, role=self.role, rank=self.rank, code=code,
-                              finished_at=self.finished_at)
+                              finished_at=self.finished_at, reasons=self.reasons)
+
+    def as_deleted(self, phase: str) -> policy.Failure:
+        """This pod, deleted while the run was `phase` (not by the operator), as the failure policy sees it."""
+        return policy.Failure(name=self.name, kind=policy.ExitKind.FAILURE, role=self.role, rank=self.rank,
+                              description=f"pod {self.name} was deleted while the run was {phase.lower()}",
+                              reasons=self.reasons | {policy.DELETED})
 
 
 def _detail(message: str | None) -> str:
@@ -74,19 +83,24 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObs:
     status = pod.get("status") or {}
     spec = pod.get("spec") or {}
     name = meta.get("name", "?")
-    rank = labels.get(LABEL_RANK)
+    rank = labels.get(LABEL_RANK, labels.get(LABEL_REPLICA))
     attempt = labels.get(LABEL_ATTEMPT)
+    generation = labels.get(LABEL_ROLE_ATTEMPT)
     phase = status.get("phase") or "Pending"
     codes: list[int] = []
     failure = finished = waiting = waiting_reason = None
     restarts = 0
-    for cs in status.get("containerStatuses") or []:
+    reasons: set[str] = set()
+    statuses = status.get("containerStatuses") or []
+    for cs in statuses:
         restarts += int(cs.get("restartCount") or 0)
         state = cs.get("state") or {}
         term = state.get("terminated") or (cs.get("lastState") or {}).get("terminated")
         if term and term.get("exitCode") is not None:
             code = int(term["exitCode"])
             codes.append(code)
+            if code != 0 and term.get("reason"):
+                reasons.add(str(term["reason"]))
             if code != 0 and failure is None:
                 failure = (f"pod {name} container {cs.get('name', '?')} exited with code {code} "
                            f"(reason {term.get('reason') or 'Error'}{'; ' + term['message'].strip()[:200] if term.get('message') else ''})")
@@ -109,9 +123,15 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObs:
         if cond.get("type") in DISRUPTION_CONDITIONS and cond.get("status") == "True":
             disruption = (f"pod {name} was disrupted ({cond['type']} {cond.get('reason') or ''}"
                           f"{_detail(cond.get('message'))})")
+            reasons.update(r for r in (cond["type"], cond.get("reason")) if r)
             break
+    if status.get("reason"):
+        reasons.add(str(status["reason"]))  # Evicted, DeadlineExceeded, NodeLost, ...
     if disruption is None and status.get("reason") in DISRUPTION_REASONS:
         disruption = f"pod {name} was disrupted (reason {status['reason']}{_detail(status.get('message'))})"
+    ready_condition = next((c.get("status") == "True" for c in conditions if c.get("type") == "Ready"), None)
+    ready = phase == "Running" and (ready_condition if ready_condition is not None else
+                                    bool(statuses) and all(cs.get("ready") for cs in statuses))
     if phase == "Failed" and failure is None:
         failure = f"pod {name} failed (reason {status.get('reason') or 'Failed'}{_detail(status.get('message'))})"
     return PodObs(
@@ -130,6 +150,9 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObs:
         disruption=disruption,
         gated=tuple(g.get("name", "") for g in spec.get("schedulingGates") or []),
         restarts=restarts,
+        generation=int(generation) if generation is not None and str(generation).isdigit() else 0,
+        ready=ready,
+        reasons=frozenset(reasons),
     )
 
 

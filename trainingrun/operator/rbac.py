@@ -16,8 +16,10 @@ Each rule is a plain dict as in a Kubernetes PolicyRule (apiGroups / resources /
   the run's spec changes (a resize). They are garbage-collected with the run through their owner references.
 - events: kopf posts Kubernetes Events on the TrainingRun for every lifecycle change.
 - customresourcedefinitions, namespaces: kopf's discovery of served resources and of the namespaces it watches.
-- podgroups: only with `spec.gangScheduling.enabled` (Volcano or scheduler-plugins' coscheduling): one per attempt,
-  created, and deleted when the attempt ends.
+- podgroups (and, for Kubernetes' own gang scheduling, workloads of scheduling.k8s.io): only with
+  `spec.gangScheduling.enabled` (Volcano, scheduler-plugins' coscheduling, or provider kubernetes): one per attempt,
+  created, and deleted when the attempt ends. Discovery of the served scheduling.k8s.io version needs no rule (every
+  authenticated client may read discovery).
 - kopf.dev peerings: only when the operator runs with `--peering` (HA, see docs/operator.md); the default is
   `--standalone` with one replica.
 
@@ -52,6 +54,7 @@ CLUSTER_RULES: tuple[Rule, ...] = (
 GANG_RULES: tuple[Rule, ...] = (
     {"apiGroups": ["scheduling.volcano.sh"], "resources": ["podgroups"], "verbs": ["get", "create", "delete"]},
     {"apiGroups": ["scheduling.x-k8s.io"], "resources": ["podgroups"], "verbs": ["get", "create", "delete"]},
+    {"apiGroups": ["scheduling.k8s.io"], "resources": ["workloads", "podgroups"], "verbs": ["get", "create", "delete"]},
 )
 
 # Only with --peering (several replicas; one active). ClusterKopfPeering is cluster-scoped.

@@ -12,15 +12,20 @@ Children of a run `R` in namespace `NS`:
   Pod        R-rollout-a<k>     the rollout (attempt k)
   Pod        R-trainer-<i>-a<k> trainer rank i (attempt k)
   Pod+Svc    R-store            Redis, only with `store.managed: true` (or no store configured)
-  PodGroup   R-a<k>             only with `gangScheduling.enabled` (`trainingrun.operator.gang`), per attempt
+  PodGroup   R-a<k>             only with `gangScheduling.enabled` (`trainingrun.operator.gang`), per attempt; with
+                                provider kubernetes a Workload R-a<k> first
   CM+Svc     R-engine           the run's own vLLM servers, only with `rollout.engine.type: vllm` and no `engine.url`
   Pod        R-engine-<i>       (`trainingrun.vllm.k8s`): the worker extension's ConfigMap, a headless Service (pod i is
                                 engine-<i>.R-engine.NS.svc) and one pod per `rollout.engine.replicas`; like the store
                                 they outlive attempts. In Kueue's accounting (the run's queue, pod group R-engine) and,
-                                with gang scheduling, in a serving PodGroup R-engine of their own (`gang`)
+                                with gang scheduling, in a serving group R-engine of their own (`gang`). restartPolicy
+                                Never: the operator replaces a failed engine pod alone (R-engine-<i>-r<g>, the failure
+                                policy)
 Pod names carry the attempt so a restarted group never collides with pods of the previous attempt still terminating;
 every pod's TRAININGRUN_ATTEMPT is its attempt, which the store and checkpoints use to refuse an older attempt's
-writes. The names, the owner and `Child` (one child, as `status.decide` asks for it) are the operator's vocabulary
+writes. A rollout or engine pod restarted alone carries its generation in its name, its label
+trainingrun.dev/role-attempt and (the rollout) TRAININGRUN_ROLE_ATTEMPT, by which the store's writer claim prefers
+the newer rollout over an older one of the same attempt. The names, the owner and `Child` (one child, as `status.decide` asks for it) are the operator's vocabulary
 (`trainingrun.operator.vocabulary`); `render_child` renders one child with the function `RENDERERS` names for its
 kind and role, and nothing else.
 """
@@ -37,7 +42,9 @@ from trainingrun.api.constants import (
     LABEL_ATTEMPT,
     LABEL_NAME,
     LABEL_RANK,
+    LABEL_REPLICA,
     LABEL_ROLE,
+    LABEL_ROLE_ATTEMPT,
     LABEL_RUN,
     ROLE_CONFIG,
     ROLE_ENGINE,
@@ -57,7 +64,9 @@ from trainingrun.operator.vocabulary import (
     base_children,
     config_hash,
     config_text,
+    engine_child,
     engine_is_managed,
+    engine_replicas,
     master_addr,
     run_epoch,
     store_is_managed,
@@ -65,7 +74,7 @@ from trainingrun.operator.vocabulary import (
 )
 from trainingrun.plan import CONFIG_MOUNT_PATH, DEFAULT_MASTER_PORT, ProcessPlan, RunPlan, build_plan
 from trainingrun.vllm import k8s as engine_k8s
-from trainingrun.contract.env import ENGINE_URL_ENV
+from trainingrun.contract.env import ENGINE_URL_ENV, ProcessEnv
 
 DEFAULT_REDIS_IMAGE = "redis:7.2-alpine"
 GPU_RESOURCE = gang.GPU_RESOURCE
@@ -127,7 +136,7 @@ def render_service(run: TrainingRun, owner: Owner) -> dict[str, Any]:
     }
 
 
-def _pod_spec_common(run: TrainingRun) -> dict[str, Any]:
+def _pod_spec_common(run: TrainingRun, gang_version: str | None = None) -> dict[str, Any]:
     t = run.spec.pod_template
     spec: dict[str, Any] = {
         "automountServiceAccountToken": False,  # rollout and trainers never call the Kubernetes API
@@ -149,7 +158,7 @@ def _pod_spec_common(run: TrainingRun) -> dict[str, Any]:
         spec["priorityClassName"] = t.priority_class_name
     if t.service_account_name:
         spec["serviceAccountName"] = t.service_account_name
-    provider = gang.provider(run)
+    provider = gang.provider(run, gang_version)
     scheduler = run.spec.scheduler_name or (provider.scheduler_name if provider is not None else None)
     if scheduler:
         spec["schedulerName"] = scheduler
@@ -173,8 +182,10 @@ def _resources(requests: dict, limits: dict, gpus: int) -> dict[str, Any]:
     return out
 
 
-def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, attempt: int) -> dict[str, Any]:
-    """The pod of one process of the plan (rollout or trainer rank)."""
+def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, attempt: int, generation: int = 0,
+                       gang_version: str | None = None) -> dict[str, Any]:
+    """The pod of one process of the plan (rollout or trainer rank); `generation`: the rollout's generation (its
+    restarts alone); `gang_version`: the served scheduling.k8s.io version (gang provider kubernetes)."""
     spec = run.spec
     names = Names(owner.name)
     t = spec.pod_template
@@ -182,10 +193,16 @@ def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, att
     annotations = dict(t.annotations)
     if process.rank is not None:
         labels[LABEL_RANK] = str(process.rank)
-    provider = gang.provider(run)
+    env = dict(process.env)
+    if process.role == ROLE_ROLLOUT:
+        labels[LABEL_ROLE_ATTEMPT] = str(generation)
+        env.update(ProcessEnv(role_attempt=generation).to_env())
+    provider = gang.provider(run, gang_version)
+    group = names.podgroup(attempt)
     for extra_labels, extra_annotations in (
-        provider.pod_metadata(names.podgroup(attempt)) if provider is not None else ({}, {}),
-        gang.kueue_metadata(run, names.podgroup(attempt)),
+        provider.pod_metadata(group) if provider is not None else ({}, {}),
+        gang.kueue_metadata(run, group),
+        gang.placement_metadata(run, process.role, process.rank),
     ):
         labels.update(extra_labels)
         annotations.update(extra_annotations)
@@ -207,7 +224,7 @@ def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, att
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["trainingrun"],
         "args": list(process.args),
-        "env": [{"name": k, "value": v} for k, v in sorted(process.env.items())],
+        "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
         "ports": ports,
         "volumeMounts": [
             {"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT_PATH.rsplit("/", 1)[0], "readOnly": True},
@@ -223,8 +240,9 @@ def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, att
     if resources:
         container["resources"] = resources
     pod_spec = {
-        **_pod_spec_common(run),
-        "restartPolicy": "Never",  # restarts are the operator's: the whole group, with an attempt label
+        **_pod_spec_common(run, gang_version),
+        **(provider.pod_spec(group) if provider is not None else {}),
+        "restartPolicy": "Never",  # restarts are the operator's (the failure policy), with attempt/generation labels
         "containers": [container],
         "volumes": [
             {"name": CONFIG_VOLUME, "configMap": {"name": names.config, "items": [{"key": "run.yaml", "path": "run.yaml"}]}},
@@ -242,15 +260,15 @@ def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, att
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": _meta(names.pod(process.role, process.rank, attempt), owner, labels, annotations),
+        "metadata": _meta(names.pod(process.role, process.rank, attempt, generation), owner, labels, annotations),
         "spec": pod_spec,
     }
 
 
-def render_pods(run: TrainingRun, owner: Owner, attempt: int) -> list[dict[str, Any]]:
+def render_pods(run: TrainingRun, owner: Owner, attempt: int, *, gang_version: str | None = None) -> list[dict[str, Any]]:
     """Rollout pod first, then trainers by rank, for one attempt."""
     plan = plan_for(run, owner.namespace, attempt)
-    return [render_process_pod(run, owner, p, attempt) for p in plan.processes]
+    return [render_process_pod(run, owner, p, attempt, gang_version=gang_version) for p in plan.processes]
 
 
 def render_store_pod(run: TrainingRun, owner: Owner, image: str = DEFAULT_REDIS_IMAGE) -> dict[str, Any]:
@@ -321,14 +339,18 @@ def render_engine_config_map(run: TrainingRun, owner: Owner) -> dict[str, Any]:
     }
 
 
-def render_engine_pod(run: TrainingRun, owner: Owner, index: int = 0) -> dict[str, Any]:
-    """Engine replica `index`: restartPolicy Always, the run's podTemplate volumes (model.hf and weightSync.path live
-    there), hostname engine-<i> under the headless Service, in the engines' Kueue pod group and serving PodGroup."""
+def render_engine_pod(run: TrainingRun, owner: Owner, replica: int = 0, generation: int = 0,
+                      gang_version: str | None = None) -> dict[str, Any]:
+    """The run's vLLM server `replica` in its `generation`: restartPolicy Never (the operator replaces a failed one:
+    the failure policy, its budget in the run's status), the run's podTemplate volumes (model.hf and weightSync.path
+    live there), hostname engine-<i> under the headless Service (the same in every generation), in the engines'
+    Kueue pod group and serving gang group."""
     names = Names(owner.name)
     t = run.spec.pod_template
-    labels = {**t.labels, **base_labels(owner.name), LABEL_ROLE: ROLE_ENGINE, LABEL_RANK: str(index)}
+    labels = {**t.labels, **base_labels(owner.name), LABEL_ROLE: ROLE_ENGINE, LABEL_REPLICA: str(replica),
+              LABEL_ROLE_ATTEMPT: str(generation)}
     annotations = dict(t.annotations)
-    provider = gang.provider(run)
+    provider = gang.provider(run, gang_version)
     for extra_labels, extra_annotations in (
         provider.pod_metadata(names.engine) if provider is not None else ({}, {}),
         gang.kueue_metadata(run, names.engine, engines=True),
@@ -342,11 +364,12 @@ def render_engine_pod(run: TrainingRun, owner: Owner, index: int = 0) -> dict[st
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": _meta(names.engine_pod(index), owner, labels, annotations or None),
+        "metadata": _meta(names.engine_pod(replica, generation), owner, labels, annotations or None),
         "spec": {
-            **_pod_spec_common(run),
-            "restartPolicy": "Always",
-            "hostname": Names.engine_hostname(index),
+            **_pod_spec_common(run, gang_version),
+            **(provider.pod_spec(names.engine) if provider is not None else {}),
+            "restartPolicy": "Never",
+            "hostname": Names.engine_hostname(replica),
             "subdomain": names.engine,
             "containers": [container],
             "volumes": [engine_k8s.extension_volume(names.engine), *t.volumes],
@@ -366,15 +389,18 @@ def render_engine_service(run: TrainingRun, owner: Owner) -> dict[str, Any]:
     }
 
 
-def render_engine_podgroup(run: TrainingRun, owner: Owner) -> dict[str, Any]:
-    """The engines' serving PodGroup (gang scheduling): all replicas or none, for the run's whole life."""
-    provider = gang.provider(run)
-    assert provider is not None, "an engine PodGroup without gang scheduling"
+def render_engine_gang(run: TrainingRun, owner: Owner, kind: str, gang_version: str | None = None) -> dict[str, Any]:
+    """The engines' serving `kind` object of the run's gang provider (a PodGroup; with provider kubernetes also a
+    Workload), named R-engine: every replica or none, for the run's whole life."""
+    provider = gang.provider(run, gang_version)
+    assert provider is not None, "an engine gang object without gang scheduling"
+    assert kind in provider.kinds, f"{provider.name} creates {provider.kinds}, not {kind}"
+    name = Names(owner.name).engine
     return {
         "apiVersion": provider.api_version,
-        "kind": "PodGroup",
-        "metadata": _meta(Names(owner.name).engine, owner, {**base_labels(owner.name), LABEL_ROLE: ROLE_ENGINE}),
-        "spec": provider.podgroup_spec(run, engines=True),
+        "kind": kind,
+        "metadata": _meta(name, owner, {**base_labels(owner.name), LABEL_ROLE: ROLE_ENGINE}),
+        "spec": provider.spec(kind, run, name, engines=True),
     }
 
 
@@ -384,24 +410,33 @@ def render_engine(run: TrainingRun, owner: Owner) -> list[dict[str, Any]]:
     if not engine_is_managed(run):
         return []
     out = [render_engine_config_map(run, owner), render_engine_service(run, owner)]
-    if gang.provider(run) is not None:
-        out.append(render_engine_podgroup(run, owner))
+    provider = gang.provider(run)
+    if provider is not None:
+        out += [render_engine_gang(run, owner, kind) for kind in provider.kinds]
     return out + [render_engine_pod(run, owner, i) for i in range(run.spec.rollout.engine.replicas)]
 
 
-def render_podgroup(run: TrainingRun, owner: Owner, attempt: int) -> dict[str, Any] | None:
-    """The attempt's PodGroup for its rollout + trainer pods (`trainingrun.operator.gang`), or None without gang
-    scheduling."""
-    provider = gang.provider(run)
+def render_gang(run: TrainingRun, owner: Owner, kind: str, attempt: int,
+                gang_version: str | None = None) -> dict[str, Any] | None:
+    """The attempt's `kind` object of its gang provider (`trainingrun.operator.gang`: a PodGroup; with provider
+    kubernetes also a Workload), or None without gang scheduling."""
+    provider = gang.provider(run, gang_version)
     if provider is None:
         return None
+    assert kind in provider.kinds, f"{provider.name} creates {provider.kinds}, not {kind}"
+    name = Names(owner.name).podgroup(attempt)
     return {
         "apiVersion": provider.api_version,
-        "kind": "PodGroup",
-        "metadata": _meta(Names(owner.name).podgroup(attempt), owner,
-                          {**base_labels(owner.name), LABEL_ATTEMPT: str(attempt)}),
-        "spec": provider.podgroup_spec(run),
+        "kind": kind,
+        "metadata": _meta(name, owner, {**base_labels(owner.name), LABEL_ATTEMPT: str(attempt)}),
+        "spec": provider.spec(kind, run, name),
     }
+
+
+def render_podgroup(run: TrainingRun, owner: Owner, attempt: int,
+                    gang_version: str | None = None) -> dict[str, Any] | None:
+    """The attempt's PodGroup (`render_gang`)."""
+    return render_gang(run, owner, "PodGroup", attempt, gang_version)
 
 
 # ------------------------------------------------------------------------------------------------------ dispatch
@@ -414,19 +449,24 @@ class Target:
     child: Child
     attempt: int
     redis_image: str = DEFAULT_REDIS_IMAGE
+    gang_version: str | None = None  # the served scheduling.k8s.io version (gang provider kubernetes)
 
 
 def _process_pod(t: Target) -> dict[str, Any]:
     plan = plan_for(t.run, t.owner.namespace, t.attempt)
     process = plan.rollout if t.child.role == ROLE_ROLLOUT else next(p for p in plan.trainers
                                                                      if p.rank == t.child.rank)
-    return render_process_pod(t.run, t.owner, process, t.attempt)
+    return render_process_pod(t.run, t.owner, process, t.attempt, t.child.generation, t.gang_version)
 
 
-def _podgroup(t: Target) -> dict[str, Any]:
-    pg = render_podgroup(t.run, t.owner, t.attempt)
-    assert pg is not None, "a PodGroup child without gang scheduling"
-    return pg
+def _engine_gang(t: Target) -> dict[str, Any]:
+    return render_engine_gang(t.run, t.owner, t.child.kind, t.gang_version)
+
+
+def _gang(t: Target) -> dict[str, Any]:
+    obj = render_gang(t.run, t.owner, t.child.kind, t.attempt, t.gang_version)
+    assert obj is not None, f"a {t.child.kind} child without gang scheduling"
+    return obj
 
 
 # (kind, role) of a `Child` -> the function rendering exactly that object
@@ -437,26 +477,33 @@ RENDERERS: dict[tuple[str, str | None], Callable[[Target], dict[str, Any]]] = {
     ("Pod", ROLE_STORE): lambda t: render_store_pod(t.run, t.owner, t.redis_image),
     ("ConfigMap", ROLE_ENGINE): lambda t: render_engine_config_map(t.run, t.owner),
     ("Service", ROLE_ENGINE): lambda t: render_engine_service(t.run, t.owner),
-    ("Pod", ROLE_ENGINE): lambda t: render_engine_pod(t.run, t.owner, t.child.rank or 0),
-    ("PodGroup", ROLE_ENGINE): lambda t: render_engine_podgroup(t.run, t.owner),
-    ("PodGroup", None): _podgroup,
+    ("Pod", ROLE_ENGINE): lambda t: render_engine_pod(t.run, t.owner, t.child.rank or 0, t.child.generation,
+                                                      t.gang_version),
+    ("PodGroup", ROLE_ENGINE): _engine_gang,
+    ("Workload", ROLE_ENGINE): _engine_gang,
+    ("PodGroup", None): _gang,
+    ("Workload", None): _gang,
     ("Pod", ROLE_ROLLOUT): _process_pod,
     ("Pod", ROLE_TRAINER): _process_pod,
 }
 
 
 def render_child(run: TrainingRun, owner: Owner, child: Child, attempt: int, *,
-                 redis_image: str = DEFAULT_REDIS_IMAGE) -> dict[str, Any]:
+                 redis_image: str = DEFAULT_REDIS_IMAGE, gang_version: str | None = None) -> dict[str, Any]:
     """The object of one `Child` of attempt `attempt` (`RENDERERS`)."""
     render = RENDERERS.get((child.kind, child.role))
     if render is None:
         raise ValueError(f"no renderer for {child.key} with role {child.role!r}; known: {sorted(map(str, RENDERERS))}")
-    return render(Target(run, owner, child, attempt, redis_image))
+    return render(Target(run, owner, child, attempt, redis_image, gang_version))
 
 
-def render_children(run: TrainingRun, owner: Owner, attempt: int, *, redis_image: str = DEFAULT_REDIS_IMAGE) -> list[dict]:
-    """Every child of one attempt, in creation order: config, services, store, podgroup, then the pods."""
+def render_children(run: TrainingRun, owner: Owner, attempt: int, *, redis_image: str = DEFAULT_REDIS_IMAGE,
+                    gang_version: str | None = None) -> list[dict]:
+    """Every child of one attempt, in creation order: config, services, store, gang objects, engines, then the
+    pods."""
     children = base_children(run, attempt)
+    children += [engine_child(run, replica, 0) for replica in range(engine_replicas(run))]
     children += [Child("Pod", Names(owner.name).pod(p.role, p.rank, attempt), role=p.role, rank=p.rank)
                  for p in plan_for(run, owner.namespace, attempt).processes]
-    return [render_child(run, owner, c, attempt, redis_image=redis_image) for c in children]
+    return [render_child(run, owner, c, attempt, redis_image=redis_image, gang_version=gang_version)
+            for c in children]

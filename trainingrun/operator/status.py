@@ -10,24 +10,29 @@ either settles the reconcile (returns True) or lets the next one look:
                create) → Failed/InvalidSpec with the server's message;  suspend → Suspended
   new          → Pending: create the children of attempt 0
   Suspended    → Pending: resume as attempt k+1 (not a restart)
-  Pending      active_deadline; resize; group_exit; ensure_children (ConfigMap, Services, PodGroup, store, then the
-               attempt's pods); pods_ready → Running, else a PodsReady=False condition saying why
-  Running      active_deadline; resize; group_exit; progress_deadline; ensure_children (base only)
+  Pending      active_deadline; engine_budget; resize; group_exit; ensure_children (ConfigMap, Services, gang
+               objects, store, engines, then the attempt's pods); pods_ready → Running, else a PodsReady=False
+               condition saying why
+  Running      active_deadline; engine_budget; resize; group_exit; roles_ready; progress_deadline; ensure_children
+               (base children, engines, a rollout restarted alone)
   Restarting   active_deadline; wait for the backoff and for the old attempt's pods to go (a pod still terminating
                after terminatingTimeoutSeconds no longer blocks); then Pending with the next attempt's children
 
 group_exit checks success before failure: every trainer Succeeded → Succeeded, even if the rollout failed in the same
 observation. Otherwise the failure to act on is `failure_policy.root_cause` of the attempt's failed, disrupted or
-deleted pods, and `failure_policy.on_failure` decides: exit code 78 → Failed/ConfigError; a disruption (evicted,
-preempted, lost node) → restart, counted in status.disruptions, not in restarts; any other failure → restart while
-restarts < maxRestarts, else Failed/BackoffLimitExceeded. The backoff before a restart is
-`failure_policy.backoff_seconds`. Changing spec.trainer.replicas restarts the group at the new size from the last
-checkpoint (reason Resized; not counted either).
+deleted rollout and trainer pods, then each failed engine replica on its own, and the run's failure policy
+(`failure_policy.Policy.decide`: the user's rules, then the defaults) says what to do: RestartGroup (the next
+attempt, after the backoff; counted in status.restarts, or in status.disruptions when it uses no restart),
+RestartRole (only the rollout, or only the failed engine replica, is replaced by a pod of the next generation, after
+the role's backoff and once its predecessor is gone; counted in status.roleRestarts: `trainingrun.operator.roles`),
+FailRun. Changing spec.trainer.replicas restarts the group at the new size from the last checkpoint (reason
+Resized; not counted either).
 
 Conditions follow the Kubernetes conventions: one per type with observedGeneration, reason, message (cut to fit the
 CRD) and lastTransitionTime. The lifecycle types (Running, Restarting, Suspended, Succeeded, Failed) have one True at a
-time; PodsReady says why a Pending run is not running yet; ProgressUnknown is True while the store's progress cannot
-be read (the progress deadline does not count that time).
+time; PodsReady says why a Pending run is not running yet, and why a Running run is not whole (a role restarting
+alone, an engine not ready): the progress deadline does not count that time, nor the time ProgressUnknown is True
+(the store's progress cannot be read). status.progress: `trainingrun.operator.pace`.
 """
 
 from __future__ import annotations
@@ -39,10 +44,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainingrun import failure_policy as policy
-from trainingrun.api.constants import GROUP_ROLES, ROLE_ENGINE, ROLE_STORE, ROLE_TRAINER
+from trainingrun.api.constants import GROUP_ROLES, ROLE_ENGINE, ROLE_ROLLOUT, ROLE_STORE, ROLE_TRAINER
 from trainingrun.api.models import MESSAGE_MAX_LENGTH, TERMINAL_PHASES, TrainingRun
 from trainingrun.operator.observe import KUEUE_GATE, Observed, PodObs, parse_time
-from trainingrun.operator.vocabulary import Child, Names, base_children, config_hash
+from trainingrun.operator.pace import progress_status
+from trainingrun.operator.roles import RoleLedger
+from trainingrun.operator.vocabulary import (
+    Child,
+    Names,
+    base_children,
+    config_hash,
+    engine_child,
+    engine_replicas,
+)
 
 LIFECYCLE_CONDITIONS = ("Running", "Restarting", "Suspended", "Succeeded", "Failed")
 EVENT_MESSAGE_MAX = 1024
@@ -74,7 +88,9 @@ class Decision:
     create: list[Child] = field(default_factory=list)  # in order: base children, then the attempt's pods
     update: list[Child] = field(default_factory=list)  # children to bring up to date (the ConfigMap)
     delete: list[Child] = field(default_factory=list)  # children other than pods to delete
-    delete_pods: list[str] = field(default_factory=list)
+    delete_pods: list[str] = field(default_factory=list)  # pods whose group ends (Kueue: not retriable in group)
+    replace_pods: list[str] = field(default_factory=list)  # live pods of an older generation of their role: their
+    #                                                         replacement joins the same group
     delete_run: bool = False
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
     restarted: bool = False  # a counted restart (the operator's restart counter)
@@ -102,6 +118,14 @@ class _Ctx:
     @property
     def fp(self):
         return self.run.spec.failure_policy
+
+    @property
+    def policy(self) -> policy.Policy:
+        return policy.Policy.from_spec(self.run.spec.failure_policy)
+
+    @property
+    def ledger(self) -> RoleLedger:
+        return RoleLedger(self.st["roleRestarts"])
 
     @property
     def now_s(self) -> str:
@@ -162,14 +186,26 @@ class _Ctx:
 
     # -- the attempt's pods
     def current(self) -> dict[tuple[str, int | None], PodObs]:
-        """The attempt's rollout and trainer pods by (role, rank): the live pod, else one being deleted, else the
-        last state of one seen deleted."""
-        out: dict[tuple[str, int | None], PodObs] = {}
+        """The attempt's rollout (of its current generation) and trainer pods by (role, rank): the live pod, else one
+        being deleted, else the last state of one seen deleted."""
+        rollout = self.ledger.generation(ROLE_ROLLOUT)
+        return self._by_key(lambda p: p.role in GROUP_ROLES and p.attempt == self.attempt and
+                            (p.role != ROLE_ROLLOUT or p.generation == rollout), lambda p: (p.role, p.rank))
+
+    def engines(self) -> dict[int, PodObs]:
+        """Each engine replica's pod of its current generation, chosen like `current`."""
+        ledger = self.ledger
+        return self._by_key(lambda p: p.role == ROLE_ENGINE and p.generation == ledger.generation(ROLE_ENGINE,
+                                                                                                   p.rank or 0),
+                            lambda p: p.rank or 0)
+
+    def _by_key(self, keep, key) -> dict:
+        out: dict = {}
         for source in (self.obs.gone, [p for p in self.obs.pods if p.deleting],
                        [p for p in self.obs.pods if not p.deleting]):
             for p in source:
-                if p.role in GROUP_ROLES and p.attempt == self.attempt:
-                    out[(p.role, p.rank)] = p
+                if keep(p):
+                    out[key(p)] = p
         return out
 
 
@@ -183,7 +219,8 @@ def expected_group(run: TrainingRun) -> list[tuple[str, int | None]]:
 
 _STATUS_KEYS = {
     "phase", "conditions", "restarts", "disruptions", "attempt", "trainerReplicas", "step", "samplesConsumed",
-    "lastGlobalBatchSize", "rollout", "startTime", "completionTime", "observedGeneration", "message", "enginesDown",
+    "lastGlobalBatchSize", "rollout", "startTime", "completionTime", "observedGeneration", "message", "roleRestarts",
+    "progress",
 }
 
 
@@ -193,6 +230,7 @@ def decide(run: TrainingRun, status: Mapping[str, Any] | None, obs: Observed, *,
                           "step": 0, "samplesConsumed": 0, "lastGlobalBatchSize": 0, "rollout": 0}
     st.update({k: v for k, v in dict(status or {}).items() if k in _STATUS_KEYS})
     st["conditions"] = [dict(c) for c in st.get("conditions") or []]
+    st["roleRestarts"] = [dict(e) for e in st.get("roleRestarts") or []]
     if obs.generation is not None:
         st["observedGeneration"] = obs.generation
     ctx = _Ctx(run, st, obs, now, Decision(status=st))
@@ -212,9 +250,13 @@ def decide(run: TrainingRun, status: Mapping[str, Any] | None, obs: Observed, *,
 
 # ------------------------------------------------------------------------------------------------ phase handlers
 def _terminal(ctx: _Ctx) -> None:
-    """Sticky: delete still-running pods (the store, a rollout that outlived the trainers) and PodGroups; TTL."""
+    """Sticky: delete still-running pods (the store, an engine, a rollout that outlived the trainers) and the gang
+    objects; TTL. The status (counters, phase) is the run's own: children deleted meanwhile (by hand, by a TTL) never
+    move it."""
+    if ctx.st["phase"] == "Succeeded":
+        _read_progress(ctx, succeeded=True)
     ctx.d.delete_pods = [p.name for p in _live(ctx.obs.pods)]
-    _delete_podgroups(ctx, keep=None)
+    _delete_podgroups(ctx, keep=None, engines=True)
     ttl = ctx.spec.ttl_seconds_after_finished
     done = parse_time(ctx.st.get("completionTime"))
     if ttl is None or done is None:
@@ -255,7 +297,10 @@ def _pending(ctx: _Ctx) -> None:
 
 
 def _running(ctx: _Ctx) -> None:
-    if _active_deadline(ctx) or _engine_budget(ctx) or _resize(ctx) or _group_exit(ctx) or _progress_deadline(ctx):
+    if _active_deadline(ctx) or _engine_budget(ctx) or _resize(ctx) or _group_exit(ctx):
+        return
+    _roles_ready(ctx)
+    if _progress_deadline(ctx):
         return
     _delete_stale(ctx)
     _ensure_children(ctx, pods=False)
@@ -289,30 +334,18 @@ def _invalid_spec(ctx: _Ctx) -> bool:
 
 
 def _engine_budget(ctx: _Ctx) -> bool:
-    """The run's own vLLM servers (restartPolicy Always: the kubelet restarts one in place, and the rollout sends its
-    prompts to the others and loads the current version into it when it is back) have the failure policy's budget:
-    an engine pod restarted more than `maxRestarts` times is out of the pool (an event says so); once no engine pod
-    is within the budget the run fails, naming the pods and their last failures, instead of crash-looping for
-    ever."""
-    budget = ctx.fp.max_restarts
-    engines = [p for p in _live(ctx.obs.pods) if p.role == ROLE_ENGINE]
-    beyond = [p for p in engines if p.restarts > budget]
-    if not beyond:
-        return False
-    if len(beyond) < len(engines):
-        for p in beyond:
-            down = ctx.st["enginesDown"] = list(ctx.st.get("enginesDown") or [])
-            if p.name not in down:
-                down.append(p.name)
-                ctx.d.events.append(("Warning", "EngineDown", f"engine pod {p.name} restarted {p.restarts} times, "
-                                     f"more than failurePolicy.maxRestarts={budget}: out of the pool; "
-                                     f"{len(engines) - len(beyond)} engine pod(s) left; last: "
-                                     f"{p.failure or p.waiting or 'no exit recorded'}"))
-        return False
-    why = "; ".join(f"pod {p.name} restarted {p.restarts} times, last: {p.failure or p.waiting or 'no exit recorded'}"
-                    for p in beyond)
-    what = "the run's vLLM server" if len(beyond) == 1 else "every vLLM server of the run's pool"
-    return ctx.fail("BackoffLimitExceeded", f"{what} restarted more than failurePolicy.maxRestarts={budget} times ({why})")
+    """An engine pod restarted in place by the kubelet (an engine pod created by an operator before 0.2, with
+    restartPolicy Always; engine pods of this operator have restartPolicy Never and are replaced by the failure
+    policy) uses the engine role's budget: restarted more than that, the run fails naming the pod and its last
+    failure, instead of crash-looping for ever."""
+    budget = ctx.policy.roles[ROLE_ENGINE].max_restarts
+    for p in _live(ctx.obs.pods):
+        if p.role == ROLE_ENGINE and p.restarts > budget:
+            why = p.failure or p.waiting or "no exit recorded"
+            return ctx.fail("BackoffLimitExceeded",
+                            f"the run's vLLM server (pod {p.name}) restarted {p.restarts} times, more than "
+                            f"failurePolicy.roles.engine.maxRestarts={budget}; last: {why}")
+    return False
 
 
 def _permanent_refusal(ctx: _Ctx) -> bool:
@@ -367,7 +400,8 @@ def _resize(ctx: _Ctx) -> bool:
 
 
 def _group_exit(ctx: _Ctx) -> bool:
-    """Success of every trainer first; then the attempt's failed, disrupted or deleted pods (the failure policy)."""
+    """Success of every trainer first; then the attempt's failed, disrupted or deleted rollout and trainer pods (the
+    one to act on: `failure_policy.root_cause`); then each engine replica on its own (`_engines_exit`)."""
     current = ctx.current()
     trainers = [current.get((ROLE_TRAINER, r)) for r in range(ctx.spec.trainer.replicas)]
     if all(t is not None and t.phase == "Succeeded" for t in trainers):
@@ -376,42 +410,177 @@ def _group_exit(ctx: _Ctx) -> bool:
                      event=("Normal", "Succeeded"))
         ctx.pods_ready(False, "Completed", "the run succeeded")
         ctx.d.delete_pods = [p.name for p in _live(ctx.obs.pods)]
+        _read_progress(ctx, succeeded=True)
         return True
-    gone = {p.name for p in ctx.obs.gone}
-    phase = str(ctx.st["phase"]).lower()
-    failures = []
-    for (role, rank), p in current.items():
-        if p.phase == "Failed" or p.disruption is not None:
-            failures.append(p.as_failure())
-        elif (p.deleting or p.name in gone) and p.phase != "Succeeded":
-            failures.append(policy.Failure(name=p.name, kind=policy.ExitKind.FAILURE, role=role, rank=rank,
-                                           description=f"pod {p.name} was deleted while the run was {phase}"))
+    failures = [f for f in (_failure_of(ctx, p) for p in current.values()) if f is not None]
     if ctx.st["phase"] == "Running":
         for role, rank in expected_group(ctx.run):
-            if (role, rank) not in current:  # gone while the operator was not looking
-                name = ctx.names.pod(role, rank, ctx.attempt)
-                failures.append(policy.Failure(name=name, kind=policy.ExitKind.FAILURE, role=role, rank=rank,
-                                               description=f"pod {name} was deleted while the run was running"))
+            if (role, rank) in current or (role == ROLE_ROLLOUT and ctx.ledger.replacing(ROLE_ROLLOUT)):
+                continue  # (a rollout restarted alone: its replacement is not created yet)
+            name = ctx.names.pod(role, rank, ctx.attempt, ctx.ledger.generation(role) if rank is None else 0)
+            failures.append(policy.Failure(name=name, kind=policy.ExitKind.FAILURE, role=role, rank=rank,
+                                           reasons=frozenset({policy.DELETED}),
+                                           description=f"pod {name} was deleted while the run was running"))
     cause = policy.root_cause(failures)
-    if cause is None:
-        return False
-    verdict = policy.on_failure(cause, restarts=ctx.st["restarts"], max_restarts=ctx.fp.max_restarts)
+    if cause is not None:
+        return _act_on(ctx, cause, ctx.policy.decide(cause, ctx.ledger.counts(ctx.st["restarts"])))
+    return _engines_exit(ctx)
+
+
+def _failure_of(ctx: _Ctx, p: PodObs) -> policy.Failure | None:
+    """The pod as a failure when it failed, was disrupted or was deleted (not by the operator: a pod it deletes is
+    of an older attempt or generation, or goes with the attempt); None while it runs or after it succeeded."""
+    if p.phase == "Failed" or p.disruption is not None:
+        return p.as_failure()
+    if (p.deleting or p.name in {g.name for g in ctx.obs.gone}) and p.phase != "Succeeded":
+        return p.as_deleted(str(ctx.st["phase"]))
+    return None
+
+
+def _engines_exit(ctx: _Ctx) -> bool:
+    """Each engine replica on its own: its current pod failed, was disrupted or deleted → the failure policy's
+    verdict for that replica (an engine missing from a running run counts as deleted, unless its replacement is
+    not created yet)."""
+    engines = ctx.engines()
+    ledger = ctx.ledger
+    for replica in range(engine_replicas(ctx.run)):
+        p = engines.get(replica)
+        if ledger.down(ROLE_ENGINE, replica):
+            failure = None  # out of the pool
+        elif p is not None:
+            failure = _failure_of(ctx, p)
+        elif ctx.st["phase"] == "Running" and not ledger.replacing(ROLE_ENGINE, replica):
+            name = ctx.names.engine_pod(replica, ledger.generation(ROLE_ENGINE, replica))
+            failure = policy.Failure(name=name, kind=policy.ExitKind.FAILURE, role=ROLE_ENGINE, rank=replica,
+                                     reasons=frozenset({policy.DELETED}),
+                                     description=f"pod {name} was deleted while the run was running")
+        else:
+            failure = None
+        if failure is None:
+            continue
+        verdict = ctx.policy.decide(failure, ledger.counts(ctx.st["restarts"]))
+        if verdict.reason == "BackoffLimitExceeded" and engine_replicas(ctx.run) > 1:
+            if _leave_pool(ctx, failure, verdict):
+                continue
+            return True  # no engine left: the run failed
+        if _act_on(ctx, failure, verdict):
+            return True
+    return False
+
+
+def _leave_pool(ctx: _Ctx, failure: policy.Failure, verdict: policy.Verdict) -> bool:
+    """An engine replica that failed with the engine role's budget spent leaves the pool (status.roleRestarts marks
+    it `down`; it is not replaced again) while another replica serves: the rollout sends its prompts to the others.
+    False when it was the last one: the run fails, naming every engine pod of the pool and its last failure."""
+    ledger = ctx.ledger
+    replica = failure.rank or 0
+    ledger.leave_pool(ROLE_ENGINE, replica, failure=failure.description, now=ctx.now_s)
+    replicas = engine_replicas(ctx.run)
+    left = [r for r in range(replicas) if not ledger.down(ROLE_ENGINE, r)]
+    if left:
+        message = (f"{failure.description}; {verdict.why}: engine replica {replica} (pod {failure.name}) leaves the "
+                   f"pool; {len(left)} of {replicas} engine(s) left: "
+                   + ", ".join(ctx.names.engine_pod(r, ledger.generation(ROLE_ENGINE, r)) for r in left))
+        ctx.st["message"] = bounded(message)
+        ctx.d.events.append(("Warning", "EngineDown", bounded(message, EVENT_MESSAGE_MAX)))
+        return True
+    why = "; ".join(f"pod {ctx.names.engine_pod(r, ledger.generation(ROLE_ENGINE, r))}: "
+                    f"{(ledger.entry(ROLE_ENGINE, r) or {}).get('lastFailure') or 'down'}" for r in range(replicas))
+    ctx.fail("BackoffLimitExceeded", f"no engine of the pool is left ({verdict.why}): {why}")
+    return False
+
+
+def _act_on(ctx: _Ctx, cause: policy.Failure, verdict: policy.Verdict) -> bool:
+    """Apply a verdict: fail the run, restart the group (True: the reconcile is settled), or restart the failed role
+    alone (False: the phase goes on)."""
     if not verdict.restart:
-        sep = ": " if cause.kind is policy.ExitKind.CONFIG_ERROR else "; "
+        sep = ": " if verdict.reason == "ConfigError" else "; "
         return ctx.fail(verdict.reason, f"{cause.description}{sep}{verdict.why}")
+    if verdict.alone:
+        _restart_role(ctx, cause, verdict)
+        return False
+    if cause.role == ROLE_ENGINE:  # the group restarts; the failed engine replica is replaced with it
+        ctx.ledger.restart(ROLE_ENGINE, cause.rank or 0, counted=False, failure=cause.description, now=ctx.now_s,
+                           backoff=verdict.backoff)
     _restart_after(ctx, cause, verdict)
     return True
 
 
+def _restart_role(ctx: _Ctx, cause: policy.Failure, verdict: policy.Verdict) -> None:
+    """Replace only the failed role (the rollout, or one engine replica) by a pod of its next generation, after the
+    role's backoff and once its predecessor is gone (`_ensure_children`); the counters go to status.roleRestarts."""
+    role, replica = cause.role, cause.rank or 0
+    assert role is not None
+    generation = ctx.ledger.restart(role, replica, counted=verdict.counted, failure=cause.description, now=ctx.now_s,
+                                    backoff=verdict.backoff)
+    what = (f"{role} replica {replica}" if role == ROLE_ENGINE else role)
+    if verdict.counted:
+        budget = ctx.policy.roles[role].max_restarts
+        used = ctx.ledger.counts(ctx.st["restarts"]).role_restarts.get(role, 0)
+        how = f"restart {used} of failurePolicy.roles.{role}.maxRestarts={budget}"
+    else:
+        how = verdict.why
+    message = (f"{cause.description}; restarting the {what} alone as generation {generation} ({how}) in "
+               f"{verdict.backoff:g}s; the other pods keep running")
+    ctx.st["message"] = bounded(message)
+    ctx.d.events.append(("Warning", "RestartingRole", bounded(message, EVENT_MESSAGE_MAX)))
+    if ctx.st["phase"] == "Running":
+        ctx.pods_ready(False, "RestartingRole", message)
+    ctx.d.wake_in(verdict.backoff)
+
+
+def _roles_ready(ctx: _Ctx) -> None:
+    """A Running run is whole when every pod of the attempt runs and every engine is ready: PodsReady says so, or
+    why not (a role restarting alone, an engine not ready yet); the progress deadline does not count while it is
+    False."""
+    reason, message = _not_whole(ctx)
+    if reason is None:
+        if (ctx.condition("PodsReady") or {}).get("status") != "True":
+            message = f"attempt {ctx.attempt}: rollout, {ctx.spec.trainer.replicas} trainer(s)" + (
+                f" and {engine_replicas(ctx.run)} engine(s)" if engine_replicas(ctx.run) else "") + " running again"
+            ctx.pods_ready(True, "PodsRunning", message)
+            ctx.st["message"] = message
+        return
+    ctx.pods_ready(False, reason, message)
+
+
+def _not_whole(ctx: _Ctx) -> tuple[str | None, str]:
+    """(reason, message) of what keeps the attempt from being whole; (None, "") when it is."""
+    ledger = ctx.ledger
+    current = ctx.current()
+    rollout = current.get((ROLE_ROLLOUT, None))
+    if rollout is None or rollout.phase not in ("Running", "Succeeded") or rollout.deleting:
+        if ledger.replacing(ROLE_ROLLOUT) or rollout is not None:
+            name = ctx.names.pod(ROLE_ROLLOUT, None, ctx.attempt, ledger.generation(ROLE_ROLLOUT))
+            return "RestartingRole", f"the rollout restarts alone: pod {name} is not running yet"
+    engines = ctx.engines()
+    for replica in range(engine_replicas(ctx.run)):
+        p = engines.get(replica)
+        if ledger.down(ROLE_ENGINE, replica):
+            continue  # out of the pool: the others serve
+        if p is None or not p.ready:
+            name = ctx.names.engine_pod(replica, ledger.generation(ROLE_ENGINE, replica))
+            why = "" if p is None else f" ({p.waiting or 'phase ' + p.phase + ', not ready'})"
+            reason = "RestartingRole" if ledger.replacing(ROLE_ENGINE, replica) else "WaitingForEngine"
+            return reason, (f"waiting for the engine: pod {name} is not ready yet{why} (the rollout waits for it; "
+                            "hang detection pauses meanwhile)")
+    return None, ""
+
+
 def _progress_deadline(ctx: _Ctx) -> bool:
-    """No new step for progressDeadlineSeconds while progress could be read → a failure (hang)."""
+    """No new step for progressDeadlineSeconds while progress could be read and every pod was up → a failure."""
     limit = ctx.fp.progress_deadline_seconds
     if not limit:
         return False
     if ctx.obs.progress is not None and ctx.obs.progress.error is not None:
         ctx.d.wake_in(float(limit))
         return False  # unknown is not idle: the deadline does not count while progress cannot be read
-    candidates = [parse_time((ctx.condition("Running") or {}).get("lastTransitionTime"))]
+    ready = ctx.condition("PodsReady") or {}
+    if ready.get("status") == "False":
+        ctx.d.wake_in(float(limit))
+        return False  # a role restarting alone, an engine not ready: the trainers wait for it, not hang
+    candidates = [parse_time((ctx.condition("Running") or {}).get("lastTransitionTime")),
+                  parse_time(ready.get("lastTransitionTime"))]  # whole again since then
     unknown = ctx.condition("ProgressUnknown")
     if unknown is not None and unknown.get("status") == "False":
         candidates.append(parse_time(unknown.get("lastTransitionTime")))  # readable again since then
@@ -425,30 +594,26 @@ def _progress_deadline(ctx: _Ctx) -> bool:
         ctx.d.wake_in(left)
         return False
     idle = int((ctx.now - last).total_seconds())
-    cause = policy.Failure(name="progress deadline", kind=policy.ExitKind.FAILURE, description=(
-        f"no progress for {idle}s (progressDeadlineSeconds={limit}, last step {ctx.st['step']})"))
-    verdict = policy.on_failure(cause, restarts=ctx.st["restarts"], max_restarts=ctx.fp.max_restarts)
-    if not verdict.restart:
-        return ctx.fail(verdict.reason, f"{cause.description}; {verdict.why}")
-    _restart_after(ctx, cause, verdict)
-    return True
+    cause = policy.Failure(name="progress deadline", kind=policy.ExitKind.FAILURE, role=None,
+                           reasons=frozenset({policy.PROGRESS_DEADLINE}), description=(
+                               f"no progress for {idle}s (progressDeadlineSeconds={limit}, last step {ctx.st['step']})"))
+    return _act_on(ctx, cause, ctx.policy.decide(cause, ctx.ledger.counts(ctx.st["restarts"])))
 
 
 def _restart_after(ctx: _Ctx, cause: policy.Failure, verdict: policy.Verdict) -> None:
     if verdict.counted:
         ctx.st["restarts"] += 1
         ctx.d.restarted = True
-        wait = policy.backoff_seconds(ctx.fp.backoff_seconds, ctx.st["restarts"])
         what = f"restart {ctx.st['restarts']} of {ctx.fp.max_restarts}"
         event = ("Warning", "Restarting")
     else:
         ctx.st["disruptions"] += 1
-        wait = policy.backoff_seconds(ctx.fp.backoff_seconds, ctx.st["restarts"], counted=False)
-        what = f"disruption {ctx.st['disruptions']}, not counted against maxRestarts={ctx.fp.max_restarts}"
-        event = ("Warning", "Disrupted")
+        what = (f"disruption {ctx.st['disruptions']}, not counted against maxRestarts={ctx.fp.max_restarts}"
+                if verdict.reason == "Disrupted" else f"{verdict.why}; uncounted restart {ctx.st['disruptions']}")
+        event = ("Warning", "Disrupted" if verdict.reason == "Disrupted" else "Restarting")
     message = (f"{cause.description}; restarting the whole group as attempt {ctx.attempt + 1} ({what}) "
-               f"in {wait:g}s")
-    _begin_restart(ctx, verdict.reason, message, event=event, wait=wait)
+               f"in {verdict.backoff:g}s")
+    _begin_restart(ctx, verdict.reason, message, event=event, wait=verdict.backoff)
 
 
 def _begin_restart(ctx: _Ctx, reason: str, message: str, *, event: tuple[str, str], wait: float) -> None:
@@ -510,51 +675,118 @@ def _wait_terminating(ctx: _Ctx) -> bool:
 
 
 def _delete_stale(ctx: _Ctx) -> None:
-    """Rollout/trainer pods and PodGroups of other attempts are deleted."""
+    """Rollout/trainer pods and gang objects of other attempts are deleted; so are live pods of an older generation
+    of a role restarted alone (a rollout of this attempt, an engine replica), without ending their group."""
     stale = [p.name for p in _live(ctx.obs.pods) if p.role in GROUP_ROLES and p.attempt != ctx.attempt]
     ctx.d.delete_pods = sorted(set(ctx.d.delete_pods) | set(stale))
+    ledger = ctx.ledger
+    replaced = [p.name for p in _live(ctx.obs.pods) if p.name not in ctx.d.delete_pods and (
+        (p.role == ROLE_ROLLOUT and p.attempt == ctx.attempt and p.generation != ledger.generation(ROLE_ROLLOUT)) or
+        (p.role == ROLE_ENGINE and p.generation != ledger.generation(ROLE_ENGINE, p.rank or 0)))]
+    ctx.d.replace_pods = sorted(set(ctx.d.replace_pods) | set(replaced))
     _delete_podgroups(ctx, keep=ctx.names.podgroup(ctx.attempt))
 
 
-def _delete_podgroups(ctx: _Ctx, keep: str | None) -> None:
+def _delete_podgroups(ctx: _Ctx, keep: str | None, *, engines: bool = False) -> None:
+    """Delete the gang objects of other attempts than `keep` (None: every attempt's); the engines' serving group
+    (R-engine) too only with `engines` (the run ended: the engines outlive attempts and a suspension)."""
     for key in sorted(ctx.obs.children):
         kind, _, name = key.partition("/")
-        if kind == "PodGroup" and name != keep:
-            ctx.d.delete.append(Child("PodGroup", name))
+        if name == ctx.names.engine and not engines:
+            continue
+        if kind in ("PodGroup", "Workload") and name != keep:
+            ctx.d.delete.append(Child(kind, name))
 
 
 def _ensure_children(ctx: _Ctx, *, pods: bool) -> None:
-    """Create whatever child of the run is missing: the ConfigMap, the Services, the attempt's PodGroup and the
-    managed store first; the attempt's pods (`pods`) after them (handlers stop at the first refused create, so a
-    pod never exists before what it mounts or resolves). A ConfigMap whose content is out of date (after a resize)
-    is updated before the pods that read it."""
+    """Create whatever child of the run is missing: the ConfigMap, the Services, the attempt's gang objects and the
+    managed store first, then the engine pods, then the attempt's pods (`pods`; a running attempt gets only the
+    replacement of a rollout restarted alone). Handlers stop at the first refused create, so a pod never exists
+    before what it mounts or resolves. A ConfigMap whose content is out of date (after a resize) is updated before
+    the pods that read it. A replacement waits for its role's backoff and for its predecessor to be gone."""
     run, names, obs = ctx.run, ctx.names, ctx.obs
     base = base_children(run, ctx.attempt)
     ctx.d.create = [c for c in base if c.key not in obs.children and not _store_pod_exists(c, obs)]
     config = next(c for c in base if c.kind == "ConfigMap")
     if pods and config.key in obs.children and obs.config_hash != config_hash(run):
         ctx.d.update.append(config)
-    if not pods:
-        return
+    ledger = ctx.ledger
+    engines = ctx.engines()
+    for replica in range(engine_replicas(run)):
+        if ledger.down(ROLE_ENGINE, replica):
+            continue  # out of the pool: never replaced again
+        child = engine_child(run, replica, ledger.generation(ROLE_ENGINE, replica))
+        _ensure_pod(ctx, child, engines.get(replica), ROLE_ENGINE, replica)
     current = ctx.current()
     for role, rank in expected_group(run):
-        child = Child("Pod", names.pod(role, rank, ctx.attempt), role=role, rank=rank)
-        if current.get((role, rank)) is None and child.key not in obs.children:  # (just created: not seen yet)
-            ctx.d.create.append(child)
+        if not pods and not (role == ROLE_ROLLOUT and ledger.replacing(ROLE_ROLLOUT)):
+            continue
+        generation = ledger.generation(role) if role == ROLE_ROLLOUT else 0
+        child = Child("Pod", names.pod(role, rank, ctx.attempt, generation), role=role, rank=rank,
+                      generation=generation)
+        _ensure_pod(ctx, child, current.get((role, rank)), role, rank or 0)
+
+
+def _ensure_pod(ctx: _Ctx, child: Child, seen: PodObs | None, role: str, replica: int) -> None:
+    """Create `child` unless it exists (or was just created); a replacement of a role restarted alone only once its
+    backoff passed and its predecessor is gone (clearing `replacing` once the replacement is seen)."""
+    ledger = ctx.ledger
+    if seen is not None or child.key in ctx.obs.children:
+        if role in (ROLE_ROLLOUT, ROLE_ENGINE):
+            ledger.seen(role, replica)
+        return
+    if role in (ROLE_ROLLOUT, ROLE_ENGINE) and ledger.replacing(role, replica):
+        due = ledger.restart_due(role, replica, parse_time)
+        if due is not None and due > ctx.now.timestamp():
+            ctx.d.wake_in(due - ctx.now.timestamp())
+            return
+        if _predecessor_blocks(ctx, role, replica, child.name):
+            return
+        ctx.d.events.append(("Normal", "RoleRestarted", f"creating pod {child.name} (the {role}"
+                             + (f" replica {replica}" if role == ROLE_ENGINE else "") + f" alone, generation "
+                             f"{child.generation})"))
+    ctx.d.create.append(child)
+
+
+def _predecessor_blocks(ctx: _Ctx, role: str, replica: int, name: str) -> bool:
+    """A pod of an older generation of the same role replica that still runs or terminates blocks its replacement
+    (two rollout writers at once; under Kueue a pod group with one pod too many, whose newest pod Kueue would
+    delete as excess) for up to terminatingTimeoutSeconds from its deletion."""
+    timeout = ctx.fp.terminating_timeout_seconds
+    for p in ctx.obs.pods:
+        if p.role != role or p.phase in ("Succeeded", "Failed") or p.name == name:
+            continue
+        if (role == ROLE_ROLLOUT and p.attempt != ctx.attempt) or (role == ROLE_ENGINE and (p.rank or 0) != replica):
+            continue
+        left = policy.seconds_left(p.deleted_at, timeout, ctx.now.timestamp())
+        if left is not None and left <= 0:
+            continue  # on a lost node: fenced by its older generation (the store's writer claim)
+        message = (f"waiting for pod {p.name} to terminate before its replacement {name} starts (it stops blocking "
+                   f"terminatingTimeoutSeconds={timeout}s after its deletion)")
+        ctx.st["message"] = bounded(message)
+        ctx.pods_ready(False, "TerminatingPods", message)
+        ctx.d.wake_in(1.0 if left is None else min(left, 1.0))
+        return True
+    return False
 
 
 def _store_pod_exists(child: Child, obs: Observed) -> bool:
-    return child.kind == "Pod" and any(p.role in (ROLE_STORE, ROLE_ENGINE) and p.name == child.name and not p.deleting
+    return child.kind == "Pod" and any(p.role == ROLE_STORE and p.name == child.name and not p.deleting
                                        for p in obs.pods)
 
 
 def _pods_ready(ctx: _Ctx) -> None:
-    """Pending → Running once every pod of the attempt runs (or already finished); else say why not."""
+    """Pending → Running once every pod of the attempt runs (or already finished) and every engine is ready; else say
+    why not."""
     gone = {p.name for p in ctx.obs.gone}
     current = {k: p for k, p in ctx.current().items() if not p.deleting and p.name not in gone}
     expected = expected_group(ctx.run)
-    if len(current) == len(expected) and all(p.phase in ("Running", "Succeeded") for p in current.values()):
-        message = f"attempt {ctx.attempt}: rollout and {ctx.spec.trainer.replicas} trainer(s) running"
+    group_up = len(current) == len(expected) and all(p.phase in ("Running", "Succeeded") for p in current.values())
+    engine_reason, engine_message = _not_whole(ctx) if group_up else (None, "")
+    if group_up and engine_reason is None:
+        engines = engine_replicas(ctx.run)
+        message = (f"attempt {ctx.attempt}: rollout and {ctx.spec.trainer.replicas} trainer(s) running"
+                   + (f", {engines} engine(s) ready" if engines else ""))
         ctx.phase_to("Running", "PodsRunning", message, condition="Running", event=("Normal", "Running"))
         ctx.pods_ready(True, "PodsRunning", message)
         return
@@ -570,24 +802,30 @@ def _pods_ready(ctx: _Ctx) -> None:
                    f"(LocalQueue {ctx.spec.queue_name or '?'})")
     elif waiting is not None:
         reason, message = waiting.waiting_reason or "ContainersWaiting", waiting.waiting or ""
+    elif engine_reason is not None:
+        reason, message = engine_reason, f"attempt {ctx.attempt}: {engine_message}"
     else:
         reason, message = "WaitingForPods", f"attempt {ctx.attempt}: waiting for {not_running} pod(s) to start"
     ctx.st["message"] = bounded(message)
     ctx.pods_ready(False, reason, message)
 
 
-def _read_progress(ctx: _Ctx) -> None:
-    """Copy the store's progress into the status; ProgressUnknown says whether it could be read."""
+def _read_progress(ctx: _Ctx, *, succeeded: bool = False) -> None:
+    """Copy the store's progress into the status (and status.progress: `pace.progress_status`); ProgressUnknown says
+    whether it could be read."""
     obs = ctx.obs.progress
-    if obs is None:
-        return
-    record = obs.value
+    record = obs.value if obs is not None else None
     if record is not None:
         for key, value in (("step", record.step), ("samplesConsumed", record.samples_consumed),
                            ("lastGlobalBatchSize", record.last_global_batch_size), ("rollout", record.rollout)):
             if value is not None:
                 ctx.st[key] = value
-    if ctx.st.get("phase") in TERMINAL_PHASES:
+    if ctx.run is not None:
+        progress = progress_status(ctx.st.get("progress"), record, ctx.spec.rollout.num_rollouts,
+                                   succeeded=succeeded)
+        if progress is not None:
+            ctx.st["progress"] = progress
+    if obs is None or ctx.st.get("phase") in TERMINAL_PHASES:
         return
     if obs.error is not None:
         ctx.set_condition("ProgressUnknown", "True", "StoreUnreadable", f"cannot read progress from the store: "
@@ -597,9 +835,11 @@ def _read_progress(ctx: _Ctx) -> None:
 
 
 def status_changes(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict[str, Any]:
-    """The keys of `new` that differ from `old` (a merge patch of the status)."""
+    """The keys of `new` that differ from `old` (a merge patch of the status); an empty list or None is not written
+    where there was nothing."""
     old = dict(old or {})
-    return {k: v for k, v in new.items() if k in _STATUS_KEYS and old.get(k) != v and not (v is None and k not in old)}
+    return {k: v for k, v in new.items()
+            if k in _STATUS_KEYS and old.get(k) != v and not (v in (None, []) and k not in old)}
 
 
 def invalid_spec(status: Mapping[str, Any] | None, message: str, *, now: dt.datetime,

@@ -4,11 +4,14 @@ I/O; `status` decides with it, `render` renders with it, `checks` checks with it
 
   Owner          the TrainingRun that owns the children (the ownerReference every child carries)
   Names          the children's names: R-config, R-trainers, R-store, R-engine (the engines' ConfigMap, headless
-                 Service and serving PodGroup), R-a<k> (PodGroup), pods R-rollout-a<k>, R-trainer-<i>-a<k> and
-                 R-engine-<i>, trainer hostnames trainer-<i>-a<k>, engine hostnames engine-<i>
+                 Service and serving gang objects), R-a<k> (PodGroup, Workload), pods R-rollout-a<k>,
+                 R-trainer-<i>-a<k> and R-engine-<i> (engine replica i), trainer hostnames trainer-<i>-a<k>, engine
+                 hostnames engine-<i>; a rollout or engine pod restarted alone carries its generation:
+                 R-rollout-a<k>-r<g>, R-engine-<i>-r<g>
   Child          one child by kind, name and role (the role label of the object: config, trainer, store, engine,
-                 rollout; a PodGroup has none) and rank (trainer pods)
+                 rollout; a PodGroup has none), rank (trainer pods; an engine's replica) and generation
   base_children  what an attempt's pods need before they are created, in creation order
+  engine_child   the engine pod of one replica in one generation (engine_replicas: how many the run has)
   store_url      the run's store as the pods see it; run_epoch its creation time; config_hash the ConfigMap's content
 """
 
@@ -77,27 +80,33 @@ class Names:
 
     @property
     def engine(self) -> str:
-        """The engines' ConfigMap, headless Service and serving PodGroup."""
+        """The engines' ConfigMap, headless Service and serving gang objects."""
         return f"{self.run}-engine"
-
-    def engine_pod(self, index: int) -> str:
-        return f"{self.run}-engine-{index}"
-
-    @staticmethod
-    def engine_hostname(index: int) -> str:
-        """Engine pod i's hostname under the headless Service: engine-<i>.R-engine.NS.svc, stable over restarts."""
-        return engine_k8s.replica_hostname(index)
 
     def podgroup(self, attempt: int) -> str:
         return f"{self.run}-a{attempt}"
 
     def is_podgroup(self, name: str) -> bool:
-        """Whether `name` is one of this run's PodGroups (of any attempt)."""
+        """Whether `name` is one of this run's gang objects (of any attempt, or the engines' serving group)."""
         prefix = f"{self.run}-a"
-        return name.startswith(prefix) and name[len(prefix):].isdigit()
+        return name == self.engine or (name.startswith(prefix) and name[len(prefix):].isdigit())
 
-    def pod(self, role: str, rank: int | None, attempt: int) -> str:
-        return f"{self.run}-{role}-a{attempt}" if rank is None else f"{self.run}-{role}-{rank}-a{attempt}"
+    def pod(self, role: str, rank: int | None, attempt: int, generation: int = 0) -> str:
+        """A rollout or trainer pod of attempt `attempt`; a rollout restarted alone gets `-r<generation>`."""
+        base = f"{self.run}-{role}-a{attempt}" if rank is None else f"{self.run}-{role}-{rank}-a{attempt}"
+        return base if generation == 0 else f"{base}-r{generation}"
+
+    def engine_pod(self, replica: int, generation: int = 0) -> str:
+        """Engine replica `replica`: R-engine-<i> (as the local launcher's engine-<i>), `-r<generation>` once it was
+        restarted alone (a replacement never waits for its predecessor's name)."""
+        base = f"{self.engine}-{replica}"
+        return base if generation == 0 else f"{base}-r{generation}"
+
+    @staticmethod
+    def engine_hostname(replica: int) -> str:
+        """Engine replica i's hostname under the headless Service: engine-<i>.R-engine.NS.svc, the same in every
+        generation (the rollout's URL of it never changes)."""
+        return engine_k8s.replica_hostname(replica)
 
     @staticmethod
     def hostname(rank: int, attempt: int) -> str:
@@ -110,10 +119,11 @@ class Child:
     """One child object of a run, by kind and name; `role` is the role label the object carries (None: a PodGroup),
     `rank` a trainer pod's rank."""
 
-    kind: str  # ConfigMap, Service, Pod, PodGroup
+    kind: str  # ConfigMap, Service, Pod, PodGroup, Workload
     name: str
     role: str | None = None
-    rank: int | None = None
+    rank: int | None = None  # a trainer's rank; an engine's replica
+    generation: int = 0  # rollout and engine pods: the role's generation (restarts of the role alone)
 
     @property
     def key(self) -> str:
@@ -142,15 +152,25 @@ def base_children(run: TrainingRun, attempt: int) -> list[Child]:
     out = [Child("ConfigMap", names.config, role=ROLE_CONFIG), Child("Service", names.service, role=ROLE_TRAINER)]
     if store_is_managed(run):
         out += [Child("Service", names.store, role=ROLE_STORE), Child("Pod", names.store, role=ROLE_STORE)]
+    provider = gang.provider(run)
     if engine_is_managed(run):
         out += [Child("ConfigMap", names.engine, role=ROLE_ENGINE), Child("Service", names.engine, role=ROLE_ENGINE)]
-        if gang.provider(run) is not None:  # the engines' own (serving) group: they outlive attempts
-            out.append(Child("PodGroup", names.engine, role=ROLE_ENGINE))
-        out += [Child("Pod", names.engine_pod(i), role=ROLE_ENGINE, rank=i)
-                for i in range(run.spec.rollout.engine.replicas)]
-    if gang.provider(run) is not None:
-        out.append(Child("PodGroup", names.podgroup(attempt)))
+        if provider is not None:  # the engines' own (serving) group: they outlive attempts
+            out += [Child(kind, names.engine, role=ROLE_ENGINE) for kind in provider.kinds]
+    if provider is not None:
+        out += [Child(kind, names.podgroup(attempt)) for kind in provider.kinds]
     return out
+
+
+def engine_replicas(run: TrainingRun) -> int:
+    """How many engine pods the operator runs for the run: spec.rollout.engine.replicas (0 when it runs none)."""
+    return run.spec.rollout.engine.replicas if engine_is_managed(run) else 0
+
+
+def engine_child(run: TrainingRun, replica: int, generation: int) -> Child:
+    """The engine pod of `replica` in its `generation`."""
+    return Child("Pod", Names(run.metadata.name).engine_pod(replica, generation), role=ROLE_ENGINE, rank=replica,
+                 generation=generation)
 
 
 def store_url(run: TrainingRun, namespace: str) -> str:

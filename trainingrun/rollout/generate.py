@@ -9,6 +9,10 @@ The three first stages of the rollout loop for generated rollouts:
                           its weight version
     score(groups)         the reward of every completion (`rollout/rewards.py`); failed rewards are counted
 
+With `environment` the generate stage runs groupSize multi-turn episodes per prompt instead (`rollout/episodes.py`:
+one engine call per turn, the environment's observations between turns, its rewards), and score has nothing left
+to do.
+
 Pinning the version to exactly k − maxPolicyLag (not "the newest available") makes a run a function of its spec:
 the same seed gives the same rollouts whatever the timing, so DP invariance and restarts are exact, and the lag the
 trainers record is exactly maxPolicyLag once k ≥ maxPolicyLag. Sampling is seeded by (seed, source index).
@@ -42,7 +46,9 @@ import numpy as np
 from trainingrun.contract.engine import Completion, Engine, GroupedEngine, GroupRequest, Sampling
 from trainingrun.contract.env import ENGINE_URL_ENV, ProcessEnv
 from trainingrun.contract.errors import ConfigError
+from trainingrun.contract.published import EpisodeCounts
 from trainingrun.modeling.architecture import Architecture
+from trainingrun.rollout.episodes import EpisodeRunner, build_group, counts, cut_at_stop, turn_text
 from trainingrun.rollout.groups import SampleGroup
 from trainingrun.rollout.prompts import Prompt, load_tokenizer, make_prompts
 from trainingrun.rollout.rewards import RewardConfig, RewardScorer
@@ -74,6 +80,7 @@ class GenerateStats:
     partials_continued: int = 0  # carried cut groups continued in this one
     partials_dropped: int = 0  # carried cut groups dropped: older than the staleness bound (staleTokens drop)
     sync_seconds: dict[str, float] = field(default_factory=dict)  # each engine's last weight load
+    episodes: EpisodeCounts | None = None  # with an environment
 
 
 def make_engine(spec, store, arch: Architecture) -> Engine:
@@ -135,7 +142,8 @@ class GenerateSource:
         self.max_wait, self.poll_interval = max_wait, poll_interval
         self.group_size = spec.rollout.group_size
         self.prompts_per_rollout = spec.rollout.samples_per_rollout // spec.rollout.group_size
-        text = g.prompts.type != "synthetic"
+        self.environment = g.environment
+        text = g.prompts.type != "synthetic" or self.environment is not None
         self.tokenizer = load_tokenizer(arch) if text else None
         self.prompts = make_prompts(spec, arch, tokenizer=self.tokenizer)
         eos = self.tokenizer.eos_id if self.tokenizer is not None else EOS
@@ -145,13 +153,20 @@ class GenerateSource:
         if g.sampling.max_new_tokens >= seq_length:
             raise ConfigError(f"rollout.source.generate.sampling.maxNewTokens: {g.sampling.max_new_tokens} leaves no "
                               f"room for a prompt within model seqLength {seq_length}")
-        dataset = getattr(self.prompts, "params", None)
-        if g.reward.type == "reasoning_gym" and dataset is None:
+        self.dataset = dataset = getattr(self.prompts, "params", None)
+        if g.reward.type == "reasoning_gym" and dataset is None and self.environment is None:
             raise ConfigError("rollout.source.generate.reward.type: reasoning_gym scores reasoning-gym prompts only "
                               "(prompts.type reasoningGym)")
-        self.scorer = RewardScorer(RewardConfig(type=g.reward.type, function=g.reward.function, dataset=dataset),
-                                   timeout=g.reward.timeout_seconds, failed_reward=g.reward.failed_reward,
-                                   workers=g.reward.workers)
+        self.scorer = self.episodes = None
+        if self.environment is not None:
+            self.episodes = EpisodeRunner(self.environment, tokenizer=self.tokenizer, chat=g.prompts.chat,
+                                          stop_ids=self.stop_ids, stops=g.sampling.stop,
+                                          max_new_tokens=g.sampling.max_new_tokens, seq_length=seq_length,
+                                          prompt_type=g.prompts.type, say=self.say)
+        else:
+            self.scorer = RewardScorer(RewardConfig(type=g.reward.type, function=g.reward.function, dataset=dataset),
+                                       timeout=g.reward.timeout_seconds, failed_reward=g.reward.failed_reward,
+                                       workers=g.reward.workers)
         self.engine = engine if engine is not None else make_engine(spec, store, arch)
         self.lag = spec.rollout.max_policy_lag
         self.stats = GenerateStats()
@@ -199,6 +214,8 @@ class GenerateSource:
         self.ensure_weights(version)
         seed = int(np.random.SeedSequence([self.spec.seed, self._index, 0x5A]).generate_state(1)[0])
         sampling = self._sampling(seed)
+        if self.episodes is not None:
+            return self._run_episodes(prompts, version, sampling)
         t0 = time.perf_counter()
         completions = self.engine.generate([p.tokens.tolist() for p in prompts], self.group_size, sampling)
         self.stats.generate_seconds = time.perf_counter() - t0
@@ -291,8 +308,33 @@ class GenerateSource:
         self._pending[gid] = (prompt, responses)
         return group
 
+    def _run_episodes(self, prompts: list[Prompt], version: int, sampling: Sampling) -> list[SampleGroup]:
+        """groupSize multi-turn episodes per prompt (`rollout/episodes.py`); their rewards are the environment's."""
+        t0 = time.perf_counter()
+        by_prompt = self.episodes.run(self.engine, prompts, self.group_size, sampling, seed=sampling.seed,
+                                      dataset=self.dataset)
+        self.stats.generate_seconds = time.perf_counter() - t0
+        groups = []
+        for j, episodes in enumerate(by_prompt):
+            group = build_group(self._index * self.prompts_per_rollout + j, episodes, self.environment,
+                                version=version, group_size=self.group_size)
+            if group is not None:
+                groups.append(group)
+        flat = [e for episodes in by_prompt for e in episodes]
+        self.stats.episodes = counts(flat, self.environment)
+        self.stats.generated_tokens = self.stats.episodes.response_tokens
+        self.stats.samples = sum(len(g) for g in groups)
+        self.stats.failure_messages = list(self.episodes.messages)
+        failures = self.stats.episodes.failures
+        if failures:
+            self.say(f"rollout: {sum(failures.values())} of {len(flat)} episodes failed in their environment "
+                     f"({failures}); e.g. " + "; ".join(self.episodes.messages[:2]))
+        return groups
+
     def score(self, groups: list[SampleGroup]) -> None:
         """Rewards of the groups not scored yet (grouped generation scores each group as it finishes)."""
+        if self.episodes is not None:  # the environment rewarded every episode
+            return
         t0 = time.perf_counter()
         items, where = [], []
         for g in groups:
@@ -319,7 +361,9 @@ class GenerateSource:
                      + "; ".join(scored.messages[:2]))
 
     def close(self) -> None:
-        self.scorer.close()
+        for part in (self.scorer, self.episodes):
+            if part is not None:
+                part.close()
         self.engine.close()
 
     # ---- helpers
@@ -358,23 +402,11 @@ class GenerateSource:
         tasks: reference = answer + end token), else the decoded text without the stop token."""
         if self.tokenizer is None or isinstance(prompt.reference, list):
             return [int(t) for t in ctoks]
-        body = ctoks[:-1] if len(ctoks) and int(ctoks[-1]) in self.stop_ids else ctoks
-        text = self.tokenizer.decode(body)
-        for stop in self.sampling.stop:
-            cut = text.find(stop)
-            if cut >= 0:
-                text = text[:cut]
-        return text
+        return turn_text(ctoks, self.tokenizer, self.stop_ids, self.sampling.stop)
 
     def _cut_at_stop(self, tokens: np.ndarray, logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Completions end after the token that completes a stop string (text tasks): later tokens are dropped."""
-        if not self.sampling.stop or self.tokenizer is None:
-            return tokens, logprobs
-        for t in range(1, len(tokens) + 1):
-            text = self.tokenizer.decode(tokens[:t])
-            if any(s in text for s in self.sampling.stop):
-                return tokens[:t], logprobs[:t]
-        return tokens, logprobs
+        return cut_at_stop(tokens, logprobs, self.tokenizer, self.sampling.stop)
 
 
 @dataclass

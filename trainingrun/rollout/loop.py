@@ -318,7 +318,8 @@ class RolloutLoop:
         self.say(f"rollout: source rollout generated with weight version {gen.weight_version}: {gen.samples} "
                  f"samples, {gen.generated_tokens} tokens in {gen.generate_seconds:.2f}s "
                  f"({gen.generated_tokens / max(gen.generate_seconds, 1e-9):.0f} tok/s), waited "
-                 f"{gen.wait_seconds:.2f}s for weights, reward mean {rewards.mean():.3f}")
+                 f"{gen.wait_seconds:.2f}s for weights, reward mean {rewards.mean():.3f}"
+                 + (f"; {gen.episodes.summary()}" if gen.episodes is not None else ""))
         if self.metrics is not None:
             self.metrics.observe_generation(gen, rewards)
 
@@ -357,6 +358,7 @@ class RolloutLoop:
             groups_produced=len(groups), groups_kept=len(kept),
             groups_aborted=getattr(gen, "groups_aborted", 0), partials_carried=getattr(gen, "partials_carried", 0),
             partials_dropped=getattr(gen, "partials_dropped", 0), tokens_masked=masked,
+            episodes=gen.episodes if gen is not None else None,
         )
 
     def resume(self) -> tuple[RolloutState, bool]:

@@ -9,10 +9,24 @@ max new tokens) is done here with a `torch.Generator` seeded per call, so the sa
 same tokens. Why this loop and not Megatron's `StaticInferenceEngine`: docs/rl.md ("Engines", figures from
 benchmarks/rl_loop.py).
 
+Multi-turn episodes (`rollout/episodes.py`) call `generate` once per turn with each episode's whole context: the
+engine keeps the last call's KV cache (when the call fit in one batch of `max_batch` rows) and continues it. Each new
+context is matched with the cached row that shares its longest prefix (the episode's previous turn: the KV of its
+prompt and earlier turns is valid), the cached rows are gathered into a new cache, and the forward starts at the
+shortest shared prefix instead of position 0 (rows that share more are fed their own tokens up to where they differ,
+as prompts of different lengths are). The sampling draws are the same as without the cache (one per position from
+the shortest context on), so the tokens are those a fresh prefill gives, and the log-probabilities agree to float
+rounding (`tests/integration/test_episodes_megatron.py`). Loading weights drops the cache (its KV is of the old
+weights); `stats["reused_tokens"]` counts the positions not recomputed.
+
 Weights: `load_weights(version)` reads the version's tensors through the store (`Store.read_weights`, written by the
 trainers' `StoreWeightPublisher` as `modeling.state.state_dict_arrays`) and loads them with one
 `load_state_dict(strict=True)` after every tensor was decoded and checked: a failed read leaves the previous version
 in place (never half-applied).
+
+Device and attention: the first visible GPU, else the CPU (`engine_device`); the attention backend is the
+trainers' rule for this device (`modeling.model.attention_choice` with `generation=True`: te in TE's layer spec, else
+the local spec, whose padded KV-cache batches run torch SDPA whichever of flash and sdpa is named).
 
 The CPU shim (`modeling/cpu_compat.py`) is process-global; this module is used in the rollout process (or a
 subprocess in tests), never in the pytest process.
@@ -20,6 +34,7 @@ subprocess in tests), never in the pytest process.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -28,9 +43,16 @@ import torch
 import torch.distributed as dist
 
 from trainingrun.contract.engine import ABORTED, Completion, GroupRequest, OnGroup, Sampling, empty_cut
+from trainingrun.contract.errors import ConfigError
 from trainingrun.modeling.architecture import Architecture
-from trainingrun.modeling.model import build_model, prepare_device, set_seed
+from trainingrun.modeling.model import ModelOptions, attention_choice, build_model, prepare_device, set_seed
 from trainingrun.modeling.state import arrays_state_dict
+
+
+def engine_device() -> torch.device:
+    """Where the engine generates: the first visible GPU (CUDA), else the CPU (with the CPU shim)."""
+    return prepare_device(1)
+
 
 def sample_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(token [B], its log-probability [B] under softmax(logits / temperature)) for logits [B, V].
@@ -62,18 +84,28 @@ class MegatronEngine:
     name = "megatron"
 
     def __init__(self, arch: Architecture, *, fetch: Callable[[int], tuple[dict[str, np.ndarray], dict]],
-                 max_batch: int = 256, seed: int = 0):
-        self.device = prepare_device(0)  # the rollout generates on the CPU, or the first visible GPU
+                 max_batch: int = 256, seed: int = 0, reuse_cache: bool = True):
+        self.device = engine_device()
         _init_single_process()
         set_seed(seed)
-        self.model = build_model(arch, self.device, load_weights=False)  # weights: version 0 from the trainers
+        try:
+            self.attention = attention_choice(arch, self.device, generation=True)
+        except ValueError as exc:
+            raise ConfigError(f"rollout.engine.type megatron: {exc}") from None
+        print(f"megatron engine on {self.device}: attention {self.attention.backend} ({self.attention.reason})",
+              file=sys.stderr, flush=True)
+        # weights: version 0 from the trainers
+        self.model = build_model(arch, self.device, load_weights=False, options=ModelOptions(attention=self.attention))
         self.model.eval()
         self.arch = arch
         self.seq_length = arch.seq_length
         self.max_batch = max_batch
         self.fetch = fetch
         self._version = -1  # no weights loaded yet
-        self.stats = {"generated_tokens": 0, "generate_seconds": 0.0, "load_seconds": 0.0, "loaded_bytes": 0}
+        self.reuse_cache = reuse_cache
+        self._cache = None  # (StaticInferenceContext, per row: the tokens whose KV it holds) of the last call
+        self.stats = {"generated_tokens": 0, "generate_seconds": 0.0, "load_seconds": 0.0, "loaded_bytes": 0,
+                      "reused_tokens": 0}
 
     @property
     def weight_version(self) -> int:
@@ -89,6 +121,7 @@ class MegatronEngine:
             raise ValueError(f"weight version {version} does not match the model (missing {missing}, unexpected "
                              f"{unexpected})")
         self.model.load_state_dict(state, strict=False)  # strict on the weight names above; _extra_state aside
+        self._cache = None  # its keys and values were computed with the old weights
         self._version = version
         self.stats["load_seconds"] += time.perf_counter() - t0
         self.stats["loaded_bytes"] += sum(a.nbytes for a in arrays.values())
@@ -98,10 +131,13 @@ class MegatronEngine:
         t0 = time.perf_counter()
         rows = [list(map(int, p)) for p in prompts for _ in range(n)]
         out: list[Completion] = []
-        gen = torch.Generator(device="cpu").manual_seed(int(sampling.seed))
+        gen = torch.Generator(device=self.device).manual_seed(int(sampling.seed))
+        single = len(rows) <= self.max_batch
+        if not single:
+            self._cache = None
         for start in range(0, len(rows), self.max_batch):
             batch = rows[start : start + self.max_batch]
-            out.extend(self._generate_batch(batch, [sampling.max_new_tokens] * len(batch), sampling, gen))
+            out.extend(self._generate_batch(batch, [sampling.max_new_tokens] * len(batch), sampling, gen, keep=single))
         self.stats["generated_tokens"] += sum(len(c.tokens) for c in out)
         self.stats["generate_seconds"] += time.perf_counter() - t0
         return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
@@ -146,7 +182,8 @@ class MegatronEngine:
             return report()
 
         report()
-        gen = torch.Generator(device="cpu").manual_seed(int(sampling.seed))
+        self._cache = None  # grouped generation keeps no cache (multi-turn episodes use generate)
+        gen = torch.Generator(device=self.device).manual_seed(int(sampling.seed))
         new_tokens = 0
         for start in range(0, len(rows), self.max_batch):
             batch = rows[start : start + self.max_batch]
@@ -165,9 +202,11 @@ class MegatronEngine:
         return [[c if c is not None else empty_cut() for c in slots] for slots in results]
 
     def _generate_batch(self, rows: list[list[int]], budgets: list[int], sampling: Sampling, gen: torch.Generator,
-                        on_finished: Callable[[int, Completion], bool] | None = None) -> list[Completion]:
+                        on_finished: Callable[[int, Completion], bool] | None = None,
+                        keep: bool = False) -> list[Completion]:
         """One batch of rows, each with its own budget of new tokens. `on_finished(row, completion)` is called for
-        each row as it finishes; once it returns True the rows still generating are cut (finish ABORTED)."""
+        each row as it finishes; once it returns True the rows still generating are cut (finish ABORTED). `keep`: keep the keys and values
+        for the next call (multi-turn continuation, module docstring)."""
         from megatron.core.inference.contexts import StaticInferenceContext  # deferred: megatron after prepare_device
 
         lengths = [len(r) for r in rows]
@@ -177,20 +216,24 @@ class MegatronEngine:
         if max(lengths) >= total:
             raise ValueError(f"prompts: a prompt of {max(lengths)} tokens leaves no room to generate within "
                              f"model seqLength {self.seq_length}")
-        b = len(rows)
+        b, dev = len(rows), self.device
         tokens = torch.zeros(b, total, dtype=torch.long)
         for i, r in enumerate(rows):
             tokens[i, : len(r)] = torch.tensor(r)
-        plen = torch.tensor(lengths)
-        budget = torch.tensor(budgets)
-        logps = torch.zeros(b, total)
-        done = torch.zeros(b, dtype=torch.bool)
-        end = torch.full((b,), total, dtype=torch.long)  # first position after each row's completion
+        tokens = tokens.to(dev)
+        plen = torch.tensor(lengths, device=dev)
+        budget = torch.tensor(budgets, device=dev)
+        logps = torch.zeros(b, total, device=dev)
+        done = torch.zeros(b, dtype=torch.bool, device=dev)
+        end = torch.full((b,), total, dtype=torch.long, device=dev)  # first position after each row's completion
         reason = ["length"] * b
-        stop = torch.tensor(sorted(sampling.stop_token_ids), dtype=torch.long)
-        ctx = StaticInferenceContext(b, total)
-        pos = torch.arange(total).unsqueeze(0).expand(b, -1)
-        prev = 0
+        stop = torch.tensor(sorted(sampling.stop_token_ids), dtype=torch.long, device=dev)
+        ctx, prev = self._continued(rows, total, min(lengths) - 1) if self.reuse_cache else (None, 0)
+        if ctx is None:
+            ctx = StaticInferenceContext(b, total)
+        self._cache = None
+        pos = torch.arange(total, device=dev).unsqueeze(0).expand(b, -1)
+        cur = prev
         for cur in range(min(lengths), total):
             logits = self.model(tokens[:, prev:cur], pos[:, prev:cur], None, inference_context=ctx,
                                 runtime_gather_output=True)
@@ -222,13 +265,54 @@ class MegatronEngine:
                     break
             if bool(done.all()):
                 break
-        return [self._completion(tokens, logps, lengths[i], int(end[i]), reason[i], i) for i in range(b)]
+        out = [self._completion(tokens, logps, lengths[i], int(end[i]), reason[i], i) for i in range(b)]
+        if keep and self.reuse_cache and on_finished is None:  # positions < cur were fed: their keys and values
+            self._cache = (ctx, [tokens[i, :min(int(end[i]), cur)].cpu().numpy() for i in range(b)])
+        return out
 
     @staticmethod
     def _completion(tokens: torch.Tensor, logps: torch.Tensor, start: int, end: int, reason: str,
                     row: int) -> Completion:
-        return Completion(tokens=tokens[row, start:end].numpy().astype(np.int32),
-                          logprobs=logps[row, start:end].numpy().astype(np.float32), finish_reason=reason)
+        return Completion(tokens=tokens[row, start:end].cpu().numpy().astype(np.int32),
+                          logprobs=logps[row, start:end].cpu().numpy().astype(np.float32), finish_reason=reason)
+
+    def _continued(self, rows: list[list[int]], total: int, limit: int):
+        """(a cache for `rows` holding the last call's keys and values of their longest cached prefixes, the
+        position to feed from), or (None, 0) when no row shares a prefix with the cache (see the module docstring).
+        `limit`: feed at least the last token of the shortest row."""
+        from megatron.core.inference.contexts import StaticInferenceContext  # deferred: megatron after prepare_device
+
+        if self._cache is None or limit < 1:
+            return None, 0
+        old, cached = self._cache
+        width = max(len(c) for c in cached)
+        table = np.full((len(cached), width), -1, np.int64)
+        for j, c in enumerate(cached):
+            table[j, :len(c)] = c
+        pick, start = [], limit
+        for r in rows:
+            n = min(len(r), width)
+            shared = np.cumprod(table[:, :n] == np.asarray(r[:n], np.int64), axis=1).sum(axis=1)
+            j = int(shared.argmax())
+            pick.append(j)
+            start = min(start, int(shared[j]))
+        if start < 1:
+            return None, 0
+        ctx = StaticInferenceContext(len(rows), total)
+        index = torch.tensor(pick, device=self.device)
+        self._cache = None
+        for layer in list(old.key_value_memory_dict):
+            memories = old.key_value_memory_dict.pop(layer)  # freed as we go: one layer's old cache at a time
+            fresh = []
+            for m in memories:
+                t = torch.empty((total, len(rows), *m.shape[2:]), dtype=m.dtype, device=m.device)
+                t[:start] = m[:start, index]
+                fresh.append(t)
+            ctx.key_value_memory_dict[layer] = tuple(fresh)
+        ctx.sequence_len_offset = start
+        ctx.enable_decode_mode()
+        self.stats["reused_tokens"] += start * len(rows)
+        return ctx, start
 
     def close(self) -> None:
         pass

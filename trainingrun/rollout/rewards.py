@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainingrun.childproc import PipeWorker
 from trainingrun.rollout.prompts import reasoning_gym_dataset
 
 IN_PROCESS = ("exact_match", "token_match")
@@ -62,16 +63,21 @@ def math_verify(response: str, reference: Any) -> float:
     return 1.0 if verify(gold, answer, timeout_seconds=None) else 0.0
 
 
-def load_function(path: str) -> Callable[[Any, Any], float]:
-    """`module:function` → the function; ValueError naming reward.function when it cannot be imported."""
+def load_named(path: str, field: str) -> Callable:
+    """`module:name` → that callable (a function or a class); ValueError naming `field` when it cannot be loaded."""
     module, _, name = path.partition(":")
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"rollout.source.generate.reward.function: cannot load {path!r}: {exc}") from None
+        raise ValueError(f"{field}: cannot load {path!r}: {exc}") from None
     if not callable(fn):
-        raise ValueError(f"rollout.source.generate.reward.function: {path!r} is not callable")
+        raise ValueError(f"{field}: {path!r} is not callable")
     return fn
+
+
+def load_function(path: str) -> Callable[[Any, Any], float]:
+    """`module:function` → the function; ValueError naming reward.function when it cannot be imported."""
+    return load_named(path, "rollout.source.generate.reward.function")
 
 
 @dataclass(frozen=True)
@@ -221,19 +227,12 @@ class RewardPool:
 STARTUP_GRACE_SECONDS = 60.0
 
 
-@dataclass
-class _Worker:
-    proc: Any
-    conn: Any
-
+class _Worker(PipeWorker):
     @classmethod
     def start(cls, ctx, config: RewardConfig) -> _Worker:
         """Start a worker and wait until its scorer is built (imports are not counted against a reward's time)."""
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_serve, args=(child, json.dumps(config.__dict__)), daemon=True)
-        proc.start()
-        child.close()
-        w = cls(proc, parent)
+        w = cls.spawn(ctx, _serve, json.dumps(config.__dict__))
+        proc, parent = w.proc, w.conn
         if not parent.poll(STARTUP_GRACE_SECONDS):
             w.stop()
             raise RuntimeError(f"reward worker not ready after {STARTUP_GRACE_SECONDS:g}s")
@@ -250,12 +249,6 @@ class _Worker:
     def receive(self) -> tuple[Any, str | None, str]:
         value, reason, message = json.loads(self.conn.recv_bytes())
         return value, reason, message
-
-    def stop(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(timeout=5)
-        self.conn.close()
 
 
 def _serve(conn, config_json: str) -> None:  # pragma: no cover - runs in the spawned worker

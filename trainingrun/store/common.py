@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from trainingrun.contract.env import ROLE_ATTEMPT_ENV, RUN_ENV
 from trainingrun.contract.errors import CorruptPayload, StoreError
 from trainingrun.contract.payload import RankPayload
 from trainingrun.store.base import RolloutReleased, StaleAttempt, StoreDataLost, StoreTimeout, WriterConflict
@@ -357,16 +358,19 @@ class Owner:
     pid_start: int | None
     run: str | None
     since: float
+    generation: int = 0  # the writer's generation within its attempt (TRAININGRUN_ROLE_ATTEMPT: a rollout restarted alone)
 
     @classmethod
     def me(cls, attempt: int | None) -> Owner:
         pid = os.getpid()
+        raw = os.environ.get(ROLE_ATTEMPT_ENV, "")
         return cls(token=secrets.token_hex(8), attempt=attempt, host=socket.gethostname(), pid=pid,
-                   pid_start=_process_start(pid), run=os.environ.get("TRAININGRUN_RUN"), since=time.time())
+                   pid_start=_process_start(pid), run=os.environ.get(RUN_ENV), since=time.time(),
+                   generation=int(raw) if raw.isascii() and raw.isdigit() else 0)
 
     def to_json(self) -> dict[str, Any]:
         return {"token": self.token, "attempt": self.attempt, "host": self.host, "pid": self.pid,
-                "pid_start": self.pid_start, "run": self.run, "since": self.since}
+                "pid_start": self.pid_start, "run": self.run, "since": self.since, "generation": self.generation}
 
     @classmethod
     def from_json(cls, d: Any, *, where: str) -> Owner:
@@ -377,14 +381,16 @@ class Owner:
             return cls(token=str(d["token"]), attempt=None if attempt is None else stored_int(
                 attempt, where=where, field="attempt", maximum=MAX_ATTEMPT), host=str(d["host"]),
                 pid=stored_int(d["pid"], where=where, field="pid", maximum=2**31), pid_start=d.get("pid_start"),
-                run=d.get("run"), since=float(d.get("since", 0.0)))
+                run=d.get("run"), since=float(d.get("since", 0.0)),
+                generation=stored_int(d.get("generation", 0), where=where, field="generation", maximum=MAX_ATTEMPT))
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptPayload(f"{where}: writer claim is malformed: {exc}") from None
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
         run = f" of run {self.run}" if self.run else ""
-        return f"pid {self.pid} on {self.host}{run}, attempt {_attempt_text(self.attempt)}, since {when}"
+        generation = f" (generation {self.generation})" if self.generation else ""
+        return f"pid {self.pid} on {self.host}{run}, attempt {_attempt_text(self.attempt)}{generation}, since {when}"
 
     def dead_here(self) -> bool:
         """True when the owner ran on this host and that process is gone (or its pid was reused)."""
@@ -423,16 +429,22 @@ def may_claim(current: Owner | None, me: Owner, *, url: str,
     | none, or `me` itself                      | claim (False) / already held (True)       |
     | of a newer attempt                        | StaleAttempt: `me` is fenced off          |
     | of an older attempt                       | take it over (False)                      |
-    | of the same attempt, alive                | WriterConflict naming it                  |
-    | of the same attempt, dead (`dead(owner)`) | take it over (False)                      |
+    | same attempt, an older generation         | take it over (False): a rollout restarted |
+    |                                           | alone replaces its predecessor at once    |
+    | same attempt, a newer generation          | WriterConflict naming it                  |
+    | same attempt and generation, alive        | WriterConflict naming it                  |
+    | same attempt and generation, dead         | take it over (False)                      |
 
-    An unfenced handle (attempt None) counts as attempt 0, the attempt it writes as."""
+    An unfenced handle (attempt None) counts as attempt 0, the attempt it writes as. A generation is the writer's
+    TRAININGRUN_ROLE_ATTEMPT (0 when unset, and for claims written before generations existed); an older generation
+    that took the claim back would be refused (WriterConflict, exit 78), and one that held it fails its next write."""
     if current is None or current.token == me.token:
         return current is not None
     mine, theirs = me.attempt or 0, current.attempt or 0
     if theirs > mine:
         raise stale(url, "claiming the writer", mine, theirs)
-    if theirs == mine and not dead(current):
+    if theirs == mine and (current.generation > me.generation or
+                           (current.generation == me.generation and not dead(current))):
         raise conflict(url, current, me)
     return False
 

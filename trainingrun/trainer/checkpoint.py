@@ -22,7 +22,9 @@ shards (`write_shards`, collective) → every rank hashes its share of the files
 rank 0 writes state.pt, meta.json, progress.json and finally COMPLETE with the size and SHA-256 of every file
 (each fsynced), checks the fence again, renames the directory to its final name, fsyncs the parent, prunes.
 A crash at any point leaves either the old newest checkpoint or the new one complete: a directory without COMPLETE,
-or not named `step_<digits>`, is never loaded.
+or not named `step_<digits>`, is never loaded. A save that fails because the checkpoints' volume is full raises
+`OSError(ENOSPC)` naming the root, on whichever rank found it full and through whichever writer (`_full_volume_raises`;
+rank 0's commit tells every rank), so each rank reports one line and exits 78 instead of a traceback.
 
 Resume: rank 0 records this attempt in the fence; then the complete checkpoints are tried newest first. Each is
 verified before anything is loaded (COMPLETE parses, every listed file exists with its size and hash, the torch
@@ -47,6 +49,7 @@ way (a zombie, or a new run reusing the directory: the message says how to tell 
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import hashlib
 import io
 import json
@@ -56,9 +59,12 @@ import re
 import shutil
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+from trainingrun.diskspace import describe as describe_no_space
 
 MARKER = "COMPLETE"
 FORMAT = 2
@@ -68,6 +74,7 @@ _NAME = re.compile(r"^step_(\d{8,})$")
 _HASH_PREFIX = ".hash-"
 _CHUNK = 1 << 22
 _FENCED = "[fenced] "  # marks a fencing refusal among the reasons the ranks exchange
+_NO_SPACE = "[no space] "  # marks a full checkpoint volume among them
 
 
 class CheckpointError(Exception):
@@ -386,13 +393,17 @@ def save(
             (tmp / DIST_DIR).mkdir(parents=True)
     _raise_any(group.gather_reasons(reason))
     t1 = time.perf_counter()
-    write_shards(tmp / DIST_DIR)
+    # on a full volume rank 0 removes what was written, so the run's last lines (and its summary) still fit
+    cleanup = (lambda: shutil.rmtree(tmp, ignore_errors=True)) if group.rank == 0 else None
+    with _full_volume_raises(root, cleanup):
+        write_shards(tmp / DIST_DIR)
     group.barrier()
     t2 = time.perf_counter()
     # Each rank hashes (and fsyncs) its share of the shard files; rank 0 collects the notes.
     shard_files = [f"{DIST_DIR}/{rel}" for rel in _listed_files(tmp / DIST_DIR)]
-    notes = {rel: digest(tmp / rel) for rel in _share(shard_files, group.rank, group.world)}
-    (tmp / f"{_HASH_PREFIX}{group.rank}.json").write_text(json.dumps(notes))
+    with _full_volume_raises(root, cleanup):
+        notes = {rel: digest(tmp / rel) for rel in _share(shard_files, group.rank, group.world)}
+        (tmp / f"{_HASH_PREFIX}{group.rank}.json").write_text(json.dumps(notes))
     group.barrier()
     error = None
     total = 0
@@ -439,9 +450,12 @@ def save(
             error = _fenced(str(exc))
         except CheckpointError as exc:
             error = str(exc)
-        except OSError as exc:
-            error = f"{tmp}: cannot commit checkpoint {name}: {exc}"
-    _raise_any(group.gather_reasons(error))
+        except (OSError, RuntimeError) as exc:  # RuntimeError: torch.save's writer on a short write
+            full = describe_no_space(exc, [root])
+            if full:
+                shutil.rmtree(tmp, ignore_errors=True)
+            error = _NO_SPACE + full if full else f"{tmp}: cannot commit checkpoint {name}: {exc}"
+    _raise_any(group.gather_reasons(error), root)
     release = group.broadcast_ints([release] if group.rank == 0 else None)[0]
     return SaveResult(final, release, seconds_shards=t2 - t1, seconds_total=time.perf_counter() - t0, bytes=total)
 
@@ -450,13 +464,34 @@ def _fenced(reason: str | None) -> str | None:
     return None if reason is None else _FENCED + reason
 
 
-def _raise_any(reasons: list[str | None]) -> None:
-    """Raise the first reason given by any rank (on every rank): CheckpointFenced for a fencing refusal."""
+def _raise_any(reasons: list[str | None], root: Path | None = None) -> None:
+    """Raise the first reason given by any rank (on every rank): CheckpointFenced for a fencing refusal, the
+    full-volume OSError (`_full_volume_raises`) when the checkpoint's volume is full."""
     for reason in reasons:
         if reason is not None:
             if reason.startswith(_FENCED):
                 raise CheckpointFenced(reason[len(_FENCED):])
+            if reason.startswith(_NO_SPACE):
+                raise OSError(errno.ENOSPC, reason[len(_NO_SPACE):], str(root))
             raise CheckpointError(reason)
+
+
+@contextmanager
+def _full_volume_raises(root: Path, cleanup: Callable[[], None] | None = None):
+    """A write of this rank that fails because the checkpoints' volume is full — whatever the writer made of the
+    OSError (torch's checkpoint writer gathers it to one rank as text; its zip writer reports a short write as a
+    RuntimeError; a peer only learns that the save failed) — raises `OSError(ENOSPC)` naming the checkpoint root,
+    so every rank reports it as one line and exits 78 (`trainer/main.py`), whichever rank found the volume full
+    first (`cleanup` then removes the partial checkpoint). Other failures pass unchanged."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - re-raised unless the volume is full
+        line = describe_no_space(exc, [root])
+        if line is None:
+            raise
+        if cleanup is not None:
+            cleanup()
+        raise OSError(errno.ENOSPC, line, str(root)) from exc
 
 
 def release_point(root: str | Path, *, default: int) -> int:

@@ -12,8 +12,14 @@ loading reads each tensor once per data-parallel group and exchanges it (`FullyP
 TransformerEngine's `_extra_state` objects (FP8 metadata we do not use, pickled BytesIO) are left out, so every
 file loads with `torch.load(weights_only=True)`.
 
-Not covered on CPU: the *distributed* optimizer's sharded state (its reload fails on gloo in megatron-core 0.16.1);
-the trainer uses the plain optimizer, and resharding the distributed optimizer is a GPU check.
+The distributed optimizer (`trainer.optimizer.distributed`) writes its state in Megatron's `dp_reshardable` format
+(each rank's shards of the main parameters and Adam moments, no gather): it loads at any data-parallel size, not at
+another tensor-parallel size (`resume` refuses that, and a switch between the plain and the distributed optimizer,
+by name). Over torch's own Adam (no apex or TransformerEngine: a CPU, or a GPU image without them) megatron-core
+0.16.1 cannot load it into a fresh optimizer as it stands — `state_dict()` asserts on the empty state, the loaded
+moments are copied into leaf views outside `no_grad`, and Adam's step stays the fresh one — so `load_shards` gives
+the fresh optimizer an Adam state of zeros first, loads under `torch.no_grad()` and sets the step the checkpoint
+recorded (`_DistributedAdamLoad`).
 
 The async writer of `dist_checkpointing` starts a helper process with the `spawn` method, which re-imports the main
 module: entry points must be guarded by `if __name__ == "__main__"` (trainingrun/__main__.py is).
@@ -28,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from trainingrun.diskspace import no_space
 from trainingrun.trainer import checkpoint as ckpt
 
 _REASON_BYTES = 1024
@@ -76,13 +83,55 @@ def _without_extra_state(sharded: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in sharded.items() if not k.endswith("_extra_state")}
 
 
+# The distributed optimizer's checkpoint format (module docstring): what Megatron's `metadata` argument names it.
+DISTRIBUTED_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def is_distributed(optimizer) -> bool:
+    """Whether `optimizer` is Megatron's distributed optimizer (alone or in its ChainedOptimizer)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # deferred: megatron
+
+    return any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
 def sharded_state(module, optimizer=None, *, is_loading: bool = False) -> dict[str, Any]:
     """The state dist_checkpointing writes/reads: the model's sharded state dict (+ the optimizer's)."""
     model_sd = _without_extra_state(module.sharded_state_dict())
     state = {"model": model_sd}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        extra = {"metadata": DISTRIBUTED_OPTIMIZER_FORMAT} if is_distributed(optimizer) else {}
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, **extra)
     return state
+
+
+class _DistributedAdamLoad:
+    """The distributed optimizer over torch's own Adam, loaded as the module docstring says (a no-op for the plain
+    optimizer and for apex's or TransformerEngine's fused Adam, which keep the step in their parameter groups)."""
+
+    def __init__(self, optimizer) -> None:
+        self.inner = []
+        if is_distributed(optimizer):
+            self.inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])
+                          if isinstance(o.optimizer, torch.optim.Adam | torch.optim.AdamW)]
+
+    def before(self) -> None:
+        for adam in self.inner:
+            if not adam.state:
+                for group in adam.param_groups:
+                    for p in group["params"]:
+                        adam.state[p] = {"step": torch.zeros((), dtype=torch.float32),
+                                         "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+    def after(self, loaded_optimizer: dict[str, Any]) -> None:
+        if not self.inner:
+            return
+        steps = {float(g["step"]) for g in loaded_optimizer["optimizer"]["param_groups"] if "step" in g}
+        if len(steps) != 1:
+            raise ValueError(f"the distributed optimizer's checkpoint records Adam steps {sorted(steps)}; one expected")
+        step = steps.pop()
+        for adam in self.inner:
+            for state in adam.state.values():
+                state["step"] = torch.tensor(step, dtype=torch.float32)
 
 
 def _strategies(load_dir: Path | None = None):
@@ -102,23 +151,81 @@ def _strategies(load_dir: Path | None = None):
     return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(load_dir)), dp)
 
 
+class ShardsFailed(RuntimeError):
+    """Megatron's checkpoint writer or reader failed. torch reports it as a `CheckpointException`, which derives
+    from `BaseException` (it would pass every `except Exception` up to the interpreter, as a traceback); this carries
+    it as the cause, and the errno of a rank's failure when one names it (a full volume: `diskspace`)."""
+
+    def __init__(self, what: str, directory: Path, exc: BaseException):
+        full = no_space(exc)
+        self.errno = None if full is None else full.errno
+        self.filename = str(directory)
+        failures = getattr(exc, "failures", None) or {}
+        why = "; ".join(f"rank {r}: {_first_line(f[0] if isinstance(f, tuple) else f)}" for r, f in failures.items())
+        super().__init__(f"{directory}: {what} failed" + (f" ({why})" if why else " (on another rank)"))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = f"{exc.__class__.__name__}: {exc}"
+    return text.splitlines()[0][:300] if text else ""
+
+
 def write_shards(module, optimizer, directory: Path) -> None:
     from megatron.core import dist_checkpointing  # deferred: megatron
+    from torch.distributed.checkpoint.api import CheckpointException  # deferred: torch
 
-    dist_checkpointing.save(sharded_state(module, optimizer), str(directory), sharded_strategy=_strategies())
+    try:
+        dist_checkpointing.save(sharded_state(module, optimizer), str(directory), sharded_strategy=_strategies())
+    except CheckpointException as exc:
+        raise ShardsFailed("writing the checkpoint shards", directory, exc) from exc
 
 
 def load_shards(module, optimizer, directory: Path) -> None:
     """Load model and optimizer from a dist directory into `module`/`optimizer` (strict for the model)."""
     from megatron.core import dist_checkpointing  # deferred: megatron
+    from torch.distributed.checkpoint.api import CheckpointException  # deferred: torch
 
-    loaded = dist_checkpointing.load(sharded_state(module, optimizer, is_loading=True), str(directory),
-                                     sharded_strategy=_strategies(directory))
+    adam = _DistributedAdamLoad(optimizer)
+    adam.before()
+    try:
+        loaded = dist_checkpointing.load(sharded_state(module, optimizer, is_loading=True), str(directory),
+                                         sharded_strategy=_strategies(directory))
+    except CheckpointException as exc:
+        raise ShardsFailed("reading the checkpoint shards", directory, exc) from exc
     missing, unexpected = module.load_state_dict(loaded["model"], strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise ValueError(f"the model does not match the checkpoint (missing {missing[:5]}, unexpected {unexpected[:5]})")
-    optimizer.load_state_dict(loaded["optimizer"])
+    with torch.no_grad():  # the distributed optimizer copies into views of the (leaf) parameters
+        optimizer.load_state_dict(loaded["optimizer"])
+    adam.after(loaded["optimizer"])
+
+
+def optimizer_format_problem(root: Path, meta: dict[str, Any]) -> str | None:
+    """Why the newest checkpoint under `root` cannot load into the optimizer `meta` describes (None: it can, or
+    there is none): plain ↔ distributed, or the distributed optimizer's state at another tensor-parallel size. Said
+    before anything loads: a restart with the checkpoints' settings resumes, so nothing is set aside as unloadable."""
+    complete = ckpt.complete_checkpoints(root)
+    if not complete:
+        return None
+    try:
+        was = ckpt.read_meta(complete[-1])
+    except (OSError, ValueError):
+        return None  # a damaged record: the checkpoint's verification says so
+    kind, now = was.get("optimizer", "plain"), meta["optimizer"]
+    if kind != now:
+        return (f"checkpoint {complete[-1]} holds the {kind} optimizer's state and this run uses the {now} one "
+                f"(trainer.optimizer.distributed {str(now == 'distributed').lower()}): the two store it differently; "
+                f"allowed: trainer.optimizer.distributed {str(kind == 'distributed').lower()}, as it was written")
+    if now == "distributed" and was.get("tp_size") != meta.get("tp_size"):
+        return (f"checkpoint {complete[-1]} holds the distributed optimizer's state at tensor-parallel "
+                f"{was.get('tp_size')}: it loads at any data-parallel size, not at tensor-parallel "
+                f"{meta.get('tp_size')}; allowed: trainer.tensorParallelSize {was.get('tp_size')}")
+    if now == "distributed" and was.get("pp_size", 1) != meta.get("pp_size", 1):  # its shards are per stage too
+        return (f"checkpoint {complete[-1]} holds the distributed optimizer's state at pipeline-parallel "
+                f"{was.get('pp_size', 1)}: it loads at any data-parallel size, not at pipeline-parallel "
+                f"{meta.get('pp_size', 1)}; allowed: trainer.pipelineParallelSize {was.get('pp_size', 1)}")
+    return None
 
 
 @dataclass
@@ -143,10 +250,15 @@ class TrainerCheckpoints:
             raise ckpt.CheckpointError("the psutil package is not installed: Megatron's distributed checkpointing "
                                        "needs it (pip install psutil; it is in trainingrun's train extra)") from None
         self.group = DistGroup()
+        self.meta = {**self.meta, "optimizer": "distributed" if is_distributed(self.optimizer) else "plain"}
 
     def resume(self) -> ckpt.Resumed | None:
-        """Restore from the newest loadable checkpoint (None: there is none). CheckpointError: none loads."""
+        """Restore from the newest loadable checkpoint (None: there is none). CheckpointError: none loads, or its
+        optimizer state does not fit this optimizer (`optimizer_format_problem`)."""
         t0 = time.perf_counter()
+        problem = optimizer_format_problem(self.root, self.meta)
+        if problem:
+            raise ckpt.CheckpointError(problem)
         resumed = ckpt.resume(
             self.root, group=self.group, attempt=self.attempt, log=self.log, epoch=self.epoch,
             load_shards=lambda d: load_shards(self.module, self.optimizer, d),
@@ -157,9 +269,11 @@ class TrainerCheckpoints:
         ckpt.set_rng_state(resumed.state["rng"])
         was = resumed.meta
         now = self.meta
-        if (was.get("dp_size"), was.get("tp_size")) != (now.get("dp_size"), now.get("tp_size")):
-            self.log(f"resharded {resumed.path.name}: written at data-parallel {was.get('dp_size')} / tensor-parallel "
-                     f"{was.get('tp_size')}, loaded at {now.get('dp_size')} / {now.get('tp_size')}")
+        sizes = ("dp_size", "tp_size", "pp_size")  # a checkpoint from before pipeline parallelism has no pp_size: 1
+        then, here = ([d.get(k, 1 if k == "pp_size" else None) for k in sizes] for d in (was, now))
+        if then != here:
+            self.log(f"resharded {resumed.path.name}: written at data-parallel {then[0]} / tensor-parallel {then[1]} "
+                     f"/ pipeline-parallel {then[2]}, loaded at {here[0]} / {here[1]} / {here[2]}")
         self.log(f"loaded {resumed.path} in {time.perf_counter() - t0:.2f}s")
         return resumed
 

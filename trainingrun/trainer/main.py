@@ -56,11 +56,23 @@ def run(args: argparse.Namespace) -> int:
         _say(f"[trainer {rank}] store error: {exc}")
         return exit_status(exc)
     except (OSError, RuntimeError) as exc:  # a full volume (a checkpoint, a log, the metrics file): no restart helps
-        line = describe(exc, [os.getcwd()])
+        line = describe(exc, _volumes(args))
         if line is None:
             raise
         _say(f"[trainer {rank}] {line}")
         return EXIT_CONFIG_ERROR
+
+
+def _volumes(args: argparse.Namespace) -> list[str]:
+    """Where this trainer writes: the working directory (the run directory locally) and the checkpoint path (in a
+    cluster often a volume of its own). A failure whose exception lost the errno (a peer's broken collective after
+    the rank that hit the full volume ended) is a full volume when one of these is full."""
+    paths = [os.getcwd()]
+    try:
+        paths.append(load_trainingrun(_config_path(args)).spec.trainer.checkpoint.path)
+    except (ValueError, ConfigError, OSError):
+        pass
+    return paths
 
 
 def _say(line: str) -> None:
@@ -127,6 +139,15 @@ def _train(args: argparse.Namespace) -> int:
             _say(f"[trainer {env.rank}] store error: {exc}")
             os._exit(EXIT_CONFIG_ERROR)
         raise
+    except (OSError, RuntimeError) as exc:
+        # A full volume (a checkpoint on any rank, through any writer; the metrics file; a peer's collective broken
+        # by the rank that found it full): one line and exit at once, as above, before the teardown (which a
+        # launcher stopping the group could interrupt, and which may itself need the disk).
+        line = describe(exc, _volumes(args))
+        if line is None:
+            raise
+        _say(f"[trainer {env.rank}] {line}")
+        os._exit(EXIT_CONFIG_ERROR)
     finally:
         trainer.close()
 

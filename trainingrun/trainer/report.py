@@ -27,7 +27,8 @@ def step_record(*, res, step, rollout: int, global_step: int, samples_consumed: 
     (rollouts between the trainer's weights and the generator's: this rollout's index − the version of the step's
     oldest trained token) and policy_lag_mean (the same over every trained token: partial rollouts mix versions), the
     per-token policy statistics (RL_MEANS, token-weighted over the step's trained tokens, before the update), the
-    trained samples' reward_std, and the rollout's produced/kept/filtered/aborted groups and failed rewards."""
+    trained samples' reward_std, and the rollout's produced/kept/filtered/aborted groups and failed rewards; with an
+    environment also the rollout's episode statistics (`contract.published.EpisodeCounts.record`)."""
     gbs = step.global_batch_size
     record = {
         "step": global_step, "rollout": rollout, "step_in_rollout": step.index,
@@ -62,6 +63,8 @@ def step_record(*, res, step, rollout: int, global_step: int, samples_consumed: 
             "groups_filtered": st.groups_produced - st.groups_kept if st is not None else 0,
             "groups_aborted": st.groups_aborted if st is not None else 0,
             "rewards_failed": st.reward_failed if st is not None else 0,
+            # multi-turn episodes: turns_per_episode, tool calls, environment failures, ... (EpisodeCounts.record)
+            **(st.episodes.record() if st is not None and st.episodes is not None else {}),
         })
     return record
 

@@ -40,13 +40,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def model_of(path: str | Path, precision: str) -> tuple[Architecture, dict[str, torch.Tensor] | None, str]:
     """(architecture, canonical weights or None when `arch.hf` holds them, what was read) of `--model PATH`, set up
-    for scoring: the local layer spec in `precision`."""
+    for scoring: the local layer spec in `precision`, with the attention this device offers (flash or sdpa: a
+    checkpoint trained with te or flash elsewhere scores here too)."""
     path = Path(path)
+    local = dict(precision=precision, transformer_impl="local", attention_backend="auto")
     if (path / "config.json").is_file():
         arch = read_hf_architecture(path.resolve())
-        return arch.replace(precision=precision, transformer_impl="local"), None, f"Hugging Face directory {path}"
+        return arch.replace(**local), None, f"Hugging Face directory {path}"
     full = load_full_state(path)
-    arch = full.arch.replace(hf=None, precision=precision, transformer_impl="local")
+    arch = full.arch.replace(hf=None, **local)
     return arch, full.state, f"checkpoint {full.path} (step {full.progress.get('global_step')})"
 
 

@@ -54,14 +54,26 @@ def forward_backward(
     ref_model=None,
 ) -> torch.Tensor:
     """Run the micro-batches (forward + backward, gradients reduced over DP) with the run's `loss` and the step's
-    denominators `totals`; return local stats [S, 2].
+    denominators `totals`; return local stats [S, 2] (this data-parallel rank's, the same on each pipeline stage).
 
-    `ref_model`: the frozen initial policy (ppo with a KL penalty), run forward-only on the same micro-batch."""
+    `ref_model`: the frozen initial policy (ppo with a KL penalty), run forward-only on the same micro-batch.
+
+    Pipeline parallelism (P > 1 stages): Megatron's 1F1B schedule runs the same M micro-batches through the stages;
+    every stage reads them (positions, cu_seqlens, RoPE), the first embeds the tokens, each later stage receives the
+    previous one's activations — [tokens, 1, hidden], another length for every packed micro-batch, so the shape goes
+    first (`variable_seq_lengths`, set by `build_model`) — and the last computes the loss. The schedule divides it by
+    M as at P = 1 and DDP reduces over the same D ranks, so the factor and the gradient are those of P = 1. Only the
+    last stage sees the losses: its statistics are summed over the pipeline group (the others contribute zeros)."""
+    from megatron.core import parallel_state  # deferred: megatron
     from megatron.core.pipeline_parallel import get_forward_backward_func  # deferred: megatron
 
     m = len(microbatches)
     if m < 1:
         raise ValueError("num_microbatches: a step needs at least one micro-batch per rank")
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    if ref_model is not None and pp_size > 1:
+        raise ValueError("trainer.policyLoss.klCoef: the reference model is not pipelined; allowed with "
+                         "pipelineParallelSize 1 only")
     factor = megatron_loss_factor(dp_size, m)
     stats = torch.zeros(len(STAT_NAMES), 2, dtype=torch.float64)
 
@@ -95,6 +107,8 @@ def forward_backward(
         micro_batch_size=1,
         forward_only=False,
     )
+    if pp_size > 1:
+        stats = allreduce_pairs(stats, group=parallel_state.get_pipeline_model_parallel_group())
     return stats
 
 

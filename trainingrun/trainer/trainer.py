@@ -30,7 +30,9 @@ from trainingrun.contract.payload import RankPayload
 from trainingrun.contract.published import PublishedRollout, StepPlan
 from trainingrun.contract.resume import ResumePoint
 from trainingrun.modeling.architecture import Architecture
+from trainingrun.modeling.convert import check_tp
 from trainingrun.modeling.hf_io import copy_assets
+from trainingrun.modeling.pipeline import check_pp
 from trainingrun.store import RolloutReleased, StoreTimeout, open_store
 from trainingrun.tracking import TrackingConfigError, open_tracker, tracking_paths
 from trainingrun.trainer.checkpoint import CheckpointError, CheckpointFenced, TrainingProgress, release_point
@@ -67,6 +69,7 @@ class Trainer:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.ckpt_root = Path(spec.trainer.checkpoint.path)  # relative: the launcher runs us in the run directory
         self.progress = TrainingProgress()
         self.data_wait = 0.0  # seconds this rank waited for (and read) the rollout it trains now
@@ -80,10 +83,12 @@ class Trainer:
         hf = arch.hf
         try:
             tp_size = parallel_state.get_tensor_model_parallel_world_size()
+            pp_size = parallel_state.get_pipeline_model_parallel_world_size()
             self.checkpoints = TrainerCheckpoints(
                 self.ckpt_root, ddp.module, optimizer, scheduler, attempt=env.attempt,
                 keep=spec.trainer.checkpoint.keep, epoch=env.epoch,
-                meta={"run": run_name, "dp_size": self.dp_size, "tp_size": tp_size, "model": arch.to_dict()},
+                meta={"run": run_name, "dp_size": self.dp_size, "tp_size": tp_size, "pp_size": pp_size,
+                      "model": arch.to_dict()},
                 log=lambda msg: log(self.rank, msg) if self.rank == 0 else None,
                 assets=(lambda d: _copy_hf_assets(hf, d)) if hf else None,
             )
@@ -100,24 +105,33 @@ class Trainer:
             raise ConfigError(str(exc)) from None
         spec, ts = tr.spec, tr.spec.trainer
         run_name = env.run_name or tr.metadata.name
-        if ts.pipeline_parallel_size != 1:
-            raise ConfigError(
-                f"trainer.pipelineParallelSize: {ts.pipeline_parallel_size} is not supported by this trainer yet; "
-                "allowed: 1"
-            )
-        if env.world_size % ts.tensor_parallel_size:
-            raise ConfigError(
-                f"WORLD_SIZE: {env.world_size} not divisible by trainer.tensorParallelSize {ts.tensor_parallel_size}"
-            )
+        tp, pp = ts.tensor_parallel_size, ts.pipeline_parallel_size
+        if env.world_size % (tp * pp):
+            raise ConfigError(f"WORLD_SIZE: {env.world_size} not divisible by trainer.tensorParallelSize {tp} × "
+                              f"trainer.pipelineParallelSize {pp}")
+        if pp > 1 and ts.loss_type == "ppo" and ts.policy_loss.kl_coef > 0:
+            raise ConfigError(f"trainer.policyLoss.klCoef: {ts.policy_loss.kl_coef} needs the reference model, which "
+                              f"is not pipelined (trainer.pipelineParallelSize {pp}); allowed: klCoef 0, or "
+                              "pipelineParallelSize 1")
         try:
             arch = spec.model.resolved()
         except ValueError as exc:
             raise ConfigError(f"model: {exc}") from None
+        try:  # before any process group exists: every rank refuses alike, none waits in a collective for a peer gone
+            check_tp(arch, tp)
+            check_pp(arch, pp)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         loss = loss_settings(spec)
 
         # Import order: the device decision installs the CPU shim before megatron is imported.
-        from trainingrun.modeling.model import build_model, init_distributed, layer_impl, prepare_device, set_seed
-        from trainingrun.trainer.optim import build_optimizer, optim_settings, wrap_ddp  # deferred: megatron
+        from trainingrun.modeling.model import attention_choice, build_model, init_distributed, prepare_device, set_seed
+        from trainingrun.trainer.optim import (  # deferred: megatron
+            build_optimizer,
+            optim_settings,
+            performance_settings,
+            wrap_ddp,
+        )
 
         try:
             device = prepare_device(ts.gpus_per_replica)
@@ -125,7 +139,7 @@ class Trainer:
             raise ConfigError(str(exc)) from None
         log(env.rank, f"run {run_name} attempt {env.attempt}: world {env.world_size}, device {device}, "
                       f"store {env.store_url}")
-        init_distributed(device, tp=ts.tensor_parallel_size, pp=1)
+        init_distributed(device, tp=tp, pp=pp)
 
         # deferred, like the model above: megatron, prometheus_client and torch come after the device decision
         from megatron.core import parallel_state  # deferred: megatron
@@ -134,13 +148,18 @@ class Trainer:
         from trainingrun.trainer.report import StepReporter  # deferred: torch (loss statistics)
         from trainingrun.trainer.weights import make_publisher  # deferred: torch
 
+        try:  # what this device runs: the attention backend and the performance options (refused by name)
+            attention = attention_choice(arch, device)
+            options, ddp_settings = performance_settings(ts, arch, device, attention)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        log(env.rank, f"attention: {attention.backend} ({attention.reason})")
         set_seed(spec.seed)
         try:
-            impl = layer_impl(arch, device)
-            model = build_model(arch, device)
+            model = build_model(arch, device, options=options)
         except (ValueError, AssertionError, TypeError, OSError) as exc:
             raise ConfigError(f"model: cannot build the model from {arch.to_dict()}: {exc}") from None
-        ddp = wrap_ddp(model)
+        ddp = wrap_ddp(model, ddp_settings)
         ref_model = None
         if ts.loss_type == "ppo" and ts.policy_loss.kl_coef > 0:  # a copy of the initial weights, before any resume
             ref_model = build_model(arch, device)
@@ -150,9 +169,10 @@ class Trainer:
                 prm.requires_grad_(False)
         optimizer, scheduler = build_optimizer(ddp, optim_settings(ts.optimizer), arch.precision)
         n_params = sum(p.numel() for p in model.parameters())
-        log(env.rank, f"model: {n_params / 1e6:.2f}M parameters {arch.to_dict()}; {impl} layers; dp "
+        log(env.rank, f"model: {n_params / 1e6:.2f}M parameters {arch.to_dict()}; {attention.layer_impl} layers; dp "
                       f"{parallel_state.get_data_parallel_world_size()} (dp rank "
-                      f"{parallel_state.get_data_parallel_rank()}), tp {ts.tensor_parallel_size}")
+                      f"{parallel_state.get_data_parallel_rank()}), tp {tp}, pp {pp} (stage "
+                      f"{parallel_state.get_pipeline_model_parallel_rank()})")
 
         store = open_store(env.store_url, attempt=env.attempt)  # every write fenced by the attempt
         exporter = TrainerExporter(run_name, env.rank)
@@ -256,7 +276,7 @@ class Trainer:
             self.train_step(published, payload, step)
             if self.checkpoint_due() and step is not steps[-1]:
                 self.save_checkpoint()
-        if self.tp_rank == 0:
+        if self.tp_rank == 0 and self.pp_rank == 0:  # once per data-parallel rank
             # in the terms of the published rollout: after a resize, this rank acks its share of the old ranks
             old_dp = int(published.extra.get("published_dp_size", self.dp_size))
             for r in acked_ranks(old_dp, self.dp_size, self.dp_rank):
@@ -320,7 +340,10 @@ class Trainer:
         Collective: every rank calls it (a publisher may gather tensor-parallel shards); the publisher writes from
         rank 0. The version is the number of rollouts trained (`progress.rollout`)."""
         if self.publisher is not None:
+            from trainingrun.trainer.optim import params_current  # deferred: torch
+
             t0 = time.perf_counter()
+            params_current(self.ddp)
             self.publisher.publish(self.progress.rollout, self.ddp.module)
             self.sync_seconds = time.perf_counter() - t0
             if self.rank == 0 and getattr(self.publisher, "last_bytes", 0):
@@ -374,7 +397,10 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """Collective checkpoint of the current progress (trainer/checkpoint.py). A newer attempt owning the
         checkpoints (this process is a leftover of an older attempt): ConfigError, nothing written."""
+        from trainingrun.trainer.optim import params_current  # deferred: torch
+
         p = self.progress
+        params_current(self.ddp)
         try:
             res = self.checkpoints.save(p)
         except CheckpointFenced as exc:

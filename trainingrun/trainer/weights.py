@@ -65,5 +65,10 @@ def make_publisher(spec, store, *, arch: Architecture, rank: int, attempt: int =
     if spec.rollout.source.type != "generate":
         return None
     if spec.weight_sync.type == "store":
+        if spec.trainer.pipeline_parallel_size > 1:  # it publishes rank 0's own state dict: one pipeline stage
+            raise ValueError(f"weightSync.type: store publishes trainer rank 0's state dict, which holds one stage "
+                             f"of trainer.pipelineParallelSize {spec.trainer.pipeline_parallel_size}; allowed: "
+                             "pipelineParallelSize 1 with store, or the vllm engine (disk, broadcast), whose "
+                             "publishers gather the stages")
         return StoreWeightPublisher(store, rank=rank, max_policy_lag=spec.rollout.max_policy_lag)
     return make_vllm_publisher(spec, store, arch=arch, rank=rank, attempt=attempt)

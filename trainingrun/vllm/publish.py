@@ -1,8 +1,8 @@
 """Trainer-side weight publishers for the vLLM engine (`spec.weightSync.type: disk | broadcast`).
 
 They implement `trainingrun.trainer.weights.WeightPublisher`: `publish(version, module)` is called on every trainer
-rank after every trained rollout (and once at the start, version 0). The tensor-parallel ranks of data-parallel
-replica 0 gather the full weights (`modeling.state.gather_live_state`, of the run's `Architecture` the trainer
+rank after every trained rollout (and once at the start, version 0). The tensor- and pipeline-parallel ranks of
+data-parallel replica 0 gather the full weights (`modeling.state.gather_live_state`, of the run's `Architecture` the trainer
 resolved); trainer rank 0 converts them to Hugging Face names (`modeling.convert`) in the engine's dtype and makes
 them loadable:
 
@@ -67,7 +67,8 @@ def make_vllm_publisher(spec, store, *, arch: Architecture, rank: int, attempt: 
     kw = dict(rank=rank, arch=arch, dtype=spec.rollout.engine.vllm.dtype,
               max_policy_lag=spec.rollout.max_policy_lag, tp_group=ps.get_tensor_model_parallel_group(),
               tp_size=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
-              dp_rank=ps.get_data_parallel_rank(), attempt=attempt)
+              pp_group=ps.get_pipeline_model_parallel_group(), pp_size=ps.get_pipeline_model_parallel_world_size(),
+              pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank(), attempt=attempt)
     ws = spec.weight_sync
     if ws.type == "disk":
         root = ws.path or str(Path(spec.trainer.checkpoint.path) / "weights")
@@ -80,21 +81,24 @@ def make_vllm_publisher(spec, store, *, arch: Architecture, rank: int, attempt: 
 
 class _Base:
     def __init__(self, store, *, rank: int, arch: Architecture, dtype: str, max_policy_lag: int, tp_group=None,
-                 tp_size: int = 1, tp_rank: int = 0, dp_rank: int = 0, attempt: int = 0):
+                 tp_size: int = 1, tp_rank: int = 0, pp_group=None, pp_size: int = 1, pp_rank: int = 0,
+                 dp_rank: int = 0, attempt: int = 0):
         self.store, self.rank, self.arch, self.dtype, self.lag = store, rank, arch, dtype, max_policy_lag
         self.attempt = attempt
         self.tp_group, self.tp_size, self.tp_rank, self.dp_rank = tp_group, tp_size, tp_rank, dp_rank
+        self.pp_group, self.pp_size, self.pp_rank = pp_group, pp_size, pp_rank
         self.last_seconds = 0.0
         self.last_bytes = 0
 
     def _gather(self, module) -> dict | None:
-        """Full canonical Megatron state on rank 0; None elsewhere (replica 0's TP ranks take part)."""
+        """Full canonical Megatron state on rank 0; None elsewhere (replica 0's TP and PP ranks take part)."""
         if self.dp_rank != 0:
             return None
         from trainingrun.modeling.state import gather_live_state  # deferred: torch
 
         state = gather_live_state(module, self.arch, tp_group=self.tp_group, tp_size=self.tp_size,
-                                  tp_rank=self.tp_rank)
+                                  tp_rank=self.tp_rank, pp_group=self.pp_group, pp_size=self.pp_size,
+                                  pp_rank=self.pp_rank)
         return state if self.rank == 0 else None
 
     def _committed(self, version: int) -> bool:

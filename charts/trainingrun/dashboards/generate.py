@@ -35,6 +35,12 @@ def counter(name: str) -> str:
     return f"{name}_total"
 
 
+def sparse_weighted_mean(base: str) -> str:
+    """`weighted_mean` of a pair that may not be counted at all (a run without multi-turn episodes): 0 then."""
+    return (f"sum(rate({base}_sum{{{RUN_SEL}}}[$__rate_interval]))"
+            f" / clamp_min(sum(rate({base}_count{{{RUN_SEL}}}[$__rate_interval])), 1e-9)")
+
+
 def weighted_mean(base: str, by: str = "") -> str:
     """Correct mean of a weighted metric over all matching ranks: Σ rate(sum) / Σ rate(count)."""
     group = f" by ({by})" if by else ""
@@ -128,16 +134,19 @@ def per_step_panel(title: str, description: str, exprs: list[tuple[str, str]], *
 
 
 def run_table() -> dict:
-    """Runs as `kubectl get tr` lists them: namespace, name, phase, step, last global batch size, samples, restarts."""
+    """Runs as `kubectl get tr` lists them: namespace, name, phase, step, last global batch size, samples, restarts,
+    progress and its estimated time remaining."""
     exprs = [
         (f"max by (namespace, run, phase) (trainingrun_operator_run_phase{{{RUN_SEL}}}) == 1", "phase"),
         (f"max by (namespace, run) (trainingrun_operator_run_step{{{RUN_SEL}}})", "step"),
         (f"max by (namespace, run) (trainingrun_trainer_global_batch_size{{{RUN_SEL}}})", "gbs"),
         (f"max by (namespace, run) (trainingrun_trainer_samples_consumed{{{RUN_SEL}}})", "samples"),
         (f"max by (namespace, run) (trainingrun_operator_run_restarts{{{RUN_SEL}}})", "restarts"),
+        (f"max by (namespace, run) (trainingrun_operator_run_progress_percent{{{RUN_SEL}}})", "progress"),
+        (f"max by (namespace, run) (trainingrun_operator_run_eta_seconds{{{RUN_SEL}}})", "eta"),
     ]
-    p = panel("TrainingRuns", "The selected runs as `kubectl get tr` lists them (the operator's view of phase, step "
-              "and restarts; global batch size and samples from the trainers).", exprs, kind="table")
+    p = panel("TrainingRuns", "The selected runs as `kubectl get tr` lists them (the operator's view of phase, step, "
+              "restarts and progress; global batch size and samples from the trainers).", exprs, kind="table")
     for t in p["targets"]:
         t.update({"format": "table", "instant": True, "range": False})
     p["options"] = {"showHeader": True, "cellHeight": "sm", "footer": {"show": False, "reducer": ["sum"]},
@@ -147,9 +156,10 @@ def run_table() -> dict:
         {"id": "organize", "options": {
             "excludeByName": {"Time": True, "Value #A": True},
             "indexByName": {"namespace": 0, "run": 1, "phase": 2, "Value #B": 3, "Value #C": 4, "Value #D": 5,
-                            "Value #E": 6},
+                            "Value #E": 6, "Value #F": 7, "Value #G": 8},
             "renameByName": {"namespace": "NAMESPACE", "run": "NAME", "phase": "PHASE", "Value #B": "STEP",
-                             "Value #C": "GBS", "Value #D": "SAMPLES", "Value #E": "RESTARTS"},
+                             "Value #C": "GBS", "Value #D": "SAMPLES", "Value #E": "RESTARTS",
+                             "Value #F": "PROGRESS", "Value #G": "ETA"},
         }},
     ]
     p["fieldConfig"]["defaults"]["decimals"] = 0
@@ -335,6 +345,13 @@ def overview() -> dict:
               [("sum by (handler) (rate(" + counter("trainingrun_operator_errors") + "[$__rate_interval]))"
                 " or on() vector(0)", "{{handler}}")], unit="ops"),
         row("Progress"),
+        panel("Progress", "Rollouts trained in percent of rollout.numRollouts, per run (status.progress.percentage).",
+              [(f"max by (namespace, run) (trainingrun_operator_run_progress_percent{{{RUN_SEL}}})",
+                "{{namespace}}/{{run}}")], unit="percent", decimals=0),
+        panel("Estimated time remaining", "The remaining rollouts at the pace of the current attempt, per run "
+              "(status.progress.estimatedRemainingSeconds).",
+              [(f"max by (namespace, run) (trainingrun_operator_run_eta_seconds{{{RUN_SEL}}})",
+                "{{namespace}}/{{run}}")], unit="s", decimals=0),
         panel("Optimizer step", "Steps completed, per run.",
               [(f"max by (namespace, run) (trainingrun_trainer_step{{{RUN_SEL}}})", "{{namespace}}/{{run}}")],
               decimals=0),
@@ -406,6 +423,23 @@ def run_detail() -> dict:
                 "filtered"),
                (f"sum(rate({counter('trainingrun_rollout_samples_published')}{{{sel}}}[$__rate_interval]))",
                 "published")], unit="ops"),
+        row("Multi-turn episodes"),
+        panel("Turns and tool calls per episode", "Model turns and tool calls per episode: Σ rate(sum) / Σ "
+              "rate(count) over episodes (0 without an environment).",
+              [(sparse_weighted_mean("trainingrun_rollout_turns_per_episode"), "turns"),
+               (sparse_weighted_mean("trainingrun_rollout_tool_calls_per_episode"), "tool calls")]),
+        panel("Tool errors, truncated and failed episodes", "Share of tool calls answered with an error, and of "
+              "episodes truncated (maxTurns or the token cap) or failed in their environment.",
+              [(sparse_weighted_mean("trainingrun_rollout_tool_error_rate"), "tool errors / call"),
+               (sparse_weighted_mean("trainingrun_rollout_truncated_rate"), "truncated / episode"),
+               (sparse_weighted_mean("trainingrun_rollout_env_failure_rate"), "failed / episode")],
+              unit="percentunit"),
+        panel("Environment failures by reason", "Episodes whose environment failed, per second, by reason "
+              "(0 when none ever failed).",
+              [("sum by (reason) (rate(" + counter("trainingrun_rollout_environment_failures") + f"{{{sel}}}"
+                "[$__rate_interval])) or on() vector(0)", "{{reason}}")], unit="ops"),
+        panel("Response tokens per turn", "Tokens the model generated per turn: Σ rate(sum) / Σ rate(count).",
+              [(sparse_weighted_mean("trainingrun_rollout_response_tokens_per_turn"), "tokens / turn")]),
         gpu_row(),
     ]
     return dashboard("trainingrun-run", "TrainingRun run detail",
