@@ -132,35 +132,35 @@ ENGINE_RUN = {
 
 
 def test_engine_ready_late_then_restarted_alone(kube):
-    """The run's vLLM server (R-engine): Running but not ready keeps the run Pending (PodsReady False,
-    WaitingForEngine) without failing it; a failed engine is replaced alone (R-engine-r1) on failurePolicy.roles.engine, the rollout and the
-    trainers untouched, the event naming replica 0."""
+    """The run's vLLM server (R-engine-0): Running but not ready keeps the run Pending (PodsReady False,
+    WaitingForEngine) without failing it; a failed engine is replaced alone (R-engine-0-r1) on
+    failurePolicy.roles.engine, the rollout and the trainers untouched, the event naming replica 0."""
     kube.new_run("eng", failurePolicy={**FAST, "maxRestarts": 0, "roles": {"engine": {"maxRestarts": 2}}},
                  **ENGINE_RUN)
-    engine = wait_for(lambda: kube.get(POD + "eng-engine"), 15, f"the engine pod (now {kube.status('eng')})")
+    engine = wait_for(lambda: kube.get(POD + "eng-engine-0"), 15, f"the engine pod (now {kube.status('eng')})")
     kube.set_pod("eng-store", "Running")
     for pod in kube.wait_group("eng", 0):
         kube.set_pod(pod["metadata"]["name"], "Running")
-    kube.patch(POD + "eng-engine/status", {"status": {"phase": "Running", "containerStatuses": [{
+    kube.patch(POD + "eng-engine-0/status", {"status": {"phase": "Running", "containerStatuses": [{
         "name": engine["spec"]["containers"][0]["name"], "ready": False, "restartCount": 0,
         "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}]}})
     ready = wait_for(lambda: (lambda c: c if c.get("reason") == "WaitingForEngine" else None)(
         kube.condition("eng", "PodsReady")), 10, f"WaitingForEngine (now {kube.status('eng')})")
-    assert "eng-engine" in ready["message"] and ready["status"] == "False"
+    assert "eng-engine-0" in ready["message"] and ready["status"] == "False"
     kube.op.settle("eng")
     assert kube.status("eng")["phase"] == "Pending"  # late, not failed
-    kube.set_pod("eng-engine", "Running")  # ready at last
+    kube.set_pod("eng-engine-0", "Running")  # ready at last
     kube.wait_phase("eng", "Running")
     assert kube.condition("eng", "PodsReady").get("status") == "True"
     others = {p["metadata"]["name"]: uid(p) for p in kube.group_pods("eng", 0)}
-    kube.set_pod("eng-engine", "Failed", exit_code=1)
-    new = wait_for(lambda: kube.get(POD + "eng-engine-r1"), 15, "the engine's replacement")
+    kube.set_pod("eng-engine-0", "Failed", exit_code=1)
+    new = wait_for(lambda: kube.get(POD + "eng-engine-0-r1"), 15, "the engine's replacement")
     assert new["spec"]["restartPolicy"] == "Never" and new["metadata"]["labels"]["trainingrun.dev/replica"] == "0"
     assert {p["metadata"]["name"]: uid(p) for p in kube.group_pods("eng", 0)} == others
     st = kube.status("eng")
     assert st["restarts"] == 0 and st["attempt"] == 0 and role_entry(kube, "eng", "engine")["restarts"] == 1
     assert any("engine replica 0" in e["message"] for e in kube.events("eng") if e.get("reason") == "RestartingRole")
-    kube.set_pod("eng-engine-r1", "Running")
+    kube.set_pod("eng-engine-0-r1", "Running")
     wait_for(lambda: kube.condition("eng", "PodsReady").get("status") == "True", 10, "PodsReady after the restart")
 
 
