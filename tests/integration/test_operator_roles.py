@@ -164,6 +164,69 @@ def test_engine_ready_late_then_restarted_alone(kube):
     wait_for(lambda: kube.condition("eng", "PodsReady").get("status") == "True", 10, "PodsReady after the restart")
 
 
+def test_engine_pool_replicas_restart_alone_and_leave_the_pool_beyond_the_budget(kube):
+    """rollout.engine.replicas 2 (issue 20 through issue 22's mechanism): two engine pods R-engine-0/1 behind the
+    headless Service R-engine (hostnames engine-<i>), each in the run's Kueue queue and its own pod group R-engine,
+    gated by Kueue like the attempt's pods; engine-1 failing is replaced alone (R-engine-1-r1) on
+    failurePolicy.roles.engine, engine-0, the rollout and the trainers untouched; failing again with the budget spent
+    it leaves the pool (status.roleRestarts down, EngineDown) and the run goes on; engine-0 failing then fails the
+    run naming both engine pods."""
+    def kueue_webhook(request, obj):
+        labels = (obj.get("metadata") or {}).get("labels") or {}
+        if request.resource.plural == "pods" and "kueue.x-k8s.io/queue-name" in labels:
+            obj["spec"]["schedulingGates"] = [{"name": "kueue.x-k8s.io/admission"}]
+
+    spec = {**ENGINE_RUN, "rollout": {**ENGINE_RUN["rollout"], "engine": {"type": "vllm", "replicas": 2}}}
+    kube.emulator.admission.append(kueue_webhook)
+    try:
+        kube.new_run("pl", queueName="team-a",
+                     failurePolicy={**FAST, "maxRestarts": 0, "roles": {"engine": {"maxRestarts": 1}}}, **spec)
+        engines = [wait_for(lambda i=i: kube.get(POD + f"pl-engine-{i}"), 15, f"engine pod {i}") for i in (0, 1)]
+        group = kube.wait_group("pl", 0)
+    finally:
+        kube.emulator.admission.remove(kueue_webhook)
+    service = kube.get("/api/v1/namespaces/default/services/pl-engine")
+    assert service["spec"]["clusterIP"] == "None"
+    for i, pod in enumerate(engines):
+        labels = pod["metadata"]["labels"]
+        assert labels["kueue.x-k8s.io/queue-name"] == "team-a" and labels["kueue.x-k8s.io/pod-group-name"] == "pl-engine"
+        assert pod["metadata"]["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "2"
+        assert pod["spec"]["schedulingGates"] == [{"name": "kueue.x-k8s.io/admission"}]
+        assert pod["spec"]["hostname"] == f"engine-{i}" and pod["spec"]["subdomain"] == "pl-engine"
+        assert pod["spec"]["restartPolicy"] == "Never" and labels["trainingrun.dev/replica"] == str(i)
+    rollout = next(p for p in group if p["metadata"]["labels"]["trainingrun.dev/role"] == "rollout")
+    env = {e["name"]: e.get("value") for e in rollout["spec"]["containers"][0]["env"]}
+    assert env["TRAININGRUN_ENGINE_URL"].split(",") == [
+        f"http://engine-{i}.pl-engine.default.svc:8000" for i in (0, 1)]
+    for pod in [*engines, *group]:  # Kueue admits the workloads: gates removed
+        kube.patch(POD + pod["metadata"]["name"], {"spec": {"schedulingGates": None}})
+    kube.set_pod("pl-store", "Running")
+    for name in ("pl-engine-0", "pl-engine-1"):
+        kube.set_pod(name, "Running")
+    kube.run_all("pl", 0)
+    kube.wait_phase("pl", "Running")
+    others = {p["metadata"]["name"]: uid(p) for p in [*kube.group_pods("pl", 0), kube.get(POD + "pl-engine-0")]}
+    kube.set_pod("pl-engine-1", "Failed", exit_code=1)
+    new = wait_for(lambda: kube.get(POD + "pl-engine-1-r1"), 15, "engine-1's replacement")
+    assert new["spec"]["hostname"] == "engine-1" and new["metadata"]["labels"]["trainingrun.dev/role-attempt"] == "1"
+    assert {p["metadata"]["name"]: uid(p) for p in [*kube.group_pods("pl", 0), kube.get(POD + "pl-engine-0")]
+            } == others, "engine-0, the rollout and the trainers were not touched"
+    assert role_entry(kube, "pl", "engine", 1)["restarts"] == 1 and kube.status("pl")["restarts"] == 0
+    kube.set_pod("pl-engine-1-r1", "Running")
+    kube.set_pod("pl-engine-1-r1", "Failed", exit_code=1)  # the engine role's budget (1) is spent
+    wait_for(lambda: role_entry(kube, "pl", "engine", 1).get("down"), 15, f"engine-1 out of the pool "
+             f"(now {kube.status('pl')})")
+    kube.op.settle("pl")
+    st = kube.status("pl")
+    assert st["phase"] == "Running" and st["attempt"] == 0, st
+    assert "EngineDown" in kube.reasons("pl") and kube.get(POD + "pl-engine-1-r2") is None
+    assert {p["metadata"]["name"]: uid(p) for p in [*kube.group_pods("pl", 0), kube.get(POD + "pl-engine-0")]
+            } == others
+    kube.set_pod("pl-engine-0", "Failed", exit_code=3)
+    failed = kube.wait_phase("pl", "Failed")
+    assert "pl-engine-0" in failed["message"] and "pl-engine-1-r1" in failed["message"], failed
+
+
 def test_managed_by_another_controller_is_left_alone(kube):
     """spec.managedBy kueue.x-k8s.io/multikueue: the operator creates nothing, adds no finalizer and writes no
     status (MultiKueue runs it on a worker cluster); a run managed by the operator's own name runs as usual."""
