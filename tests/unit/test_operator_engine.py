@@ -98,6 +98,30 @@ def test_a_pool_of_engine_pods_is_in_the_runs_kueue_queue_and_a_serving_gang_of_
     assert render.render_child(run, OWNER, one, attempt=5) == pods[2]
 
 
+def test_engine_pool_serving_group_with_gang_provider_kubernetes():
+    """Provider kubernetes: the engines' serving group is a Workload + PodGroup R-engine (gang minCount = replicas)
+    beside the attempt's R-a<k> (minCount = rollout + trainers); engine pods name their PodGroup in
+    spec.schedulingGroup; a replacement of replica 2 in generation 1 is R-engine-2-r1 with the same hostname."""
+    doc = run_doc({"type": "vllm", "replicas": 3, "vllm": {"gpus": 2}})
+    doc["spec"]["gangScheduling"] = {"enabled": True, "provider": "kubernetes"}
+    run = parse_trainingrun(doc)
+    children = render.render_children(run, OWNER, attempt=1)
+    by = {(c["kind"], c["metadata"]["name"]): c for c in children}
+    for kind in ("Workload", "PodGroup"):
+        assert (kind, "rl-engine") in by and (kind, "rl-a1") in by
+    workload, group = by[("Workload", "rl-engine")], by[("PodGroup", "rl-engine")]
+    assert workload["spec"]["podGroupTemplates"][0]["schedulingPolicy"]["gang"]["minCount"] == 3
+    assert group["spec"]["workloadRef"]["workloadName"] == "rl-engine"
+    assert by[("Workload", "rl-a1")]["spec"]["podGroupTemplates"][0]["schedulingPolicy"]["gang"]["minCount"] == 3
+    pods = [c for c in children if c["kind"] == "Pod" and c["metadata"]["labels"][LABEL_ROLE] == "engine"]
+    assert all(p["spec"]["schedulingGroup"] == {"podGroupName": "rl-engine"} for p in pods)
+    names = {c.key for c in vocabulary.base_children(run, 1)}
+    assert {"Workload/rl-engine", "PodGroup/rl-engine", "Workload/rl-a1", "PodGroup/rl-a1"} <= names
+    again = render.render_child(run, OWNER, vocabulary.engine_child(run, 2, 1), attempt=1)
+    assert again["metadata"]["name"] == "rl-engine-2-r1" and again["spec"]["hostname"] == "engine-2"
+    assert again["metadata"]["labels"]["trainingrun.dev/role-attempt"] == "1"
+
+
 def test_engine_replicas_are_for_the_runs_own_servers():
     from pydantic import ValidationError
 
