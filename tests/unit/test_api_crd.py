@@ -173,6 +173,9 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
     ("rollout", "whole-groups"): ({"samplesPerRollout": 64, "groupSize": 8}, {"samplesPerRollout": 60, "groupSize": 8}),
     ("rollout", "partial-needs-over-sampling"): ({"overSampling": 0.25, "partialRollout": True},
                                                  {"partialRollout": True}),
+    ("rollout", "over-sampling-single-turn"): (
+        {"overSampling": 0.25, "source": {"type": "generate", "generate": {}}},
+        {"overSampling": 0.25, "source": {"type": "generate", "generate": {"environment": {"type": "calculator"}}}}),
     ("rollout.engine", "replicas-of-own-servers"): ({"type": "vllm", "url": "http://a:8000,http://b:8000"},
                                                     {"type": "vllm", "url": "http://a:8000", "replicas": 2}),
     ("store", "url-or-managed"): ({"url": "redis://r:6379/0"}, {"url": "redis://r:6379/0", "managed": True}),

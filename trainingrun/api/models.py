@@ -803,6 +803,14 @@ class RolloutSpec(ApiModel):
             message="partialRollout continues completions cut by over-sampling's abort: set overSampling > 0",
             fieldPath=".partialRollout",
         ),
+        Rule(
+            name="over-sampling-single-turn",
+            rule="!has(self.overSampling) || self.overSampling == 0.0 || !has(self.source) || "
+                 "!has(self.source.generate) || !has(self.source.generate.environment)",
+            message="overSampling aborts single completions; multi-turn episodes (source.generate.environment) are "
+                    "not over-sampled: set overSampling 0 or remove the environment",
+            fieldPath=".overSampling",
+        ),
     )
 
     source: SourceSpec = Field(default_factory=SourceSpec, description="Where samples come from.")
@@ -844,6 +852,8 @@ class RolloutSpec(ApiModel):
             raise ValueError(self.cel_rule("whole-groups").message)
         if self.partial_rollout and not self.over_sampling > 0:
             raise ValueError(self.cel_rule("partial-needs-over-sampling").message)
+        if self.over_sampling > 0 and self.source.generate is not None and self.source.generate.environment is not None:
+            raise ValueError(self.cel_rule("over-sampling-single-turn").message)
         return self
 
 
