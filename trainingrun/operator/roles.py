@@ -30,6 +30,14 @@ class RoleLedger:
     def entry(self, role: str, replica: int = 0) -> dict[str, Any] | None:
         return next((e for e in self.entries if e.get("role") == role and int(e.get("replica", 0)) == replica), None)
 
+    def _entry_or_new(self, role: str, replica: int) -> dict[str, Any]:
+        e = self.entry(role, replica)
+        if e is None:
+            e = {"role": role, "replica": replica, "restarts": 0, "uncounted": 0}
+            self.entries.append(e)
+            self.entries.sort(key=lambda x: (x["role"], int(x.get("replica", 0))))
+        return e
+
     def generation(self, role: str, replica: int = 0) -> int:
         """The replica's current generation: 0 until it restarts alone, one more per restart."""
         e = self.entry(role, replica)
@@ -49,11 +57,7 @@ class RoleLedger:
     def restart(self, role: str, replica: int, *, counted: bool, failure: str, now: str, backoff: float) -> int:
         """Record a restart of `replica` alone (decided at `now`, RFC 3339, waiting `backoff` seconds); the new
         generation."""
-        e = self.entry(role, replica)
-        if e is None:
-            e = {"role": role, "replica": replica, "restarts": 0, "uncounted": 0}
-            self.entries.append(e)
-            self.entries.sort(key=lambda x: (x["role"], int(x.get("replica", 0))))
+        e = self._entry_or_new(role, replica)
         e["restarts" if counted else "uncounted"] = int(e.get("restarts" if counted else "uncounted", 0)) + 1
         e.update(lastFailure=failure[:MESSAGE_MAX_LENGTH], lastRestartTime=now,
                  backoffSeconds=int(math.ceil(max(backoff, 0.0))), replacing=True)
@@ -66,11 +70,7 @@ class RoleLedger:
 
     def leave_pool(self, role: str, replica: int, *, failure: str, now: str) -> None:
         """Record that `replica` left the pool for good (not replaced again)."""
-        e = self.entry(role, replica)
-        if e is None:
-            e = {"role": role, "replica": replica, "restarts": 0, "uncounted": 0}
-            self.entries.append(e)
-            self.entries.sort(key=lambda x: (x["role"], int(x.get("replica", 0))))
+        e = self._entry_or_new(role, replica)
         e.update(lastFailure=failure[:MESSAGE_MAX_LENGTH], lastRestartTime=now, replacing=False, down=True)
 
     def seen(self, role: str, replica: int = 0) -> None:
