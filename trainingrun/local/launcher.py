@@ -380,7 +380,7 @@ class Launcher:
         budget = self.policy.roles["engine"].max_restarts
         what = (f"restart {self.role_restarts['engine']}/{budget} of failurePolicy.roles.engine" if verdict.counted
                 else verdict.why)
-        self.progress.event(f"restarting {replica.name} alone in {verdict.backoff:g}s (engine replica "
+        self.progress.event(f"restarting the engine {replica.name} alone in {verdict.backoff:g}s (engine replica "
                             f"{failure.rank or 0}, generation {generation}; {what}); the rollout sends its prompts "
                             "to the other engines or waits for it")
         self.role_events.append({"process": replica.name, "reason": failure.description, "counted": verdict.counted,
