@@ -25,7 +25,9 @@ deleted rollout and trainer pods, then each failed engine replica on its own, an
 attempt, after the backoff; counted in status.restarts, or in status.disruptions when it uses no restart),
 RestartRole (only the rollout, or only the failed engine replica, is replaced by a pod of the next generation, after
 the role's backoff and once its predecessor is gone; counted in status.roleRestarts: `trainingrun.operator.roles`),
-FailRun. Changing spec.trainer.replicas restarts the group at the new size from the last checkpoint (reason
+FailRun. An engine replica of a pool (spec.rollout.engine.replicas > 1) whose failure finds the engine role's budget
+spent leaves the pool instead (roleRestarts marks it down; never replaced) while another replica serves; only an
+empty pool fails the run, naming every engine pod (`_leave_pool`). Changing spec.trainer.replicas restarts the group at the new size from the last checkpoint (reason
 Resized; not counted either).
 
 Conditions follow the Kubernetes conventions: one per type with observedGeneration, reason, message (cut to fit the
@@ -468,6 +470,11 @@ def _engines_exit(ctx: _Ctx) -> bool:
     return False
 
 
+def _pool_size(ctx: _Ctx) -> int:
+    """The engine replicas still in the pool (not out of it for a spent budget)."""
+    return sum(1 for r in range(engine_replicas(ctx.run)) if not ctx.ledger.down(ROLE_ENGINE, r))
+
+
 def _leave_pool(ctx: _Ctx, failure: policy.Failure, verdict: policy.Verdict) -> bool:
     """An engine replica that failed with the engine role's budget spent leaves the pool (status.roleRestarts marks
     it `down`; it is not replaced again) while another replica serves: the rollout sends its prompts to the others.
@@ -536,8 +543,9 @@ def _roles_ready(ctx: _Ctx) -> None:
     reason, message = _not_whole(ctx)
     if reason is None:
         if (ctx.condition("PodsReady") or {}).get("status") != "True":
+            engines = _pool_size(ctx)
             message = f"attempt {ctx.attempt}: rollout, {ctx.spec.trainer.replicas} trainer(s)" + (
-                f" and {engine_replicas(ctx.run)} engine(s)" if engine_replicas(ctx.run) else "") + " running again"
+                f" and {engines} engine(s)" if engines else "") + " running again"
             ctx.pods_ready(True, "PodsRunning", message)
             ctx.st["message"] = message
         return
@@ -784,7 +792,7 @@ def _pods_ready(ctx: _Ctx) -> None:
     group_up = len(current) == len(expected) and all(p.phase in ("Running", "Succeeded") for p in current.values())
     engine_reason, engine_message = _not_whole(ctx) if group_up else (None, "")
     if group_up and engine_reason is None:
-        engines = engine_replicas(ctx.run)
+        engines = _pool_size(ctx)
         message = (f"attempt {ctx.attempt}: rollout and {ctx.spec.trainer.replicas} trainer(s) running"
                    + (f", {engines} engine(s) ready" if engines else ""))
         ctx.phase_to("Running", "PodsRunning", message, condition="Running", event=("Normal", "Running"))
