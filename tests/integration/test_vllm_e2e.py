@@ -141,7 +141,7 @@ def test_disk_sync_with_a_pool_of_two_servers_one_of_which_dies_mid_run(tmp_path
         raise
     code, log = finish(proc, timeout=1500)
     assert code == 0, log[-6000:]
-    assert "2 vLLM server(s) healthy after" in log and "restarting engine-1" in log, log[-4000:]
+    assert "2 vLLM server(s) healthy after" in log and "restarting the engine engine-1" in log, log[-4000:]
     recs = check_on_policy(out, log, FP32_TOL, rollouts)  # every step within tolerance: both engines synced
     print("disk pool: logprob_abs_diff", [r["logprob_abs_diff"] for r in recs])
     summary = json.loads((out / "summary.json").read_text())
