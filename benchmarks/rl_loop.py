@@ -4,6 +4,8 @@ how long trainers wait for data at maxPolicyLag 0 and 1.
     python benchmarks/rl_loop.py                      # every part, engine megatron
     python benchmarks/rl_loop.py --parts generation   # one part (generation, sync, wait)
     python benchmarks/rl_loop.py --engine vllm ...    # another engine (added by its own module, see ENGINES)
+    python benchmarks/rl_loop.py --engine sim         # the rollout's scheduling against simulated vLLM servers:
+                                                      # parts throughput, oversample, broadcast, idle (benchmarks/rl_loop_sim.py)
 
 generation  The same requests (prompts of examples/rl.yaml's task, groupSize completions each) through
             `GenerateSource.generate` (the rollout's generate stage: engine + building the samples) and through the
@@ -277,6 +279,8 @@ def _vllm_part(part: str):
 
 
 ENGINES["vllm"] = {"generation": _vllm_part("generation"), "sync": _vllm_part("sync")}
+ENGINES["sim"] = {}  # its own parts: benchmarks/rl_loop_sim.py
+SIM_PARTS = "throughput,oversample,broadcast,idle"
 
 
 def _in_subprocess(part: str, args) -> dict:
@@ -293,7 +297,7 @@ def _in_subprocess(part: str, args) -> dict:
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", default="megatron", choices=sorted(ENGINES))
-    ap.add_argument("--parts", default="generation,sync,wait")
+    ap.add_argument("--parts", default=None, help=f"default generation,sync,wait; --engine sim: {SIM_PARTS}")
     ap.add_argument("--samples", type=int, default=256, help="completions per generate call (groups of 8)")
     ap.add_argument("--new-tokens", type=int, default=16, help="max new tokens per completion")
     ap.add_argument("--repeats", type=int, default=7)
@@ -302,7 +306,21 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, default=64, help="vllm: requests the rollout keeps in flight")
     ap.add_argument("--vllm-model", default=None, help="vllm: HF directory to generate with (default: tiny Llama)")
     ap.add_argument("--vllm-tiny-only", action="store_true", help="vllm: sync figures for the tiny Llama only")
-    return ap.parse_args()
+    sim = ap.add_argument_group("--engine sim (simulated vLLM servers)")
+    sim.add_argument("--token-ms", type=float, default=10.0, help="milliseconds per generated token")
+    sim.add_argument("--sim-batch", type=int, default=64, help="sequences an engine decodes at once")
+    sim.add_argument("--median-tokens", type=int, default=32, help="median completion length")
+    sim.add_argument("--length-sigma", type=float, default=1.0, help="log-normal sigma of completion lengths")
+    sim.add_argument("--max-new-tokens", type=int, default=256, help="the completions' cap")
+    sim.add_argument("--sim-requests", type=int, default=64, help="throughput: groups (of 4) per engine")
+    sim.add_argument("--sim-prompts", type=int, default=16, help="oversample/idle: prompts (groups) per rollout")
+    sim.add_argument("--train-s", type=float, default=3.0, help="idle: the stand-in trainer's seconds per rollout")
+    sim.add_argument("--repeats-sim", type=int, default=3)
+    sim.add_argument("--sync-mb", type=float, default=64, help="broadcast: MB of bf16 weights per version")
+    args = ap.parse_args()
+    if args.parts is None:
+        args.parts = SIM_PARTS if args.engine == "sim" else "generation,sync,wait"
+    return args
 
 
 def main() -> int:
@@ -310,6 +328,15 @@ def main() -> int:
     parts = args.parts.split(",")
     figures: dict = {"engine": args.engine, "load": os.getloadavg()}
     print(f"engine {args.engine}; load average {figures['load'][0]:.2f} (2-core machine shared with other work)")
+    if args.engine == "sim":
+        sys.path.insert(0, str(ROOT))  # benchmarks/rl_loop_sim.py and the simulated servers of tests/simengine.py
+        import benchmarks.rl_loop_sim as sim  # imported on use: it starts simulated servers of its own
+
+        figures.update(sim.run_all(args, parts))
+        sim.report(figures, args)
+        if args.json:
+            print(json.dumps(figures))
+        return 0
     if "generation" in parts:
         g = figures["generation"] = _in_subprocess("generation", args)
         print(f"generation ({g['requests']}):")

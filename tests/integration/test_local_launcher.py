@@ -403,6 +403,8 @@ def test_the_runs_vllm_server_restarts_alone_on_the_engine_budget(tmp_path, fake
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "succeeded" and len(summary["attempts"]) == 1
     assert summary["role_restarts"] == {"engine": 1} and summary["restarts"] == 1
-    assert summary["attempts"][0]["pids"] == {n: p["pid"] for n, p in first["processes"].items()}  # none touched
+    assert first["processes"]["engine-0"]["role"] == "engine"  # the pool's servers are listed as engine-<i>
+    assert summary["attempts"][0]["pids"] == {n: p["pid"] for n, p in first["processes"].items()
+                                              if p["role"] != "engine"}  # none of the attempt's touched
     assert (model / "starts").read_text() == "2" and "restarting the engine" in stdout
     assert "engine replica 0" in stdout and "failurePolicy.roles.engine" in stdout

@@ -74,6 +74,7 @@ def _worker(store_url: str, out_path: str) -> None:
                         "deterministic": all(np.array_equal(a.tokens, b.tokens) for x, y in zip(out, again)
                                              for a, b in zip(x, y)),
                         "n": [len(g) for g in out]}
+    result["grouped"] = _grouped(engine, prompts)
     before = {k: v.clone() for k, v in engine.model.state_dict().items() if not k.endswith("_extra_state")}
     changed = {k: v + 0.05 for k, v in arrays.items()}
     # a version whose stored bytes are damaged: refused before anything is loaded
@@ -104,6 +105,45 @@ def _worker(store_url: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps(result))
 
 
+def _grouped(engine, prompts) -> dict:
+    """Grouped generation: stop once 4 groups finished (the rest cut where they are), then continue the cut samples
+    (under another version label): tokens, logprobs (KV cache vs a full forward) and per-token versions."""
+    import numpy as np
+    import torch
+
+    from trainingrun.contract.engine import ABORTED, GroupRequest, Sampling
+
+    s = Sampling(temperature=1.0, max_new_tokens=12, stop_token_ids=(2,), seed=7)
+    requests = [GroupRequest(prompt=p, n=4, seed=i) for i, p in enumerate(prompts)]
+    order: list[int] = []
+    out = engine.generate_groups(requests, s, on_group=lambda i, comps: order.append(i) or len(order) >= 4)
+    complete = [i for i, g in enumerate(out) if all(c.finished for c in g)]
+    cut = [i for i, g in enumerate(out) if not all(c.finished for c in g)]
+    again: list[int] = []
+    engine._version = 9  # the continuation runs under "newer weights" (same tensors: the logprobs must still match)
+    cont = engine.generate_groups([GroupRequest(prompt=prompts[i], n=4, seed=i, prefixes=tuple(out[i])) for i in cut],
+                                  s, on_group=lambda i, comps: again.append(i) or False)
+    engine._version = 0
+    ok_prefix, ok_versions, diffs = True, True, []
+    with torch.no_grad():
+        for i, g in zip(cut, cont):
+            for old, new in zip(out[i], g):
+                ok_prefix &= np.array_equal(new.tokens[: len(old.tokens)], old.tokens) and new.finished
+                ok_prefix &= np.array_equal(new.logprobs[: len(old.tokens)], old.logprobs)
+                want = [0] * len(old.tokens) + [9 if old.finish_reason == ABORTED else 0] * (len(new.tokens)
+                                                                                             - len(old.tokens))
+                ok_versions &= new.versions.tolist() == want
+                seq = torch.tensor([prompts[i] + new.tokens.tolist()])
+                logits = engine.model(seq, torch.arange(seq.shape[1])[None], None, runtime_gather_output=True)
+                lp = torch.log_softmax(logits[0].float(), -1)
+                ref = lp[len(prompts[i]) - 1:-1].gather(-1, seq[0, len(prompts[i]):, None]).squeeze(-1).numpy()
+                diffs.append(float(np.abs(ref - new.logprobs).max()))
+    return {"reported": order, "complete": complete, "cut": cut,
+            "cut_tokens": [len(c.tokens) for i in cut for c in out[i] if c.finish_reason == ABORTED],
+            "continued_reported": sorted(again), "ok_prefix": bool(ok_prefix), "ok_versions": bool(ok_versions),
+            "max_diff": max(diffs) if diffs else 0.0}
+
+
 def test_megatron_engine(tmp_path):
     out = tmp_path / "out.json"
     code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests.integration.test_megatron_engine import _worker; "
@@ -116,6 +156,13 @@ def test_megatron_engine(tmp_path):
         assert r[name]["max_diff"] < 1e-5, r[name]  # KV cache vs full forward, same weights
         assert r[name]["deterministic"] and r[name]["ends_ok"] and r[name]["n"] == [4] * 10
         assert r[name]["reasons"].get("stop", 0) > 0 and r[name]["reasons"].get("length", 0) > 0
+    g = r["grouped"]
+    # on_group saw exactly the finished groups, in order, until "enough"; the rest were cut, none lost
+    assert len(g["reported"]) == 4 and sorted(g["reported"]) == sorted(g["complete"][: len(g["reported"])])
+    assert sorted(g["complete"] + g["cut"]) == list(range(10)) and g["cut"]
+    assert any(n > 0 for n in g["cut_tokens"])  # cut mid-completion: partial tokens kept
+    assert g["continued_reported"] == list(range(len(g["cut"])))  # every continued group finished
+    assert g["ok_prefix"] and g["ok_versions"] and g["max_diff"] < 1e-5, g
     assert "checksum" in r["corrupt"] and "missing" in r["missing"]
     assert r["unchanged"] and r["version_after_failures"] == 0  # never half-applied
     assert r["version"] == 3 and r["applied"]

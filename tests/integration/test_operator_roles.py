@@ -132,36 +132,99 @@ ENGINE_RUN = {
 
 
 def test_engine_ready_late_then_restarted_alone(kube):
-    """The run's vLLM server (R-engine): Running but not ready keeps the run Pending (PodsReady False,
-    WaitingForEngine) without failing it; a failed engine is replaced alone (R-engine-r1) on failurePolicy.roles.engine, the rollout and the
-    trainers untouched, the event naming replica 0."""
+    """The run's vLLM server (R-engine-0): Running but not ready keeps the run Pending (PodsReady False,
+    WaitingForEngine) without failing it; a failed engine is replaced alone (R-engine-0-r1) on
+    failurePolicy.roles.engine, the rollout and the trainers untouched, the event naming replica 0."""
     kube.new_run("eng", failurePolicy={**FAST, "maxRestarts": 0, "roles": {"engine": {"maxRestarts": 2}}},
                  **ENGINE_RUN)
-    engine = wait_for(lambda: kube.get(POD + "eng-engine"), 15, f"the engine pod (now {kube.status('eng')})")
+    engine = wait_for(lambda: kube.get(POD + "eng-engine-0"), 15, f"the engine pod (now {kube.status('eng')})")
     kube.set_pod("eng-store", "Running")
     for pod in kube.wait_group("eng", 0):
         kube.set_pod(pod["metadata"]["name"], "Running")
-    kube.patch(POD + "eng-engine/status", {"status": {"phase": "Running", "containerStatuses": [{
+    kube.patch(POD + "eng-engine-0/status", {"status": {"phase": "Running", "containerStatuses": [{
         "name": engine["spec"]["containers"][0]["name"], "ready": False, "restartCount": 0,
         "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}]}})
     ready = wait_for(lambda: (lambda c: c if c.get("reason") == "WaitingForEngine" else None)(
         kube.condition("eng", "PodsReady")), 10, f"WaitingForEngine (now {kube.status('eng')})")
-    assert "eng-engine" in ready["message"] and ready["status"] == "False"
+    assert "eng-engine-0" in ready["message"] and ready["status"] == "False"
     kube.op.settle("eng")
     assert kube.status("eng")["phase"] == "Pending"  # late, not failed
-    kube.set_pod("eng-engine", "Running")  # ready at last
+    kube.set_pod("eng-engine-0", "Running")  # ready at last
     kube.wait_phase("eng", "Running")
     assert kube.condition("eng", "PodsReady").get("status") == "True"
     others = {p["metadata"]["name"]: uid(p) for p in kube.group_pods("eng", 0)}
-    kube.set_pod("eng-engine", "Failed", exit_code=1)
-    new = wait_for(lambda: kube.get(POD + "eng-engine-r1"), 15, "the engine's replacement")
+    kube.set_pod("eng-engine-0", "Failed", exit_code=1)
+    new = wait_for(lambda: kube.get(POD + "eng-engine-0-r1"), 15, "the engine's replacement")
     assert new["spec"]["restartPolicy"] == "Never" and new["metadata"]["labels"]["trainingrun.dev/replica"] == "0"
     assert {p["metadata"]["name"]: uid(p) for p in kube.group_pods("eng", 0)} == others
     st = kube.status("eng")
     assert st["restarts"] == 0 and st["attempt"] == 0 and role_entry(kube, "eng", "engine")["restarts"] == 1
     assert any("engine replica 0" in e["message"] for e in kube.events("eng") if e.get("reason") == "RestartingRole")
-    kube.set_pod("eng-engine-r1", "Running")
+    kube.set_pod("eng-engine-0-r1", "Running")
     wait_for(lambda: kube.condition("eng", "PodsReady").get("status") == "True", 10, "PodsReady after the restart")
+
+
+def test_engine_pool_replicas_restart_alone_and_leave_the_pool_beyond_the_budget(kube):
+    """rollout.engine.replicas 2 (issue 20 through issue 22's mechanism): two engine pods R-engine-0/1 behind the
+    headless Service R-engine (hostnames engine-<i>), each in the run's Kueue queue and its own pod group R-engine,
+    gated by Kueue like the attempt's pods; engine-1 failing is replaced alone (R-engine-1-r1) on
+    failurePolicy.roles.engine, engine-0, the rollout and the trainers untouched; failing again with the budget spent
+    it leaves the pool (status.roleRestarts down, EngineDown) and the run goes on; engine-0 failing then fails the
+    run naming both engine pods."""
+    def kueue_webhook(request, obj):
+        labels = (obj.get("metadata") or {}).get("labels") or {}
+        if request.resource.plural == "pods" and "kueue.x-k8s.io/queue-name" in labels:
+            obj["spec"]["schedulingGates"] = [{"name": "kueue.x-k8s.io/admission"}]
+
+    spec = {**ENGINE_RUN, "rollout": {**ENGINE_RUN["rollout"], "engine": {"type": "vllm", "replicas": 2}}}
+    kube.emulator.admission.append(kueue_webhook)
+    try:
+        kube.new_run("pl", queueName="team-a",
+                     failurePolicy={**FAST, "maxRestarts": 0, "roles": {"engine": {"maxRestarts": 1}}}, **spec)
+        engines = [wait_for(lambda i=i: kube.get(POD + f"pl-engine-{i}"), 15, f"engine pod {i}") for i in (0, 1)]
+        group = kube.wait_group("pl", 0)
+    finally:
+        kube.emulator.admission.remove(kueue_webhook)
+    service = kube.get("/api/v1/namespaces/default/services/pl-engine")
+    assert service["spec"]["clusterIP"] == "None"
+    for i, pod in enumerate(engines):
+        labels = pod["metadata"]["labels"]
+        assert labels["kueue.x-k8s.io/queue-name"] == "team-a" and labels["kueue.x-k8s.io/pod-group-name"] == "pl-engine"
+        assert pod["metadata"]["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "2"
+        assert pod["spec"]["schedulingGates"] == [{"name": "kueue.x-k8s.io/admission"}]
+        assert pod["spec"]["hostname"] == f"engine-{i}" and pod["spec"]["subdomain"] == "pl-engine"
+        assert pod["spec"]["restartPolicy"] == "Never" and labels["trainingrun.dev/replica"] == str(i)
+    rollout = next(p for p in group if p["metadata"]["labels"]["trainingrun.dev/role"] == "rollout")
+    env = {e["name"]: e.get("value") for e in rollout["spec"]["containers"][0]["env"]}
+    assert env["TRAININGRUN_ENGINE_URL"].split(",") == [
+        f"http://engine-{i}.pl-engine.default.svc:8000" for i in (0, 1)]
+    for pod in [*engines, *group]:  # Kueue admits the workloads: gates removed
+        kube.patch(POD + pod["metadata"]["name"], {"spec": {"schedulingGates": None}})
+    kube.set_pod("pl-store", "Running")
+    for name in ("pl-engine-0", "pl-engine-1"):
+        kube.set_pod(name, "Running")
+    kube.run_all("pl", 0)
+    kube.wait_phase("pl", "Running")
+    others = {p["metadata"]["name"]: uid(p) for p in [*kube.group_pods("pl", 0), kube.get(POD + "pl-engine-0")]}
+    kube.set_pod("pl-engine-1", "Failed", exit_code=1)
+    new = wait_for(lambda: kube.get(POD + "pl-engine-1-r1"), 15, "engine-1's replacement")
+    assert new["spec"]["hostname"] == "engine-1" and new["metadata"]["labels"]["trainingrun.dev/role-attempt"] == "1"
+    assert {p["metadata"]["name"]: uid(p) for p in [*kube.group_pods("pl", 0), kube.get(POD + "pl-engine-0")]
+            } == others, "engine-0, the rollout and the trainers were not touched"
+    assert role_entry(kube, "pl", "engine", 1)["restarts"] == 1 and kube.status("pl")["restarts"] == 0
+    kube.set_pod("pl-engine-1-r1", "Running")
+    kube.set_pod("pl-engine-1-r1", "Failed", exit_code=1)  # the engine role's budget (1) is spent
+    wait_for(lambda: role_entry(kube, "pl", "engine", 1).get("down"), 15, f"engine-1 out of the pool "
+             f"(now {kube.status('pl')})")
+    kube.op.settle("pl")
+    st = kube.status("pl")
+    assert st["phase"] == "Running" and st["attempt"] == 0, st
+    assert "EngineDown" in kube.reasons("pl") and kube.get(POD + "pl-engine-1-r2") is None
+    assert {p["metadata"]["name"]: uid(p) for p in [*kube.group_pods("pl", 0), kube.get(POD + "pl-engine-0")]
+            } == others
+    kube.set_pod("pl-engine-0", "Failed", exit_code=3)
+    failed = kube.wait_phase("pl", "Failed")
+    assert "pl-engine-0" in failed["message"] and "pl-engine-1-r1" in failed["message"], failed
 
 
 def test_managed_by_another_controller_is_left_alone(kube):

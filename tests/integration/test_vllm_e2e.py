@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ import yaml
 from tests.localrun import finish, records, start
 from tests.services import free_port, wait_for
 from trainingrun.local import metrics_port_block
+from trainingrun.vllm.client import VLLMClient
 
 pytestmark = [pytest.mark.megatron, pytest.mark.vllm, pytest.mark.timeout(1500)]
 
@@ -37,10 +39,12 @@ PROMPT = [5, 9, 17, 33, 65, 129]
 
 
 def write_spec(path: Path, model: Path, *, sync: str, dtype: str, url: str | None = None, rollouts: int = ROLLOUTS,
-               max_restarts: int = 0) -> Path:
+               max_restarts: int = 0, replicas: int = 1) -> Path:
     engine: dict = {"type": "vllm", "vllm": {"dtype": dtype, "kvCacheGib": 1, "concurrency": 8}}
     if url:
         engine["url"] = url
+    if replicas != 1:
+        engine["replicas"] = replicas
     doc = {
         "apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun", "metadata": {"name": f"vllm-{sync}"},
         "spec": {
@@ -65,6 +69,14 @@ def write_spec(path: Path, model: Path, *, sync: str, dtype: str, url: str | Non
     }
     path.write_text(yaml.safe_dump(doc))
     return path
+
+
+def signal_group(pid: int, sig: int) -> None:
+    """`sig` to the process and, when it leads its own process group, to the group."""
+    if os.getpgid(pid) == pid:
+        os.killpg(pid, sig)
+    else:
+        os.kill(pid, sig)
 
 
 REWARD_MODULE = '''
@@ -98,33 +110,54 @@ def check_on_policy(out: Path, log: str, tol: float, rollouts: int = ROLLOUTS) -
     return recs
 
 
-def test_disk_sync_with_the_runs_own_server_that_dies_mid_run(tmp_path: Path, tiny_llama_dir: Path):
-    """The launcher's own fp32 server; SIGKILLed after the first step: the launcher restarts it alone (one restart of
-    the failure policy), the rollout waits, loads its version again and the run completes with nothing lost."""
+def test_disk_sync_with_a_pool_of_two_servers_one_of_which_dies_mid_run(tmp_path: Path, tiny_llama_dir: Path):
+    """The launcher's own pool of two fp32 servers (issue 20's acceptance run); engine-1 SIGKILLed after the first
+    step: the launcher restarts it alone, the rollout sends its prompts to engine-0 meanwhile, loads the current
+    version into engine-1 when it is back (the version barrier) and returns it to the pool; the rollout and the
+    trainer never restart and nothing is lost or repeated."""
     out = tmp_path / "run"
     rollouts = 6
     proc = start(write_spec(tmp_path / "disk.yaml", tiny_llama_dir, sync="disk", dtype="float32", rollouts=rollouts,
-                            max_restarts=1), out)
+                            max_restarts=1, replicas=2), out)
     try:
         wait_for(lambda: proc.poll() is not None or (out / "metrics.jsonl").exists() or
-                 any(p.stat().st_size for p in (out / "raw").glob("*.jsonl")), 900, "the first step")
+                 any(p.stat().st_size for p in (out / "raw").glob("*.jsonl")), 1200, "the first step")
         assert proc.poll() is None, proc.stdout.read()[-4000:]
-        engine_pid = json.loads((out / "pids.json").read_text())["engine"]["pid"]
-        os.killpg(engine_pid, signal.SIGKILL)
+        processes = json.loads((out / "pids.json").read_text())["processes"]
+        assert {"engine-0", "engine-1"} <= set(processes), processes
+        # the trainer held (SIGSTOP) while engine-1 is down, so that the run outlasts engine-1's restart (minutes
+        # on this CPU; the run takes seconds on engine-0 alone) and the later rollouts use both engines again
+        trainer = processes["trainer-0"]["pid"]
+        signal_group(trainer, signal.SIGSTOP)
+        os.killpg(processes["engine-1"]["pid"], signal.SIGKILL)
+        try:
+            time.sleep(5)  # the launcher sees engine-1's exit and restarts it on its port
+            engine1 = VLLMClient(processes["engine-1"]["url"], timeout=5)
+            wait_for(lambda: proc.poll() is not None or engine1.healthy(), 900, "engine-1 restarted")
+        finally:
+            signal_group(trainer, signal.SIGCONT)
     except BaseException:
         proc.kill()
         raise
     code, log = finish(proc, timeout=1500)
     assert code == 0, log[-6000:]
-    assert "engine: healthy after" in log and "restarting the engine" in log, log[-4000:]
-    recs = check_on_policy(out, log, FP32_TOL, rollouts)
-    print("disk: logprob_abs_diff", [r["logprob_abs_diff"] for r in recs])
+    assert "2 vLLM server(s) healthy after" in log and "restarting the engine engine-1" in log, log[-4000:]
+    recs = check_on_policy(out, log, FP32_TOL, rollouts)  # every step within tolerance: both engines synced
+    print("disk pool: logprob_abs_diff", [r["logprob_abs_diff"] for r in recs])
     summary = json.loads((out / "summary.json").read_text())
+    # one restart (engine-1's), no new attempt: the rollout and the trainer ran through
     assert summary["restarts"] == 1 and [a["attempt"] for a in summary["attempts"]] == [0], summary["attempts"]
     # one HF directory per version on the volume, the older ones released (maxPolicyLag 0 keeps the newest)
     dirs = sorted(p.name for p in (out / "checkpoints" / "weights").iterdir())
     assert dirs == [f"v{rollouts:08d}-a0"], dirs
-    assert (out / "logs" / "engine.log").is_file() and (out / "logs" / "engine.attempt1.log").is_file()
+    # both servers served requests; engine-1's log (appended over its restart) shows requests after it came back
+    served = {i: (out / "logs" / f"engine-{i}.log").read_text() for i in (0, 1)}
+    assert all("/v1/completions" in t for t in served.values()), {i: t[-2000:] for i, t in served.items()}
+    marker = "--- trainingrun: engine-1 restart 1 ---"
+    after = served[1].split(marker, 1)[1] if marker in served[1] else ""
+    # re-synced (the worker extension's load) before it served again
+    assert "/collective_rpc" in after and "/v1/completions" in after, served[1][-3000:]
+    assert after.index("/collective_rpc") < after.index("/v1/completions"), after[-3000:]
 
 
 def test_broadcast_sync_with_a_user_server(tmp_path: Path, tiny_llama_dir: Path, vllm):

@@ -209,6 +209,12 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
          "rollout": {"source": {"type": "generate", "generate": {}}, "engine": {"type": "vllm"}},
          "weightSync": {"type": "disk"}},
     ),
+    ("", "routing-replay-without-partial-rollouts"): (
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64, "moe": {"routingReplay": True}},
+         "rollout": {"source": {"type": "generate", "generate": {}}, "overSampling": 0.25}},
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64, "moe": {"routingReplay": True}},
+         "rollout": {"source": {"type": "generate", "generate": {}}, "overSampling": 0.25, "partialRollout": True}},
+    ),
     ("", "vllm-needs-hf"): (
         {"model": {"hf": "/models/smollm2"}, "trainer": {"maxTokensPerGPU": 64},
          "rollout": {"source": {"type": "generate", "generate": {}}, "engine": {"type": "vllm"}},
@@ -219,6 +225,13 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
     ),
     ("rollout.steps", "batch-size-with-fixed"): ({"policy": "fixed", "globalBatchSize": 8}, {"policy": "dynamic", "globalBatchSize": 8}),
     ("rollout", "whole-groups"): ({"samplesPerRollout": 64, "groupSize": 8}, {"samplesPerRollout": 60, "groupSize": 8}),
+    ("rollout", "partial-needs-over-sampling"): ({"overSampling": 0.25, "partialRollout": True},
+                                                 {"partialRollout": True}),
+    ("rollout", "over-sampling-single-turn"): (
+        {"overSampling": 0.25, "source": {"type": "generate", "generate": {}}},
+        {"overSampling": 0.25, "source": {"type": "generate", "generate": {"environment": {"type": "calculator"}}}}),
+    ("rollout.engine", "replicas-of-own-servers"): ({"type": "vllm", "url": "http://a:8000,http://b:8000"},
+                                                    {"type": "vllm", "url": "http://a:8000", "replicas": 2}),
     ("store", "url-or-managed"): ({"url": "redis://r:6379/0"}, {"url": "redis://r:6379/0", "managed": True}),
     ("failurePolicy.rules[items]", "restart-role-names-a-role"): (
         {"roles": ["rollout", "engine"], "action": "RestartRole"}, {"roles": ["trainer"], "action": "RestartRole"}),
@@ -259,6 +272,7 @@ MODEL_OF = {
     "trainer.performance.recompute": models.RecomputeSpec,
     "rollout.source.synthetic": models.SyntheticSource, "rollout.source": models.SourceSpec,
     "rollout.steps": models.StepPolicy, "rollout": models.RolloutSpec, "store": models.StoreSpec,
+    "rollout.engine": models.EngineSpec,
     "podTemplate": models.PodTemplateOverrides, "rollout.source.generate.prompts": models.PromptsSpec,
     "rollout.source.generate.prompts.synthetic": models.SyntheticPrompts,
     "rollout.source.generate.reward": models.RewardSpec, "": models.TrainingRunSpec,

@@ -11,7 +11,7 @@ import yaml
 
 from tests.kube import ROOT
 from trainingrun.api import parse_trainingrun
-from trainingrun.api.constants import LABEL_ATTEMPT, LABEL_RANK, LABEL_ROLE
+from trainingrun.api.constants import LABEL_ATTEMPT, LABEL_RANK, LABEL_REPLICA, LABEL_ROLE, LABEL_ROLE_ATTEMPT
 from trainingrun.operator import status, vocabulary
 from trainingrun.operator.observe import Observed, PodObs, ProgressObs, Refusal, observe_pod
 from trainingrun.contract.errors import EXIT_CONFIG_ERROR
@@ -68,12 +68,13 @@ def _watched():
     return run, _running(run), ProgressObs({"step": 3, "time": (T0 + dt.timedelta(seconds=50)).timestamp()})
 
 
-def _engine_run(max_restarts: int = 3):
-    """A run with the vLLM engine and no engine.url: the operator runs its server (R-engine)."""
+def _engine_run(max_restarts: int = 3, replicas: int = 1):
+    """A run with the vLLM engine and no engine.url: the operator runs its servers (R-engine-<i>)."""
     return parse_trainingrun({
         "apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun", "metadata": {"name": "rl"},
         "spec": {"model": {"hf": "/models/smol", "seqLength": 512}, "trainer": {"replicas": 2, "maxTokensPerGPU": 256},
-                 "rollout": {"source": {"type": "generate", "generate": {}}, "engine": {"type": "vllm"}},
+                 "rollout": {"source": {"type": "generate", "generate": {}},
+                             "engine": {"type": "vllm", "replicas": replicas}},
                  "weightSync": {"type": "disk", "path": "/models/weights"}, "store": {"managed": True},
                  "failurePolicy": {"maxRestarts": max_restarts},
                  "podTemplate": {"volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}],
@@ -150,7 +151,7 @@ def test_a_crash_looping_engine_uses_the_failure_budget_and_fails_the_run_naming
     run = _engine_run(max_restarts=2)
     children = frozenset(c.key for c in vocabulary.base_children(run, 0) if c.kind != "Pod")
     st = {"phase": "Running", "attempt": 0, "restarts": 0}
-    pod = {"metadata": {"name": "rl-engine", "labels": {LABEL_ROLE: "engine"}},
+    pod = {"metadata": {"name": "rl-engine-0", "labels": {LABEL_ROLE: "engine"}},
            "status": {"phase": "Running", "containerStatuses": [{
                "name": "vllm", "restartCount": 2,
                "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s restarting"}},
@@ -170,7 +171,7 @@ def test_a_crash_looping_engine_uses_the_failure_budget_and_fails_the_run_naming
     d = decide_engine(again)
     assert d.status["phase"] == "Failed"
     message = d.status["message"]
-    assert "rl-engine" in message and "restarted 3 times" in message and "maxRestarts=2" in message, message
+    assert "rl-engine-0" in message and "restarted 3 times" in message and "maxRestarts=2" in message, message
     assert "exited with code 1" in message, message
     assert any(r == "BackoffLimitExceeded" for _, r, _ in d.events)
 
@@ -310,16 +311,62 @@ def test_ensure_children_creates_what_is_missing_on_every_reconcile():
     assert d.status["phase"] == "Running" and [c.key for c in d.create] == ["Service/tiny-trainers"]
 
 
+def test_an_engine_replica_beyond_the_budget_leaves_the_pool_and_only_an_empty_pool_fails_the_run():
+    """A pool of 2 (engine pods restartPolicy Never, replaced by the failure policy): engine-1 failed is replaced
+    alone (rl-engine-1-r1, trainers untouched, status.roleRestarts); failed again with failurePolicy.roles.engine's
+    budget spent it leaves the pool (roleRestarts marks it down, an EngineDown event, never replaced), the run goes on
+    with engine-0; once engine-0 fails too the run fails naming both pods and their last exits."""
+    run = _engine_run(max_restarts=1, replicas=2)
+    children = frozenset(c.key for c in vocabulary.base_children(run, 0) if c.kind != "Pod")
+    st = {"phase": "Running", "attempt": 0, "restarts": 0}
+    group = [PodObs(name=vocabulary.Names("rl").pod(role, rank, 0), role=role, rank=rank, attempt=0, phase="Running")
+             for role, rank in status.expected_group(run)]
+
+    def engine(i: int, generation: int, phase: str = "Running"):
+        name = vocabulary.Names("rl").engine_pod(i, generation)
+        state = ({"running": {}} if phase == "Running" else
+                 {"terminated": {"exitCode": 137, "reason": "OOMKilled", "finishedAt": "2025-01-01T00:00:00Z"}})
+        return observe_pod({"metadata": {"name": name, "labels": {
+                                LABEL_ROLE: "engine", LABEL_REPLICA: str(i), LABEL_ROLE_ATTEMPT: str(generation)}},
+                            "status": {"phase": phase, "conditions": [{"type": "Ready", "status": "True"}],
+                                       "containerStatuses": [{"name": "vllm", "restartCount": 0, "state": state,
+                                                              "ready": phase == "Running"}]}})
+
+    def decide(st, *engines):
+        return status.decide(run, dict(st), Observed(pods=(*engines, *group), children=children), now=T0)
+
+    d = decide(st, engine(0, 0), engine(1, 0, "Failed"))
+    assert d.status["phase"] == "Running" and not d.delete_pods, d.status
+    entry = next(e for e in d.status["roleRestarts"] if e["role"] == "engine" and e["replica"] == 1)
+    assert entry["restarts"] == 1 and not entry.get("down")
+    d = status.decide(run, dict(d.status), Observed(pods=(engine(0, 0), engine(1, 0, "Failed"), *group),
+                                                    children=children), now=T0 + dt.timedelta(seconds=120))
+    assert "Pod/rl-engine-1-r1" in {c.key for c in d.create} and not {c.key for c in d.create} & {
+        f"Pod/{p.name}" for p in group}
+    d = decide(d.status, engine(0, 0), engine(1, 0, "Failed"), engine(1, 1, "Failed"))  # the replacement failed too
+    assert d.status["phase"] == "Running" and not d.delete_pods, d.status
+    entry = next(e for e in d.status["roleRestarts"] if e["role"] == "engine" and e["replica"] == 1)
+    assert entry["down"] is True and entry["restarts"] == 1 and "rl-engine-1-r1" in entry["lastFailure"]
+    assert [(t, r) for t, r, m in d.events if "rl-engine-1-r1" in m] == [("Warning", "EngineDown")]
+    again = decide(d.status, engine(0, 0), engine(1, 1, "Failed"))
+    assert again.status["phase"] == "Running" and not [e for e in again.events if e[1] == "EngineDown"]  # said once
+    assert not [c for c in again.create if c.role == "engine"]  # out of the pool: never replaced again
+    d = decide(again.status, engine(0, 0, "Failed"), engine(1, 1, "Failed"))
+    assert d.status["phase"] == "Failed", d.status
+    message = d.status["message"]
+    assert "rl-engine-0" in message and "rl-engine-1-r1" in message and "137" in message, message
+
+
 def test_ensure_children_creates_missing_engine_children_but_not_a_running_engine_pod():
     run = _engine_run()
     st = {"phase": "Pending", "attempt": 0, "restarts": 0}
     d = status.decide(run, dict(st), Observed(pods=(), children=frozenset()), now=T0)
     created = {c.key for c in d.create}
-    assert {"ConfigMap/rl-engine", "Service/rl-engine", "Pod/rl-engine"} <= created
-    engine_pod = PodObs(name="rl-engine", role="engine", rank=None, attempt=None, phase="Running")
+    assert {"ConfigMap/rl-engine", "Service/rl-engine", "Pod/rl-engine-0"} <= created
+    engine_pod = PodObs(name="rl-engine-0", role="engine", rank=0, attempt=None, phase="Running")
     children = frozenset(c.key for c in vocabulary.base_children(run, 0) if c.kind != "Pod")
     d = status.decide(run, dict(st), Observed(pods=(engine_pod,), children=children), now=T0)
-    assert "Pod/rl-engine" not in {c.key for c in d.create}
+    assert "Pod/rl-engine-0" not in {c.key for c in d.create}
 
 
 def test_pods_ready_runs_the_attempt_once_every_pod_runs():

@@ -69,4 +69,7 @@ def test_extension_config_map_recreates_the_extension_directory_and_it_imports(t
 
 
 def test_engine_url():
-    assert k8s.engine_url("r-engine", "ns") == f"http://r-engine.ns.svc:{k8s.ENGINE_PORT}"
+    """One URL per replica: its stable name under the engines' headless Service."""
+    assert k8s.engine_url("r-engine", "ns") == f"http://engine-0.r-engine.ns.svc:{k8s.ENGINE_PORT}"
+    assert k8s.engine_url("r-engine", "ns", 2).split(",") == [f"http://engine-{i}.r-engine.ns.svc:{k8s.ENGINE_PORT}"
+                                                               for i in range(2)]

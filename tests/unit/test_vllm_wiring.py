@@ -138,17 +138,67 @@ def test_launcher_restarts_a_dead_engine_within_the_budget_then_fails_naming_it(
     launcher.prepare()
     try:
         assert launcher.start_engine() is None  # healthy
-        engine = launcher.engine
-        assert engine.healthy() and engine.server.log_path.name == "engine.log"
+        pool = launcher.engine
+        engine = pool.replicas[0]
+        assert engine.healthy() and engine.server.log_path.name == "engine-0.log"
         engine.server.kill()
-        failure = _wait(engine.check)
-        assert failure.name == "engine" and failure.code == -9, failure
+        failure = _wait(pool.check)[0]
+        assert failure.name == "engine-0" and failure.code == -9, failure
         assert launcher._engine_failed(failure) is None and launcher.restarts == 1  # restarted, counted
-        _wait(lambda: engine.check() is None and engine.server.proc is not None and engine.healthy())
-        assert engine.server.log_path.name == "engine.attempt1.log"
+        _wait(lambda: not pool.check() and engine.server.proc is not None and engine.healthy())
+        assert engine.server.log_path.name == "engine-0.log" and "restart 1" in engine.server.log_path.read_text()
         engine.server.kill()
-        outcome = launcher._engine_failed(_wait(engine.check))
+        outcome = launcher._engine_failed(_wait(pool.check)[0])
         assert outcome is not None and outcome.status == "failed" and outcome.culprit == "engine"
+    finally:
+        if launcher.engine is not None:
+            launcher.engine.stop()
+
+
+def test_a_pool_replica_beyond_the_budget_stays_down_and_only_an_empty_pool_fails_the_run(tmp_path: Path,
+                                                                                          monkeypatch):
+    """rollout.engine.replicas 2: engine-1 killed is restarted alone (pids.json names both under processes, with
+    its new pid); killed again beyond the budget it stays down and the run goes on with engine-0; once engine-0
+    dies too the run fails naming both engines and their last exits."""
+    import json
+    from types import SimpleNamespace
+
+    from trainingrun.local.launcher import Launcher
+    from trainingrun.vllm.server import PYTHON_ENV
+
+    fake = tmp_path / "fake-vllm-python"
+    fake.write_text(FAKE_SERVER.format(python=sys.executable))
+    fake.chmod(0o755)
+    monkeypatch.setenv(PYTHON_ENV, str(fake))
+    run = make_run(tmp_path, engine={"type": "vllm", "replicas": 2, "vllm": {"maxModelLen": 64}}, max_restarts=1)
+    launcher = Launcher(run, tmp_path / "out", progress=None)
+    launcher.prepare()
+    try:
+        assert launcher.start_engine() is None
+        pool = launcher.engine
+        assert [r.name for r in pool.replicas] == ["engine-0", "engine-1"] and len(pool.url.split(",")) == 2
+        launcher._pids_of = (SimpleNamespace(children=[]), 0, "file://store")  # no attempt's processes: the engines
+        launcher.write_pids()
+        procs = json.loads((tmp_path / "out" / "pids.json").read_text())["processes"]
+        assert {k: (v["role"], v["rank"], Path(v["log"]).name) for k, v in procs.items()} == {
+            "engine-0": ("engine", 0, "engine-0.log"), "engine-1": ("engine", 1, "engine-1.log")}
+        first = pool.replicas[1].server.pid
+        pool.replicas[1].server.kill()
+        failure = _wait(pool.check)[0]
+        assert failure.name == "engine-1" and launcher._engine_failed(failure) is None and launcher.restarts == 1
+        _wait(lambda: not pool.check() and pool.replicas[1].server.proc is not None and pool.replicas[1].healthy())
+        assert pool.replicas[0].server.starts == 1  # engine-0 untouched
+        launcher.write_pids()
+        procs = json.loads((tmp_path / "out" / "pids.json").read_text())["processes"]
+        assert procs["engine-1"]["pid"] not in (None, first) and procs["engine-1"]["restarts"] == 1
+        pool.replicas[1].server.kill()
+        assert launcher._engine_failed(_wait(pool.check)[0]) is None  # beyond the budget: down, engine-0 serves
+        assert [r.name for r in pool.live()] == ["engine-0"]
+        assert json.loads((tmp_path / "out" / "pids.json").read_text())["processes"]["engine-1"]["down"]
+        pool.replicas[0].server.kill()
+        outcome = launcher._engine_failed(_wait(pool.check)[0])
+        assert outcome is not None and outcome.status == "failed" and outcome.culprit == "engines"
+        assert "engine-0: killed by SIGKILL" in outcome.reason and "engine-1: killed by SIGKILL" in outcome.reason
     finally:
         if launcher.engine is not None:
             launcher.engine.stop()
@@ -197,7 +247,7 @@ def test_a_load_while_the_server_is_down_waits_for_it_and_loads_again(monkeypatc
 
     calls = []
 
-    def load_from_disk(client, path, label, timeout):
+    def load_from_disk(client, path, label, timeout, **kw):
         calls.append(label)
         if len(calls) == 1:
             raise EngineUnavailable("POST /pause: unreachable")
@@ -210,7 +260,7 @@ def test_a_load_while_the_server_is_down_waits_for_it_and_loads_again(monkeypatc
     assert engine.weight_version == 2 and calls == ["v2", "v2"] and client.waits == 1
     assert engine.stats["recoveries"] == 1 and engine.stats["loads"] == 1
 
-    def never(client, path, label, timeout):
+    def never(client, path, label, timeout, **kw):
         raise EngineUnavailable("down for good")
 
     monkeypatch.setattr(eng.sync, "load_from_disk", never)

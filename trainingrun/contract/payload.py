@@ -10,11 +10,13 @@ order, flat over the rollout's steps):
   sample_ids  int64   [n]              global sample ids (rollout-unique), for exactly-once checks
 Optional (generated rollouts, `rollout.source.type: generate`):
   logprobs    float32 [total tokens]   the generator's log-probability of each token (0 where loss_mask is 0)
-  versions    int64   [n]              weight version each sample was generated with
+  versions    int64   [n]              weight version each sample was generated with (its oldest token's)
   routed_experts int16 [total tokens × W] mixtures of experts with `trainer.moe.routingReplay`: the experts the
                                        generator routed each token to, W = MoE layers × top-k per token (layer-major:
                                        token t, layer l, choice c at t·W + l·k + c); −1 where it routed none (the
                                        last token, which it never fed back) — the trainer's router then chooses
+Optional (partial rollouts, `rollout.partialRollout`):
+  token_versions int64 [total tokens]  the weight version of every token (-1 on the prompt)
 
 Built by `trainingrun.contract.published.rank_payload`; encoded and checked by the store (`trainingrun.store.wire`:
 raw little-endian arrays, never pickled).
@@ -37,6 +39,7 @@ PAYLOAD_OPTIONAL: dict[str, np.dtype] = {
     "logprobs": np.dtype(np.float32),
     "versions": np.dtype(np.int64),
     "routed_experts": np.dtype(np.int16),
+    "token_versions": np.dtype(np.int64),
 }
 NOT_ROUTED = -1  # routed_experts: the generator routed this token nowhere (the trainer's router chooses)
 

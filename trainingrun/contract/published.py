@@ -36,7 +36,8 @@ class StepPlan:
     num_microbatches: int  # per rank, the same on every rank
     microbatches: range  # positions of the step's micro-batches in a rank's flat micro-batch list
     samples_before: int  # samples consumed by the run before this step
-    weight_version: int = -1  # oldest weight version its samples were generated with (-1: replayed samples)
+    weight_version: int = -1  # oldest weight version its trained tokens were generated with (-1: replayed samples)
+    policy_lag_mean: float | None = None  # mean over its trained tokens of (rollout − the token's weight version)
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,10 @@ class SourceStats:
     weight_version: int = -1  # generated rollouts: the weight version the source rollout was generated with
     groups_produced: int = 0
     groups_kept: int = 0
+    groups_aborted: int = 0  # over-sampling: groups asked for that did not finish (aborted)
+    partials_carried: int = 0  # partial rollouts: cut groups carried into the next source rollout
+    partials_dropped: int = 0  # partial rollouts: carried cut groups dropped as older than the staleness bound
+    tokens_masked: int = 0  # partial rollouts (staleTokens mask): old tokens masked out of the loss
     episodes: EpisodeCounts | None = None  # multi-turn episodes (generated rollouts with an environment)
 
     @property
@@ -137,6 +142,8 @@ class SourceStats:
                 "reward_sum": self.reward_sum, "reward_sq_sum": self.reward_sq_sum, "reward_count": self.reward_count,
                 "reward_failed": self.reward_failed, "weight_version": self.weight_version,
                 "groups_produced": self.groups_produced, "groups_kept": self.groups_kept,
+                "groups_aborted": self.groups_aborted, "partials_carried": self.partials_carried,
+                "partials_dropped": self.partials_dropped, "tokens_masked": self.tokens_masked,
                 **({"episodes": self.episodes.to_json()} if self.episodes is not None else {})}
 
     @classmethod
@@ -149,7 +156,9 @@ class SourceStats:
                    reward_sum=float(d.get("reward_sum", 0.0)), reward_sq_sum=float(d.get("reward_sq_sum", 0.0)),
                    reward_count=int(d.get("reward_count", 0)), reward_failed=int(d.get("reward_failed", 0)),
                    weight_version=int(d.get("weight_version", -1)), groups_produced=int(d.get("groups_produced", 0)),
-                   groups_kept=int(d.get("groups_kept", 0)),
+                   groups_kept=int(d.get("groups_kept", 0)), groups_aborted=int(d.get("groups_aborted", 0)),
+                   partials_carried=int(d.get("partials_carried", 0)),
+                   partials_dropped=int(d.get("partials_dropped", 0)), tokens_masked=int(d.get("tokens_masked", 0)),
                    episodes=EpisodeCounts.from_json(d["episodes"]) if "episodes" in d else None)
 
 
@@ -166,7 +175,8 @@ class PublishedRollout:
     step_tokens: tuple[int, ...] = ()  # tokens per step, all ranks
     imbalance: tuple[float, ...] = ()  # per step: max / mean rank token load
     mean_reward: float = 0.0  # mean reward of the published samples
-    step_weight_versions: tuple[int, ...] = ()  # per step: oldest weight version of its samples (-1: replayed)
+    step_weight_versions: tuple[int, ...] = ()  # per step: oldest weight version of its trained tokens (-1: replayed)
+    step_lag_means: tuple[float, ...] = ()  # per step: mean (rollout − token version) over its trained tokens
     stats: SourceStats | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # further keys a writer adds (kept, never interpreted)
 
@@ -193,7 +203,8 @@ class PublishedRollout:
             out.append(StepPlan(index=s, global_step=self.step_offset + s, global_batch_size=int(gbs),
                                 loss_tokens=int(self.loss_tokens[s]), num_microbatches=int(m),
                                 microbatches=range(mb_start, mb_start + m), samples_before=before,
-                                weight_version=self.step_weight_versions[s] if self.step_weight_versions else -1))
+                                weight_version=self.step_weight_versions[s] if self.step_weight_versions else -1,
+                                policy_lag_mean=self.step_lag_means[s] if self.step_lag_means else None))
             mb_start += m
             before += int(gbs)
         return out
@@ -221,6 +232,7 @@ class PublishedRollout:
             "samples_offset": self.samples_offset,
             "mean_reward": self.mean_reward,
             "step_weight_versions": list(self.step_weight_versions),
+            "step_lag_means": [round(float(x), 6) for x in self.step_lag_means],
             **(self.stats.to_json() if self.stats is not None else {}),
         }
 
@@ -245,16 +257,21 @@ class PublishedRollout:
                  "num_steps", "num_samples", "num_groups", "step_offset", "samples_offset", "mean_reward",
                  "step_weight_versions", "source_index", "produced", "filtered", "carried_in", "carried_out", "seed",
                  "reward_sum", "reward_sq_sum", "reward_count", "reward_failed", "weight_version", "groups_produced",
-                 "groups_kept", "episodes"}
+                 "groups_kept", "groups_aborted", "partials_carried", "partials_dropped", "tokens_masked",
+                 "step_lag_means", "episodes"}
         versions = tuple(int(x) for x in d.get("step_weight_versions", ()))
         if versions and len(versions) != sched.num_steps:
             raise ValueError(f"schedule.step_weight_versions: {len(versions)} entries for {sched.num_steps} steps")
+        lag_means = tuple(float(x) for x in d.get("step_lag_means", ()))
+        if lag_means and len(lag_means) != sched.num_steps:
+            raise ValueError(f"schedule.step_lag_means: {len(lag_means)} entries for {sched.num_steps} steps")
         return cls(
             rollout=int(d["rollout"]), schedule=sched, loss_tokens=loss_tokens, step_offset=int(d["step_offset"]),
             samples_offset=int(d["samples_offset"]), num_groups=int(d.get("num_groups", 0)),
             step_tokens=tuple(int(x) for x in d.get("step_tokens", ())),
             imbalance=tuple(float(x) for x in d.get("imbalance", ())), mean_reward=float(d.get("mean_reward", 0.0)),
-            step_weight_versions=versions, stats=SourceStats.from_json(d), extra={k: v for k, v in d.items() if k not in known},
+            step_weight_versions=versions, step_lag_means=lag_means, stats=SourceStats.from_json(d),
+            extra={k: v for k, v in d.items() if k not in known},
         )
 
 
@@ -270,7 +287,8 @@ class Samples:
     sample_ids: np.ndarray  # int64 [n], run-unique
     group_ids: list[int]  # [n]; a group is never split across steps
     logprobs: list[np.ndarray] | None = None  # generated: float32 per token (0 on the prompt)
-    versions: np.ndarray | None = None  # generated: int64 [n] weight version of each sample
+    versions: np.ndarray | None = None  # generated: int64 [n] weight version of each sample (its oldest token's)
+    token_versions: list[np.ndarray] | None = None  # partial rollouts: int64 per token (-1 on the prompt)
     routed_experts: list[np.ndarray] | None = None  # routing replay: int16 [tokens, MoE layers × top-k] per sample
 
     def __len__(self) -> int:
@@ -315,17 +333,41 @@ def build_published(
         imbalance.append(max(load) / mean if mean else 1.0)
     payloads = {r: rank_payload(samples, part) for r, part in enumerate(sched.partitions)}
     placed = [i for part in sched.partitions for i in part]
-    step_versions = ()
+    step_versions: tuple[int, ...] = ()
+    lag_means: tuple[float, ...] = ()
     if samples.versions is not None:
-        step_versions = tuple(int(samples.versions[sched.step_samples(s)].min()) for s in range(sched.num_steps))
+        step_versions, lag_means = step_policy_lags(rollout, samples, sched)
     rewards = samples.rewards[placed] if placed else np.zeros(0, np.float32)
     published = PublishedRollout(
         rollout=rollout, schedule=sched, loss_tokens=tuple(sched.step_loss_tokens(loss_counts)),
         step_offset=step_offset, samples_offset=samples_offset, num_groups=len(set(samples.group_ids[i] for i in placed)),
         step_tokens=tuple(step_tokens), imbalance=tuple(imbalance),
-        mean_reward=float(rewards.mean()) if len(rewards) else 0.0, step_weight_versions=step_versions, stats=stats,
+        mean_reward=float(rewards.mean()) if len(rewards) else 0.0, step_weight_versions=step_versions,
+        step_lag_means=lag_means, stats=stats,
     )
     return published, payloads, list(sched.leftover)
+
+
+def step_policy_lags(rollout: int, samples: Samples, sched: DPSchedule) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """Per step: the oldest weight version among its trained tokens, and the mean over its trained tokens of
+    `rollout − token version` (the trainers hold version `rollout` when they train it). Without per-token versions
+    every token of a sample has the sample's version."""
+    oldest, means = [], []
+    for s in range(sched.num_steps):
+        members = list(sched.step_samples(s))
+        parts = []
+        for i in members:
+            trained = samples.loss_masks[i][1:] > 0  # a first token is never a target
+            if samples.token_versions is not None:
+                parts.append(samples.token_versions[i][1:][trained])
+            else:
+                parts.append(np.full(int(trained.sum()), samples.versions[i], np.int64))
+        flat = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        if not len(flat):  # no trained token at all: the samples' own versions
+            flat = samples.versions[members].astype(np.int64)
+        oldest.append(int(flat.min()))
+        means.append(float((rollout - flat).mean()))
+    return tuple(oldest), tuple(means)
 
 
 def rank_payload(samples: Samples, indices: list[int]) -> RankPayload:
@@ -350,6 +392,9 @@ def rank_payload(samples: Samples, indices: list[int]) -> RankPayload:
     if samples.routed_experts is not None:  # flat: token t's W experts at t·W … (t+1)·W − 1 (contract.payload)
         payload["routed_experts"] = (np.concatenate([samples.routed_experts[i] for i in idx]).astype(np.int16).ravel()
                                      if len(idx) else np.zeros(0, np.int16))
+    if samples.token_versions is not None:
+        payload["token_versions"] = (np.concatenate([samples.token_versions[i] for i in idx]).astype(np.int64)
+                                     if len(idx) else np.zeros(0, np.int64))
     return payload
 
 

@@ -1,14 +1,18 @@
-"""The vLLM server of a local run (`rollout.engine.type: vllm` without `engine.url`), supervised by the launcher.
+"""The vLLM servers of a local run (`rollout.engine.type: vllm` without `engine.url`): a pool of
+`rollout.engine.replicas` servers, supervised by the launcher.
 
-The server is a service of the run, not part of an attempt: it starts before the first attempt, keeps running when
-the trainer/rollout group restarts (it holds nothing the group needs: the rollout loads its weight version into it),
-and stops when the run ends. Its environment is vLLM's own (`make vllm` builds .venv-vllm; elsewhere
-$TRAININGRUN_VLLM_PYTHON), its log `logs/engine.log` (`engine.attempt<k>.log` after restarts).
+The servers are a service of the run, not part of an attempt: they start before the first attempt, keep running when
+the trainer/rollout group restarts (they hold nothing the group needs: the rollout loads its weight version into
+them), and stop when the run ends. Replica i is `engine-<i>` (its own free port; `pids.json` lists it under
+`processes` with role `engine` and rank i; its log is `logs/engine-<i>.log`, appended to across its restarts). Their
+environment is vLLM's own (`make vllm` builds .venv-vllm; elsewhere $TRAININGRUN_VLLM_PYTHON). The rollout is given
+every replica's URL, comma-separated ($TRAININGRUN_ENGINE_URL).
 
-When the server exits, the launcher applies the run's failure policy to it as to any process: a restart while
-`failurePolicy.maxRestarts` allows (counted like a group restart, after the backoff), else the run fails naming the
-engine. Meanwhile the rollout waits for /health and loads its weight version again (`trainingrun.vllm.engine`): only
-the engine restarts, and no prompt is lost or answered twice.
+A replica that exits is restarted alone, on its own port, after the failure policy's backoff (`Launcher`
+decides, `trainingrun.failure_policy`); meanwhile the rollout sends its prompts to the other replicas and, once it
+answers /health again, loads the current weight version into it before it gets a request
+(`trainingrun.vllm.engine`). A replica beyond the budget stays down; the run fails only when no replica is left,
+naming every replica and its last exit.
 """
 
 from __future__ import annotations
@@ -17,9 +21,9 @@ import time
 from pathlib import Path
 
 from trainingrun import failure_policy as policy
-from trainingrun.local.procs import describe_exit, free_port, log_path
-from trainingrun.vllm.client import VLLMClient
+from trainingrun.local.procs import describe_exit, free_port
 from trainingrun.vllm import server as vllm_server
+from trainingrun.vllm.client import VLLMClient
 
 
 def needs_local_engine(spec) -> bool:
@@ -28,21 +32,23 @@ def needs_local_engine(spec) -> bool:
     return src.type == "generate" and engine.type == "vllm" and not engine.url
 
 
-class LocalEngine:
-    """The run's vLLM server process (see the module docstring)."""
+def replica_name(i: int) -> str:
+    return f"engine-{i}"
 
-    def __init__(self, spec, out_dir: Path):
-        python = vllm_server.find_python()
-        if python is None:
-            raise ValueError(f"rollout.engine.type: vllm needs vLLM's environment: run `make vllm` (builds "
-                             f".venv-vllm) or set {vllm_server.PYTHON_ENV} to a Python that has vLLM, or give "
-                             "rollout.engine.url")
+
+class LocalEngine:
+    """One vLLM server of the run's pool (see the module docstring)."""
+
+    def __init__(self, spec, out_dir: Path, index: int, python: str):
         v = spec.rollout.engine.vllm
         model = Path(spec.model.hf).resolve()
-        self.log_dir = out_dir / "logs"
-        self.restarts = 0
+        self.index = index
+        self.name = replica_name(index)
+        self.restarts = 0  # restarts of this replica
+        self.down = False  # beyond the budget: left down for good
+        self.last_exit = ""
         self.server = vllm_server.VLLMServer(
-            str(model), port=free_port(), python=python, log_path=log_path(self.log_dir, "engine", 0),
+            str(model), port=free_port(), python=python, log_path=out_dir / "logs" / f"{self.name}.log",
             dtype=v.dtype, max_model_len=v.max_model_len or spec.model.resolved().seq_length,
             kv_cache_gib=v.kv_cache_gib, extra_args=tuple(v.args),
         )
@@ -60,18 +66,22 @@ class LocalEngine:
 
     def check(self) -> policy.Failure | None:
         """The server's exit as a `Failure` when it died since the last check (None while it runs or restarts)."""
+        if self.down:
+            return None
         if self._restart_at is not None:
             if time.monotonic() >= self._restart_at:
                 self._restart_at = None
-                self.server.log_path = log_path(self.log_dir, "engine", self.restarts)
+                with open(self.server.log_path, "a") as log:  # one log per replica, over its restarts
+                    log.write(f"\n--- trainingrun: {self.name} restart {self.restarts} ---\n")
                 self.server.start()
             return None
         proc = self.server.proc
         if proc is None or proc.poll() is None:
             return None
         code = proc.returncode
-        return policy.Failure(name="engine", kind=policy.classify(code), role="engine", rank=0, code=code,
-                              description=f"vLLM server {describe_exit(code)} (log {self.server.log_path})")
+        self.last_exit = describe_exit(code)
+        return policy.Failure(name=self.name, kind=policy.classify(code), role="engine", rank=self.index, code=code,
+                              description=f"vLLM server {self.name} {self.last_exit} (log {self.server.log_path})")
 
     def restart_after(self, seconds: float) -> None:
         """Start the server again `seconds` from now (the failure policy's backoff), on the same port."""
@@ -79,5 +89,61 @@ class LocalEngine:
         self.server.proc = None
         self._restart_at = time.monotonic() + seconds
 
+    def give_up(self) -> None:
+        """Beyond the budget: the replica stays down."""
+        self.down = True
+        self.server.proc = None
+
     def stop(self) -> None:
         self.server.close()
+
+    def process(self) -> dict:
+        """Its entry in pids.json's `processes`."""
+        return {"pid": self.server.pid, "role": "engine", "rank": self.index, "url": self.url,
+                "log": str(self.server.log_path), "restarts": self.restarts, "down": self.down}
+
+
+class LocalEnginePool:
+    """The run's vLLM servers (`rollout.engine.replicas` of them)."""
+
+    def __init__(self, spec, out_dir: Path):
+        python = vllm_server.find_python()
+        if python is None:
+            raise ValueError(f"rollout.engine.type: vllm needs vLLM's environment: run `make vllm` (builds "
+                             f".venv-vllm) or set {vllm_server.PYTHON_ENV} to a Python that has vLLM, or give "
+                             "rollout.engine.url")
+        (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.replicas = [LocalEngine(spec, out_dir, i, python) for i in range(spec.rollout.engine.replicas)]
+
+    @property
+    def url(self) -> str:
+        """Every replica's URL, comma-separated (what the rollout is given)."""
+        return ",".join(r.url for r in self.replicas)
+
+    def start(self) -> None:
+        for r in self.replicas:
+            r.start()
+
+    def healthy(self) -> bool:
+        return all(r.healthy() for r in self.replicas)
+
+    def check(self) -> list[policy.Failure]:
+        """The replicas that exited since the last check."""
+        return [f for f in (r.check() for r in self.replicas) if f is not None]
+
+    def replica(self, name: str) -> LocalEngine:
+        return next(r for r in self.replicas if r.name == name)
+
+    def starts(self) -> int:
+        """Server starts so far, all replicas (a change means pids.json is out of date)."""
+        return sum(r.server.starts for r in self.replicas)
+
+    def live(self) -> list[LocalEngine]:
+        return [r for r in self.replicas if not r.down]
+
+    def stop(self) -> None:
+        for r in self.replicas:
+            r.stop()
+
+    def processes(self) -> dict[str, dict]:
+        return {r.name: r.process() for r in self.replicas}

@@ -48,7 +48,7 @@ from trainingrun.local.report import (
 )
 from trainingrun import failure_policy as policy
 from trainingrun.contract.env import ProcessEnv
-from trainingrun.local.engine import LocalEngine, needs_local_engine
+from trainingrun.local.engine import LocalEnginePool, needs_local_engine
 from trainingrun.local.progress import ProgressLine
 from trainingrun.plan import build_plan
 from trainingrun.rollout.main import data_report
@@ -134,13 +134,15 @@ class Launcher:
         self.first_attempt = 0
         self.write_failures: set[str] = set()  # outputs the launcher could not write (a full volume), said once each
         self.summary_written = False
-        self.engine: LocalEngine | None = None  # the run's vLLM server (rollout.engine.type vllm without url)
+        self.engine: LocalEnginePool | None = None  # the run's vLLM servers (rollout.engine.type vllm without url)
         self.policy = policy.Policy.from_spec(run.spec.failure_policy)
         self.restarts = 0  # restarts the failure policy counted (group and roles alike): summary.json's `restarts`
         self.group_restarts = 0  # counted restarts of the whole group (failurePolicy.maxRestarts)
         self.role_restarts: dict[str, int] = {}  # counted restarts of each role alone (failurePolicy.roles.<role>)
-        self.generations: dict[str, int] = {}  # restarts of each role alone, counted or not (its generation)
+        self.generations: dict[str, int] = {}  # restarts of the rollout alone, counted or not (its generation)
         self.role_events: list[dict[str, Any]] = []  # this attempt's restarts of a role alone (summary: attempts)
+        self._pids_of: tuple[ProcessGroup, int, str] | None = None  # pids.json: the attempt's group, attempt, store
+        self._engine_starts = 0
 
     def volumes(self) -> list[Path]:
         """Where the run writes: the run directory, the checkpoints (relative to it) and a file store."""
@@ -188,13 +190,15 @@ class Launcher:
         return policy.Counts(restarts=self.group_restarts, role_restarts=dict(self.role_restarts))
 
     def count(self, verdict: policy.Verdict) -> int:
-        """Count a restart of `verdict`'s role alone; its new generation."""
+        """Count a restart of `verdict`'s role alone (the rollout, or one engine replica: `verdict.rank`); its new
+        generation (of that replica)."""
         assert verdict.role is not None
         if verdict.counted:
             self.restarts += 1
             self.role_restarts[verdict.role] = self.role_restarts.get(verdict.role, 0) + 1
-        self.generations[verdict.role] = self.generations.get(verdict.role, 0) + 1
-        return self.generations[verdict.role]
+        key = verdict.role if verdict.role == "rollout" else f"{verdict.role}-{verdict.rank or 0}"
+        self.generations[key] = self.generations.get(key, 0) + 1
+        return self.generations[key]
 
     # -- one attempt
     def start_attempt(self, attempt: int, store_url: str, config: Path) -> ProcessGroup:
@@ -224,7 +228,8 @@ class Launcher:
                                              **ProcessEnv(role_attempt=self.generations.get("rollout", 0)).to_env()})
         plan = replace(plan, processes=tuple(rollout if p.role == "rollout" else p for p in plan.processes))
         group = ProcessGroup.start(plan, cwd=self.out_dir.resolve(), log_dir=self.out_dir / "logs")
-        self.write_pids(group, attempt, store_url)
+        self._pids_of = (group, attempt, store_url)
+        self.write_pids()
         ports = ", ".join(
             f"{c.name}={c.plan.metrics_port}" if c.plan.workers == 1
             else f"{c.name}={c.plan.metrics_ports[0]}-{c.plan.metrics_ports[-1]}" for c in group.children)
@@ -234,23 +239,28 @@ class Launcher:
                             f"metrics ports {ports}")
         return group
 
-    def write_pids(self, group: ProcessGroup, attempt: int, store_url: str) -> None:
-        """pids.json: the launcher, the attempt and every process of it now (rewritten when one restarts alone)."""
+    def write_pids(self) -> None:
+        """pids.json: the launcher, the attempt and every process of it now, and the run's engines (`engine-<i>`);
+        rewritten when one restarts alone."""
+        if self._pids_of is None:
+            return
+        group, attempt, store_url = self._pids_of
         trainers = [c for c in group.children if c.plan.role == "trainer"]
+        processes = {
+            c.name: {"pid": c.proc.pid, "role": c.plan.role, "rank": c.plan.rank,
+                     "metrics_port": c.plan.metrics_port, "workers": c.plan.workers,
+                     "metrics_ports": list(c.plan.metrics_ports), "log": str(c.log)}
+            for c in group.children
+        }
+        if self.engine is not None:
+            processes.update(self.engine.processes())
         self.try_write("pids.json", lambda: write_json_atomic(self.out_dir / "pids.json", {
             "launcher": os.getpid(),
             "attempt": attempt,
             "first_attempt": self.first_attempt,  # this invocation's first (attempt - first_attempt = its restarts)
             "store_url": store_url,
             "master_port": int(trainers[0].plan.env["MASTER_PORT"]) if trainers else None,
-            "processes": {
-                c.name: {"pid": c.proc.pid, "role": c.plan.role, "rank": c.plan.rank,
-                         "metrics_port": c.plan.metrics_port, "workers": c.plan.workers,
-                         "metrics_ports": list(c.plan.metrics_ports), "log": str(c.log)}
-                for c in group.children
-            },
-            **({"engine": {"pid": self.engine.server.pid, "url": self.engine.url, "log": str(self.engine.server.log_path)}}
-               if self.engine is not None else {}),
+            "processes": processes,
         }))
 
     def _restart_rollout(self, group: ProcessGroup, failure: policy.Failure, verdict: policy.Verdict,
@@ -269,7 +279,7 @@ class Launcher:
             return False
         group.restart("rollout", cwd=self.out_dir.resolve(), why=f"attempt {attempt} generation {generation} "
                       "(restarted alone)", extra_env=ProcessEnv(role_attempt=generation).to_env())
-        self.write_pids(group, attempt, store_url)
+        self.write_pids()
         return True
 
     def watch(self, group: ProcessGroup, attempt: int, store_url: str = "") -> Outcome:
@@ -289,11 +299,13 @@ class Launcher:
                 self.tokens_this_run += sum(float(r.get("tokens", 0) or 0) for r in records)
                 self._check_fields(records[-1])
             self.progress.tick()
-            engine_failure = self.engine.check() if self.engine is not None else None
-            if engine_failure is not None:
+            for engine_failure in self.engine.check() if self.engine is not None else []:
                 outcome = self._engine_failed(engine_failure)
                 if outcome is not None:
                     return outcome
+            if self.engine is not None and self.engine.starts() != self._engine_starts:  # a replica restarted
+                self._engine_starts = self.engine.starts()
+                self.write_pids()
             failed = {c.name: c for c in group.children if c.returncode not in (None, 0)}
             if failed:
                 # Several may have died in one poll (a rank's death breaks its peers' collectives): the policy names
@@ -331,32 +343,49 @@ class Launcher:
             time.sleep(POLL_SECONDS)
 
     def _engine_failed(self, failure: policy.Failure) -> Outcome | None:
-        """The run's vLLM server exited: the failure policy decides for that engine replica — by default it restarts
-        alone (after the engine role's backoff, on its budget) while the rollout waits for it and loads its weight
-        version again; a RestartGroup rule restarts the group and the engine; FailRun (or a spent budget) fails the
-        run."""
+        """A vLLM server of the run's pool exited: the failure policy decides for that replica (failure.rank) — by
+        default it restarts alone (after the engine role's backoff, on the role's budget, all replicas together)
+        while the rollout sends its prompts to the other replicas and loads the current weight version into it
+        when it is back; a RestartGroup rule restarts the group and that replica; FailRun (a rule, exit 78) fails
+        the run. With the budget spent the replica leaves the pool (stays down); the run fails only when no replica
+        is left, naming every replica and its last exit."""
         assert self.engine is not None
+        replica = self.engine.replicas[failure.rank or 0]
         verdict = self.policy.decide(failure, self.counts())
         self.progress.event(f"engine failed: {failure.description}")
+        pool = len(self.engine.replicas)
         if not verdict.restart:
-            self.progress.event(f"no restarts left ({verdict.why})" if verdict.reason == "BackoffLimitExceeded"
-                                else f"not restarting: {verdict.why}")
+            if verdict.reason == "BackoffLimitExceeded":
+                replica.give_up()
+                self.write_pids()
+                left = self.engine.live()
+                if left:
+                    self.progress.event(f"{replica.name} leaves the pool ({verdict.why}); {len(left)} engine(s) "
+                                        f"left: {', '.join(r.name for r in left)}")
+                    return None
+                self.progress.event(f"no restarts left ({verdict.why})")
+            else:
+                self.progress.event(f"not restarting: {verdict.why}")
             status = "config_error" if verdict.reason == "ConfigError" else "failed"
-            return Outcome(status, culprit="engine", reason=failure.description, log=self.engine.server.log_path,
-                           failure=failure)
-        if not verdict.alone:  # RestartGroup: the group's next attempt, with the engine started again meanwhile
-            self.engine.restart_after(verdict.backoff)
-            return Outcome("failed", culprit="engine", reason=failure.description, log=self.engine.server.log_path,
-                           failure=failure)
+            reason = failure.description if pool == 1 or verdict.reason != "BackoffLimitExceeded" else (
+                "no engine of the pool is left: " + "; ".join(f"{r.name}: {r.last_exit or 'down'}"
+                                                              for r in self.engine.replicas))
+            return Outcome(status, culprit="engine" if pool == 1 else "engines", reason=reason,
+                           log=replica.server.log_path, failure=failure)
+        if not verdict.alone:  # RestartGroup: the group's next attempt, with the replica started again meanwhile
+            replica.restart_after(verdict.backoff)
+            return Outcome("failed", culprit="engine" if pool == 1 else replica.name, reason=failure.description,
+                           log=replica.server.log_path, failure=failure)
         generation = self.count(verdict)
         budget = self.policy.roles["engine"].max_restarts
         what = (f"restart {self.role_restarts['engine']}/{budget} of failurePolicy.roles.engine" if verdict.counted
                 else verdict.why)
-        self.progress.event(f"restarting the engine in {verdict.backoff:g}s (engine replica {failure.rank or 0}, "
-                            f"generation {generation}; {what}); the rollout waits for it")
-        self.role_events.append({"process": "engine", "reason": failure.description, "counted": verdict.counted,
+        self.progress.event(f"restarting the engine {replica.name} alone in {verdict.backoff:g}s (engine replica "
+                            f"{failure.rank or 0}, generation {generation}; {what}); the rollout sends its prompts "
+                            "to the other engines or waits for it")
+        self.role_events.append({"process": replica.name, "reason": failure.description, "counted": verdict.counted,
                                  "generation": generation, "rule": verdict.rule})
-        self.engine.restart_after(verdict.backoff)
+        replica.restart_after(verdict.backoff)
         return None
 
     def start_engine(self) -> Outcome | None:
@@ -364,25 +393,31 @@ class Launcher:
         if not needs_local_engine(self.spec):
             return None
         try:
-            self.engine = LocalEngine(self.spec, self.out_dir)
+            self.engine = LocalEnginePool(self.spec, self.out_dir)
         except ValueError as exc:
             return Outcome("config_error", culprit="engine", reason=str(exc), failure=policy.Failure(
                 name="engine", kind=policy.ExitKind.CONFIG_ERROR, description=str(exc), role="engine"))
         self.engine.start()
-        self.progress.event(f"engine: starting vLLM at {self.engine.url} (log {self.engine.server.log_path})")
+        for r in self.engine.replicas:
+            self.progress.event(f"engine: starting vLLM {r.name} at {r.url} (log {r.server.log_path})")
         t0 = time.monotonic()
         while not self.engine.healthy():
             if self.signals.received:
                 return Outcome("interrupted", reason=f"{signal.Signals(self.signals.received).name} received")
-            failure = self.engine.check()
-            if failure is not None or time.monotonic() - t0 > ENGINE_START_TIMEOUT:
-                reason = (failure.description if failure is not None
-                          else f"vLLM server not healthy after {ENGINE_START_TIMEOUT:.0f}s")
-                return Outcome("failed", culprit="engine", reason=reason, log=self.engine.server.log_path,
-                               failure=failure or policy.Failure(name="engine", kind=policy.ExitKind.FAILURE,
-                                                                 description=reason, role="engine"))
+            failures = self.engine.check()
+            if failures or time.monotonic() - t0 > ENGINE_START_TIMEOUT:
+                waiting = [r for r in self.engine.replicas if not r.healthy()]
+                reason = (failures[0].description if failures
+                          else f"vLLM server(s) {', '.join(r.name for r in waiting)} not healthy after "
+                               f"{ENGINE_START_TIMEOUT:.0f}s")
+                culprit = failures[0].name if failures else waiting[0].name
+                return Outcome("failed", culprit=culprit, reason=reason,
+                               log=self.engine.replica(culprit).server.log_path,
+                               failure=failures[0] if failures else policy.Failure(
+                                   name=culprit, kind=policy.ExitKind.FAILURE, description=reason, role="engine"))
             time.sleep(1.0)
-        self.progress.event(f"engine: healthy after {time.monotonic() - t0:.0f}s")
+        self.progress.event(f"engine: {len(self.engine.replicas)} vLLM server(s) healthy after "
+                            f"{time.monotonic() - t0:.0f}s")
         return None
 
     def _check_fields(self, rec: dict[str, Any]) -> None:

@@ -79,7 +79,8 @@ ROLLOUT = {
     "trainingrun_rollout_schedule_imbalance": "Max/mean rank token load of the last published step (gauge).",
     "trainingrun_rollout_publish_seconds": "Seconds to publish one rollout (histogram).",
     "trainingrun_rollout_pending": "Published rollouts not yet consumed (gauge).",
-    "trainingrun_rollout_groups": "Groups (prompts) produced and kept by the filters (counter), label state.",
+    "trainingrun_rollout_groups": "Groups (prompts) produced, kept by the filters and aborted by over-sampling "
+                                   "(counter), label state: produced, kept, aborted.",
     # generated rollouts (rollout.source.type generate)
     "trainingrun_rollout_reward": "Reward of every generated sample before filtering (summary: _sum and _count).",
     "trainingrun_rollout_reward_failures": "Rewards that failed (counter), label reason: error, timeout, nan.",
@@ -87,6 +88,8 @@ ROLLOUT = {
     "trainingrun_rollout_generate_seconds": "Seconds spent generating (counter).",
     "trainingrun_rollout_weight_wait_seconds": "Seconds spent waiting for the trainers' weights (counter).",
     "trainingrun_rollout_weight_version": "Weight version the last rollout was generated with (gauge).",
+    "trainingrun_rollout_engine_weight_sync_seconds": "Seconds the engine's last weight load took (gauge), label "
+                                                      "engine (engine-0, engine-1, ...: the vLLM pool's replicas).",
     # multi-turn episodes (rollout.source.generate.environment); their means are ROLLOUT_WEIGHTED below
     "trainingrun_rollout_truncated_episodes": "Episodes truncated by maxTurns or the token cap (counter).",
     "trainingrun_rollout_environment_failures": "Episodes whose environment failed (counter), label reason: error, "

@@ -1,9 +1,10 @@
 """Prometheus metrics of the rollout process (prometheus-client, its own CollectorRegistry).
 
 The `trainingrun_rollout_*` families (names and help: `names.ROLLOUT`, `names.ROLLOUT_WEIGHTED`), label `run` on
-every one: what the source produced and the filters dropped, generated rollouts' rewards, tokens and waits, multi-turn
-episodes (weighted (sum, count) pairs: turns and tool calls per episode, tool error rate, ...; failures by reason),
-what was published, the schedule's imbalance and the publish latency, the rollouts pending. Served on `TRAININGRUN_METRICS_PORT` by `trainingrun rollout`
+every one: what the source produced and the filters dropped, generated rollouts' rewards, tokens and waits, groups
+aborted and each engine's last weight-sync seconds, multi-turn episodes (weighted (sum, count) pairs: turns and tool
+calls per episode, tool error rate, ...; failures by reason), what was published, the schedule's imbalance and the
+publish latency, the rollouts pending. Served on `TRAININGRUN_METRICS_PORT` by `trainingrun rollout`
 (`trainingrun.rollout.main`); the trainer's counterpart is `exporter.TrainerExporter`.
 """
 
@@ -36,6 +37,7 @@ class RolloutMetrics:
         self.generate_seconds = mk(Counter, "trainingrun_rollout_generate_seconds").labels(run)
         self.weight_wait_seconds = mk(Counter, "trainingrun_rollout_weight_wait_seconds").labels(run)
         self.weight_version = mk(Gauge, "trainingrun_rollout_weight_version").labels(run)
+        self.engine_sync_seconds = mk(Gauge, "trainingrun_rollout_engine_weight_sync_seconds", ["engine"])
         # multi-turn episodes: weighted (sum, count) pairs (names.ROLLOUT_WEIGHTED) and failures by reason
         self.episodes = WeightedCollector(ROLLOUT_WEIGHTED, {"run": run}, "rollout")
         self.registry.register(self.episodes)
@@ -61,6 +63,10 @@ class RolloutMetrics:
         self.generate_seconds.inc(gen.generate_seconds)
         self.weight_wait_seconds.inc(gen.wait_seconds)
         self.weight_version.set(gen.weight_version)
+        for engine, seconds in gen.sync_seconds.items():
+            self.engine_sync_seconds.labels(self.run, engine).set(seconds)
+        if gen.groups_aborted:
+            self.groups.labels(self.run, "aborted").inc(gen.groups_aborted)
         if gen.episodes is not None:
             self.observe_episodes(gen.episodes)
 

@@ -21,6 +21,13 @@ RBAC rule in `rbac.GANG_RULES`).
                 disruption mode "all pods together": the gang is preempted whole, never pod by pod) and a PodGroup
                 created from it; pods linked by spec.schedulingGroup.podGroupName; the default scheduler
 
+The run's own vLLM engines (`rollout.engine.replicas` pods, `trainingrun.vllm.k8s`) are a serving group of their
+own: the provider's objects named `R-engine` (PodGroup minMember / Workload minCount = replicas, minResources =
+their requests) and, with Kueue, the pod group
+`R-engine` in the same LocalQueue. Not the attempt's group: the engines outlive attempts (a restarted trainer group
+keeps them, and their minutes of model loading), while an attempt's PodGroup and Kueue workload end with it. So the
+engines' GPUs are inside the run's Kueue quota and gang-scheduled, without tying their lifetime to an attempt's.
+
 Kueue (`spec.queueName`, `kueue_metadata`): Kueue's plain-pod integration admits a group of pods as one workload
 when each carries the label kueue.x-k8s.io/queue-name (the LocalQueue), the label kueue.x-k8s.io/pod-group-name (the
 group: per attempt, so a restarted group is a new workload) and the annotation
@@ -64,9 +71,10 @@ SCHEDULING_VERSIONS = ("v1beta1", "v1alpha2")
 TEMPLATE = "group"  # the one PodGroupTemplate of a run's Workload
 
 
-def group_size(run: TrainingRun) -> int:
-    """The pods of one attempt's gang: the rollout and every trainer."""
-    return run.spec.trainer.replicas + 1
+def group_size(run: TrainingRun, *, engines: bool = False) -> int:
+    """The pods of one attempt's gang: the rollout and every trainer; with `engines` the engines' serving group:
+    every engine replica."""
+    return run.spec.rollout.engine.replicas if engines else run.spec.trainer.replicas + 1
 
 
 @dataclass(frozen=True)
@@ -80,10 +88,11 @@ class GangProvider:
     group_annotation: str | None = None  # pod annotation naming the group
     kinds: tuple[str, ...] = ("PodGroup",)  # the objects of one attempt, in creation order
 
-    def spec(self, kind: str, run: TrainingRun, group: str) -> dict[str, Any]:
-        """The spec of the attempt's `kind` object named `group`."""
-        spec: dict[str, Any] = {"minMember": group_size(run)}
-        resources = min_resources(run)
+    def spec(self, kind: str, run: TrainingRun, group: str, *, engines: bool = False) -> dict[str, Any]:
+        """The spec of the `kind` object named `group`: the attempt's (rollout + trainers), or with `engines` the
+        engines' serving group."""
+        spec: dict[str, Any] = {"minMember": group_size(run, engines=engines)}
+        resources = engine_min_resources(run) if engines else min_resources(run)
         if resources:
             spec["minResources"] = resources
         return spec
@@ -101,14 +110,14 @@ class GangProvider:
 
 @dataclass(frozen=True)
 class VolcanoProvider(GangProvider):
-    def spec(self, kind: str, run: TrainingRun, group: str) -> dict[str, Any]:
-        spec = super().spec(kind, run, group)
+    def spec(self, kind: str, run: TrainingRun, group: str, *, engines: bool = False) -> dict[str, Any]:
+        spec = super().spec(kind, run, group, engines=engines)
         if run.spec.gang_scheduling.queue:
             spec["queue"] = run.spec.gang_scheduling.queue
         if run.spec.pod_template.priority_class_name:
             spec["priorityClassName"] = run.spec.pod_template.priority_class_name
         policies = []
-        for role in (ROLE_ROLLOUT, ROLE_TRAINER):
+        for role in (ROLE_ROLLOUT, ROLE_TRAINER) if not engines else ():
             topo = getattr(run.spec.placement, role).volcano
             if topo is None:
                 continue
@@ -133,22 +142,22 @@ class KubernetesProvider(GangProvider):
     def version(self) -> str:
         return self.api_version.rpartition("/")[2]
 
-    def _policy(self, run: TrainingRun) -> dict[str, Any]:
+    def _policy(self, run: TrainingRun, engines: bool) -> dict[str, Any]:
         """What the template and the PodGroup both carry: the gang, the priority class, whole-gang disruption."""
-        out: dict[str, Any] = {"schedulingPolicy": {"gang": {"minCount": group_size(run)}},
+        out: dict[str, Any] = {"schedulingPolicy": {"gang": {"minCount": group_size(run, engines=engines)}},
                                # v1beta1: a union {all: {}} | {single: {}}; v1alpha2: "PodGroup" | "Pod"
                                "disruptionMode": {"all": {}} if self.version == "v1beta1" else "PodGroup"}
         if run.spec.pod_template.priority_class_name:
             out["priorityClassName"] = run.spec.pod_template.priority_class_name
         return out
 
-    def spec(self, kind: str, run: TrainingRun, group: str) -> dict[str, Any]:
+    def spec(self, kind: str, run: TrainingRun, group: str, *, engines: bool = False) -> dict[str, Any]:
         if kind == "Workload":
             return {"controllerRef": {"apiGroup": GROUP, "kind": KIND, "name": run.metadata.name},
-                    "podGroupTemplates": [{"name": TEMPLATE, **self._policy(run)}]}
+                    "podGroupTemplates": [{"name": TEMPLATE, **self._policy(run, engines)}]}
         ref = ({"workloadRef": {"workloadName": group, "templateName": TEMPLATE}} if self.version == "v1beta1" else
                {"podGroupTemplateRef": {"workload": {"workloadName": group, "podGroupTemplateName": TEMPLATE}}})
-        return {**ref, **self._policy(run)}
+        return {**ref, **self._policy(run, engines)}
 
     def pod_spec(self, group: str) -> dict[str, Any]:
         return {"schedulingGroup": {"podGroupName": group}}
@@ -200,14 +209,27 @@ def not_served_message(run: TrainingRun) -> str:
 
 def min_resources(run: TrainingRun) -> dict[str, str]:
     """The sum of the requests of the rollout and every trainer pod (requests default to limits, as in a Pod)."""
-    from kubernetes.utils.quantity import parse_quantity  # deferred: kubernetes (the operator only)
-
-    total: dict[str, Decimal] = {}
     t, r = run.spec.trainer, run.spec.rollout
     pods = [({**t.resources.limits, **t.resources.requests}, t.replicas), ({**r.resources.limits,
                                                                            **r.resources.requests}, 1)]
     if t.gpus_per_replica > 0:
         pods[0][0][GPU_RESOURCE] = t.gpus_per_replica
+    return _sum_requests(pods)
+
+
+def engine_min_resources(run: TrainingRun) -> dict[str, str]:
+    """The sum of the requests of the run's engine pods (their GPUs included)."""
+    v = run.spec.rollout.engine.vllm
+    requests = {**v.resources.limits, **v.resources.requests}
+    if v.gpus > 0:
+        requests[GPU_RESOURCE] = v.gpus
+    return _sum_requests([(requests, run.spec.rollout.engine.replicas)])
+
+
+def _sum_requests(pods: list[tuple[dict, int]]) -> dict[str, str]:
+    from kubernetes.utils.quantity import parse_quantity  # deferred: kubernetes (the operator only)
+
+    total: dict[str, Decimal] = {}
     for requests, count in pods:
         for name, quantity in requests.items():
             total[name] = total.get(name, Decimal(0)) + parse_quantity(quantity) * count
@@ -221,12 +243,13 @@ def _quantity(value: Decimal) -> str:
     return f"{int((value * 1000).to_integral_value())}m"
 
 
-def kueue_metadata(run: TrainingRun, group: str) -> tuple[dict[str, str], dict[str, str]]:
-    """(labels, annotations) of Kueue's plain-pod group integration; empty without spec.queueName."""
+def kueue_metadata(run: TrainingRun, group: str, *, engines: bool = False) -> tuple[dict[str, str], dict[str, str]]:
+    """(labels, annotations) of Kueue's plain-pod group integration (the attempt's group, or with `engines` the
+    engines' own); empty without spec.queueName."""
     if not run.spec.queue_name:
         return {}, {}
     return ({KUEUE_QUEUE_LABEL: run.spec.queue_name, KUEUE_GROUP_LABEL: group},
-            {KUEUE_TOTAL_ANNOTATION: str(group_size(run))})
+            {KUEUE_TOTAL_ANNOTATION: str(group_size(run, engines=engines))})
 
 
 def placement_metadata(run: TrainingRun, role: str, rank: int | None) -> tuple[dict[str, str], dict[str, str]]:

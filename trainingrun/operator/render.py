@@ -14,9 +14,13 @@ Children of a run `R` in namespace `NS`:
   Pod+Svc    R-store            Redis, only with `store.managed: true` (or no store configured)
   PodGroup   R-a<k>             only with `gangScheduling.enabled` (`trainingrun.operator.gang`), per attempt; with
                                 provider kubernetes a Workload R-a<k> first
-  CM+Pod+Svc R-engine           the run's own vLLM server, only with `rollout.engine.type: vllm` and no `engine.url`
-                                (`trainingrun.vllm.k8s`); like the store it outlives attempts; restartPolicy Never:
-                                the operator replaces a failed engine pod (R-engine-r<g>, the failure policy)
+  CM+Svc     R-engine           the run's own vLLM servers, only with `rollout.engine.type: vllm` and no `engine.url`
+  Pod        R-engine-<i>       (`trainingrun.vllm.k8s`): the worker extension's ConfigMap, a headless Service (pod i is
+                                engine-<i>.R-engine.NS.svc) and one pod per `rollout.engine.replicas`; like the store
+                                they outlive attempts. In Kueue's accounting (the run's queue, pod group R-engine) and,
+                                with gang scheduling, in a serving group R-engine of their own (`gang`). restartPolicy
+                                Never: the operator replaces a failed engine pod alone (R-engine-<i>-r<g>, the failure
+                                policy)
 Pod names carry the attempt so a restarted group never collides with pods of the previous attempt still terminating;
 every pod's TRAININGRUN_ATTEMPT is its attempt, which the store and checkpoints use to refuse an older attempt's
 writes. A rollout or engine pod restarted alone carries its generation in its name, its label
@@ -85,7 +89,8 @@ def plan_for(run: TrainingRun, namespace: str, attempt: int) -> RunPlan:
         master_port=DEFAULT_MASTER_PORT,
         attempt=attempt,
         epoch=run_epoch(run),
-        extra_env={ENGINE_URL_ENV: engine_k8s.engine_url(Names(run.metadata.name).engine, namespace)}
+        extra_env={ENGINE_URL_ENV: engine_k8s.engine_url(Names(run.metadata.name).engine, namespace,
+                                                          run.spec.rollout.engine.replicas)}
         if engine_is_managed(run) else None,
     )
 
@@ -334,28 +339,38 @@ def render_engine_config_map(run: TrainingRun, owner: Owner) -> dict[str, Any]:
     }
 
 
-def render_engine_pod(run: TrainingRun, owner: Owner, replica: int = 0, generation: int = 0) -> dict[str, Any]:
+def render_engine_pod(run: TrainingRun, owner: Owner, replica: int = 0, generation: int = 0,
+                      gang_version: str | None = None) -> dict[str, Any]:
     """The run's vLLM server `replica` in its `generation`: restartPolicy Never (the operator replaces a failed one:
     the failure policy, its budget in the run's status), the run's podTemplate volumes (model.hf and weightSync.path
-    live there)."""
+    live there), hostname engine-<i> under the headless Service (the same in every generation), in the engines'
+    Kueue pod group and serving gang group."""
     names = Names(owner.name)
-    labels = {**base_labels(owner.name), LABEL_ROLE: ROLE_ENGINE}
-    pod_labels = {**labels, LABEL_REPLICA: str(replica), LABEL_ROLE_ATTEMPT: str(generation)}
     t = run.spec.pod_template
+    labels = {**t.labels, **base_labels(owner.name), LABEL_ROLE: ROLE_ENGINE, LABEL_REPLICA: str(replica),
+              LABEL_ROLE_ATTEMPT: str(generation)}
+    annotations = dict(t.annotations)
+    provider = gang.provider(run, gang_version)
+    for extra_labels, extra_annotations in (
+        provider.pod_metadata(names.engine) if provider is not None else ({}, {}),
+        gang.kueue_metadata(run, names.engine, engines=True),
+    ):
+        labels.update(extra_labels)
+        annotations.update(extra_annotations)
     v = run.spec.rollout.engine.vllm
-    common = _pod_spec_common(run)
-    common.pop("schedulerName", None)  # a service of the run, not part of the attempt's gang
     container = engine_k8s.engine_container(run.spec, volume_mounts=list(t.volume_mounts),
                                             resources=_resources(v.resources.requests, v.resources.limits, v.gpus))
     container["securityContext"] = _container_security()
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": _meta(names.engine_pod(replica, generation), owner, {**t.labels, **pod_labels},
-                          dict(t.annotations) or None),
+        "metadata": _meta(names.engine_pod(replica, generation), owner, labels, annotations or None),
         "spec": {
-            **common,
+            **_pod_spec_common(run, gang_version),
+            **(provider.pod_spec(names.engine) if provider is not None else {}),
             "restartPolicy": "Never",
+            "hostname": Names.engine_hostname(replica),
+            "subdomain": names.engine,
             "containers": [container],
             "volumes": [engine_k8s.extension_volume(names.engine), *t.volumes],
         },
@@ -363,23 +378,42 @@ def render_engine_pod(run: TrainingRun, owner: Owner, replica: int = 0, generati
 
 
 def render_engine_service(run: TrainingRun, owner: Owner) -> dict[str, Any]:
-    """The run's vLLM server's Service (the rollout's TRAININGRUN_ENGINE_URL)."""
+    """The engines' headless Service: a stable name per replica (engine-<i>.R-engine.NS.svc), ready pods only."""
     labels = {**base_labels(owner.name), LABEL_ROLE: ROLE_ENGINE}
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _meta(Names(owner.name).engine, owner, labels),
-        "spec": {"selector": labels, "ports": [{"name": "http", "port": engine_k8s.ENGINE_PORT,
-                                                 "targetPort": engine_k8s.ENGINE_PORT}]},
+        "spec": {"clusterIP": "None", "selector": labels,
+                 "ports": [{"name": "http", "port": engine_k8s.ENGINE_PORT, "targetPort": engine_k8s.ENGINE_PORT}]},
+    }
+
+
+def render_engine_gang(run: TrainingRun, owner: Owner, kind: str, gang_version: str | None = None) -> dict[str, Any]:
+    """The engines' serving `kind` object of the run's gang provider (a PodGroup; with provider kubernetes also a
+    Workload), named R-engine: every replica or none, for the run's whole life."""
+    provider = gang.provider(run, gang_version)
+    assert provider is not None, "an engine gang object without gang scheduling"
+    assert kind in provider.kinds, f"{provider.name} creates {provider.kinds}, not {kind}"
+    name = Names(owner.name).engine
+    return {
+        "apiVersion": provider.api_version,
+        "kind": kind,
+        "metadata": _meta(name, owner, {**base_labels(owner.name), LABEL_ROLE: ROLE_ENGINE}),
+        "spec": provider.spec(kind, run, name, engines=True),
     }
 
 
 def render_engine(run: TrainingRun, owner: Owner) -> list[dict[str, Any]]:
-    """The run's vLLM server (`trainingrun.vllm.k8s`): its worker-extension ConfigMap, Pod and Service; [] when not
-    managed."""
+    """The run's vLLM servers (`trainingrun.vllm.k8s`): their worker-extension ConfigMap, headless Service, serving
+    PodGroup (gang scheduling) and one Pod per replica; [] when not managed."""
     if not engine_is_managed(run):
         return []
-    return [render_engine_config_map(run, owner), render_engine_pod(run, owner), render_engine_service(run, owner)]
+    out = [render_engine_config_map(run, owner), render_engine_service(run, owner)]
+    provider = gang.provider(run)
+    if provider is not None:
+        out += [render_engine_gang(run, owner, kind) for kind in provider.kinds]
+    return out + [render_engine_pod(run, owner, i) for i in range(run.spec.rollout.engine.replicas)]
 
 
 def render_gang(run: TrainingRun, owner: Owner, kind: str, attempt: int,
@@ -425,6 +459,10 @@ def _process_pod(t: Target) -> dict[str, Any]:
     return render_process_pod(t.run, t.owner, process, t.attempt, t.child.generation, t.gang_version)
 
 
+def _engine_gang(t: Target) -> dict[str, Any]:
+    return render_engine_gang(t.run, t.owner, t.child.kind, t.gang_version)
+
+
 def _gang(t: Target) -> dict[str, Any]:
     obj = render_gang(t.run, t.owner, t.child.kind, t.attempt, t.gang_version)
     assert obj is not None, f"a {t.child.kind} child without gang scheduling"
@@ -439,7 +477,10 @@ RENDERERS: dict[tuple[str, str | None], Callable[[Target], dict[str, Any]]] = {
     ("Pod", ROLE_STORE): lambda t: render_store_pod(t.run, t.owner, t.redis_image),
     ("ConfigMap", ROLE_ENGINE): lambda t: render_engine_config_map(t.run, t.owner),
     ("Service", ROLE_ENGINE): lambda t: render_engine_service(t.run, t.owner),
-    ("Pod", ROLE_ENGINE): lambda t: render_engine_pod(t.run, t.owner, t.child.rank or 0, t.child.generation),
+    ("Pod", ROLE_ENGINE): lambda t: render_engine_pod(t.run, t.owner, t.child.rank or 0, t.child.generation,
+                                                      t.gang_version),
+    ("PodGroup", ROLE_ENGINE): _engine_gang,
+    ("Workload", ROLE_ENGINE): _engine_gang,
     ("PodGroup", None): _gang,
     ("Workload", None): _gang,
     ("Pod", ROLE_ROLLOUT): _process_pod,

@@ -5,7 +5,8 @@ resets a budget).
 
 An entry: {"role", "replica", "restarts" (counted against failurePolicy.roles.<role>), "uncounted" (disruptions,
 Ignore rules, an engine replaced with a group restart), "lastFailure", "lastRestartTime", "backoffSeconds",
-"replacing" (the replacement pod of the current generation was not seen yet)}. A replica's *generation* is
+"replacing" (the replacement pod of the current generation was not seen yet), "down" (an engine replica that
+left the pool: it failed with the engine role's budget spent while other replicas served; never replaced again)}. A replica's *generation* is
 restarts + uncounted: its current pod carries it (name suffix -r<g>, label trainingrun.dev/role-attempt), so pods of
 an older generation are told apart (kept when finished, for their logs; deleted when still live).
 """
@@ -29,6 +30,14 @@ class RoleLedger:
     def entry(self, role: str, replica: int = 0) -> dict[str, Any] | None:
         return next((e for e in self.entries if e.get("role") == role and int(e.get("replica", 0)) == replica), None)
 
+    def _entry_or_new(self, role: str, replica: int) -> dict[str, Any]:
+        e = self.entry(role, replica)
+        if e is None:
+            e = {"role": role, "replica": replica, "restarts": 0, "uncounted": 0}
+            self.entries.append(e)
+            self.entries.sort(key=lambda x: (x["role"], int(x.get("replica", 0))))
+        return e
+
     def generation(self, role: str, replica: int = 0) -> int:
         """The replica's current generation: 0 until it restarts alone, one more per restart."""
         e = self.entry(role, replica)
@@ -48,15 +57,21 @@ class RoleLedger:
     def restart(self, role: str, replica: int, *, counted: bool, failure: str, now: str, backoff: float) -> int:
         """Record a restart of `replica` alone (decided at `now`, RFC 3339, waiting `backoff` seconds); the new
         generation."""
-        e = self.entry(role, replica)
-        if e is None:
-            e = {"role": role, "replica": replica, "restarts": 0, "uncounted": 0}
-            self.entries.append(e)
-            self.entries.sort(key=lambda x: (x["role"], int(x.get("replica", 0))))
+        e = self._entry_or_new(role, replica)
         e["restarts" if counted else "uncounted"] = int(e.get("restarts" if counted else "uncounted", 0)) + 1
         e.update(lastFailure=failure[:MESSAGE_MAX_LENGTH], lastRestartTime=now,
                  backoffSeconds=int(math.ceil(max(backoff, 0.0))), replacing=True)
         return self.generation(role, replica)
+
+    def down(self, role: str, replica: int = 0) -> bool:
+        """The replica left the pool (an engine that failed with its role's budget spent)."""
+        e = self.entry(role, replica)
+        return bool(e and e.get("down"))
+
+    def leave_pool(self, role: str, replica: int, *, failure: str, now: str) -> None:
+        """Record that `replica` left the pool for good (not replaced again)."""
+        e = self._entry_or_new(role, replica)
+        e.update(lastFailure=failure[:MESSAGE_MAX_LENGTH], lastRestartTime=now, replacing=False, down=True)
 
     def seen(self, role: str, replica: int = 0) -> None:
         """The replacement pod of the current generation exists."""

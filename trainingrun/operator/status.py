@@ -25,7 +25,9 @@ deleted rollout and trainer pods, then each failed engine replica on its own, an
 attempt, after the backoff; counted in status.restarts, or in status.disruptions when it uses no restart),
 RestartRole (only the rollout, or only the failed engine replica, is replaced by a pod of the next generation, after
 the role's backoff and once its predecessor is gone; counted in status.roleRestarts: `trainingrun.operator.roles`),
-FailRun. Changing spec.trainer.replicas restarts the group at the new size from the last checkpoint (reason
+FailRun. An engine replica of a pool (spec.rollout.engine.replicas > 1) whose failure finds the engine role's budget
+spent leaves the pool instead (roleRestarts marks it down; never replaced) while another replica serves; only an
+empty pool fails the run, naming every engine pod (`_leave_pool`). Changing spec.trainer.replicas restarts the group at the new size from the last checkpoint (reason
 Resized; not counted either).
 
 Conditions follow the Kubernetes conventions: one per type with observedGeneration, reason, message (cut to fit the
@@ -256,7 +258,7 @@ def _terminal(ctx: _Ctx) -> None:
     if ctx.st["phase"] == "Succeeded":
         _read_progress(ctx, succeeded=True)
     ctx.d.delete_pods = [p.name for p in _live(ctx.obs.pods)]
-    _delete_podgroups(ctx, keep=None)
+    _delete_podgroups(ctx, keep=None, engines=True)
     ttl = ctx.spec.ttl_seconds_after_finished
     done = parse_time(ctx.st.get("completionTime"))
     if ttl is None or done is None:
@@ -445,7 +447,9 @@ def _engines_exit(ctx: _Ctx) -> bool:
     ledger = ctx.ledger
     for replica in range(engine_replicas(ctx.run)):
         p = engines.get(replica)
-        if p is not None:
+        if ledger.down(ROLE_ENGINE, replica):
+            failure = None  # out of the pool
+        elif p is not None:
             failure = _failure_of(ctx, p)
         elif ctx.st["phase"] == "Running" and not ledger.replacing(ROLE_ENGINE, replica):
             name = ctx.names.engine_pod(replica, ledger.generation(ROLE_ENGINE, replica))
@@ -454,8 +458,42 @@ def _engines_exit(ctx: _Ctx) -> bool:
                                      description=f"pod {name} was deleted while the run was running")
         else:
             failure = None
-        if failure is not None and _act_on(ctx, failure, ctx.policy.decide(failure, ledger.counts(ctx.st["restarts"]))):
+        if failure is None:
+            continue
+        verdict = ctx.policy.decide(failure, ledger.counts(ctx.st["restarts"]))
+        if verdict.reason == "BackoffLimitExceeded" and engine_replicas(ctx.run) > 1:
+            if _leave_pool(ctx, failure, verdict):
+                continue
+            return True  # no engine left: the run failed
+        if _act_on(ctx, failure, verdict):
             return True
+    return False
+
+
+def _pool_size(ctx: _Ctx) -> int:
+    """The engine replicas still in the pool (not out of it for a spent budget)."""
+    return sum(1 for r in range(engine_replicas(ctx.run)) if not ctx.ledger.down(ROLE_ENGINE, r))
+
+
+def _leave_pool(ctx: _Ctx, failure: policy.Failure, verdict: policy.Verdict) -> bool:
+    """An engine replica that failed with the engine role's budget spent leaves the pool (status.roleRestarts marks
+    it `down`; it is not replaced again) while another replica serves: the rollout sends its prompts to the others.
+    False when it was the last one: the run fails, naming every engine pod of the pool and its last failure."""
+    ledger = ctx.ledger
+    replica = failure.rank or 0
+    ledger.leave_pool(ROLE_ENGINE, replica, failure=failure.description, now=ctx.now_s)
+    replicas = engine_replicas(ctx.run)
+    left = [r for r in range(replicas) if not ledger.down(ROLE_ENGINE, r)]
+    if left:
+        message = (f"{failure.description}; {verdict.why}: engine replica {replica} (pod {failure.name}) leaves the "
+                   f"pool; {len(left)} of {replicas} engine(s) left: "
+                   + ", ".join(ctx.names.engine_pod(r, ledger.generation(ROLE_ENGINE, r)) for r in left))
+        ctx.st["message"] = bounded(message)
+        ctx.d.events.append(("Warning", "EngineDown", bounded(message, EVENT_MESSAGE_MAX)))
+        return True
+    why = "; ".join(f"pod {ctx.names.engine_pod(r, ledger.generation(ROLE_ENGINE, r))}: "
+                    f"{(ledger.entry(ROLE_ENGINE, r) or {}).get('lastFailure') or 'down'}" for r in range(replicas))
+    ctx.fail("BackoffLimitExceeded", f"no engine of the pool is left ({verdict.why}): {why}")
     return False
 
 
@@ -505,8 +543,9 @@ def _roles_ready(ctx: _Ctx) -> None:
     reason, message = _not_whole(ctx)
     if reason is None:
         if (ctx.condition("PodsReady") or {}).get("status") != "True":
+            engines = _pool_size(ctx)
             message = f"attempt {ctx.attempt}: rollout, {ctx.spec.trainer.replicas} trainer(s)" + (
-                f" and {engine_replicas(ctx.run)} engine(s)" if engine_replicas(ctx.run) else "") + " running again"
+                f" and {engines} engine(s)" if engines else "") + " running again"
             ctx.pods_ready(True, "PodsRunning", message)
             ctx.st["message"] = message
         return
@@ -525,6 +564,8 @@ def _not_whole(ctx: _Ctx) -> tuple[str | None, str]:
     engines = ctx.engines()
     for replica in range(engine_replicas(ctx.run)):
         p = engines.get(replica)
+        if ledger.down(ROLE_ENGINE, replica):
+            continue  # out of the pool: the others serve
         if p is None or not p.ready:
             name = ctx.names.engine_pod(replica, ledger.generation(ROLE_ENGINE, replica))
             why = "" if p is None else f" ({p.waiting or 'phase ' + p.phase + ', not ready'})"
@@ -654,9 +695,13 @@ def _delete_stale(ctx: _Ctx) -> None:
     _delete_podgroups(ctx, keep=ctx.names.podgroup(ctx.attempt))
 
 
-def _delete_podgroups(ctx: _Ctx, keep: str | None) -> None:
+def _delete_podgroups(ctx: _Ctx, keep: str | None, *, engines: bool = False) -> None:
+    """Delete the gang objects of other attempts than `keep` (None: every attempt's); the engines' serving group
+    (R-engine) too only with `engines` (the run ended: the engines outlive attempts and a suspension)."""
     for key in sorted(ctx.obs.children):
         kind, _, name = key.partition("/")
+        if name == ctx.names.engine and not engines:
+            continue
         if kind in ("PodGroup", "Workload") and name != keep:
             ctx.d.delete.append(Child(kind, name))
 
@@ -676,6 +721,8 @@ def _ensure_children(ctx: _Ctx, *, pods: bool) -> None:
     ledger = ctx.ledger
     engines = ctx.engines()
     for replica in range(engine_replicas(run)):
+        if ledger.down(ROLE_ENGINE, replica):
+            continue  # out of the pool: never replaced again
         child = engine_child(run, replica, ledger.generation(ROLE_ENGINE, replica))
         _ensure_pod(ctx, child, engines.get(replica), ROLE_ENGINE, replica)
     current = ctx.current()
@@ -745,7 +792,7 @@ def _pods_ready(ctx: _Ctx) -> None:
     group_up = len(current) == len(expected) and all(p.phase in ("Running", "Succeeded") for p in current.values())
     engine_reason, engine_message = _not_whole(ctx) if group_up else (None, "")
     if group_up and engine_reason is None:
-        engines = engine_replicas(ctx.run)
+        engines = _pool_size(ctx)
         message = (f"attempt {ctx.attempt}: rollout and {ctx.spec.trainer.replicas} trainer(s) running"
                    + (f", {engines} engine(s) ready" if engines else ""))
         ctx.phase_to("Running", "PodsRunning", message, condition="Running", event=("Normal", "Running"))

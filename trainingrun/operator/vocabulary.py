@@ -3,9 +3,11 @@ values derived from a run that several modules need (its store URL, its epoch, t
 I/O; `status` decides with it, `render` renders with it, `checks` checks with it, `handlers` acts with it.
 
   Owner          the TrainingRun that owns the children (the ownerReference every child carries)
-  Names          the children's names: R-config, R-trainers, R-store, R-engine, R-a<k> (PodGroup, Workload), pods
-                 R-rollout-a<k> and R-trainer-<i>-a<k>, trainer hostnames trainer-<i>-a<k>; a rollout or engine pod
-                 restarted alone carries its generation: R-rollout-a<k>-r<g>, R-engine-r<g> (R-engine-<i>-r<g>)
+  Names          the children's names: R-config, R-trainers, R-store, R-engine (the engines' ConfigMap, headless
+                 Service and serving gang objects), R-a<k> (PodGroup, Workload), pods R-rollout-a<k>,
+                 R-trainer-<i>-a<k> and R-engine-<i> (engine replica i), trainer hostnames trainer-<i>-a<k>, engine
+                 hostnames engine-<i>; a rollout or engine pod restarted alone carries its generation:
+                 R-rollout-a<k>-r<g>, R-engine-<i>-r<g>
   Child          one child by kind, name and role (the role label of the object: config, trainer, store, engine,
                  rollout; a PodGroup has none), rank (trainer pods; an engine's replica) and generation
   base_children  what an attempt's pods need before they are created, in creation order
@@ -32,6 +34,7 @@ from trainingrun.api.models import TrainingRun
 from trainingrun.api.yamlcodec import dump_yaml
 from trainingrun.operator import gang
 from trainingrun.operator.observe import parse_time
+from trainingrun.vllm import k8s as engine_k8s
 
 STORE_PORT = 6379
 CONFIG_VOLUME = "config"  # pod volume of the run's ConfigMap (reserved: podTemplate.volumes may not use it)
@@ -77,15 +80,16 @@ class Names:
 
     @property
     def engine(self) -> str:
+        """The engines' ConfigMap, headless Service and serving gang objects."""
         return f"{self.run}-engine"
 
     def podgroup(self, attempt: int) -> str:
         return f"{self.run}-a{attempt}"
 
     def is_podgroup(self, name: str) -> bool:
-        """Whether `name` is one of this run's PodGroups (of any attempt)."""
+        """Whether `name` is one of this run's gang objects (of any attempt, or the engines' serving group)."""
         prefix = f"{self.run}-a"
-        return name.startswith(prefix) and name[len(prefix):].isdigit()
+        return name == self.engine or (name.startswith(prefix) and name[len(prefix):].isdigit())
 
     def pod(self, role: str, rank: int | None, attempt: int, generation: int = 0) -> str:
         """A rollout or trainer pod of attempt `attempt`; a rollout restarted alone gets `-r<generation>`."""
@@ -93,10 +97,16 @@ class Names:
         return base if generation == 0 else f"{base}-r{generation}"
 
     def engine_pod(self, replica: int, generation: int = 0) -> str:
-        """Engine replica `replica` (R-engine for replica 0, R-engine-<i> for the others), `-r<generation>` once it
-        was restarted alone (a replacement never waits for its predecessor's name)."""
-        base = self.engine if replica == 0 else f"{self.engine}-{replica}"
+        """Engine replica `replica`: R-engine-<i> (as the local launcher's engine-<i>), `-r<generation>` once it was
+        restarted alone (a replacement never waits for its predecessor's name)."""
+        base = f"{self.engine}-{replica}"
         return base if generation == 0 else f"{base}-r{generation}"
+
+    @staticmethod
+    def engine_hostname(replica: int) -> str:
+        """Engine replica i's hostname under the headless Service: engine-<i>.R-engine.NS.svc, the same in every
+        generation (the rollout's URL of it never changes)."""
+        return engine_k8s.replica_hostname(replica)
 
     @staticmethod
     def hostname(rank: int, attempt: int) -> str:
@@ -142,18 +152,19 @@ def base_children(run: TrainingRun, attempt: int) -> list[Child]:
     out = [Child("ConfigMap", names.config, role=ROLE_CONFIG), Child("Service", names.service, role=ROLE_TRAINER)]
     if store_is_managed(run):
         out += [Child("Service", names.store, role=ROLE_STORE), Child("Pod", names.store, role=ROLE_STORE)]
+    provider = gang.provider(run)
     if engine_is_managed(run):
         out += [Child("ConfigMap", names.engine, role=ROLE_ENGINE), Child("Service", names.engine, role=ROLE_ENGINE)]
-    provider = gang.provider(run)
+        if provider is not None:  # the engines' own (serving) group: they outlive attempts
+            out += [Child(kind, names.engine, role=ROLE_ENGINE) for kind in provider.kinds]
     if provider is not None:
         out += [Child(kind, names.podgroup(attempt)) for kind in provider.kinds]
     return out
 
 
 def engine_replicas(run: TrainingRun) -> int:
-    """How many engine pods the operator runs for the run (0: none; the engine pool makes it
-    spec.rollout.engine.replicas)."""
-    return 1 if engine_is_managed(run) else 0
+    """How many engine pods the operator runs for the run: spec.rollout.engine.replicas (0 when it runs none)."""
+    return run.spec.rollout.engine.replicas if engine_is_managed(run) else 0
 
 
 def engine_child(run: TrainingRun, replica: int, generation: int) -> Child:

@@ -17,6 +17,21 @@ to do.
 Pinning the version to exactly k − maxPolicyLag (not "the newest available") makes a run a function of its spec:
 the same seed gives the same rollouts whatever the timing, so DP invariance and restarts are exact, and the lag the
 trainers record is exactly maxPolicyLag once k ≥ maxPolicyLag. Sampling is seeded by (seed, source index).
+
+Over-sampling and partial rollouts (`rollout.overSampling`, `rollout.partialRollout`; the prompt stream:
+`rollout/stream.py`). A source rollout asks for P + ceil(overSampling · P) groups — cut groups carried from the last
+one first, then prompts an abort gave back, then fresh ones — through the engine's grouped generation
+(`contract.engine.GroupedEngine`). Each group is scored and filtered as soon as its samples finished; once P groups
+passed the filters the engine aborts what is still running. Every finished group is kept (a few more than P may
+finish during the abort); an aborted group's prompt goes back to the front of the stream (its tokens dropped), or,
+with partial rollouts, the group is carried with its cut completions and continued in the next source rollout under
+the weights of then. With partial rollouts the source generates with the newest published version (at least
+k − maxPolicyLag, the bound), every token records its weight version (`SampleGroup.token_versions`), and a carried
+group whose oldest token is older than the bound is dropped (its prompt generated afresh; `rollout.staleTokens:
+drop`, counted) or continued with its old tokens masked out of the loss at publish (`mask`). Which requests finish
+first depends on timing, so a run with over-sampling is not a function of its spec alone; a restarted rollout still
+continues exactly, from its saved state (the stream and the staged groups). Request seeds are a function of the
+run's seed and the prompt's position (`request_seed`).
 """
 
 from __future__ import annotations
@@ -29,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from trainingrun.contract.engine import Engine, Sampling
+from trainingrun.contract.engine import Completion, Engine, GroupedEngine, GroupRequest, Sampling
 from trainingrun.contract.env import ENGINE_URL_ENV, ProcessEnv
 from trainingrun.contract.errors import ConfigError
 from trainingrun.contract.published import EpisodeCounts
@@ -38,9 +53,9 @@ from trainingrun.rollout.episodes import EpisodeRunner, build_group, counts, cut
 from trainingrun.rollout.groups import SampleGroup
 from trainingrun.rollout.prompts import Prompt, load_tokenizer, make_prompts
 from trainingrun.rollout.rewards import RewardConfig, RewardScorer
+from trainingrun.rollout.stream import PartialGroup, PromptStream, extra_prompts, is_cut
 from trainingrun.rollout.synthetic import EOS
-from trainingrun.vllm.client import VLLMClient
-from trainingrun.vllm.engine import VLLMEngine
+from trainingrun.vllm.engine import VLLMEngine, make_clients
 
 WAIT_REPORT_SECONDS = 30.0
 
@@ -59,6 +74,13 @@ class GenerateStats:
     score_seconds: float = 0.0
     reward_failed: dict[str, int] = field(default_factory=dict)
     failure_messages: list[str] = field(default_factory=list)
+    # over-sampling / partial rollouts
+    requests: int = 0  # groups asked for
+    groups_aborted: int = 0  # asked for, not finished (their prompts went back, or cut and carried)
+    partials_carried: int = 0  # cut groups carried into the next source rollout
+    partials_continued: int = 0  # carried cut groups continued in this one
+    partials_dropped: int = 0  # carried cut groups dropped: older than the staleness bound (staleTokens drop)
+    sync_seconds: dict[str, float] = field(default_factory=dict)  # each engine's last weight load
     episodes: EpisodeCounts | None = None  # with an environment
 
 
@@ -88,12 +110,21 @@ def make_vllm_engine(spec, store, *, say: Callable[[str], None] | None = None) -
     set by the launcher or the operator). Weight versions are found through the store's weight meta (disk path or
     broadcast address, written by the trainers' publisher)."""
     e = spec.rollout.engine
-    url = e.url or ProcessEnv.from_environ().engine_url
-    if not url:
+    urls = e.urls or [u for u in (ProcessEnv.from_environ().engine_url or "").split(",") if u]
+    if not urls:
         raise ConfigError(f"rollout.engine.type: vllm without rollout.engine.url needs the run's own server (the "
                           f"launcher or operator sets ${ENGINE_URL_ENV}); set rollout.engine.url")
-    return VLLMEngine(VLLMClient(url), fetch=lambda version: store.read_weights(version)[1],
-                      concurrency=e.vllm.concurrency, say=say)
+    v = e.vllm
+    deadline = spec.failure_policy.progress_deadline_seconds
+    # a load never outlives the progress deadline: the rollout says which engine failed before the run is declared hung
+    load_timeout = float(min(v.load_timeout_seconds, deadline / 2) if deadline else v.load_timeout_seconds)
+    return VLLMEngine(make_clients(urls), fetch=lambda version: store.read_weights(version)[1],
+                      concurrency=v.concurrency, stall_seconds=v.stall_seconds, load_timeout=load_timeout, say=say)
+
+
+def request_seed(seed: int, position: int) -> int:
+    """The sampling seed of the prompt at stream position `position` (never of the engine that serves it)."""
+    return int(np.random.SeedSequence([seed, position, 0x5B]).generate_state(1)[0])
 
 
 def required_version(rollout: int, max_policy_lag: int) -> int:
@@ -147,48 +178,145 @@ class GenerateSource:
         self.stats = GenerateStats()
         self._pending: dict[int, tuple[Prompt, list[Any]]] = {}  # group id -> (prompt, responses) until scored
         self._index = -1
+        # over-sampling / partial rollouts (module docstring)
+        r = spec.rollout
+        self.streaming = r.over_sampling > 0 or r.partial_rollout
+        self.extra = extra_prompts(self.prompts_per_rollout, r.over_sampling)
+        self.partial = r.partial_rollout
+        self.stale_tokens = r.stale_tokens
+        self.stream = PromptStream()  # the loop sets it from its resume state
+        self.keeps: Callable[[SampleGroup], bool] = lambda g: True  # the loop's filters (set by the loop)
+        self._blocks: dict[int, list[Prompt]] = {}
+        self._length = None if not isinstance(getattr(self.prompts, "lines", None), list) else len(self.prompts.lines)
+        if self.streaming and not isinstance(self.engine, GroupedEngine):
+            raise ConfigError(f"rollout.overSampling / partialRollout: the {self.engine.name} engine cannot abort "
+                              "requests")
 
     # ---- stages
-    def draw(self, index: int) -> list[Prompt] | None:
+    def draw(self, index: int) -> list[Prompt] | StreamDraw | None:
         self._index = index
-        return self.prompts.draw(index, self.prompts_per_rollout)
+        if not self.streaming:
+            return self.prompts.draw(index, self.prompts_per_rollout)
+        partials, positions = self.stream.take(self.prompts_per_rollout + self.extra, end=self._length)
+        if not partials and not positions:
+            return None
+        return StreamDraw(partials=[(p, self.prompt_at(p.position)) for p in partials],
+                          prompts=[(pos, self.prompt_at(pos)) for pos in positions])
 
-    def generate(self, prompts: list[Prompt], rollout: int) -> list[SampleGroup]:
+    def prompt_at(self, position: int) -> Prompt:
+        """The prompt at stream position `position` (block position // P of the prompt source)."""
+        block, offset = divmod(position, self.prompts_per_rollout)
+        if block not in self._blocks:
+            if len(self._blocks) > 64:
+                self._blocks.clear()
+            self._blocks[block] = self.prompts.draw(block, self.prompts_per_rollout) or []
+        return self._blocks[block][offset]
+
+    def generate(self, prompts: list[Prompt] | StreamDraw, rollout: int) -> list[SampleGroup]:
+        if isinstance(prompts, StreamDraw):
+            return self.generate_stream(prompts, rollout)
         version = required_version(rollout, self.lag)
         self.stats = GenerateStats(weight_version=version, prompts=len(prompts))
         self.ensure_weights(version)
         seed = int(np.random.SeedSequence([self.spec.seed, self._index, 0x5A]).generate_state(1)[0])
-        sampling = Sampling(temperature=self.sampling.temperature, top_p=self.sampling.top_p,
-                            max_new_tokens=self.sampling.max_new_tokens, stop_token_ids=self.stop_ids, seed=seed)
+        sampling = self._sampling(seed)
         if self.episodes is not None:
             return self._run_episodes(prompts, version, sampling)
         t0 = time.perf_counter()
         completions = self.engine.generate([p.tokens.tolist() for p in prompts], self.group_size, sampling)
         self.stats.generate_seconds = time.perf_counter() - t0
-        groups = []
-        n = self.group_size
-        for j, (prompt, comps) in enumerate(zip(prompts, completions)):
-            gid = self._index * self.prompts_per_rollout + j
-            toks, masks, logps, responses, routed = [], [], [], [], []
-            for c in comps:
-                ctoks, clogp = self._cut_at_stop(c.tokens, c.logprobs)
-                plen = len(prompt.tokens)
-                toks.append(np.concatenate([prompt.tokens, ctoks]).astype(np.int32))
-                if c.routed_experts is not None:  # the sample's tokens' experts (prompt + kept completion)
-                    routed.append(np.ascontiguousarray(c.routed_experts[:plen + len(ctoks)], dtype=np.int16))
-                mask = np.zeros(plen + len(ctoks), np.uint8)
-                mask[plen:] = 1
-                masks.append(mask)
-                logps.append(np.concatenate([np.zeros(plen, np.float32), clogp]).astype(np.float32))
-                responses.append(self._response(ctoks, prompt))
-                self.stats.generated_tokens += len(ctoks)
-            groups.append(SampleGroup(group_id=gid, tokens=toks, loss_masks=masks, rewards=np.zeros(n, np.float32),
-                                      sample_ids=np.arange(gid * n, (gid + 1) * n, dtype=np.int64), logprobs=logps,
-                                      versions=np.full(n, version, np.int64),
-                                      routed_experts=routed if len(routed) == n else None))
-            self._pending[gid] = (prompt, responses)
-        self.stats.samples = n * len(prompts)
+        groups = [self.build_group(self._index * self.prompts_per_rollout + j, prompt, comps, version)
+                  for j, (prompt, comps) in enumerate(zip(prompts, completions))]
+        self.stats.samples = self.group_size * len(prompts)
         return groups
+
+    def generate_stream(self, draw: StreamDraw, rollout: int) -> list[SampleGroup]:
+        """Over-sampling with abort, partial rollouts (module docstring)."""
+        bound = required_version(rollout, self.lag)
+        self.stats = GenerateStats(weight_version=bound, prompts=len(draw.prompts) + len(draw.partials))
+        version = self.ensure_weights(bound, newest=self.partial)
+        self.stats.weight_version = version
+        back: list[int] = []
+        entries: list[tuple[int, Prompt, PartialGroup | None]] = []
+        for pg, prompt in draw.partials:
+            if pg.oldest_version < bound and self.stale_tokens == "drop":
+                self.stats.partials_dropped += 1
+                back.append(pg.position)  # generated afresh (next source rollout)
+                continue
+            entries.append((pg.position, prompt, pg))
+        entries += [(pos, prompt, None) for pos, prompt in draw.prompts]
+        self.stats.partials_continued = sum(1 for _, _, pg in entries if pg is not None)
+        requests = [GroupRequest(prompt=p.tokens.tolist(), n=self.group_size, seed=request_seed(self.spec.seed, pos),
+                                 prefixes=tuple(pg.completions) if pg is not None else ())
+                    for pos, p, pg in entries]
+        self.stats.requests = len(requests)
+        built: dict[int, SampleGroup] = {}
+        accepted = 0
+
+        def on_group(i: int, comps: list[Completion]) -> bool:
+            nonlocal accepted
+            pos, prompt, _ = entries[i]
+            g = built[i] = self.build_group(pos, prompt, comps, version)
+            self.score([g])
+            accepted += bool(self.keeps(g))
+            return self.extra > 0 and accepted >= self.prompts_per_rollout
+
+        # the call's seed (the in-process engine seeds one generator per call); requests carry their own
+        sampling = self._sampling(int(np.random.SeedSequence([self.spec.seed, self._index, 0x5C]).generate_state(1)[0]))
+        t0 = time.perf_counter()
+        results = self.engine.generate_groups(requests, sampling, on_group=on_group)
+        self.stats.generate_seconds = time.perf_counter() - t0
+        groups, cut = [], []
+        for i, ((pos, prompt, pg), comps) in enumerate(zip(entries, results)):
+            if not is_cut(comps):
+                groups.append(built[i] if i in built else self.build_group(pos, prompt, comps, version))
+            elif self.partial and any(len(c.tokens) for c in comps):
+                cut.append(PartialGroup(position=pos, completions=comps))
+            else:
+                back.append(pos)
+        self.stream.give_back(back, cut)
+        self.stats.groups_aborted = len(entries) - len(groups)
+        self.stats.partials_carried = len(cut)
+        self.stats.samples = self.group_size * len(groups)
+        if self.stats.groups_aborted:
+            self.say(f"rollout: {len(groups)} of {len(entries)} groups finished ({accepted} passed the filters); "
+                     f"{self.stats.groups_aborted} aborted: {len(cut)} carried as cut completions, "
+                     f"{len(back) - self.stats.partials_dropped} prompts back to the front of the stream"
+                     + (f"; {self.stats.partials_dropped} stale cut groups dropped" if self.stats.partials_dropped
+                        else ""))
+        return groups
+
+    def _sampling(self, seed: int) -> Sampling:
+        return Sampling(temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+                        max_new_tokens=self.sampling.max_new_tokens, stop_token_ids=self.stop_ids, seed=seed)
+
+    def build_group(self, gid: int, prompt: Prompt, comps: list[Completion], version: int) -> SampleGroup:
+        """The samples of one prompt (prompt + completion, loss mask on the completion, the generator's
+        log-probabilities; with partial rollouts each token's weight version; with routing replay each token's
+        experts), registered for scoring."""
+        n = self.group_size
+        toks, masks, logps, responses, tvers, routed = [], [], [], [], [], []
+        for c in comps:
+            ctoks, clogp = self._cut_at_stop(c.tokens, c.logprobs)
+            plen = len(prompt.tokens)
+            toks.append(np.concatenate([prompt.tokens, ctoks]).astype(np.int32))
+            if c.routed_experts is not None:  # the sample's tokens' experts (prompt + kept completion)
+                routed.append(np.ascontiguousarray(c.routed_experts[:plen + len(ctoks)], dtype=np.int16))
+            mask = np.zeros(plen + len(ctoks), np.uint8)
+            mask[plen:] = 1
+            masks.append(mask)
+            logps.append(np.concatenate([np.zeros(plen, np.float32), clogp]).astype(np.float32))
+            cvers = (c.versions[: len(ctoks)] if c.versions is not None else np.full(len(ctoks), version, np.int64))
+            tvers.append(np.concatenate([np.full(plen, -1, np.int64), cvers]).astype(np.int64))
+            responses.append(self._response(ctoks, prompt))
+            self.stats.generated_tokens += len(ctoks)
+        versions = np.array([int(v[v >= 0].min()) if (v >= 0).any() else version for v in tvers], np.int64)
+        group = SampleGroup(group_id=gid, tokens=toks, loss_masks=masks, rewards=np.zeros(n, np.float32),
+                            sample_ids=np.arange(gid * n, (gid + 1) * n, dtype=np.int64), logprobs=logps,
+                            versions=versions, token_versions=tvers if self.partial else None,
+                            routed_experts=routed if len(routed) == n else None)
+        self._pending[gid] = (prompt, responses)
+        return group
 
     def _run_episodes(self, prompts: list[Prompt], version: int, sampling: Sampling) -> list[SampleGroup]:
         """groupSize multi-turn episodes per prompt (`rollout/episodes.py`); their rewards are the environment's."""
@@ -214,16 +342,21 @@ class GenerateSource:
         return groups
 
     def score(self, groups: list[SampleGroup]) -> None:
+        """Rewards of the groups not scored yet (grouped generation scores each group as it finishes)."""
         if self.episodes is not None:  # the environment rewarded every episode
             return
         t0 = time.perf_counter()
         items, where = [], []
         for g in groups:
+            if g.group_id not in self._pending:
+                continue
             prompt, responses = self._pending.pop(g.group_id)
             reference = prompt.index if self.g.reward.type == "reasoning_gym" else prompt.reference
             for i, r in enumerate(responses):
                 items.append((r, reference))
                 where.append((g, i))
+        if not items:
+            return
         scored = self.scorer.score(items)
         overlong = self.g.reward.overlong
         for (g, i), reward in zip(where, scored.rewards):
@@ -231,13 +364,14 @@ class GenerateSource:
                 reward += overlong_penalty(int(g.loss_masks[i].sum()), self.sampling.max_new_tokens,
                                            overlong.buffer, overlong.penalty)
             g.rewards[i] = reward
-
-        self.stats.reward_failed = scored.counts()
-        self.stats.failure_messages = scored.messages
-        self.stats.score_seconds = time.perf_counter() - t0
-        failed = sum(self.stats.reward_failed.values())
+        counts = scored.counts()
+        for reason, k in counts.items():
+            self.stats.reward_failed[reason] = self.stats.reward_failed.get(reason, 0) + k
+        self.stats.failure_messages = (self.stats.failure_messages + scored.messages)[:5]
+        self.stats.score_seconds += time.perf_counter() - t0
+        failed = sum(counts.values())
         if failed:
-            self.say(f"rollout: {failed} of {len(items)} rewards failed ({self.stats.reward_failed}); e.g. "
+            self.say(f"rollout: {failed} of {len(items)} rewards failed ({counts}); e.g. "
                      + "; ".join(scored.messages[:2]))
 
     def close(self) -> None:
@@ -247,10 +381,11 @@ class GenerateSource:
         self.engine.close()
 
     # ---- helpers
-    def ensure_weights(self, version: int) -> None:
-        """Load weight version `version` into the engine, waiting until the trainers published it."""
-        if self.engine.weight_version == version:
-            return
+    def ensure_weights(self, version: int, *, newest: bool = False) -> int:
+        """Load weight version `version` into the engine, waiting until the trainers published it; with `newest`,
+        the newest version published by then (at least `version`). Returns the version the engine holds."""
+        if self.engine.weight_version == version and not newest:
+            return version
         t0 = time.monotonic()
         reported = t0
         while True:
@@ -266,9 +401,15 @@ class GenerateSource:
                 reported = now
             time.sleep(self.poll_interval)
         self.stats.wait_seconds = time.monotonic() - t0
+        if newest:
+            version = max(version, int(latest))
+            if self.engine.weight_version == version:
+                return version
         t1 = time.perf_counter()
         self.engine.load_weights(version)
         self.stats.load_seconds = time.perf_counter() - t1
+        self.stats.sync_seconds = dict(getattr(self.engine, "last_sync", {}))
+        return version
 
     def _response(self, ctoks: np.ndarray, prompt: Prompt) -> Any:
         """What the reward sees: the completion's token ids (stop token included) for token references (built-in
@@ -280,3 +421,12 @@ class GenerateSource:
     def _cut_at_stop(self, tokens: np.ndarray, logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Completions end after the token that completes a stop string (text tasks): later tokens are dropped."""
         return cut_at_stop(tokens, logprobs, self.tokenizer, self.sampling.stop)
+
+
+@dataclass
+class StreamDraw:
+    """A source rollout's requests with over-sampling / partial rollouts: cut groups to continue, then prompts by
+    stream position."""
+
+    partials: list[tuple[PartialGroup, Prompt]]
+    prompts: list[tuple[int, Prompt]]

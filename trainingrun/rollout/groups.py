@@ -29,7 +29,9 @@ class SampleGroup:
     has_reward: bool = True  # jsonl lines may give only an advantage
     # generated rollouts only: the generator's log-probability of each token (0 on the prompt) and weight versions
     logprobs: list[np.ndarray] | None = None  # float32 each, same length as the tokens
-    versions: np.ndarray | None = None  # int64 [n]
+    versions: np.ndarray | None = None  # int64 [n]: each sample's oldest token's weight version
+    # partial rollouts: the weight version of every token (-1 on the prompt), same length as the tokens
+    token_versions: list[np.ndarray] | None = None
     # mixtures of experts with routing replay: the experts each token was routed to, int16 [tokens, layers × top-k]
     routed_experts: list[np.ndarray] | None = None
 
@@ -59,6 +61,8 @@ class SampleGroup:
             **({} if self.routed_experts is None else {
                 "routed_experts": b64(np.concatenate(self.routed_experts).astype("<i2")),
                 "routed_width": int(self.routed_experts[0].shape[1])}),
+            "token_versions": None if self.token_versions is None else b64(np.concatenate(self.token_versions)
+                                                                              .astype("<i8")),
         }
 
     @classmethod
@@ -81,4 +85,6 @@ class SampleGroup:
             routed_experts=None if d.get("routed_experts") is None else
             [a.copy() for a in np.split(dec(d["routed_experts"], "<i2").astype(np.int16).reshape(
                 -1, int(d["routed_width"])), offsets[1:-1])],
+            token_versions=None if d.get("token_versions") is None else
+            [a.copy() for a in np.split(dec(d["token_versions"], "<i8").astype(np.int64), offsets[1:-1])],
         )

@@ -4,7 +4,8 @@
                                             `generate.py`)
     [generated: the scored groups are staged in the resume state]
     → filter → advantages                  (`rollout/pipeline.py`; carried generated groups older than the
-                                            staleness bound are dropped: filter "stale")
+                                            staleness bound are dropped: filter "stale"; with partial rollouts and
+                                            staleTokens mask, tokens older than the bound are masked out of the loss)
     → split into steps (carried groups first; a source rollout that fills no step is carried whole)
     → schedule + per-rank payloads         (`contract/published.py`)
     → wait for room (maxPendingRollouts) → publish → save the resume state
@@ -13,9 +14,10 @@ A source rollout whose groups do not fill a step publishes nothing: its groups a
 rollout is drawn, so every published rollout has at least one step and k counts published rollouts (numRollouts of
 them; a jsonl source may end earlier). At the end, `finish(k)`; groups still carried are reported, never silently
 dropped. A restarted rollout reads its state (store key "rollout_state": next k, next source index, carried groups,
-offsets, totals) and continues; the rollout it was publishing when it died is rebuilt from the same state, bit for
-bit (the replay sources depend only on seed and source index; generated groups were staged in the state before
-anything of them was published), and re-publishing a committed rollout is a no-op.
+offsets, totals, and with over-sampling the prompt stream: `rollout/stream.py`) and continues; the rollout it was
+publishing when it died is rebuilt from the same state, bit for bit (the replay sources depend only on seed and source
+index; generated groups were staged in the state, with the stream after them, before anything of them was
+published), and re-publishing a committed rollout is a no-op.
 """
 
 from __future__ import annotations
@@ -40,10 +42,12 @@ from trainingrun.rollout.generate import GenerateSource, required_version
 from trainingrun.rollout.groups import SampleGroup
 from trainingrun.rollout.jsonl import JsonlSource, load_jsonl
 from trainingrun.rollout.pipeline import (
-    FilterStats, apply_filters, as_samples, compute_advantages, normalize_over_steps, split_into_steps,
+    FilterStats, apply_filters, as_samples, compute_advantages, mask_stale_tokens, normalize_over_steps,
+    split_into_steps,
 )
 from trainingrun.rollout.recovery import TrainersAhead, discard_below
 from trainingrun.rollout.source import Source
+from trainingrun.rollout.stream import PromptStream
 from trainingrun.rollout.synthetic import SyntheticConfig, SyntheticSource
 from trainingrun.store.base import Store
 
@@ -67,6 +71,8 @@ class RolloutState:
     totals: dict[str, int] = field(default_factory=lambda: {"produced": 0, "max_length": 0, "zero_variance": 0})
     finished: bool = False
     staged: list[SampleGroup] | None = None  # generated + scored groups of source rollout `source_index`, not yet used
+    stream: dict[str, Any] | None = None  # over-sampling: the prompt stream before source rollout `source_index`
+    staged_stream: dict[str, Any] | None = None  # ... and after it (with `staged`)
 
     @property
     def carried_samples(self) -> int:
@@ -79,6 +85,7 @@ class RolloutState:
             "samples_offset": self.samples_offset, "carried": [g.to_json() for g in self.carried],
             "empty_streak": self.empty_streak, "totals": dict(self.totals), "finished": self.finished,
             "staged": None if self.staged is None else [g.to_json() for g in self.staged],
+            "stream": self.stream, "staged_stream": self.staged_stream,
             "updated_at": time.time(),
         }
 
@@ -93,6 +100,7 @@ class RolloutState:
             carried=[SampleGroup.from_json(g) for g in d["carried"]], empty_streak=int(d.get("empty_streak", 0)),
             totals={k: int(v) for k, v in d["totals"].items()}, finished=bool(d["finished"]),
             staged=None if d.get("staged") is None else [SampleGroup.from_json(g) for g in d["staged"]],
+            stream=d.get("stream"), staged_stream=d.get("staged_stream"),
         )
 
 
@@ -232,7 +240,14 @@ class RolloutLoop:
         seq_length = self.arch.seq_length
         self.max_length = min(spec.rollout.filters.max_length or seq_length, seq_length)
         self.source = make_source(spec, self.arch, self.say, store, max_wait)
+        if isinstance(self.source, GenerateSource):  # over-sampling stops once enough groups pass the filters
+            self.source.keeps = self.keeps
         self.fingerprint = config_fingerprint(spec, self.arch)
+
+    def keeps(self, group: SampleGroup) -> bool:
+        """Whether `group` passes the filters (`filter` below)."""
+        return bool(apply_filters([group], max_length=self.max_length,
+                                  zero_variance=self.spec.rollout.filters.zero_variance)[0])
 
     def run(self) -> RolloutResult:
         try:
@@ -268,7 +283,8 @@ class RolloutLoop:
         after = self.account(state, groups, fstats, carry)
         if not step_groups:
             return self.carry_over(state, after, groups, fstats, quiet=replay), None, None
-        stats = self.source_stats(state, after, groups, kept, fstats, carried_in=sum(len(g) for g in carried))
+        masked = self.mask_stale(step_groups, state.next_rollout)
+        stats = self.source_stats(state, after, groups, kept, fstats, masked, carried_in=sum(len(g) for g in carried))
         published, payloads = self.schedule(state, step_groups, stats)
         return after, published, payloads
 
@@ -281,12 +297,17 @@ class RolloutLoop:
         if state.staged is not None:
             self.say(f"rollout: source rollout {state.source_index}: reusing its {len(state.staged)} staged groups")
             return state.staged
+        streaming = getattr(self.source, "streaming", False)
+        if streaming:  # the requests come from the stream of the state (rollout/stream.py)
+            self.source.stream = PromptStream.from_json(state.stream)
         prompts = self.source.draw(state.source_index)
         if prompts is None:
             return None
         groups = self.source.generate(prompts, state.next_rollout)
         self.source.score(groups)
-        if groups and groups[0].versions is not None and not replay:
+        if streaming:
+            state.staged_stream = self.source.stream.to_json()
+        if (streaming or (groups and groups[0].versions is not None)) and not replay:
             state.staged = groups
             self.store.put_json(STATE_KEY, state.to_json())
             gen = getattr(self.source, "stats", None)
@@ -315,9 +336,21 @@ class RolloutLoop:
             self.say(f"rollout {rollout}: dropped {stale} carried samples generated before weight version {bound}")
         return fresh, stale
 
+    def mask_stale(self, step_groups: list[SampleGroup], rollout: int) -> int:
+        """Partial rollouts with staleTokens mask: tokens older than rollout `rollout`'s bound train nothing."""
+        r = self.spec.rollout
+        if not (r.partial_rollout and r.stale_tokens == "mask"):
+            return 0
+        masked = mask_stale_tokens(step_groups, required_version(rollout, r.max_policy_lag))
+        if masked:
+            self.say(f"rollout {rollout}: {masked} tokens older than weight version "
+                     f"{required_version(rollout, r.max_policy_lag)} masked out of the loss")
+        return masked
+
     def source_stats(self, state: RolloutState, after: RolloutState, groups: list[SampleGroup], kept: list[SampleGroup],
-                     fstats: FilterStats, *, carried_in: int) -> contract.SourceStats:
-        """`carried_in`: the carried samples this rollout trains or carries on (those dropped as stale are not)."""
+                     fstats: FilterStats, masked: int = 0, *, carried_in: int) -> contract.SourceStats:
+        """`carried_in`: the carried samples this rollout trains or carries on (those dropped as stale are not);
+        `masked`: the tokens masked as stale (partial rollouts)."""
         rewards = np.concatenate([g.rewards for g in groups]).astype(np.float64) if groups else np.zeros(0)
         gen = getattr(self.source, "stats", None)
         return contract.SourceStats(
@@ -327,6 +360,8 @@ class RolloutLoop:
             reward_failed=sum(gen.reward_failed.values()) if gen is not None else 0,
             weight_version=min((int(g.versions.min()) for g in groups if g.versions is not None), default=-1),
             groups_produced=len(groups), groups_kept=len(kept),
+            groups_aborted=getattr(gen, "groups_aborted", 0), partials_carried=getattr(gen, "partials_carried", 0),
+            partials_dropped=getattr(gen, "partials_dropped", 0), tokens_masked=masked,
             episodes=gen.episodes if gen is not None else None,
         )
 
@@ -396,6 +431,7 @@ class RolloutLoop:
         return RolloutState(
             fingerprint=self.fingerprint, next_rollout=state.next_rollout, source_index=state.source_index + 1,
             step_offset=state.step_offset, samples_offset=state.samples_offset, carried=carry, totals=totals,
+            stream=state.staged_stream if state.staged_stream is not None else state.stream,
         )
 
     def carry_over(self, state: RolloutState, after: RolloutState, groups: list[SampleGroup],

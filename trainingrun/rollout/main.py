@@ -2,8 +2,9 @@
 
 Environment (`trainingrun.contract.env.ProcessEnv`, written by trainingrun/plan.py): TRAININGRUN_CONFIG,
 TRAININGRUN_STORE_URL, TRAININGRUN_RUN, TRAININGRUN_ATTEMPT, TRAININGRUN_METRICS_PORT (metrics:
-`trainingrun.metrics.rollout`). Exit codes: 0 done, 1 store or runtime error, 78 (EXIT_CONFIG_ERROR) configuration
-error.
+`trainingrun.metrics.rollout`). Exit codes: 0 done, 1 store or runtime error (an engine pool with no live engine
+included: one line naming the engines and their last errors), 78 (EXIT_CONFIG_ERROR) configuration error or a
+published weight version the engine refused (damaged or changed after publishing: one line naming it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from trainingrun.contract.env import CONFIG_ENV, METRICS_PORT_ENV, STORE_URL_ENV
 from trainingrun.contract.errors import EXIT_CONFIG_ERROR, ConfigError, StoreError
 from trainingrun.rollout.loop import STATE_KEY, RolloutLoop, RolloutResult, data_report, run_rollout
 from trainingrun.store import exit_status, open_store
+from trainingrun.vllm.client import EngineUnavailable, WeightsRefused
 
 __all__ = ["STATE_KEY", "RolloutResult", "add_arguments", "data_report", "run", "run_rollout"]
 
@@ -85,6 +87,13 @@ def run(args: argparse.Namespace) -> int:
         return exit_status(exc)
     except TimeoutError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except WeightsRefused as exc:  # a committed version never changes: no restart can help
+        print(f"error: the engine refused a published weight version: {exc}; not restarting (a committed version "
+              "is never republished)", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    except EngineUnavailable as exc:  # the engines: one line naming them (the failure policy restarts the group)
+        print(f"error: engine: {exc}", file=sys.stderr)
         return 1
     finally:
         store.close()

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainingrun.contract.engine import Completion, Sampling
+from trainingrun.contract.engine import ABORTED, Completion, GroupRequest, OnGroup, Sampling, empty_cut
 from trainingrun.contract.errors import ConfigError
 from trainingrun.modeling.architecture import Architecture
 from trainingrun.modeling.model import (ModelOptions, attention_choice, build_model, load_canonical_state,
@@ -145,19 +145,83 @@ class MegatronEngine:
         if not single:
             self._cache = None
         for start in range(0, len(rows), self.max_batch):
-            out.extend(self._generate_batch(rows[start : start + self.max_batch], sampling, gen, keep=single))
+            batch = rows[start : start + self.max_batch]
+            out.extend(self._generate_batch(batch, [sampling.max_new_tokens] * len(batch), sampling, gen, keep=single))
         self.stats["generated_tokens"] += sum(len(c.tokens) for c in out)
         self.stats["generate_seconds"] += time.perf_counter() - t0
         return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def _generate_batch(self, rows: list[list[int]], sampling: Sampling, gen: torch.Generator, *,
+    @torch.no_grad()
+    def generate_groups(self, requests: Sequence[GroupRequest], sampling: Sampling, *,
+                        on_group: OnGroup | None = None) -> list[list[Completion]]:
+        """Grouped generation (contract/engine.py): rows of `max_batch` sequences; after every token the groups that
+        finished go to `on_group`, and once it says "enough" every unfinished sequence is cut where it is (finish
+        ABORTED). Cut samples (prefixes) continue after prompt + their tokens; every token carries its version."""
+        t0 = time.perf_counter()
+        version = self._version
+        results: list[list[Completion | None]] = [[None] * r.n for r in requests]
+        rows: list[tuple[int, int, list[int], int, Completion]] = []  # (request, sample, tokens, budget, prefix)
+        for i, req in enumerate(requests):
+            for j in range(req.n):
+                p = req.prefixes[j] if req.prefixes else empty_cut()
+                if p.finished:
+                    results[i][j] = p
+                    continue
+                budget = sampling.max_new_tokens - len(p.tokens)
+                if budget <= 0:
+                    results[i][j] = Completion(p.tokens, p.logprobs, "length", versions=p.versions)
+                    continue
+                rows.append((i, j, [*map(int, req.prompt), *map(int, p.tokens)], budget, p))
+        reported: set[int] = set()
+        stop = False
+
+        def report() -> bool:
+            nonlocal stop
+            for i, slots in enumerate(results):
+                if stop or i in reported or any(c is None or not c.finished for c in slots):
+                    continue
+                reported.add(i)
+                if on_group is not None and on_group(i, list(slots)):
+                    stop = True
+            return stop
+
+        def finished(row: int, c: Completion) -> bool:
+            i, j, _, _, p = batch[row]
+            results[i][j] = p.extended(c.tokens, c.logprobs, c.finish_reason, version)
+            return report()
+
+        report()
+        self._cache = None  # grouped generation keeps no cache (multi-turn episodes use generate)
+        gen = torch.Generator(device=self.device).manual_seed(int(sampling.seed))
+        new_tokens = 0
+        for start in range(0, len(rows), self.max_batch):
+            batch = rows[start : start + self.max_batch]
+            if stop:  # never started: cut where their prefixes were
+                for i, j, _, _, p in batch:
+                    results[i][j] = p
+                continue
+            outs = self._generate_batch([r[2] for r in batch], [r[3] for r in batch], sampling, gen,
+                                        on_finished=finished)
+            for (i, j, _, _, p), c in zip(batch, outs):
+                new_tokens += len(c.tokens)
+                if results[i][j] is None:  # cut by the stop
+                    results[i][j] = p.extended(c.tokens, c.logprobs, c.finish_reason, version)
+        self.stats["generated_tokens"] += new_tokens
+        self.stats["generate_seconds"] += time.perf_counter() - t0
+        return [[c if c is not None else empty_cut() for c in slots] for slots in results]
+
+    def _generate_batch(self, rows: list[list[int]], budgets: list[int], sampling: Sampling, gen: torch.Generator,
+                        on_finished: Callable[[int, Completion], bool] | None = None,
                         keep: bool = False) -> list[Completion]:
+        """One batch of rows, each with its own budget of new tokens. `on_finished(row, completion)` is called for
+        each row as it finishes; once it returns True the rows still generating are cut (finish ABORTED). `keep`: keep the keys and values
+        for the next call (multi-turn continuation, module docstring)."""
         from megatron.core.inference.contexts import StaticInferenceContext  # deferred: megatron after prepare_device
 
         lengths = [len(r) for r in rows]
         if min(lengths) < 1:
             raise ValueError("prompts: every prompt needs at least one token")
-        total = min(max(lengths) + sampling.max_new_tokens, self.seq_length)
+        total = min(max(a + b for a, b in zip(lengths, budgets)), self.seq_length)
         if max(lengths) >= total:
             raise ValueError(f"prompts: a prompt of {max(lengths)} tokens leaves no room to generate within "
                              f"model seqLength {self.seq_length}")
@@ -167,6 +231,7 @@ class MegatronEngine:
             tokens[i, : len(r)] = torch.tensor(r)
         tokens = tokens.to(dev)
         plen = torch.tensor(lengths, device=dev)
+        budget = torch.tensor(budgets, device=dev)
         logps = torch.zeros(b, total, device=dev)
         done = torch.zeros(b, dtype=torch.bool, device=dev)
         end = torch.full((b,), total, dtype=torch.long, device=dev)  # first position after each row's completion
@@ -199,25 +264,36 @@ class MegatronEngine:
             logps[:, cur] = torch.where(generating, logp, 0.0)
             new_tokens = cur + 1 - plen
             hit_stop = generating & torch.isin(token, stop) if len(stop) else torch.zeros_like(done)
-            hit_len = generating & (new_tokens >= sampling.max_new_tokens)
-            for i in torch.nonzero(hit_stop | hit_len).flatten().tolist():
+            hit_len = generating & (new_tokens >= budget)
+            newly = torch.nonzero(hit_stop | hit_len).flatten().tolist()
+            for i in newly:
                 reason[i] = "stop" if bool(hit_stop[i]) else "length"
             finished = hit_stop | hit_len
             end = torch.where(finished, cur + 1, end)
             done |= finished
+            if on_finished is not None and newly:
+                halt = False
+                for i in newly:
+                    halt = on_finished(i, self._completion(tokens, logps, lengths[i], int(end[i]), reason[i], i, routed))
+                if halt:  # enough: every row still generating is cut after its last token
+                    for i in torch.nonzero(~done).flatten().tolist():
+                        reason[i] = ABORTED
+                        end[i] = max(cur + 1, lengths[i])
+                    break
             if bool(done.all()):
                 break
-        out = []
-        tokens, logps, end = tokens.cpu(), logps.cpu(), end.cpu()
-        for i in range(b):
-            a, e = lengths[i], int(end[i])
-            out.append(Completion(tokens=tokens[i, a:e].numpy().astype(np.int32),
-                                  logprobs=logps[i, a:e].numpy().astype(np.float32), finish_reason=reason[i],
-                                  routed_experts=None if routed is None else
-                                  routed[i, :e].reshape(e, -1).numpy().copy()))
-        if keep and self.reuse_cache:  # positions < cur were fed: their keys and values are in the cache
-            self._cache = (ctx, [tokens[i, :min(int(end[i]), cur)].numpy() for i in range(b)])
+        out = [self._completion(tokens, logps, lengths[i], int(end[i]), reason[i], i, routed) for i in range(b)]
+        if keep and self.reuse_cache and on_finished is None:  # positions < cur were fed: their keys and values
+            self._cache = (ctx, [tokens[i, :min(int(end[i]), cur)].cpu().numpy() for i in range(b)])
         return out
+
+    @staticmethod
+    def _completion(tokens: torch.Tensor, logps: torch.Tensor, start: int, end: int, reason: str,
+                    row: int, routed: torch.Tensor | None = None) -> Completion:
+        return Completion(tokens=tokens[row, start:end].cpu().numpy().astype(np.int32),
+                          logprobs=logps[row, start:end].cpu().numpy().astype(np.float32), finish_reason=reason,
+                          routed_experts=None if routed is None else
+                          routed[row, :end].reshape(end, -1).cpu().numpy().copy())
 
     def _continued(self, rows: list[list[int]], total: int, limit: int):
         """(a cache for `rows` holding the last call's keys and values of their longest cached prefixes, the

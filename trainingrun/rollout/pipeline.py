@@ -175,4 +175,21 @@ def as_samples(groups: list[SampleGroup]) -> Samples:
         if groups and all(g.versions is not None for g in groups) else None,
         routed_experts=[r for g in groups for r in g.routed_experts]
         if groups and all(g.routed_experts is not None for g in groups) else None,
+        token_versions=[v for g in groups for v in g.token_versions]
+        if groups and all(g.token_versions is not None for g in groups) else None,
     )
+
+
+def mask_stale_tokens(groups: list[SampleGroup], bound: int) -> int:
+    """Partial rollouts with `rollout.staleTokens: mask`: tokens generated with a weight version older than `bound`
+    are no training targets (their loss mask is cleared; they stay as context). Returns the tokens masked."""
+    masked = 0
+    for g in groups:
+        if g.token_versions is None:
+            continue
+        for i, (mask, versions) in enumerate(zip(g.loss_masks, g.token_versions)):
+            stale = (versions >= 0) & (versions < bound) & (mask > 0)
+            if stale.any():
+                masked += int(stale.sum())
+                g.loss_masks[i] = np.where(stale, 0, mask).astype(np.uint8)
+    return masked

@@ -27,11 +27,12 @@ def step_record(*, res, step, rollout: int, global_step: int, samples_consumed: 
                 attempt: int, dp_size: int, published=None) -> dict[str, Any]:
     """The record of one trained step (`res`: step.StepResult, `step`: published.StepPlan). Generated rollouts add
     reward_mean/reward_std (all samples generated for the rollout, before filtering), weight_version, policy_lag
-    (rollouts between the trainer's weights and the generator's: this rollout's index − the samples' version), the
+    (rollouts between the trainer's weights and the generator's: this rollout's index − the version of the step's
+    oldest trained token) and policy_lag_mean (the same over every trained token: partial rollouts mix versions), the
     per-token policy statistics (RL_MEANS, token-weighted over the step's trained tokens, before the update; the
     correction's maximum weight over the step; GSPO's clipped-sequence fraction per sample), the
-    trained samples' reward_std, and the rollout's kept/produced groups and failed rewards; with an environment also
-    the rollout's episode statistics (`contract.published.EpisodeCounts.record`)."""
+    trained samples' reward_std, and the rollout's produced/kept/filtered/aborted groups and failed rewards; with an
+    environment also the rollout's episode statistics (`contract.published.EpisodeCounts.record`)."""
     gbs = step.global_batch_size
     record = {
         "step": global_step, "rollout": rollout, "step_in_rollout": step.index,
@@ -58,16 +59,38 @@ def step_record(*, res, step, rollout: int, global_step: int, samples_consumed: 
             "reward_mean": st.reward_mean if st is not None else 0.0,
             "reward_std": st.reward_std if st is not None else 0.0,
             "weight_version": step.weight_version,
-            "policy_lag": rollout - step.weight_version,
+            "policy_lag": rollout - step.weight_version,  # the step's oldest trained token
+            "policy_lag_mean": (step.policy_lag_mean if step.policy_lag_mean is not None
+                                else float(rollout - step.weight_version)),
             **{name: res.mean(name) for name in RL_MEANS},
             "trained_reward_std": max(sq - mean * mean, 0.0) ** 0.5,
             "groups_produced": st.groups_produced if st is not None else 0,
             "groups_kept": st.groups_kept if st is not None else 0,
+            "groups_filtered": st.groups_produced - st.groups_kept if st is not None else 0,
+            "groups_aborted": st.groups_aborted if st is not None else 0,
             "rewards_failed": st.reward_failed if st is not None else 0,
             # multi-turn episodes: turns_per_episode, tool calls, environment failures, ... (EpisodeCounts.record)
             **(st.episodes.record() if st is not None and st.episodes is not None else {}),
         })
     return record
+
+
+# logprob_abs_diff expected of an engine that holds the trainer's weights (docs/vllm.md, "Logprobs and tolerance"):
+# fp32 engines ~1e-6; bf16 ~0.04 nats on the tiny test model. A same-size-corrupted version gave 2.71.
+LOGPROB_TOLERANCE = {"float32": 0.01, "bfloat16": 0.3, "float16": 0.3}
+
+
+def engine_logprob_mismatch(record: dict[str, Any], tolerance: float) -> str | None:
+    """The message when an on-policy step (policy_lag 0, its first step in the rollout: the trainer has not updated
+    yet) shows that the engine did not generate with the trainer's weights: logprob_abs_diff above `tolerance`."""
+    if "logprob_abs_diff" not in record or record.get("policy_lag") != 0 or record.get("step_in_rollout") != 0:
+        return None
+    diff = float(record["logprob_abs_diff"])
+    if diff <= tolerance:
+        return None
+    return (f"rollout {record['rollout']}: logprob_abs_diff {diff:.3g} (engine vs trainer on weight version "
+            f"{record['weight_version']}) is above weightSync.logprobTolerance {tolerance:g}: the engine does not hold "
+            "the trainer's weights (a damaged or changed weight version, or a sync that did not apply)")
 
 
 class StepReporter:

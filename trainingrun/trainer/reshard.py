@@ -27,7 +27,7 @@ from trainingrun.contract.payload import PAYLOAD_FIELDS, PAYLOAD_OPTIONAL, RankP
 from trainingrun.schedule import DPSchedule, build_dp_schedule
 
 _PER_SAMPLE = ("advantages", "rewards", "sample_ids", "versions")
-_PER_TOKEN = ("tokens", "loss_mask", "logprobs", "routed_experts")
+_PER_TOKEN = ("tokens", "loss_mask", "logprobs", "routed_experts", "token_versions")
 
 
 def acked_ranks(old_dp: int, new_dp: int, rank: int) -> list[int]:

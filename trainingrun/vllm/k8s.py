@@ -1,14 +1,16 @@
-"""The run's own vLLM server in a cluster: the engine pod's container, its worker-extension ConfigMap and the URL the
-rollout is given. Pure functions of the spec (the operator's `render` module places them among a run's children).
+"""The run's own vLLM servers in a cluster: the engine pods' container, their worker-extension ConfigMap and the URLs
+the rollout is given. Pure functions of the spec (the operator's `render` module places them among a run's children).
 
-  ConfigMap  R-engine   the worker extension (`server.extension_files()`), mounted at EXTENSION_DIR and put on
-                        PYTHONPATH: the official vLLM image needs nothing of trainingrun installed
-  Pod        R-engine   the official vLLM image (`rollout.engine.vllm.image`), the same server command line as local
-                        runs and tests (`server.server_args`, all interfaces, port ENGINE_PORT), `gpus` GPUs (its
-                        tensor-parallel size), readiness from /health, the run's podTemplate volumes (model.hf and
-                        `weightSync.path` must be on them); restartPolicy Always: the kubelet restarts a dead server
-                        and the rollout waits for /health and loads its weight version again
-  Service    R-engine   ENGINE_PORT, for the rollout ($TRAININGRUN_ENGINE_URL)
+  ConfigMap  R-engine     the worker extension (`server.extension_files()`), mounted at EXTENSION_DIR and put on
+                          PYTHONPATH: the official vLLM image needs nothing of trainingrun installed
+  Pod        R-engine-<i> one per `rollout.engine.replicas`: the official vLLM image (`rollout.engine.vllm.image`), the
+                          same server command line as local runs and tests (`server.server_args`, all interfaces, port
+                          ENGINE_PORT), `gpus` GPUs each (its tensor-parallel size), readiness from /health, the run's
+                          podTemplate volumes (model.hf and `weightSync.path` must be on them), hostname engine-<i>
+                          under the headless Service; restartPolicy Always: the kubelet restarts a dead server and the
+                          rollout sends its prompts to the others, then loads the current version into it
+  Service    R-engine     headless (a stable name per replica: engine-<i>.R-engine.NS.svc), ENGINE_PORT, ready pods
+                          only; the rollout gets every replica's URL, comma-separated ($TRAININGRUN_ENGINE_URL)
 
 The development endpoints weight sync needs (VLLM_SERVER_DEV_MODE) are reachable inside the cluster through the
 Service: restrict it with a NetworkPolicy to the run's pods where other tenants share the namespace.
@@ -39,8 +41,14 @@ def extension_volume(config_map: str) -> dict[str, Any]:
     return {"name": EXTENSION_VOLUME, "configMap": {"name": config_map, "items": items}}
 
 
-def engine_url(service: str, namespace: str) -> str:
-    return f"http://{service}.{namespace}.svc:{ENGINE_PORT}"
+def replica_hostname(index: int) -> str:
+    """Engine pod i's hostname under the headless Service (engine-<i>.R-engine.NS.svc), stable over restarts."""
+    return f"engine-{index}"
+
+
+def engine_url(service: str, namespace: str, replicas: int = 1) -> str:
+    """The URLs of the engine pods (their stable per-replica names under the headless Service), comma-separated."""
+    return ",".join(f"http://{replica_hostname(i)}.{service}.{namespace}.svc:{ENGINE_PORT}" for i in range(replicas))
 
 
 def engine_container(spec, *, volume_mounts: list[dict[str, Any]], resources: dict[str, Any]) -> dict[str, Any]:

@@ -7,7 +7,8 @@ resolved); trainer rank 0 converts them to Hugging Face names (`modeling.convert
 them loadable:
 
   disk       an HF directory `<weightSync.path>/v<version>-a<attempt>` written beside its name and renamed into
-             place (`modeling.hf_io.write_hf_dir`; config.json and tokenizer from `model.hf`). The attempt in the
+             place (`modeling.hf_io.write_hf_dir`; config.json and tokenizer from `model.hf`); the meta carries every
+             weight file's size and SHA-256 (`files`), which the engine checks before loading. The attempt in the
              name keeps a fenced-off trainer of an older attempt (a zombie) from ever touching a directory the live
              attempt committed; its own commit is refused by the store's attempt fencing.
   broadcast  a snapshot held by a `BroadcastSender` on rank 0 (a TCPStore + one process group per transfer), which
@@ -34,6 +35,7 @@ import numpy as np
 
 from trainingrun.modeling.architecture import Architecture
 from trainingrun.vllm.broadcast import BroadcastSender
+from trainingrun.vllm.worker_ext import file_digests
 
 DIR_PREFIX = "v"
 
@@ -125,9 +127,10 @@ class DiskPublisher(_Base):
             shutil.rmtree(target)
         path = write_hf_dir(target, state, self.arch, assets_dir=self.assets_dir,
                             dtype=getattr(torch, self.dtype))
-        nbytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        files = file_digests(path)  # the engine checks them before it loads (a damaged version is refused)
+        nbytes = sum(size for size, _ in files.values())
         commit_version(self.store, version, {"method": "disk", "path": str(path), "bytes": nbytes,
-                                             "dtype": self.dtype})
+                                             "dtype": self.dtype, "files": files})
         self._release(version)
         self.last_seconds = time.perf_counter() - t0
         self.last_bytes = nbytes

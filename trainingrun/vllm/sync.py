@@ -8,7 +8,8 @@ checkable: it names a version only after that version loaded completely. A load 
 "loading:..." (or, when the server restarts, vLLM's "default"), and the rollout's engine refuses to generate until a
 load succeeds (`trainingrun.vllm.engine`).
 
-disk:      `collective_rpc("trainingrun_load_dir", path=DIR)` — the worker extension reads the whole directory
+disk:      `collective_rpc("trainingrun_load_dir", path=DIR, files=...)` — the worker extension checks the published
+           files' sizes and SHA-256 (`files`, from the version's meta), reads the whole directory
            (safetensors, HF checkpoint names), checks names and shapes, then calls vLLM's `reload_weights` with the
            tensors, which shards and repacks them. Not vLLM's `reload_weights(weights_path=DIR)` directly: that one
            replaces weights while reading, so a missing or unreadable directory leaves the model half-replaced and
@@ -16,6 +17,10 @@ disk:      `collective_rpc("trainingrun_load_dir", path=DIR)` — the worker ext
            into place, so a complete name is a complete directory.
 broadcast: `collective_rpc("trainingrun_receive_weights", request=...)` — the worker extension joins a process group
            with trainer rank 0, receives every bucket, and only then applies them (`worker_ext.py`).
+
+A refusal by the extension (damaged or foreign weights) raises `WeightsRefused` naming the directory (or version)
+and the reason. The HTTP wait of a load is bounded a little above the worker's own bound (connect + transfer), so a
+load that cannot finish fails here instead of blocking the rollout; vLLM's collective_rpc timeout is never used.
 """
 
 from __future__ import annotations
@@ -25,9 +30,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from trainingrun.vllm.client import VLLMClient
+from trainingrun.vllm.client import VLLMClient, WeightsRefused
+from trainingrun.vllm.worker_ext import CONNECT_TIMEOUT
 
 LOADING = "loading:"
+HTTP_MARGIN = 30.0  # the rollout waits this much longer than the worker's own bound before it gives up
+
+
+def _refusals(results: list[Any]) -> list[str]:
+    return [str(r["refused"]) for r in results if isinstance(r, dict) and "refused" in r]
 
 
 def _apply(client: VLLMClient, marker: str, load: Callable[[], dict[str, Any]],
@@ -47,22 +58,41 @@ def _apply(client: VLLMClient, marker: str, load: Callable[[], dict[str, Any]],
     return {"load_seconds": t2 - t1, "total_seconds": time.perf_counter() - t0, **result}
 
 
-def load_from_disk(client: VLLMClient, path: str, label: str, *, timeout: float = 600) -> dict[str, Any]:
-    """Load the HF directory `path` and label the engine `label`; raises (label left "loading:...") on failure."""
-    return _apply(client, label, lambda: {"path": path, "results": client.collective_rpc(
-        "trainingrun_load_dir", {"path": path}, timeout=timeout)}, lambda _: label)
+def load_from_disk(client: VLLMClient, path: str, label: str, *, timeout: float = 600,
+                   files: dict[str, list] | None = None) -> dict[str, Any]:
+    """Load the HF directory `path` (its weight files checked against `files`: {name: [bytes, sha256]}, when given)
+    and label the engine `label`; raises (label left "loading:...") on failure, `WeightsRefused` when the engine
+    refused the directory."""
+    kwargs = {"path": path, **({"files": json.dumps(files)} if files else {})}
+
+    def load() -> dict[str, Any]:
+        results = client.collective_rpc("trainingrun_load_dir", kwargs, timeout=timeout + HTTP_MARGIN)
+        refused = _refusals(results)
+        if refused:
+            raise WeightsRefused(path, refused[0])
+        return {"path": path, "results": results}
+
+    return _apply(client, label, load, lambda _: label)
 
 
 def load_from_broadcast(client: VLLMClient, *, host: str, port: int, group: str, label: Callable[[int], str],
-                        backend: str = "gloo", timeout: float = 300, version: int | None = None) -> dict[str, Any]:
+                        backend: str = "gloo", timeout: float = 300, version: int | None = None,
+                        connect_timeout: float = CONNECT_TIMEOUT) -> dict[str, Any]:
     """Receive weight `version` (None: the newest the sender holds) from trainer rank 0 at host:port
-    (`BroadcastSender`); the engine is labelled `label(version received)`."""
+    (`BroadcastSender`); the engine is labelled `label(version received)`. The worker gives up on a sender it
+    cannot reach within `connect_timeout` seconds and on a transfer not done `timeout` seconds after that."""
     world = 1 + client.world_size()
+    connect_timeout = min(connect_timeout, timeout)
     request = json.dumps({"host": host, "port": int(port), "group": group, "world_size": world,
-                          "backend": backend, "timeout": timeout, "version": version})
+                          "backend": backend, "timeout": timeout, "connect_timeout": connect_timeout,
+                          "version": version})
 
     def load() -> dict[str, Any]:
-        results = client.collective_rpc("trainingrun_receive_weights", {"request": request}, timeout=timeout)
+        results = client.collective_rpc("trainingrun_receive_weights", {"request": request},
+                                        timeout=connect_timeout + timeout + HTTP_MARGIN)
+        refused = _refusals(results)
+        if refused:
+            raise WeightsRefused(f"version {version} from {host}:{port}", refused[0])
         versions = {r.get("version") for r in results if isinstance(r, dict)}
         if len(versions) != 1 or len(results) != world - 1:
             raise RuntimeError(f"broadcast weight load: unexpected worker results {results}")

@@ -21,11 +21,24 @@ Protocol (the sender is `trainingrun.vllm.broadcast.BroadcastSender` on trainer 
      the engine keeps its previous weights whole. Then "<group>/done/<rank>" tells the sender the version is loaded.
 The group is created for one transfer and dropped: an engine or trainer restart never leaves a stale group behind.
 
-`trainingrun_load_dir(path)` (the `disk` weight sync) reads a whole HF directory the same way before applying it.
+Bounds (a sender that dies before or during a transfer must never wedge the engine): the worker connects to the
+sender's store with a short timeout of its own (`connect_timeout`, default CONNECT_TIMEOUT), then every wait of the
+transfer (manifest, buckets) shares one deadline, `timeout` seconds after the connect. The whole call returns
+(raises) within connect_timeout + timeout; the rollout's HTTP wait is longer than that (`trainingrun.vllm.sync`), and
+vLLM's own collective_rpc timeout is never used (its late replies kill the engine).
+
+`trainingrun_load_dir(path, files)` (the `disk` weight sync) reads a whole HF directory the same way before applying
+it. `files` ({file name: [bytes, sha256]}, written by the trainer's publisher: `file_digests`) is checked first, so a
+truncated or same-size-corrupted published version is refused before a byte of it is read as weights.
+
+Refusals (damaged or foreign weights) are returned, not raised: {"refused": reason, "path": ...}; the rollout turns
+them into `WeightsRefused` naming the directory and the reason (a committed version never changes: retrying cannot
+help). Transfer failures (the sender went away) raise: the load may succeed once the trainers are back.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from datetime import timedelta
@@ -38,6 +51,8 @@ DONE_KEY = "{group}/done/{rank}"
 PG_PREFIX = "{group}/pg"
 
 DTYPES = ("float32", "bfloat16", "float16")
+CONNECT_TIMEOUT = 30.0  # seconds to reach the sender's store: a dead sender is noticed this fast
+DIGEST_CHUNK = 8 << 20
 
 
 def make_group(store, rank: int, world_size: int, backend: str, timeout: float, device=None):
@@ -77,25 +92,57 @@ def split_buckets(manifest: dict, buffers: list) -> list:
     return out
 
 
+class Deadline:
+    """Seconds left of one overall bound (at least `floor`, so a last wait is never zero)."""
+
+    def __init__(self, seconds: float, floor: float = 1.0):
+        self.end = time.monotonic() + seconds
+        self.floor = floor
+
+    def left(self) -> float:
+        return max(self.end - time.monotonic(), self.floor)
+
+    def passed(self) -> bool:
+        return time.monotonic() >= self.end
+
+
+def connect(host: str, port: int, connect_timeout: float, timeout: float):
+    """A client of the sender's TCPStore: the connect bounded by `connect_timeout` (c10d retries until then), later
+    waits by `timeout`. A dead sender raises after ~connect_timeout, never after the transfer's whole timeout."""
+    import torch.distributed as dist  # deferred: torch
+
+    t0 = time.monotonic()
+    try:
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=connect_timeout))
+    except Exception as exc:  # noqa: BLE001 - said with what was tried and for how long
+        raise ConnectionError(f"weight sender {host}:{port} unreachable after {time.monotonic() - t0:.1f}s "
+                              f"(connect timeout {connect_timeout:g}s): {exc}") from None
+    store.set_timeout(timedelta(seconds=timeout))
+    return store
+
+
 def receive(request: dict, *, rank: int, device) -> tuple[dict, list, object]:
-    """Join the transfer described by `request` as `rank` (>= 1); return (manifest, [(name, tensor)], store)."""
+    """Join the transfer described by `request` as `rank` (>= 1); return (manifest, [(name, tensor)], store).
+    Raises within connect_timeout + timeout (see the module docstring)."""
     import torch  # deferred: torch
     import torch.distributed as dist  # deferred: torch
 
     timeout = float(request.get("timeout", 300))
-    store = dist.TCPStore(request["host"], int(request["port"]), is_master=False,
-                          timeout=timedelta(seconds=timeout))
+    connect_timeout = min(float(request.get("connect_timeout", CONNECT_TIMEOUT)), timeout)
+    store = connect(request["host"], int(request["port"]), connect_timeout, timeout)
+    deadline = Deadline(timeout)
     group = request["group"]
     world = int(request["world_size"])
     if rank == 1:
         n = store.add(REQUESTS_KEY, 1) - 1
         store.set(REQUEST_KEY.format(n=n), json.dumps({"group": group, "world_size": world,
                                                        "version": request.get("version")}))
+    store.set_timeout(timedelta(seconds=deadline.left()))
     manifest = json.loads(store.get(MANIFEST_KEY.format(group=group)))
     if "error" in manifest:
         raise RuntimeError(f"weight sender refused the transfer: {manifest['error']}")
     pg = make_group(dist.PrefixStore(PG_PREFIX.format(group=group), store), rank, world, request["backend"],
-                    timeout)
+                    deadline.left())
     buffers = []
     for dtype, numel in manifest["buckets"]:
         if dtype not in DTYPES:
@@ -139,6 +186,34 @@ def check_complete(named: list, reference: dict[str, list[int]], what: str) -> N
             f"{[(n, got[n], reference[n]) for n in bad[:5]]}; nothing was loaded")
 
 
+def file_digests(directory: Path) -> dict[str, list]:
+    """{file name: [bytes, sha256 hex]} of the weight files of an HF directory (the publisher writes them into the
+    version's meta; the engine checks them before loading)."""
+    out = {}
+    for f in safetensors_files(Path(directory)):
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            while chunk := fh.read(DIGEST_CHUNK):
+                h.update(chunk)
+        out[f.name] = [f.stat().st_size, h.hexdigest()]
+    return out
+
+
+def check_digests(directory: Path, expected: dict[str, list]) -> None:
+    """ValueError naming the file when the directory's weight files are not exactly the published ones."""
+    got = file_digests(directory)
+    if sorted(got) != sorted(expected):
+        raise ValueError(f"{directory}: weight files {sorted(got)}, but the version was published with "
+                         f"{sorted(expected)}; nothing was loaded")
+    for name, (size, digest) in expected.items():
+        if got[name][0] != int(size):
+            raise ValueError(f"{directory}/{name}: {got[name][0]} bytes, published with {size} (truncated or "
+                             "rewritten); nothing was loaded")
+        if got[name][1] != digest:
+            raise ValueError(f"{directory}/{name}: SHA-256 {got[name][1][:16]}... differs from the published "
+                             f"{digest[:16]}... (the file changed after it was published); nothing was loaded")
+
+
 def read_dir(directory: Path) -> list:
     """Every tensor of an HF directory, read into memory (a missing or truncated file raises here, before any
     weight of the model is touched)."""
@@ -174,7 +249,7 @@ class WeightSyncExtension:
         return ref
 
     def _trainingrun_apply(self, named: list, what: str) -> float:
-        check_complete(named, self._trainingrun_reference(), what)
+        """Hand checked tensors (`check_complete`) to vLLM."""
         t0 = time.perf_counter()
         if hasattr(self, "reload_weights"):
             self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
@@ -189,15 +264,29 @@ class WeightSyncExtension:
         device = "cpu" if req["backend"] == "gloo" else getattr(self, "device", None)
         manifest, named, store = receive(req, rank=rank, device=device)
         t1 = time.perf_counter()
-        load_seconds = self._trainingrun_apply(named, f"broadcast version {manifest['version']}")
+        what = f"broadcast version {manifest['version']}"
+        try:
+            check_complete(named, self._trainingrun_reference(), what)
+        except ValueError as exc:  # foreign weights: refused, returned (module docstring)
+            store.set(DONE_KEY.format(group=req["group"], rank=rank), "refused")
+            return {"refused": str(exc), "version": manifest["version"]}
+        load_seconds = self._trainingrun_apply(named, what)
         store.set(DONE_KEY.format(group=req["group"], rank=rank), "ok")
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         return {"version": manifest["version"], "bytes": nbytes, "tensors": len(named),
                 "receive_seconds": round(t1 - t0, 6), "load_seconds": round(load_seconds, 6)}
 
-    def trainingrun_load_dir(self, path: str) -> dict:
+    def trainingrun_load_dir(self, path: str, files: str | None = None) -> dict:
+        """Load the HF directory `path`; `files` (JSON {name: [bytes, sha256]}) is checked first. A damaged or
+        foreign directory is refused ({"refused": reason}), the model untouched."""
         t0 = time.perf_counter()
-        named = read_dir(Path(path))
+        try:
+            if files:
+                check_digests(Path(path), json.loads(files))
+            named = read_dir(Path(path))
+            check_complete(named, self._trainingrun_reference(), path)
+        except Exception as exc:  # noqa: BLE001 - a refusal, returned with its reason (module docstring)
+            return {"refused": f"{type(exc).__name__}: {exc}", "path": path}
         t1 = time.perf_counter()
         load_seconds = self._trainingrun_apply(named, path)
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
