@@ -56,8 +56,11 @@ def test_kubectl_apply_and_get_example():
         assert st["phase"] == "Running"
         kube.patch(kube.tr_path("tiny") + "/status", {"status": st})
         table = kubectl("get", "tr").splitlines()
-        assert table[0].split() == ["NAME", "PHASE", "STEP", "GBS", "RESTARTS", "AGE"], table
+        # issue 22 added the PROGRESS column (status.progress.percentage) to the default table, ETA to -o wide
+        assert table[0].split() == ["NAME", "PHASE", "STEP", "GBS", "RESTARTS", "PROGRESS", "AGE"], table
         assert table[1].split()[:5] == ["tiny", st["phase"], "12", "48", "1"], table
         wide = kubectl("get", "tr", "tiny", "-o", "wide").splitlines()
-        assert wide[0].split()[:7] == ["NAME", "PHASE", "STEP", "GBS", "RESTARTS", "SAMPLES", "MESSAGE"], wide
-        assert wide[1].split()[5] == "540" and st["message"] in wide[1]
+        assert wide[0].split()[:9] == ["NAME", "PHASE", "STEP", "GBS", "RESTARTS", "PROGRESS", "ETA", "SAMPLES",
+                                       "MESSAGE"], wide
+        at = wide[0].index("SAMPLES")  # kubectl leaves an unset cell (here ETA) blank: read by column position
+        assert wide[1][at:].split()[0] == "540" and st["message"] in wide[1]
