@@ -98,7 +98,11 @@ def test_redis_restarted_empty_mid_run_recovers_exactly(tmp_path, ref):
             "a checkpoint and a step after it", server.restart, timeout=240)
     assert code == 0, log[-6000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["restarts"] == 1 and summary["attempts"][0]["outcome"] == "failed", summary["attempts"]
+    # the store's loss is the group's: one group restart (issue 22's default rules may first restart the rollout alone,
+    # which finds the same loss; summary.json's `restarts` counts both kinds)
+    group = summary["restarts"] - sum(summary["role_restarts"].values())
+    assert group == 1 and summary["role_restarts"].get("rollout", 0) <= 1, summary
+    assert summary["attempts"][0]["outcome"] == "failed", summary["attempts"]
     logs = "".join(p.read_text() for p in (out / "logs").glob("*.attempt0.log")) + \
         "".join(p.read_text() for p in (out / "logs").glob("*[0-9].log"))
     assert "lost its data" in logs and "restarted without persistence" in logs
