@@ -39,6 +39,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for bind(0) and outgoing connections (Linux: /proc; elsewhere the IANA range)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def metrics_ports(count: int) -> int:
+    """The first of `count` consecutive free ports for a run's spec.metrics.port, below the ephemeral range.
+
+    A block from free_port() lies inside that range: between the launcher's check and a trainer's bind, seconds later,
+    any socket bound to port 0 (gloo's many pair listeners, an outgoing connection) can take one of its ports, and that
+    trainer then serves no metrics (seen in CI: every rank-0 gauge missing from a dashboard run). Ports below the range
+    are handed out only on request."""
+    import random
+
+    from trainingrun.local import metrics_port_block
+
+    low, _high = ephemeral_port_range()
+    floor = 20000 if low > 20000 + 64 * count else 1024
+    return metrics_port_block(random.randrange(floor, low - 64 * count), count)
+
+
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
     deadline = time.monotonic() + timeout
     last = None

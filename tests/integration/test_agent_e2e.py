@@ -14,8 +14,7 @@ import pytest
 import yaml
 
 from tests.localrun import finish, records, start
-from tests.services import free_port
-from trainingrun.local import metrics_port_block
+from tests.services import metrics_ports
 
 pytestmark = pytest.mark.megatron
 
@@ -26,7 +25,7 @@ SHORT, DP_SHORT = 12, 6
 def write_spec(path: Path, rollouts: int) -> Path:
     doc = yaml.safe_load((ROOT / "examples" / "agent.yaml").read_text())
     doc["spec"]["rollout"]["numRollouts"] = rollouts
-    doc["spec"]["metrics"]["port"] = metrics_port_block(free_port(), 3)
+    doc["spec"]["metrics"]["port"] = metrics_ports(3)
     path.write_text(yaml.safe_dump(doc))
     return path
 

@@ -317,15 +317,14 @@ def check_per_step_panels(url: str, start: float, end: float) -> None:
 @pytest.mark.megatron
 def test_every_panel_returns_data_from_a_real_run_and_operator(tmp_path, redis):
     from tests.kube import Cluster
-    from tests.services import free_port, prometheus_server, stop_process, wait_for
-    from trainingrun.local import metrics_port_block
+    from tests.services import free_port, metrics_ports, prometheus_server, stop_process, wait_for
 
     doc = yaml.safe_load((ROOT / "examples" / "rl.yaml").read_text())
     doc["metadata"] = {"name": RUN_NAME}
     doc["spec"]["rollout"]["numRollouts"] = NUM_ROLLOUTS
     doc["spec"]["trainer"]["policyLoss"] = {"oldLogprobs": "trainer", "rolloutCorrection": {"type": "tis"},
                                             "ratioLevel": "sequence", "entropyCoef": 0.001}
-    base = metrics_port_block(free_port(), 3)
+    base = metrics_ports(3)
     doc["spec"]["metrics"]["port"] = base
     doc["spec"]["metrics"]["lingerSeconds"] = 1  # 10 scrapes of every process's final values
     spec = tmp_path / "dash.yaml"

@@ -21,8 +21,7 @@ import pytest
 import yaml
 
 from tests.localrun import finish, records, start, stop_when
-from tests.services import free_port
-from trainingrun.local import metrics_port_block
+from tests.services import metrics_ports
 
 pytestmark = pytest.mark.megatron
 
@@ -36,7 +35,7 @@ def _spec(path: Path) -> Path:
     s["rollout"].update(numRollouts=6, samplesPerRollout=48, maxPendingRollouts=2,
                         steps={"policy": "fixed", "globalBatchSize": 3})
     s["trainer"]["checkpoint"] = {"interval": 4, "path": "checkpoints", "keep": 2}
-    s["metrics"]["port"] = metrics_port_block(free_port(), 4)
+    s["metrics"]["port"] = metrics_ports(4)
     s["failurePolicy"] = {"maxRestarts": 0, "backoffSeconds": 0, "progressDeadlineSeconds": 150}
     path.write_text(yaml.safe_dump(doc))
     return path

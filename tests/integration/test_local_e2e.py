@@ -25,8 +25,7 @@ import yaml
 
 from tests import localrun
 from tests.localrun import finish, records
-from tests.services import free_port, prometheus_server
-from trainingrun.local import metrics_port_block
+from tests.services import metrics_ports, prometheus_server
 from trainingrun.metrics.names import TRAINER_COUNTERS, TRAINER_WEIGHTED
 
 pytestmark = pytest.mark.megatron
@@ -89,7 +88,7 @@ def _prom_raw(prom, metric: str) -> dict[str, list[tuple[float, float]]]:
 @pytest.fixture(scope="module")
 def ref2(spec_dir):
     """The reference: 2 trainers, uninterrupted, with a real Prometheus scraping rollout and trainers."""
-    base = metrics_port_block(free_port(), 3)
+    base = metrics_ports(3)
     spec = write_spec(spec_dir / "ref.yaml", metrics_port=base)
     # Linger longer here: Prometheus's scrape timeout is its 100 ms interval, and on a loaded 2-core machine a scrape
     # can time out for a couple of seconds (CI once saw no scrape of both ranks at the final step with 2 s).
@@ -328,7 +327,7 @@ def _layers(spec: Path, n: int) -> Path:
 def test_config_error_from_trainer_is_not_restarted(spec_dir):
     # valid spec (replicas 2 divisible by tp×pp 2), but 3 layers cannot be split over 2 pipeline stages: the trainer
     # refuses at start-up with exit 78 naming the field
-    spec = _layers(write_spec(spec_dir / "pp2.yaml", metrics_port=metrics_port_block(free_port(), 3),
+    spec = _layers(write_spec(spec_dir / "pp2.yaml", metrics_port=metrics_ports(3),
                               pipelineParallelSize=2), 3)
     out = spec_dir / "pp2"
     code, log = finish(start(spec, out))
@@ -356,7 +355,7 @@ def _processes_in(directory: Path) -> list[int]:
 def test_workers_per_pod_match_pods(spec_dir, ref2):
     """replicas=1 × gpusPerReplica=2 (one trainer process supervising 2 CPU workers) trains the same run as
     replicas=2 × gpusPerReplica=0 (two trainer processes): same data-parallel size, schedule, LR and loss."""
-    spec = write_spec(spec_dir / "g2.yaml", metrics_port=metrics_port_block(free_port(), 3), replicas=1,
+    spec = write_spec(spec_dir / "g2.yaml", metrics_port=metrics_ports(3), replicas=1,
                       gpusPerReplica=2)
     out = spec_dir / "g2"
     code, log = finish(start(spec, out))
@@ -376,7 +375,7 @@ def test_workers_per_pod_match_pods(spec_dir, ref2):
 def test_config_error_in_workers_is_78_without_orphans(spec_dir):
     # valid spec (world 1×2 divisible by tp×pp 2); the workers refuse 3 layers over 2 pipeline stages with exit 78,
     # which the pod's supervisor passes on unchanged, so the launcher fails the run without a restart
-    spec = _layers(write_spec(spec_dir / "g2pp2.yaml", metrics_port=metrics_port_block(free_port(), 3), replicas=1,
+    spec = _layers(write_spec(spec_dir / "g2pp2.yaml", metrics_port=metrics_ports(3), replicas=1,
                               gpusPerReplica=2, pipelineParallelSize=2), 3)
     out = spec_dir / "g2pp2"
     code, log = finish(start(spec, out))

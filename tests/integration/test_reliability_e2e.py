@@ -28,8 +28,7 @@ import yaml
 from tests import localrun
 from tests.integration.test_local_e2e import assert_same_run
 from tests.localrun import finish, records
-from tests.services import free_port, redis_server
-from trainingrun.local import metrics_port_block
+from tests.services import metrics_ports, redis_server
 from trainingrun.store import open_store
 from trainingrun.store.wire import header_span, parse_header
 
@@ -45,7 +44,7 @@ def write_spec(path: Path, *, store_url: str | None = None, max_restarts: int = 
     doc["spec"]["rollout"]["numRollouts"] = NUM_ROLLOUTS
     doc["spec"]["rollout"]["samplesPerRollout"] = 32
     doc["spec"]["trainer"]["checkpoint"]["interval"] = CKPT_INTERVAL
-    doc["spec"]["metrics"]["port"] = metrics_port_block(free_port(), 3)
+    doc["spec"]["metrics"]["port"] = metrics_ports(3)
     doc["spec"]["failurePolicy"] = {"maxRestarts": max_restarts, "backoffSeconds": 0, "progressDeadlineSeconds": 120}
     if store_url:
         doc["spec"]["store"] = {"url": store_url}

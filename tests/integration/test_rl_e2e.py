@@ -21,8 +21,7 @@ import pytest
 import yaml
 
 from tests.localrun import fault_when, finish, kill_child, records, start
-from tests.services import free_port
-from trainingrun.local import metrics_port_block
+from tests.services import metrics_ports
 
 pytestmark = pytest.mark.megatron
 
@@ -34,7 +33,7 @@ def write_spec(path: Path, trainer: dict | None = None, **rollout) -> Path:
     doc = yaml.safe_load((ROOT / "examples" / "rl.yaml").read_text())
     doc["spec"]["rollout"].update(rollout)
     doc["spec"]["trainer"].update(trainer or {})
-    doc["spec"]["metrics"]["port"] = metrics_port_block(free_port(), 3)
+    doc["spec"]["metrics"]["port"] = metrics_ports(3)
     doc["spec"]["failurePolicy"] = {"maxRestarts": 2, "backoffSeconds": 0, "progressDeadlineSeconds": 120}
     path.write_text(yaml.safe_dump(doc))
     return path

@@ -26,8 +26,7 @@ import pytest
 import yaml
 
 from tests.localrun import finish, records, start
-from tests.services import free_port, wait_for
-from trainingrun.local import metrics_port_block
+from tests.services import metrics_ports, wait_for
 from trainingrun.vllm.client import VLLMClient
 
 pytestmark = [pytest.mark.megatron, pytest.mark.vllm, pytest.mark.timeout(1500)]
@@ -63,7 +62,7 @@ def write_spec(path: Path, model: Path, *, sync: str, dtype: str, url: str | Non
                 "filters": {"zeroVariance": False}, "steps": {"policy": "dynamic"}, "numRollouts": rollouts,
                 "maxPendingRollouts": 1},
             "weightSync": {"type": sync},
-            "metrics": {"port": metrics_port_block(free_port(), 2)},
+            "metrics": {"port": metrics_ports(2)},
             "failurePolicy": {"maxRestarts": max_restarts, "backoffSeconds": 0, "progressDeadlineSeconds": 900},
         },
     }

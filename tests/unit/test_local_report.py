@@ -63,3 +63,17 @@ def test_metrics_port_block_skips_busy_ports():
         base = metrics_port_block(port, 2)
         assert base >= port + 1 or base + 1 < port
         assert base != port and base + 1 != port
+
+
+def test_test_metrics_ports_lie_below_the_ephemeral_range():
+    """The tests' metrics ports: free and never among those bind(0)/connect hand out (they could be taken between the
+    launcher's check and a trainer's bind)."""
+    from tests.services import ephemeral_port_range, metrics_ports
+
+    low, _high = ephemeral_port_range()
+    for _ in range(20):
+        base = metrics_ports(3)
+        assert base + 2 < low
+        for p in range(base, base + 3):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p))
