@@ -126,6 +126,51 @@ def test_a_dead_engine_is_replaced_by_the_others_and_restarted_it_loads_the_vers
             s.close()
 
 
+def test_answers_of_an_engine_that_restarted_between_two_probes_are_sent_again(store, versions):
+    """Regression (issue 20): an engine back on its port with vLLM's initial weights between two probes (no request
+    failed: a simulated server restarts in milliseconds) had its answers kept until the probe a second later, or the
+    call raised at its end. Now an answer counts only once a probe sent after it finds the call's label: every answer
+    engine-1 gave under the wrong weights is sent again, and the call returns exactly what one engine holding the
+    version gives (tokens and log-probabilities)."""
+    versions(0)
+    versions(1)
+    cfg = SimConfig(token_seconds=0.002, median_tokens=20, length_sigma=0.5)
+    servers = [SimulatedServer(cfg).start() for _ in range(3)]
+    said: list[str] = []
+    try:
+        ref = make_pool([servers[2].url], store)
+        ref.load_weights(0)
+        ref.load_weights(1)
+        expected = ref.generate_groups(requests(40), SAMPLING)
+        pool = make_pool(
+            [s.url for s in servers[:2]], store, said, concurrency=2)
+        pool.load_weights(0)
+        pool.load_weights(1)
+        reported = collections.Counter()
+        engine1 = servers[1].engine
+
+        def on_group(i, comps):
+            reported[i] += 1
+            if sum(reported.values()) == 4:  # a restart the pool does not see: initial label, initial weights
+                with engine1.cond:
+                    engine1.label, engine1.version_loaded = "default", 0
+            return False
+
+        out = pool.generate_groups(requests(40), SAMPLING, on_group=on_group)
+        assert engine1.served_by_label.get("default", 0) >= 1, "the test must have engine-1 answer with wrong weights"
+        assert sorted(reported) == list(range(40)) and set(reported.values()) == {1}, reported
+        assert tokens_of(out) == tokens_of(expected)
+        for got, want in zip(out, expected):
+            for a, b in zip(got, want):
+                assert np.array_equal(a.logprobs, b.logprobs), "an answer generated under the wrong weights was kept"
+                assert a.versions.tolist() == [1] * len(a.tokens)
+        assert any("engine-1" in m and "'default'" in m for m in said), said
+        pool.close()
+    finally:
+        for s in servers:
+            s.close()
+
+
 def test_an_engine_that_dies_during_a_weight_load_does_not_hold_up_the_others(store, versions):
     """Regression (found in the 2-server vLLM acceptance run): engine-1 killed between two rollouts made the pool's
     load of the next version wait for engine-1's restart (176 s there) before anything was generated. Now the

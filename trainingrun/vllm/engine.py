@@ -38,10 +38,12 @@ whose load fails is left out (recovered in the background). A load taking longer
 timeout): the worker bounds its own work. `WeightsRefused` (a damaged or foreign version) raises at once, naming the
 replica. The pool holds version v once at least one replica does.
 
-Before a call each replica's weight label is checked (a server restarted since the last call is loaded again), and
-after it each replica that answered must still carry the label: a server that restarted unnoticed (no failed request,
-no failed probe — a restart takes far longer than a probe interval) makes the call raise `EngineUnavailable` rather
-than keep answers of the wrong weights.
+Before a call each replica's weight label is checked (a server restarted since the last call is loaded again). During
+it an answer counts only once a probe of its replica sent after the answer came back finds the call's label (the
+probe is sent at once): a server that restarted unnoticed — no failed request, no failed probe, back on its port
+with vLLM's initial weights between two probes, as a simulated server can be in milliseconds — has every answer it
+gave since its last good probe sent again to the others, rather than kept with the wrong weights. A replica whose
+probe fails while it holds unconfirmed answers is taken out the same way.
 """
 
 from __future__ import annotations
@@ -70,10 +72,6 @@ PROBE_TIMEOUT = 5.0
 LOAD_REPORT_SECONDS = 30.0
 ABORT_GRACE = 2.0  # a request still in flight this long after an abort (it was on its way) is aborted again
 ABORT_WAIT = 60.0  # after that, requests still in flight are given up (cut where their prefix was)
-
-
-class LabelChanged(EngineUnavailable):
-    """A replica's weight label changed during a call without a failed request: the call's answers are suspect."""
 
 
 @dataclass
@@ -414,10 +412,11 @@ class _Call:
         self.pending: list[int] = list(range(len(self.jobs)))  # a heap of job indices: lowest position first
         heapq.heapify(self.pending)
         self.inflight: dict[int, tuple[Replica, int, float]] = {}  # job -> (replica, ticket, sent at)
+        # answers waiting for a probe of their replica sent after them: replica name -> [(job, completions, at)]
+        self.held: dict[str, list[tuple[int, list[Any], float]]] = {}
         self.stopped = False
         self.reported: set[int] = set()  # requests given to on_group
         self.new_tokens = 0
-        self.answered_by: set[str] = set()
         self.stall_said: dict[str, float] = {}
         self.probing: set[str] = set()
         self.resends: dict[int, int] = {}
@@ -432,7 +431,7 @@ class _Call:
         while True:
             if not self.stopped:
                 self._dispatch()
-            if not self.inflight and (self.stopped or not self.pending):
+            if not self.inflight and not any(self.held.values()) and (self.stopped or not self.pending):
                 break
             if not self.stopped and self.pending and not self.inflight:
                 with pool._lock:
@@ -457,10 +456,9 @@ class _Call:
                     pool.say(f"{len(self.inflight)} aborted requests did not come back within {ABORT_WAIT:.0f}s; "
                              "their samples are cut where they were")
                     self.inflight.clear()
-                    break
+                    continue  # answers still held wait for their probe
                 if now - self.last_abort > ABORT_GRACE:  # a request that was on its way when the engine paused
                     self._abort_inflight()
-        self._check_labels()
         out = []
         for key, slots in enumerate(self.results):
             req = self.requests[key]
@@ -500,14 +498,28 @@ class _Call:
 
     def _handle(self, kind: str, *args) -> None:
         if kind == "probe":
-            r, label = args
+            r, label, sent = args
             self.probing.discard(r.name)
-            with self.pool._lock:
-                if isinstance(label, str):
+            held = self.held.get(r.name)
+            if isinstance(label, str):
+                with self.pool._lock:
                     r.last_seen = time.monotonic()
-                    if r.live and label != self.pool.label(self.version) and not label.startswith(sync.LOADING):
-                        self.pool._recover(r, f"its weight label became {label!r} (restarted)")
-                        self._requeue_of(r)
+                if label == self.pool.label(self.version):
+                    if held:
+                        self.held[r.name] = [h for h in held if h[2] > sent]
+                        for job_index, result, _at in held:
+                            if _at <= sent:
+                                self._accept(job_index, r, result)
+                elif r.live and not label.startswith(sync.LOADING):
+                    self.pool._recover(r, f"its weight label became {label!r} (restarted)")
+                    self._requeue_of(r)
+                elif held and not r.live:
+                    self._requeue_of(r)
+            elif held:
+                self.pool._recover(r, f"a probe failed with answers unconfirmed ({label})")
+                self._requeue_of(r)
+            if r.live and any(at > sent for _j, _res, at in self.held.get(r.name, [])):
+                self._probe(r)  # answers that came after this probe was sent
             return
         job_index, r, ticket, result = args
         with self.pool._lock:
@@ -535,9 +547,14 @@ class _Call:
             self._requeue(job_index)
             return
         del self.inflight[job_index]
+        self.held.setdefault(r.name, []).append((job_index, result, time.monotonic()))
+        self._probe(r)
+
+    def _accept(self, job_index: int, r: Replica, result: list[Any]) -> None:
+        """An answer whose replica a later probe found holding the call's weights: it counts."""
+        job = self.jobs[job_index]
         with self.pool._lock:
             r.answered += 1
-        self.answered_by.add(r.name)
         for i, c in zip(job.samples, result):
             reason = c.finish_reason if c.finish_reason in ("stop", "length") else ABORTED
             if reason == ABORTED:
@@ -584,25 +601,30 @@ class _Call:
         heapq.heappush(self.pending, job_index)
 
     def _requeue_of(self, r: Replica) -> None:
-        """Every request `r` has in flight goes back to the queue (its answers, if they come, are dropped)."""
+        """Every request `r` has in flight or answered unconfirmed goes back to the queue (its answers, if they
+        come, are dropped)."""
         for job_index, (owner, _, _) in list(self.inflight.items()):
             if owner is r:
                 del self.inflight[job_index]
                 self._requeue(job_index)
+        for job_index, _result, _at in self.held.pop(r.name, []):
+            self._requeue(job_index)
 
-    def _probe(self) -> None:
-        """Ask every live replica for its label without blocking the loop (answers come back as events)."""
-        for r in self.pool.replicas:
+    def _probe(self, only: Replica | None = None) -> None:
+        """Ask every live replica (or `only`) for its label without blocking the loop (answers come back as events,
+        with the time the question was sent)."""
+        for r in self.pool.replicas if only is None else [only]:
             if not r.live or r.name in self.probing:
                 continue
             self.probing.add(r.name)
 
             def ask(r: Replica = r) -> None:
+                sent = time.monotonic()
                 try:
                     label: Any = r.client.weight_version(timeout=PROBE_TIMEOUT)
                 except (EngineUnavailable, VLLMError) as exc:
                     label = exc
-                self.events.put(("probe", r, label))
+                self.events.put(("probe", r, label, sent))
 
             threading.Thread(target=ask, name=f"probe-{r.name}", daemon=True).start()
 
@@ -627,20 +649,6 @@ class _Call:
             if others:
                 pool._recover(r, f"stalled ({quiet:.0f}s without an answer)")
                 self._requeue_of(r)
-
-    def _check_labels(self) -> None:
-        """Every replica that answered in this call still carries the call's label (module docstring)."""
-        want = self.pool.label(self.version)
-        for r in self.pool.replicas:
-            if r.name not in self.answered_by or not r.live:
-                continue
-            try:
-                label = r.client.weight_version(timeout=PROBE_TIMEOUT)
-            except EngineUnavailable:
-                continue  # it went away after answering: its answers were given before (by then probes held)
-            if label != want:
-                raise LabelChanged(f"{r.describe()}: its weight label changed during generation (now {label!r}, "
-                                   f"was {want!r}) without a failed request; its answers cannot be trusted")
 
 
 def meta_group(version: int) -> str:
