@@ -19,12 +19,13 @@ RUN_TIMEOUT = 300
 
 
 def start(spec: Path, out: Path, *extra: str, cwd: Path = ROOT, progress_interval: int = 10,
-          env: dict[str, str] | None = None) -> subprocess.Popen:
+          env: dict[str, str] | None = None, plot: bool = False) -> subprocess.Popen:
     """`trainingrun run SPEC --out OUT ...` in the background, stdout and stderr together (`env`: the launcher's
-    environment, which its children inherit; default this process's)."""
+    environment, which its children inherit; default this process's). Without `plot` the run draws no plot.png
+    (`--no-plot`: matplotlib's 2 s per run, in a suite of a hundred runs); the tests of the plot ask for it."""
     return subprocess.Popen(
         [sys.executable, "-m", "trainingrun", "run", str(spec), "--out", str(out),
-         "--progress-interval", str(progress_interval), *extra],
+         "--progress-interval", str(progress_interval), *([] if plot else ["--no-plot"]), *extra],
         cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
 

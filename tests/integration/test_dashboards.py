@@ -229,8 +229,17 @@ def check_panels(url: str, exprs: list[tuple[str, str]], start: float, end: floa
         points[f"{title}: {promql}"] = n
         if n == 0:
             missing.append(f"{title}: {promql}")
-    assert not missing, "panels without data:\n  " + "\n  ".join(missing)
+    assert not missing, "panels without data:\n  " + "\n  ".join(missing) + "\nscrape targets:\n  " + \
+        "\n  ".join(scrape_health(url))
     return points
+
+
+def scrape_health(url: str) -> list[str]:
+    """Each scrape target's health and last error, as Prometheus reports them (for a failure's message)."""
+    with urllib.request.urlopen(f"{url}/api/v1/targets", timeout=10) as r:
+        active = json.load(r)["data"]["activeTargets"]
+    return [f"{t['scrapeUrl']}: {t['health']} {t.get('lastError', '')!r} (last scrape {t.get('lastScrape')})"
+            for t in active]
 
 
 def variable_values(url: str, definition: str, start: float, end: float) -> list[str]:

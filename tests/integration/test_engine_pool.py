@@ -98,7 +98,8 @@ def test_a_dead_engine_is_replaced_by_the_others_and_restarted_it_loads_the_vers
     try:
         ref = make_pool([reference_server.url], store)
         ref.load_weights(0)
-        expected = tokens_of(ref.generate_groups(requests(32), SAMPLING))
+        want = ref.generate_groups(requests(32), SAMPLING)
+        expected = tokens_of(want)
         pool = make_pool([s.url for s in sims], store, said)
         pool.load_weights(0)
         reported = collections.Counter()
@@ -114,8 +115,12 @@ def test_a_dead_engine_is_replaced_by_the_others_and_restarted_it_loads_the_vers
         assert sorted(reported) == list(range(32)) and set(reported.values()) == {1}, reported
         assert tokens_of(out) == expected, "a re-sent request must answer as it would have on any engine"
         assert pool.stats["retried_prompts"] >= 1 and pool.stats["recoveries"] >= 1
+        # the version barrier: no answer of the restarted engine's initial weights is kept (a request it answered
+        # before the pool saw the restart, as in CI once, is sent again: its log-probabilities are those of v0)
+        for got, ref_group in zip(out, want):
+            for a, b in zip(got, ref_group):
+                assert np.array_equal(a.logprobs, b.logprobs), (sims[1].stats(), said)
         after = sims[1].stats()
-        assert "default" not in after["served_by_label"], after  # the version barrier
         assert after["label"] == "v0" and after["loads"], after
         assert any("engine-1" in m and "taken out of the pool" in m for m in said), said
         assert any("engine-1" in m and "back in the pool" in m for m in said), said

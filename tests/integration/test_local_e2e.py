@@ -53,8 +53,8 @@ def write_spec(path: Path, *, metrics_port: int, **trainer_overrides) -> Path:
     return path
 
 
-def start(spec: Path, out: Path, *extra: str) -> subprocess.Popen:
-    return localrun.start(spec, out, *extra)
+def start(spec: Path, out: Path, *extra: str, plot: bool = False) -> subprocess.Popen:
+    return localrun.start(spec, out, *extra, plot=plot)
 
 
 def first_checkpoint(out: Path) -> bool:
@@ -99,7 +99,7 @@ def ref2(spec_dir):
     targets = [f"127.0.0.1:{base + i}" for i in range(3)]
     with prometheus_server(targets, scrape_interval="100ms") as prom:
         t0 = time.time()
-        code, log = finish(start(spec, out))
+        code, log = finish(start(spec, out, plot=True))
         t1 = time.time() + 1
         assert code == 0, log[-4000:]
         assert "trainingrun_trainer_steps" in TRAINER_COUNTERS and W in TRAINER_WEIGHTED
@@ -205,7 +205,8 @@ def test_stop_after_checkpoint_and_resume(spec_dir, ref2):
 def test_killed_trainer_restarts_group(spec_dir, ref2):
     out = spec_dir / "killed"
     # with W&B offline too: both attempts log to one W&B run, whose id is kept with the checkpoints
-    proc = start(ref2["spec"], out, "--set", "metrics.wandb.project=e2e", "--set", "metrics.wandb.mode=offline")
+    proc = start(ref2["spec"], out, "--set", "metrics.wandb.project=e2e", "--set", "metrics.wandb.mode=offline",
+                 plot=True)
     raw = out / "raw" / "trainer-metrics.attempt0.jsonl"
 
     def past_checkpoint():

@@ -94,12 +94,14 @@ def make_spec(tmp_path: Path, **failure_policy) -> Path:
     return path
 
 
-def launch(spec: Path, out: Path, fake: Path, *extra: str, mode: str = "ok", **env) -> subprocess.Popen:
+def launch(spec: Path, out: Path, fake: Path, *extra: str, mode: str = "ok", plot: bool = False,
+           **env) -> subprocess.Popen:
+    """The real launcher over fake children; without `plot`, `--no-plot` (matplotlib's 2 s per launch)."""
     full_env = {**os.environ, "TRAININGRUN_CHILD_COMMAND": shlex.join([sys.executable, str(fake)]),
                 "FAKE_MODE": mode, **env}
     return subprocess.Popen(
         [sys.executable, "-m", "trainingrun", "run", str(spec), "--out", str(out), "--grace-seconds", "1",
-         "--progress-interval", "0.2", *extra],
+         "--progress-interval", "0.2", *([] if plot else ["--no-plot"]), *extra],
         cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 

@@ -129,7 +129,7 @@ def test_default_checkpoint_path_is_inside_the_run_directory_and_the_run_writes_
     spec = tmp_path / "nopath.yaml"
     spec.write_text(yaml.safe_dump(doc))
     out = tmp_path / "run"
-    code, stdout, stderr = finish(launch(spec, out, fake))
+    code, stdout, stderr = finish(launch(spec, out, fake, plot=True))
     assert code == 0, stderr
     assert yaml.safe_load((out / "run.yaml").read_text())["spec"]["trainer"]["checkpoint"]["path"] == "checkpoints"
     assert matplotlib.image.imread(out / "plot.png").shape[:2] == (850, 1500)
@@ -139,6 +139,14 @@ def test_default_checkpoint_path_is_inside_the_run_directory_and_the_run_writes_
     assert events and re.match(r"\d\d:\d\d:\d\d attempt 0: started", events[0])
     assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d attempt 0: started", (out / "logs" / "launcher.log").read_text(),
                      re.M)
+
+
+def test_no_plot_leaves_the_plot_to_trainingrun_plot(tmp_path, fake):
+    out = tmp_path / "run"
+    code, stdout, stderr = finish(launch(make_spec(tmp_path), out, fake))  # launch's default: --no-plot
+    assert code == 0, stderr
+    assert (out / "metrics.jsonl").exists() and not (out / "plot.png").exists()
+    assert "plot:" not in stdout
 
 
 def test_progress_line_fits_an_80_column_terminal(tmp_path, fake):

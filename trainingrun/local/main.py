@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long children get to exit after SIGTERM before SIGKILL (default 15)")
     parser.add_argument("--progress-interval", type=positive_seconds, default=5.0, metavar="S",
                         help="seconds between plain progress lines when stdout is not a terminal (default 5)")
+    parser.add_argument("--no-plot", dest="plot", action="store_false",
+                        help="do not draw RUN_DIR/plot.png when the run ends (about 2 s of matplotlib; `trainingrun "
+                             "plot DIR` draws it later)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true",
                       help="continue the run in DIR from its checkpoints, also when the spec changed (e.g. more "
@@ -192,7 +195,8 @@ def _run_locked(args: argparse.Namespace, effective_run, out_dir: Path) -> int:
     except OSError as exc:  # the run directory itself could not be set up (e.g. a full volume): nothing started
         print(f"error: {describe(exc, launcher.volumes()) or exc}", file=sys.stderr)
         return 1
-    write_run_plot(out_dir, progress)
+    if args.plot:
+        write_run_plot(out_dir, progress)
     print(summary_table(summary))
     if not launcher.summary_written:
         print(f"error: could not write {out_dir / 'summary.json'} (see the warning above); the summary is the table "
