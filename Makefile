@@ -8,6 +8,9 @@ TORCH_VERSION ?= 2.13.0
 TOOLS_VENV ?= .venv-tools
 VLLM_VENV ?= .venv-vllm
 VLLM_VERSION ?= 0.32.0
+# pytest-xdist workers of `make test`: most tests wait on subprocesses, so 2 workers on 2 cores cut the suite's wall
+# time (tests/conftest.py keeps each module, and the vLLM tests, on one worker); TEST_WORKERS=0 runs it in one process
+TEST_WORKERS ?= 2
 
 .PHONY: demo test services e2e crd bench tools vllm clean
 
@@ -40,7 +43,7 @@ demo: $(VENV)/.run
 # A fresh machine: the venv, the system services (.ci/services: apt-get install redis-server prometheus when root or
 # passwordless sudo, else an error naming the packages), checkov's own venv and vLLM's; then the whole suite.
 test: $(VENV)/.dev services tools vllm
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 services:
 	.ci/services

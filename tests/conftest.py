@@ -24,6 +24,23 @@ if sys.version_info < (3, 13):
     ast.parse = _locked_parse
 
 
+# `make test` runs the suite on 2 pytest-xdist workers with --dist loadgroup. Each test module is one group, so that
+# its module-scoped fixtures (a reference run shared by its tests) are built once; every test of the real vLLM
+# server or its tiny Llama is in one group "vllm", so that one worker starts the session's one server (two CPU
+# servers at once are slow here), and the SmolLM2 tests share one conversion.
+SESSION_GROUPS = {"vllm": "vllm", "tiny_llama_dir": "vllm", "smollm2_hf": "smollm2"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        group = next((g for f, g in SESSION_GROUPS.items() if f in getattr(item, "fixturenames", ())), None)
+        if group is None and item.get_closest_marker("vllm"):
+            group = "vllm"
+        item.add_marker(pytest.mark.xdist_group(group or item.nodeid.split("::", 1)[0]))
+
+
 @pytest.fixture
 def redis() -> RedisServer:
     """A fresh real redis-server on a random 127.0.0.1 port (per test)."""
