@@ -159,6 +159,23 @@ def test_disk_sync_with_a_pool_of_two_servers_one_of_which_dies_mid_run(tmp_path
     assert after.index("/collective_rpc") < after.index("/v1/completions"), after[-3000:]
 
 
+def test_broadcast_sync_to_a_pool_of_two_servers(tmp_path: Path, tiny_llama_dir: Path):
+    """The launcher's own pool of two fp32 servers with `broadcast`: trainer 0's sender serves one transfer to each
+    engine after every rollout (a fan-out), both engines serve requests, and every step's log-probabilities agree
+    with the trainer's within the fp32 tolerance, whichever engine generated them."""
+    out = tmp_path / "run"
+    code, log = finish(start(write_spec(tmp_path / "bc2.yaml", tiny_llama_dir, sync="broadcast", dtype="float32",
+                                        replicas=2), out), timeout=1500)
+    assert code == 0, log[-6000:]
+    recs = check_on_policy(out, log, FP32_TOL)
+    print("broadcast pool: logprob_abs_diff", [r["logprob_abs_diff"] for r in recs])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["restarts"] == 0, summary["attempts"]
+    for i in (0, 1):
+        served = (out / "logs" / f"engine-{i}.log").read_text()
+        assert served.count("/collective_rpc") >= ROLLOUTS and "/v1/completions" in served, served[-3000:]
+
+
 def test_broadcast_sync_with_a_user_server(tmp_path: Path, tiny_llama_dir: Path, vllm):
     from trainingrun.vllm.client import VLLMClient
     from trainingrun.vllm.sync import load_from_disk
