@@ -67,6 +67,21 @@ def trained_positions(store, rollouts: int) -> list[int]:
     return out
 
 
+def assert_no_prompt_lost_or_repeated(store, rollouts: int) -> None:
+    """Every stream position drawn so far is trained once, carried, or back at the front of the stream; the data
+    report's sample counts add up."""
+    trained = trained_positions(store, rollouts)
+    assert len(trained) == len(set(trained)), "no prompt trained twice"
+    state = store.get_json(STATE_KEY)
+    stream = PromptStream.from_json(state["stream"])
+    carried = {int(g["group_id"]) for g in state["carried"]}
+    assert sorted(set(trained) | carried | set(stream.returned)) == list(range(stream.cursor)), "a prompt was lost"
+    assert not (set(trained) & set(stream.returned))
+    report = data_report(store)
+    assert report["samples_produced"] == (report["samples_published"] + sum(report["samples_filtered"].values())
+                                          + report["leftover_samples"])
+
+
 def test_over_sampling_aborts_the_slowest_and_loses_no_prompt(tmp_path: Path, server):
     spec = parse_trainingrun(doc()).spec
     store = open_store(f"file://{tmp_path / 'store'}")
@@ -82,17 +97,53 @@ def test_over_sampling_aborts_the_slowest_and_loses_no_prompt(tmp_path: Path, se
         s.groups_aborted for s in stats)  # (source rollouts carried whole are counted too)
     assert value("trainingrun_rollout_engine_weight_sync_seconds", {"run": "o", "engine": "engine-0"}) > 0
     assert all(s.groups_produced >= 8 for s in stats)
-    trained = trained_positions(store, 4)
-    assert len(trained) == len(set(trained)), "no prompt trained twice"
-    state = store.get_json(STATE_KEY)
-    stream = PromptStream.from_json(state["stream"])
-    carried = {int(g["group_id"]) for g in state["carried"]}
-    # every position drawn so far is trained, carried or back at the front of the stream: none lost
-    assert sorted(set(trained) | carried | set(stream.returned)) == list(range(stream.cursor))
-    assert not (set(trained) & set(stream.returned))
-    report = data_report(store)
-    assert report["samples_produced"] == (report["samples_published"] + sum(report["samples_filtered"].values())
-                                          + report["leftover_samples"])
+    assert_no_prompt_lost_or_repeated(store, 4)
+
+
+def run_with_stand_in_trainer(url: str, publish_version, run, rollouts: int, timeout: float = 60):
+    """Version 0 published, then a stand-in trainer that takes rollout k and publishes version k+1 while
+    `run(store)` runs the rollout loop; (store, the loop's result)."""
+    store = open_store(url)
+    publish_version(store, 0)
+
+    def trainer():
+        reader = open_store(url)
+        for k in range(rollouts):
+            if not reader.wait_rollout(k, timeout=timeout):
+                return
+            publish_version(reader, k + 1)  # before the ack: with maxPendingRollouts 1 rollout k+1 then gets it
+            for r in range(2):
+                reader.ack(k, r)
+
+    t = threading.Thread(target=trainer, daemon=True)
+    t.start()
+    result = run(store)
+    t.join(timeout)
+    return store, result
+
+
+def check_token_versions(store, rollouts: int, max_lag: int) -> int:
+    """Per-token weight versions of every published payload: -1 exactly off the loss mask, never newer than the
+    trainers' weights nor older than maxPolicyLag allows, only growing within a completion. Returns how many
+    completions hold tokens of more than one version (cut under one, continued under a newer one)."""
+    mixed = 0
+    for k in range(rollouts):
+        p = contract.read(store, k)
+        assert len(p.step_lag_means) == p.num_steps and all(0 <= m <= max_lag for m in p.step_lag_means)
+        for r in range(2):
+            pl = store.read_payload(k, r)
+            tv, mask = pl["token_versions"], pl["loss_mask"]
+            assert len(tv) == len(pl["tokens"])
+            assert (tv[mask == 0] == -1).all() and (tv[mask > 0] >= 0).all()
+            assert (tv[mask > 0] <= k).all(), "no token is newer than the trainers' weights"
+            assert (tv[mask > 0] >= k - max_lag).all(), "maxPolicyLag bounds the oldest token"
+            off = pl["offsets"]
+            for a, b in zip(off[:-1], off[1:]):
+                vs = tv[a:b][mask[a:b] > 0]
+                if len(vs) and vs.min() != vs.max():
+                    mixed += 1
+                    assert (np.diff(vs) >= 0).all(), "a continued completion's versions only grow"
+    return mixed
 
 
 def test_partial_rollouts_continue_cut_completions_under_newer_weights(tmp_path: Path, server):
@@ -100,41 +151,11 @@ def test_partial_rollouts_continue_cut_completions_under_newer_weights(tmp_path:
     later source rollout under the newest version, their tokens keep the version they were generated with, and cut
     steps record the mean lag over their tokens."""
     spec = parse_trainingrun(doc(partialRollout=True, maxPolicyLag=2, numRollouts=5, overSampling=1.0)).spec
-    url = f"file://{tmp_path / 'store'}"
-    store = open_store(url)
-    publish_disk_version(store, tmp_path / "w", 0)
-
-    def trainer():
-        reader = open_store(url)
-        for k in range(5):
-            if not reader.wait_rollout(k, timeout=60):
-                return
-            for r in range(2):
-                reader.ack(k, r)
-            publish_disk_version(reader, tmp_path / "w", k + 1)
-
-    t = threading.Thread(target=trainer, daemon=True)
-    t.start()
-    result = loop(spec, store, server.url).run()
-    t.join(30)
+    store, result = run_with_stand_in_trainer(f"file://{tmp_path / 'store'}",
+                                              lambda st, v: publish_disk_version(st, tmp_path / "w", v),
+                                              lambda st: loop(spec, st, server.url).run(), 5)
     assert result.rollouts == 5
-    mixed = 0
-    for k in range(5):
-        p = contract.read(store, k)
-        assert len(p.step_lag_means) == p.num_steps and all(0 <= m <= 2 for m in p.step_lag_means)
-        for r in range(2):
-            pl = store.read_payload(k, r)
-            tv, mask = pl["token_versions"], pl["loss_mask"]
-            assert len(tv) == len(pl["tokens"])
-            assert (tv[mask == 0] == -1).all() and (tv[mask > 0] >= 0).all()
-            assert (tv[mask > 0] <= k).all(), "no token is newer than the trainers' weights"
-            assert (tv[mask > 0] >= k - 2).all(), "maxPolicyLag bounds the oldest token"
-            off = pl["offsets"]
-            for a, b in zip(off[:-1], off[1:]):
-                vs = tv[a:b][mask[a:b] > 0]
-                if len(vs) and vs.min() != vs.max():
-                    mixed += 1
-                    assert (np.diff(vs) >= 0).all(), "a continued completion's versions only grow"
+    mixed = check_token_versions(store, 5, 2)
     assert sum(contract.read(store, k).stats.partials_carried for k in range(5)) > 0
     assert mixed > 0, "some completion was cut under one version and finished under the next"
     trained = trained_positions(store, 5)

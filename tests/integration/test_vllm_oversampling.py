@@ -8,19 +8,21 @@ versions record); the server gets its weights back as it had them when the modul
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from tests.integration.test_generate_rollout import loop as loop_with_engine
-from tests.integration.test_oversampling import doc, trained_positions
+from tests.integration.test_oversampling import (
+    assert_no_prompt_lost_or_repeated,
+    check_token_versions,
+    doc,
+    run_with_stand_in_trainer,
+    trained_positions,
+)
 from trainingrun.api import parse_trainingrun
 from trainingrun.contract import published as contract
 from trainingrun.metrics.rollout import RolloutMetrics
-from trainingrun.rollout.loop import STATE_KEY, data_report
-from trainingrun.rollout.stream import PromptStream
 from trainingrun.store import open_store
 from trainingrun.vllm.engine import VLLMEngine, make_clients
 from trainingrun.vllm.publish import commit_version
@@ -73,55 +75,22 @@ def test_vllm_over_sampling_aborts_and_loses_no_prompt(tmp_path: Path, server, t
     assert aborted > 0, "the requests still running once enough groups finished are aborted"
     assert metrics.registry.get_sample_value("trainingrun_rollout_groups_total",
                                              {"run": "o", "state": "aborted"}) >= aborted
-    trained = trained_positions(store, 4)
-    assert len(trained) == len(set(trained)), "no prompt trained twice"
-    state = store.get_json(STATE_KEY)
-    stream = PromptStream.from_json(state["stream"])
-    carried = {int(g["group_id"]) for g in state["carried"]}
-    # every position drawn so far is trained, carried or back at the front of the stream: none lost
-    assert sorted(set(trained) | carried | set(stream.returned)) == list(range(stream.cursor))
-    assert not (set(trained) & set(stream.returned))
-    report = data_report(store)
-    assert report["samples_produced"] == (report["samples_published"] + sum(report["samples_filtered"].values())
-                                          + report["leftover_samples"])
+    assert_no_prompt_lost_or_repeated(store, 4)
 
 
 def test_vllm_partial_rollouts_continue_cut_completions_under_newer_versions(tmp_path: Path, server,
                                                                              tiny_llama_dir):
     """A stand-in trainer commits version k+1 after rollout k: vLLM's cut completions are continued in a later
     source rollout under a newer version, every token keeping the version it was generated under."""
-    spec = spec_of(partialRollout=True, maxPolicyLag=2, numRollouts=5, overSampling=1.0)
-    url = f"file://{tmp_path / 'store'}"
-    store = open_store(url)
-    publish(store, tiny_llama_dir, 0)
-
-    def trainer():
-        reader = open_store(url)
-        for k in range(5):
-            if not reader.wait_rollout(k, timeout=300):
-                return
-            for r in range(2):
-                reader.ack(k, r)
-            publish(reader, tiny_llama_dir, k + 1)
-
-    t = threading.Thread(target=trainer, daemon=True)
-    t.start()
-    result = loop(spec, store, server.url).run()
-    t.join(60)
+    # maxPendingRollouts 1: source rollout k+1 starts once the trainer took rollout k, after it committed version
+    # k+1, so every continuation runs under a newer version than its cut (with rollouts pending, a loaded machine
+    # let the loop run ahead under the same version and no completion held two)
+    spec = spec_of(partialRollout=True, maxPolicyLag=2, numRollouts=5, overSampling=1.0, maxPendingRollouts=1)
+    store, result = run_with_stand_in_trainer(f"file://{tmp_path / 'store'}",
+                                              lambda st, v: publish(st, tiny_llama_dir, v),
+                                              lambda st: loop(spec, st, server.url).run(), 5, timeout=300)
     assert result.rollouts == 5
-    mixed = 0
-    for k in range(5):
-        for r in range(2):
-            pl = store.read_payload(k, r)
-            tv, mask = pl["token_versions"], pl["loss_mask"]
-            assert (tv[mask == 0] == -1).all() and (tv[mask > 0] >= 0).all()
-            assert (tv[mask > 0] <= k).all() and (tv[mask > 0] >= k - 2).all()
-            off = pl["offsets"]
-            for a, b in zip(off[:-1], off[1:]):
-                vs = tv[a:b][mask[a:b] > 0]
-                if len(vs) and vs.min() != vs.max():
-                    mixed += 1
-                    assert (np.diff(vs) >= 0).all(), "a continued completion's versions only grow"
+    mixed = check_token_versions(store, 5, 2)
     carried = sum(contract.read(store, k).stats.partials_carried for k in range(5))
     print(f"vLLM partial rollouts: {carried} cut completions carried, {mixed} completions of two versions")
     assert carried > 0 and mixed > 0
