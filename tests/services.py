@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from trainingrun.local.procs import quiet_port_block
+
 REQUIRE = os.environ.get("TRAININGRUN_REQUIRE_SERVICES") == "1"
 
 
@@ -39,29 +41,66 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ephemeral_port_range() -> tuple[int, int]:
-    """The kernel's range for bind(0) and outgoing connections (Linux: /proc; elsewhere the IANA range)."""
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 49152, 65535
-
-
 def metrics_ports(count: int) -> int:
     """The first of `count` consecutive free ports for a run's spec.metrics.port, below the ephemeral range.
 
     A block from free_port() lies inside that range: between the launcher's check and a trainer's bind, seconds later,
     any socket bound to port 0 (gloo's many pair listeners, an outgoing connection) can take one of its ports, and that
-    trainer then serves no metrics (seen in CI: every rank-0 gauge missing from a dashboard run). Ports below the range
-    are handed out only on request."""
-    import random
+    trainer then serves no metrics (seen in CI: every rank-0 gauge missing from a dashboard run)."""
+    return quiet_port_block(count)
 
-    from trainingrun.local import metrics_port_block
 
-    low, _high = ephemeral_port_range()
-    floor = 20000 if low > 20000 + 64 * count else 1024
-    return metrics_port_block(random.randrange(floor, low - 64 * count), count)
+def rendezvous_port(count: int = 1) -> int:
+    """MASTER_PORT (and `count` - 1 more after it) for a group of torch.distributed processes, below the ephemeral range.
+
+    free_port()'s port stays free only until some socket binds port 0: rank 0 binds MASTER_PORT after importing torch
+    and Megatron (tens of seconds on a loaded 2-core machine), while the other pytest worker's gloo groups open
+    listeners on port 0 (seen in CI: a 3-rank checkpoint group never formed and timed out after 300 s)."""
+    return quiet_port_block(count)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rank_group(args: list[str], world: int, *, timeout: float, cwd: Path | None = None,
+               env: dict[str, str] | None = None, what: str = "") -> list[str]:
+    """Run `args` as ranks 0 .. world-1 of one torch.distributed group on 127.0.0.1; every rank's output.
+
+    Every rank must exit 0. Output goes to files, not pipes (a rank blocked on a full pipe stalls the others in their
+    next collective), and one deadline covers the group: past it every rank still running is killed and the failure
+    shows each rank's last lines."""
+    base = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(rendezvous_port()),
+            "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    logs = [tempfile.TemporaryFile("w+") for _ in range(world)]
+    procs = [subprocess.Popen(args, env={**base, "RANK": str(r)}, cwd=cwd, stdout=logs[r], stderr=subprocess.STDOUT,
+                              text=True) for r in range(world)]
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        late = [r for r, p in enumerate(procs) if p.poll() is None]
+        for r in late:
+            procs[r].kill()
+            procs[r].wait()
+        outs = []
+        for f in logs:
+            f.seek(0)
+            outs.append(f.read())
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+    label = f"{what} " if what else ""
+    if late:
+        tails = "\n".join(f"--- rank {r} ({'killed' if r in late else f'exit {procs[r].returncode}'}):\n{o[-2500:]}"
+                          for r, o in enumerate(outs))
+        pytest.fail(f"{label}group of {world}: ranks {late} still running after {timeout:.0f} s\n{tails}")
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"{label}rank {r} failed (exit {p.returncode}):\n{out[-4000:]}"
+    return outs
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.services import free_port
+from tests.services import rank_group
 
 MODEL = {"architecture": "llama", "numLayers": 2, "hiddenSize": 32, "numAttentionHeads": 4, "numQueryGroups": 2,
          "ffnHiddenSize": 64, "vocabSize": 40, "seqLength": 64,
@@ -33,15 +32,8 @@ SAMPLES = 12
 
 
 def _group(tmp: Path, world: int, *args: str, precision: str = "fp32") -> list[str]:
-    port = free_port()
-    env = {**os.environ, "CKPT_TEST_PRECISION": precision, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, *args], env={**env, "RANK": str(r)}, cwd=tmp,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"{args} rank {r} failed:\n{out[-3000:]}"
-    return outs
+    return rank_group([sys.executable, __file__, *args], world, timeout=300, cwd=tmp,
+                      env={"CKPT_TEST_PRECISION": precision}, what=str(args))
 
 
 @pytest.mark.megatron

@@ -15,17 +15,14 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.integration.test_hf_models import LINES, TOL, hf_logprobs, max_diff, score
-from tests.services import free_port
+from tests.services import rank_group
 
-ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
 BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -82,15 +79,7 @@ def test_hf_to_megatron_to_hf_is_bit_exact_at_tp2_and_ep2(models: dict[str, Path
     from trainingrun.api.models import ModelSpec
     from trainingrun.modeling import convert
 
-    port = free_port()
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, __file__, str(tmp_path), *(f"{k}={models[k]}" for k in KINDS)]
-    procs = [subprocess.Popen(args, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in range(2)]
-    for r, p in enumerate(procs):
-        out = p.communicate(timeout=600)[0]
-        assert p.returncode == 0, f"rank {r}:\n{out[-3000:]}"
+    rank_group([sys.executable, __file__, str(tmp_path), *(f"{k}={models[k]}" for k in KINDS)], 2, timeout=600)
     for kind in KINDS:
         arch = ModelSpec(hf=str(models[kind])).resolved()
         local = torch.load(tmp_path / f"{kind}-rank1-local.pt", weights_only=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.localrun import finish, records, start
-from tests.services import free_port
+from tests.services import rank_group
 
 ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
@@ -92,14 +92,7 @@ def test_hf_to_megatron_to_hf_is_bit_exact(hf_dir: Path, tmp_path: Path, world: 
     from trainingrun.api.models import ModelSpec
     from trainingrun.modeling import convert
 
-    port = free_port()
-    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(hf_dir), str(tmp_path)], env={**env, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    for r, p in enumerate(procs):
-        out = p.communicate(timeout=300)[0]
-        assert p.returncode == 0, f"rank {r}:\n{out[-3000:]}"
+    rank_group([sys.executable, __file__, str(hf_dir), str(tmp_path)], world, timeout=300)
     arch = ModelSpec(hf=str(hf_dir)).resolved()
     shards = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
     if world == 2:  # each rank really holds a shard

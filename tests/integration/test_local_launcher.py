@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from tests.services import wait_for
+from trainingrun.local.procs import ephemeral_port_range
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -153,6 +154,8 @@ def test_successful_run_writes_outputs(tmp_path, fake):
     pids = json.loads((out / "pids.json").read_text())
     ports = [p["metrics_port"] for p in pids["processes"].values()]
     assert len(set(ports)) == 4 and max(ports) - min(ports) == 3
+    # the trainers' rendezvous port lies below the ephemeral range: no bind(0) can take it before rank 0 binds it
+    assert 1024 <= pids["master_port"] < ephemeral_port_range()[0]
     assert "status" in stdout and "succeeded" in stdout  # the summary table
     assert "step 11" in stdout  # a plain progress line reached the last step
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import pytest
 import yaml
 
 from tests.localrun import finish, records, start
-from tests.services import free_port
+from tests.services import rank_group
 
 pytestmark = pytest.mark.megatron
 
@@ -45,14 +44,7 @@ CONFIGS = {
 
 
 def _group(tmp: Path, world: int, *args: str) -> list[str]:
-    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, *args], env={**env, "RANK": str(r)}, cwd=tmp,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    outs = [p.communicate(timeout=400)[0] for p in procs]
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"{args} rank {r} failed:\n{out[-3000:]}"
-    return outs
+    return rank_group([sys.executable, __file__, *args], world, timeout=400, cwd=tmp, what=str(args))
 
 
 def test_every_cpu_option_trains_and_computes_the_same_step(tmp_path: Path) -> None:

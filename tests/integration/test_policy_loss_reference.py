@@ -23,16 +23,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.services import free_port
+from tests.services import rank_group, rendezvous_port
 
-ROOT = Path(__file__).resolve().parents[2]
 SIZES = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=40, seq_length=64,
              precision="fp32")
 N_SAMPLES = 10
@@ -76,14 +74,9 @@ def name(c: dict) -> str:
 
 @pytest.mark.megatron
 def test_policy_objectives_match_a_float64_reference_at_dp_1_2_3_and_tp_2(tmp_path: Path) -> None:
-    ports = [free_port(), free_port()]
-    env = {**os.environ, "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ports[0]),
-           "SECOND_PORT": str(ports[1]), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(tmp_path)], env={**env, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(3)]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {r} failed:\n{out[-4000:]}"
+    port = rendezvous_port(2)  # the second group (TP 2) rendezvouses on the next port
+    rank_group([sys.executable, __file__, str(tmp_path)], 3, timeout=600,
+               env={"MASTER_PORT": str(port), "SECOND_PORT": str(port + 1)})
     wanted = {name(c) for c in combos()}
     acted = {"clipped": 0, "truncated": 0, "masked": 0, "seq_clipped": 0, "dual": 0}
     for phase in SPLITS:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.services import free_port, wait_for
+from tests.services import free_port, metrics_ports, wait_for
 from trainingrun.api import parse_trainingrun
 from trainingrun.contract.errors import EXIT_CONFIG_ERROR, ConfigError
 from trainingrun.metrics.rollout import RolloutMetrics
@@ -240,7 +240,7 @@ def test_rollout_program_lingers_serving_its_final_metrics(tmp_path):
     doc["spec"]["metrics"] = {"lingerSeconds": 3}
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(doc))
-    port = free_port()
+    port = metrics_ports(1)
     env = {**os.environ, "TRAININGRUN_CONFIG": str(config), "TRAININGRUN_STORE_URL": f"file://{tmp_path}/store",
            "TRAININGRUN_RUN": "t", "TRAININGRUN_METRICS_PORT": str(port)}
     proc = subprocess.Popen([sys.executable, "-m", "trainingrun", "rollout"], cwd=ROOT, env=env,

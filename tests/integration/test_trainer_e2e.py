@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.services import free_port
+from tests.services import metrics_ports, rendezvous_port
 
 CONFIG = """\
 apiVersion: trainingrun.dev/v1alpha1
@@ -70,14 +70,14 @@ def _publish(url: str, rollouts: range, finish: bool) -> None:
 
 
 def _launch(rundir: Path, store_url: str, attempt: int, extra_args: list[str] = ()) -> list[tuple[int, str]]:
-    port = free_port()
+    port = rendezvous_port()
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "TRAININGRUN_CONFIG": str(rundir / "run.yaml"), "TRAININGRUN_STORE_URL": store_url,
            "TRAININGRUN_RUN": "e2e", "TRAININGRUN_ATTEMPT": str(attempt), "OMP_NUM_THREADS": "1",
            "TRAININGRUN_METRICS_JSONL": str(rundir / "metrics.jsonl"),
            "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     procs = [subprocess.Popen([sys.executable, "-m", "trainingrun", "trainer", *extra_args], cwd=rundir,
-                              env={**env, "RANK": str(r), "TRAININGRUN_METRICS_PORT": str(free_port())},
+                              env={**env, "RANK": str(r), "TRAININGRUN_METRICS_PORT": str(metrics_ports(1))},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     return [(p.wait(timeout=240), p.stdout.read()) for p in procs]
 

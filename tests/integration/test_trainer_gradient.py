@@ -10,14 +10,12 @@ with `torch.nn.functional.cross_entropy`, gradients by `torch.autograd.grad`.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.services import free_port
+from tests.services import rank_group
 
 COMBOS = [("sft", "sample"), ("sft", "token"), ("policy_gradient", "sample"), ("policy_gradient", "token")]
 # rank -> micro-batches of global sample indices (uneven: 6 vs 3 samples, rank 1 has an empty micro-batch)
@@ -29,17 +27,7 @@ SIZES = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_siz
 
 @pytest.mark.megatron
 def test_megatron_gradient_equals_contract_gradient(tmp_path: Path) -> None:
-    port = free_port()
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen([sys.executable, __file__, str(tmp_path / "result.json")], env={**env, "RANK": str(r)},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=240)[0] for p in procs]
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {r} failed:\n{out[-3000:]}"
+    rank_group([sys.executable, __file__, str(tmp_path / "result.json")], 2, timeout=240)
     result = json.loads((tmp_path / "result.json").read_text())
     assert set(result) == {f"{a}/{b}" for a, b in COMBOS}
     for combo, r in result.items():

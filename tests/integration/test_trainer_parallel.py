@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.services import free_port
+from tests.services import rank_group
 
-ROOT = Path(__file__).resolve().parents[2]
 ARCHS = {
     "llama": dict(architecture="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                   head_dim=8, ffn_hidden_size=48, vocab_size=64, seq_length=64, normalization="RMSNorm",
@@ -42,14 +40,7 @@ STEPS = 3
 
 
 def _run(tmp: Path, world: int, timeout: float = 420) -> None:
-    port = free_port()
-    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(tmp)], env={**env, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"world {world} rank {r} failed:\n{out[-4000:]}"
+    rank_group([sys.executable, __file__, str(tmp)], world, timeout=timeout, what=f"world {world}")
 
 
 @pytest.fixture(scope="module")

@@ -65,15 +65,52 @@ def test_metrics_port_block_skips_busy_ports():
         assert base != port and base + 1 != port
 
 
-def test_test_metrics_ports_lie_below_the_ephemeral_range():
-    """The tests' metrics ports: free and never among those bind(0)/connect hand out (they could be taken between the
-    launcher's check and a trainer's bind)."""
-    from tests.services import ephemeral_port_range, metrics_ports
+def test_quiet_ports_lie_below_the_ephemeral_range_and_are_free():
+    """The launcher's MASTER_PORT and the tests' metrics and rendezvous ports: free, and never among those bind(0) and
+    outgoing connections hand out (one of those could take the port between the check and the bind seconds later:
+    seen in CI as a dashboard run missing every rank-0 gauge, and as a 3-rank group that never formed)."""
+    import random
+
+    from tests.services import metrics_ports, rendezvous_port
+    from trainingrun.local.procs import ephemeral_port_range, quiet_port_block
 
     low, _high = ephemeral_port_range()
-    for _ in range(20):
-        base = metrics_ports(3)
-        assert base + 2 < low
-        for p in range(base, base + 3):
+    rng = random.Random(3)
+    for count, base in [(3, metrics_ports(3)), (2, rendezvous_port(2)), (1, rendezvous_port())] + [
+            (c, quiet_port_block(c, rng)) for c in (1, 4) for _ in range(10)]:
+        assert 1024 <= base and base + count - 1 < low, (base, count, low)
+        for p in range(base, base + count):
             with socket.socket() as s:
                 s.bind(("127.0.0.1", p))
+
+
+def test_a_quiet_port_block_skips_a_taken_port():
+    import random
+
+    from trainingrun.local.procs import quiet_port_block
+
+    first = quiet_port_block(1, random.Random(5))
+    with socket.socket() as busy:
+        busy.bind(("", first))
+        busy.listen()
+        assert quiet_port_block(1, random.Random(5)) != first  # same start, the next free one
+
+
+def test_a_rank_group_that_hangs_is_killed_at_its_deadline_and_every_rank_is_shown(tmp_path):
+    """tests.services.rank_group: one deadline for the group; the ranks still running are killed (not left behind
+    for the next test) and the failure names them with each rank's last lines."""
+    import sys
+
+    import pytest
+
+    from tests.services import rank_group
+
+    script = ("import os, sys, time; r = os.environ['RANK']; print('rank', r, 'port', os.environ['MASTER_PORT'], "
+              "flush=True); time.sleep(60 if r == '1' else 0)")
+    with pytest.raises(pytest.fail.Exception) as failed:
+        rank_group([sys.executable, "-c", script], 3, timeout=5, cwd=tmp_path, what="hang")
+    message = str(failed.value)
+    assert "hang group of 3: ranks [1] still running after 5 s" in message
+    assert "--- rank 1 (killed)" in message and "--- rank 0 (exit 0)" in message and "rank 2 port" in message
+    outs = rank_group([sys.executable, "-c", script.replace("'1'", "'9'")], 2, timeout=30)
+    assert [o.split()[:2] for o in outs] == [["rank", "0"], ["rank", "1"]]

@@ -150,9 +150,9 @@ def test_gather_live_state_joins_tensor_parallel_shards(tmp_path: Path):
     and query groups split as the trainer holds them) equal the unsplit weights exactly."""
     import torch.multiprocessing as mp
 
-    from tests.services import free_port
+    from tests.services import rendezvous_port
 
     out = tmp_path / "result.json"
-    mp.spawn(_gather_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_gather_worker, args=(2, rendezvous_port(), str(out)), nprocs=2, join=True)
     result = json.loads(out.read_text())
     assert result["n"] > 5 and result["bad"] == []

@@ -31,8 +31,8 @@ from trainingrun.diskspace import full_volume
 from trainingrun.local.procs import (
     ProcessGroup,
     describe_exit,
-    free_port,
     metrics_port_block,
+    quiet_port_block,
     tail,
     write_json_atomic,
 )
@@ -211,7 +211,7 @@ class Launcher:
             store_url=store_url,
             config_path=str(config),
             master_addr="127.0.0.1",
-            master_port=free_port(),
+            master_port=quiet_port_block(),  # not one bind(0) can take before rank 0 binds it
             attempt=attempt,
             metrics_port=base,
             distinct_ports=True,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shlex
 import signal
 import socket
@@ -201,3 +202,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for bind(0) and outgoing connections (Linux: /proc; elsewhere the IANA range)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def quiet_port_block(count: int = 1, rng: random.Random | None = None) -> int:
+    """The first of `count` consecutive free ports below the ephemeral range, from a random start.
+
+    A port from free_port() lies inside that range: between the check and the bind seconds later (a trainer's
+    rendezvous store, its metrics server) any socket bound to port 0 — gloo's pair listeners, another program's
+    outgoing connection — can take it, and the bind fails. Ports below the range are handed out only on request; the
+    random start keeps runs started side by side apart."""
+    low, _high = ephemeral_port_range()
+    floor = 20000 if low > 20000 + 64 * count else 1024
+    return metrics_port_block((rng or random).randrange(floor, low - 64 * count), count)
