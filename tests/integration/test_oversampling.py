@@ -68,15 +68,17 @@ def trained_positions(store, rollouts: int) -> list[int]:
 
 
 def assert_no_prompt_lost_or_repeated(store, rollouts: int) -> None:
-    """Every stream position drawn so far is trained once, carried, or back at the front of the stream; the data
-    report's sample counts add up."""
+    """Every stream position drawn so far is trained once, carried (a finished group waiting for a step, or a cut
+    one waiting to be continued), or back at the front of the stream; the data report's sample counts add up."""
     trained = trained_positions(store, rollouts)
     assert len(trained) == len(set(trained)), "no prompt trained twice"
     state = store.get_json(STATE_KEY)
     stream = PromptStream.from_json(state["stream"])
     carried = {int(g["group_id"]) for g in state["carried"]}
-    assert sorted(set(trained) | carried | set(stream.returned)) == list(range(stream.cursor)), "a prompt was lost"
-    assert not (set(trained) & set(stream.returned))
+    cut = {p.position for p in stream.partials}
+    waiting = [*carried, *cut, *stream.returned]
+    assert len(waiting) == len(set(waiting)) and not (set(trained) & set(waiting)), "a prompt in two places"
+    assert sorted(set(trained) | set(waiting)) == list(range(stream.cursor)), "a prompt was lost"
     report = data_report(store)
     assert report["samples_produced"] == (report["samples_published"] + sum(report["samples_filtered"].values())
                                           + report["leftover_samples"])
@@ -158,8 +160,7 @@ def test_partial_rollouts_continue_cut_completions_under_newer_weights(tmp_path:
     mixed = check_token_versions(store, 5, 2)
     assert sum(contract.read(store, k).stats.partials_carried for k in range(5)) > 0
     assert mixed > 0, "some completion was cut under one version and finished under the next"
-    trained = trained_positions(store, 5)
-    assert len(trained) == len(set(trained))
+    assert_no_prompt_lost_or_repeated(store, 5)
 
 
 def test_a_rollout_killed_mid_abort_draws_the_same_requests_again(tmp_path: Path, server):
@@ -207,3 +208,34 @@ def test_a_rollout_killed_mid_abort_draws_the_same_requests_again(tmp_path: Path
     assert before and after == before[:1], (before, after)
     trained = trained_positions(store, 4)
     assert len(trained) == len(set(trained))
+
+
+@pytest.mark.parametrize("stale", ["drop", "mask"])
+def test_stale_cut_completions_are_dropped_or_masked_by_stale_tokens(tmp_path: Path, server, stale: str):
+    """maxPolicyLag 0 with partial rollouts: every cut completion carried into rollout k+1 holds tokens of version k,
+    older than k+1 allows. staleTokens drop: those groups are dropped (counted; their prompts generated afresh, none
+    lost) and every trained token is of its rollout's version. staleTokens mask: they are continued, their old tokens
+    stay as context with the loss mask cleared (counted), and every loss token is of its rollout's version."""
+    rollouts = 4
+    spec = parse_trainingrun(doc(partialRollout=True, maxPolicyLag=0, numRollouts=rollouts, overSampling=1.0,
+                                 staleTokens=stale)).spec
+    store, result = run_with_stand_in_trainer(f"file://{tmp_path / 'store'}",
+                                              lambda st, v: publish_disk_version(st, tmp_path / "w", v),
+                                              lambda st: loop(spec, st, server.url).run(), rollouts)
+    assert result.rollouts == rollouts
+    stats = [contract.read(store, k).stats for k in range(rollouts)]
+    assert sum(s.partials_carried for s in stats) > 0
+    old_context = 0
+    for k in range(rollouts):
+        for r in range(2):
+            pl = store.read_payload(k, r)
+            tv, mask = pl["token_versions"], pl["loss_mask"]
+            assert (tv[mask > 0] == k).all(), "lag 0: every loss token generated with rollout k's weights"
+            old_context += int(((tv >= 0) & (tv < k) & (mask == 0)).sum())
+    if stale == "drop":
+        assert sum(s.partials_dropped for s in stats) > 0 and sum(s.tokens_masked for s in stats) == 0
+        assert old_context == 0, "a dropped group leaves no old token behind"
+    else:
+        assert sum(s.tokens_masked for s in stats) > 0 and sum(s.partials_dropped for s in stats) == 0
+        assert old_context == sum(s.tokens_masked for s in stats), "each masked token stays as context"
+    assert_no_prompt_lost_or_repeated(store, rollouts)
