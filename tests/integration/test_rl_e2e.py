@@ -10,6 +10,7 @@ in-process Megatron engine generating, real Megatron-core trainers, weights thro
           group): the same steps as the reference — no prompt lost or trained twice
   old0    policyLoss.oldLogprobs trainer + rolloutCorrection tis, 8 rollouts        -> ratio 1, weights 1, same loss
   old1    the same with maxPolicyLag 1 and rolloutCorrection mask, 8 rollouts        -> ratio 1 at lag 1 too
+  overs   overSampling 0.5, 8 rollouts                                              -> groups aborted, on-policy
 """
 
 from __future__ import annotations
@@ -187,3 +188,27 @@ def test_trainer_old_logprobs_at_lag_1_give_ratio_one(spec_dir):
         assert r["importance_ratio"] == pytest.approx(1.0, abs=1e-6), r["step"]
     assert all(r["logprob_abs_diff"] > 1e-3 and r["mismatch_kl"] > 0 for r in recs[1:])
     assert any(r["masked_fraction"] > 0 for r in recs[1:])
+
+
+def test_over_sampling_aborts_groups_through_the_whole_run(spec_dir):
+    """overSampling 0.5 with the in-process engine and real trainers: each source rollout draws 16 extra prompts and
+    stops once 32 groups passed the filters; the groups it did not finish are aborted (counted in metrics.jsonl and the
+    rollout's log), their prompts go back to the stream, every generated sample is accounted for, and the run stays
+    on-policy (lag 0: the engine holds the trainer's weights). The in-process engine generates its batch in one go,
+    so nothing is cut mid-completion here: partial rollouts are tested with the simulated and the real vLLM server
+    (test_oversampling.py, test_vllm_oversampling.py)."""
+    out = spec_dir / "overs"
+    code, log = finish(start(write_spec(spec_dir / "overs.yaml", numRollouts=OLD_RUN, overSampling=0.5), out))
+    assert code == 0, log[-4000:]
+    recs = records(out)
+    assert sorted({r["rollout"] for r in recs}) == list(range(OLD_RUN))
+    aborted = {r["rollout"]: r["groups_aborted"] for r in recs}
+    assert sum(aborted.values()) > 0 and all(0 <= a <= 16 for a in aborted.values()), aborted  # of the 16 extra
+    rollout_log = (out / "logs" / "rollout.log").read_text()
+    for a in set(aborted.values()) - {0}:
+        assert f"of 48 groups finished (32 passed the filters); {a} aborted" in rollout_log, a
+    for r in recs:
+        assert r["weight_version"] == r["rollout"] and r["logprob_abs_diff"] <= 1e-3, r["step"]
+    data = json.loads((out / "summary.json").read_text())["data"]
+    assert data["samples_produced"] == data["samples_published"] + sum(data["samples_filtered"].values()) + \
+        data["leftover_samples"]
