@@ -42,8 +42,9 @@ demo: $(VENV)/.run
 
 # A fresh machine: the venv, the system services (.ci/services: apt-get install redis-server prometheus when root or
 # passwordless sudo, else an error naming the packages), checkov's own venv and vLLM's; then the whole suite.
+# --durations: the 15 slowest tests are listed at the end, to keep an eye on the 30-minute budget.
 test: $(VENV)/.dev services tools vllm
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 tests
 
 services:
 	.ci/services
