@@ -9,7 +9,8 @@ TOOLS_VENV ?= .venv-tools
 VLLM_VENV ?= .venv-vllm
 VLLM_VERSION ?= 0.32.0
 # pytest-xdist workers of `make test`: most tests wait on subprocesses, so 2 workers on 2 cores cut the suite's wall
-# time (tests/conftest.py keeps each module, and the vLLM tests, on one worker); TEST_WORKERS=0 runs it in one process
+# time (tests/conftest.py schedules each module, and all vLLM modules together, on one worker); TEST_WORKERS=0 runs it
+# in one process
 TEST_WORKERS ?= 2
 
 .PHONY: demo test services e2e crd bench tools vllm clean
@@ -44,7 +45,7 @@ demo: $(VENV)/.run
 # passwordless sudo, else an error naming the packages), checkov's own venv and vLLM's; then the whole suite.
 # --durations: the 15 slowest tests are listed at the end, to keep an eye on the 30-minute budget.
 test: $(VENV)/.dev services tools vllm
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=15 tests
 
 services:
 	.ci/services

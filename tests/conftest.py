@@ -24,21 +24,45 @@ if sys.version_info < (3, 13):
     ast.parse = _locked_parse
 
 
-# `make test` runs the suite on 2 pytest-xdist workers with --dist loadgroup. Each test module is one group, so that
-# its module-scoped fixtures (a reference run shared by its tests) are built once; every test of the real vLLM
-# server or its tiny Llama is in one group "vllm", so that one worker starts the session's one server (two CPU
-# servers at once are slow here), and the SmolLM2 tests share one conversion.
-SESSION_GROUPS = {"vllm": "vllm", "tiny_llama_dir": "vllm", "smollm2_hf": "smollm2"}
+# `make test` runs the suite on 2 pytest-xdist workers, in scopes: each test module is one scope (one worker runs
+# it), so that its module-scoped fixtures (a reference run shared by its tests) are built once, and the modules of
+# the session's real vLLM server share one scope, so that one worker starts that one server (two CPU servers at once
+# are slow here). The vLLM scope, the longest, is collected first and so starts first.
+# (xdist's own --dist loadgroup could not do it: with pytest 9.2 its group suffix never reaches the node ids, so
+# every test was scheduled alone and both workers started vLLM servers.)
+SHARED_SCOPES = {f"tests/integration/{m}.py": "vllm"
+                 for m in ("test_vllm", "test_vllm_e2e", "test_vllm_episodes", "test_vllm_oversampling")}
+SESSION_FIXTURES = {"vllm": "vllm", "tiny_llama_dir": "vllm"}  # a session fixture -> the scope of its tests
 
 
+def scope_of(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0]
+    return SHARED_SCOPES.get(module, module)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.get_closest_marker("xdist_group"):
-            continue
-        group = next((g for f, g in SESSION_GROUPS.items() if f in getattr(item, "fixturenames", ())), None)
-        if group is None and item.get_closest_marker("vllm"):
-            group = "vllm"
-        item.add_marker(pytest.mark.xdist_group(group or item.nodeid.split("::", 1)[0]))
+        needs = {SESSION_FIXTURES[f] for f in getattr(item, "fixturenames", ()) if f in SESSION_FIXTURES}
+        if item.get_closest_marker("vllm"):
+            needs.add("vllm")
+        for scope in needs - {scope_of(item.nodeid)}:
+            raise pytest.UsageError(f"{item.nodeid} uses the session's {scope} server: add its module to "
+                                    "SHARED_SCOPES in tests/conftest.py (one worker runs every test of that server)")
+    items[:] = sorted(items, key=lambda item: scope_of(item.nodeid) != "vllm")  # stable: else collection order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Whole scopes (scope_of) to one worker each, in collection order."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedScopeScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid)
+
+    config.option.loadscopereorder = False
+    return SharedScopeScheduling(config, log)
 
 
 @pytest.fixture
