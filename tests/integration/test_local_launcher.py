@@ -54,6 +54,10 @@ assert int(os.environ["WORLD_SIZE"]) >= 1 and os.environ["MASTER_ADDR"] == "127.
 if mode == "config" and rank == 0:
     print("config error: spec.trainer.something is wrong", flush=True)
     sys.exit(78)
+if mode == "config-slow-peer":  # every rank meets the error; rank 1 reaches its line a second later
+    time.sleep(1.5 if rank == 1 else 0)
+    print(f"config error seen by rank {rank}", flush=True)
+    sys.exit(78)
 steps = int(os.environ.get("FAKE_STEPS", "12"))
 ckpt = "fake-ckpt.json"
 start = json.load(open(ckpt))["next_step"] if os.path.exists(ckpt) else 0
@@ -200,6 +204,18 @@ def test_config_error_is_not_restarted(tmp_path, fake):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["restarts"] == 0 and len(summary["attempts"]) == 1
     assert not list((out / "logs").glob("*.attempt1.log"))
+
+
+def test_the_peers_of_a_rank_that_exits_78_say_so_themselves_before_the_group_stops(tmp_path, fake):
+    """A configuration error (or a full volume) one rank reports, its peers meet too: the launcher lets them exit
+    on their own (up to PEER_EXIT_SECONDS) instead of SIGTERMing them at once. Regression: under load, rank 0 of a
+    full-volume run was cut off before its own line (CI, test_reliability_e2e)."""
+    out = tmp_path / "run"
+    code, stdout, stderr = finish(launch(make_spec(tmp_path), out, fake, mode="config-slow-peer"))
+    assert code == 78, stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["exit_codes"]["trainer-0"] == 78 and summary["exit_codes"]["trainer-1"] == 78, summary
+    assert "config error seen by rank 1" in (out / "logs" / "trainer-1.log").read_text()
 
 
 def test_progress_deadline_counts_as_failure(tmp_path, fake):

@@ -188,6 +188,10 @@ def test_trainer_old_logprobs_at_lag_1_give_ratio_one(spec_dir):
         assert r["importance_ratio"] == pytest.approx(1.0, abs=1e-6), r["step"]
     assert all(r["logprob_abs_diff"] > 1e-3 and r["mismatch_kl"] > 0 for r in recs[1:])
     assert any(r["masked_fraction"] > 0 for r in recs[1:])
+    for r in recs:  # mask weights are 0 or 1: their mean is the kept fraction, their maximum 1
+        assert r["correction_weight"] == pytest.approx(1 - r["masked_fraction"], abs=1e-9), r["step"]
+        assert r["correction_weight_max"] == 1.0 and 0 <= r["masked_fraction"] < 1, r["step"]
+    assert recs[0]["masked_fraction"] == 0  # rollout 0 is generated with the trainer's own weights
 
 
 def test_over_sampling_aborts_groups_through_the_whole_run(spec_dir):

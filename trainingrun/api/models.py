@@ -342,7 +342,7 @@ class CheckpointSpec(ApiModel):
 
 
 class RolloutCorrectionSpec(ApiModel):
-    """Correction of the train–inference mismatch (docs/rl.md, "Rollout correction"): ρ = π_old/π_engine per token,
+    """Correction of the train–inference mismatch (docs/rl.md, "Policy loss"): ρ = π_old/π_engine per token,
     or at level sequence the geometric mean of the sample's per-token ρ."""
 
     CEL_RULES = (

@@ -55,6 +55,10 @@ from trainingrun.rollout.main import data_report
 from trainingrun.store import StoreError, open_store
 
 POLL_SECONDS = 0.2
+# A full volume or a configuration error that one trainer rank reports is one its peers meet too: each says so in its
+# own line and exits 78 on its own. They get this long to do it before the group is stopped (SIGTERM would cut a
+# slower rank off before its line: seen under load, rank 0 still removing the partial checkpoint).
+PEER_EXIT_SECONDS = 5.0
 ENGINE_START_TIMEOUT = 900.0  # vLLM on CPU: ~1 min on a quiet machine, several under load
 
 
@@ -316,6 +320,8 @@ class Launcher:
                 assert cause is not None
                 c = failed[cause.name]
                 full = full_volume(self.volumes())
+                if cause.role == "trainer" and (full is not None or cause.kind is policy.ExitKind.CONFIG_ERROR):
+                    self._let_trainers_finish(group)  # its peers meet the same and say so themselves
                 if full is not None:  # no restart can fix a full disk: stop cleanly, whatever the exit code
                     return Outcome("failed", culprit=c.name, reason=f"{cause.description}: {full}", log=c.log)
                 verdict = self.policy.decide(cause, self.counts())
@@ -340,6 +346,14 @@ class Launcher:
                 reason = f"no new training step for {deadline_s}s (spec.failurePolicy.progressDeadlineSeconds)"
                 return Outcome("failed", culprit="progress deadline", reason=reason, failure=policy.Failure(
                     name="progress deadline", kind=policy.ExitKind.FAILURE, description=reason))
+            time.sleep(POLL_SECONDS)
+
+    @staticmethod
+    def _let_trainers_finish(group: ProcessGroup, seconds: float = PEER_EXIT_SECONDS) -> None:
+        """Wait up to `seconds` for the trainers still running to exit on their own (PEER_EXIT_SECONDS)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and any(
+                c.returncode is None for c in group.children if c.plan.role == "trainer"):
             time.sleep(POLL_SECONDS)
 
     def _engine_failed(self, failure: policy.Failure) -> Outcome | None:
