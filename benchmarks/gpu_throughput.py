@@ -59,7 +59,7 @@ def arch_of(cfg: dict, backend: str):
     sizes = dict(architecture=m["architecture"], num_layers=m["numLayers"], hidden_size=m["hiddenSize"],
                  num_attention_heads=m["numAttentionHeads"], num_query_groups=m["numQueryGroups"],
                  ffn_hidden_size=m["ffnHiddenSize"], vocab_size=m["vocabSize"], seq_length=m["seqLength"])
-    impl = "auto" if backend == "te" else "local"  # the spec's pairing rule (api.models: te-attention-needs-te-layers)
+    impl = "auto" if backend == "te" else "local"  # the spec's pairing rule (api.spec.model: te-attention-needs-te-layers)
     return resolve(precision="bf16", transformer_impl=impl, attention_backend=backend, rope_base=500000.0,
                    tie_embeddings=True, **sizes)
 

@@ -155,7 +155,7 @@ def _copy_seconds(nbytes: int) -> float:
 def sync_vllm(args) -> dict:
     import torch
 
-    from trainingrun.api.models import ModelSpec
+    from trainingrun.api.spec.model import ModelSpec
     from trainingrun.modeling import convert
     from trainingrun.modeling.hf_io import HFWeights, write_hf_dir
     from trainingrun.vllm import sync

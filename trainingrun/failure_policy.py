@@ -255,7 +255,7 @@ class Policy:
 
     @classmethod
     def from_spec(cls, fp: Any) -> Policy:
-        """The policy of `spec.failurePolicy` (`trainingrun.api.models.FailurePolicy`): a role's budget defaults to
+        """The policy of `spec.failurePolicy` (`trainingrun.api.spec.cluster.FailurePolicy`): a role's budget defaults to
         the group's maxRestarts and backoffSeconds."""
         group = Budget(fp.max_restarts, float(fp.backoff_seconds))
         roles = {}

@@ -134,7 +134,7 @@ def _batch(step: int, dp: int, dp_rank: int, device):
 
 
 def _worker(mode: str, root: str, tp: int, out_root: str | None) -> None:
-    from trainingrun.api.models import ModelSpec
+    from trainingrun.api.spec.model import ModelSpec
     from trainingrun.modeling.model import build_model, init_distributed, prepare_device, set_seed
     from trainingrun.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
 

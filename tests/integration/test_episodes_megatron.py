@@ -31,7 +31,7 @@ def _worker(store_url: str, out_path: str) -> None:
     import torch
 
     from tests.episodes_check import Recording, check_sample
-    from trainingrun.api.models import EnvironmentSpec
+    from trainingrun.api.spec.rollout import EnvironmentSpec
     from trainingrun.contract.engine import Sampling
     from trainingrun.modeling.architecture import resolve
     from trainingrun.modeling.state import state_dict_arrays

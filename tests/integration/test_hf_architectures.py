@@ -76,7 +76,7 @@ def test_hf_to_megatron_to_hf_is_bit_exact_at_tp2_and_ep2(models: dict[str, Path
     import torch
     from safetensors.torch import load_file
 
-    from trainingrun.api.models import ModelSpec
+    from trainingrun.api.spec.model import ModelSpec
     from trainingrun.modeling import convert
 
     rank_group([sys.executable, __file__, str(tmp_path), *(f"{k}={models[k]}" for k in KINDS)], 2, timeout=600)
@@ -112,7 +112,7 @@ def _worker(out: str, models: list[str]) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from trainingrun.api.models import ModelSpec
+    from trainingrun.api.spec.model import ModelSpec
     from trainingrun.modeling.convert import canonical_names
     from trainingrun.modeling.state import gather_live_state
 

@@ -89,7 +89,7 @@ def test_hf_to_megatron_to_hf_is_bit_exact(hf_dir: Path, tmp_path: Path, world: 
     import torch
     from safetensors.torch import load_file
 
-    from trainingrun.api.models import ModelSpec
+    from trainingrun.api.spec.model import ModelSpec
     from trainingrun.modeling import convert
 
     rank_group([sys.executable, __file__, str(hf_dir), str(tmp_path)], world, timeout=300)
@@ -176,7 +176,7 @@ def _worker(hf: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from trainingrun.api.models import ModelSpec
+    from trainingrun.api.spec.model import ModelSpec
     from trainingrun.modeling.convert import canonical_names
 
     set_seed(1)

@@ -154,7 +154,8 @@ def test_a_named_backend_this_cpu_lacks_stops_the_run_at_start_up(tmp_path: Path
 # ---------------------------------------------------------------------------------------------- subprocess worker
 def _build(precision: str, options: dict, device, *, tp: int = 1):
     """Model, DDP, optimizer and scheduler as the trainer builds them, from a TrainerSpec with `options`."""
-    from trainingrun.api.models import ModelSpec, TrainerSpec
+    from trainingrun.api.spec.model import ModelSpec
+    from trainingrun.api.spec.trainer import TrainerSpec
     from trainingrun.modeling.model import attention_choice, build_model, set_seed
     from trainingrun.trainer.optim import OptimSettings, build_optimizer, performance_settings, wrap_ddp
 

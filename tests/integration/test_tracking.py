@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trainingrun.api.models import MetricsSpec
+from trainingrun.api.spec.services import MetricsSpec
 from trainingrun.tracking import (
     TrackingConfigError,
     numeric_fields,
@@ -147,7 +147,7 @@ def inspect_wandb(path: Path) -> list[dict]:
 WANDB_SCRIPT = """
 import json, sys
 from pathlib import Path
-from trainingrun.api.models import MetricsSpec
+from trainingrun.api.spec.services import MetricsSpec
 from trainingrun.tracking import open_tracker, tracking_paths
 spec = MetricsSpec.model_validate({"wandb": {"project": "proj", "mode": "offline", "tags": ["t1"]}})
 out, first, last = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])

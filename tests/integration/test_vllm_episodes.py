@@ -17,7 +17,7 @@ import pytest
 
 from tests.episodes_check import Recording, check_sample
 from tests.integration.test_vllm import EOS, SAME_ENGINE_TOL
-from trainingrun.api.models import EnvironmentSpec
+from trainingrun.api.spec.rollout import EnvironmentSpec
 from trainingrun.contract.engine import Sampling
 from trainingrun.modeling.tokenizer import run_tokenizer
 from trainingrun.rollout.episodes import EpisodeRunner, build_group

@@ -14,6 +14,23 @@ from pydantic import ValidationError
 from trainingrun.api import models
 from trainingrun.api.crd import crd, crd_yaml, spec_schema
 from trainingrun.api.checks import apply_defaults, evaluate_rule
+from trainingrun.api.spec.base import ApiModel, Rule
+from trainingrun.api.spec.cluster import FailureRule, KueueTopology, PodTemplateOverrides, VolcanoTopology
+from trainingrun.api.spec.engine import EngineSpec, VLLMSettings
+from trainingrun.api.spec.model import MoESpec, ModelSpec
+from trainingrun.api.spec.rollout import (
+    EnvironmentSpec,
+    GenerateSource,
+    PromptsSpec,
+    RewardSpec,
+    RolloutSpec,
+    SourceSpec,
+    StepPolicy,
+    SyntheticPrompts,
+    SyntheticSource,
+)
+from trainingrun.api.spec.services import StoreSpec
+from trainingrun.api.spec.trainer import OptimizerSpec, RecomputeSpec, RolloutCorrectionSpec, TrainerSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,6 +52,32 @@ def test_api_constants_keep_the_contract():
 def test_checked_in_crd_is_in_sync():
     assert (ROOT / "crds/trainingrun.yaml").read_text() == crd_yaml(), "run `make crd` and commit crds/trainingrun.yaml"
 
+
+
+def _subclasses(cls: type) -> set[type]:
+    return {sub for child in cls.__subclasses__() for sub in {child, *_subclasses(child)}}
+
+
+def test_all_models_are_every_model_of_the_api():
+    """ALL_MODELS (whose CEL rules the CRD carries) is derived from the spec and the status: every ApiModel the
+    package defines is in it once (VLLMSettings, which a hand-kept list had missed, too), and nothing else."""
+    defined = {c for c in _subclasses(ApiModel) if c.__module__.startswith("trainingrun.")}
+    assert len(set(models.ALL_MODELS)) == len(models.ALL_MODELS)
+    assert set(models.ALL_MODELS) == defined, (set(models.ALL_MODELS) ^ defined)
+    assert {VLLMSettings, models.TrainingRunSpec, models.TrainingRunStatus, models.Condition} <= set(models.ALL_MODELS)
+
+
+def test_two_models_of_one_name_are_refused(monkeypatch):
+    """The CRD finds a model's rules by its schema title (the class name): a second model of that name is an error,
+    not a rule silently attached to the wrong object or to none."""
+    from trainingrun.api import crd as crd_module
+
+    class SamplingSpec(ApiModel):  # the name of trainingrun.api.spec.rollout.SamplingSpec
+        CEL_RULES = (Rule(name="r", rule="true", message="m"),)
+
+    monkeypatch.setattr(crd_module, "ALL_MODELS", (*models.ALL_MODELS, SamplingSpec))
+    with pytest.raises(ValueError, match="SamplingSpec"):
+        crd_module.spec_schema()
 
 @pytest.mark.parametrize("version", ["1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0"])
 def test_crd_passes_kubernetes_validate(version):
@@ -268,20 +311,20 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
 }
 
 MODEL_OF = {
-    "model": models.ModelSpec, "model.moe": models.MoESpec, "trainer.optimizer": models.OptimizerSpec, "trainer": models.TrainerSpec,
-    "trainer.performance.recompute": models.RecomputeSpec,
-    "rollout.source.synthetic": models.SyntheticSource, "rollout.source": models.SourceSpec,
-    "rollout.steps": models.StepPolicy, "rollout": models.RolloutSpec, "store": models.StoreSpec,
-    "rollout.engine": models.EngineSpec,
-    "podTemplate": models.PodTemplateOverrides, "rollout.source.generate.prompts": models.PromptsSpec,
-    "rollout.source.generate.prompts.synthetic": models.SyntheticPrompts,
-    "rollout.source.generate.reward": models.RewardSpec, "": models.TrainingRunSpec,
-    "trainer.policyLoss.rolloutCorrection": models.RolloutCorrectionSpec,
-    "rollout.source.generate": models.GenerateSource,
-    "rollout.source.generate.environment": models.EnvironmentSpec,
-    "failurePolicy.rules[items]": models.FailureRule, "placement.trainer.kueue": models.KueueTopology,
-    "placement.rollout.kueue": models.KueueTopology, "placement.trainer.volcano": models.VolcanoTopology,
-    "placement.rollout.volcano": models.VolcanoTopology,
+    "model": ModelSpec, "model.moe": MoESpec, "trainer.optimizer": OptimizerSpec, "trainer": TrainerSpec,
+    "trainer.performance.recompute": RecomputeSpec,
+    "rollout.source.synthetic": SyntheticSource, "rollout.source": SourceSpec,
+    "rollout.steps": StepPolicy, "rollout": RolloutSpec, "store": StoreSpec,
+    "rollout.engine": EngineSpec,
+    "podTemplate": PodTemplateOverrides, "rollout.source.generate.prompts": PromptsSpec,
+    "rollout.source.generate.prompts.synthetic": SyntheticPrompts,
+    "rollout.source.generate.reward": RewardSpec, "": models.TrainingRunSpec,
+    "trainer.policyLoss.rolloutCorrection": RolloutCorrectionSpec,
+    "rollout.source.generate": GenerateSource,
+    "rollout.source.generate.environment": EnvironmentSpec,
+    "failurePolicy.rules[items]": FailureRule, "placement.trainer.kueue": KueueTopology,
+    "placement.rollout.kueue": KueueTopology, "placement.trainer.volcano": VolcanoTopology,
+    "placement.rollout.volcano": VolcanoTopology,
 }
 
 # Transition rules (over oldSelf: run by the API server on updates only; a single object has no Python twin):
@@ -359,7 +402,7 @@ def test_number_fields_are_doubles_in_cel():
     # lr: 1 arrives as an int in YAML; the API server types it as a double, so `minLr <= lr` compares doubles.
     schema = node_at(spec_schema(), "trainer.optimizer")
     obj = apply_defaults({"lr": 1, "minLr": 0}, schema)
-    assert evaluate_rule(models.OptimizerSpec.cel_rule("min-lr-at-most-lr").rule, obj, schema)
+    assert evaluate_rule(OptimizerSpec.cel_rule("min-lr-at-most-lr").rule, obj, schema)
 
 
 def test_crd_yaml_round_trips():

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainingrun.api.models import ModelSpec
+from trainingrun.api.spec.model import ModelSpec
 from trainingrun.modeling.architecture import (
     FAMILY_DEFAULTS,
     MODEL_PRESETS,
@@ -179,7 +179,7 @@ def test_explicit_sizes_resolve_by_the_rules_and_round_trip(family, heads, per_h
 
 
 def test_the_architecture_and_the_api_import_without_torch():
-    code = ("import sys; from trainingrun.api.models import ModelSpec; "
+    code = ("import sys; from trainingrun.api.spec.model import ModelSpec; "
             "from trainingrun.modeling import architecture, hf_config; "
             "a = ModelSpec(preset='tiny-llama').resolved(); print(a.family, 'torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)

@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from trainingrun.api.models import ModelSpec, TrainerSpec
+from trainingrun.api.spec.model import ModelSpec
+from trainingrun.api.spec.trainer import TrainerSpec
 from trainingrun.modeling import attention as attn
 from trainingrun.modeling import model as mm
 from trainingrun.modeling.architecture import Architecture, resolve

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainingrun.api.models import ModelSpec
+from trainingrun.api.spec.model import ModelSpec
 from trainingrun.modeling import convert
 from trainingrun.modeling.architecture import Architecture
 from trainingrun.modeling.hf_config import HFConfigError, hf_architecture, hf_config_for

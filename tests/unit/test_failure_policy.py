@@ -147,7 +147,7 @@ def test_a_trainer_never_restarts_alone():
 
 
 def test_policy_from_the_spec():
-    from trainingrun.api.models import FailurePolicy
+    from trainingrun.api.spec.cluster import FailurePolicy
 
     fp = FailurePolicy.model_validate({
         "maxRestarts": 4, "backoffSeconds": 7, "roles": {"engine": {"maxRestarts": 9}},
@@ -161,7 +161,7 @@ def test_policy_from_the_spec():
     # the API's vocabulary is the policy's
     import typing
 
-    from trainingrun.api.models import FailureRule
+    from trainingrun.api.spec.cluster import FailureRule
 
     assert set(typing.get_args(FailureRule.model_fields["action"].annotation)) == {a.value for a in policy.Action}
     assert set(typing.get_args(typing.get_args(FailureRule.model_fields["roles"].annotation)[0])) == set(policy.ROLES)

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from trainingrun.api.checks import validate_document
-from trainingrun.api.models import ModelSpec
+from trainingrun.api.spec.model import ModelSpec
 from trainingrun.modeling.architecture import check_parallel
 from trainingrun.modeling.hf_config import HFConfigError
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainingrun.api.models import ModelSpec
+from trainingrun.api.spec.model import ModelSpec
 from trainingrun.modeling import pipeline
 from trainingrun.modeling.architecture import Architecture
 

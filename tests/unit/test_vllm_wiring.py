@@ -85,7 +85,7 @@ def test_vllm_engine_needs_disk_or_broadcast_and_a_server(tmp_path: Path, store,
 def test_engine_url_must_be_http():
     from pydantic import ValidationError
 
-    from trainingrun.api.models import EngineSpec
+    from trainingrun.api.spec.engine import EngineSpec
 
     with pytest.raises(ValidationError, match="url"):
         EngineSpec.model_validate({"type": "vllm", "url": "h:8000"})

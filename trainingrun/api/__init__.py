@@ -1,6 +1,6 @@
-"""TrainingRun API: spec + status models (`models`), identity and label names (`constants`), CRD generation (`crd`),
-the manifest YAML decoder (`yamlcodec`), the CRD's checks of a decoded document (`checks`), the one manifest loader
-(`manifest`) and `trainingrun validate` (`validate`)."""
+"""TrainingRun API: the spec by section (`spec/`), the whole spec + status models (`models`), identity and label
+names (`constants`), CRD generation (`crd`), the manifest YAML decoder (`yamlcodec`), the CRD's checks of a decoded
+document (`checks`), the one manifest loader (`manifest`) and `trainingrun validate` (`validate`)."""
 
 from __future__ import annotations
 

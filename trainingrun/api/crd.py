@@ -5,7 +5,8 @@
 pydantic's JSON schema is turned into a *structural* OpenAPI v3 schema, as apiextensions.k8s.io/v1 requires: `$ref`s
 inlined, `anyOf [X, null]` of optional fields collapsed to X, int-or-string quantities marked
 `x-kubernetes-int-or-string`, free-form objects marked `x-kubernetes-preserve-unknown-fields`, and each model's
-CEL rules (`CEL_RULES`) attached as `x-kubernetes-validations` to the object they constrain.
+CEL rules (`CEL_RULES`, of every model in `models.ALL_MODELS`) attached as `x-kubernetes-validations` to the object
+they constrain.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ MAX_PROPERTIES = 256
 
 
 def _rules_by_title() -> dict[str, list[dict[str, Any]]]:
+    """Each model's CEL rules by its schema title (the class name): two models of one name would share a title."""
+    names = [model.__name__ for model in ALL_MODELS]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two API models share a name: {sorted(n for n in set(names) if names.count(n) > 1)}")
     out = {}
     for model in ALL_MODELS:
         if model.CEL_RULES:

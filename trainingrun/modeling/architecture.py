@@ -1,6 +1,6 @@
 """The model's architecture as one typed value, `Architecture`, and the tables a spec's model is resolved from.
 
-Each process resolves its run's model once — `trainingrun.api.models.ModelSpec.resolved()`: a preset, explicit
+Each process resolves its run's model once — `trainingrun.api.spec.model.ModelSpec.resolved()`: a preset, explicit
 sizes, or a Hugging Face directory's config.json (`modeling.hf_config.read_hf_architecture`) — and passes the value
 down to whatever builds, converts, gathers, scores or checks the model. Nothing here imports torch, so the API, the
 operator and `trainingrun validate` use it for free.

@@ -70,7 +70,7 @@ def grad_accumulation_fusion_unavailable(device) -> str | None:
 
 def performance_settings(trainer_spec, arch: Architecture, device, attention: AttentionChoice
                          ) -> tuple[ModelOptions, DDPSettings]:
-    """`spec.trainer.performance` and `optimizer.distributed` (api.models.TrainerSpec) for `arch` on `device`: the
+    """`spec.trainer.performance` and `optimizer.distributed` (api.spec.trainer.TrainerSpec) for `arch` on `device`: the
     model's options (with the resolved `attention`) and the DDP settings. ValueError naming the field when the
     device cannot run an option, or numLayers does not fit the model (module docstring)."""
     perf, distributed = trainer_spec.performance, trainer_spec.optimizer.distributed
@@ -171,7 +171,7 @@ def build_optimizer(ddp_model, opt: OptimSettings, precision: str = "fp32"):
 
 
 def optim_settings(spec_optimizer) -> OptimSettings:
-    """From `spec.trainer.optimizer` (api.models.OptimizerSpec)."""
+    """From `spec.trainer.optimizer` (api.spec.trainer.OptimizerSpec)."""
     o = spec_optimizer
     return OptimSettings(
         lr=o.lr, min_lr=o.min_lr, warmup_samples=o.warmup_samples, decay_samples=o.decay_samples,
