@@ -213,6 +213,38 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
         {"replicas": 4, "expertParallelSize": 2, "maxTokensPerGPU": 64},
         {"replicas": 3, "expertParallelSize": 2, "maxTokensPerGPU": 64},
     ),
+    # what the trainer's extra passes (the KL reference model, the forward-only pi_old pass) do not run under yet
+    ("trainer", "kl-penalty-not-pipelined"): (
+        {"replicas": 2, "pipelineParallelSize": 2, "maxTokensPerGPU": 64, "lossType": "ppo", "policyLoss": {"klCoef": 0}},
+        {"replicas": 2, "pipelineParallelSize": 2, "maxTokensPerGPU": 64, "lossType": "ppo",
+         "policyLoss": {"klCoef": 0.1}},
+    ),
+    ("trainer", "trainer-old-logprobs-not-pipelined"): (
+        {"replicas": 2, "maxTokensPerGPU": 64, "lossType": "policy_gradient", "policyLoss": {"oldLogprobs": "trainer"}},
+        {"replicas": 2, "pipelineParallelSize": 2, "maxTokensPerGPU": 64, "lossType": "policy_gradient",
+         "policyLoss": {"oldLogprobs": "trainer"}},
+    ),
+    ("trainer", "trainer-old-logprobs-not-expert-parallel"): (
+        {"replicas": 2, "expertParallelSize": 2, "maxTokensPerGPU": 64, "lossType": "policy_gradient",
+         "policyLoss": {"oldLogprobs": "engine"}},
+        {"replicas": 2, "expertParallelSize": 2, "maxTokensPerGPU": 64, "lossType": "policy_gradient",
+         "policyLoss": {"oldLogprobs": "trainer"}},
+    ),
+    ("", "store-sync-single-stage"): (
+        {"model": {"preset": "tiny"}, "trainer": {"replicas": 2, "maxTokensPerGPU": 64},
+         "rollout": {"source": {"type": "generate", "generate": {}}}},
+        {"model": {"preset": "tiny"}, "trainer": {"replicas": 2, "pipelineParallelSize": 2, "maxTokensPerGPU": 64},
+         "rollout": {"source": {"type": "generate", "generate": {}}}},
+    ),
+    # data-parallel ranks = replicas × max(gpusPerReplica, 1) / (tensorParallelSize × pipelineParallelSize): 4, then 8
+    ("", "fixed-steps-fill-the-ranks"): (
+        {"model": {"preset": "tiny"}, "trainer": {"replicas": 2, "gpusPerReplica": 8, "tensorParallelSize": 4,
+                                                  "maxTokensPerGPU": 64},
+         "rollout": {"steps": {"policy": "fixed", "globalBatchSize": 1}, "groupSize": 4, "samplesPerRollout": 8}},
+        {"model": {"preset": "tiny"}, "trainer": {"replicas": 2, "gpusPerReplica": 8, "tensorParallelSize": 2,
+                                                  "maxTokensPerGPU": 64},
+         "rollout": {"steps": {"policy": "fixed", "globalBatchSize": 1}, "groupSize": 4, "samplesPerRollout": 8}},
+    ),
     ("rollout.source.synthetic", "min-length-at-most-max"): ({"minLength": 2, "maxLength": 8}, {"minLength": 9, "maxLength": 8}),
     ("rollout.source", "jsonl-settings"): ({"type": "jsonl", "jsonl": {"path": "/x"}}, {"type": "jsonl"}),
     ("rollout.source", "jsonl-only-for-jsonl"): ({"type": "synthetic"}, {"type": "synthetic", "jsonl": {"path": "/x"}}),
@@ -273,6 +305,8 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
     ("rollout", "over-sampling-single-turn"): (
         {"overSampling": 0.25, "source": {"type": "generate", "generate": {}}},
         {"overSampling": 0.25, "source": {"type": "generate", "generate": {"environment": {"type": "calculator"}}}}),
+    ("rollout", "zero-variance-needs-groups"): ({"samplesPerRollout": 8, "groupSize": 1, "filters": {"zeroVariance": False}},
+                                                {"samplesPerRollout": 8, "groupSize": 1}),
     ("rollout.engine", "replicas-of-own-servers"): ({"type": "vllm", "url": "http://a:8000,http://b:8000"},
                                                     {"type": "vllm", "url": "http://a:8000", "replicas": 2}),
     ("store", "url-or-managed"): ({"url": "redis://r:6379/0"}, {"url": "redis://r:6379/0", "managed": True}),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -85,3 +86,97 @@ def test_message_says_what_is_allowed():
     text = (ROOT / "tests/data/invalid/bad-loss-type.yaml").read_text()
     (line,) = validate_text(text, "f")
     assert "'sft'" in line and "'policy_gradient'" in line and "'ppo'" in line and "'dpo'" in line
+
+
+# Mistakes the trainer or the rollout used to find only at run time, minutes after the API server and `validate` had
+# admitted the spec: each is a CEL rule (with its Python twin) now. (rule name, changes to examples/tiny.yaml's spec,
+# the field the error names, what it says is allowed.)
+GENERATED_VLLM = {"model": {"hf": "/models/smollm2"}, "weightSync": {"type": "disk"},
+                  "rollout": {"source": {"type": "generate", "generate": {}}, "engine": {"type": "vllm"}}}
+MOE = {"architecture": "llama", "numLayers": 2, "hiddenSize": 32, "numAttentionHeads": 4, "vocabSize": 64,
+       "seqLength": 64, "moe": {"numExperts": 6, "topK": 2, "ffnHiddenSize": 16}}
+FORMER_RUN_TIME_CHECKS = {
+    "kl-penalty-not-pipelined": (
+        {**GENERATED_VLLM, "trainer": {"pipelineParallelSize": 2, "lossType": "ppo", "policyLoss": {"klCoef": 0.1}}},
+        "spec.trainer.policyLoss.klCoef", "allowed: klCoef 0, or pipelineParallelSize 1"),
+    "trainer-old-logprobs-not-pipelined": (
+        {**GENERATED_VLLM, "trainer": {"pipelineParallelSize": 2, "lossType": "policy_gradient",
+                                       "policyLoss": {"oldLogprobs": "trainer"}}},
+        "spec.trainer.policyLoss.oldLogprobs", "allowed: oldLogprobs engine, or pipelineParallelSize 1"),
+    "trainer-old-logprobs-not-expert-parallel": (
+        {"model": MOE, "rollout": {"source": {"type": "generate", "generate": {}}},
+         "trainer": {"expertParallelSize": 2, "lossType": "policy_gradient", "policyLoss": {"oldLogprobs": "trainer"}}},
+        "spec.trainer.policyLoss.oldLogprobs", "allowed: oldLogprobs engine, or expertParallelSize 1"),
+    "store-sync-single-stage": (
+        {"rollout": {"source": {"type": "generate", "generate": {}}}, "trainer": {"pipelineParallelSize": 2}},
+        "spec.weightSync.type", "allowed: pipelineParallelSize 1 with store, or the vllm engine"),
+    "zero-variance-needs-groups": (
+        {"rollout": {"groupSize": 1}},
+        "spec.rollout.filters.zeroVariance", "allowed: groupSize >= 2, or filters.zeroVariance false"),
+    "fixed-steps-fill-the-ranks": (
+        {"rollout": {"steps": {"policy": "fixed", "globalBatchSize": 1}}, "trainer": {"replicas": 8}},
+        "spec.rollout.steps.globalBatchSize", "allowed: globalBatchSize × groupSize >= the data-parallel ranks"),
+}
+
+
+REPLACED = ("model", "source")  # taken whole from the changes, not merged into tiny's
+
+
+def tiny_with(changes: dict) -> dict:
+    """examples/tiny.yaml with `changes` merged into its spec (mappings merged, except REPLACED; other values
+    replaced)."""
+    def merge(base: dict, extra: dict) -> dict:
+        out = dict(base)
+        for key, value in extra.items():
+            nested = isinstance(value, dict) and isinstance(base.get(key), dict) and key not in REPLACED
+            out[key] = merge(base[key], value) if nested else value
+        return out
+
+    doc = yaml.safe_load((ROOT / "examples/tiny.yaml").read_text())
+    doc["spec"] = merge(doc["spec"], changes)
+    return doc
+
+
+@pytest.mark.parametrize("name", sorted(FORMER_RUN_TIME_CHECKS))
+def test_former_run_time_checks_are_refused_by_validate_naming_the_field(name, tmp_path):
+    changes, field, allowed = FORMER_RUN_TIME_CHECKS[name]
+    doc = tiny_with(changes)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    (line,) = validate_text(path.read_text(), str(path))  # exactly this mistake, nothing else
+    assert f": {field}: " in line and allowed in line, line
+    assert line.startswith(f"{path}:")
+    # the loaders without the CEL engine (the Python twin) refuse it too, with the same message
+    from trainingrun.api import parse_trainingrun
+    from trainingrun.api.models import ALL_MODELS
+
+    (rule,) = [r for m in ALL_MODELS for r in m.CEL_RULES if r.name == name]
+    with pytest.raises(ValueError, match=re.escape(rule.message)):
+        parse_trainingrun(doc)
+
+
+def test_validate_cli_refuses_each_former_run_time_check(tmp_path):
+    paths = []
+    for name, (changes, _, _) in sorted(FORMER_RUN_TIME_CHECKS.items()):
+        paths.append(tmp_path / f"{name}.yaml")
+        paths[-1].write_text(yaml.safe_dump(tiny_with(changes), sort_keys=False))
+    proc = run_cli(*map(str, paths))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    for path, (_, field, _) in zip(paths, (FORMER_RUN_TIME_CHECKS[n] for n in sorted(FORMER_RUN_TIME_CHECKS))):
+        assert any(line.startswith(f"{path}:") and f": {field}: " in line for line in proc.stderr.splitlines()), (
+            path, proc.stderr)
+
+
+def test_run_refuses_too_many_trainers_for_fixed_steps_before_starting_anything(tmp_path):
+    """`--trainers` is applied before validation: fixed steps of 2 synthetic groups of 4 samples fill 2 ranks, not 16;
+    `trainingrun run` refuses at once (exit 1, the line `validate` prints for the same spec), starting nothing."""
+    doc = tiny_with({"rollout": {"steps": {"policy": "fixed", "globalBatchSize": 2}}})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    assert validate_text(path.read_text(), str(path)) == []
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "trainingrun", "run", str(path), "--trainers", "16", "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert ": spec.rollout.steps.globalBatchSize: " in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not out.exists()

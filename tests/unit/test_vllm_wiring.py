@@ -299,12 +299,18 @@ def test_a_fenced_off_trainer_cannot_commit_a_weight_version(tmp_path: Path):
 
 def test_the_store_publisher_is_refused_at_pipeline_parallel_size_2_naming_the_field(tmp_path: Path, store):
     """weightSync store publishes trainer rank 0's own state dict, which at PP 2 holds one stage of the model: the
-    trainer refuses it at start-up (exit 78 through its ValueError → ConfigError) rather than publishing half a model."""
+    spec refuses it at admission (the CEL rule store-sync-single-stage and its Python twin: the API server,
+    `trainingrun validate` and every loader), naming the field; the trainer's own check refuses it at start-up too
+    (exit 78 through its ValueError → ConfigError) rather than publishing half a model."""
     from trainingrun.trainer.weights import StoreWeightPublisher, make_publisher
 
     doc = run_doc(tmp_path, engine={"type": "megatron"}, sync="store")
     doc["spec"]["trainer"]["replicas"] = 2
-    assert isinstance(make_publisher(parse_trainingrun(doc).spec, store, arch=ARCH, rank=0), StoreWeightPublisher)
+    spec = parse_trainingrun(doc).spec
+    assert isinstance(make_publisher(spec, store, arch=ARCH, rank=0), StoreWeightPublisher)
     doc["spec"]["trainer"]["pipelineParallelSize"] = 2
+    with pytest.raises(ValueError, match=r"weightSync\.type store publishes .* allowed: pipelineParallelSize 1"):
+        parse_trainingrun(doc)
+    spec.trainer.pipeline_parallel_size = 2  # past admission: only the trainer section's own rules run on assignment
     with pytest.raises(ValueError, match=r"^weightSync\.type: store .* trainer\.pipelineParallelSize 2; allowed: "):
-        make_publisher(parse_trainingrun(doc).spec, store, arch=ARCH, rank=0)
+        make_publisher(spec, store, arch=ARCH, rank=0)

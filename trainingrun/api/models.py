@@ -118,6 +118,30 @@ class TrainingRunSpec(ApiModel):
             fieldPath=".trainer.performance.gradReduceDtype",
         ),
         Rule(
+            name="store-sync-single-stage",
+            rule=f"!({_GENERATED}) || {_SYNC} != 'store' || self.trainer.pipelineParallelSize == 1",
+            message="weightSync.type store publishes trainer rank 0's state dict, which holds one pipeline stage when "
+            "trainer.pipelineParallelSize > 1; allowed: pipelineParallelSize 1 with store, or the vllm engine "
+            "(weightSync.type disk or broadcast), whose publishers gather the stages",
+            fieldPath=".weightSync.type",
+        ),
+        # Synthetic groups hold groupSize samples each, so a fixed step's size is known here: every data-parallel
+        # rank needs a sample of every step (the rollout checks the other sources' steps as it forms them).
+        Rule(
+            name="fixed-steps-fill-the-ranks",
+            rule="!has(self.rollout) || !has(self.rollout.steps) || self.rollout.steps.policy != 'fixed'"
+            " || !has(self.rollout.steps.globalBatchSize)"
+            " || (has(self.rollout.source) && self.rollout.source.type != 'synthetic')"
+            " || self.rollout.steps.globalBatchSize * self.rollout.groupSize >= (self.trainer.replicas"
+            " * (self.trainer.gpusPerReplica > 0 ? self.trainer.gpusPerReplica : 1))"
+            " / (self.trainer.tensorParallelSize * self.trainer.pipelineParallelSize)",
+            message="rollout.steps.globalBatchSize groups of rollout.groupSize synthetic samples per step are fewer "
+            "than the data-parallel ranks (trainer.replicas × max(gpusPerReplica, 1) / (tensorParallelSize × "
+            "pipelineParallelSize)), and each rank needs a sample of every step; allowed: globalBatchSize × groupSize "
+            ">= the data-parallel ranks",
+            fieldPath=".rollout.steps.globalBatchSize",
+        ),
+        Rule(
             name="vllm-needs-hf",
             rule=f"!({_GENERATED}) || !({_VLLM}) || has(self.model.hf)",
             message="rollout.engine.type vllm loads Hugging Face weights: set model.hf to a Hugging Face directory "
@@ -233,6 +257,12 @@ class TrainingRunSpec(ApiModel):
             raise ValueError(self.cel_rule("greedy-groups-never-vary").message)
         if self.trainer.performance.grad_reduce_dtype == "bf16" and self.model.precision != "bf16":
             raise ValueError(self.cel_rule("bf16-grad-reduce-needs-bf16").message)
+        if generated and self.weight_sync.type == "store" and self.trainer.pipeline_parallel_size > 1:
+            raise ValueError(self.cel_rule("store-sync-single-stage").message)
+        steps = self.rollout.steps
+        if steps.policy == "fixed" and steps.global_batch_size is not None and self.rollout.source.type == "synthetic" \
+                and steps.global_batch_size * self.rollout.group_size < self.trainer.data_parallel_size:
+            raise ValueError(self.cel_rule("fixed-steps-fill-the-ranks").message)
         return self
 
 

@@ -156,19 +156,9 @@ def data_report(store: Store) -> dict[str, Any] | None:
 
 
 # ------------------------------------------------------------------------------------------------------ set-up
-def check_config(spec: TrainingRunSpec, dp_size: int, arch: Architecture) -> None:
+def check_config(spec: TrainingRunSpec, arch: Architecture) -> None:
     """Settings that can never work with the run's model `arch`; ConfigError naming the field."""
     r = spec.rollout
-    if r.filters.zero_variance and r.group_size < 2:
-        raise ConfigError(
-            "rollout.filters.zeroVariance: with groupSize 1 every group has zero reward variance and would be "
-            "dropped; set groupSize >= 2 or zeroVariance: false"
-        )
-    if r.steps.policy == "fixed" and r.steps.global_batch_size * r.group_size < dp_size and r.source.type == "synthetic":
-        raise ConfigError(
-            f"rollout.steps.globalBatchSize: {r.steps.global_batch_size} groups of {r.group_size} samples per step "
-            f"are fewer than the {dp_size} data-parallel ranks (each rank needs a sample per step)"
-        )
     if r.source.type == "synthetic":
         vocab = r.source.synthetic.vocab_size
         model_vocab = arch.vocab_size
@@ -236,7 +226,7 @@ class RolloutLoop:
             self.arch = spec.model.resolved()  # once per process; passed down
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        check_config(spec, self.dp, self.arch)
+        check_config(spec, self.arch)
         seq_length = self.arch.seq_length
         self.max_length = min(spec.rollout.filters.max_length or seq_length, seq_length)
         self.source = make_source(spec, self.arch, self.say, store, max_wait)

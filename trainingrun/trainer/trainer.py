@@ -115,19 +115,6 @@ class Trainer:
         if env.world_size % (tp * pp):
             raise ConfigError(f"WORLD_SIZE: {env.world_size} not divisible by trainer.tensorParallelSize {tp} × "
                               f"trainer.pipelineParallelSize {pp}")
-        if pp > 1 and ts.loss_type == "ppo" and ts.policy_loss.kl_coef > 0:
-            raise ConfigError(f"trainer.policyLoss.klCoef: {ts.policy_loss.kl_coef} needs the reference model, which "
-                              f"is not pipelined (trainer.pipelineParallelSize {pp}); allowed: klCoef 0, or "
-                              "pipelineParallelSize 1")
-        if pp > 1 and ts.policy_loss.old_logprobs == "trainer":
-            raise ConfigError(f"trainer.policyLoss.oldLogprobs: 'trainer' recomputes pi_old by a forward-only pass that "
-                              f"is not pipelined yet (trainer.pipelineParallelSize {pp}); allowed: oldLogprobs engine, "
-                              "or pipelineParallelSize 1")
-        if ts.expert_parallel_size > 1 and ts.policy_loss.old_logprobs == "trainer":
-            raise ConfigError(f"trainer.policyLoss.oldLogprobs: 'trainer' recomputes pi_old by a forward-only pass that "
-                              f"does not yet pad the micro-batches of an expert-parallel group nor replay routes "
-                              f"(trainer.expertParallelSize {ts.expert_parallel_size}); allowed: oldLogprobs engine, or "
-                              "expertParallelSize 1")
         try:
             arch = spec.model.resolved()
         except ValueError as exc:

@@ -338,6 +338,13 @@ class RolloutSpec(ApiModel):
                     "not over-sampled: set overSampling 0 or remove the environment",
             fieldPath=".overSampling",
         ),
+        Rule(
+            name="zero-variance-needs-groups",
+            rule="self.groupSize >= 2 || (has(self.filters) && !self.filters.zeroVariance)",
+            message="filters.zeroVariance with groupSize 1: every group has zero reward variance and would be "
+                    "dropped; allowed: groupSize >= 2, or filters.zeroVariance false",
+            fieldPath=".filters.zeroVariance",
+        ),
     )
 
     source: SourceSpec = Field(default_factory=SourceSpec, description="Where samples come from.")
@@ -381,4 +388,6 @@ class RolloutSpec(ApiModel):
             raise ValueError(self.cel_rule("partial-needs-over-sampling").message)
         if self.over_sampling > 0 and self.source.generate is not None and self.source.generate.environment is not None:
             raise ValueError(self.cel_rule("over-sampling-single-turn").message)
+        if self.filters.zero_variance and self.group_size < 2:
+            raise ValueError(self.cel_rule("zero-variance-needs-groups").message)
         return self

@@ -268,6 +268,31 @@ class TrainerSpec(ApiModel):
             "optimizer.distributed true, or overlapParamGather false",
             fieldPath=".performance.overlapParamGather",
         ),
+        # What the trainer's extra passes do not run under yet (docs/trainer.md, "Parallelism: what runs, what is
+        # refused"): the frozen reference model of the KL penalty and the forward-only pi_old pass.
+        Rule(
+            name="kl-penalty-not-pipelined",
+            rule="self.pipelineParallelSize == 1 || self.lossType != 'ppo' || !has(self.policyLoss)"
+            " || self.policyLoss.klCoef == 0.0",
+            message="policyLoss.klCoef > 0 (lossType ppo) needs the reference model, which is not pipelined "
+            "(pipelineParallelSize > 1); allowed: klCoef 0, or pipelineParallelSize 1",
+            fieldPath=".policyLoss.klCoef",
+        ),
+        Rule(
+            name="trainer-old-logprobs-not-pipelined",
+            rule="self.pipelineParallelSize == 1 || !has(self.policyLoss) || self.policyLoss.oldLogprobs != 'trainer'",
+            message="policyLoss.oldLogprobs trainer recomputes pi_old by a forward-only pass that is not pipelined yet "
+            "(pipelineParallelSize > 1); allowed: oldLogprobs engine, or pipelineParallelSize 1",
+            fieldPath=".policyLoss.oldLogprobs",
+        ),
+        Rule(
+            name="trainer-old-logprobs-not-expert-parallel",
+            rule="self.expertParallelSize == 1 || !has(self.policyLoss) || self.policyLoss.oldLogprobs != 'trainer'",
+            message="policyLoss.oldLogprobs trainer recomputes pi_old by a forward-only pass that does not yet pad the "
+            "micro-batches of an expert-parallel group nor replay routes (expertParallelSize > 1); allowed: "
+            "oldLogprobs engine, or expertParallelSize 1",
+            fieldPath=".policyLoss.oldLogprobs",
+        ),
     )
 
     replicas: int = Field(1, ge=1, le=4096, description="Trainer pods; with one process each, the data-parallel ranks.")
@@ -321,6 +346,12 @@ class TrainerSpec(ApiModel):
             raise ValueError(self.cel_rule("expert-parallel-divides-data-parallel").message)
         if self.performance.overlap_param_gather and not self.optimizer.distributed:
             raise ValueError(self.cel_rule("param-gather-overlap-needs-distributed-optimizer").message)
+        if self.pipeline_parallel_size > 1 and self.loss_type == "ppo" and pl.kl_coef > 0:
+            raise ValueError(self.cel_rule("kl-penalty-not-pipelined").message)
+        if self.pipeline_parallel_size > 1 and pl.old_logprobs == "trainer":
+            raise ValueError(self.cel_rule("trainer-old-logprobs-not-pipelined").message)
+        if self.expert_parallel_size > 1 and pl.old_logprobs == "trainer":
+            raise ValueError(self.cel_rule("trainer-old-logprobs-not-expert-parallel").message)
         return self
 
     @property
