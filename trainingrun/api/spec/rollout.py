@@ -22,24 +22,29 @@ from trainingrun.api.spec.engine import EngineSpec
 
 RewardType = Literal["exact_match", "token_match", "reasoning_gym", "math_verify", "function"]
 
+# The synthetic tasks' prompt lengths (replayed and generated): one rule and its twin for both.
+LENGTHS_IN_ORDER = Rule(name="min-length-at-most-max", rule="self.minLength <= self.maxLength",
+                        message="minLength must be <= maxLength")
+
+
+def _lengths_in_order(model: Any) -> Any:
+    if model.min_length > model.max_length:
+        raise ValueError(LENGTHS_IN_ORDER.message)
+    return model
+
 
 class SyntheticSource(ApiModel):
     """A learnable, seeded task: each prompt of random tokens is answered by the task applied to it, with
     heavy-tailed lengths; each sample of a group gets a reward (fraction of correct answer tokens under noise)."""
 
-    CEL_RULES = (Rule(name="min-length-at-most-max", rule="self.minLength <= self.maxLength",
-                      message="minLength must be <= maxLength"),)
+    CEL_RULES = (LENGTHS_IN_ORDER,)
 
     task: Literal["reverse", "sort", "copy"] = Field("reverse", description="What the response does to the prompt.")
     min_length: int = Field(4, ge=1, le=MAX_LENGTH, description="Shortest prompt in tokens.")
     max_length: int = Field(48, ge=1, le=MAX_LENGTH, description="Longest prompt in tokens (lengths are heavy-tailed up to it).")
     vocab_size: int | None = Field(None, ge=4, le=1048576, description="Token ids used (default: the model's vocabSize).")
 
-    @model_validator(mode="after")
-    def _rules(self) -> SyntheticSource:
-        if self.min_length > self.max_length:
-            raise ValueError(self.cel_rule("min-length-at-most-max").message)
-        return self
+    _rules = model_validator(mode="after")(_lengths_in_order)
 
 
 class JsonlSource(ApiModel):
@@ -55,8 +60,7 @@ class SyntheticPrompts(ApiModel):
     """Built-in token tasks a tiny model can learn by RL: prompt = random content tokens + separator; the answer is
     the task applied to them, then the end token. Token ids: 0 pad, 1 separator, 2 end, 3.. content."""
 
-    CEL_RULES = (Rule(name="min-length-at-most-max", rule="self.minLength <= self.maxLength",
-                      message="minLength must be <= maxLength"),)
+    CEL_RULES = (LENGTHS_IN_ORDER,)
 
     task: Literal["copy", "reverse", "sort", "successor"] = Field(
         "reverse", description="copy, reverse or sort the prompt; successor: each token's next content id (cyclic).")
@@ -64,11 +68,7 @@ class SyntheticPrompts(ApiModel):
     max_length: int = Field(4, ge=1, le=4096, description="Longest prompt in content tokens (uniform in between).")
     vocab_size: int | None = Field(None, ge=4, le=1048576, description="Token ids used (default: the model's vocabSize).")
 
-    @model_validator(mode="after")
-    def _rules(self) -> SyntheticPrompts:
-        if self.min_length > self.max_length:
-            raise ValueError(self.cel_rule("min-length-at-most-max").message)
-        return self
+    _rules = model_validator(mode="after")(_lengths_in_order)
 
 
 class ReasoningGymPrompts(ApiModel):
