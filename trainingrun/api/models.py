@@ -1354,7 +1354,7 @@ class TrainingRunSpec(ApiModel):
             fieldPath=".trainer.lossType",
         ),
         # The engine of generated rollouts and how the trained weights reach it (`trainingrun.trainer.weights`,
-        # `trainingrun.vllm.publish`): store for the megatron engine; disk or broadcast for vllm, which loads them as
+        # `trainingrun.engines.vllm.publish`): store for the megatron engine; disk or broadcast for vllm, which loads them as
         # a Hugging Face model (so it needs model.hf).
         Rule(
             name="store-sync-needs-megatron",
