@@ -2,8 +2,8 @@
 
 Each simulated engine (`python -m trainingrun.engines.simulated`, a process of its own) decodes up to --sim-batch
 sequences at once, --token-ms per token, with log-normal (long-tailed) completion lengths; the rollout reaches it
-through the same pool client as a real vLLM server (`trainingrun.engines.vllm.engine.VLLMEngine`). So the figures are the
-rollout's dispatch, abort and overlap, not this machine's CPU.
+through the same pool client as a real vLLM server (`trainingrun.engines.vllm.engine.VLLMEngine`, the engine pool
+over vLLM servers). So the figures are the rollout's dispatch, abort and overlap, not this machine's CPU.
 
 throughput   the same requests through a pool of 1, 2 and 4 engines: generated tokens per second; target
              4 engines >= 0.9 x 4 x one engine.

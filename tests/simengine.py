@@ -1,6 +1,7 @@
-"""Simulated vLLM servers for tests (`trainingrun.engines.simulated`): in this process (a thread) or as a process of their
-own, which a test can kill, stop (SIGSTOP) and start again on the same port; and weight versions published as the
-trainers' disk publisher does (an HF-style directory with a safetensors file and its digests in the store's meta)."""
+"""Simulated vLLM servers for tests (`trainingrun.engines.simulated`): in this process (a thread) or as a process of
+their own, which a test can kill, stop (SIGSTOP) and start again on the same port; and weight versions published as
+the trainers' disk publisher does (an HF-style directory with a safetensors file and its digests in the store's
+meta)."""
 
 from __future__ import annotations
 

@@ -23,9 +23,10 @@ RBAC rule in `rbac.GANG_RULES`).
 
 The run's own engine servers (`rollout.engine.replicas` pods, rendered by the engine table's `ServerPods`) are a
 serving group of their own: the provider's objects named `R-engine` (PodGroup minMember / Workload minCount =
-replicas, minResources = their requests) and, with Kueue, the pod group `R-engine` in the same LocalQueue. Not the attempt's group: the engines outlive attempts (a restarted trainer group
-keeps them, and their minutes of model loading), while an attempt's PodGroup and Kueue workload end with it. So the
-engines' GPUs are inside the run's Kueue quota and gang-scheduled, without tying their lifetime to an attempt's.
+replicas, minResources = their requests) and, with Kueue, the pod group `R-engine` in the same LocalQueue. Not the
+attempt's group: the engines outlive attempts (a restarted trainer group keeps them, and their minutes of model
+loading), while an attempt's PodGroup and Kueue workload end with it. So the engines' GPUs are inside the run's Kueue
+quota and gang-scheduled, without tying their lifetime to an attempt's.
 
 Kueue (`spec.queueName`, `kueue_metadata`): Kueue's plain-pod integration admits a group of pods as one workload
 when each carries the label kueue.x-k8s.io/queue-name (the LocalQueue), the label kueue.x-k8s.io/pod-group-name (the

@@ -351,10 +351,10 @@ def render_engine_config_map(run: TrainingRun, owner: Owner) -> dict[str, Any]:
 
 def render_engine_pod(run: TrainingRun, owner: Owner, replica: int = 0, generation: int = 0,
                       gang_version: str | None = None) -> dict[str, Any]:
-    """The run's engine server `replica` in its `generation` (its engine type's `ServerPods`): restartPolicy Never (the operator replaces a failed one:
-    the failure policy, its budget in the run's status), the run's podTemplate volumes (model.hf and weightSync.path
-    live there), hostname engine-<i> under the headless Service (the same in every generation), in the engines'
-    Kueue pod group and serving gang group."""
+    """The run's engine server `replica` in its `generation` (its engine type's `ServerPods`): restartPolicy Never
+    (the operator replaces a failed one: the failure policy, its budget in the run's status), the run's podTemplate
+    volumes (model.hf and weightSync.path live there), hostname engine-<i> under the headless Service (the same in
+    every generation), in the engines' Kueue pod group and serving gang group."""
     names = Names(owner.name)
     t = run.spec.pod_template
     labels = {**t.labels, **base_labels(owner.name), LABEL_ROLE: ROLE_ENGINE, LABEL_REPLICA: str(replica),

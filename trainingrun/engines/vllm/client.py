@@ -4,8 +4,8 @@ threads).
 Generation: `complete(prompt_ids, n=..., ...)` posts one prompt (token ids) to `/v1/completions` with `n` samples,
 `logprobs: 0` (the sampled token's log probability) and `return_token_ids: true`, and returns `n` `Completion`s
 (token ids, per-token logprobs, finish reason). The logprobs are what the server's `--logprobs-mode` says; servers
-started by `trainingrun.engines.vllm.server` use `processed_logprobs`: log-softmax of logits / temperature, what the trainer
-computes.
+started by `trainingrun.engines.vllm.server` use `processed_logprobs`: log-softmax of logits / temperature, what the
+trainer computes.
 
 Weight updates use the development endpoints (the server runs with VLLM_SERVER_DEV_MODE=1): `pause` (mode "wait":
 in-flight requests finish first), `collective_rpc`, `reset_prefix_cache`, `resume`, and the engine's weight-version

@@ -24,8 +24,9 @@ The group is created for one transfer and dropped: an engine or trainer restart 
 Bounds (a sender that dies before or during a transfer must never wedge the engine): the worker connects to the
 sender's store with a short timeout of its own (`connect_timeout`, default CONNECT_TIMEOUT), then every wait of the
 transfer (manifest, buckets) shares one deadline, `timeout` seconds after the connect. The whole call returns
-(raises) within connect_timeout + timeout; the rollout's HTTP wait is longer than that (`trainingrun.engines.vllm.sync`), and
-vLLM's own collective_rpc timeout is never used (its late replies kill the engine).
+(raises) within connect_timeout + timeout; the rollout's HTTP wait is longer than that
+(`trainingrun.engines.vllm.sync`), and vLLM's own collective_rpc timeout is never used (its late replies kill the
+engine).
 
 `trainingrun_load_dir(path, files)` (the `disk` weight sync) reads a whole HF directory the same way before applying
 it. `files` ({file name: [bytes, sha256]}, written by the trainer's publisher: `file_digests`) is checked first, so a
