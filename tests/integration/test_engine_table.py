@@ -211,7 +211,7 @@ def test_a_stand_in_engine_type_registered_from_a_test_runs_a_rollout(tmp_path, 
 
 def test_every_engine_type_the_api_admits_has_an_entry():
     admitted = set(typing.get_args(EngineSpec.model_fields["type"].annotation))
-    assert admitted == set(table.ENGINES) == {"megatron", "vllm"}
+    assert admitted == set(table.ENGINES) and {"megatron", "vllm"} <= admitted
     for name, entry in table.ENGINES.items():
         assert entry.name == name and entry.publishers, name
 
