@@ -16,7 +16,7 @@ failed. Figures per backend, over the steps after the first (warm-up):
                 layers, H query heads of size d; 6·L·H·d·s² is the causal half of QKᵀ and PV (2·L·H·d·s² forward,
                 twice that backward). peak: the dense bf16 peak of the device (PEAKS in gpu_smoke.py)
   peak memory   torch.cuda.max_memory_allocated of the training process (reserved beside it)
-  generation    the in-process engine (rollout/megatron_engine.py) on the backend's layer spec: generated tokens/s for
+  generation    the in-process engine (engines/megatron.py) on the backend's layer spec: generated tokens/s for
                 a batch of heavy-tailed prompts (flash and sdpa generate through the same torch SDPA path)
   parity        per-step loss of every backend against sdpa (else the first that trained): max |Δloss|/loss ≤ 2e-2
                 (bf16). The local spec (flash, sdpa) starts from identical weights; TE's layer spec draws its own
@@ -159,7 +159,7 @@ def worker_generate(cfg: dict, backend: str) -> dict:
     """The in-process engine's generation tokens/s on the backend's layer spec (untrained weights: speed only)."""
     from trainingrun.contract.engine import Sampling
     from trainingrun.contract.errors import ConfigError
-    from trainingrun.rollout.megatron_engine import MegatronEngine
+    from trainingrun.engines.megatron import MegatronEngine
 
     try:
         engine = MegatronEngine(arch_of(cfg, backend), fetch=lambda version: ({}, {}), seed=0)

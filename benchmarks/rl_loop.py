@@ -53,7 +53,7 @@ def generation_megatron(args) -> dict:
     from trainingrun.api import parse_trainingrun
     from trainingrun.rollout.generate import GenerateSource
     from trainingrun.modeling.state import state_dict_arrays
-    from trainingrun.rollout.megatron_engine import MegatronEngine
+    from trainingrun.engines.megatron import MegatronEngine
     from trainingrun.store import open_store
 
     torch.set_num_threads(1)
@@ -201,7 +201,7 @@ def sync_megatron(args) -> dict:
 
     from trainingrun.modeling.architecture import resolve
     from trainingrun.modeling.state import state_dict_arrays
-    from trainingrun.rollout.megatron_engine import MegatronEngine
+    from trainingrun.engines.megatron import MegatronEngine
     from trainingrun.store import open_store
 
     torch.set_num_threads(1)

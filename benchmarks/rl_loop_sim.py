@@ -1,9 +1,9 @@
 """The rollout's own scheduling against simulated vLLM servers (`benchmarks/rl_loop.py --engine sim`; issue 20 item 8).
 
-Each simulated engine (`python -m trainingrun.vllm.simulated`, a process of its own) decodes up to --sim-batch
+Each simulated engine (`python -m trainingrun.engines.simulated`, a process of its own) decodes up to --sim-batch
 sequences at once, --token-ms per token, with log-normal (long-tailed) completion lengths; the rollout reaches it
-through the same pool client as a real vLLM server (`trainingrun.vllm.engine.VLLMEngine`). So the figures are the
-rollout's dispatch, abort and overlap, not this machine's CPU.
+through the same pool client as a real vLLM server (`trainingrun.engines.vllm.engine.VLLMEngine`, the engine pool
+over vLLM servers). So the figures are the rollout's dispatch, abort and overlap, not this machine's CPU.
 
 throughput   the same requests through a pool of 1, 2 and 4 engines: generated tokens per second; target
              4 engines >= 0.9 x 4 x one engine.
@@ -34,7 +34,7 @@ from trainingrun.contract.engine import GroupRequest, Sampling
 from trainingrun.rollout.generate import GenerateSource
 from trainingrun.rollout.loop import RolloutLoop
 from trainingrun.store import open_store
-from trainingrun.vllm.engine import VLLMEngine, make_clients
+from trainingrun.engines.vllm.engine import VLLMEngine, make_clients
 
 GROUP = 4
 
@@ -92,7 +92,7 @@ def broadcast(args) -> dict:
     """Weight sync by broadcast (fan-out) to 1, 2, 4 engines: wall time of `load_weights` and per-engine seconds."""
     import torch  # deferred: torch (the broadcast part only)
 
-    from trainingrun.vllm.broadcast import BroadcastSender
+    from trainingrun.engines.vllm.broadcast import BroadcastSender
 
     numel = int(args.sync_mb * (1 << 20)) // 2 // 8
     named = [(f"model.layers.{i}.weight", torch.randn(numel)) for i in range(8)]  # bf16 on the wire

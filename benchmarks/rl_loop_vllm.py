@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _python() -> str:
-    from trainingrun.vllm.server import PYTHON_ENV, find_python
+    from trainingrun.engines.vllm.server import PYTHON_ENV, find_python
 
     python = find_python()
     if python is None:
@@ -59,7 +59,7 @@ def _smollm2(tmp: Path) -> Path | None:
 def _server(model: Path, log: Path):
     import socket
 
-    from trainingrun.vllm.server import VLLMServer
+    from trainingrun.engines.vllm.server import VLLMServer
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -85,8 +85,8 @@ def generation_vllm(args) -> dict:
     from trainingrun.contract.engine import Sampling
     from trainingrun.rollout.generate import GenerateSource
     from trainingrun.store import open_store
-    from trainingrun.vllm.client import VLLMClient
-    from trainingrun.vllm.engine import VLLMEngine
+    from trainingrun.engines.vllm.client import VLLMClient
+    from trainingrun.engines.vllm.engine import VLLMEngine
 
     tmp = Path(tempfile.mkdtemp(prefix="rl-loop-vllm-"))
     model = Path(args.vllm_model) if getattr(args, "vllm_model", None) else _tiny(tmp)
@@ -100,7 +100,7 @@ def generation_vllm(args) -> dict:
     s["rollout"]["source"]["generate"]["prompts"]["synthetic"].update(minLength=2, maxLength=8)
     spec = parse_trainingrun(doc).spec
     store = open_store(f"file://{tmp}/store")
-    from trainingrun.vllm.publish import commit_version
+    from trainingrun.engines.vllm.publish import commit_version
 
     commit_version(store, 0, {"method": "disk", "path": str(model)})
     server = _server(model, tmp / "server.log")
@@ -158,9 +158,9 @@ def sync_vllm(args) -> dict:
     from trainingrun.api.spec.model import ModelSpec
     from trainingrun.modeling import convert
     from trainingrun.modeling.hf_io import HFWeights, write_hf_dir
-    from trainingrun.vllm import sync
-    from trainingrun.vllm.broadcast import BroadcastSender, new_group_name
-    from trainingrun.vllm.client import VLLMClient
+    from trainingrun.engines.vllm import sync
+    from trainingrun.engines.vllm.broadcast import BroadcastSender, new_group_name
+    from trainingrun.engines.vllm.client import VLLMClient
 
     tmp = Path(tempfile.mkdtemp(prefix="rl-loop-vllm-sync-"))
     models = [("tiny", _tiny(tmp))]

@@ -286,7 +286,7 @@ def vllm_server(model_dir: Path, log_path: Path, *, python: str | None = None, s
                 extra_args: tuple[str, ...] = ()) -> Iterator["VLLMServer"]:  # noqa: F821 - imported lazily
     """A real vLLM OpenAI server (CPU) on a random 127.0.0.1 port, with the weight-sync worker extension; stopped
     (its process group, which it leads) on exit. ~55 s to healthy on a quiet 2-core machine, ~1.5 GB RSS here."""
-    from trainingrun.vllm.server import VLLMServer
+    from trainingrun.engines.vllm.server import VLLMServer
 
     python = python or require_vllm()
     server = VLLMServer(str(model_dir), port=free_port(), python=python, log_path=log_path, extra_args=extra_args)

@@ -1,6 +1,7 @@
-"""Simulated vLLM servers for tests (`trainingrun.vllm.simulated`): in this process (a thread) or as a process of their
-own, which a test can kill, stop (SIGSTOP) and start again on the same port; and weight versions published as the
-trainers' disk publisher does (an HF-style directory with a safetensors file and its digests in the store's meta)."""
+"""Simulated vLLM servers for tests (`trainingrun.engines.simulated`): in this process (a thread) or as a process of
+their own, which a test can kill, stop (SIGSTOP) and start again on the same port; and weight versions published as
+the trainers' disk publisher does (an HF-style directory with a safetensors file and its digests in the store's
+meta)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,14 @@ from pathlib import Path
 
 import numpy as np
 
-from trainingrun.vllm.publish import commit_version
-from trainingrun.vllm.worker_ext import file_digests
+from trainingrun.engines.vllm.publish import commit_version
+from trainingrun.engines.vllm.worker_ext import file_digests
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 class SimProcess:
-    """`python -m trainingrun.vllm.simulated` as a child process."""
+    """`python -m trainingrun.engines.simulated` as a child process."""
 
     def __init__(self, port: int = 0, *, log: Path | None = None, **cfg):
         self.cfg, self.log = cfg, log
@@ -30,7 +31,7 @@ class SimProcess:
         self.start()
 
     def start(self) -> SimProcess:
-        args = [sys.executable, "-m", "trainingrun.vllm.simulated", "--port", str(self.port)]
+        args = [sys.executable, "-m", "trainingrun.engines.simulated", "--port", str(self.port)]
         for k, v in self.cfg.items():
             args += [f"--{k.replace('_', '-')}", str(v)]
         if self.log is not None:

@@ -25,6 +25,14 @@ however many processes the pod starts.
 
 Metrics ports: a trainer pod's workers serve /metrics on TRAININGRUN_METRICS_PORT + local_rank
 (`ProcessPlan.metrics_ports`).
+
+Engines. The run's own inference servers (`rollout.engine.replicas` of them, when the run's engine type is served by
+servers and no `engine.url` names the user's: `trainingrun.engines.table.own_servers`, which the caller passes as
+`engine_replicas`) are the plan's engine roles (`EngineRole`, `RunPlan.engines`): replica i is `engine-<i>`
+(`engine_name`) — the local launcher's process (pids.json `engine-<i>`, logs/engine-<i>.log) and the operator's pod
+R-engine-<i> with hostname engine-<i>, role label `engine`. They are not processes of an attempt: they start before
+the first attempt and outlive the group's restarts (the launcher and the operator restart a replica alone), so every
+attempt's plan holds the same ones and the launcher starts them from `engine_roles` before it builds one.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from trainingrun.api.constants import ROLE_ENGINE
 from trainingrun.api.models import TrainingRun
 from trainingrun.contract.env import ProcessEnv
 
@@ -62,6 +71,29 @@ class ProcessPlan:
         return tuple(range(self.metrics_port, self.metrics_port + self.workers))
 
 
+def engine_name(replica: int) -> str:
+    """Engine replica i's name: engine-<i> (local process, log file, pod hostname)."""
+    return f"{ROLE_ENGINE}-{replica}"
+
+
+@dataclass(frozen=True)
+class EngineRole:
+    """One of the run's own engine servers (see "Engines" in the module docstring)."""
+
+    type: str  # rollout.engine.type: its entry in the engine table starts (locally) or renders (a pod) it
+    replica: int
+    role: str = ROLE_ENGINE
+
+    @property
+    def name(self) -> str:
+        return engine_name(self.replica)
+
+
+def engine_roles(run: TrainingRun, replicas: int) -> tuple[EngineRole, ...]:
+    """The run's `replicas` own engine servers (`trainingrun.engines.table.own_servers`; 0: none)."""
+    return tuple(EngineRole(type=run.spec.rollout.engine.type, replica=i) for i in range(replicas))
+
+
 @dataclass(frozen=True)
 class RunPlan:
     """What to run for one TrainingRun attempt."""
@@ -72,6 +104,7 @@ class RunPlan:
     data_parallel_size: int
     attempt: int
     processes: tuple[ProcessPlan, ...] = field(default_factory=tuple)
+    engines: tuple[EngineRole, ...] = ()  # the run's own engine servers (outlive the attempt)
 
     @property
     def rollout(self) -> ProcessPlan:
@@ -94,8 +127,9 @@ def build_plan(
     metrics_port: int | None = None,
     distinct_ports: bool = False,
     extra_env: dict[str, str] | None = None,
+    engine_replicas: int = 0,
 ) -> RunPlan:
-    """The processes of one attempt of `run`.
+    """The processes of one attempt of `run`, and its `engine_replicas` own engine servers.
 
     `distinct_ports`: give every process its own metrics ports, as processes on one machine need: the rollout
     `port`, trainer r (with G = max(gpusPerReplica, 1) workers) `port + 1 + r·G` .. `port + r·G + G`, so a run uses
@@ -147,7 +181,9 @@ def build_plan(
         data_parallel_size=spec.trainer.data_parallel_size,
         attempt=attempt,
         processes=tuple(processes),
+        engines=engine_roles(run, engine_replicas),
     )
 
 
-__all__ = ["CONFIG_MOUNT_PATH", "DEFAULT_MASTER_PORT", "ProcessPlan", "Role", "RunPlan", "build_plan"]
+__all__ = ["CONFIG_MOUNT_PATH", "DEFAULT_MASTER_PORT", "EngineRole", "ProcessPlan", "Role", "RunPlan",
+           "build_plan", "engine_name", "engine_roles"]

@@ -1,5 +1,6 @@
-"""The pool of vLLM engines (`trainingrun.vllm.engine.VLLMEngine`) against simulated vLLM servers
-(`trainingrun.vllm.simulated`: the same HTTP API and client path, a per-token latency, long-tailed lengths, no model):
+"""The engine pool (`trainingrun.engines.pool`) of vLLM engines (`trainingrun.engines.vllm.engine.VLLMEngine`) against
+simulated vLLM servers (`trainingrun.engines.simulated`: the same HTTP API and client path, a per-token latency,
+long-tailed lengths, no model):
 dispatch within the per-engine cap, the per-request ledger when an engine dies, restarts or stalls (every prompt
 answered exactly once, seeded answers a function of the prompt and not of the engine), the version barrier (a
 restarted engine loads the current version before it gets a request), abort with the tokens so far and their
@@ -24,10 +25,11 @@ import pytest
 from tests.simengine import SimProcess, publish_disk_version
 from trainingrun.contract.engine import ABORTED, GroupRequest, Sampling
 from trainingrun.store import open_store
-from trainingrun.vllm import engine as engine_mod
-from trainingrun.vllm.client import VLLMClient, WeightsRefused
-from trainingrun.vllm.engine import VLLMEngine, make_clients
-from trainingrun.vllm.simulated import SimConfig, SimulatedServer
+from trainingrun.contract.engine import WeightsRefused
+from trainingrun.engines import pool as engine_mod
+from trainingrun.engines.vllm.client import VLLMClient
+from trainingrun.engines.vllm.engine import VLLMEngine, make_clients
+from trainingrun.engines.simulated import SimConfig, SimulatedServer
 
 # the tiny test Llama's config.json (tests/tiny_llama.py): what the rollout resolves the model from
 TINY_LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
@@ -346,7 +348,7 @@ def test_a_broadcast_receiver_gives_up_on_a_dead_sender_within_its_connect_timeo
     worker's connect used the transfer's whole timeout (300-600 s, c10d retrying), and /weight_info, /pause and
     generation blocked behind it. The connect has a short timeout of its own now."""
     pytest.importorskip("torch")
-    from trainingrun.vllm.worker_ext import receive
+    from trainingrun.engines.vllm.worker_ext import receive
 
     with socket.socket() as s:  # a port nobody listens on: the sender is gone
         s.bind(("127.0.0.1", 0))

@@ -1,4 +1,4 @@
-"""Multi-turn episodes on the in-process Megatron engine (rollout/episodes.py, rollout/megatron_engine.py), in a
+"""Multi-turn episodes on the in-process Megatron engine (rollout/episodes.py, engines/megatron.py), in a
 subprocess (the CPU shim is process-global), with a real environment in its worker process:
 
   * token in, token out: every turn of every episode's sample is exactly the engine's tokens and log-probabilities
@@ -36,7 +36,7 @@ def _worker(store_url: str, out_path: str) -> None:
     from trainingrun.modeling.architecture import resolve
     from trainingrun.modeling.state import state_dict_arrays
     from trainingrun.rollout.episodes import EpisodeRunner, build_group
-    from trainingrun.rollout.megatron_engine import MegatronEngine
+    from trainingrun.engines.megatron import MegatronEngine
     from trainingrun.rollout.prompts import ByteTokenizer, Prompt
     from trainingrun.store import open_store
 

@@ -27,7 +27,7 @@ def _worker(store_url: str, out_path: str) -> None:
     from trainingrun.contract.engine import Sampling
     from trainingrun.modeling.architecture import resolve
     from trainingrun.modeling.state import state_dict_arrays
-    from trainingrun.rollout.megatron_engine import MegatronEngine
+    from trainingrun.engines.megatron import MegatronEngine
     from trainingrun.store import CorruptPayload, open_store
 
     store = open_store(store_url)

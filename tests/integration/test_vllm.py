@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from tests.services import make_tiny_llama, reference_logprobs, require_vllm
-from trainingrun.vllm.client import Completion, VLLMClient, VLLMError
-from trainingrun.vllm.sync import LOADING, load_from_broadcast, load_from_disk
+from trainingrun.engines.vllm.client import Completion, VLLMClient, VLLMError
+from trainingrun.engines.vllm.sync import LOADING, load_from_broadcast, load_from_disk
 
 pytestmark = pytest.mark.vllm
 
@@ -143,7 +143,7 @@ def _read_safetensors(path: Path) -> dict:
 
 
 def test_broadcast_sync_loads_the_same_weights_as_disk(client: VLLMClient, new_weights: Path, base_weights):
-    from trainingrun.vllm.broadcast import BroadcastSender, new_group_name
+    from trainingrun.engines.vllm.broadcast import BroadcastSender, new_group_name
 
     load_from_disk(client, str(new_weights), "disk")
     by_disk = client.prompt_logprobs(PROMPT)
@@ -165,13 +165,13 @@ def test_broadcast_sync_loads_the_same_weights_as_disk(client: VLLMClient, new_w
 SENDER_DIES = textwrap.dedent("""
     import os, sys
     from safetensors.torch import load_file
-    from trainingrun.vllm.broadcast import BroadcastSender
+    from trainingrun.engines.vllm.broadcast import BroadcastSender
 
     class DiesAfterFirstBucket(BroadcastSender):
         def _send(self, snap, req):
             import json
             import torch.distributed as dist
-            from trainingrun.vllm.worker_ext import MANIFEST_KEY, PG_PREFIX, make_group
+            from trainingrun.engines.vllm.worker_ext import MANIFEST_KEY, PG_PREFIX, make_group
             group = req["group"]
             self.store.set(MANIFEST_KEY.format(group=group), json.dumps(snap.manifest))
             pg = make_group(dist.PrefixStore(PG_PREFIX.format(group=group), self.store), 0,
@@ -189,7 +189,7 @@ SENDER_DIES = textwrap.dedent("""
 
 
 def test_broadcast_interrupted_halfway_is_never_half_applied(client: VLLMClient, new_weights: Path, base_weights):
-    from trainingrun.vllm.broadcast import new_group_name
+    from trainingrun.engines.vllm.broadcast import new_group_name
 
     before = client.prompt_logprobs(PROMPT)
     version_before = client.weight_version()
@@ -266,7 +266,7 @@ def _prompts(count: int, length: int = 6) -> list[list[int]]:
 
 
 def _engine(url: str, versions: dict[int, dict], client_cls=VLLMClient, concurrency: int = 8):
-    from trainingrun.vllm.engine import VLLMEngine
+    from trainingrun.engines.vllm.engine import VLLMEngine
 
     return VLLMEngine(client_cls(url, timeout=120), fetch=versions.__getitem__, label_prefix="test-v",
                       concurrency=concurrency, restart_timeout=600, say=lambda msg: print(msg, flush=True))
@@ -282,7 +282,7 @@ def _assert_generated_by_current_weights(client: VLLMClient, prompts, groups) ->
 def test_engine_loads_by_disk_and_broadcast_and_generates(vllm, tiny_llama_dir: Path, new_weights: Path,
                                                           base_weights):
     from trainingrun.contract.engine import Sampling
-    from trainingrun.vllm.broadcast import BroadcastSender
+    from trainingrun.engines.vllm.broadcast import BroadcastSender
 
     sender = BroadcastSender(0, host="127.0.0.1", timeout=60, keep_versions=1).start()
     try:

@@ -28,7 +28,7 @@ import yaml
 
 from tests.localrun import finish, records, start
 from tests.services import metrics_ports, wait_for
-from trainingrun.vllm.client import VLLMClient
+from trainingrun.engines.vllm.client import VLLMClient
 
 pytestmark = [pytest.mark.megatron, pytest.mark.vllm, pytest.mark.timeout(1500)]
 
@@ -163,8 +163,8 @@ def test_a_pool_of_two_servers_one_of_which_dies_mid_run(tmp_path: Path, tiny_ll
 
 
 def test_broadcast_sync_with_a_user_server(tmp_path: Path, tiny_llama_dir: Path, vllm):
-    from trainingrun.vllm.client import VLLMClient
-    from trainingrun.vllm.sync import load_from_disk
+    from trainingrun.engines.vllm.client import VLLMClient
+    from trainingrun.engines.vllm.sync import load_from_disk
 
     client = VLLMClient(vllm.url, timeout=120)
     before = client.prompt_logprobs(PROMPT)

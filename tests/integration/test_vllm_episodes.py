@@ -22,8 +22,8 @@ from trainingrun.contract.engine import Sampling
 from trainingrun.modeling.tokenizer import run_tokenizer
 from trainingrun.rollout.episodes import EpisodeRunner, build_group
 from trainingrun.rollout.prompts import Prompt
-from trainingrun.vllm.client import VLLMClient
-from trainingrun.vllm.engine import VLLMEngine
+from trainingrun.engines.vllm.client import VLLMClient
+from trainingrun.engines.vllm.engine import VLLMEngine
 
 pytestmark = pytest.mark.vllm
 

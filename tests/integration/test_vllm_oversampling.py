@@ -23,9 +23,9 @@ from trainingrun.api import parse_trainingrun
 from trainingrun.contract import published as contract
 from trainingrun.metrics.rollout import RolloutMetrics
 from trainingrun.store import open_store
-from trainingrun.vllm.engine import VLLMEngine, make_clients
-from trainingrun.vllm.publish import commit_version
-from trainingrun.vllm.worker_ext import file_digests
+from trainingrun.engines.vllm.engine import VLLMEngine, make_clients
+from trainingrun.engines.vllm.publish import commit_version
+from trainingrun.engines.vllm.worker_ext import file_digests
 
 pytestmark = [pytest.mark.megatron, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -33,8 +33,8 @@ pytestmark = [pytest.mark.megatron, pytest.mark.vllm, pytest.mark.timeout(900)]
 @pytest.fixture
 def server(vllm, tiny_llama_dir):
     yield vllm
-    from trainingrun.vllm.client import VLLMClient
-    from trainingrun.vllm.sync import load_from_disk
+    from trainingrun.engines.vllm.client import VLLMClient
+    from trainingrun.engines.vllm.sync import load_from_disk
 
     load_from_disk(VLLMClient(vllm.url, timeout=120), str(tiny_llama_dir), "base")
 

@@ -343,7 +343,7 @@ def test_the_engine_generates_on_a_visible_gpu(monkeypatch):
     """Regression: the in-process engine asked `prepare_device(0)`, which installs the CPU shim — and the shim
     refuses to install where CUDA is visible, so a run with the megatron engine could not start on a GPU machine."""
     from trainingrun.modeling import cpu_compat
-    from trainingrun.rollout import megatron_engine
+    from trainingrun.engines import megatron as megatron_engine
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

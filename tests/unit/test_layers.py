@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYERS: dict[int, tuple[str, ...]] = {
     1: ("contract", "schedule", "modeling", "api", "failure_policy", "diskspace", "cliargs", "childlog", "childproc"),
     2: ("store", "metrics", "plan", "tracking"),
-    3: ("rollout", "vllm", "trainer", "operator"),
+    3: ("rollout", "engines", "trainer", "operator"),
     4: ("local", "cli", "__main__"),
 }
 # Third-party packages whose import is worth deferring: optional extras and slow imports. The core dependencies

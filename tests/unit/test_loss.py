@@ -200,7 +200,7 @@ def test_ppo_at_ratio_one_is_the_policy_gradient() -> None:
 
 def test_sampling_temperature_top_p_and_greedy() -> None:
     from trainingrun.contract.engine import Sampling
-    from trainingrun.rollout.megatron_engine import sample_next
+    from trainingrun.engines.megatron import sample_next
 
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]]).repeat(20000, 1)
     gen = torch.Generator().manual_seed(0)

@@ -10,7 +10,7 @@ import pytest
 from trainingrun.api import parse_trainingrun
 from trainingrun.api.constants import LABEL_ROLE
 from trainingrun.operator import checks, render, vocabulary
-from trainingrun.vllm import k8s
+from trainingrun.engines.vllm import k8s
 from trainingrun.contract.env import ENGINE_URL_ENV
 
 OWNER = vocabulary.Owner(name="rl", namespace="ns1", uid="u-1")

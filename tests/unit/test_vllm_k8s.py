@@ -1,6 +1,6 @@
-"""The engine pod's container and worker-extension ConfigMap (trainingrun/vllm/k8s.py): the same server command line
-as local runs, GPUs from the spec, readiness from /health, and an extension directory that imports in the official
-image (the ConfigMap's items recreate exactly `server.extension_files()`)."""
+"""The engine pod's container and worker-extension ConfigMap (trainingrun/engines/vllm/k8s.py): the same server
+command line as local runs, GPUs from the spec, readiness from /health, and an extension directory that imports in
+the official image (the ConfigMap's items recreate exactly `server.extension_files()`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from trainingrun.api import parse_trainingrun
-from trainingrun.vllm import k8s
-from trainingrun.vllm.server import EXTENSION_CLS, LOGPROBS_MODE, extension_files
+from trainingrun.engines.vllm import k8s
+from trainingrun.engines.vllm.server import EXTENSION_CLS, LOGPROBS_MODE, extension_files
 
 
 def run_spec(**vllm):

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainingrun.vllm.broadcast import pack
-from trainingrun.vllm.server import EXTENSION_CLS, extension_files, server_args, server_env, write_extension
-from trainingrun.vllm.worker_ext import check_complete, read_header, split_buckets
+from trainingrun.engines.vllm.broadcast import pack
+from trainingrun.engines.vllm.server import EXTENSION_CLS, extension_files, server_args, server_env, write_extension
+from trainingrun.engines.vllm.worker_ext import check_complete, read_header, split_buckets
 
 
 def _named():
@@ -113,8 +113,8 @@ def test_worker_extension_imports_with_torch_alone(tmp_path: Path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines()[0] == str(tmp_path / "trainingrun" / "vllm" / "worker_ext.py")
-    assert "trainingrun.vllm.worker_ext ['trainingrun_load_dir', 'trainingrun_receive_weights']" in out.stdout
+    assert out.stdout.splitlines()[0] == str(tmp_path / "trainingrun" / "engines" / "vllm" / "worker_ext.py")
+    assert "trainingrun.engines.vllm.worker_ext ['trainingrun_load_dir', 'trainingrun_receive_weights']" in out.stdout
 
 
 # ------------------------------------------------------------------------------------- live state gather (TP 2)

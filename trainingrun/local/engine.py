@@ -1,18 +1,20 @@
-"""The vLLM servers of a local run (`rollout.engine.type: vllm` without `engine.url`): a pool of
-`rollout.engine.replicas` servers, supervised by the launcher.
+"""The engine servers of a local run (the plan's engine roles: `trainingrun.plan.engine_roles`, as many as
+`trainingrun.engines.table.own_servers` says — e.g. `rollout.engine.type: vllm` without `engine.url`): a pool of
+`rollout.engine.replicas` servers, supervised by the launcher, each started by its engine type's entry in the engine
+table (`Servers.local`; for vllm `trainingrun.engines.vllm.server.local_server`).
 
 The servers are a service of the run, not part of an attempt: they start before the first attempt, keep running when
 the trainer/rollout group restarts (they hold nothing the group needs: the rollout loads its weight version into
 them), and stop when the run ends. Replica i is `engine-<i>` (its own free port; `pids.json` lists it under
-`processes` with role `engine` and rank i; its log is `logs/engine-<i>.log`, appended to across its restarts). Their
-environment is vLLM's own (`make vllm` builds .venv-vllm; elsewhere $TRAININGRUN_VLLM_PYTHON). The rollout is given
-every replica's URL, comma-separated ($TRAININGRUN_ENGINE_URL).
+`processes` with role `engine` and rank i; its log is `logs/engine-<i>.log`, appended to across its restarts). A vLLM
+server's environment is vLLM's own (`make vllm` builds .venv-vllm; elsewhere $TRAININGRUN_VLLM_PYTHON). The rollout
+is given every replica's URL, comma-separated ($TRAININGRUN_ENGINE_URL).
 
 A replica that exits is restarted alone, on its own port, after the failure policy's backoff (`Launcher`
 decides, `trainingrun.failure_policy`); meanwhile the rollout sends its prompts to the other replicas and, once it
-answers /health again, loads the current weight version into it before it gets a request
-(`trainingrun.vllm.engine`). A replica beyond the budget stays down; the run fails only when no replica is left,
-naming every replica and its last exit.
+answers again, loads the current weight version into it before it gets a request (`trainingrun.engines.pool`). A
+replica beyond the budget stays down; the run fails only when no replica is left, naming every replica and its last
+exit.
 """
 
 from __future__ import annotations
@@ -21,37 +23,27 @@ import time
 from pathlib import Path
 
 from trainingrun import failure_policy as policy
+from trainingrun.engines.table import Servers, own_servers, server_kind
 from trainingrun.local.procs import describe_exit, free_port
-from trainingrun.vllm import server as vllm_server
-from trainingrun.vllm.client import VLLMClient
+from trainingrun.plan import EngineRole, engine_roles
 
 
 def needs_local_engine(spec) -> bool:
-    src = spec.rollout.source
-    engine = spec.rollout.engine
-    return src.type == "generate" and engine.type == "vllm" and not engine.url
-
-
-def replica_name(i: int) -> str:
-    return f"engine-{i}"
+    """Whether the launcher runs engine servers for the run (`trainingrun.engines.table.own_servers`)."""
+    return own_servers(spec) > 0
 
 
 class LocalEngine:
-    """One vLLM server of the run's pool (see the module docstring)."""
+    """One server of the run's pool (see the module docstring): the plan's engine role `role`."""
 
-    def __init__(self, spec, out_dir: Path, index: int, python: str):
-        v = spec.rollout.engine.vllm
-        model = Path(spec.model.hf).resolve()
-        self.index = index
-        self.name = replica_name(index)
+    def __init__(self, spec, out_dir: Path, role: EngineRole, servers: Servers):
+        self.index = role.replica
+        self.name = role.name
+        self.title = servers.title
         self.restarts = 0  # restarts of this replica
         self.down = False  # beyond the budget: left down for good
         self.last_exit = ""
-        self.server = vllm_server.VLLMServer(
-            str(model), port=free_port(), python=python, log_path=out_dir / "logs" / f"{self.name}.log",
-            dtype=v.dtype, max_model_len=v.max_model_len or spec.model.resolved().seq_length,
-            kv_cache_gib=v.kv_cache_gib, extra_args=tuple(v.args),
-        )
+        self.server = servers.local(spec, log_path=out_dir / "logs" / f"{self.name}.log", port=free_port())
         self._restart_at: float | None = None
 
     @property
@@ -62,7 +54,7 @@ class LocalEngine:
         self.server.start()
 
     def healthy(self) -> bool:
-        return VLLMClient(self.url, timeout=5).healthy()
+        return self.server.healthy()
 
     def check(self) -> policy.Failure | None:
         """The server's exit as a `Failure` when it died since the last check (None while it runs or restarts)."""
@@ -81,7 +73,8 @@ class LocalEngine:
         code = proc.returncode
         self.last_exit = describe_exit(code)
         return policy.Failure(name=self.name, kind=policy.classify(code), role="engine", rank=self.index, code=code,
-                              description=f"vLLM server {self.name} {self.last_exit} (log {self.server.log_path})")
+                              description=f"{self.title} server {self.name} {self.last_exit} "
+                                          f"(log {self.server.log_path})")
 
     def restart_after(self, seconds: float) -> None:
         """Start the server again `seconds` from now (the failure policy's backoff), on the same port."""
@@ -104,16 +97,16 @@ class LocalEngine:
 
 
 class LocalEnginePool:
-    """The run's vLLM servers (`rollout.engine.replicas` of them)."""
+    """The run's engine servers (the plan's engine roles). ValueError when they cannot be run here (vLLM's
+    environment missing, ...)."""
 
-    def __init__(self, spec, out_dir: Path):
-        python = vllm_server.find_python()
-        if python is None:
-            raise ValueError(f"rollout.engine.type: vllm needs vLLM's environment: run `make vllm` (builds "
-                             f".venv-vllm) or set {vllm_server.PYTHON_ENV} to a Python that has vLLM, or give "
-                             "rollout.engine.url")
+    def __init__(self, run, out_dir: Path):
+        servers = server_kind(run.spec)
+        assert servers is not None, "an engine in the rollout process has no servers"
+        self.title = servers.title
+        self.replicas = [LocalEngine(run.spec, out_dir, role, servers)
+                         for role in engine_roles(run, own_servers(run.spec))]
         (out_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.replicas = [LocalEngine(spec, out_dir, i, python) for i in range(spec.rollout.engine.replicas)]
 
     @property
     def url(self) -> str:

@@ -10,7 +10,7 @@ Every failure goes through `Policy.decide` (the run's rules, then the defaults) 
 (`counts`): RestartGroup ends the attempt and `execute` starts the next one after the backoff; RestartRole restarts
 one process alone while the others run on — the rollout (`_restart_rollout`: the same attempt, its next generation in
 TRAININGRUN_ROLE_ATTEMPT, resuming from its state in the store; the trainers keep waiting for its next rollout) or the
-run's vLLM server (`_engine_failed`: the engine replica, `trainingrun.local.engine`); FailRun ends the run. Counted
+run's engine servers (`_engine_failed`: the engine replica, `trainingrun.local.engine`); FailRun ends the run. Counted
 restarts of a role use that role's budget (failurePolicy.roles.<role>).
 """
 
@@ -138,7 +138,7 @@ class Launcher:
         self.first_attempt = 0
         self.write_failures: set[str] = set()  # outputs the launcher could not write (a full volume), said once each
         self.summary_written = False
-        self.engine: LocalEnginePool | None = None  # the run's vLLM servers (rollout.engine.type vllm without url)
+        self.engine: LocalEnginePool | None = None  # the run's own engine servers (`engines.table.own_servers`)
         self.policy = policy.Policy.from_spec(run.spec.failure_policy)
         self.restarts = 0  # restarts the failure policy counted (group and roles alike): summary.json's `restarts`
         self.group_restarts = 0  # counted restarts of the whole group (failurePolicy.maxRestarts)
@@ -225,6 +225,7 @@ class Launcher:
                 log_timestamps=True,  # children start every line with the time (trainingrun.childlog)
                 engine_url=self.engine.url if self.engine is not None else None,
             ).to_env(),
+            engine_replicas=len(self.engine.replicas) if self.engine is not None else 0,
         )
         self.progress.reopen()
         self.role_events = []
@@ -357,7 +358,7 @@ class Launcher:
             time.sleep(POLL_SECONDS)
 
     def _engine_failed(self, failure: policy.Failure) -> Outcome | None:
-        """A vLLM server of the run's pool exited: the failure policy decides for that replica (failure.rank) — by
+        """An engine server of the run's pool exited: the failure policy decides for that replica (failure.rank) — by
         default it restarts alone (after the engine role's backoff, on the role's budget, all replicas together)
         while the rollout sends its prompts to the other replicas and loads the current weight version into it
         when it is back; a RestartGroup rule restarts the group and that replica; FailRun (a rule, exit 78) fails
@@ -403,17 +404,18 @@ class Launcher:
         return None
 
     def start_engine(self) -> Outcome | None:
-        """Start the run's own vLLM server and wait until it is healthy (None), or the Outcome that ends the run."""
+        """Start the run's own engine servers (the plan's engine roles) and wait until they are healthy (None), or
+        the Outcome that ends the run."""
         if not needs_local_engine(self.spec):
             return None
         try:
-            self.engine = LocalEnginePool(self.spec, self.out_dir)
+            self.engine = LocalEnginePool(self.run, self.out_dir)
         except ValueError as exc:
             return Outcome("config_error", culprit="engine", reason=str(exc), failure=policy.Failure(
                 name="engine", kind=policy.ExitKind.CONFIG_ERROR, description=str(exc), role="engine"))
         self.engine.start()
         for r in self.engine.replicas:
-            self.progress.event(f"engine: starting vLLM {r.name} at {r.url} (log {r.server.log_path})")
+            self.progress.event(f"engine: starting {r.title} {r.name} at {r.url} (log {r.server.log_path})")
         t0 = time.monotonic()
         while not self.engine.healthy():
             if self.signals.received:
@@ -422,7 +424,7 @@ class Launcher:
             if failures or time.monotonic() - t0 > ENGINE_START_TIMEOUT:
                 waiting = [r for r in self.engine.replicas if not r.healthy()]
                 reason = (failures[0].description if failures
-                          else f"vLLM server(s) {', '.join(r.name for r in waiting)} not healthy after "
+                          else f"{self.engine.title} server(s) {', '.join(r.name for r in waiting)} not healthy after "
                                f"{ENGINE_START_TIMEOUT:.0f}s")
                 culprit = failures[0].name if failures else waiting[0].name
                 return Outcome("failed", culprit=culprit, reason=reason,
@@ -430,7 +432,7 @@ class Launcher:
                                failure=failures[0] if failures else policy.Failure(
                                    name=culprit, kind=policy.ExitKind.FAILURE, description=reason, role="engine"))
             time.sleep(1.0)
-        self.progress.event(f"engine: {len(self.engine.replicas)} vLLM server(s) healthy after "
+        self.progress.event(f"engine: {len(self.engine.replicas)} {self.engine.title} server(s) healthy after "
                             f"{time.monotonic() - t0:.0f}s")
         return None
 

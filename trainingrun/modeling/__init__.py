@@ -1,4 +1,4 @@
-"""The model layer, below the programs (it imports nothing from trainer/, rollout/, vllm/ or api/):
+"""The model layer, below the programs (it imports nothing from trainer/, rollout/, engines/ or api/):
 
   architecture.py  the typed, frozen `Architecture`, presets and family defaults, spec fields → `resolve` (no torch)
   hf_config.py     Hugging Face config.json ↔ Architecture (no torch)

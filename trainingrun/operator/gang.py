@@ -21,12 +21,12 @@ RBAC rule in `rbac.GANG_RULES`).
                 disruption mode "all pods together": the gang is preempted whole, never pod by pod) and a PodGroup
                 created from it; pods linked by spec.schedulingGroup.podGroupName; the default scheduler
 
-The run's own vLLM engines (`rollout.engine.replicas` pods, `trainingrun.vllm.k8s`) are a serving group of their
-own: the provider's objects named `R-engine` (PodGroup minMember / Workload minCount = replicas, minResources =
-their requests) and, with Kueue, the pod group
-`R-engine` in the same LocalQueue. Not the attempt's group: the engines outlive attempts (a restarted trainer group
-keeps them, and their minutes of model loading), while an attempt's PodGroup and Kueue workload end with it. So the
-engines' GPUs are inside the run's Kueue quota and gang-scheduled, without tying their lifetime to an attempt's.
+The run's own engine servers (`rollout.engine.replicas` pods, rendered by the engine table's `ServerPods`) are a
+serving group of their own: the provider's objects named `R-engine` (PodGroup minMember / Workload minCount =
+replicas, minResources = their requests) and, with Kueue, the pod group `R-engine` in the same LocalQueue. Not the
+attempt's group: the engines outlive attempts (a restarted trainer group keeps them, and their minutes of model
+loading), while an attempt's PodGroup and Kueue workload end with it. So the engines' GPUs are inside the run's Kueue
+quota and gang-scheduled, without tying their lifetime to an attempt's.
 
 Kueue (`spec.queueName`, `kueue_metadata`): Kueue's plain-pod integration admits a group of pods as one workload
 when each carries the label kueue.x-k8s.io/queue-name (the LocalQueue), the label kueue.x-k8s.io/pod-group-name (the
@@ -53,6 +53,7 @@ from typing import Any
 
 from trainingrun.api.constants import GROUP, KIND, LABEL_ROLE, ROLE_ROLLOUT, ROLE_TRAINER
 from trainingrun.api.models import TrainingRun
+from trainingrun.engines.table import server_kind
 
 GPU_RESOURCE = "nvidia.com/gpu"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -219,10 +220,12 @@ def min_resources(run: TrainingRun) -> dict[str, str]:
 
 def engine_min_resources(run: TrainingRun) -> dict[str, str]:
     """The sum of the requests of the run's engine pods (their GPUs included)."""
-    v = run.spec.rollout.engine.vllm
-    requests = {**v.resources.limits, **v.resources.requests}
-    if v.gpus > 0:
-        requests[GPU_RESOURCE] = v.gpus
+    servers = server_kind(run.spec)
+    assert servers is not None, "engine pods of an engine in the rollout process"
+    requests, limits, gpus = servers.pods.resources(run.spec)
+    requests = {**limits, **requests}
+    if gpus > 0:
+        requests[GPU_RESOURCE] = gpus
     return _sum_requests([(requests, run.spec.rollout.engine.replicas)])
 
 

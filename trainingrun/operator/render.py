@@ -14,8 +14,10 @@ Children of a run `R` in namespace `NS`:
   Pod+Svc    R-store            Redis, only with `store.managed: true` (or no store configured)
   PodGroup   R-a<k>             only with `gangScheduling.enabled` (`trainingrun.operator.gang`), per attempt; with
                                 provider kubernetes a Workload R-a<k> first
-  CM+Svc     R-engine           the run's own vLLM servers, only with `rollout.engine.type: vllm` and no `engine.url`
-  Pod        R-engine-<i>       (`trainingrun.vllm.k8s`): the worker extension's ConfigMap, a headless Service (pod i is
+  CM+Svc     R-engine           the run's own engine servers (the plan's engine roles), only with an engine type served
+  Pod        R-engine-<i>       by servers (vllm) and no `engine.url`, rendered by its entry's `ServerPods`
+                                (`trainingrun.engines.table`; vllm: `trainingrun.engines.vllm.k8s`): the servers'
+                                ConfigMap (vllm: the worker extension), a headless Service (pod i is
                                 engine-<i>.R-engine.NS.svc) and one pod per `rollout.engine.replicas`; like the store
                                 they outlive attempts. In Kueue's accounting (the run's queue, pod group R-engine) and,
                                 with gang scheduling, in a serving group R-engine of their own (`gang`). restartPolicy
@@ -72,8 +74,8 @@ from trainingrun.operator.vocabulary import (
     store_is_managed,
     store_url,
 )
-from trainingrun.plan import CONFIG_MOUNT_PATH, DEFAULT_MASTER_PORT, ProcessPlan, RunPlan, build_plan
-from trainingrun.vllm import k8s as engine_k8s
+from trainingrun.plan import CONFIG_MOUNT_PATH, DEFAULT_MASTER_PORT, ProcessPlan, RunPlan, build_plan, engine_roles
+from trainingrun.engines.table import ServerPods, server_kind
 from trainingrun.contract.env import ENGINE_URL_ENV, ProcessEnv
 
 DEFAULT_REDIS_IMAGE = "redis:7.2-alpine"
@@ -89,10 +91,18 @@ def plan_for(run: TrainingRun, namespace: str, attempt: int) -> RunPlan:
         master_port=DEFAULT_MASTER_PORT,
         attempt=attempt,
         epoch=run_epoch(run),
-        extra_env={ENGINE_URL_ENV: engine_k8s.engine_url(Names(run.metadata.name).engine, namespace,
-                                                          run.spec.rollout.engine.replicas)}
+        extra_env={ENGINE_URL_ENV: server_pods(run).urls(Names(run.metadata.name).engine, namespace,
+                                                         run.spec.rollout.engine.replicas)}
         if engine_is_managed(run) else None,
+        engine_replicas=engine_replicas(run),
     )
+
+
+def server_pods(run: TrainingRun) -> ServerPods:
+    """How the run's engine type renders its servers (the engine table; only for a run whose engine has servers)."""
+    servers = server_kind(run.spec)
+    assert servers is not None, f"engine pods of the {run.spec.rollout.engine.type} engine, which has no servers"
+    return servers.pods
 
 
 def _meta(name: str, owner: Owner, labels: dict[str, str], annotations: dict[str, str] | None = None) -> dict:
@@ -330,21 +340,21 @@ def _store_resources(run: TrainingRun) -> dict[str, Any]:
 
 
 def render_engine_config_map(run: TrainingRun, owner: Owner) -> dict[str, Any]:
-    """The run's vLLM server's worker extension (`trainingrun.vllm.k8s`)."""
+    """The files the run's engine servers mount (vllm: the worker extension, `trainingrun.engines.vllm.k8s`)."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(Names(owner.name).engine, owner, {**base_labels(owner.name), LABEL_ROLE: ROLE_ENGINE}),
-        "data": engine_k8s.extension_config_map_data(),
+        "data": server_pods(run).config_map_data(),
     }
 
 
 def render_engine_pod(run: TrainingRun, owner: Owner, replica: int = 0, generation: int = 0,
                       gang_version: str | None = None) -> dict[str, Any]:
-    """The run's vLLM server `replica` in its `generation`: restartPolicy Never (the operator replaces a failed one:
-    the failure policy, its budget in the run's status), the run's podTemplate volumes (model.hf and weightSync.path
-    live there), hostname engine-<i> under the headless Service (the same in every generation), in the engines'
-    Kueue pod group and serving gang group."""
+    """The run's engine server `replica` in its `generation` (its engine type's `ServerPods`): restartPolicy Never
+    (the operator replaces a failed one: the failure policy, its budget in the run's status), the run's podTemplate
+    volumes (model.hf and weightSync.path live there), hostname engine-<i> under the headless Service (the same in
+    every generation), in the engines' Kueue pod group and serving gang group."""
     names = Names(owner.name)
     t = run.spec.pod_template
     labels = {**t.labels, **base_labels(owner.name), LABEL_ROLE: ROLE_ENGINE, LABEL_REPLICA: str(replica),
@@ -357,9 +367,9 @@ def render_engine_pod(run: TrainingRun, owner: Owner, replica: int = 0, generati
     ):
         labels.update(extra_labels)
         annotations.update(extra_annotations)
-    v = run.spec.rollout.engine.vllm
-    container = engine_k8s.engine_container(run.spec, volume_mounts=list(t.volume_mounts),
-                                            resources=_resources(v.resources.requests, v.resources.limits, v.gpus))
+    pods = server_pods(run)
+    container = pods.container(run.spec, volume_mounts=list(t.volume_mounts),
+                               resources=_resources(*pods.resources(run.spec)))
     container["securityContext"] = _container_security()
     return {
         "apiVersion": "v1",
@@ -372,7 +382,7 @@ def render_engine_pod(run: TrainingRun, owner: Owner, replica: int = 0, generati
             "hostname": Names.engine_hostname(replica),
             "subdomain": names.engine,
             "containers": [container],
-            "volumes": [engine_k8s.extension_volume(names.engine), *t.volumes],
+            "volumes": [*pods.volumes(names.engine), *t.volumes],
         },
     }
 
@@ -380,12 +390,13 @@ def render_engine_pod(run: TrainingRun, owner: Owner, replica: int = 0, generati
 def render_engine_service(run: TrainingRun, owner: Owner) -> dict[str, Any]:
     """The engines' headless Service: a stable name per replica (engine-<i>.R-engine.NS.svc), ready pods only."""
     labels = {**base_labels(owner.name), LABEL_ROLE: ROLE_ENGINE}
+    port = server_pods(run).port
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _meta(Names(owner.name).engine, owner, labels),
         "spec": {"clusterIP": "None", "selector": labels,
-                 "ports": [{"name": "http", "port": engine_k8s.ENGINE_PORT, "targetPort": engine_k8s.ENGINE_PORT}]},
+                 "ports": [{"name": "http", "port": port, "targetPort": port}]},
     }
 
 
@@ -405,15 +416,15 @@ def render_engine_gang(run: TrainingRun, owner: Owner, kind: str, gang_version: 
 
 
 def render_engine(run: TrainingRun, owner: Owner) -> list[dict[str, Any]]:
-    """The run's vLLM servers (`trainingrun.vllm.k8s`): their worker-extension ConfigMap, headless Service, serving
-    PodGroup (gang scheduling) and one Pod per replica; [] when not managed."""
+    """The run's engine servers (the plan's engine roles): their ConfigMap, headless Service, serving PodGroup (gang
+    scheduling) and one Pod per replica; [] when not managed."""
     if not engine_is_managed(run):
         return []
     out = [render_engine_config_map(run, owner), render_engine_service(run, owner)]
     provider = gang.provider(run)
     if provider is not None:
         out += [render_engine_gang(run, owner, kind) for kind in provider.kinds]
-    return out + [render_engine_pod(run, owner, i) for i in range(run.spec.rollout.engine.replicas)]
+    return out + [render_engine_pod(run, owner, role.replica) for role in engine_roles(run, engine_replicas(run))]
 
 
 def render_gang(run: TrainingRun, owner: Owner, kind: str, attempt: int,
@@ -501,9 +512,10 @@ def render_children(run: TrainingRun, owner: Owner, attempt: int, *, redis_image
                     gang_version: str | None = None) -> list[dict]:
     """Every child of one attempt, in creation order: config, services, store, gang objects, engines, then the
     pods."""
+    plan = plan_for(run, owner.namespace, attempt)
     children = base_children(run, attempt)
-    children += [engine_child(run, replica, 0) for replica in range(engine_replicas(run))]
+    children += [engine_child(run, role.replica, 0) for role in plan.engines]
     children += [Child("Pod", Names(owner.name).pod(p.role, p.rank, attempt), role=p.role, rank=p.rank)
-                 for p in plan_for(run, owner.namespace, attempt).processes]
+                 for p in plan.processes]
     return [render_child(run, owner, c, attempt, redis_image=redis_image, gang_version=gang_version)
             for c in children]

@@ -32,9 +32,10 @@ from trainingrun.api.constants import (
 )
 from trainingrun.api.models import TrainingRun
 from trainingrun.api.yamlcodec import dump_yaml
+from trainingrun.engines.table import own_servers
 from trainingrun.operator import gang
 from trainingrun.operator.observe import parse_time
-from trainingrun.vllm import k8s as engine_k8s
+from trainingrun.plan import engine_name
 
 STORE_PORT = 6379
 CONFIG_VOLUME = "config"  # pod volume of the run's ConfigMap (reserved: podTemplate.volumes may not use it)
@@ -105,8 +106,8 @@ class Names:
     @staticmethod
     def engine_hostname(replica: int) -> str:
         """Engine replica i's hostname under the headless Service: engine-<i>.R-engine.NS.svc, the same in every
-        generation (the rollout's URL of it never changes)."""
-        return engine_k8s.replica_hostname(replica)
+        generation (the rollout's URL of it never changes): the plan's name of the replica."""
+        return engine_name(replica)
 
     @staticmethod
     def hostname(rank: int, attempt: int) -> str:
@@ -141,9 +142,9 @@ def store_is_managed(run: TrainingRun) -> bool:
 
 
 def engine_is_managed(run: TrainingRun) -> bool:
-    """The operator runs the run's vLLM server: generated rollouts with the vllm engine and no `engine.url`."""
-    e = run.spec.rollout.engine
-    return run.spec.rollout.source.type == "generate" and e.type == "vllm" and not e.url
+    """The operator runs the run's engine servers (`trainingrun.engines.table.own_servers`: generated rollouts with
+    an engine served by servers, e.g. vllm, and no `engine.url`)."""
+    return own_servers(run.spec) > 0
 
 
 def base_children(run: TrainingRun, attempt: int) -> list[Child]:
@@ -164,7 +165,7 @@ def base_children(run: TrainingRun, attempt: int) -> list[Child]:
 
 def engine_replicas(run: TrainingRun) -> int:
     """How many engine pods the operator runs for the run: spec.rollout.engine.replicas (0 when it runs none)."""
-    return run.spec.rollout.engine.replicas if engine_is_managed(run) else 0
+    return own_servers(run.spec)
 
 
 def engine_child(run: TrainingRun, replica: int, generation: int) -> Child:

@@ -6,10 +6,10 @@ Module map:
   source.py           the `Source` protocol (draw → generate → score) and the replay sources' common part
   synthetic.py        `source.type: synthetic`, a seeded learnable task (and the built-in tasks' token ids)
   jsonl.py            `source.type: jsonl`, a validated rollout file (and the jsonl line reader)
-  generate.py         `source.type: generate`, the policy generates: engine, pinned weight version, rewards
+  generate.py         `source.type: generate`, the policy generates: engine (`trainingrun.engines`), pinned weight
+                      version, rewards
   prompts.py          prompts of generated rollouts and the tokenizers that turn text into ids
   rewards.py          rewards of generated rollouts, each in a worker so a bad one never stops the rollout
-  megatron_engine.py  `engine.type: megatron`, generation in this process (the vLLM engine: `trainingrun.vllm`)
   groups.py           `SampleGroup`, the samples of one prompt: the unit every stage passes on
   pipeline.py         the pure stages: filters, advantages, steps, flat samples
   recovery.py         re-creating the stream after the store lost it (the trainers' resume point is ahead)

@@ -45,9 +45,9 @@ from typing import Any
 import numpy as np
 
 from trainingrun.contract.engine import Completion, Engine, GroupedEngine, GroupRequest, Sampling
-from trainingrun.contract.env import ENGINE_URL_ENV, ProcessEnv
 from trainingrun.contract.errors import ConfigError
 from trainingrun.contract.published import EpisodeCounts
+from trainingrun.engines.table import make_engine
 from trainingrun.modeling.architecture import Architecture
 from trainingrun.rollout.episodes import EpisodeRunner, build_group, counts, cut_at_stop, turn_text
 from trainingrun.rollout.groups import SampleGroup
@@ -55,7 +55,6 @@ from trainingrun.rollout.prompts import Prompt, load_tokenizer, make_prompts
 from trainingrun.rollout.rewards import RewardConfig, RewardScorer
 from trainingrun.rollout.stream import PartialGroup, PromptStream, extra_prompts, is_cut
 from trainingrun.rollout.synthetic import EOS
-from trainingrun.vllm.engine import VLLMEngine, make_clients
 
 WAIT_REPORT_SECONDS = 30.0
 
@@ -89,37 +88,6 @@ def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: flo
     linearly to −penalty at max_new_tokens: penalty · (max_new_tokens − buffer − length) / buffer."""
     free = max_new_tokens - buffer
     return 0.0 if length <= free else penalty * (free - min(length, max_new_tokens)) / buffer
-
-
-def make_engine(spec, store, arch: Architecture) -> Engine:
-    """The engine `spec.rollout.engine` names (the in-process one builds `arch`), fetching weights through the run's
-    weight sync."""
-    e = spec.rollout.engine
-    if e.type == "megatron":
-        from trainingrun.rollout.megatron_engine import MegatronEngine  # deferred: torch, megatron
-
-        return MegatronEngine(arch, fetch=store.read_weights, max_batch=e.max_batch, seed=spec.seed,
-                              record_routing=spec.trainer.moe.routing_replay and arch.moe is not None)
-    if e.type == "vllm":
-        return make_vllm_engine(spec, store)
-    raise ConfigError(f"rollout.engine.type: {e.type!r} is not available in this build; allowed: megatron, vllm")
-
-
-def make_vllm_engine(spec, store, *, say: Callable[[str], None] | None = None) -> Engine:
-    """`rollout.engine.type: vllm`: the server at `engine.url`, else the run's own (its URL in $TRAININGRUN_ENGINE_URL,
-    set by the launcher or the operator). Weight versions are found through the store's weight meta (disk path or
-    broadcast address, written by the trainers' publisher)."""
-    e = spec.rollout.engine
-    urls = e.urls or [u for u in (ProcessEnv.from_environ().engine_url or "").split(",") if u]
-    if not urls:
-        raise ConfigError(f"rollout.engine.type: vllm without rollout.engine.url needs the run's own server (the "
-                          f"launcher or operator sets ${ENGINE_URL_ENV}); set rollout.engine.url")
-    v = e.vllm
-    deadline = spec.failure_policy.progress_deadline_seconds
-    # a load never outlives the progress deadline: the rollout says which engine failed before the run is declared hung
-    load_timeout = float(min(v.load_timeout_seconds, deadline / 2) if deadline else v.load_timeout_seconds)
-    return VLLMEngine(make_clients(urls), fetch=lambda version: store.read_weights(version)[1],
-                      concurrency=v.concurrency, stall_seconds=v.stall_seconds, load_timeout=load_timeout, say=say)
 
 
 def request_seed(seed: int, position: int) -> int:

@@ -31,6 +31,7 @@ from trainingrun.contract.errors import ConfigError
 from trainingrun.contract.payload import RankPayload
 from trainingrun.contract.published import PublishedRollout, StepPlan
 from trainingrun.contract.resume import ResumePoint
+from trainingrun.engines.table import logprob_dtype
 from trainingrun.modeling.architecture import Architecture
 from trainingrun.modeling.convert import check_tp
 from trainingrun.modeling.hf_io import copy_assets
@@ -349,9 +350,7 @@ class Trainer:
         from trainingrun.trainer.report import LOGPROB_TOLERANCE, engine_logprob_mismatch  # deferred: torch
 
         ws = self.spec.weight_sync
-        engine = self.spec.rollout.engine
-        dtype = engine.vllm.dtype if engine.type == "vllm" else "float32"
-        message = engine_logprob_mismatch(record, ws.logprob_tolerance or LOGPROB_TOLERANCE[dtype])
+        message = engine_logprob_mismatch(record, ws.logprob_tolerance or LOGPROB_TOLERANCE[logprob_dtype(self.spec)])
         if message is None:
             return
         if ws.on_logprob_mismatch == "fail":

@@ -12,17 +12,17 @@ A publisher's obligations:
     version, and an interrupted publish leaves the previous version as the newest (never half-applied).
   * publishing the same version twice (a restarted trainer group) is harmless.
   * `close()` releases what it holds.
-Implementations are chosen by `make_publisher` from `spec.weightSync.type`; without weight sync there is none
-(replayed rollouts need no weights).
+Implementations are the engine table's (`trainingrun.engines.table`: each engine type's publishers by
+`spec.weightSync.type`), chosen by `make_publisher`; without weight sync there is none (replayed rollouts need no
+weights).
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any, Protocol
 
+from trainingrun.engines.table import make_publisher as engine_publisher
 from trainingrun.modeling.architecture import Architecture
-from trainingrun.vllm.publish import make_vllm_publisher
 
 
 class WeightPublisher(Protocol):
@@ -32,55 +32,11 @@ class WeightPublisher(Protocol):
     def close(self) -> None: ...
 
 
-class StoreWeightPublisher:
-    """`weightSync.type: store`: the full weights as raw tensors through the run's store (`Store.publish_weights`,
-    pickle-free wire format, bf16 as its 16 bits), written by rank 0; versions older than the newest the rollout may
-    still need (version − maxPolicyLag) are released. At tensor or expert parallelism > 1 the ranks of one whole copy
-    of the model (data-parallel replica 0; with experts, expert-data-parallel replica 0) first gather the full
-    canonical state (`modeling.state.gather_live_state`, the gather every publisher uses); the in-process engine is
-    one rank."""
-
-    def __init__(self, store, *, rank: int, max_policy_lag: int, arch: Architecture, dp_rank: int = 0, **layout):
-        self.store, self.rank, self.lag = store, rank, max_policy_lag
-        self.arch, self.dp_rank = arch, dp_rank
-        self.layout = layout  # `gather_live_state`'s keywords (`modeling.state.live_layout`); none: one process
-        self.last_seconds = 0.0
-        self.last_bytes = 0
-
-    def publish(self, version: int, module: Any) -> None:
-        if self.dp_rank != 0:
-            return
-        from trainingrun.modeling.state import gather_live_state, tensors_arrays  # deferred: torch
-
-        t0 = time.perf_counter()
-        # a collective over the TP group: every TP rank of replica 0 takes part; rank 0 receives the full state
-        state = gather_live_state(module, self.arch, **self.layout)
-        if self.rank != 0:
-            return
-        arrays, dtypes = tensors_arrays(state)
-        self.store.publish_weights(version, arrays, {"dtypes": dtypes, "version": version})
-        self.store.release_weights_below(max(0, version - self.lag))
-        self.last_seconds = time.perf_counter() - t0
-        self.last_bytes = sum(a.nbytes for a in arrays.values())
-
-    def close(self) -> None:
-        pass
-
-
 def make_publisher(spec, store, *, arch: Architecture, rank: int, attempt: int = 0) -> WeightPublisher | None:
     """The publisher `spec.weightSync` asks for, or None (replayed rollouts need no weights); `arch`: the run's
-    resolved model. Which sync reaches which engine is a rule of the spec (`TrainingRunSpec`, checked at admission):
-    store for the megatron engine, disk or broadcast for vllm."""
+    resolved model. The publishers are the engine table's (`trainingrun.engines.table`): which sync reaches which
+    engine is a rule of the spec (`TrainingRunSpec`, checked at admission) — store for the megatron engine
+    (`engines/store_sync.py`), disk or broadcast for vllm (`engines/vllm/publish.py`)."""
     if spec.rollout.source.type != "generate":
         return None
-    if spec.weight_sync.type == "store":
-        if spec.trainer.pipeline_parallel_size > 1:  # it publishes rank 0's own state dict: one pipeline stage
-            raise ValueError(f"weightSync.type: store publishes trainer rank 0's state dict, which holds one stage "
-                             f"of trainer.pipelineParallelSize {spec.trainer.pipeline_parallel_size}; allowed: "
-                             "pipelineParallelSize 1 with store, or the vllm engine (disk, broadcast), whose "
-                             "publishers gather the stages")
-        from trainingrun.modeling.state import live_layout  # deferred: torch, megatron
-
-        return StoreWeightPublisher(store, rank=rank, max_policy_lag=spec.rollout.max_policy_lag, arch=arch,
-                                    **live_layout())
-    return make_vllm_publisher(spec, store, arch=arch, rank=rank, attempt=attempt)
+    return engine_publisher(spec, store, arch=arch, rank=rank, attempt=attempt)

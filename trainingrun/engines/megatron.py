@@ -20,10 +20,10 @@ rounding (`tests/integration/test_episodes_megatron.py`). Loading weights drops 
 weights); `stats["reused_tokens"]` counts the positions not recomputed.
 
 Weights: `load_weights(version)` reads the version's tensors through the store (`Store.read_weights`, written by the
-trainers' `StoreWeightPublisher`: the full, tensor-parallel-gathered canonical state of `modeling.state`), and loads
-them with `modeling.model.load_canonical_state` after every tensor was decoded and checked against the model's names
-and shapes: a failed read leaves the previous version in place (never half-applied). The trainers may run at any
-tensor-parallel size; the engine is one rank.
+trainers' `StoreWeightPublisher`, `store_sync.py`: the full, tensor-parallel-gathered canonical state of
+`modeling.state`), and loads them with `modeling.model.load_canonical_state` after every tensor was decoded and
+checked against the model's names and shapes: a failed read leaves the previous version in place (never
+half-applied). The trainers may run at any tensor-parallel size; the engine is one rank.
 
 Device and attention: the first visible GPU, else the CPU (`engine_device`); the attention backend is the
 trainers' rule for this device (`modeling.model.attention_choice` with `generation=True`: te in TE's layer spec, else
@@ -345,3 +345,11 @@ def _init_single_process() -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+
+
+def build(spec, store, arch: Architecture) -> MegatronEngine:
+    """The engine table's builder of `rollout.engine.type: megatron`: the run's model (`arch`), its weight versions
+    read from the store (`store_sync.py` publishes them)."""
+    e = spec.rollout.engine
+    return MegatronEngine(arch, fetch=store.read_weights, max_batch=e.max_batch, seed=spec.seed,
+                          record_routing=spec.trainer.moe.routing_replay and arch.moe is not None)

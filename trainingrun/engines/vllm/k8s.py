@@ -1,5 +1,6 @@
 """The run's own vLLM servers in a cluster: the engine pods' container, their worker-extension ConfigMap and the URLs
-the rollout is given. Pure functions of the spec (the operator's `render` module places them among a run's children).
+the rollout is given. Pure functions of the spec: the vllm entry's `ServerPods` (`trainingrun.engines.table`), which
+the operator's `render` module places among a run's children.
 
   ConfigMap  R-engine     the worker extension (`server.extension_files()`), mounted at EXTENSION_DIR and put on
                           PYTHONPATH: the official vLLM image needs nothing of trainingrun installed
@@ -20,7 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainingrun.vllm.server import extension_files, server_args, server_env
+from trainingrun.engines.vllm.server import extension_files, server_args, server_env
+from trainingrun.plan import engine_name
 
 ENGINE_PORT = 8000
 EXTENSION_DIR = "/opt/trainingrun-vllm"
@@ -42,8 +44,15 @@ def extension_volume(config_map: str) -> dict[str, Any]:
 
 
 def replica_hostname(index: int) -> str:
-    """Engine pod i's hostname under the headless Service (engine-<i>.R-engine.NS.svc), stable over restarts."""
-    return f"engine-{index}"
+    """Engine pod i's hostname under the headless Service (engine-<i>.R-engine.NS.svc), stable over restarts: the
+    plan's name of engine replica i (`trainingrun.plan.engine_name`)."""
+    return engine_name(index)
+
+
+def server_resources(spec) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """(requests, limits, GPUs) of one engine pod (`rollout.engine.vllm`)."""
+    v = spec.rollout.engine.vllm
+    return dict(v.resources.requests), dict(v.resources.limits), v.gpus
 
 
 def engine_url(service: str, namespace: str, replicas: int = 1) -> str:

@@ -4,9 +4,9 @@ It answers `/v1/completions` after a configurable time per generated token, with
 long-tailed (log-normal) distribution, so the rollout's own scheduling — the pool's dispatch, over-sampling with
 abort, partial rollouts, weight sync to several engines, a dead or stalled engine — can be tested in seconds and
 measured on a small CPU machine (benchmarks/rl_loop.py `--engine sim`). The rollout reaches it through the same
-client as a real server (`trainingrun.vllm.client`).
+client as a real server (`trainingrun.engines.vllm.client`).
 
-    python -m trainingrun.vllm.simulated --port 0 [--token-seconds 0.002] [--max-batch 256] [--median-tokens 64]
+    python -m trainingrun.engines.simulated --port 0 [--token-seconds 0.002] [--max-batch 256] [--median-tokens 64]
                                          [--length-sigma 1.0] [--load-seconds 0] [--vocab 512]
     (prints "port N" once it listens)
 
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from trainingrun.vllm import worker_ext
+from trainingrun.engines.vllm import worker_ext
 
 EOS = 2
 FIRST_TOKEN = 3
@@ -349,7 +349,7 @@ class SimulatedServer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="A simulated vLLM server (trainingrun.vllm.simulated).")
+    ap = argparse.ArgumentParser(description="A simulated vLLM server (trainingrun.engines.simulated).")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--token-seconds", type=float, default=SimConfig.token_seconds)
     ap.add_argument("--max-batch", type=int, default=SimConfig.max_batch)

@@ -1,11 +1,11 @@
 """vLLM worker extension: receive new weights from trainer rank 0 over torch.distributed (the `broadcast` weight sync).
 
-Loaded INSIDE the vLLM server (`--worker-extension-cls trainingrun.vllm.worker_ext.WeightSyncExtension`), whose
+Loaded INSIDE the vLLM server (`--worker-extension-cls trainingrun.engines.vllm.worker_ext.WeightSyncExtension`), whose
 environment has torch and vLLM but not trainingrun's dependencies: this module imports only the standard library and
-torch, and `trainingrun.vllm.server.extension_files()` ships it (with empty package files) to the server as a
+torch, and `trainingrun.engines.vllm.server.extension_files()` ships it (with empty package files) to the server as a
 directory on PYTHONPATH (a temporary directory locally, a ConfigMap in a cluster).
 
-Protocol (the sender is `trainingrun.vllm.broadcast.BroadcastSender` on trainer rank 0, which hosts a TCPStore):
+Protocol (the sender is `trainingrun.engines.vllm.broadcast.BroadcastSender` on trainer rank 0, which hosts a TCPStore):
   1. The rollout asks the engine over HTTP: `POST /collective_rpc {"method": "trainingrun_receive_weights",
      "kwargs": {"request": JSON}}`, JSON = {host, port, group, world_size, backend, timeout, version}; `group` is a
      fresh name for this transfer, `world_size` = 1 + the engine's workers, `version` the weight version wanted.
@@ -24,8 +24,9 @@ The group is created for one transfer and dropped: an engine or trainer restart 
 Bounds (a sender that dies before or during a transfer must never wedge the engine): the worker connects to the
 sender's store with a short timeout of its own (`connect_timeout`, default CONNECT_TIMEOUT), then every wait of the
 transfer (manifest, buckets) shares one deadline, `timeout` seconds after the connect. The whole call returns
-(raises) within connect_timeout + timeout; the rollout's HTTP wait is longer than that (`trainingrun.vllm.sync`), and
-vLLM's own collective_rpc timeout is never used (its late replies kill the engine).
+(raises) within connect_timeout + timeout; the rollout's HTTP wait is longer than that
+(`trainingrun.engines.vllm.sync`), and vLLM's own collective_rpc timeout is never used (its late replies kill the
+engine).
 
 `trainingrun_load_dir(path, files)` (the `disk` weight sync) reads a whole HF directory the same way before applying
 it. `files` ({file name: [bytes, sha256]}, written by the trainer's publisher: `file_digests`) is checked first, so a

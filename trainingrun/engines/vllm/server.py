@@ -4,8 +4,8 @@ One command line and one environment for every place that starts vLLM (the local
 pod, the test fixture, the benchmark), so they cannot drift apart:
 
   python -m vllm.entrypoints.openai.api_server --model DIR --host H --port P --dtype D --max-model-len L
-      --worker-extension-cls trainingrun.vllm.worker_ext.WeightSyncExtension --logprobs-mode processed_logprobs
-      [--enforce-eager] [extra args]
+      --worker-extension-cls trainingrun.engines.vllm.worker_ext.WeightSyncExtension
+      --logprobs-mode processed_logprobs [--enforce-eager] [extra args]
   VLLM_SERVER_DEV_MODE=1   the endpoints weight sync needs (/pause, /resume, /collective_rpc, /reset_prefix_cache,
                            /update_weight_version, /weight_info); they must never be exposed outside the run
   HF_HUB_OFFLINE=1         nothing is downloaded at run time: the model is a local HF directory
@@ -29,9 +29,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from trainingrun.childproc import DIE_WITH_PARENT
-from trainingrun.vllm.client import VLLMClient
+from trainingrun.engines.vllm.client import VLLMClient
 
-EXTENSION_CLS = "trainingrun.vllm.worker_ext.WeightSyncExtension"
+EXTENSION_CLS = "trainingrun.engines.vllm.worker_ext.WeightSyncExtension"
 # Sampled tokens' log-probabilities under softmax(logits / temperature), as the Engine contract asks (vLLM's default,
 # raw_logprobs, ignores the temperature). With topP < 1 vLLM reports the top-p-renormalised distribution, as the
 # in-process engine does (the distribution the token was drawn from).
@@ -40,7 +40,7 @@ ENTRYPOINT = ("-m", "vllm.entrypoints.openai.api_server")
 DEFAULT_KV_CACHE_GIB = 2
 PYTHON_ENV = "TRAININGRUN_VLLM_PYTHON"  # the Python of vLLM's environment (locally: .venv-vllm/bin/python)
 
-_PACKAGE_STUB = '"""Only what the vLLM worker extension needs (shipped by trainingrun.vllm.server)."""\n'
+_PACKAGE_STUB = '"""Only what the vLLM worker extension needs (shipped by trainingrun.engines.vllm.server)."""\n'
 
 
 def server_args(model: str, *, port: int, host: str = "127.0.0.1", dtype: str = "bfloat16",
@@ -80,8 +80,9 @@ def extension_files() -> dict[str, str]:
     source = (Path(__file__).parent / "worker_ext.py").read_text()
     return {
         "trainingrun/__init__.py": _PACKAGE_STUB,
-        "trainingrun/vllm/__init__.py": _PACKAGE_STUB,
-        "trainingrun/vllm/worker_ext.py": source,
+        "trainingrun/engines/__init__.py": _PACKAGE_STUB,
+        "trainingrun/engines/vllm/__init__.py": _PACKAGE_STUB,
+        "trainingrun/engines/vllm/worker_ext.py": source,
     }
 
 
@@ -99,7 +100,7 @@ def find_python() -> str | None:
     explicit = os.environ.get(PYTHON_ENV)
     if explicit:
         return explicit
-    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
+    for root in (Path(__file__).resolve().parents[3], Path.cwd()):
         candidate = root / ".venv-vllm" / "bin" / "python"
         if candidate.exists():
             return str(candidate)
@@ -147,6 +148,10 @@ class VLLMServer:
         finally:
             log.close()
         self.starts += 1
+
+    def healthy(self) -> bool:
+        """/health answers 200 now."""
+        return VLLMClient(self.url, timeout=5).healthy()
 
     def wait_healthy(self, timeout: float = 600) -> float:
         """Seconds until /health answered 200; RuntimeError (with the log's tail) when the process exits first."""
@@ -198,8 +203,23 @@ class VLLMServer:
         self.close()
 
 
+def local_server(spec, *, log_path: Path, port: int) -> VLLMServer:
+    """One of the run's own vLLM servers on this machine (the local launcher's `engine-<i>`, the vllm entry's
+    `Servers.local`): the model of `model.hf`, `rollout.engine.vllm`'s settings. ValueError without vLLM's
+    environment."""
+    python = find_python()
+    if python is None:
+        raise ValueError(f"rollout.engine.type: vllm needs vLLM's environment: run `make vllm` (builds "
+                         f".venv-vllm) or set {PYTHON_ENV} to a Python that has vLLM, or give "
+                         "rollout.engine.url")
+    v = spec.rollout.engine.vllm
+    return VLLMServer(str(Path(spec.model.hf).resolve()), port=port, python=python, log_path=log_path, dtype=v.dtype,
+                      max_model_len=v.max_model_len or spec.model.resolved().seq_length,
+                      kv_cache_gib=v.kv_cache_gib, extra_args=tuple(v.args))
+
+
 def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - manual use
-    """python -m trainingrun.vllm.server MODEL PORT: run a server in the foreground (Ctrl-C stops it)."""
+    """python -m trainingrun.engines.vllm.server MODEL PORT: run a server in the foreground (Ctrl-C stops it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     python = find_python()
     if python is None:

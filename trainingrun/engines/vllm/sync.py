@@ -6,7 +6,7 @@ Both follow one sequence, driven by the rollout between its generate calls:
 The engine's weight-version label (`/update_weight_version`, `/weight_info`) is what makes "never half-applied"
 checkable: it names a version only after that version loaded completely. A load that fails or is interrupted leaves
 "loading:..." (or, when the server restarts, vLLM's "default"), and the rollout's engine refuses to generate until a
-load succeeds (`trainingrun.vllm.engine`).
+load succeeds (the pool: `trainingrun.engines.pool`, its label `LOADING`).
 
 disk:      `collective_rpc("trainingrun_load_dir", path=DIR, files=...)` — the worker extension checks the published
            files' sizes and SHA-256 (`files`, from the version's meta), reads the whole directory
@@ -30,10 +30,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from trainingrun.vllm.client import VLLMClient, WeightsRefused
-from trainingrun.vllm.worker_ext import CONNECT_TIMEOUT
+from trainingrun.contract.engine import WeightsRefused
+from trainingrun.engines.pool import LOADING
+from trainingrun.engines.vllm.client import VLLMClient
+from trainingrun.engines.vllm.worker_ext import CONNECT_TIMEOUT
 
-LOADING = "loading:"
+__all__ = ["HTTP_MARGIN", "LOADING", "load_from_broadcast", "load_from_disk"]
 HTTP_MARGIN = 30.0  # the rollout waits this much longer than the worker's own bound before it gives up
 
 

@@ -1,0 +1,24 @@
+"""trainingrun.engines: the inference engines a `generate` rollout samples from, chosen by one table.
+
+Layer 3, beside rollout, trainer and operator: they import engines, never the reverse. The rollout gets its
+`contract.engine.Engine` here, the trainers their weight publisher, the operator its engine pods, the local launcher
+its engine processes — each through the table.
+
+Module map:
+  table.py       the engine table: `rollout.engine.type` → `EngineType` (builder, weight-sync publishers, the
+                 servers' pods and local processes, logprob dtype); the rules over it: `make_engine`,
+                 `make_publisher`, `own_servers` ("the run owns its engines"), `register`
+  pool.py        the engine pool, engine-agnostic: dispatch with its per-request ledger, stalls, deaths, recovery,
+                 abort, the version barrier, the weight-load fan-out, over a `ReplicaAdapter` per server (imports
+                 no engine's code)
+  megatron.py    `engine.type: megatron`: generation in the rollout process with the run's Megatron model
+  store_sync.py  `weightSync.type: store` (the megatron entry's publisher): full weights through the run's store
+  simulated.py   a stand-in vLLM server (the same HTTP API, no model) for tests and benchmarks
+  vllm/          `engine.type: vllm`: server, client, the replica adapter, weight sync, worker extension, publishers,
+                 engine pods (its own map: `trainingrun/engines/vllm/__init__.py`)
+
+A new engine type: docs/architecture.md, "A new engine type".
+
+This file and `vllm/__init__.py` import nothing: the vLLM server process loads the worker extension
+(`trainingrun.engines.vllm.worker_ext`) through them, in an environment without trainingrun's dependencies.
+"""

@@ -1,0 +1,111 @@
+"""`rollout.engine.type: vllm`: the engine pool (`trainingrun.engines.pool`) over vLLM servers.
+
+What depends on vLLM is the replica adapter, `VLLMReplica`: a request is one `/v1/completions` call of the client
+(`client.py`), an abort is `/pause?mode=abort` then `/resume`, the weight label is the server's `/weight_info`, and a
+weight version loads by disk (an HF directory) or broadcast (from trainer rank 0) through `sync.py`. Everything else —
+dispatch, the ledger, stalls, recovery, abort, the version barrier, the load fan-out — is the pool's.
+
+`build(spec, store, arch)` is the entry of the engine table (`trainingrun.engines.table`): the servers at
+`engine.url`, else the run's own (their URLs in $TRAININGRUN_ENGINE_URL, set by the launcher or the operator); weight
+versions are found through the store's weight meta (disk path or broadcast address, written by the trainers'
+publisher, `publish.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from trainingrun.contract.engine import Engine, EngineError, Sampling
+from trainingrun.contract.env import ENGINE_URL_ENV, ProcessEnv
+from trainingrun.contract.errors import ConfigError
+from trainingrun.engines.pool import EnginePool
+from trainingrun.engines.vllm import sync
+from trainingrun.engines.vllm.broadcast import new_group_name
+from trainingrun.engines.vllm.client import Completion, VLLMClient
+
+
+class VLLMReplica:
+    """The pool's `ReplicaAdapter` for one vLLM server (its `VLLMClient`)."""
+
+    def __init__(self, client):
+        self.client = client
+
+    @property
+    def url(self) -> str:
+        return str(getattr(self.client, "url", "?"))
+
+    def generate(self, prompt: list[int], *, n: int, max_tokens: int, sampling: Sampling,
+                 seed: int | None) -> list[Completion]:
+        return self.client.complete(prompt, n=n, max_tokens=max_tokens, temperature=sampling.temperature,
+                                    top_p=sampling.top_p, stop_token_ids=list(sampling.stop_token_ids) or None,
+                                    seed=seed)
+
+    def abort(self) -> None:
+        """Pause with mode abort, then resume (vLLM answers every request in flight with the tokens so far)."""
+        try:
+            self.client.pause("abort")
+        except EngineError:
+            pass
+        finally:
+            try:
+                self.client.resume()
+            except EngineError:
+                pass
+
+    def label(self, timeout: float | None = None) -> str:
+        return self.client.weight_version() if timeout is None else self.client.weight_version(timeout=timeout)
+
+    def wait_healthy(self, timeout: float) -> float:
+        return self.client.wait_healthy(timeout)
+
+    def load(self, version: int, meta: dict[str, Any], *, label: Callable[[int], str],
+             timeout: float) -> dict[str, Any]:
+        method = meta.get("method")
+        if method == "disk":
+            kw = {"files": meta["files"]} if meta.get("files") else {}
+            return sync.load_from_disk(self.client, str(meta["path"]), label(version), timeout=timeout, **kw)
+        if method == "broadcast":
+            result = sync.load_from_broadcast(
+                self.client, host=str(meta["host"]), port=int(meta["port"]), group=meta_group(version), label=label,
+                backend=str(meta.get("backend", "gloo")), timeout=timeout, version=version)
+            if result["version"] != version:
+                raise EngineError(f"broadcast served weight version {result['version']}, asked for {version}")
+            return result
+        raise EngineError(f"weight version {version}: unknown publishing method {method!r} in {meta}")
+
+
+class VLLMEngine(EnginePool):
+    """The pool over vLLM servers. `clients`: one `VLLMClient` or a list; the other keywords are the pool's."""
+
+    def __init__(self, clients, **kw):
+        clients = list(clients) if isinstance(clients, (list, tuple)) else [clients]
+        super().__init__([VLLMReplica(c) for c in clients], name="vllm", **kw)
+
+    @property
+    def client(self):
+        """The first replica's client (a pool of one: the server)."""
+        return self.replicas[0].adapter.client
+
+
+def meta_group(version: int) -> str:
+    return f"{new_group_name()}-v{version}"
+
+
+def make_clients(urls: Sequence[str], *, timeout: float = 600.0) -> list[VLLMClient]:
+    return [VLLMClient(u, timeout=timeout) for u in urls]
+
+
+def build(spec, store, arch) -> Engine:
+    """The engine of `spec.rollout.engine` (type vllm) for the rollout (`arch` is the servers' business)."""
+    e = spec.rollout.engine
+    urls = e.urls or [u for u in (ProcessEnv.from_environ().engine_url or "").split(",") if u]
+    if not urls:
+        raise ConfigError(f"rollout.engine.type: vllm without rollout.engine.url needs the run's own server (the "
+                          f"launcher or operator sets ${ENGINE_URL_ENV}); set rollout.engine.url")
+    v = e.vllm
+    deadline = spec.failure_policy.progress_deadline_seconds
+    # a load never outlives the progress deadline: the rollout says which engine failed before the run is declared hung
+    load_timeout = float(min(v.load_timeout_seconds, deadline / 2) if deadline else v.load_timeout_seconds)
+    return VLLMEngine(make_clients(urls), fetch=lambda version: store.read_weights(version)[1],
+                      concurrency=v.concurrency, stall_seconds=v.stall_seconds, load_timeout=load_timeout)
