@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.integration.test_rollout import make_doc
 from trainingrun.api import parse_trainingrun
 from trainingrun.contract import published as contract
 from trainingrun.contract.fields import TOKEN, Field, register_field, unregister_field
@@ -19,22 +20,6 @@ from trainingrun.store import open_store
 from trainingrun.trainer.batch import pack, pad_to_length, step_microbatches
 from trainingrun.trainer.reshard import reschedule
 
-DOC = {
-    "apiVersion": "trainingrun.dev/v1alpha1",
-    "kind": "TrainingRun",
-    "metadata": {"name": "fields"},
-    "spec": {
-        "seed": 5,
-        "model": {"preset": "tiny"},
-        "trainer": {"replicas": 2, "maxTokensPerGPU": 96, "lossType": "policy_gradient"},
-        "rollout": {
-            "source": {"type": "synthetic", "synthetic": {"task": "reverse", "minLength": 3, "maxLength": 20,
-                                                           "vocabSize": 12}},
-            "samplesPerRollout": 32, "groupSize": 4, "filters": {"zeroVariance": True},
-            "steps": {"policy": "fixed", "globalBatchSize": 4}, "numRollouts": 3, "maxPendingRollouts": 100,
-        },
-    },
-}
 W = 3  # values per token of the wide probe
 
 PROBES = {
@@ -109,8 +94,8 @@ def check_microbatch(mb, row: Field) -> int:
 
 def test_a_new_per_token_field_travels_from_the_source_to_the_trainer_batch(probe, store):
     cpu = torch.device("cpu")
-    result = run_rollout(parse_trainingrun(DOC), store, progress=lambda _msg: None)
-    assert result.rollouts == 3
+    result = run_rollout(parse_trainingrun(make_doc()), store, progress=lambda _msg: None)  # 6 synthetic rollouts
+    assert result.rollouts == 6
     pad_seen = 0
     for k in range(result.rollouts):
         published = contract.read(store, k)

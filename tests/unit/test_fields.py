@@ -71,6 +71,10 @@ def test_the_wire_fields_are_the_tables_with_offsets_after_tokens():
     (Field("fraction", "<i2", TOKEN, 0.5, False, "source"), "must be a value of int16"),
     (Field("mine", "<f4", TOKEN, 0.0, True, "trainer"), "cannot be required"),
     (Field("wide", "<i2", TOKEN, -1, False, "source", width="routed_width"), "clashes"),
+    (Field("group_id", "<i8", SAMPLE, None, False, "source"), "is taken"),  # a group's own attribute
+    (Field("values", "<i8", SAMPLE, None, False, "source"), "is taken"),
+    (Field("payload", "<i8", SAMPLE, None, False, "source"), "is taken"),  # a method of SampleArrays
+    (Field("hidden", "<i8", SAMPLE, None, False, "source", attr="_hidden"), "is taken"),
 ])
 def test_a_malformed_or_clashing_row_is_refused_naming_the_field(row, why):
     before = (dict(FIELDS), dict(PAYLOAD_FIELDS), dict(PAYLOAD_OPTIONAL))

@@ -91,6 +91,7 @@ FIELDS: dict[str, Field] = {f.name: f for f in (
           doc="policyLoss.oldLogprobs trainer: log pi_old of each token, recomputed by the trainer"),
 )}
 
+RESERVED = ("values", "group_id", "has_reward", "group_ids")  # attributes of SampleArrays and its subclasses
 OFFSETS_DTYPE = np.dtype(np.int64)  # the payload's `offsets` [n + 1]: sample i is tokens[offsets[i]:offsets[i+1]]
 
 
@@ -100,6 +101,10 @@ def check_row(f: Field, table: dict[str, Field] | None = None) -> None:
     where = f"sample field {f.name!r}"
     if not f.name.isidentifier() or f.name == "offsets":
         raise ValueError(f"{where}: the name must be an identifier other than 'offsets'")
+    if not f.attribute.isidentifier() or f.attribute.startswith("_") or f.attribute in RESERVED or \
+            hasattr(SampleArrays, f.attribute):
+        raise ValueError(f"{where}: attribute {f.attribute!r} is taken by the holders of the samples "
+                         f"({', '.join(RESERVED)} and SampleArrays' own)")
     try:
         dtype = np.dtype(f.dtype)
     except TypeError:
@@ -158,8 +163,6 @@ def _derive() -> None:
     _BY_ATTR.update({f.attribute: f for f in FIELDS.values()})
 
 
-for _row in FIELDS.values():
-    check_row(_row, {k: v for k, v in FIELDS.items() if k != _row.name})
 _derive()
 
 
@@ -295,3 +298,7 @@ def arrays_from_json(d: dict[str, Any]) -> dict[str, Any]:
             flat = flat.reshape(offsets[-1], int(d[f.width]))
         out[f.name] = np.split(flat, offsets[1:-1]) if len(offsets) > 1 else []
     return out
+
+
+for _row in FIELDS.values():  # the table's own rows obey the rules a registered row must (checked once, on import)
+    check_row(_row, {k: v for k, v in FIELDS.items() if k != _row.name})
