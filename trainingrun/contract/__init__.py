@@ -6,7 +6,9 @@ Both sides of each contract import it from here; neither owns it. Imports only t
 Module map:
   published.py  the rollout → trainer contract: `PublishedRollout` (schedule, GBS_s, T_s, offsets, source stats) and
                 `StepPlan`, built (`build_published`, `rank_payload`), published and read through a `RolloutChannel`
-  payload.py    `RankPayload`: the arrays of one rank's part of a published rollout (fields and dtypes)
+  fields.py     the one table of a sample's fields (`FIELDS`: dtype, per token / per sample, padding, stage) and
+                `SampleArrays`, from which groups, samples, payloads, wire fields and micro-batches derive
+  payload.py    `RankPayload`: the arrays of one rank's part of a published rollout (derived from fields.py)
   engine.py     the inference engine protocol the rollout generates with: `Engine`, `Sampling`, `Completion`
   resume.py     the trainers' resume point (`ResumePoint`, key `trainer_resume`): trainer rank 0 writes, the rollout
                 reads it to re-create a stream the store lost

@@ -1,5 +1,9 @@
 """A rank's part of a published rollout: `RankPayload`, the numpy arrays the rollout writes and trainer rank r reads.
 
+Its arrays are the sample fields of `trainingrun.contract.fields.FIELDS` that travel on the wire (every row but the
+trainer's own), flat over the rank's samples, plus `offsets`; `PAYLOAD_FIELDS` / `PAYLOAD_OPTIONAL` (name → dtype)
+are derived from that table, and a test keeps the list below equal to it.
+
 RankPayload (rank r's part of rollout k; arrays in `partitions[r]` order, i.e. the rank's samples in micro-batch
 order, flat over the rollout's steps):
   tokens      int32   [total tokens]   all samples' tokens, concatenated
@@ -26,22 +30,9 @@ from __future__ import annotations
 
 import numpy as np
 
-PAYLOAD_FIELDS: dict[str, np.dtype] = {
-    "tokens": np.dtype(np.int32),
-    "offsets": np.dtype(np.int64),
-    "loss_mask": np.dtype(np.uint8),
-    "advantages": np.dtype(np.float32),
-    "rewards": np.dtype(np.float32),
-    "sample_ids": np.dtype(np.int64),
-}
+from trainingrun.contract.fields import NOT_ROUTED, PAYLOAD_FIELDS, PAYLOAD_OPTIONAL
 
-PAYLOAD_OPTIONAL: dict[str, np.dtype] = {
-    "logprobs": np.dtype(np.float32),
-    "versions": np.dtype(np.int64),
-    "routed_experts": np.dtype(np.int16),
-    "token_versions": np.dtype(np.int64),
-}
-NOT_ROUTED = -1  # routed_experts: the generator routed this token nowhere (the trainer's router chooses)
+__all__ = ["NOT_ROUTED", "PAYLOAD_FIELDS", "PAYLOAD_OPTIONAL", "RankPayload", "token_width"]
 
 
 def token_width(payload: dict[str, np.ndarray], name: str) -> int:

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from trainingrun.contract.fields import SampleArrays
 from trainingrun.contract.payload import RankPayload
 from trainingrun.schedule import DPSchedule, build_dp_schedule
 
@@ -276,23 +277,15 @@ class PublishedRollout:
 
 
 # ---------------------------------------------------------------------------------------------------- building
-@dataclass
-class Samples:
-    """A rollout's samples in publish order (flat lists, one entry per sample), before scheduling."""
+class Samples(SampleArrays):
+    """A rollout's samples in publish order, before scheduling: the table's fields (`contract.fields`: tokens, loss
+    masks, rewards, advantages, sample ids, and optional ones such as the generator's logprobs and versions, all
+    or none of the samples having each) as keyword arguments by attribute, and `group_ids` [n] (a group is never
+    split across steps)."""
 
-    tokens: list[np.ndarray]  # int32 each
-    loss_masks: list[np.ndarray]  # uint8 each, same length as the tokens
-    rewards: np.ndarray  # float32 [n]
-    advantages: np.ndarray  # float32 [n]
-    sample_ids: np.ndarray  # int64 [n], run-unique
-    group_ids: list[int]  # [n]; a group is never split across steps
-    logprobs: list[np.ndarray] | None = None  # generated: float32 per token (0 on the prompt)
-    versions: np.ndarray | None = None  # generated: int64 [n] weight version of each sample (its oldest token's)
-    token_versions: list[np.ndarray] | None = None  # partial rollouts: int64 per token (-1 on the prompt)
-    routed_experts: list[np.ndarray] | None = None  # routing replay: int16 [tokens, MoE layers × top-k] per sample
-
-    def __len__(self) -> int:
-        return len(self.tokens)
+    def __init__(self, *, group_ids: list[int], **fields: Any):
+        super().__init__(**fields)
+        self.group_ids = group_ids
 
 
 def build_published(
@@ -371,31 +364,8 @@ def step_policy_lags(rollout: int, samples: Samples, sched: DPSchedule) -> tuple
 
 
 def rank_payload(samples: Samples, indices: list[int]) -> RankPayload:
-    """The RankPayload of the samples at `indices`, in that order."""
-    idx = np.asarray(indices, dtype=np.int64)
-    offsets = np.zeros(len(idx) + 1, dtype=np.int64)
-    np.cumsum([len(samples.tokens[i]) for i in idx], out=offsets[1:])
-    payload = {
-        "tokens": np.concatenate([samples.tokens[i] for i in idx]).astype(np.int32) if len(idx) else np.zeros(0, np.int32),
-        "offsets": offsets,
-        "loss_mask": np.concatenate([samples.loss_masks[i] for i in idx]).astype(np.uint8) if len(idx)
-        else np.zeros(0, np.uint8),
-        "advantages": samples.advantages[idx].astype(np.float32),
-        "rewards": samples.rewards[idx].astype(np.float32),
-        "sample_ids": samples.sample_ids[idx].astype(np.int64),
-    }
-    if samples.logprobs is not None:
-        payload["logprobs"] = (np.concatenate([samples.logprobs[i] for i in idx]).astype(np.float32) if len(idx)
-                               else np.zeros(0, np.float32))
-    if samples.versions is not None:
-        payload["versions"] = samples.versions[idx].astype(np.int64)
-    if samples.routed_experts is not None:  # flat: token t's W experts at t·W … (t+1)·W − 1 (contract.payload)
-        payload["routed_experts"] = (np.concatenate([samples.routed_experts[i] for i in idx]).astype(np.int16).ravel()
-                                     if len(idx) else np.zeros(0, np.int16))
-    if samples.token_versions is not None:
-        payload["token_versions"] = (np.concatenate([samples.token_versions[i] for i in idx]).astype(np.int64)
-                                     if len(idx) else np.zeros(0, np.int64))
-    return payload
+    """The RankPayload of the samples at `indices`, in that order (`SampleArrays.payload`)."""
+    return samples.payload(indices)
 
 
 # ---------------------------------------------------------------------------------------------------- store I/O

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from trainingrun.contract.errors import ConfigError
+from trainingrun.contract.fields import concat
 from trainingrun.contract.published import Samples
 from trainingrun.rollout.groups import SampleGroup
 from trainingrun.schedule import step_fits
@@ -161,23 +162,11 @@ def split_into_steps(
 
 
 def as_samples(groups: list[SampleGroup]) -> Samples:
-    """The groups' samples as one flat batch, in group order (what `published.build_published` schedules)."""
-    return Samples(
-        tokens=[t for g in groups for t in g.tokens],
-        loss_masks=[m for g in groups for m in g.loss_masks],
-        rewards=np.concatenate([g.rewards for g in groups]).astype(np.float32),
-        advantages=np.concatenate([g.advantages for g in groups]).astype(np.float32),
-        sample_ids=np.concatenate([g.sample_ids for g in groups]).astype(np.int64),
-        group_ids=[g.group_id for g in groups for _ in range(len(g))],
-        logprobs=[lp for g in groups for lp in g.logprobs] if groups and all(g.logprobs is not None for g in groups)
-        else None,
-        versions=np.concatenate([g.versions for g in groups]).astype(np.int64)
-        if groups and all(g.versions is not None for g in groups) else None,
-        routed_experts=[r for g in groups for r in g.routed_experts]
-        if groups and all(g.routed_experts is not None for g in groups) else None,
-        token_versions=[v for g in groups for v in g.token_versions]
-        if groups and all(g.token_versions is not None for g in groups) else None,
-    )
+    """The groups' samples as one flat batch, in group order (what `published.build_published` schedules): every
+    field of the table (`contract.fields.concat`), an optional one only when every group has it."""
+    samples = Samples(group_ids=[g.group_id for g in groups for _ in range(len(g))])
+    samples.values.update(concat(groups))
+    return samples
 
 
 def mask_stale_tokens(groups: list[SampleGroup], bound: int) -> int:

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from trainingrun.contract.errors import CorruptPayload
+from trainingrun.contract.fields import FIELDS, SAMPLE, TOKEN
 from trainingrun.contract.payload import NOT_ROUTED, PAYLOAD_FIELDS, PAYLOAD_OPTIONAL, RankPayload
 
 MAGIC = b"TRPAYLD1"
@@ -75,8 +76,10 @@ def checksum(buf: memoryview | bytes) -> int:
 def check_payload(payload: RankPayload, *, where: str = "payload") -> None:
     """Raise ValueError naming the field if `payload` is not a well-formed RankPayload.
 
-    Fields and dtypes: `contract.payload.PAYLOAD_FIELDS`, all 1-D. With n samples and T tokens: offsets has n + 1 entries, starts
-    at 0, never decreases and ends at T; loss_mask has T entries (0 or 1); advantages, rewards, sample_ids have n.
+    Fields and dtypes: `contract.payload.PAYLOAD_FIELDS` (+ `PAYLOAD_OPTIONAL`), all 1-D. With n samples and T
+    tokens: offsets has n + 1 entries, starts at 0, never decreases and ends at T; a per-token field of the table
+    (`contract.fields`) has T entries (T·W, W ≥ 1, with a width), a per-sample one n; loss_mask is 0 or 1,
+    routed_experts ≥ -1.
     """
     if not isinstance(payload, dict):
         raise ValueError(f"{where}: must be a dict of numpy arrays, got {type(payload).__name__}")
@@ -112,21 +115,23 @@ def _check_invariants(payload: RankPayload, where: str) -> None:
         )
     if n and (offsets[1:] < offsets[:-1]).any():
         raise ValueError(f"{where}.offsets: must not decrease")
-    for name in ("loss_mask", "logprobs"):
-        if name in payload and len(payload[name]) != total:
-            raise ValueError(f"{where}.{name}: length {len(payload[name])} != len(tokens)={total}")
+    for name in payload:  # lengths by the table: a value per token (or W per token) or per sample
+        f = FIELDS.get(name)
+        if f is None:  # offsets
+            continue
+        got = len(payload[name])
+        if f.per == SAMPLE and got != n:
+            raise ValueError(f"{where}.{name}: length {got} != number of samples {n}")
+        if f.per == TOKEN and not f.width and got != total:
+            raise ValueError(f"{where}.{name}: length {got} != len(tokens)={total}")
+        if f.width and (total == 0 and got or total and (got == 0 or got % total)):
+            raise ValueError(f"{where}.{name}: length {got} is not a positive multiple of len(tokens)={total} "
+                             f"({f.width} values per token)")
     if total and payload["loss_mask"].max(initial=0) > 1:
         raise ValueError(f"{where}.loss_mask: values must be 0 or 1")
-    for name in ("advantages", "rewards", "sample_ids", "versions"):
-        if name in payload and len(payload[name]) != n:
-            raise ValueError(f"{where}.{name}: length {len(payload[name])} != number of samples {n}")
-    if "routed_experts" in payload:
-        routed = payload["routed_experts"]
-        if total == 0 and len(routed) or total and (len(routed) == 0 or len(routed) % total):
-            raise ValueError(f"{where}.routed_experts: length {len(routed)} is not a positive multiple of "
-                             f"len(tokens)={total} (MoE layers × top-k per token)")
-        if len(routed) and routed.min() < NOT_ROUTED:
-            raise ValueError(f"{where}.routed_experts: expert ids must be >= 0, or {NOT_ROUTED} for none")
+    routed = payload.get("routed_experts")
+    if routed is not None and len(routed) and routed.min() < NOT_ROUTED:
+        raise ValueError(f"{where}.routed_experts: expert ids must be >= 0, or {NOT_ROUTED} for none")
 
 
 def _payload_fields(payload: RankPayload) -> dict[str, np.dtype]:

@@ -4,22 +4,26 @@ A rank's payload holds its samples in `partitions[r]` order (flat over the rollo
 are lists of positions into it (`PublishedRollout.microbatch_positions(rank, step)`). A micro-batch packs its samples back to back
 (no padding) with `cu_seqlens` marking the documents. A micro-batch with no sample (possible when a rank has fewer
 samples than the step's micro-batch count) becomes a single dummy token with no targets: its loss and gradient are 0.
-Generated rollouts carry the engine's log-probabilities (`logprobs`) into `LossInputs.engine_logprobs`; a payload the
-trainer gave π_old (`old_logprobs`, `policyLoss.oldLogprobs: trainer`, same layout) into `LossInputs.old_logprobs`.
+Every field of the sample table (`contract.fields.FIELDS`) the payload has travels in `MicroBatch.fields`: a
+per-token one packed the same way ([T], or [T, W] with a width), its row's `pad` on every token that is no sample's
+own; a per-sample one [n]. The loss takes its inputs from there (`loss_inputs`): the tokens, the loss mask as
+targets, the engine's log-probabilities (`logprobs`, generated rollouts) as `LossInputs.engine_logprobs`, and π_old
+the trainer recomputed (`old_logprobs`, `policyLoss.oldLogprobs: trainer`) as `LossInputs.old_logprobs`.
 `pad_to_length` appends a document of dummy tokens (no targets, in no sample) — how the expert-parallel ranks of a
-mixture of experts give their all-gather token dispatcher equally long micro-batches. Routing replay: the payload's
-`routed_experts` rows of the micro-batch's tokens travel along (−1 rows for dummy tokens).
+mixture of experts give their all-gather token dispatcher equally long micro-batches. Routing replay reads the
+payload's `routed_experts` rows of the micro-batch's tokens (−1 rows for dummy tokens).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from trainingrun.contract.payload import NOT_ROUTED, token_width
+from trainingrun.contract.fields import FIELDS, SAMPLE, TOKEN
+from trainingrun.contract.payload import token_width
 from trainingrun.trainer.loss import LossInputs
 
 
@@ -33,8 +37,13 @@ class MicroBatch:
     max_seqlen: int
     loss: LossInputs
     sample_ids: tuple[int, ...]
-    routed_experts: torch.Tensor | None = None  # [T, MoE layers × top-k] int16, the generator's (routing replay)
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)  # the table's fields: per token [T] / [T, W], per sample [n]
     pad_tokens: int = 0  # dummy tokens appended by `pad_to_length` (in no sample)
+
+    @property
+    def routed_experts(self) -> torch.Tensor | None:
+        """[T, MoE layers × top-k] int16: the experts the generator routed each token to (routing replay)."""
+        return self.fields.get("routed_experts")
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +71,19 @@ class MicroBatch:
         )
 
 
+def loss_inputs(fields: dict[str, torch.Tensor], cu_seqlens: torch.Tensor, sample_of: torch.Tensor,
+                lengths: torch.Tensor) -> LossInputs:
+    """What the loss takes from a micro-batch's fields: tokens, targets (the loss mask with each document's first
+    token cleared: nothing precedes it), advantages, rewards, and the log-probabilities it compares against."""
+    target = fields["loss_mask"].float()
+    target[cu_seqlens[:-1].long()] = 0.0
+    engine, old = fields.get("logprobs"), fields.get("old_logprobs")
+    return LossInputs(
+        tokens=fields["tokens"].long(), target_mask=target, sample_of=sample_of,
+        advantages=fields["advantages"].float(), rewards=fields["rewards"].float(), lengths=lengths,
+        engine_logprobs=None if engine is None else engine.float(), old_logprobs=None if old is None else old.float())
+
+
 def pack(payload: dict[str, np.ndarray], positions: list[int], device: torch.device, pad_to: int | None = None) -> MicroBatch:
     """Pack the payload samples at `positions` into one micro-batch.
 
@@ -69,88 +91,77 @@ def pack(payload: dict[str, np.ndarray], positions: list[int], device: torch.dev
     this, to measure what padding costs against packing on the same schedule.
     """
     offsets = payload["offsets"]
-    toks, masks, sample_of, lengths, doc_lens, routed = [], [], [], [], [], []
-    per_token = {name: [] for name in ("logprobs", "old_logprobs") if name in payload}
-    width = token_width(payload, "routed_experts") if "routed_experts" in payload else 0
+    rows = [f for f in FIELDS.values() if f.name in payload]
+    per_token = [f for f in rows if f.per == TOKEN]
+    width = {f.name: token_width(payload, f.name) if f.width else 0 for f in per_token}
+    parts: dict[str, list[np.ndarray]] = {f.name: [] for f in per_token}
+    sample_of, lengths, doc_lens = [], [], []
     for j, p in enumerate(positions):
         a, b = int(offsets[p]), int(offsets[p + 1])
         length = b - a
         if length < 1:
             raise ValueError(f"payload: sample at position {p} has no tokens")
-        t = payload["tokens"][a:b].astype(np.int64)
-        m = payload["loss_mask"][a:b].astype(np.float32)
-        m[0] = 0.0  # the first token of a document is never predicted
         padded = max(pad_to or length, length)
-        for name, parts in per_token.items():
-            parts.append(np.concatenate([payload[name][a:b].astype(np.float32),
-                                         np.zeros(padded - length, np.float32)]))
-        if padded > length:
-            t = np.concatenate([t, np.zeros(padded - length, np.int64)])
-            m = np.concatenate([m, np.zeros(padded - length, np.float32)])
-        if width:
-            r = payload["routed_experts"][a * width:b * width].reshape(length, width)
-            routed.append(np.concatenate([r, np.full((padded - length, width), NOT_ROUTED, np.int16)]))
-        toks.append(t)
-        masks.append(m)
+        for f in per_token:
+            w = width[f.name]
+            values = payload[f.name][a * w:b * w].reshape(length, w) if w else payload[f.name][a:b]
+            parts[f.name].append(_padded(values.astype(f.np_dtype, copy=False), padded, f.pad))
         sample_of.append(np.full(padded, j, np.int64))
         lengths.append(length)
         doc_lens.append(padded)
     if not positions:  # empty micro-batch: one dummy token, no targets
-        toks, masks, sample_of, doc_lens = [np.zeros(1, np.int64)], [np.zeros(1, np.float32)], [np.zeros(1, np.int64)], [1]
-        per_token = {name: [np.zeros(1, np.float32)] for name in per_token}
-        routed = [np.full((1, width), NOT_ROUTED, np.int16)] if width else []
-    cu = np.concatenate([[0], np.cumsum(doc_lens)]).astype(np.int32)
-    positions_in_doc = np.concatenate([np.arange(n) for n in doc_lens])
+        sample_of, doc_lens = [np.zeros(1, np.int64)], [1]
+        parts = {f.name: [_padded(np.zeros((0, width[f.name]) if width[f.name] else 0, f.np_dtype), 1, f.pad)]
+                 for f in per_token}
+    packed = {name: np.concatenate(p) for name, p in parts.items()}
     pos_arr = np.asarray(positions, dtype=np.int64)
-    adv = payload["advantages"][pos_arr] if positions else np.zeros(0, np.float32)
-    rew = payload["rewards"][pos_arr] if positions else np.zeros(0, np.float32)
-    ids = tuple(int(i) for i in payload["sample_ids"][pos_arr]) if positions else ()
-    tokens = torch.from_numpy(np.concatenate(toks)).to(device)
-    lps = {name: torch.from_numpy(np.concatenate(parts)).to(device) for name, parts in per_token.items()}
+    for f in rows:
+        if f.per == SAMPLE:
+            packed[f.name] = np.asarray(payload[f.name][pos_arr] if positions else np.zeros(0), f.np_dtype)
+    fields = {name: torch.from_numpy(a).to(device) for name, a in packed.items()}
+    cu = torch.from_numpy(np.concatenate([[0], np.cumsum(doc_lens)]).astype(np.int32)).to(device)
+    sample_of_t = (torch.from_numpy(np.concatenate(sample_of)).to(device) if positions
+                   else torch.zeros(0, dtype=torch.long, device=device))
+    loss = loss_inputs(fields, cu, sample_of_t, torch.tensor(lengths, dtype=torch.float32, device=device))
     return MicroBatch(
-        input_ids=tokens.unsqueeze(0),
-        position_ids=torch.from_numpy(positions_in_doc).to(device).unsqueeze(0),
-        cu_seqlens=torch.from_numpy(cu).to(device),
+        input_ids=loss.tokens.unsqueeze(0),
+        position_ids=torch.from_numpy(np.concatenate([np.arange(n) for n in doc_lens])).to(device).unsqueeze(0),
+        cu_seqlens=cu,
         max_seqlen=int(max(doc_lens)),
-        loss=LossInputs(
-            tokens=tokens,
-            target_mask=torch.from_numpy(np.concatenate(masks)).to(device),
-            sample_of=torch.from_numpy(np.concatenate(sample_of)).to(device) if positions else torch.zeros(0, dtype=torch.long, device=device),
-            advantages=torch.from_numpy(np.asarray(adv, np.float32)).to(device),
-            rewards=torch.from_numpy(np.asarray(rew, np.float32)).to(device),
-            lengths=torch.tensor(lengths, dtype=torch.float32, device=device),
-            engine_logprobs=lps.get("logprobs"),
-            old_logprobs=lps.get("old_logprobs"),
-        ),
-        sample_ids=ids,
-        routed_experts=torch.from_numpy(np.concatenate(routed)).to(device) if width else None,
+        loss=loss,
+        sample_ids=tuple(int(i) for i in payload["sample_ids"][pos_arr]) if positions else (),
+        fields=fields,
     )
+
+
+def _padded(values: np.ndarray, length: int, pad: int | float) -> np.ndarray:
+    """`values` ([m] or [m, W]) followed by rows of `pad` up to `length` rows."""
+    if len(values) >= length:
+        return values
+    return np.concatenate([values, np.full((length - len(values), *values.shape[1:]), pad, values.dtype)])
 
 
 def pad_to_length(mb: MicroBatch, length: int) -> MicroBatch:
     """`mb` with a document of dummy tokens appended so that it holds `length` tokens: no targets, in no sample
-    (token 0, position 0 …), routed as the router chooses; unchanged when it already has `length` tokens."""
+    (each per-token field's pad: token 0, position 0 …, routed as the router chooses); unchanged when it already
+    has `length` tokens."""
     extra = length - mb.input_ids.shape[1]
     if extra < 0:
         raise ValueError(f"pad_to_length: the micro-batch has {mb.input_ids.shape[1]} tokens, more than {length}")
     if extra == 0:
         return mb
     dev = mb.input_ids.device
-    zeros = torch.zeros(extra, dtype=torch.long, device=dev)
+    fields = {name: torch.cat([t, torch.full((extra, *t.shape[1:]), FIELDS[name].pad, dtype=t.dtype, device=dev)])
+              if FIELDS[name].per == TOKEN else t for name, t in mb.fields.items()}
+    cu = torch.cat([mb.cu_seqlens, mb.cu_seqlens[-1:] + extra])
     li = mb.loss
-    loss = dataclasses.replace(
-        li, tokens=torch.cat([li.tokens, zeros]), target_mask=torch.cat([li.target_mask, zeros.float()]),
-        sample_of=torch.cat([li.sample_of, zeros]) if li.num_samples else li.sample_of,
-        engine_logprobs=None if li.engine_logprobs is None else torch.cat([li.engine_logprobs, zeros.float()]),
-        old_logprobs=None if li.old_logprobs is None else torch.cat([li.old_logprobs, zeros.float()]))
-    routed = mb.routed_experts
-    if routed is not None:
-        routed = torch.cat([routed, torch.full((extra, routed.shape[1]), NOT_ROUTED, dtype=routed.dtype, device=dev)])
+    sample_of = torch.cat([li.sample_of, li.sample_of.new_zeros(extra)]) if li.num_samples else li.sample_of
+    loss = loss_inputs(fields, cu, sample_of, li.lengths)
     return dataclasses.replace(
-        mb, input_ids=torch.cat([mb.input_ids[0], zeros])[None],
+        mb, input_ids=loss.tokens[None],
         position_ids=torch.cat([mb.position_ids[0], torch.arange(extra, device=dev)])[None],
-        cu_seqlens=torch.cat([mb.cu_seqlens, mb.cu_seqlens[-1:] + extra]), max_seqlen=max(mb.max_seqlen, extra),
-        loss=loss, routed_experts=routed, pad_tokens=mb.pad_tokens + extra)
+        cu_seqlens=cu, max_seqlen=max(mb.max_seqlen, extra), loss=loss, fields=fields,
+        pad_tokens=mb.pad_tokens + extra)
 
 
 def step_microbatches(payload: dict[str, np.ndarray], positions: list[list[int]], device: torch.device,

@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from trainingrun.contract.fields import FIELDS, TOKEN
 from trainingrun.contract.payload import PAYLOAD_FIELDS, PAYLOAD_OPTIONAL, RankPayload, token_width
 from trainingrun.schedule import DPSchedule, build_dp_schedule
-
-_PER_SAMPLE = ("advantages", "rewards", "sample_ids", "versions")
-_PER_TOKEN = ("tokens", "loss_mask", "logprobs", "routed_experts", "token_versions")
 
 
 def acked_ranks(old_dp: int, new_dp: int, rank: int) -> list[int]:
@@ -69,26 +67,25 @@ def reschedule(schedule: DPSchedule, payloads: dict[int, RankPayload], dp_size: 
 
 
 def _gather(payloads: dict[int, RankPayload], picks: list[tuple[int, int]]) -> RankPayload:
-    """A payload of the samples `picks` ((old rank, position) each), in that order."""
-    fields = {**PAYLOAD_FIELDS, **{k: v for k, v in PAYLOAD_OPTIONAL.items() if k in payloads[0]}}  # generated: +2
-    per_token: dict[str, list] = {name: [] for name in _PER_TOKEN if name in fields}
-    per_sample: dict[str, list] = {name: [] for name in _PER_SAMPLE if name in fields}
+    """A payload of the samples `picks` ((old rank, position) each), in that order: every field of the table
+    (`contract.fields`) the payloads have, cut per token (W values per token with a width) or per sample."""
+    dtypes = {**PAYLOAD_FIELDS, **{k: v for k, v in PAYLOAD_OPTIONAL.items() if k in payloads[0]}}
+    rows = [FIELDS[name] for name in dtypes if name in FIELDS]  # all but offsets
+    parts: dict[str, list] = {f.name: [] for f in rows}
     lens = []
-    width = {name: {r: token_width(payloads[r], name) for r in payloads} for name in per_token}
+    width = {f.name: {r: token_width(payloads[r], f.name) for r in payloads} for f in rows if f.per == TOKEN}
     for r, p in picks:
         src = payloads[r]
         a, b = int(src["offsets"][p]), int(src["offsets"][p + 1])
-        for name in per_token:
-            w = width[name][r]  # entries per token (routed_experts: MoE layers × top-k)
-            per_token[name].append(np.asarray(src[name][a * w:b * w]))
+        for f in rows:
+            if f.per == TOKEN:
+                w = width[f.name][r]
+                parts[f.name].append(np.asarray(src[f.name][a * w:b * w]))
+            else:
+                parts[f.name].append(src[f.name][p:p + 1])
         lens.append(b - a)
-        for name in per_sample:
-            per_sample[name].append(src[name][p])
     offsets = np.zeros(len(picks) + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])
-    out: RankPayload = {
-        **{name: np.concatenate(v) if v else np.zeros(0, fields[name]) for name, v in per_token.items()},
-        "offsets": offsets,
-        **{name: np.array(values) for name, values in per_sample.items()},
-    }
-    return {name: out[name].astype(dtype, copy=False) for name, dtype in fields.items()}
+    out: RankPayload = {name: np.concatenate(v) if v else np.zeros(0, dtypes[name]) for name, v in parts.items()}
+    out["offsets"] = offsets
+    return {name: out[name].astype(dtype, copy=False) for name, dtype in dtypes.items()}
