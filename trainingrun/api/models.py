@@ -37,6 +37,17 @@ from trainingrun.modeling.hf_config import read_hf_architecture
 # A Kubernetes resource quantity ("500m", "2Gi", 4). The CRD marks it x-kubernetes-int-or-string.
 Quantity = int | str
 
+# The enums the programs keep a table of (one entry per value; their tuples derive from these by `typing.get_args`,
+# and a test keeps each table's keys equal to its Literal's values).
+LossType = Literal["sft", "policy_gradient", "ppo"]  # trainer.lossType: trainer/loss.py LOSS_KINDS
+LossNormalization = Literal["sample", "token"]  # trainer.lossNormalization
+OldLogprobs = Literal["engine", "trainer"]  # trainer.policyLoss.oldLogprobs
+CorrectionType = Literal["none", "tis", "mask"]  # trainer.policyLoss.rolloutCorrection.type
+RatioLevel = Literal["token", "sequence"]  # policyLoss.ratioLevel and rolloutCorrection.level
+AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]  # rollout/pipeline.py ESTIMATORS
+StdNormalization = Literal["population", "unbiased"]  # trainer.advantage.stdNormalization
+RewardType = Literal["exact_match", "token_match", "reasoning_gym", "math_verify", "function"]  # rollout/rewards.py
+
 # Every number of the API has bounds (a test walks the CRD schema to keep it so): a manifest cannot carry a value
 # that some later computation overflows (a seed of 1e29, a clip threshold of 1e309).
 INT64_MAX = 2**63 - 1
@@ -352,11 +363,11 @@ class RolloutCorrectionSpec(ApiModel):
              message="rolloutCorrection.lowerThreshold must be below threshold", fieldPath=".lowerThreshold"),
     )
 
-    type: Literal["none", "tis", "mask"] = Field(
+    type: CorrectionType = Field(
         "none", description="none; tis: each token's loss times min(ρ, threshold) (truncated importance sampling); "
                             "mask: tokens (level token) or whole samples (level sequence) whose ρ lies outside "
                             "[lowerThreshold, threshold] are left out of the loss.")
-    level: Literal["token", "sequence"] = Field(
+    level: RatioLevel = Field(
         "token", description="token: ρ per token; sequence: the geometric mean of the sample's per-token ρ.")
     threshold: float = Field(2.0, ge=1.0, le=1e6, description="Upper bound of ρ (tis truncates at it).")
     lower_threshold: float | None = Field(None, ge=0.0, le=1.0,
@@ -380,14 +391,14 @@ class PolicyLossSpec(ApiModel):
     clip_high: float = Field(0.28, ge=0.0, le=10.0, description="The ratio is clipped above at 1 + clipHigh.")
     kl_coef: float = Field(0.0, ge=0.0, le=100.0, description="Weight of the KL penalty to the initial policy (k3 "
                                                               "estimator); 0: off (no reference model).")
-    old_logprobs: Literal["engine", "trainer"] = Field(
+    old_logprobs: OldLogprobs = Field(
         "engine", description="pi_old of the ratio: the engine's log-probabilities, or the trainer's own from a "
                               "forward-only pass before a rollout's first update (the engine's then stay the "
                               "behaviour policy of rolloutCorrection).")
     rollout_correction: RolloutCorrectionSpec = Field(
         default_factory=lambda: RolloutCorrectionSpec(),
         description="Correction of the gap between the engine's and the trainer's log-probabilities.")
-    ratio_level: Literal["token", "sequence"] = Field(
+    ratio_level: RatioLevel = Field(
         "token", description="ppo: token ratios, or sequence (GSPO): the sample's length-normalised sequence ratio, "
                              "clipped per sequence.")
     clip_ratio_c: float | None = Field(None, gt=1.0, le=1000.0,
@@ -401,10 +412,10 @@ class PolicyLossSpec(ApiModel):
 class AdvantageSpec(ApiModel):
     """How the rollout turns a group's rewards into advantages (docs/rl.md, "Advantages"), once per group."""
 
-    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = Field(
+    estimator: AdvantageEstimator = Field(
         "grpo", description="grpo: (r - group mean) / (group std + 1e-6); dr_grpo: r - group mean; rloo: r - mean of "
                             "the group's other rewards; reinforce_pp: r - group mean, then normalised over the step.")
-    std_normalization: Literal["population", "unbiased"] = Field(
+    std_normalization: StdNormalization = Field(
         "population", description="The std of grpo's group and of reinforce_pp's step: population (/n) or unbiased "
                                   "(/(n - 1)).")
 
@@ -548,14 +559,14 @@ class TrainerSpec(ApiModel):
     microbatch_multiple: int = Field(
         1, ge=1, le=1024, description="Micro-batches per rank per step are a multiple of this (virtual pipeline)."
     )
-    loss_type: Literal["sft", "policy_gradient", "ppo"] = Field(
+    loss_type: LossType = Field(
         "sft", description="Masked cross-entropy, policy gradient, or ppo: the clipped importance-sampling objective "
                            "against the generator's log-probabilities (generated rollouts).")
     policy_loss: PolicyLossSpec = Field(default_factory=lambda: PolicyLossSpec(),
                                         description="Settings of the policy losses (ppo, policy_gradient).")
     advantage: AdvantageSpec = Field(default_factory=lambda: AdvantageSpec(),
                                      description="Advantage estimator of generated and synthetic rollouts.")
-    loss_normalization: Literal["sample", "token"] = Field(
+    loss_normalization: LossNormalization = Field(
         "sample", description="Divide by the step's samples (mean over each sample's tokens) or its loss tokens."
     )
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="Optimizer and LR schedule.")
@@ -719,7 +730,7 @@ class RewardSpec(ApiModel):
              message="reward type function needs reward.function"),
     )
 
-    type: Literal["exact_match", "token_match", "reasoning_gym", "math_verify", "function"] = Field(
+    type: RewardType = Field(
         "exact_match",
         description="exact_match: 1 if the answer is exactly the reference; token_match: fraction of answer "
                     "positions right (synthetic tasks); reasoning_gym: the task's own scorer; math_verify: "

@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from trainingrun.api.models import TrainingRun, TrainingRunSpec
-from trainingrun.contract import published as contract
 from trainingrun.contract.errors import ConfigError, CorruptPayload, StoreError
+from trainingrun.contract.published import PublishedRollout, SourceStats, build_published, publish
 from trainingrun.contract.resume import ResumePoint
 from trainingrun.modeling.architecture import Architecture
 from trainingrun.modeling.tokenizer import TokenizerError, run_tokenizer
@@ -42,7 +42,7 @@ from trainingrun.rollout.generate import GenerateSource, required_version
 from trainingrun.rollout.groups import SampleGroup
 from trainingrun.rollout.jsonl import JsonlSource, load_jsonl
 from trainingrun.rollout.pipeline import (
-    FilterStats, apply_filters, as_samples, compute_advantages, mask_stale_tokens, normalize_over_steps,
+    ESTIMATORS, FilterStats, apply_filters, as_samples, compute_advantages, mask_stale_tokens, normalize_over_steps,
     split_into_steps,
 )
 from trainingrun.rollout.recovery import TrainersAhead, discard_below
@@ -200,9 +200,10 @@ def make_source(spec: TrainingRunSpec, arch: Architecture, say: Callable[[str], 
         assert r.source.jsonl is not None
         data = load_jsonl(r.source.jsonl.path, vocab_size=arch.vocab_size, tokenizer=lambda: _run_tokenizer(arch))
         say(f"rollout: {data.path}: {data.num_samples} samples in {len(data.groups)} groups")
-        if spec.trainer.advantage.estimator == "reinforce_pp" and any(g.advantages is not None for g in data.groups):
+        estimator = spec.trainer.advantage.estimator
+        if ESTIMATORS[estimator].over_steps and any(g.advantages is not None for g in data.groups):
             raise ConfigError(
-                f"trainer.advantage.estimator: reinforce_pp normalises advantages over each step, but "
+                f"trainer.advantage.estimator: {estimator} normalises advantages over each step, but "
                 f"{r.source.jsonl.path} gives advantages, which are used as they are; use estimator grpo (or give "
                 "rewards only)")
         return JsonlSource(data, groups_per_rollout)
@@ -348,12 +349,12 @@ class RolloutLoop:
         return masked
 
     def source_stats(self, state: RolloutState, after: RolloutState, groups: list[SampleGroup], kept: list[SampleGroup],
-                     fstats: FilterStats, masked: int = 0, *, carried_in: int) -> contract.SourceStats:
+                     fstats: FilterStats, masked: int = 0, *, carried_in: int) -> SourceStats:
         """`carried_in`: the carried samples this rollout trains or carries on (those dropped as stale are not);
         `masked`: the tokens masked as stale (partial rollouts)."""
         rewards = np.concatenate([g.rewards for g in groups]).astype(np.float64) if groups else np.zeros(0)
         gen = getattr(self.source, "stats", None)
-        return contract.SourceStats(
+        return SourceStats(
             source_index=state.source_index, produced=sum(len(g) for g in groups), filtered=fstats.as_dict(),
             carried_in=carried_in, carried_out=after.carried_samples, seed=self.spec.seed,
             reward_sum=float(rewards.sum()), reward_sq_sum=float((rewards ** 2).sum()), reward_count=len(rewards),
@@ -452,14 +453,14 @@ class RolloutLoop:
         return after
 
     def schedule(self, state: RolloutState, step_groups: list[SampleGroup],
-                 stats: contract.SourceStats) -> tuple[contract.PublishedRollout, dict]:
+                 stats: SourceStats) -> tuple[PublishedRollout, dict]:
         r, t = self.spec.rollout, self.spec.trainer
         groups_per_step = r.steps.global_batch_size if r.steps.policy == "fixed" else None
         samples = as_samples(step_groups)
-        if t.advantage.estimator == "reinforce_pp" and t.loss_type != "sft":
+        if ESTIMATORS[t.advantage.estimator].over_steps and t.loss_type != "sft":
             samples.advantages = normalize_over_steps(samples.advantages, step_groups, groups_per_step,
                                                       t.advantage.std_normalization)
-        published, payloads, _ = contract.build_published(
+        published, payloads, _ = build_published(
             state.next_rollout, samples, dp_size=self.dp,
             groups_per_step=groups_per_step,
             max_tokens_per_gpu=t.max_tokens_per_gpu, micro_batch_size=t.micro_batch_size,
@@ -468,11 +469,11 @@ class RolloutLoop:
         )
         return published, payloads
 
-    def publish(self, after: RolloutState, published: contract.PublishedRollout, payloads: dict) -> RolloutState:
+    def publish(self, after: RolloutState, published: PublishedRollout, payloads: dict) -> RolloutState:
         k = published.rollout
         self.wait_for_room(k)
         t0 = time.perf_counter()
-        fresh = contract.publish(self.store, published, payloads)
+        fresh = publish(self.store, published, payloads)
         seconds = time.perf_counter() - t0
         self.passed(after, published)
         self.store.put_json(STATE_KEY, after.to_json())
@@ -495,7 +496,7 @@ class RolloutLoop:
         return after
 
     @staticmethod
-    def passed(after: RolloutState, published: contract.PublishedRollout) -> None:
+    def passed(after: RolloutState, published: PublishedRollout) -> None:
         """`after` moves past `published` (its counters; the caller stores or replays)."""
         after.next_rollout = published.rollout + 1
         after.step_offset = published.step_offset + published.num_steps
