@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from trainingrun.api import parse_trainingrun
-from trainingrun.contract import published as contract
+from trainingrun.contract.published import read
 from trainingrun.contract.engine import Completion
 from trainingrun.rollout.generate import GenerateSource
 from trainingrun.rollout.loop import STATE_KEY, RolloutLoop, data_report
@@ -103,7 +103,7 @@ def url(request, tmp_path):
 
 
 def published(store, n):
-    return [(contract.read(store, k), [store.read_payload(k, r) for r in range(2)]) for k in range(n)]
+    return [(read(store, k), [store.read_payload(k, r) for r in range(2)]) for k in range(n)]
 
 
 @pytest.mark.parametrize("lag", [0, 1])
@@ -209,7 +209,7 @@ def test_carried_groups_older_than_the_bound_are_dropped_as_stale(url):
     report = data_report(store)
     assert report["samples_filtered"].get("stale", 0) > 0
     for k in range(result.rollouts):
-        p = contract.read(store, k)
+        p = read(store, k)
         assert p.stats.carried_in == 0 or p.stats.filtered.get("stale", 0) > 0 or k == 0
         for pl in (store.read_payload(k, r) for r in range(2)):
             assert (pl["versions"] == k).all()  # nothing older than the rollout's own version is trained
@@ -228,7 +228,7 @@ def test_carried_in_counts_only_the_carried_groups_that_are_trained(url):
     result = loop(spec, store, progress=said.append).run()
     stale = 0
     for k in range(result.rollouts):
-        p = contract.read(store, k)
+        p = read(store, k)
         assert p.stats.carried_in == 0, (k, p.stats)
         stale += p.stats.filtered.get("stale", 0)
     assert stale > 0
@@ -256,5 +256,5 @@ def test_failing_rewards_are_counted_and_the_rollout_goes_on(url, tmp_path):
         else orig(ctoks, prompt)
     result = lp.run()
     assert result.rollouts == 2
-    failed = sum(contract.read(store, k).stats.reward_failed for k in range(2))
+    failed = sum(read(store, k).stats.reward_failed for k in range(2))
     assert failed > 0
