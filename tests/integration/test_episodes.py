@@ -29,7 +29,7 @@ from tests.integration.test_generate_rollout import loop, publish_versions
 from trainingrun.api import parse_trainingrun
 from trainingrun.contract.published import read
 from trainingrun.contract.engine import Completion
-from trainingrun.rollout.loop import data_report
+from trainingrun.contract.rollout_state import data_account
 from trainingrun.rollout.prompts import ByteTokenizer
 from trainingrun.store import open_store
 
@@ -182,7 +182,7 @@ def test_faulty_environments_fail_their_episodes_only_and_are_counted(tmp_path):
     ep = read(store, 0).stats.episodes
     assert ep.episodes == 22 and ep.failures == {"error": 4, "timeout": 2, "invalid": 6, "oversized": 2, "exit": 2,
                                                  "memory": 2}
-    report = data_report(store)
+    report = data_account(store).to_json()
     assert report["samples_produced"] == report["samples_published"] == 22  # every episode published
     rewards = sorted(float(r) for pl in payloads(store, 0) for r in pl["rewards"])
     assert rewards == [-1.0] * 18 + [2.0] * 4  # failed: failedReward; ok: 1 + 1 over two turns
@@ -258,7 +258,7 @@ def test_a_rollout_killed_mid_episode_restarts_to_the_same_stream(tmp_path):
             assert x.keys() == y.keys() and all(np.array_equal(x[f], y[f]) for f in x), k
     ep = read(ref, 1).stats.episodes
     assert ep.tool_calls == 4 and ep.turns == 12 and ep.reward == 4.0  # 2 of 4 prompts' members called and were right
-    report = data_report(store)
+    report = data_account(store).to_json()
     assert report["samples_produced"] == report["samples_published"] == 24
 
 

@@ -20,7 +20,8 @@ from tests.simengine import publish_disk_version
 from trainingrun.api import parse_trainingrun
 from trainingrun.contract.published import read
 from trainingrun.metrics.rollout import RolloutMetrics
-from trainingrun.rollout.loop import STATE_KEY, RolloutLoop, data_report
+from trainingrun.contract.rollout_state import ROLLOUT_STATE_KEY, data_account
+from trainingrun.rollout.loop import RolloutLoop
 from trainingrun.rollout.stream import PromptStream
 from trainingrun.store import open_store
 from trainingrun.vllm.engine import VLLMEngine, make_clients
@@ -72,14 +73,14 @@ def assert_no_prompt_lost_or_repeated(store, rollouts: int) -> None:
     one waiting to be continued), or back at the front of the stream; the data report's sample counts add up."""
     trained = trained_positions(store, rollouts)
     assert len(trained) == len(set(trained)), "no prompt trained twice"
-    state = store.get_json(STATE_KEY)
+    state = store.get_json(ROLLOUT_STATE_KEY)
     stream = PromptStream.from_json(state["stream"])
     carried = {int(g["group_id"]) for g in state["carried"]}
     cut = {p.position for p in stream.partials}
     waiting = [*carried, *cut, *stream.returned]
     assert len(waiting) == len(set(waiting)) and not (set(trained) & set(waiting)), "a prompt in two places"
     assert sorted(set(trained) | set(waiting)) == list(range(stream.cursor)), "a prompt was lost"
-    report = data_report(store)
+    report = data_account(store).to_json()
     assert report["samples_produced"] == (report["samples_published"] + sum(report["samples_filtered"].values())
                                           + report["leftover_samples"])
 

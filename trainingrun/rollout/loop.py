@@ -13,11 +13,11 @@
 A source rollout whose groups do not fill a step publishes nothing: its groups are carried and the next source
 rollout is drawn, so every published rollout has at least one step and k counts published rollouts (numRollouts of
 them; a jsonl source may end earlier). At the end, `finish(k)`; groups still carried are reported, never silently
-dropped. A restarted rollout reads its state (store key "rollout_state": next k, next source index, carried groups,
-offsets, totals, and with over-sampling the prompt stream: `rollout/stream.py`) and continues; the rollout it was
-publishing when it died is rebuilt from the same state, bit for bit (the replay sources depend only on seed and source
-index; generated groups were staged in the state, with the stream after them, before anything of them was
-published), and re-publishing a committed rollout is a no-op.
+dropped. A restarted rollout reads its state (store key "rollout_state", the contract's `RolloutStateRecord`: next
+k, next source index, carried groups, offsets, totals, and with over-sampling the prompt stream: `rollout/stream.py`)
+and continues; the rollout it was publishing when it died is rebuilt from the same state, bit for bit (the replay
+sources depend only on seed and source index; generated groups were staged in the state, with the stream after them,
+before anything of them was published), and re-publishing a committed rollout is a no-op.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from trainingrun.api.models import TrainingRun, TrainingRunSpec
 from trainingrun.contract.errors import ConfigError, CorruptPayload, StoreError
 from trainingrun.contract.published import PublishedRollout, SourceStats, build_published, publish
 from trainingrun.contract.resume import ResumePoint
+from trainingrun.contract.rollout_state import ROLLOUT_STATE_KEY, RolloutStateRecord
 from trainingrun.modeling.architecture import Architecture
 from trainingrun.modeling.tokenizer import TokenizerError, run_tokenizer
 from trainingrun.rollout.generate import GenerateSource, required_version
@@ -51,15 +52,14 @@ from trainingrun.rollout.stream import PromptStream
 from trainingrun.rollout.synthetic import SyntheticConfig, SyntheticSource
 from trainingrun.store.base import Store
 
-STATE_KEY = "rollout_state"
-STATE_VERSION = 1
 MAX_EMPTY_SOURCE_ROLLOUTS = 100
 
 
 # ------------------------------------------------------------------------------------------------------ state
 @dataclass
 class RolloutState:
-    """What a restarted rollout needs to continue exactly where it was (stored as JSON under STATE_KEY)."""
+    """What a restarted rollout needs to continue exactly where it was (stored under ROLLOUT_STATE_KEY as the
+    contract's `RolloutStateRecord`, its groups in their JSON form)."""
 
     fingerprint: str
     next_rollout: int = 0  # index of the next rollout to publish
@@ -78,30 +78,29 @@ class RolloutState:
     def carried_samples(self) -> int:
         return sum(len(g) for g in self.carried)
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "version": STATE_VERSION, "fingerprint": self.fingerprint, "next_rollout": self.next_rollout,
-            "source_index": self.source_index, "step_offset": self.step_offset,
-            "samples_offset": self.samples_offset, "carried": [g.to_json() for g in self.carried],
-            "empty_streak": self.empty_streak, "totals": dict(self.totals), "finished": self.finished,
-            "staged": None if self.staged is None else [g.to_json() for g in self.staged],
-            "stream": self.stream, "staged_stream": self.staged_stream,
-            "updated_at": time.time(),
-        }
+    def to_record(self) -> RolloutStateRecord:
+        return RolloutStateRecord(
+            fingerprint=self.fingerprint, next_rollout=self.next_rollout, source_index=self.source_index,
+            step_offset=self.step_offset, samples_offset=self.samples_offset,
+            carried=tuple(g.to_json() for g in self.carried), empty_streak=self.empty_streak,
+            totals=dict(self.totals), finished=self.finished,
+            staged=None if self.staged is None else tuple(g.to_json() for g in self.staged),
+            stream=self.stream, staged_stream=self.staged_stream,
+        )
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> RolloutState:
-        if d.get("version") != STATE_VERSION:
-            raise CorruptPayload(f"{STATE_KEY}: unknown state version {d.get('version')!r} (expected "
-                                 f"{STATE_VERSION})")
+    def from_record(cls, r: RolloutStateRecord) -> RolloutState:
         return cls(
-            fingerprint=d["fingerprint"], next_rollout=int(d["next_rollout"]), source_index=int(d["source_index"]),
-            step_offset=int(d["step_offset"]), samples_offset=int(d["samples_offset"]),
-            carried=[SampleGroup.from_json(g) for g in d["carried"]], empty_streak=int(d.get("empty_streak", 0)),
-            totals={k: int(v) for k, v in d["totals"].items()}, finished=bool(d["finished"]),
-            staged=None if d.get("staged") is None else [SampleGroup.from_json(g) for g in d["staged"]],
-            stream=d.get("stream"), staged_stream=d.get("staged_stream"),
+            fingerprint=r.fingerprint, next_rollout=r.next_rollout, source_index=r.source_index,
+            step_offset=r.step_offset, samples_offset=r.samples_offset,
+            carried=[SampleGroup.from_json(g) for g in r.carried], empty_streak=r.empty_streak,
+            totals=dict(r.totals), finished=r.finished,
+            staged=None if r.staged is None else [SampleGroup.from_json(g) for g in r.staged],
+            stream=r.stream, staged_stream=r.staged_stream,
         )
+
+    def save(self, store: Store) -> None:
+        self.to_record().write(store)
 
 
 def config_fingerprint(spec: TrainingRunSpec, arch: Architecture) -> str:
@@ -131,28 +130,6 @@ class RolloutResult:
     leftover_samples: int
     totals: dict[str, int]
     resumed: bool
-
-
-def data_report(store: Store) -> dict[str, Any] | None:
-    """What happened to the run's data so far, from the rollout's stored state (None before the first rollout):
-    samples produced, dropped by each filter, published (trained), and the groups still carried — at the end of a
-    run these were never published: they did not fill a step (`leftover_groups`, `leftover_samples`)."""
-    stored = store.get_json(STATE_KEY)
-    if stored is None:
-        return None
-    carried = stored.get("carried", [])
-    totals = stored.get("totals", {})
-    return {
-        "finished": bool(stored.get("finished")),
-        "rollouts_published": int(stored.get("next_rollout", 0)),
-        "source_rollouts": int(stored.get("source_index", 0)),
-        "steps_published": int(stored.get("step_offset", 0)),
-        "samples_published": int(stored.get("samples_offset", 0)),
-        "samples_produced": int(totals.get("produced", 0)),
-        "samples_filtered": {k: int(v) for k, v in totals.items() if k != "produced"},
-        "leftover_groups": len(carried),
-        "leftover_samples": sum(len(g["offsets"]) - 1 for g in carried),
-    }
 
 
 # ------------------------------------------------------------------------------------------------------ set-up
@@ -310,7 +287,7 @@ class RolloutLoop:
             state.staged_stream = self.source.stream.to_json()
         if (streaming or (groups and groups[0].versions is not None)) and not replay:
             state.staged = groups
-            self.store.put_json(STATE_KEY, state.to_json())
+            state.save(self.store)
             gen = getattr(self.source, "stats", None)
             if gen is not None:
                 self.observe_generation(gen, groups)
@@ -367,7 +344,7 @@ class RolloutLoop:
         )
 
     def resume(self) -> tuple[RolloutState, bool]:
-        stored = self.store.get_json(STATE_KEY)
+        stored = RolloutStateRecord.read(self.store)
         if stored is None:
             state = RolloutState(fingerprint=self.fingerprint)
             point = ResumePoint.read(self.store)
@@ -375,10 +352,10 @@ class RolloutLoop:
                 return self.catch_up(state, point), True
             return state, False
         try:
-            state = RolloutState.from_json(stored)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CorruptPayload(f"store {self.store.url}: key {STATE_KEY}: the rollout's resume state is malformed "
-                                 f"({exc.__class__.__name__}: {exc})") from None
+            state = RolloutState.from_record(stored)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a group that does not decode
+            raise CorruptPayload(f"store {self.store.url}: key {ROLLOUT_STATE_KEY}: the rollout's resume state is "
+                                 f"malformed ({exc.__class__.__name__}: {exc})") from None
         if state.fingerprint != self.fingerprint:
             raise ConfigError(
                 f"store {self.store.url} holds rollout state of a different configuration (fingerprint "
@@ -449,7 +426,7 @@ class RolloutLoop:
                 f"(filtered so far: {after.totals}); the filters drop (nearly) everything"
             )
         if not quiet:
-            self.store.put_json(STATE_KEY, after.to_json())
+            after.save(self.store)
         return after
 
     def schedule(self, state: RolloutState, step_groups: list[SampleGroup],
@@ -476,7 +453,7 @@ class RolloutLoop:
         fresh = publish(self.store, published, payloads)
         seconds = time.perf_counter() - t0
         self.passed(after, published)
-        self.store.put_json(STATE_KEY, after.to_json())
+        after.save(self.store)
         if self.metrics is not None:
             self.metrics.published.inc(published.num_samples)
             self.metrics.rollouts.inc()
@@ -530,7 +507,7 @@ class RolloutLoop:
                 f"rollout: re-created rollout {k} starts at step {state.step_offset}, but the trainers' checkpoint "
                 f"is at step {point.global_step} ({point.step_in_rollout} into rollout {k}): their checkpoint was "
                 "not trained on this spec's data; use the spec that trained it, or fresh checkpoints")
-        self.store.put_json(STATE_KEY, state.to_json())
+        state.save(self.store)
         self.say(f"rollout: re-created the state at rollout {k} (source rollout {state.source_index}) in "
                  f"{time.perf_counter() - t0:.1f}s; publishing from there")
         return state
@@ -578,7 +555,7 @@ class RolloutLoop:
     def finish(self, state: RolloutState, resumed: bool) -> RolloutResult:
         if not state.finished:
             state.finished = True
-            self.store.put_json(STATE_KEY, state.to_json())
+            state.save(self.store)
         self.store.finish(state.next_rollout)
         leftover = state.carried_samples
         if leftover:
