@@ -87,7 +87,8 @@ def test_a_replacement_waits_for_its_backoff_then_for_its_predecessor_up_to_the_
     assert replacement_hold(ledger, [], "rollout", 0, new, attempt=0, timeout=30, now=T0 + 2) == Hold(wait=4.0)
     old = _pod("r-rollout-a0", "rollout", attempt=0, deleted_at=T0 + 5)
     hold = replacement_hold(ledger, [old], "rollout", 0, new, attempt=0, timeout=30, now=T0 + 10)
-    assert hold.wait == 1.0 and "waiting for pod r-rollout-a0 to terminate before its replacement " + new in hold.message
+    assert hold.wait == 1.0
+    assert f"waiting for pod r-rollout-a0 to terminate before its replacement {new}" in hold.message
     assert replacement_hold(ledger, [old], "rollout", 0, new, attempt=0, timeout=30, now=T0 + 34.5).wait == 0.5
     assert replacement_hold(ledger, [old], "rollout", 0, new, attempt=0, timeout=30, now=T0 + 36) is None  # fenced
     gone = [_pod("r-rollout-a0", "rollout", attempt=0, phase="Failed"),  # finished: no second writer

@@ -15,7 +15,8 @@ from trainingrun.rollout.groups import SampleGroup
 from trainingrun.rollout.jsonl import load_jsonl
 from trainingrun.rollout.generate import overlong_penalty
 from trainingrun.rollout.pipeline import (
-    ESTIMATORS, STD_NORMALIZATIONS, apply_filters, as_samples, compute_advantages, group_advantages, normalize_over_steps, split_into_steps,
+    ESTIMATORS, STD_NORMALIZATIONS, apply_filters, as_samples, compute_advantages, group_advantages,
+    normalize_over_steps, split_into_steps,
 )
 from trainingrun.rollout.synthetic import EOS, SEP, SyntheticConfig, synthetic_rollout, truncated_pareto_lengths
 

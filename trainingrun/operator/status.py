@@ -37,10 +37,10 @@ supersedes, what holds its replacement back). `trainingrun.operator.reconcile` i
 (`Reconcile`: the status being built, conditions, the phase, the attempt's pods) and its `Decision`.
 
 Conditions follow the Kubernetes conventions: one per type with observedGeneration, reason, message (cut to fit the
-CRD) and lastTransitionTime (`Reconcile.set_condition`). The lifecycle types (Running, Restarting, Suspended, Succeeded, Failed) have one True at a
-time; PodsReady says why a Pending run is not running yet, and why a Running run is not whole (a role restarting
-alone, an engine not ready): the progress deadline does not count that time, nor the time ProgressUnknown is True
-(the store's progress cannot be read). status.progress: `trainingrun.operator.pace`.
+CRD) and lastTransitionTime (`Reconcile.set_condition`). The lifecycle types (Running, Restarting, Suspended,
+Succeeded, Failed) have one True at a time; PodsReady says why a Pending run is not running yet, and why a Running run
+is not whole (a role restarting alone, an engine not ready): the progress deadline does not count that time, nor the
+time ProgressUnknown is True (the store's progress cannot be read). status.progress: `trainingrun.operator.pace`.
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ class GenerateSource:
         self.engine = engine if engine is not None else make_engine(spec, store, arch)
         self.lag = spec.rollout.max_policy_lag
         self.stats = GenerateStats()
-        self._pending: dict[int, list[RewardSample]] = {}  # group id -> its samples as the reward sees them, until scored
+        self._pending: dict[int, list[RewardSample]] = {}  # group id -> its samples (as the reward sees them)
         self._index = -1
         # over-sampling / partial rollouts (module docstring)
         r = spec.rollout
