@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainingrun.contract import published as contract
+from trainingrun.contract import published
 from trainingrun.contract.published import PublishedRollout, Samples
 
 
@@ -44,14 +44,14 @@ def schedule_and_payloads(samples: Samples, *, dp_size: int, rollout: int, step_
                           groups_per_step: int | None, max_tokens_per_gpu: int | None = None,
                           micro_batch_size: int | None = None) -> tuple[PublishedRollout, dict[int, dict]]:
     """The published form and per-rank payloads of `samples`; ValueError if they do not fill whole steps."""
-    published, payloads, leftover = contract.build_published(
+    doc, payloads, leftover = published.build_published(
         rollout, samples, dp_size=dp_size, groups_per_step=groups_per_step, max_tokens_per_gpu=max_tokens_per_gpu,
         micro_batch_size=micro_batch_size, step_offset=step_offset, samples_offset=samples_offset,
         allow_leftover=True,
     )
     if leftover:
         raise ValueError("synthetic rollout: choose counts that fill whole steps (no leftover)")
-    return published, payloads
+    return doc, payloads
 
 
 def publish(store, *, num_rollouts: int, samples_per_rollout: list[int] | int, dp_size: int, vocab: int, seed: int,
@@ -63,14 +63,14 @@ def publish(store, *, num_rollouts: int, samples_per_rollout: list[int] | int, d
     out = []
     for k in range(num_rollouts):
         s = make_samples(counts[k], vocab=vocab, seed=seed * 1000 + k, group_size=group_size, id_base=k * 100_000)
-        published, payloads = schedule_and_payloads(
+        doc, payloads = schedule_and_payloads(
             s, dp_size=dp_size, rollout=k, step_offset=step_offset, samples_offset=samples_offset,
             groups_per_step=groups_per_step, max_tokens_per_gpu=max_tokens_per_gpu,
         )
-        contract.publish(store, published, payloads)
-        step_offset += published.num_steps
-        samples_offset += published.num_samples
-        out.append(published)
+        published.publish(store, doc, payloads)
+        step_offset += doc.num_steps
+        samples_offset += doc.num_samples
+        out.append(doc)
     if finish:
         store.finish(num_rollouts)
     return out

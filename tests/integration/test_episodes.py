@@ -27,9 +27,9 @@ import pytest
 from tests.episodes_check import Recording, check_sample
 from tests.integration.test_generate_rollout import loop, publish_versions
 from trainingrun.api import parse_trainingrun
-from trainingrun.contract import published as contract
+from trainingrun.contract.published import read
 from trainingrun.contract.engine import Completion
-from trainingrun.rollout.loop import data_report
+from trainingrun.contract.rollout_state import data_account
 from trainingrun.rollout.prompts import ByteTokenizer
 from trainingrun.store import open_store
 
@@ -122,7 +122,7 @@ def test_every_turn_of_every_episode_is_exactly_what_the_engine_returned(tmp_pat
     pairs = engine.pairs()
     turns = []
     for k in range(2):
-        p = contract.read(store, k)
+        p = read(store, k)
         for pl in payloads(store, k):
             assert (pl["versions"] == k).all()  # the weight version the rollout was generated with
             for tokens, mask, logps in samples(pl):
@@ -142,7 +142,7 @@ def test_per_turn_samples_make_groups_of_variable_size_that_no_step_splits(tmp_p
                                    talkative, samplesPerRollout=32, numRollouts=1,
                                    steps={"policy": "fixed", "globalBatchSize": 2})
     pairs = {(tuple(ctx), tuple(c.tokens.tolist())): c for ctx, c in engine.pairs()}
-    p = contract.read(store, 0)
+    p = read(store, 0)
     per_episode = 2 * 8  # sample id = (group · groupSize + member) · maxTurns + turn
     group_of_step, sizes = {}, {}
     for rank, pl in enumerate(payloads(store, 0)):
@@ -179,10 +179,10 @@ def test_faulty_environments_fail_their_episodes_only_and_are_counted(tmp_path):
 
     store, engine, result, seconds = run(tmp_path, words, env, script, samplesPerRollout=22, numRollouts=1)
     assert result.rollouts == 1 and seconds < 30  # nothing stalled: two 1 s timeouts, in parallel workers
-    ep = contract.read(store, 0).stats.episodes
+    ep = read(store, 0).stats.episodes
     assert ep.episodes == 22 and ep.failures == {"error": 4, "timeout": 2, "invalid": 6, "oversized": 2, "exit": 2,
                                                  "memory": 2}
-    report = data_report(store)
+    report = data_account(store).to_json()
     assert report["samples_produced"] == report["samples_published"] == 22  # every episode published
     rewards = sorted(float(r) for pl in payloads(store, 0) for r in pl["rewards"])
     assert rewards == [-1.0] * 18 + [2.0] * 4  # failed: failedReward; ok: 1 + 1 over two turns
@@ -252,13 +252,13 @@ def test_a_rollout_killed_mid_episode_restarts_to_the_same_stream(tmp_path):
     result = loop(calc_spec(run_dir, marker), store, ScriptedEngine(store, calc_script)).run()
     assert result.rollouts == 3
     for k in range(3):
-        a, b = contract.read(store, k), contract.read(ref, k)
+        a, b = read(store, k), read(ref, k)
         assert a.global_batch_sizes == b.global_batch_sizes and a.stats.episodes == b.stats.episodes
         for x, y in zip(payloads(store, k), payloads(ref, k)):
             assert x.keys() == y.keys() and all(np.array_equal(x[f], y[f]) for f in x), k
-    ep = contract.read(ref, 1).stats.episodes
+    ep = read(ref, 1).stats.episodes
     assert ep.tool_calls == 4 and ep.turns == 12 and ep.reward == 4.0  # 2 of 4 prompts' members called and were right
-    report = data_report(store)
+    report = data_account(store).to_json()
     assert report["samples_produced"] == report["samples_published"] == 24
 
 
@@ -267,7 +267,7 @@ def test_truncated_episodes_are_marked_masked_or_penalised(tmp_path, truncation)
     env = {"type": "class", "className": "tests.envs_fixture:Echo", "maxTurns": 2, "truncation": truncation,
            "truncationReward": -5.0}
     store, engine, _, _ = run(tmp_path, ["a", "b", "c", "d"], env, lambda text, i: "go", numRollouts=1)
-    ep = contract.read(store, 0).stats.episodes
+    ep = read(store, 0).stats.episodes
     assert ep.episodes == 8 and ep.truncated == 8 and ep.turns == 16  # never done: cut after maxTurns
     for pl in payloads(store, 0):
         rewards = pl["rewards"].tolist()
@@ -290,7 +290,7 @@ def test_the_token_cap_truncates_an_episode_within_it(tmp_path):
     env = {"type": "class", "className": "tests.envs_fixture:Echo", "maxTurns": 50, "maxTokens": 40,
            "truncation": "penalize"}
     store, engine, _, _ = run(tmp_path, ["abc"] * 4, env, lambda text, i: "go on", numRollouts=1)
-    ep = contract.read(store, 0).stats.episodes
+    ep = read(store, 0).stats.episodes
     assert ep.truncated == 8 and 1 < ep.turns / ep.episodes < 50
     for pl in payloads(store, 0):
         for tokens, mask, logps in samples(pl):

@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 
 from trainingrun.api import parse_trainingrun
-from trainingrun.contract import published as contract
+from trainingrun.contract.published import read
 from trainingrun.contract.engine import Completion
 from trainingrun.rollout.generate import GenerateSource
-from trainingrun.rollout.loop import STATE_KEY, RolloutLoop, data_report
+from trainingrun.contract.rollout_state import ROLLOUT_STATE_KEY, data_account
+from trainingrun.rollout.loop import RolloutLoop
 from trainingrun.store import open_store
 
 
@@ -103,7 +104,7 @@ def url(request, tmp_path):
 
 
 def published(store, n):
-    return [(contract.read(store, k), [store.read_payload(k, r) for r in range(2)]) for k in range(n)]
+    return [(read(store, k), [store.read_payload(k, r) for r in range(2)]) for k in range(n)]
 
 
 @pytest.mark.parametrize("lag", [0, 1])
@@ -164,20 +165,20 @@ def test_restart_after_commit_publishes_the_staged_groups_again(url):
             return getattr(self.inner, name)
 
         def put_json(self, key, value):
-            if key == STATE_KEY and value["next_rollout"] == 3 and value["staged"] is None:
+            if key == ROLLOUT_STATE_KEY and value["next_rollout"] == 3 and value["staged"] is None:
                 raise Killed()
             self.inner.put_json(key, value)
 
     with pytest.raises(Killed):
         loop(spec, DiesAfterCommit(store)).run()
-    assert store.is_committed(2) and store.get_json(STATE_KEY)["staged"] is not None
+    assert store.is_committed(2) and store.get_json(ROLLOUT_STATE_KEY)["staged"] is not None
     # the restarted rollout would sample other completions now: other weights under the same version numbers
     store.release_weights_below(100)
     publish_versions(store, range(100, 101))
     for v in range(6):
         store.publish_weights(v, {"w": np.array([v * 0.5 + 7.0], np.float32)}, {})
     result = loop(spec, store).run()
-    n = min(result.rollouts, ref_store.get_json(STATE_KEY)["next_rollout"])
+    n = min(result.rollouts, ref_store.get_json(ROLLOUT_STATE_KEY)["next_rollout"])
     a, b = published(store, n), published(ref_store, n)
     for (pa, la), (pb, lb) in zip(a[:3], b[:3]):  # committed before the crash: what the reference has
         assert pa.global_batch_sizes == pb.global_batch_sizes
@@ -194,7 +195,7 @@ def test_restart_after_commit_publishes_the_staged_groups_again(url):
     assert carried(l3, p3.stats.source_index) == carried(m3, r3.stats.source_index)
     ids = [i for _, pls in a for pl in pls for i in pl["sample_ids"].tolist()]
     assert len(ids) == len(set(ids))  # no prompt trained twice
-    report = data_report(store)
+    report = data_account(store).to_json()
     assert report["samples_produced"] == (report["samples_published"] + sum(report["samples_filtered"].values())
                                           + report["leftover_samples"])
 
@@ -206,10 +207,10 @@ def test_carried_groups_older_than_the_bound_are_dropped_as_stale(url):
     store = open_store(url)
     publish_versions(store, range(10))
     result = loop(spec, store).run()
-    report = data_report(store)
+    report = data_account(store).to_json()
     assert report["samples_filtered"].get("stale", 0) > 0
     for k in range(result.rollouts):
-        p = contract.read(store, k)
+        p = read(store, k)
         assert p.stats.carried_in == 0 or p.stats.filtered.get("stale", 0) > 0 or k == 0
         for pl in (store.read_payload(k, r) for r in range(2)):
             assert (pl["versions"] == k).all()  # nothing older than the rollout's own version is trained
@@ -228,7 +229,7 @@ def test_carried_in_counts_only_the_carried_groups_that_are_trained(url):
     result = loop(spec, store, progress=said.append).run()
     stale = 0
     for k in range(result.rollouts):
-        p = contract.read(store, k)
+        p = read(store, k)
         assert p.stats.carried_in == 0, (k, p.stats)
         stale += p.stats.filtered.get("stale", 0)
     assert stale > 0
@@ -256,5 +257,5 @@ def test_failing_rewards_are_counted_and_the_rollout_goes_on(url, tmp_path):
         else orig(ctoks, prompt)
     result = lp.run()
     assert result.rollouts == 2
-    failed = sum(contract.read(store, k).stats.reward_failed for k in range(2))
+    failed = sum(read(store, k).stats.reward_failed for k in range(2))
     assert failed > 0

@@ -18,9 +18,10 @@ import pytest
 from tests.integration.test_generate_rollout import loop as loop_with_engine
 from tests.simengine import publish_disk_version
 from trainingrun.api import parse_trainingrun
-from trainingrun.contract import published as contract
+from trainingrun.contract.published import read
 from trainingrun.metrics.rollout import RolloutMetrics
-from trainingrun.rollout.loop import STATE_KEY, RolloutLoop, data_report
+from trainingrun.contract.rollout_state import ROLLOUT_STATE_KEY, data_account
+from trainingrun.rollout.loop import RolloutLoop
 from trainingrun.rollout.stream import PromptStream
 from trainingrun.store import open_store
 from trainingrun.engines.vllm.engine import VLLMEngine, make_clients
@@ -72,14 +73,14 @@ def assert_no_prompt_lost_or_repeated(store, rollouts: int) -> None:
     one waiting to be continued), or back at the front of the stream; the data report's sample counts add up."""
     trained = trained_positions(store, rollouts)
     assert len(trained) == len(set(trained)), "no prompt trained twice"
-    state = store.get_json(STATE_KEY)
+    state = store.get_json(ROLLOUT_STATE_KEY)
     stream = PromptStream.from_json(state["stream"])
     carried = {int(g["group_id"]) for g in state["carried"]}
     cut = {p.position for p in stream.partials}
     waiting = [*carried, *cut, *stream.returned]
     assert len(waiting) == len(set(waiting)) and not (set(trained) & set(waiting)), "a prompt in two places"
     assert sorted(set(trained) | set(waiting)) == list(range(stream.cursor)), "a prompt was lost"
-    report = data_report(store)
+    report = data_account(store).to_json()
     assert report["samples_produced"] == (report["samples_published"] + sum(report["samples_filtered"].values())
                                           + report["leftover_samples"])
 
@@ -92,7 +93,7 @@ def test_over_sampling_aborts_the_slowest_and_loses_no_prompt(tmp_path: Path, se
     metrics = RolloutMetrics("o")
     result = loop(spec, store, server.url, metrics=metrics).run()
     assert result.rollouts == 4
-    stats = [contract.read(store, k).stats for k in range(4)]
+    stats = [read(store, k).stats for k in range(4)]
     assert sum(s.groups_aborted for s in stats) > 0, "the long tail is aborted once enough groups finished"
     value = metrics.registry.get_sample_value
     assert value("trainingrun_rollout_groups_total", {"run": "o", "state": "aborted"}) >= sum(
@@ -130,7 +131,7 @@ def check_token_versions(store, rollouts: int, max_lag: int) -> int:
     completions hold tokens of more than one version (cut under one, continued under a newer one)."""
     mixed = 0
     for k in range(rollouts):
-        p = contract.read(store, k)
+        p = read(store, k)
         assert len(p.step_lag_means) == p.num_steps and all(0 <= m <= max_lag for m in p.step_lag_means)
         for r in range(2):
             pl = store.read_payload(k, r)
@@ -158,7 +159,7 @@ def test_partial_rollouts_continue_cut_completions_under_newer_weights(tmp_path:
                                               lambda st: loop(spec, st, server.url).run(), 5)
     assert result.rollouts == 5
     mixed = check_token_versions(store, 5, 2)
-    assert sum(contract.read(store, k).stats.partials_carried for k in range(5)) > 0
+    assert sum(read(store, k).stats.partials_carried for k in range(5)) > 0
     assert mixed > 0, "some completion was cut under one version and finished under the next"
     assert_no_prompt_lost_or_repeated(store, 5)
 
@@ -223,7 +224,7 @@ def test_stale_cut_completions_are_dropped_or_masked_by_stale_tokens(tmp_path: P
                                               lambda st, v: publish_disk_version(st, tmp_path / "w", v),
                                               lambda st: loop(spec, st, server.url).run(), rollouts)
     assert result.rollouts == rollouts
-    stats = [contract.read(store, k).stats for k in range(rollouts)]
+    stats = [read(store, k).stats for k in range(rollouts)]
     assert sum(s.partials_carried for s in stats) > 0
     old_context = 0
     for k in range(rollouts):

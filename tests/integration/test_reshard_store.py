@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainingrun.contract import published as contract
+from trainingrun.contract.published import read
 from trainingrun.store import open_store
 from trainingrun.trainer.reshard import acked_ranks, reschedule
 from tests.synthetic import publish
@@ -21,7 +21,7 @@ def test_rescheduled_rollouts_are_acked_and_released(backend, old_dp, new_dp, tm
                         finish=True)
     assert store.pending_rollouts() == 3
     for k, pub in enumerate(published):
-        got = contract.read(store, k)
+        got = read(store, k)
         assert got.dp_size == old_dp
         old = {r: store.read_payload(k, r) for r in range(old_dp)}
         schedule, payloads = reschedule(got.schedule, old, new_dp)

@@ -22,7 +22,8 @@ from tests.services import free_port, metrics_ports, wait_for
 from trainingrun.api import parse_trainingrun
 from trainingrun.contract.errors import EXIT_CONFIG_ERROR, ConfigError
 from trainingrun.metrics.rollout import RolloutMetrics
-from trainingrun.rollout.main import STATE_KEY, run_rollout
+from trainingrun.contract.rollout_state import ROLLOUT_STATE_KEY
+from trainingrun.rollout.main import run_rollout
 from trainingrun.store import open_store
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,7 +118,7 @@ def test_leftover_groups_are_carried_into_the_next_rollout(url_factory):
         assert sched["step_offset"] == sum(store.read_schedule(j)["num_steps"] for j in range(k))
     assert len(published_ids) == len(set(published_ids)) == result.samples  # each sample published once
     assert result.leftover_samples == carried > 0  # reported, not silently dropped
-    state = store.get_json(STATE_KEY)
+    state = store.get_json(ROLLOUT_STATE_KEY)
     assert state["finished"] and len(state["carried"]) == result.leftover_groups
 
 
@@ -142,13 +143,13 @@ def test_crash_between_publish_and_state_save_resumes_identically(url_factory):
             return getattr(self.inner, name)
 
         def put_json(self, key, value):
-            if key == STATE_KEY and value["next_rollout"] == 4:
+            if key == ROLLOUT_STATE_KEY and value["next_rollout"] == 4:
                 raise Killed()
             self.inner.put_json(key, value)
 
     with pytest.raises(Killed):
         run_rollout(run, DiesAfterPublishing(store), progress=quiet)
-    assert store.is_committed(3) and store.get_json(STATE_KEY)["next_rollout"] == 3
+    assert store.is_committed(3) and store.get_json(ROLLOUT_STATE_KEY)["next_rollout"] == 3
     messages = []
     result = run_rollout(run, store, progress=messages.append)
     assert result.resumed and result.rollouts == 6
@@ -169,7 +170,7 @@ def test_rollout_process_killed_and_restarted(tmp_path):
     store = open_store(url)
     try:
         # no trainers: it publishes 3 rollouts and then waits (backpressure) — kill it there
-        wait_for(lambda: (store.get_json(STATE_KEY) or {}).get("next_rollout") == 3, 30, "3 rollouts published")
+        wait_for(lambda: (store.get_json(ROLLOUT_STATE_KEY) or {}).get("next_rollout") == 3, 30, "3 rollouts published")
         time.sleep(0.3)
         assert proc.poll() is None and not store.is_committed(3)
     finally:

@@ -14,7 +14,8 @@ import yaml
 
 from tests.integration.test_store import assert_payload_equal
 from trainingrun.api import parse_trainingrun
-from trainingrun.rollout.loop import STATE_KEY, run_rollout
+from trainingrun.contract.rollout_state import ROLLOUT_STATE_KEY
+from trainingrun.rollout.loop import run_rollout
 from trainingrun.contract.resume import ResumePoint
 from trainingrun.store import StoreDataLost, open_store
 
@@ -124,8 +125,8 @@ def test_rollout_recreates_the_stream_after_redis_lost_it(redis, tmp_path, point
     if not point_first:  # what it had published below the trainers' resume point was acknowledged and released
         assert any("released rollouts 0..1 nobody will read" in m for m in messages), messages
     assert result["r"].rollouts == NUM_ROLLOUTS
-    state = store.get_json(STATE_KEY)
-    ref_state = open_store(f"file://{tmp_path}/ref").get_json(STATE_KEY)
+    state = store.get_json(ROLLOUT_STATE_KEY)
+    ref_state = open_store(f"file://{tmp_path}/ref").get_json(ROLLOUT_STATE_KEY)
     assert {k: v for k, v in state.items() if k != "updated_at"} == {
         k: v for k, v in ref_state.items() if k != "updated_at"}
 

@@ -24,7 +24,8 @@ from tests.localrun import finish, records, start
 from tests.services import redis_server
 from trainingrun.api import parse_trainingrun
 from trainingrun.contract.errors import EXIT_CONFIG_ERROR
-from trainingrun.rollout.main import data_report, run_rollout
+from trainingrun.contract.rollout_state import data_account
+from trainingrun.rollout.main import run_rollout
 from trainingrun.contract.errors import ConfigError
 from trainingrun.schedule import DPSchedule
 from trainingrun.store import open_store
@@ -203,7 +204,7 @@ def test_static_microbatches_carry_a_dynamic_step_they_cannot_align(tmp_path):
         assert all(n >= 4 for n in sched["global_batch_sizes"])
         carried_in += sched["carried_in"]
     assert carried_in > 0  # this seed does produce steps too small to align (the case that crashed)
-    report = data_report(store)
+    report = data_account(store).to_json()
     assert report["samples_produced"] == (report["samples_published"] + sum(report["samples_filtered"].values())
                                           + report["leftover_samples"])
 

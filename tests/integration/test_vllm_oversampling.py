@@ -20,7 +20,7 @@ from tests.integration.test_oversampling import (
     run_with_stand_in_trainer,
 )
 from trainingrun.api import parse_trainingrun
-from trainingrun.contract import published as contract
+from trainingrun.contract.published import read
 from trainingrun.metrics.rollout import RolloutMetrics
 from trainingrun.store import open_store
 from trainingrun.engines.vllm.engine import VLLMEngine, make_clients
@@ -67,7 +67,7 @@ def test_vllm_over_sampling_aborts_and_loses_no_prompt(tmp_path: Path, server, t
     metrics = RolloutMetrics("o")
     result = loop(spec, store, server.url, metrics=metrics).run()
     assert result.rollouts == 4
-    stats = [contract.read(store, k).stats for k in range(4)]
+    stats = [read(store, k).stats for k in range(4)]
     aborted = sum(s.groups_aborted for s in stats)
     print(f"vLLM over-sampling: groups produced {[s.groups_produced for s in stats]}, aborted "
           f"{[s.groups_aborted for s in stats]}")
@@ -90,7 +90,7 @@ def test_vllm_partial_rollouts_continue_cut_completions_under_newer_versions(tmp
                                               lambda st: loop(spec, st, server.url).run(), 5, timeout=300)
     assert result.rollouts == 5
     mixed = check_token_versions(store, 5, 2)
-    carried = sum(contract.read(store, k).stats.partials_carried for k in range(5))
+    carried = sum(read(store, k).stats.partials_carried for k in range(5))
     print(f"vLLM partial rollouts: {carried} cut completions carried, {mixed} completions of two versions")
     assert carried > 0 and mixed > 0
     assert_no_prompt_lost_or_repeated(store, 5)

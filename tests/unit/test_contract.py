@@ -18,6 +18,7 @@ from trainingrun.contract.env import ProcessEnv
 from trainingrun.contract.errors import ConfigError, CorruptPayload
 from trainingrun.contract.progress import PROGRESS_KEY, ProgressRecord
 from trainingrun.contract.resume import RESUME_KEY, ResumePoint
+from trainingrun.contract.rollout_state import ROLLOUT_STATE_KEY, RolloutStateRecord, data_account
 from trainingrun.operator.observe import Observed, ProgressObs
 from trainingrun.operator.progress import ProgressReader
 from trainingrun.operator.status import decide
@@ -205,6 +206,61 @@ def test_a_malformed_resume_point_is_refused_naming_the_field(tmp_path, doc, fie
     open_store(url).put_json(RESUME_KEY, doc)
     with pytest.raises(CorruptPayload, match=rf"store {url}: key trainer_resume: {field} (must be|is missing)"):
         ResumePoint.read(open_store(url))
+
+
+# ------------------------------------------------------------------------------------------------ rollout state
+def _group(gid: int, lengths: list[int]):
+    import numpy as np
+
+    from trainingrun.rollout.groups import SampleGroup
+
+    n = len(lengths)
+    return SampleGroup(group_id=gid, tokens=[np.arange(m, dtype=np.int32) for m in lengths],
+                       loss_masks=[np.ones(m, np.uint8) for m in lengths], rewards=np.arange(n, dtype=np.float32),
+                       sample_ids=np.arange(gid * n, (gid + 1) * n, dtype=np.int64))
+
+
+def test_the_rollouts_state_reaches_the_launchers_data_account_through_the_record(tmp_path):
+    """The rollout writes its state through `RolloutStateRecord`; the rollout on restart and the launcher's account
+    read it back through the same record."""
+    from trainingrun.rollout.loop import RolloutState
+
+    store = open_store(f"file://{tmp_path}/s")
+    assert RolloutStateRecord.read(store) is None and data_account(store) is None
+    state = RolloutState(fingerprint="abc", next_rollout=3, source_index=5, step_offset=7, samples_offset=40,
+                         carried=[_group(1, [3, 4]), _group(2, [5, 2, 2])], empty_streak=1,
+                         totals={"produced": 60, "max_length": 4, "zero_variance": 8, "stale": 1}, finished=True,
+                         stream={"next": 9})
+    state.save(store)
+    back = RolloutState.from_record(RolloutStateRecord.read(open_store(f"file://{tmp_path}/s")))
+    assert back.to_record().to_json() | {"updated_at": 0} == state.to_record().to_json() | {"updated_at": 0}
+    assert [g.lengths for g in back.carried] == [[3, 4], [5, 2, 2]]
+    assert data_account(store).to_json() == {
+        "finished": True, "rollouts_published": 3, "source_rollouts": 5, "steps_published": 7,
+        "samples_published": 40, "samples_produced": 60,
+        "samples_filtered": {"max_length": 4, "zero_variance": 8, "stale": 1},
+        "leftover_groups": 2, "leftover_samples": 5}
+    assert data_account(store).left_over
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"version": 2}, "unknown state version 2"),
+    ({"next_rollout": "3"}, "next_rollout must be"),
+    ({"step_offset": -1}, "step_offset must be"),
+    ({"finished": "yes"}, "finished must be"),
+    ({"fingerprint": None}, "fingerprint must be"),
+    ({"carried": [{"group_id": 1}]}, r"carried\[0\]\.offsets must be"),
+    ({"staged": {}}, "staged must be a list"),
+    ({"totals": {"produced": 1.5}}, "totals: produced must be"),
+    ({"stream": [1]}, "stream must be a JSON object"),
+])
+def test_a_malformed_rollout_state_is_refused_naming_the_field(tmp_path, change, field):
+    url = f"file://{tmp_path}/s"
+    good = RolloutStateRecord(fingerprint="f", totals={"produced": 1}).to_json()
+    assert RolloutStateRecord.from_json(good).totals == {"produced": 1}  # the unchanged record is read
+    open_store(url).put_json(ROLLOUT_STATE_KEY, {**good, **change})
+    with pytest.raises(CorruptPayload, match=rf"store {url}: key rollout_state: {field}"):
+        RolloutStateRecord.read(open_store(url))
 
 
 # ------------------------------------------------------------------------------------------------ the room itself

@@ -82,7 +82,7 @@ def test_swiglu_fc1_is_gate_then_up_and_tp_shards_hold_their_halves():
     arch = arch_of()  # only the activation (swiglu) matters here
     gate = torch.arange(4.0)[:, None]
     up = 100 + torch.arange(4.0)[:, None]
-    fc1 = convert.IMPORT_RULES[7].combine(gate, up, arch=arch)
+    fc1 = convert.NAME_RULES[7].combine(gate, up, arch=arch)
     assert fc1.flatten().tolist() == [0, 1, 2, 3, 100, 101, 102, 103]
     name = "decoder.layers.0.mlp.linear_fc1.weight"
     shards = [convert.split_tp(name, fc1, arch, r, 2) for r in range(2)]

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from trainingrun.api import models as api
 from trainingrun.modeling.attention import PackedSDPAttention, block_causal_mask
+from trainingrun.trainer import loss as loss_module
 from trainingrun.trainer.loss import (
-    STAT_NAMES, LossInputs, LossSettings, StepTotals, megatron_loss_factor, micro_batch_objective, token_logprobs,
+    LOSS_KINDS, STAT_NAMES, LossInputs, LossSettings, StepTotals, megatron_loss_factor, micro_batch_objective,
+    token_logprobs,
 )
 
 
@@ -372,3 +377,16 @@ def test_stats_merge_takes_the_maximum_of_max_rows() -> None:
     a[i], b[i], a[j], b[j] = torch.tensor([3.0, 2]), torch.tensor([1.5, 4]), torch.tensor([1.0, 2]), torch.tensor([2.0, 3])
     merge_stats(a, b)
     assert a[i].tolist() == [3.0, 6] and a[j].tolist() == [3.0, 5]
+
+
+def test_loss_kinds_are_the_spec_loss_types_and_the_enums_are_the_spec_literals():
+    """A Literal value without a table entry, or an entry without a Literal value, fails; the loss's enum tuples are
+    the spec's."""
+    assert set(LOSS_KINDS) == set(get_args(api.LossType))
+    assert all(kind.doc for kind in LOSS_KINDS.values())
+    for name, literal in (("LOSS_TYPES", api.LossType), ("NORMALIZATIONS", api.LossNormalization),
+                          ("OLD_LOGPROBS", api.OldLogprobs), ("CORRECTION_TYPES", api.CorrectionType),
+                          ("LEVELS", api.RatioLevel)):
+        assert getattr(loss_module, name) == get_args(literal), name
+    spec_types = {name: f.annotation for name, f in api.TrainerSpec.model_fields.items()}
+    assert get_args(spec_types["loss_type"]) == get_args(api.LossType)  # the spec field is the named Literal

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import json
 import time
+from typing import get_args
 
 import numpy as np
 import pytest
 
 from trainingrun.api import parse_trainingrun
-from trainingrun.rollout.prompts import ByteTokenizer, load_prompt_lines, make_prompts, synthetic_answer
-from trainingrun.rollout.rewards import RewardConfig, RewardScorer, exact_match, math_verify, token_match
+from trainingrun.api.spec.rollout import RewardType
+from trainingrun.contract.engine import Completion
+from trainingrun.rollout.generate import GenerateSource
+from trainingrun.rollout.prompts import ByteTokenizer, Prompt, load_prompt_lines, make_prompts, synthetic_answer
+from trainingrun.rollout.rewards import (
+    REWARD_KINDS, Failed, RewardConfig, RewardKind, RewardSample, RewardScorer, exact_match, math_verify,
+    token_match,
+)
 from trainingrun.contract.errors import ConfigError
 from trainingrun.rollout.synthetic import EOS, SEP
 
@@ -30,6 +37,12 @@ def test_math_verify_reward():
     assert math_verify("17", "18") == 0.0
 
 
+def _samples(pairs, **fields) -> list[RewardSample]:
+    """(response, reference) pairs as the reward's samples (no prompt)."""
+    return [RewardSample(prompt=None, prompt_tokens=[], response=r, response_tokens=[], reference=ref, **fields)
+            for r, ref in pairs]
+
+
 def test_function_reward_failures_are_counted_and_never_stop_scoring():
     """raise, hang (killed after the timeout), NaN and None are failed rewards with failedReward; the items after
     them are scored normally by fresh workers."""
@@ -38,14 +51,14 @@ def test_function_reward_failures_are_counted_and_never_stop_scoring():
     try:
         items = [("a", "a"), ("raise", "a"), ("hang", "a"), ("nan", "a"), ("b", "a"), ("none", "a"), ("c", "c")]
         t0 = time.monotonic()
-        scored = scorer.score(items)
+        scored = scorer.score(_samples(items))
         took = time.monotonic() - t0
         assert scored.rewards == [1.0, -1.0, -1.0, -1.0, 0.0, -1.0, 1.0]
         assert scored.failed == [None, "error", "timeout", "nan", None, "nan", None]
         assert scored.counts() == {"error": 1, "timeout": 1, "nan": 2}
         assert any("the reward exploded" in m for m in scored.messages)
         assert took < 20, took  # the hang cost one timeout, not an hour
-        again = scorer.score([("x", "x"), ("hang", "x"), ("y", "y")])  # the pool keeps working after a kill
+        again = scorer.score(_samples([("x", "x"), ("hang", "x"), ("y", "y")]))  # the pool keeps working after a kill
         assert again.rewards == [1.0, -1.0, 1.0] and again.failed == [None, "timeout", None]
     finally:
         scorer.close()
@@ -55,7 +68,7 @@ def test_function_that_cannot_be_loaded_fails_every_item_with_its_reason():
     scorer = RewardScorer(RewardConfig(type="function", function="tests.rewards_fixture:nope"), timeout=5.0,
                           failed_reward=0.0)
     try:
-        scored = scorer.score([("a", "a")])
+        scored = scorer.score(_samples([("a", "a")]))
         assert scored.failed == ["error"] and "cannot load 'tests.rewards_fixture:nope'" in scored.messages[0]
     finally:
         scorer.close()
@@ -68,10 +81,90 @@ def test_reasoning_gym_reward_scores_by_dataset_index():
     ds = reasoning_gym.create_dataset("basic_arithmetic", seed=3, size=5)
     scorer = RewardScorer(RewardConfig(type="reasoning_gym", dataset=params), timeout=30.0, failed_reward=0.0)
     try:
-        scored = scorer.score([(ds[2]["answer"], 2), ("nonsense", 2), (ds[4]["answer"], 4)])
+        scored = scorer.score([*_samples([(ds[2]["answer"], None), ("nonsense", None)], index=2),
+                               *_samples([(ds[4]["answer"], None)], index=4)])
         assert scored.rewards == [1.0, 0.0, 1.0] and scored.failed == [None, None, None]
     finally:
         scorer.close()
+
+
+def test_reward_kinds_are_the_spec_reward_types():
+    """A Literal value without a table entry, or an entry without a Literal value, fails."""
+    assert set(REWARD_KINDS) == set(get_args(RewardType))
+    assert all(kind.doc for kind in REWARD_KINDS.values())
+
+
+def _batch_kind(monkeypatch, fn) -> RewardScorer:
+    """A scorer of an in-process reward type whose batch function is `fn` (in place of token_match)."""
+    monkeypatch.setitem(REWARD_KINDS, "token_match", RewardKind("test", lambda config: fn, isolated=False))
+    return RewardScorer(RewardConfig(type="token_match"), timeout=1.0, failed_reward=-1.0)
+
+
+def test_an_in_process_reward_type_scores_the_whole_batch_and_fails_it_whole(monkeypatch):
+    calls = []
+
+    def good(samples):
+        calls.append(len(samples))
+        return [Failed("no answer"), 0.5, float("nan"), 2]
+
+    scored = _batch_kind(monkeypatch, good).score(_samples([("a", "a")] * 4))
+    assert calls == [4]  # one call for the batch
+    assert scored.rewards == [-1.0, 0.5, -1.0, 2.0] and scored.failed == ["error", None, "nan", None]
+    assert scored.messages[0] == "error: no answer"
+    raised = _batch_kind(monkeypatch, lambda samples: 1 / 0).score(_samples([("a", "a")] * 3))
+    assert raised.failed == ["error"] * 3 and "ZeroDivisionError" in raised.messages[0]
+    short = _batch_kind(monkeypatch, lambda samples: [1.0]).score(_samples([("a", "a")] * 2))
+    assert short.failed == ["error"] * 2 and "returned 1 rewards for 2 samples" in short.messages[0]
+
+
+def test_reward_sample_of_a_text_prompt_round_trips_as_json():
+    prompt = Prompt(tokens=np.array([5, 6, 7], np.int32), reference="18", index=3, text="2*9=", meta={"id": "q3"})
+    sample = RewardSample.of(prompt, "18", np.array([8, 9, 2], np.int32))
+    assert (sample.prompt, sample.prompt_tokens, sample.response, sample.response_tokens) == (
+        "2*9=", [5, 6, 7], "18", [8, 9, 2])
+    assert (sample.reference, sample.meta, sample.index) == ("18", {"id": "q3"}, 3)
+    assert RewardSample.from_json(json.loads(json.dumps(sample.to_json()))) == sample
+
+
+class _Engine:
+    """Completions of 1..3 tokens from a seeded generator (the Engine protocol, weights never change)."""
+
+    name = "test"
+    weight_version = 0
+
+    def generate(self, prompts, n, sampling):
+        rng = np.random.default_rng(sampling.seed)
+        lengths = rng.integers(1, 4, size=(len(prompts), n))
+        return [[Completion(tokens=rng.integers(3, 8, size=m).astype(np.int32), logprobs=np.zeros(m, np.float32),
+                            finish_reason="length") for m in row] for row in lengths]
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_rollout_scores_each_batch_with_its_prompts(monkeypatch):
+    """The generated source hands the reward type one batch per score call: each sample with its prompt's tokens,
+    its completion's tokens, the prompt's reference and index."""
+    calls = []
+
+    def record(samples):
+        calls.append(list(samples))
+        return [float(len(s.response_tokens)) for s in samples]
+
+    monkeypatch.setitem(REWARD_KINDS, "token_match", RewardKind("test", lambda config: record, isolated=False))
+    run = spec({"synthetic": {"task": "copy", "minLength": 1, "maxLength": 3, "vocabSize": 8}}, vocabSize=8)
+    run.rollout.source.generate.reward.type = "token_match"
+    source = GenerateSource(run, None, arch=run.model.resolved(), engine=_Engine(), say=lambda _m: None)
+    prompts = source.draw(0)
+    groups = source.generate(prompts, 0)
+    source.score(groups)
+    assert len(calls) == 1 and len(calls[0]) == 16
+    for j, (p, g) in enumerate(zip(prompts, groups)):
+        for i in range(4):
+            sample, completion = calls[0][4 * j + i], g.tokens[i][len(p.tokens):]
+            assert sample.prompt_tokens == p.tokens.tolist() and sample.response_tokens == completion.tolist()
+            assert sample.reference == p.reference and sample.index == p.index and sample.prompt is None
+            assert g.rewards[i] == len(completion)
 
 
 # ------------------------------------------------------------------------------------------------------ prompts

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import json
+from typing import get_args
 
 import numpy as np
 import pytest
 
+from trainingrun.api.spec.trainer import AdvantageEstimator, StdNormalization
 from trainingrun.contract.errors import ConfigError
 from trainingrun.contract.published import PublishedRollout, build_published
 from trainingrun.rollout.groups import SampleGroup
 from trainingrun.rollout.jsonl import load_jsonl
 from trainingrun.rollout.generate import overlong_penalty
 from trainingrun.rollout.pipeline import (
-    apply_filters, as_samples, compute_advantages, group_advantages, normalize_over_steps, split_into_steps,
+    ESTIMATORS, STD_NORMALIZATIONS, apply_filters, as_samples, compute_advantages, group_advantages,
+    normalize_over_steps, split_into_steps,
 )
 from trainingrun.rollout.synthetic import EOS, SEP, SyntheticConfig, synthetic_rollout, truncated_pareto_lengths
 
@@ -294,3 +297,11 @@ def test_jsonl_missing_file_and_partial_advantages(tmp_path):
     ])
     with pytest.raises(ConfigError, match=r":1: advantage: .* on some lines only"):
         load_jsonl(path, vocab_size=10)
+
+
+def test_estimators_are_the_spec_advantage_estimators():
+    """A Literal value without a table entry, or an entry without a Literal value, fails."""
+    assert set(ESTIMATORS) == set(get_args(AdvantageEstimator))
+    assert all(e.doc for e in ESTIMATORS.values())
+    assert STD_NORMALIZATIONS == get_args(StdNormalization)
+    assert [name for name, e in ESTIMATORS.items() if e.over_steps] == ["reinforce_pp"]

@@ -14,6 +14,8 @@ Module map:
                 reads it to re-create a stream the store lost
   progress.py   the trainers' progress record (`ProgressRecord`, key `progress`): trainer rank 0 writes, the operator
                 reads it into the TrainingRun's status
+  rollout_state.py  the rollout's state record (`RolloutStateRecord`, key `rollout_state`): the rollout writes it and
+                reads it back on restart; the local launcher reads its `DataAccount` into summary.json
   env.py        the process environment (`ProcessEnv`): the `TRAININGRUN_*` variables the plan writes and every
                 process reads
   errors.py     `ConfigError` and its exit status `EXIT_CONFIG_ERROR` (78); `StoreError`, `CorruptPayload`

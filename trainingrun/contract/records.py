@@ -1,5 +1,5 @@
-"""Small JSON records under a key of the run's store (the resume point, the progress record): the key/value view of
-the store they are written and read through, and the field readers that refuse a malformed record.
+"""Small JSON records under a key of the run's store (the resume point, the progress record, the rollout's state): the
+key/value view of the store they are written and read through, and the field readers that refuse a malformed record.
 
 A record's reader names the store, the key and the field when a stored record is not what its contract says
 (`CorruptPayload`, exit 78): a wrong type, a negative count, a missing required field. Fields a reader does not know

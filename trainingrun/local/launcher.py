@@ -48,10 +48,10 @@ from trainingrun.local.report import (
 )
 from trainingrun import failure_policy as policy
 from trainingrun.contract.env import ProcessEnv
+from trainingrun.contract.rollout_state import DataAccount, data_account
 from trainingrun.local.engine import LocalEnginePool, needs_local_engine
 from trainingrun.local.progress import ProgressLine
 from trainingrun.plan import build_plan
-from trainingrun.rollout.main import data_report
 from trainingrun.store import StoreError, open_store
 
 POLL_SECONDS = 0.2
@@ -451,14 +451,14 @@ class Launcher:
             time.sleep(min(POLL_SECONDS, max(0.0, end - time.monotonic())))
         return not self.signals.received
 
-    def data_report(self, store_url: str) -> dict[str, Any] | None:
+    def data_account(self, store_url: str) -> DataAccount | None:
         """The rollout's account of the data (produced, filtered, trained, left over), or None if unreadable."""
         try:
             store = open_store(store_url)
         except (ValueError, StoreError):
             return None
         try:
-            return data_report(store)
+            return data_account(store)
         except (StoreError, ValueError, KeyError, TypeError) as exc:
             self.progress.event(f"warning: cannot read the rollout's data report from {store_url}: {exc}")
             return None
@@ -536,15 +536,15 @@ class Launcher:
                        "log": str(outcome.log) if outcome.log else None,
                        "log_tail": tail(outcome.log, 20) if outcome.log else ""}
         status = {"succeeded": "succeeded", "interrupted": "interrupted"}.get(outcome.status, "failed")
+        data = self.data_account(store_url)
         summary = summarize(records, status=status, restarts=restarts, wall_seconds=wall,
                             tokens_this_run=self.tokens_this_run, attempts=self.attempts, failure=failure,
-                            name=self.name, out_dir=self.out_dir, data=self.data_report(store_url))
+                            name=self.name, out_dir=self.out_dir, data=data)
         summary["first_attempt"] = first_attempt
         summary["role_restarts"] = dict(self.role_restarts)
-        data = summary.get("data") or {}
-        if data.get("finished") and data.get("leftover_samples"):
+        if data is not None and data.left_over:
             self.progress.event(
-                f"note: {data['leftover_groups']} group(s) / {data['leftover_samples']} sample(s) were left over at "
+                f"note: {data.leftover_groups} group(s) / {data.leftover_samples} sample(s) were left over at "
                 "the end: they did not fill a step and were not trained (summary.json: data)")
         self.summary_written = self.try_write("summary.json",
                                               lambda: write_json_atomic(self.out_dir / "summary.json", summary))

@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from trainingrun.contract.rollout_state import DataAccount
+
 # Fields every per-step record carries (contract: design.md, CLI `trainingrun run`).
 REQUIRED_FIELDS = (
     "step",
@@ -147,9 +149,9 @@ def summarize(
     failure: dict[str, Any] | None,
     name: str,
     out_dir: Path,
-    data: dict[str, Any] | None = None,
+    data: DataAccount | None = None,
 ) -> dict[str, Any]:
-    """The content of summary.json. `data`: the rollout's account of the samples (`rollout.main.data_report`:
+    """The content of summary.json. `data`: the rollout's account of the samples (`contract.rollout_state`:
     produced, filtered, published, and `leftover_groups`/`leftover_samples` that never filled a step)."""
     gbs = [r.get("global_batch_size") for r in records if isinstance(r.get("global_batch_size"), (int, float))]
     last = records[-1] if records else {}
@@ -176,7 +178,7 @@ def summarize(
         "attempts": attempts,
         "exit_codes": attempts[-1]["exit_codes"] if attempts else {},
         "failure": failure,
-        "data": data,
+        "data": None if data is None else data.to_json(),
     }
 
 

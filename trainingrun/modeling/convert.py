@@ -1,4 +1,5 @@
-"""Megatron ↔ Hugging Face weights: one table of name/shape rules per direction, and the tensor-parallel layout.
+"""Megatron ↔ Hugging Face weights: one table of names (`NAME_RULES`: each row a Megatron tensor, its HF tensors and the
+pair of inverse reshuffles, import and export), and the tensor-parallel layout.
 
 Names. Megatron names here are *canonical*: those of `GPTModel` with the local layer spec. The TransformerEngine
 spec fuses the pre-attention and pre-MLP norms into the following linear layer (`linear_qkv.layer_norm_weight`,
@@ -86,7 +87,21 @@ def _same1(t: torch.Tensor, arch: Architecture) -> tuple[torch.Tensor]:  # noqa:
     return (t,)
 
 
-# --------------------------------------------------------------------------------------------------- the two tables
+# --------------------------------------------------------------------------------------------------- the name table
+@dataclass(frozen=True)
+class Reshuffle:
+    """How the HF tensors of a rule become its Megatron tensor (`combine(*hf, arch=)`, import) and back
+    (`split(megatron, arch=)` → the HF tensors in order, export): the one pair of inverse functions of the rule."""
+
+    combine: Callable[..., torch.Tensor]
+    split: Callable[..., tuple[torch.Tensor, ...]]
+
+
+COPY = Reshuffle(_same, _same1)  # one tensor, as it is
+QKV = Reshuffle(fuse_qkv, split_qkv)  # q, k, v interleaved per query group
+GATE_UP = Reshuffle(_cat, _chunk2)  # SwiGLU: gate rows, then up rows
+
+
 # `when`: which architectures (and which of their layers) have the tensor — "always", "untied" (separate output
 # layer), "bias" (addBiasLinear), "qkv_bias" (addBiasLinear or addQkvBias), "qk_norm" (Qwen3), "mlp" / "mlp_bias"
 # (a dense MLP layer), "moe" (a mixture-of-experts layer; one tensor per expert where the name has {e}), "shared"
@@ -94,85 +109,55 @@ def _same1(t: torch.Tensor, arch: Architecture) -> tuple[torch.Tensor]:  # noqa:
 # expert projections {gate} {up} {down} (`_EXPERT_NAMES`: Qwen's mlp.gate_proj/up_proj/down_proj, Mixtral's
 # block_sparse_moe.w1/w3/w2).
 @dataclass(frozen=True)
-class ImportRule:
-    """HF → Megatron: the Megatron tensor `megatron` is `combine(*hf tensors)`."""
+class NameRule:
+    """One Megatron tensor and the HF tensors it is made of, both ways: import is `combine(*hf tensors)`, export is
+    `split(megatron tensor)` → the HF tensors `hf`, in order."""
 
     megatron: str
     hf: tuple[str, ...]
-    combine: Callable[..., torch.Tensor]
+    how: Reshuffle = COPY
     when: str = "always"
 
+    @property
+    def combine(self) -> Callable[..., torch.Tensor]:
+        return self.how.combine
 
-@dataclass(frozen=True)
-class ExportRule:
-    """Megatron → HF: `split(megatron tensor)` gives the HF tensors `hf`, in order."""
-
-    megatron: str
-    hf: tuple[str, ...]
-    split: Callable[..., tuple[torch.Tensor, ...]]
-    when: str = "always"
+    @property
+    def split(self) -> Callable[..., tuple[torch.Tensor, ...]]:
+        return self.how.split
 
 
 L, HL = "decoder.layers.{i}.", "model.layers.{i}."
 EXPERT, HEXPERT = L + "mlp.experts.local_experts.{e}.", HL + "{moe}.experts.{e}."
 SHARED, HSHARED = L + "mlp.shared_experts.", HL + "mlp.shared_expert."
 
-IMPORT_RULES: tuple[ImportRule, ...] = (
-    ImportRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), _same),
-    ImportRule(L + "input_layernorm.weight", (HL + "input_layernorm.weight",), _same),
-    ImportRule(L + "self_attention.linear_qkv.weight",
-               (HL + "self_attn.q_proj.weight", HL + "self_attn.k_proj.weight", HL + "self_attn.v_proj.weight"),
-               fuse_qkv),
-    ImportRule(L + "self_attention.linear_qkv.bias",
-               (HL + "self_attn.q_proj.bias", HL + "self_attn.k_proj.bias", HL + "self_attn.v_proj.bias"),
-               fuse_qkv, "qkv_bias"),
-    ImportRule(L + "self_attention.linear_proj.weight", (HL + "self_attn.o_proj.weight",), _same),
-    ImportRule(L + "self_attention.linear_proj.bias", (HL + "self_attn.o_proj.bias",), _same, "bias"),
-    ImportRule(L + "pre_mlp_layernorm.weight", (HL + "post_attention_layernorm.weight",), _same),
-    ImportRule(L + "mlp.linear_fc1.weight", (HL + "mlp.gate_proj.weight", HL + "mlp.up_proj.weight"), _cat, "mlp"),
-    ImportRule(L + "mlp.linear_fc1.bias", (HL + "mlp.gate_proj.bias", HL + "mlp.up_proj.bias"), _cat, "mlp_bias"),
-    ImportRule(L + "mlp.linear_fc2.weight", (HL + "mlp.down_proj.weight",), _same, "mlp"),
-    ImportRule(L + "mlp.linear_fc2.bias", (HL + "mlp.down_proj.bias",), _same, "mlp_bias"),
-    ImportRule(L + "self_attention.q_layernorm.weight", (HL + "self_attn.q_norm.weight",), _same, "qk_norm"),
-    ImportRule(L + "self_attention.k_layernorm.weight", (HL + "self_attn.k_norm.weight",), _same, "qk_norm"),
-    ImportRule(L + "mlp.router.weight", (HL + "{moe}.gate.weight",), _same, "moe"),
-    ImportRule(EXPERT + "linear_fc1.weight", (HEXPERT + "{gate}.weight", HEXPERT + "{up}.weight"), _cat, "moe"),
-    ImportRule(EXPERT + "linear_fc2.weight", (HEXPERT + "{down}.weight",), _same, "moe"),
-    ImportRule(SHARED + "linear_fc1.weight", (HSHARED + "gate_proj.weight", HSHARED + "up_proj.weight"), _cat,
-               "shared"),
-    ImportRule(SHARED + "linear_fc2.weight", (HSHARED + "down_proj.weight",), _same, "shared"),
-    ImportRule(SHARED + "gate_weight", (HL + "mlp.shared_expert_gate.weight",), _same, "shared"),
-    ImportRule("decoder.final_layernorm.weight", ("model.norm.weight",), _same),
-    ImportRule("output_layer.weight", ("lm_head.weight",), _same, "untied"),
-)
-
-EXPORT_RULES: tuple[ExportRule, ...] = (
-    ExportRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), _same1),
-    ExportRule(L + "input_layernorm.weight", (HL + "input_layernorm.weight",), _same1),
-    ExportRule(L + "self_attention.linear_qkv.weight",
-               (HL + "self_attn.q_proj.weight", HL + "self_attn.k_proj.weight", HL + "self_attn.v_proj.weight"),
-               split_qkv),
-    ExportRule(L + "self_attention.linear_qkv.bias",
-               (HL + "self_attn.q_proj.bias", HL + "self_attn.k_proj.bias", HL + "self_attn.v_proj.bias"),
-               split_qkv, "qkv_bias"),
-    ExportRule(L + "self_attention.linear_proj.weight", (HL + "self_attn.o_proj.weight",), _same1),
-    ExportRule(L + "self_attention.linear_proj.bias", (HL + "self_attn.o_proj.bias",), _same1, "bias"),
-    ExportRule(L + "pre_mlp_layernorm.weight", (HL + "post_attention_layernorm.weight",), _same1),
-    ExportRule(L + "mlp.linear_fc1.weight", (HL + "mlp.gate_proj.weight", HL + "mlp.up_proj.weight"), _chunk2, "mlp"),
-    ExportRule(L + "mlp.linear_fc1.bias", (HL + "mlp.gate_proj.bias", HL + "mlp.up_proj.bias"), _chunk2, "mlp_bias"),
-    ExportRule(L + "mlp.linear_fc2.weight", (HL + "mlp.down_proj.weight",), _same1, "mlp"),
-    ExportRule(L + "mlp.linear_fc2.bias", (HL + "mlp.down_proj.bias",), _same1, "mlp_bias"),
-    ExportRule(L + "self_attention.q_layernorm.weight", (HL + "self_attn.q_norm.weight",), _same1, "qk_norm"),
-    ExportRule(L + "self_attention.k_layernorm.weight", (HL + "self_attn.k_norm.weight",), _same1, "qk_norm"),
-    ExportRule(L + "mlp.router.weight", (HL + "{moe}.gate.weight",), _same1, "moe"),
-    ExportRule(EXPERT + "linear_fc1.weight", (HEXPERT + "{gate}.weight", HEXPERT + "{up}.weight"), _chunk2, "moe"),
-    ExportRule(EXPERT + "linear_fc2.weight", (HEXPERT + "{down}.weight",), _same1, "moe"),
-    ExportRule(SHARED + "linear_fc1.weight", (HSHARED + "gate_proj.weight", HSHARED + "up_proj.weight"), _chunk2,
-               "shared"),
-    ExportRule(SHARED + "linear_fc2.weight", (HSHARED + "down_proj.weight",), _same1, "shared"),
-    ExportRule(SHARED + "gate_weight", (HL + "mlp.shared_expert_gate.weight",), _same1, "shared"),
-    ExportRule("decoder.final_layernorm.weight", ("model.norm.weight",), _same1),
-    ExportRule("output_layer.weight", ("lm_head.weight",), _same1, "untied"),
+# Megatron ↔ HF names, once: import (`import_plan`) and export (`export_plan`) both read this table.
+NAME_RULES: tuple[NameRule, ...] = (
+    NameRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
+    NameRule(L + "input_layernorm.weight", (HL + "input_layernorm.weight",)),
+    NameRule(L + "self_attention.linear_qkv.weight",
+             (HL + "self_attn.q_proj.weight", HL + "self_attn.k_proj.weight", HL + "self_attn.v_proj.weight"), QKV),
+    NameRule(L + "self_attention.linear_qkv.bias",
+             (HL + "self_attn.q_proj.bias", HL + "self_attn.k_proj.bias", HL + "self_attn.v_proj.bias"), QKV,
+             "qkv_bias"),
+    NameRule(L + "self_attention.linear_proj.weight", (HL + "self_attn.o_proj.weight",)),
+    NameRule(L + "self_attention.linear_proj.bias", (HL + "self_attn.o_proj.bias",), COPY, "bias"),
+    NameRule(L + "pre_mlp_layernorm.weight", (HL + "post_attention_layernorm.weight",)),
+    NameRule(L + "mlp.linear_fc1.weight", (HL + "mlp.gate_proj.weight", HL + "mlp.up_proj.weight"), GATE_UP, "mlp"),
+    NameRule(L + "mlp.linear_fc1.bias", (HL + "mlp.gate_proj.bias", HL + "mlp.up_proj.bias"), GATE_UP, "mlp_bias"),
+    NameRule(L + "mlp.linear_fc2.weight", (HL + "mlp.down_proj.weight",), COPY, "mlp"),
+    NameRule(L + "mlp.linear_fc2.bias", (HL + "mlp.down_proj.bias",), COPY, "mlp_bias"),
+    NameRule(L + "self_attention.q_layernorm.weight", (HL + "self_attn.q_norm.weight",), COPY, "qk_norm"),
+    NameRule(L + "self_attention.k_layernorm.weight", (HL + "self_attn.k_norm.weight",), COPY, "qk_norm"),
+    NameRule(L + "mlp.router.weight", (HL + "{moe}.gate.weight",), COPY, "moe"),
+    NameRule(EXPERT + "linear_fc1.weight", (HEXPERT + "{gate}.weight", HEXPERT + "{up}.weight"), GATE_UP, "moe"),
+    NameRule(EXPERT + "linear_fc2.weight", (HEXPERT + "{down}.weight",), COPY, "moe"),
+    NameRule(SHARED + "linear_fc1.weight", (HSHARED + "gate_proj.weight", HSHARED + "up_proj.weight"), GATE_UP,
+             "shared"),
+    NameRule(SHARED + "linear_fc2.weight", (HSHARED + "down_proj.weight",), COPY, "shared"),
+    NameRule(SHARED + "gate_weight", (HL + "mlp.shared_expert_gate.weight",), COPY, "shared"),
+    NameRule("decoder.final_layernorm.weight", ("model.norm.weight",)),
+    NameRule("output_layer.weight", ("lm_head.weight",), COPY, "untied"),
 )
 
 # The HF names of a mixture-of-experts block: Mixtral's (a mixture without a query/key norm or shared expert, as
@@ -228,11 +213,12 @@ def _expand(megatron: str, hf: tuple[str, ...], when: str, arch: Architecture):
 
 def import_plan(arch: Architecture) -> list[tuple[str, tuple[str, ...], Callable[..., torch.Tensor]]]:
     """(Megatron name, HF source names, combine) for every Megatron tensor of `arch`."""
-    return [(m, h, rule.combine) for rule in IMPORT_RULES for m, h in _expand(rule.megatron, rule.hf, rule.when, arch)]
+    return [(m, h, rule.combine) for rule in NAME_RULES for m, h in _expand(rule.megatron, rule.hf, rule.when, arch)]
 
 
 def export_plan(arch: Architecture) -> list[tuple[str, tuple[str, ...], Callable[..., tuple[torch.Tensor, ...]]]]:
-    return [(m, h, rule.split) for rule in EXPORT_RULES for m, h in _expand(rule.megatron, rule.hf, rule.when, arch)]
+    """(Megatron name, HF target names, split) for every Megatron tensor of `arch`."""
+    return [(m, h, rule.split) for rule in NAME_RULES for m, h in _expand(rule.megatron, rule.hf, rule.when, arch)]
 
 
 def expected_shapes(arch: Architecture) -> dict[str, tuple[int, ...]]:

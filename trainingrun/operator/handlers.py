@@ -71,6 +71,7 @@ from trainingrun.operator.checks import cluster_errors
 from trainingrun.operator.kube import ApiError, Conflict, KubeApi
 from trainingrun.operator.observe import Observed, PodObs, Refusal, is_permanent, observe_pod
 from trainingrun.operator.progress import ProgressReader
+from trainingrun.operator.reconcile import EVENT_MESSAGE_MAX, Decision, bounded, now_utc
 from trainingrun.operator.render import DEFAULT_REDIS_IMAGE, render_child
 from trainingrun.operator.vocabulary import Child, Names, Owner, store_url
 
@@ -340,7 +341,7 @@ async def reconcile(state: OperatorState, run_state: RunState, body: kopf.Body,
     if meta.get("deletionTimestamp"):
         return None
     current = dict(body.get("status") or {})
-    now = status.now_utc()
+    now = now_utc()
     run: TrainingRun | None = None
     try:
         run = parse_run(body)
@@ -379,7 +380,7 @@ async def reconcile(state: OperatorState, run_state: RunState, body: kopf.Body,
     return decision.requeue_after
 
 
-async def act(state: OperatorState, run_state: RunState, decision: status.Decision, run: TrainingRun | None,
+async def act(state: OperatorState, run_state: RunState, decision: Decision, run: TrainingRun | None,
               body: kopf.Body) -> float | None:
     """Delete, update and create what the decision says; returns a retry hint after a refused create."""
     api = state.api
@@ -488,7 +489,7 @@ def refused_create(state: OperatorState, run_state: RunState, body: kopf.Body, r
     event_at = old.event_at if same and old is not None else -1e9
     if now - event_at > 60:
         kopf.event(body, type="Warning", reason="FailedCreate",
-                   message=status.bounded(refused.refusal.describe(), status.EVENT_MESSAGE_MAX))
+                   message=bounded(refused.refusal.describe(), EVENT_MESSAGE_MAX))
         event_at = now
     run_state.refusal = RefusalRecord(refused.refusal, tries=tries, retry_at=now + delay, event_at=event_at)
     log.info("%s/%s: %s (retrying in %.0fs)", *key, refused.refusal.describe(), delay)

@@ -7,7 +7,7 @@ a child. `trainingrun.operator.handlers` gathers them (kopf indexes, pod events,
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -203,3 +203,27 @@ class Observed:
     refusal: Refusal | None = None
     spec_errors: tuple[str, ...] = ()  # checks.cluster_errors
     generation: int | None = None
+
+    def live(self) -> list[PodObs]:
+        """The pods that run or wait to run (not finished, not being deleted)."""
+        return [p for p in self.pods if p.phase not in ("Succeeded", "Failed") and not p.deleting]
+
+    def pick(self, keep: Callable[[PodObs], bool], key: Callable[[PodObs], Any]) -> dict[Any, PodObs]:
+        """The pod to judge per `key` among those `keep` accepts: the live one, else one being deleted, else the last
+        state of one seen deleted."""
+        out: dict[Any, PodObs] = {}
+        for source in (self.gone, [p for p in self.pods if p.deleting], [p for p in self.pods if not p.deleting]):
+            for p in source:
+                if keep(p):
+                    out[key(p)] = p
+        return out
+
+    def failure_of(self, p: PodObs, phase: str) -> policy.Failure | None:
+        """Pod `p` as a failure when it failed, was disrupted or was deleted while the run was `phase` (not by the
+        operator: a pod it deletes is of an older attempt or generation, or goes with the attempt); None while it runs
+        or after it succeeded."""
+        if p.phase == "Failed" or p.disruption is not None:
+            return p.as_failure()
+        if (p.deleting or p.name in {g.name for g in self.gone}) and p.phase != "Succeeded":
+            return p.as_deleted(phase)
+        return None

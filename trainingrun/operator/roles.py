@@ -1,7 +1,16 @@
-"""The ledger of roles restarted alone (failurePolicy RestartRole): `status.roleRestarts` of a TrainingRun, one entry
-per (role, replica) that ever restarted alone — the rollout (replica 0) and each engine replica. Pure; `status.decide`
-keeps it in the status it writes, so it survives operator restarts and never lives in a child (deleting a pod never
-resets a budget).
+"""Roles restarted alone (failurePolicy RestartRole): the ledger `status.roleRestarts` and the rules of a replacement.
+Pure; `status.decide` keeps the ledger in the status it writes, so it survives operator restarts and never lives in a
+child (deleting a pod never resets a budget), and applies the rules:
+
+  restart_alone      record that the failed role (the rollout, or one engine replica) restarts alone, as a pod of its
+                     next generation; the message saying so (which restart of which budget, or why it is not counted)
+  superseded         live pods of an older generation of such a role: deleted without ending their group
+  replacement_hold   what keeps the replacement from being created yet: the role's backoff, or its predecessor still
+                     running or terminating (for up to terminatingTimeoutSeconds from its deletion)
+  rollout_not_running  a running run is not whole while its rollout, restarted alone, is not running yet
+
+The ledger holds one entry per (role, replica) that ever restarted alone — the rollout (replica 0) and each engine
+replica.
 
 An entry: {"role", "replica", "restarts" (counted against failurePolicy.roles.<role>), "uncounted" (disruptions,
 Ignore rules, an engine replaced with a group restart), "lastFailure", "lastRestartTime", "backoffSeconds",
@@ -14,11 +23,15 @@ an older generation are told apart (kept when finished, for their logs; deleted 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from trainingrun import failure_policy as policy
+from trainingrun.api.constants import ROLE_ENGINE, ROLE_ROLLOUT
 from trainingrun.api.models import MESSAGE_MAX_LENGTH
+from trainingrun.operator.observe import PodObs, parse_time
+from trainingrun.operator.vocabulary import Names
 
 
 class RoleLedger:
@@ -95,3 +108,74 @@ class RoleLedger:
                 out["restarts"] += int(e.get("restarts", 0))
                 out["uncounted"] += int(e.get("uncounted", 0))
         return out
+
+
+# ------------------------------------------------------------------------------------------------------ the rules
+def restart_alone(ledger: RoleLedger, cause: policy.Failure, verdict: policy.Verdict, rules: policy.Policy, *,
+                  group_restarts: int, now: str) -> str:
+    """Record that `cause`'s role (the rollout, or one engine replica) restarts alone as a pod of its next generation,
+    decided at `now` (RFC 3339) by `verdict`; the message that says so."""
+    role, replica = cause.role, cause.rank or 0
+    assert role is not None
+    generation = ledger.restart(role, replica, counted=verdict.counted, failure=cause.description, now=now,
+                                backoff=verdict.backoff)
+    what = (f"{role} replica {replica}" if role == ROLE_ENGINE else role)
+    if verdict.counted:
+        budget = rules.roles[role].max_restarts
+        used = ledger.counts(group_restarts).role_restarts.get(role, 0)
+        how = f"restart {used} of failurePolicy.roles.{role}.maxRestarts={budget}"
+    else:
+        how = verdict.why
+    return (f"{cause.description}; restarting the {what} alone as generation {generation} ({how}) in "
+            f"{verdict.backoff:g}s; the other pods keep running")
+
+
+def superseded(live: Iterable[PodObs], ledger: RoleLedger, attempt: int) -> list[str]:
+    """The live pods of an older generation of a role restarted alone: a rollout of attempt `attempt`, an engine
+    replica (of any attempt: engines outlive attempts)."""
+    return [p.name for p in live if
+            (p.role == ROLE_ROLLOUT and p.attempt == attempt and p.generation != ledger.generation(ROLE_ROLLOUT)) or
+            (p.role == ROLE_ENGINE and p.generation != ledger.generation(ROLE_ENGINE, p.rank or 0))]
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Why a replacement is not created yet: `wait` seconds until the next look; `message` names the predecessor
+    that still runs or terminates (None: the role's backoff has not passed)."""
+
+    wait: float
+    message: str | None = None
+
+
+def replacement_hold(ledger: RoleLedger, pods: Iterable[PodObs], role: str, replica: int, name: str, *, attempt: int,
+                     timeout: float, now: float) -> Hold | None:
+    """What keeps pod `name`, the replacement of `role` replica `replica`, from being created at `now` (unix time):
+    the role's backoff after the last restart, or a pod of an older generation of the same role replica that still
+    runs or terminates — two rollout writers at once; under Kueue a pod group with one pod too many, whose newest pod
+    Kueue would delete as excess — for up to `timeout` (terminatingTimeoutSeconds) from its deletion. None: create
+    it."""
+    due = ledger.restart_due(role, replica, parse_time)
+    if due is not None and due > now:
+        return Hold(wait=due - now)
+    for p in pods:
+        if p.role != role or p.phase in ("Succeeded", "Failed") or p.name == name:
+            continue
+        if (role == ROLE_ROLLOUT and p.attempt != attempt) or (role == ROLE_ENGINE and (p.rank or 0) != replica):
+            continue
+        left = policy.seconds_left(p.deleted_at, timeout, now)
+        if left is not None and left <= 0:
+            continue  # on a lost node: fenced by its older generation (the store's writer claim)
+        return Hold(wait=1.0 if left is None else min(left, 1.0), message=(
+            f"waiting for pod {p.name} to terminate before its replacement {name} starts (it stops blocking "
+            f"terminatingTimeoutSeconds={timeout}s after its deletion)"))
+    return None
+
+
+def rollout_not_running(rollout: PodObs | None, ledger: RoleLedger, *, names: Names, attempt: int) -> str | None:
+    """Why a running run is not whole for its rollout: it restarts alone and the pod of its current generation is not
+    running yet (None: it runs, or it is not restarting alone and was never seen)."""
+    if rollout is None or rollout.phase not in ("Running", "Succeeded") or rollout.deleting:
+        if ledger.replacing(ROLE_ROLLOUT) or rollout is not None:
+            name = names.pod(ROLE_ROLLOUT, None, attempt, ledger.generation(ROLE_ROLLOUT))
+            return f"the rollout restarts alone: pod {name} is not running yet"
+    return None

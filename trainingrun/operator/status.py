@@ -27,193 +27,36 @@ RestartRole (only the rollout, or only the failed engine replica, is replaced by
 the role's backoff and once its predecessor is gone; counted in status.roleRestarts: `trainingrun.operator.roles`),
 FailRun. An engine replica of a pool (spec.rollout.engine.replicas > 1) whose failure finds the engine role's budget
 spent leaves the pool instead (roleRestarts marks it down; never replaced) while another replica serves; only an
-empty pool fails the run, naming every engine pod (`_leave_pool`). Changing spec.trainer.replicas restarts the group at the new size from the last checkpoint (reason
-Resized; not counted either).
+empty pool fails the run, naming every engine pod. Changing spec.trainer.replicas restarts the group at the new size
+from the last checkpoint (reason Resized; not counted either).
+
+The rules of one room live beside this module, pure and tested on their own, and are applied here: the engine pool's
+in `trainingrun.operator.pool` (each replica's current pod, its failure, leaving the pool, readiness, its pod), those
+of a role restarted alone in `trainingrun.operator.roles` (the ledger, the restart and its message, the pods it
+supersedes, what holds its replacement back). `trainingrun.operator.reconcile` is one reconcile's context
+(`Reconcile`: the status being built, conditions, the phase, the attempt's pods) and its `Decision`.
 
 Conditions follow the Kubernetes conventions: one per type with observedGeneration, reason, message (cut to fit the
-CRD) and lastTransitionTime. The lifecycle types (Running, Restarting, Suspended, Succeeded, Failed) have one True at a
-time; PodsReady says why a Pending run is not running yet, and why a Running run is not whole (a role restarting
-alone, an engine not ready): the progress deadline does not count that time, nor the time ProgressUnknown is True
-(the store's progress cannot be read). status.progress: `trainingrun.operator.pace`.
+CRD) and lastTransitionTime (`Reconcile.set_condition`). The lifecycle types (Running, Restarting, Suspended,
+Succeeded, Failed) have one True at a time; PodsReady says why a Pending run is not running yet, and why a Running run
+is not whole (a role restarting alone, an engine not ready): the progress deadline does not count that time, nor the
+time ProgressUnknown is True (the store's progress cannot be read). status.progress: `trainingrun.operator.pace`.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from trainingrun import failure_policy as policy
 from trainingrun.api.constants import GROUP_ROLES, ROLE_ENGINE, ROLE_ROLLOUT, ROLE_STORE, ROLE_TRAINER
-from trainingrun.api.models import MESSAGE_MAX_LENGTH, TERMINAL_PHASES, TrainingRun
+from trainingrun.api.models import TERMINAL_PHASES, TrainingRun
+from trainingrun.operator import pool, roles
 from trainingrun.operator.observe import KUEUE_GATE, Observed, PodObs, parse_time
 from trainingrun.operator.pace import progress_status
-from trainingrun.operator.roles import RoleLedger
-from trainingrun.operator.vocabulary import (
-    Child,
-    Names,
-    base_children,
-    config_hash,
-    engine_child,
-    engine_replicas,
-)
-
-LIFECYCLE_CONDITIONS = ("Running", "Restarting", "Suspended", "Succeeded", "Failed")
-EVENT_MESSAGE_MAX = 1024
-_REASON = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
-
-
-def now_utc() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
-
-
-def fmt_time(t: dt.datetime) -> str:
-    return t.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def bounded(message: str, limit: int = MESSAGE_MAX_LENGTH) -> str:
-    """`message` cut to at most `limit` characters, saying how much was cut."""
-    if len(message) <= limit:
-        return message
-    cut = len(message) - limit
-    tail = f"... ({cut + 40} more characters)"
-    return message[: limit - len(tail)] + tail
-
-
-@dataclass
-class Decision:
-    """The next status (full, camelCase) and what to do."""
-
-    status: dict[str, Any]
-    create: list[Child] = field(default_factory=list)  # in order: base children, then the attempt's pods
-    update: list[Child] = field(default_factory=list)  # children to bring up to date (the ConfigMap)
-    delete: list[Child] = field(default_factory=list)  # children other than pods to delete
-    delete_pods: list[str] = field(default_factory=list)  # pods whose group ends (Kueue: not retriable in group)
-    replace_pods: list[str] = field(default_factory=list)  # live pods of an older generation of their role: their
-    #                                                         replacement joins the same group
-    delete_run: bool = False
-    events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
-    restarted: bool = False  # a counted restart (the operator's restart counter)
-    requeue_after: float | None = None  # wake-up hint for backoff/ttl/deadlines
-
-    def wake_in(self, seconds: float) -> None:
-        seconds = max(seconds, 0.05)
-        self.requeue_after = seconds if self.requeue_after is None else min(self.requeue_after, seconds)
-
-
-@dataclass
-class _Ctx:
-    """One reconcile: the run, the status being built, the observations, the decision."""
-
-    run: TrainingRun
-    st: dict[str, Any]
-    obs: Observed
-    now: dt.datetime
-    d: Decision
-
-    @property
-    def spec(self):
-        return self.run.spec
-
-    @property
-    def fp(self):
-        return self.run.spec.failure_policy
-
-    @property
-    def policy(self) -> policy.Policy:
-        return policy.Policy.from_spec(self.run.spec.failure_policy)
-
-    @property
-    def ledger(self) -> RoleLedger:
-        return RoleLedger(self.st["roleRestarts"])
-
-    @property
-    def now_s(self) -> str:
-        return fmt_time(self.now)
-
-    @property
-    def attempt(self) -> int:
-        return int(self.st["attempt"])
-
-    @property
-    def names(self) -> Names:
-        return Names(self.run.metadata.name)
-
-    # -- conditions
-    def condition(self, type_: str) -> dict | None:
-        return next((c for c in self.st["conditions"] if c.get("type") == type_), None)
-
-    def set_condition(self, type_: str, status: str, reason: str, message: str) -> None:
-        reason = reason if _REASON.match(reason or "") else "Unknown"
-        message = bounded(message)
-        for c in self.st["conditions"]:
-            if c["type"] == type_:
-                if c.get("status") != status:
-                    c["lastTransitionTime"] = self.now_s
-                c.update(status=status, reason=reason, message=message)
-                if self.obs.generation is not None:
-                    c["observedGeneration"] = self.obs.generation
-                return
-        cond = {"type": type_, "status": status, "reason": reason, "message": message,
-                "lastTransitionTime": self.now_s}
-        if self.obs.generation is not None:
-            cond["observedGeneration"] = self.obs.generation
-        self.st["conditions"].append(cond)
-
-    def phase_to(self, phase: str, reason: str, message: str, *, condition: str | None = None,
-                 event: tuple[str, str] | None = None) -> None:
-        """Set phase and message; mark lifecycle condition `condition` True and the others False; post an event."""
-        self.st["phase"] = phase
-        self.st["message"] = bounded(message)
-        for t in LIFECYCLE_CONDITIONS:
-            if t == condition:
-                self.set_condition(t, "True", reason, message)
-            elif self.condition(t) is not None:
-                self.set_condition(t, "False", reason, message)
-        if event is not None:
-            self.d.events.append((event[0], event[1], bounded(message, EVENT_MESSAGE_MAX)))
-
-    def pods_ready(self, ready: bool, reason: str, message: str) -> None:
-        self.set_condition("PodsReady", "True" if ready else "False", reason, message)
-
-    def fail(self, reason: str, message: str) -> bool:
-        self.st["completionTime"] = self.now_s
-        self.phase_to("Failed", reason, message, condition="Failed", event=("Warning", reason))
-        self.pods_ready(False, reason, "the run failed")
-        self.d.create, self.d.update = [], []
-        self.d.delete_pods = sorted({p.name for p in _live(self.obs.pods)})
-        return True
-
-    # -- the attempt's pods
-    def current(self) -> dict[tuple[str, int | None], PodObs]:
-        """The attempt's rollout (of its current generation) and trainer pods by (role, rank): the live pod, else one
-        being deleted, else the last state of one seen deleted."""
-        rollout = self.ledger.generation(ROLE_ROLLOUT)
-        return self._by_key(lambda p: p.role in GROUP_ROLES and p.attempt == self.attempt and
-                            (p.role != ROLE_ROLLOUT or p.generation == rollout), lambda p: (p.role, p.rank))
-
-    def engines(self) -> dict[int, PodObs]:
-        """Each engine replica's pod of its current generation, chosen like `current`."""
-        ledger = self.ledger
-        return self._by_key(lambda p: p.role == ROLE_ENGINE and p.generation == ledger.generation(ROLE_ENGINE,
-                                                                                                   p.rank or 0),
-                            lambda p: p.rank or 0)
-
-    def _by_key(self, keep, key) -> dict:
-        out: dict = {}
-        for source in (self.obs.gone, [p for p in self.obs.pods if p.deleting],
-                       [p for p in self.obs.pods if not p.deleting]):
-            for p in source:
-                if keep(p):
-                    out[key(p)] = p
-        return out
-
-
-def _live(pods) -> list[PodObs]:
-    return [p for p in pods if p.phase not in ("Succeeded", "Failed") and not p.deleting]
-
+from trainingrun.operator.reconcile import EVENT_MESSAGE_MAX, Decision, Reconcile, bounded
+from trainingrun.operator.vocabulary import Child, base_children, config_hash, engine_replicas
 
 def expected_group(run: TrainingRun) -> list[tuple[str, int | None]]:
     return [("rollout", None)] + [(ROLE_TRAINER, r) for r in range(run.spec.trainer.replicas)]
@@ -235,7 +78,7 @@ def decide(run: TrainingRun, status: Mapping[str, Any] | None, obs: Observed, *,
     st["roleRestarts"] = [dict(e) for e in st.get("roleRestarts") or []]
     if obs.generation is not None:
         st["observedGeneration"] = obs.generation
-    ctx = _Ctx(run, st, obs, now, Decision(status=st))
+    ctx = Reconcile(run, st, obs, now, Decision(status=st))
     _read_progress(ctx)
     phase = st["phase"]
     if phase in TERMINAL_PHASES:
@@ -243,7 +86,7 @@ def decide(run: TrainingRun, status: Mapping[str, Any] | None, obs: Observed, *,
         return ctx.d
     if _invalid_spec(ctx) or _permanent_refusal(ctx) or _suspend(ctx):
         return ctx.d
-    handler: Callable[[_Ctx], Any] = {
+    handler: Callable[[Reconcile], Any] = {
         None: _start, "Suspended": _resume, "Pending": _pending, "Running": _running, "Restarting": _restarting,
     }[phase]
     handler(ctx)
@@ -251,13 +94,13 @@ def decide(run: TrainingRun, status: Mapping[str, Any] | None, obs: Observed, *,
 
 
 # ------------------------------------------------------------------------------------------------ phase handlers
-def _terminal(ctx: _Ctx) -> None:
+def _terminal(ctx: Reconcile) -> None:
     """Sticky: delete still-running pods (the store, an engine, a rollout that outlived the trainers) and the gang
     objects; TTL. The status (counters, phase) is the run's own: children deleted meanwhile (by hand, by a TTL) never
     move it."""
     if ctx.st["phase"] == "Succeeded":
         _read_progress(ctx, succeeded=True)
-    ctx.d.delete_pods = [p.name for p in _live(ctx.obs.pods)]
+    ctx.d.delete_pods = [p.name for p in ctx.obs.live()]
     _delete_podgroups(ctx, keep=None, engines=True)
     ttl = ctx.spec.ttl_seconds_after_finished
     done = parse_time(ctx.st.get("completionTime"))
@@ -272,16 +115,16 @@ def _terminal(ctx: _Ctx) -> None:
         ctx.d.wake_in(left)
 
 
-def _start(ctx: _Ctx) -> None:
+def _start(ctx: Reconcile) -> None:
     _begin_attempt(ctx, "Created", f"creating {ctx.spec.trainer.replicas} trainer pod(s) and the rollout pod")
 
 
-def _resume(ctx: _Ctx) -> None:
+def _resume(ctx: Reconcile) -> None:
     ctx.st["attempt"] += 1
     _begin_attempt(ctx, "Resumed", f"resumed: attempt {ctx.attempt} starting from the last checkpoint")
 
 
-def _begin_attempt(ctx: _Ctx, reason: str, message: str) -> None:
+def _begin_attempt(ctx: Reconcile, reason: str, message: str) -> None:
     """A new run or a resumed one: Pending, with the attempt's children to create (startTime restarts)."""
     ctx.st["startTime"] = ctx.now_s
     ctx.st["trainerReplicas"] = ctx.spec.trainer.replicas
@@ -290,7 +133,7 @@ def _begin_attempt(ctx: _Ctx, reason: str, message: str) -> None:
     ctx.pods_ready(False, "Creating", message)
 
 
-def _pending(ctx: _Ctx) -> None:
+def _pending(ctx: Reconcile) -> None:
     if _active_deadline(ctx) or _engine_budget(ctx) or _resize(ctx) or _group_exit(ctx):
         return
     _delete_stale(ctx)
@@ -298,7 +141,7 @@ def _pending(ctx: _Ctx) -> None:
     _pods_ready(ctx)
 
 
-def _running(ctx: _Ctx) -> None:
+def _running(ctx: Reconcile) -> None:
     if _active_deadline(ctx) or _engine_budget(ctx) or _resize(ctx) or _group_exit(ctx):
         return
     _roles_ready(ctx)
@@ -308,7 +151,7 @@ def _running(ctx: _Ctx) -> None:
     _ensure_children(ctx, pods=False)
 
 
-def _restarting(ctx: _Ctx) -> None:
+def _restarting(ctx: Reconcile) -> None:
     if _active_deadline(ctx):
         return
     _delete_stale(ctx)
@@ -328,29 +171,21 @@ def _restarting(ctx: _Ctx) -> None:
 
 
 # --------------------------------------------------------------------------------------------- one-rule helpers
-def _invalid_spec(ctx: _Ctx) -> bool:
+def _invalid_spec(ctx: Reconcile) -> bool:
     """A schema-valid spec that cannot run in a cluster (`checks.cluster_errors`) fails at once."""
     if not ctx.obs.spec_errors:
         return False
     return ctx.fail("InvalidSpec", "the spec cannot run in a cluster: " + "; ".join(ctx.obs.spec_errors))
 
 
-def _engine_budget(ctx: _Ctx) -> bool:
-    """An engine pod restarted in place by the kubelet (an engine pod created by an operator before 0.2, with
-    restartPolicy Always; engine pods of this operator have restartPolicy Never and are replaced by the failure
-    policy) uses the engine role's budget: restarted more than that, the run fails naming the pod and its last
-    failure, instead of crash-looping for ever."""
-    budget = ctx.policy.roles[ROLE_ENGINE].max_restarts
-    for p in _live(ctx.obs.pods):
-        if p.role == ROLE_ENGINE and p.restarts > budget:
-            why = p.failure or p.waiting or "no exit recorded"
-            return ctx.fail("BackoffLimitExceeded",
-                            f"the run's vLLM server (pod {p.name}) restarted {p.restarts} times, more than "
-                            f"failurePolicy.roles.engine.maxRestarts={budget}; last: {why}")
-    return False
+def _engine_budget(ctx: Reconcile) -> bool:
+    """An engine pod restarted in place more often than the engine role's budget fails the run, naming the pod and
+    its last failure, instead of crash-looping for ever (`pool.over_budget`)."""
+    message = pool.over_budget(ctx.obs.live(), ctx.policy.roles[ROLE_ENGINE].max_restarts)
+    return message is not None and ctx.fail("BackoffLimitExceeded", message)
 
 
-def _permanent_refusal(ctx: _Ctx) -> bool:
+def _permanent_refusal(ctx: Reconcile) -> bool:
     """The API server refused a child as invalid (400/422, e.g. a validating webhook): retrying cannot help."""
     refusal = ctx.obs.refusal
     if refusal is None or not refusal.permanent:
@@ -359,10 +194,10 @@ def _permanent_refusal(ctx: _Ctx) -> bool:
                     "create a new run)")
 
 
-def _suspend(ctx: _Ctx) -> bool:
+def _suspend(ctx: Reconcile) -> bool:
     if not ctx.spec.suspend:
         return False
-    group_live = [p for p in _live(ctx.obs.pods) if p.role in GROUP_ROLES]
+    group_live = [p for p in ctx.obs.live() if p.role in GROUP_ROLES]
     ctx.d.delete_pods = [p.name for p in group_live]
     _delete_podgroups(ctx, keep=None)
     if ctx.st["phase"] != "Suspended":
@@ -373,7 +208,7 @@ def _suspend(ctx: _Ctx) -> bool:
     return True
 
 
-def _active_deadline(ctx: _Ctx) -> bool:
+def _active_deadline(ctx: Reconcile) -> bool:
     start = parse_time(ctx.st.get("startTime"))
     left = policy.seconds_left(start.timestamp() if start else None, ctx.spec.active_deadline_seconds,
                                ctx.now.timestamp())
@@ -386,7 +221,7 @@ def _active_deadline(ctx: _Ctx) -> bool:
     return False
 
 
-def _resize(ctx: _Ctx) -> bool:
+def _resize(ctx: Reconcile) -> bool:
     """spec.trainer.replicas changed: restart the group at the new size from the last checkpoint (not a failure)."""
     size = ctx.st.get("trainerReplicas")
     wanted = ctx.spec.trainer.replicas
@@ -401,7 +236,7 @@ def _resize(ctx: _Ctx) -> bool:
     return True
 
 
-def _group_exit(ctx: _Ctx) -> bool:
+def _group_exit(ctx: Reconcile) -> bool:
     """Success of every trainer first; then the attempt's failed, disrupted or deleted rollout and trainer pods (the
     one to act on: `failure_policy.root_cause`); then each engine replica on its own (`_engines_exit`)."""
     current = ctx.current()
@@ -411,10 +246,10 @@ def _group_exit(ctx: _Ctx) -> bool:
         ctx.phase_to("Succeeded", "Completed", f"all {len(trainers)} trainer(s) succeeded", condition="Succeeded",
                      event=("Normal", "Succeeded"))
         ctx.pods_ready(False, "Completed", "the run succeeded")
-        ctx.d.delete_pods = [p.name for p in _live(ctx.obs.pods)]
+        ctx.d.delete_pods = [p.name for p in ctx.obs.live()]
         _read_progress(ctx, succeeded=True)
         return True
-    failures = [f for f in (_failure_of(ctx, p) for p in current.values()) if f is not None]
+    failures = [f for f in (ctx.obs.failure_of(p, str(ctx.st["phase"])) for p in current.values()) if f is not None]
     if ctx.st["phase"] == "Running":
         for role, rank in expected_group(ctx.run):
             if (role, rank) in current or (role == ROLE_ROLLOUT and ctx.ledger.replacing(ROLE_ROLLOUT)):
@@ -429,39 +264,14 @@ def _group_exit(ctx: _Ctx) -> bool:
     return _engines_exit(ctx)
 
 
-def _failure_of(ctx: _Ctx, p: PodObs) -> policy.Failure | None:
-    """The pod as a failure when it failed, was disrupted or was deleted (not by the operator: a pod it deletes is
-    of an older attempt or generation, or goes with the attempt); None while it runs or after it succeeded."""
-    if p.phase == "Failed" or p.disruption is not None:
-        return p.as_failure()
-    if (p.deleting or p.name in {g.name for g in ctx.obs.gone}) and p.phase != "Succeeded":
-        return p.as_deleted(str(ctx.st["phase"]))
-    return None
-
-
-def _engines_exit(ctx: _Ctx) -> bool:
-    """Each engine replica on its own: its current pod failed, was disrupted or deleted → the failure policy's
-    verdict for that replica (an engine missing from a running run counts as deleted, unless its replacement is
-    not created yet)."""
-    engines = ctx.engines()
-    ledger = ctx.ledger
-    for replica in range(engine_replicas(ctx.run)):
-        p = engines.get(replica)
-        if ledger.down(ROLE_ENGINE, replica):
-            failure = None  # out of the pool
-        elif p is not None:
-            failure = _failure_of(ctx, p)
-        elif ctx.st["phase"] == "Running" and not ledger.replacing(ROLE_ENGINE, replica):
-            name = ctx.names.engine_pod(replica, ledger.generation(ROLE_ENGINE, replica))
-            failure = policy.Failure(name=name, kind=policy.ExitKind.FAILURE, role=ROLE_ENGINE, rank=replica,
-                                     reasons=frozenset({policy.DELETED}),
-                                     description=f"pod {name} was deleted while the run was running")
-        else:
-            failure = None
-        if failure is None:
-            continue
+def _engines_exit(ctx: Reconcile) -> bool:
+    """Each engine replica on its own (`pool.engine_failures`): the failure policy's verdict for a failed one; with
+    more than one replica a spent budget makes it leave the pool (`_leave_pool`) instead of failing the run."""
+    ledger, replicas = ctx.ledger, engine_replicas(ctx.run)
+    for failure in pool.engine_failures(ctx.obs, ctx.engines(), ledger, replicas=replicas,
+                                        phase=str(ctx.st["phase"]), names=ctx.names):
         verdict = ctx.policy.decide(failure, ledger.counts(ctx.st["restarts"]))
-        if verdict.reason == "BackoffLimitExceeded" and engine_replicas(ctx.run) > 1:
+        if verdict.reason == "BackoffLimitExceeded" and replicas > 1:
             if _leave_pool(ctx, failure, verdict):
                 continue
             return True  # no engine left: the run failed
@@ -470,34 +280,20 @@ def _engines_exit(ctx: _Ctx) -> bool:
     return False
 
 
-def _pool_size(ctx: _Ctx) -> int:
-    """The engine replicas still in the pool (not out of it for a spent budget)."""
-    return sum(1 for r in range(engine_replicas(ctx.run)) if not ctx.ledger.down(ROLE_ENGINE, r))
+def _leave_pool(ctx: Reconcile, failure: policy.Failure, verdict: policy.Verdict) -> bool:
+    """The failed engine replica leaves the pool (`pool.leave_pool`) while another serves: the rollout sends its
+    prompts to the others. False when it was the last one: the run failed."""
+    served, message = pool.leave_pool(ctx.ledger, failure, verdict, replicas=engine_replicas(ctx.run),
+                                      names=ctx.names, now=ctx.now_s)
+    if not served:
+        ctx.fail("BackoffLimitExceeded", message)
+        return False
+    ctx.st["message"] = bounded(message)
+    ctx.d.events.append(("Warning", "EngineDown", bounded(message, EVENT_MESSAGE_MAX)))
+    return True
 
 
-def _leave_pool(ctx: _Ctx, failure: policy.Failure, verdict: policy.Verdict) -> bool:
-    """An engine replica that failed with the engine role's budget spent leaves the pool (status.roleRestarts marks
-    it `down`; it is not replaced again) while another replica serves: the rollout sends its prompts to the others.
-    False when it was the last one: the run fails, naming every engine pod of the pool and its last failure."""
-    ledger = ctx.ledger
-    replica = failure.rank or 0
-    ledger.leave_pool(ROLE_ENGINE, replica, failure=failure.description, now=ctx.now_s)
-    replicas = engine_replicas(ctx.run)
-    left = [r for r in range(replicas) if not ledger.down(ROLE_ENGINE, r)]
-    if left:
-        message = (f"{failure.description}; {verdict.why}: engine replica {replica} (pod {failure.name}) leaves the "
-                   f"pool; {len(left)} of {replicas} engine(s) left: "
-                   + ", ".join(ctx.names.engine_pod(r, ledger.generation(ROLE_ENGINE, r)) for r in left))
-        ctx.st["message"] = bounded(message)
-        ctx.d.events.append(("Warning", "EngineDown", bounded(message, EVENT_MESSAGE_MAX)))
-        return True
-    why = "; ".join(f"pod {ctx.names.engine_pod(r, ledger.generation(ROLE_ENGINE, r))}: "
-                    f"{(ledger.entry(ROLE_ENGINE, r) or {}).get('lastFailure') or 'down'}" for r in range(replicas))
-    ctx.fail("BackoffLimitExceeded", f"no engine of the pool is left ({verdict.why}): {why}")
-    return False
-
-
-def _act_on(ctx: _Ctx, cause: policy.Failure, verdict: policy.Verdict) -> bool:
+def _act_on(ctx: Reconcile, cause: policy.Failure, verdict: policy.Verdict) -> bool:
     """Apply a verdict: fail the run, restart the group (True: the reconcile is settled), or restart the failed role
     alone (False: the phase goes on)."""
     if not verdict.restart:
@@ -513,22 +309,12 @@ def _act_on(ctx: _Ctx, cause: policy.Failure, verdict: policy.Verdict) -> bool:
     return True
 
 
-def _restart_role(ctx: _Ctx, cause: policy.Failure, verdict: policy.Verdict) -> None:
+def _restart_role(ctx: Reconcile, cause: policy.Failure, verdict: policy.Verdict) -> None:
     """Replace only the failed role (the rollout, or one engine replica) by a pod of its next generation, after the
-    role's backoff and once its predecessor is gone (`_ensure_children`); the counters go to status.roleRestarts."""
-    role, replica = cause.role, cause.rank or 0
-    assert role is not None
-    generation = ctx.ledger.restart(role, replica, counted=verdict.counted, failure=cause.description, now=ctx.now_s,
-                                    backoff=verdict.backoff)
-    what = (f"{role} replica {replica}" if role == ROLE_ENGINE else role)
-    if verdict.counted:
-        budget = ctx.policy.roles[role].max_restarts
-        used = ctx.ledger.counts(ctx.st["restarts"]).role_restarts.get(role, 0)
-        how = f"restart {used} of failurePolicy.roles.{role}.maxRestarts={budget}"
-    else:
-        how = verdict.why
-    message = (f"{cause.description}; restarting the {what} alone as generation {generation} ({how}) in "
-               f"{verdict.backoff:g}s; the other pods keep running")
+    role's backoff and once its predecessor is gone (`_ensure_children`); the counters go to status.roleRestarts
+    (`roles.restart_alone`)."""
+    message = roles.restart_alone(ctx.ledger, cause, verdict, ctx.policy, group_restarts=ctx.st["restarts"],
+                                  now=ctx.now_s)
     ctx.st["message"] = bounded(message)
     ctx.d.events.append(("Warning", "RestartingRole", bounded(message, EVENT_MESSAGE_MAX)))
     if ctx.st["phase"] == "Running":
@@ -536,14 +322,14 @@ def _restart_role(ctx: _Ctx, cause: policy.Failure, verdict: policy.Verdict) -> 
     ctx.d.wake_in(verdict.backoff)
 
 
-def _roles_ready(ctx: _Ctx) -> None:
+def _roles_ready(ctx: Reconcile) -> None:
     """A Running run is whole when every pod of the attempt runs and every engine is ready: PodsReady says so, or
     why not (a role restarting alone, an engine not ready yet); the progress deadline does not count while it is
     False."""
     reason, message = _not_whole(ctx)
     if reason is None:
         if (ctx.condition("PodsReady") or {}).get("status") != "True":
-            engines = _pool_size(ctx)
+            engines = pool.pool_size(ctx.ledger, engine_replicas(ctx.run))
             message = f"attempt {ctx.attempt}: rollout, {ctx.spec.trainer.replicas} trainer(s)" + (
                 f" and {engines} engine(s)" if engines else "") + " running again"
             ctx.pods_ready(True, "PodsRunning", message)
@@ -552,30 +338,19 @@ def _roles_ready(ctx: _Ctx) -> None:
     ctx.pods_ready(False, reason, message)
 
 
-def _not_whole(ctx: _Ctx) -> tuple[str | None, str]:
-    """(reason, message) of what keeps the attempt from being whole; (None, "") when it is."""
+def _not_whole(ctx: Reconcile) -> tuple[str | None, str]:
+    """(reason, message) of what keeps the attempt from being whole — its rollout restarting alone
+    (`roles.rollout_not_running`), an engine of the pool not ready (`pool.engine_not_ready`); (None, "") when it is."""
     ledger = ctx.ledger
-    current = ctx.current()
-    rollout = current.get((ROLE_ROLLOUT, None))
-    if rollout is None or rollout.phase not in ("Running", "Succeeded") or rollout.deleting:
-        if ledger.replacing(ROLE_ROLLOUT) or rollout is not None:
-            name = ctx.names.pod(ROLE_ROLLOUT, None, ctx.attempt, ledger.generation(ROLE_ROLLOUT))
-            return "RestartingRole", f"the rollout restarts alone: pod {name} is not running yet"
-    engines = ctx.engines()
-    for replica in range(engine_replicas(ctx.run)):
-        p = engines.get(replica)
-        if ledger.down(ROLE_ENGINE, replica):
-            continue  # out of the pool: the others serve
-        if p is None or not p.ready:
-            name = ctx.names.engine_pod(replica, ledger.generation(ROLE_ENGINE, replica))
-            why = "" if p is None else f" ({p.waiting or 'phase ' + p.phase + ', not ready'})"
-            reason = "RestartingRole" if ledger.replacing(ROLE_ENGINE, replica) else "WaitingForEngine"
-            return reason, (f"waiting for the engine: pod {name} is not ready yet{why} (the rollout waits for it; "
-                            "hang detection pauses meanwhile)")
-    return None, ""
+    rollout = roles.rollout_not_running(ctx.current().get((ROLE_ROLLOUT, None)), ledger, names=ctx.names,
+                                        attempt=ctx.attempt)
+    if rollout is not None:
+        return "RestartingRole", rollout
+    engine = pool.engine_not_ready(ctx.engines(), ledger, replicas=engine_replicas(ctx.run), names=ctx.names)
+    return engine if engine is not None else (None, "")
 
 
-def _progress_deadline(ctx: _Ctx) -> bool:
+def _progress_deadline(ctx: Reconcile) -> bool:
     """No new step for progressDeadlineSeconds while progress could be read and every pod was up → a failure."""
     limit = ctx.fp.progress_deadline_seconds
     if not limit:
@@ -608,7 +383,7 @@ def _progress_deadline(ctx: _Ctx) -> bool:
     return _act_on(ctx, cause, ctx.policy.decide(cause, ctx.ledger.counts(ctx.st["restarts"])))
 
 
-def _restart_after(ctx: _Ctx, cause: policy.Failure, verdict: policy.Verdict) -> None:
+def _restart_after(ctx: Reconcile, cause: policy.Failure, verdict: policy.Verdict) -> None:
     if verdict.counted:
         ctx.st["restarts"] += 1
         ctx.d.restarted = True
@@ -624,9 +399,9 @@ def _restart_after(ctx: _Ctx, cause: policy.Failure, verdict: policy.Verdict) ->
     _begin_restart(ctx, verdict.reason, message, event=event, wait=verdict.backoff)
 
 
-def _begin_restart(ctx: _Ctx, reason: str, message: str, *, event: tuple[str, str], wait: float) -> None:
+def _begin_restart(ctx: Reconcile, reason: str, message: str, *, event: tuple[str, str], wait: float) -> None:
     """Delete the attempt's pods and go to Restarting with the next attempt number."""
-    group_live = [p for p in _live(ctx.obs.pods) if p.role in GROUP_ROLES]
+    group_live = [p for p in ctx.obs.live() if p.role in GROUP_ROLES]
     ctx.st["attempt"] += 1
     ctx.phase_to("Restarting", reason, message, condition="Restarting", event=event)
     ctx.pods_ready(False, reason, message)
@@ -634,7 +409,7 @@ def _begin_restart(ctx: _Ctx, reason: str, message: str, *, event: tuple[str, st
     ctx.d.wake_in(max(wait, 0.05))
 
 
-def _wait_backoff(ctx: _Ctx) -> bool:
+def _wait_backoff(ctx: Reconcile) -> bool:
     cond = ctx.condition("Restarting") or {}
     since = parse_time(cond.get("lastTransitionTime")) or ctx.now
     reason = cond.get("reason")
@@ -650,7 +425,7 @@ def _wait_backoff(ctx: _Ctx) -> bool:
     return False
 
 
-def _wait_terminating(ctx: _Ctx) -> bool:
+def _wait_terminating(ctx: Reconcile) -> bool:
     """Pods of older attempts still running or terminating block the next attempt, except those terminating for
     longer than terminatingTimeoutSeconds (a lost node may never confirm their end: they are fenced instead)."""
     timeout = ctx.fp.terminating_timeout_seconds
@@ -682,20 +457,17 @@ def _wait_terminating(ctx: _Ctx) -> bool:
     return False
 
 
-def _delete_stale(ctx: _Ctx) -> None:
+def _delete_stale(ctx: Reconcile) -> None:
     """Rollout/trainer pods and gang objects of other attempts are deleted; so are live pods of an older generation
     of a role restarted alone (a rollout of this attempt, an engine replica), without ending their group."""
-    stale = [p.name for p in _live(ctx.obs.pods) if p.role in GROUP_ROLES and p.attempt != ctx.attempt]
+    stale = [p.name for p in ctx.obs.live() if p.role in GROUP_ROLES and p.attempt != ctx.attempt]
     ctx.d.delete_pods = sorted(set(ctx.d.delete_pods) | set(stale))
-    ledger = ctx.ledger
-    replaced = [p.name for p in _live(ctx.obs.pods) if p.name not in ctx.d.delete_pods and (
-        (p.role == ROLE_ROLLOUT and p.attempt == ctx.attempt and p.generation != ledger.generation(ROLE_ROLLOUT)) or
-        (p.role == ROLE_ENGINE and p.generation != ledger.generation(ROLE_ENGINE, p.rank or 0)))]
+    replaced = [n for n in roles.superseded(ctx.obs.live(), ctx.ledger, ctx.attempt) if n not in ctx.d.delete_pods]
     ctx.d.replace_pods = sorted(set(ctx.d.replace_pods) | set(replaced))
     _delete_podgroups(ctx, keep=ctx.names.podgroup(ctx.attempt))
 
 
-def _delete_podgroups(ctx: _Ctx, keep: str | None, *, engines: bool = False) -> None:
+def _delete_podgroups(ctx: Reconcile, keep: str | None, *, engines: bool = False) -> None:
     """Delete the gang objects of other attempts than `keep` (None: every attempt's); the engines' serving group
     (R-engine) too only with `engines` (the run ended: the engines outlive attempts and a suspension)."""
     for key in sorted(ctx.obs.children):
@@ -706,7 +478,7 @@ def _delete_podgroups(ctx: _Ctx, keep: str | None, *, engines: bool = False) -> 
             ctx.d.delete.append(Child(kind, name))
 
 
-def _ensure_children(ctx: _Ctx, *, pods: bool) -> None:
+def _ensure_children(ctx: Reconcile, *, pods: bool) -> None:
     """Create whatever child of the run is missing: the ConfigMap, the Services, the attempt's gang objects and the
     managed store first, then the engine pods, then the attempt's pods (`pods`; a running attempt gets only the
     replacement of a rollout restarted alone). Handlers stop at the first refused create, so a pod never exists
@@ -720,10 +492,7 @@ def _ensure_children(ctx: _Ctx, *, pods: bool) -> None:
         ctx.d.update.append(config)
     ledger = ctx.ledger
     engines = ctx.engines()
-    for replica in range(engine_replicas(run)):
-        if ledger.down(ROLE_ENGINE, replica):
-            continue  # out of the pool: never replaced again
-        child = engine_child(run, replica, ledger.generation(ROLE_ENGINE, replica))
+    for replica, child in pool.engine_pods(run, ledger):  # one out of the pool is never replaced again
         _ensure_pod(ctx, child, engines.get(replica), ROLE_ENGINE, replica)
     current = ctx.current()
     for role, rank in expected_group(run):
@@ -735,20 +504,23 @@ def _ensure_children(ctx: _Ctx, *, pods: bool) -> None:
         _ensure_pod(ctx, child, current.get((role, rank)), role, rank or 0)
 
 
-def _ensure_pod(ctx: _Ctx, child: Child, seen: PodObs | None, role: str, replica: int) -> None:
-    """Create `child` unless it exists (or was just created); a replacement of a role restarted alone only once its
-    backoff passed and its predecessor is gone (clearing `replacing` once the replacement is seen)."""
+def _ensure_pod(ctx: Reconcile, child: Child, seen: PodObs | None, role: str, replica: int) -> None:
+    """Create `child` unless it exists (or was just created); a replacement of a role restarted alone only once
+    nothing holds it (`roles.replacement_hold`: the backoff, a predecessor still there; clearing `replacing` once the
+    replacement is seen)."""
     ledger = ctx.ledger
     if seen is not None or child.key in ctx.obs.children:
-        if role in (ROLE_ROLLOUT, ROLE_ENGINE):
+        if role in policy.ALONE_ROLES:
             ledger.seen(role, replica)
         return
-    if role in (ROLE_ROLLOUT, ROLE_ENGINE) and ledger.replacing(role, replica):
-        due = ledger.restart_due(role, replica, parse_time)
-        if due is not None and due > ctx.now.timestamp():
-            ctx.d.wake_in(due - ctx.now.timestamp())
-            return
-        if _predecessor_blocks(ctx, role, replica, child.name):
+    if role in policy.ALONE_ROLES and ledger.replacing(role, replica):
+        hold = roles.replacement_hold(ledger, ctx.obs.pods, role, replica, child.name, attempt=ctx.attempt,
+                                      timeout=ctx.fp.terminating_timeout_seconds, now=ctx.now.timestamp())
+        if hold is not None:
+            if hold.message is not None:
+                ctx.st["message"] = bounded(hold.message)
+                ctx.pods_ready(False, "TerminatingPods", hold.message)
+            ctx.d.wake_in(hold.wait)
             return
         ctx.d.events.append(("Normal", "RoleRestarted", f"creating pod {child.name} (the {role}"
                              + (f" replica {replica}" if role == ROLE_ENGINE else "") + f" alone, generation "
@@ -756,34 +528,12 @@ def _ensure_pod(ctx: _Ctx, child: Child, seen: PodObs | None, role: str, replica
     ctx.d.create.append(child)
 
 
-def _predecessor_blocks(ctx: _Ctx, role: str, replica: int, name: str) -> bool:
-    """A pod of an older generation of the same role replica that still runs or terminates blocks its replacement
-    (two rollout writers at once; under Kueue a pod group with one pod too many, whose newest pod Kueue would
-    delete as excess) for up to terminatingTimeoutSeconds from its deletion."""
-    timeout = ctx.fp.terminating_timeout_seconds
-    for p in ctx.obs.pods:
-        if p.role != role or p.phase in ("Succeeded", "Failed") or p.name == name:
-            continue
-        if (role == ROLE_ROLLOUT and p.attempt != ctx.attempt) or (role == ROLE_ENGINE and (p.rank or 0) != replica):
-            continue
-        left = policy.seconds_left(p.deleted_at, timeout, ctx.now.timestamp())
-        if left is not None and left <= 0:
-            continue  # on a lost node: fenced by its older generation (the store's writer claim)
-        message = (f"waiting for pod {p.name} to terminate before its replacement {name} starts (it stops blocking "
-                   f"terminatingTimeoutSeconds={timeout}s after its deletion)")
-        ctx.st["message"] = bounded(message)
-        ctx.pods_ready(False, "TerminatingPods", message)
-        ctx.d.wake_in(1.0 if left is None else min(left, 1.0))
-        return True
-    return False
-
-
 def _store_pod_exists(child: Child, obs: Observed) -> bool:
     return child.kind == "Pod" and any(p.role == ROLE_STORE and p.name == child.name and not p.deleting
                                        for p in obs.pods)
 
 
-def _pods_ready(ctx: _Ctx) -> None:
+def _pods_ready(ctx: Reconcile) -> None:
     """Pending → Running once every pod of the attempt runs (or already finished) and every engine is ready; else say
     why not."""
     gone = {p.name for p in ctx.obs.gone}
@@ -792,7 +542,7 @@ def _pods_ready(ctx: _Ctx) -> None:
     group_up = len(current) == len(expected) and all(p.phase in ("Running", "Succeeded") for p in current.values())
     engine_reason, engine_message = _not_whole(ctx) if group_up else (None, "")
     if group_up and engine_reason is None:
-        engines = _pool_size(ctx)
+        engines = pool.pool_size(ctx.ledger, engine_replicas(ctx.run))
         message = (f"attempt {ctx.attempt}: rollout and {ctx.spec.trainer.replicas} trainer(s) running"
                    + (f", {engines} engine(s) ready" if engines else ""))
         ctx.phase_to("Running", "PodsRunning", message, condition="Running", event=("Normal", "Running"))
@@ -818,7 +568,7 @@ def _pods_ready(ctx: _Ctx) -> None:
     ctx.pods_ready(False, reason, message)
 
 
-def _read_progress(ctx: _Ctx, *, succeeded: bool = False) -> None:
+def _read_progress(ctx: Reconcile, *, succeeded: bool = False) -> None:
     """Copy the store's progress into the status (and status.progress: `pace.progress_status`); ProgressUnknown says
     whether it could be read."""
     obs = ctx.obs.progress
@@ -857,7 +607,7 @@ def invalid_spec(status: Mapping[str, Any] | None, message: str, *, now: dt.date
     st["conditions"] = [dict(c) for c in st.get("conditions") or []]
     if generation is not None:
         st["observedGeneration"] = generation
-    ctx = _Ctx(None, st, Observed(generation=generation), now, Decision(status=st))  # type: ignore[arg-type]
+    ctx = Reconcile(None, st, Observed(generation=generation), now, Decision(status=st))  # type: ignore[arg-type]
     if st.get("phase") in TERMINAL_PHASES:
         return ctx.d
     st.setdefault("restarts", 0)

@@ -9,11 +9,12 @@ Module map:
   generate.py         `source.type: generate`, the policy generates: engine (`trainingrun.engines`), pinned weight
                       version, rewards
   prompts.py          prompts of generated rollouts and the tokenizers that turn text into ids
-  rewards.py          rewards of generated rollouts, each in a worker so a bad one never stops the rollout
+  rewards.py          rewards of generated rollouts: a table of reward types scoring batches of samples (with their
+                      prompts), isolated ones in workers so a bad one never stops the rollout
   groups.py           `SampleGroup`, the samples of one prompt: the unit every stage passes on
-  pipeline.py         the pure stages: filters, advantages, steps, flat samples
+  pipeline.py         the pure stages: filters, advantages (a table of estimators), steps, flat samples
   recovery.py         re-creating the stream after the store lost it (the trainers' resume point is ahead)
 
-What it publishes, the engine protocol and the resume point it reads are contracts: `trainingrun.contract`. Its
-metrics: `trainingrun.metrics.rollout`.
+What it publishes, its stored state, the engine protocol and the resume point it reads are contracts:
+`trainingrun.contract`. Its metrics: `trainingrun.metrics.rollout`.
 """

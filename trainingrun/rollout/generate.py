@@ -7,7 +7,8 @@ The three first stages of the rollout loop for generated rollouts:
                           trainers published it), samples groupSize completions per prompt; a sample = prompt +
                           completion, loss mask on the completion, the generator's per-token log-probabilities,
                           its weight version
-    score(groups)         the reward of every completion (`rollout/rewards.py`); failed rewards are counted;
+    score(groups)         the reward of every completion (`rollout/rewards.py`: the reward type scores the batch's
+                          samples, each with its prompt, response, reference and meta); failed rewards are counted;
                           with `reward.overlong`, DAPO's length penalty is added (`overlong_penalty`)
 
 With `environment` the generate stage runs groupSize multi-turn episodes per prompt instead (`rollout/episodes.py`:
@@ -52,7 +53,7 @@ from trainingrun.modeling.architecture import Architecture
 from trainingrun.rollout.episodes import EpisodeRunner, build_group, counts, cut_at_stop, turn_text
 from trainingrun.rollout.groups import SampleGroup
 from trainingrun.rollout.prompts import Prompt, load_tokenizer, make_prompts
-from trainingrun.rollout.rewards import RewardConfig, RewardScorer
+from trainingrun.rollout.rewards import RewardConfig, RewardSample, RewardScorer
 from trainingrun.rollout.stream import PartialGroup, PromptStream, extra_prompts, is_cut
 from trainingrun.rollout.synthetic import EOS
 
@@ -144,7 +145,7 @@ class GenerateSource:
         self.engine = engine if engine is not None else make_engine(spec, store, arch)
         self.lag = spec.rollout.max_policy_lag
         self.stats = GenerateStats()
-        self._pending: dict[int, tuple[Prompt, list[Any]]] = {}  # group id -> (prompt, responses) until scored
+        self._pending: dict[int, list[RewardSample]] = {}  # group id -> its samples (as the reward sees them)
         self._index = -1
         # over-sampling / partial rollouts (module docstring)
         r = spec.rollout
@@ -263,7 +264,7 @@ class GenerateSource:
         log-probabilities; with partial rollouts each token's weight version; with routing replay each token's
         experts), registered for scoring."""
         n = self.group_size
-        toks, masks, logps, responses, tvers, routed = [], [], [], [], [], []
+        toks, masks, logps, to_score, tvers, routed = [], [], [], [], [], []
         for c in comps:
             ctoks, clogp = self._cut_at_stop(c.tokens, c.logprobs)
             plen = len(prompt.tokens)
@@ -276,14 +277,14 @@ class GenerateSource:
             logps.append(np.concatenate([np.zeros(plen, np.float32), clogp]).astype(np.float32))
             cvers = (c.versions[: len(ctoks)] if c.versions is not None else np.full(len(ctoks), version, np.int64))
             tvers.append(np.concatenate([np.full(plen, -1, np.int64), cvers]).astype(np.int64))
-            responses.append(self._response(ctoks, prompt))
+            to_score.append(RewardSample.of(prompt, self._response(ctoks, prompt), ctoks))
             self.stats.generated_tokens += len(ctoks)
         versions = np.array([int(v[v >= 0].min()) if (v >= 0).any() else version for v in tvers], np.int64)
         group = SampleGroup(group_id=gid, tokens=toks, loss_masks=masks, rewards=np.zeros(n, np.float32),
                             sample_ids=np.arange(gid * n, (gid + 1) * n, dtype=np.int64), logprobs=logps,
                             versions=versions, token_versions=tvers if self.partial else None,
                             routed_experts=routed if len(routed) == n else None)
-        self._pending[gid] = (prompt, responses)
+        self._pending[gid] = to_score
         return group
 
     def _run_episodes(self, prompts: list[Prompt], version: int, sampling: Sampling) -> list[SampleGroup]:
@@ -318,10 +319,8 @@ class GenerateSource:
         for g in groups:
             if g.group_id not in self._pending:
                 continue
-            prompt, responses = self._pending.pop(g.group_id)
-            reference = prompt.index if self.g.reward.type == "reasoning_gym" else prompt.reference
-            for i, r in enumerate(responses):
-                items.append((r, reference))
+            for i, sample in enumerate(self._pending.pop(g.group_id)):
+                items.append(sample)
                 where.append((g, i))
         if not items:
             return

@@ -13,11 +13,11 @@
 A source rollout whose groups do not fill a step publishes nothing: its groups are carried and the next source
 rollout is drawn, so every published rollout has at least one step and k counts published rollouts (numRollouts of
 them; a jsonl source may end earlier). At the end, `finish(k)`; groups still carried are reported, never silently
-dropped. A restarted rollout reads its state (store key "rollout_state": next k, next source index, carried groups,
-offsets, totals, and with over-sampling the prompt stream: `rollout/stream.py`) and continues; the rollout it was
-publishing when it died is rebuilt from the same state, bit for bit (the replay sources depend only on seed and source
-index; generated groups were staged in the state, with the stream after them, before anything of them was
-published), and re-publishing a committed rollout is a no-op.
+dropped. A restarted rollout reads its state (store key "rollout_state", the contract's `RolloutStateRecord`: next
+k, next source index, carried groups, offsets, totals, and with over-sampling the prompt stream: `rollout/stream.py`)
+and continues; the rollout it was publishing when it died is rebuilt from the same state, bit for bit (the replay
+sources depend only on seed and source index; generated groups were staged in the state, with the stream after them,
+before anything of them was published), and re-publishing a committed rollout is a no-op.
 """
 
 from __future__ import annotations
@@ -33,16 +33,17 @@ from typing import Any
 import numpy as np
 
 from trainingrun.api.models import TrainingRun, TrainingRunSpec
-from trainingrun.contract import published as contract
 from trainingrun.contract.errors import ConfigError, CorruptPayload, StoreError
+from trainingrun.contract.published import PublishedRollout, SourceStats, build_published, publish
 from trainingrun.contract.resume import ResumePoint
+from trainingrun.contract.rollout_state import ROLLOUT_STATE_KEY, RolloutStateRecord
 from trainingrun.modeling.architecture import Architecture
 from trainingrun.modeling.tokenizer import TokenizerError, run_tokenizer
 from trainingrun.rollout.generate import GenerateSource, required_version
 from trainingrun.rollout.groups import SampleGroup
 from trainingrun.rollout.jsonl import JsonlSource, load_jsonl
 from trainingrun.rollout.pipeline import (
-    FilterStats, apply_filters, as_samples, compute_advantages, mask_stale_tokens, normalize_over_steps,
+    ESTIMATORS, FilterStats, apply_filters, as_samples, compute_advantages, mask_stale_tokens, normalize_over_steps,
     split_into_steps,
 )
 from trainingrun.rollout.recovery import TrainersAhead, discard_below
@@ -51,15 +52,14 @@ from trainingrun.rollout.stream import PromptStream
 from trainingrun.rollout.synthetic import SyntheticConfig, SyntheticSource
 from trainingrun.store.base import Store
 
-STATE_KEY = "rollout_state"
-STATE_VERSION = 1
 MAX_EMPTY_SOURCE_ROLLOUTS = 100
 
 
 # ------------------------------------------------------------------------------------------------------ state
 @dataclass
 class RolloutState:
-    """What a restarted rollout needs to continue exactly where it was (stored as JSON under STATE_KEY)."""
+    """What a restarted rollout needs to continue exactly where it was (stored under ROLLOUT_STATE_KEY as the
+    contract's `RolloutStateRecord`, its groups in their JSON form)."""
 
     fingerprint: str
     next_rollout: int = 0  # index of the next rollout to publish
@@ -78,30 +78,29 @@ class RolloutState:
     def carried_samples(self) -> int:
         return sum(len(g) for g in self.carried)
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "version": STATE_VERSION, "fingerprint": self.fingerprint, "next_rollout": self.next_rollout,
-            "source_index": self.source_index, "step_offset": self.step_offset,
-            "samples_offset": self.samples_offset, "carried": [g.to_json() for g in self.carried],
-            "empty_streak": self.empty_streak, "totals": dict(self.totals), "finished": self.finished,
-            "staged": None if self.staged is None else [g.to_json() for g in self.staged],
-            "stream": self.stream, "staged_stream": self.staged_stream,
-            "updated_at": time.time(),
-        }
+    def to_record(self) -> RolloutStateRecord:
+        return RolloutStateRecord(
+            fingerprint=self.fingerprint, next_rollout=self.next_rollout, source_index=self.source_index,
+            step_offset=self.step_offset, samples_offset=self.samples_offset,
+            carried=tuple(g.to_json() for g in self.carried), empty_streak=self.empty_streak,
+            totals=dict(self.totals), finished=self.finished,
+            staged=None if self.staged is None else tuple(g.to_json() for g in self.staged),
+            stream=self.stream, staged_stream=self.staged_stream,
+        )
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> RolloutState:
-        if d.get("version") != STATE_VERSION:
-            raise CorruptPayload(f"{STATE_KEY}: unknown state version {d.get('version')!r} (expected "
-                                 f"{STATE_VERSION})")
+    def from_record(cls, r: RolloutStateRecord) -> RolloutState:
         return cls(
-            fingerprint=d["fingerprint"], next_rollout=int(d["next_rollout"]), source_index=int(d["source_index"]),
-            step_offset=int(d["step_offset"]), samples_offset=int(d["samples_offset"]),
-            carried=[SampleGroup.from_json(g) for g in d["carried"]], empty_streak=int(d.get("empty_streak", 0)),
-            totals={k: int(v) for k, v in d["totals"].items()}, finished=bool(d["finished"]),
-            staged=None if d.get("staged") is None else [SampleGroup.from_json(g) for g in d["staged"]],
-            stream=d.get("stream"), staged_stream=d.get("staged_stream"),
+            fingerprint=r.fingerprint, next_rollout=r.next_rollout, source_index=r.source_index,
+            step_offset=r.step_offset, samples_offset=r.samples_offset,
+            carried=[SampleGroup.from_json(g) for g in r.carried], empty_streak=r.empty_streak,
+            totals=dict(r.totals), finished=r.finished,
+            staged=None if r.staged is None else [SampleGroup.from_json(g) for g in r.staged],
+            stream=r.stream, staged_stream=r.staged_stream,
         )
+
+    def save(self, store: Store) -> None:
+        self.to_record().write(store)
 
 
 def config_fingerprint(spec: TrainingRunSpec, arch: Architecture) -> str:
@@ -131,28 +130,6 @@ class RolloutResult:
     leftover_samples: int
     totals: dict[str, int]
     resumed: bool
-
-
-def data_report(store: Store) -> dict[str, Any] | None:
-    """What happened to the run's data so far, from the rollout's stored state (None before the first rollout):
-    samples produced, dropped by each filter, published (trained), and the groups still carried — at the end of a
-    run these were never published: they did not fill a step (`leftover_groups`, `leftover_samples`)."""
-    stored = store.get_json(STATE_KEY)
-    if stored is None:
-        return None
-    carried = stored.get("carried", [])
-    totals = stored.get("totals", {})
-    return {
-        "finished": bool(stored.get("finished")),
-        "rollouts_published": int(stored.get("next_rollout", 0)),
-        "source_rollouts": int(stored.get("source_index", 0)),
-        "steps_published": int(stored.get("step_offset", 0)),
-        "samples_published": int(stored.get("samples_offset", 0)),
-        "samples_produced": int(totals.get("produced", 0)),
-        "samples_filtered": {k: int(v) for k, v in totals.items() if k != "produced"},
-        "leftover_groups": len(carried),
-        "leftover_samples": sum(len(g["offsets"]) - 1 for g in carried),
-    }
 
 
 # ------------------------------------------------------------------------------------------------------ set-up
@@ -190,9 +167,10 @@ def make_source(spec: TrainingRunSpec, arch: Architecture, say: Callable[[str], 
         assert r.source.jsonl is not None
         data = load_jsonl(r.source.jsonl.path, vocab_size=arch.vocab_size, tokenizer=lambda: _run_tokenizer(arch))
         say(f"rollout: {data.path}: {data.num_samples} samples in {len(data.groups)} groups")
-        if spec.trainer.advantage.estimator == "reinforce_pp" and any(g.advantages is not None for g in data.groups):
+        estimator = spec.trainer.advantage.estimator
+        if ESTIMATORS[estimator].over_steps and any(g.advantages is not None for g in data.groups):
             raise ConfigError(
-                f"trainer.advantage.estimator: reinforce_pp normalises advantages over each step, but "
+                f"trainer.advantage.estimator: {estimator} normalises advantages over each step, but "
                 f"{r.source.jsonl.path} gives advantages, which are used as they are; use estimator grpo (or give "
                 "rewards only)")
         return JsonlSource(data, groups_per_rollout)
@@ -299,7 +277,7 @@ class RolloutLoop:
             state.staged_stream = self.source.stream.to_json()
         if (streaming or (groups and groups[0].versions is not None)) and not replay:
             state.staged = groups
-            self.store.put_json(STATE_KEY, state.to_json())
+            state.save(self.store)
             gen = getattr(self.source, "stats", None)
             if gen is not None:
                 self.observe_generation(gen, groups)
@@ -338,12 +316,12 @@ class RolloutLoop:
         return masked
 
     def source_stats(self, state: RolloutState, after: RolloutState, groups: list[SampleGroup], kept: list[SampleGroup],
-                     fstats: FilterStats, masked: int = 0, *, carried_in: int) -> contract.SourceStats:
+                     fstats: FilterStats, masked: int = 0, *, carried_in: int) -> SourceStats:
         """`carried_in`: the carried samples this rollout trains or carries on (those dropped as stale are not);
         `masked`: the tokens masked as stale (partial rollouts)."""
         rewards = np.concatenate([g.rewards for g in groups]).astype(np.float64) if groups else np.zeros(0)
         gen = getattr(self.source, "stats", None)
-        return contract.SourceStats(
+        return SourceStats(
             source_index=state.source_index, produced=sum(len(g) for g in groups), filtered=fstats.as_dict(),
             carried_in=carried_in, carried_out=after.carried_samples, seed=self.spec.seed,
             reward_sum=float(rewards.sum()), reward_sq_sum=float((rewards ** 2).sum()), reward_count=len(rewards),
@@ -356,7 +334,7 @@ class RolloutLoop:
         )
 
     def resume(self) -> tuple[RolloutState, bool]:
-        stored = self.store.get_json(STATE_KEY)
+        stored = RolloutStateRecord.read(self.store)
         if stored is None:
             state = RolloutState(fingerprint=self.fingerprint)
             point = ResumePoint.read(self.store)
@@ -364,10 +342,10 @@ class RolloutLoop:
                 return self.catch_up(state, point), True
             return state, False
         try:
-            state = RolloutState.from_json(stored)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CorruptPayload(f"store {self.store.url}: key {STATE_KEY}: the rollout's resume state is malformed "
-                                 f"({exc.__class__.__name__}: {exc})") from None
+            state = RolloutState.from_record(stored)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a group that does not decode
+            raise CorruptPayload(f"store {self.store.url}: key {ROLLOUT_STATE_KEY}: the rollout's resume state is "
+                                 f"malformed ({exc.__class__.__name__}: {exc})") from None
         if state.fingerprint != self.fingerprint:
             raise ConfigError(
                 f"store {self.store.url} holds rollout state of a different configuration (fingerprint "
@@ -438,18 +416,18 @@ class RolloutLoop:
                 f"(filtered so far: {after.totals}); the filters drop (nearly) everything"
             )
         if not quiet:
-            self.store.put_json(STATE_KEY, after.to_json())
+            after.save(self.store)
         return after
 
     def schedule(self, state: RolloutState, step_groups: list[SampleGroup],
-                 stats: contract.SourceStats) -> tuple[contract.PublishedRollout, dict]:
+                 stats: SourceStats) -> tuple[PublishedRollout, dict]:
         r, t = self.spec.rollout, self.spec.trainer
         groups_per_step = r.steps.global_batch_size if r.steps.policy == "fixed" else None
         samples = as_samples(step_groups)
-        if t.advantage.estimator == "reinforce_pp" and t.loss_type != "sft":
+        if ESTIMATORS[t.advantage.estimator].over_steps and t.loss_type != "sft":
             samples.advantages = normalize_over_steps(samples.advantages, step_groups, groups_per_step,
                                                       t.advantage.std_normalization)
-        published, payloads, _ = contract.build_published(
+        published, payloads, _ = build_published(
             state.next_rollout, samples, dp_size=self.dp,
             groups_per_step=groups_per_step,
             max_tokens_per_gpu=t.max_tokens_per_gpu, micro_batch_size=t.micro_batch_size,
@@ -458,14 +436,14 @@ class RolloutLoop:
         )
         return published, payloads
 
-    def publish(self, after: RolloutState, published: contract.PublishedRollout, payloads: dict) -> RolloutState:
+    def publish(self, after: RolloutState, published: PublishedRollout, payloads: dict) -> RolloutState:
         k = published.rollout
         self.wait_for_room(k)
         t0 = time.perf_counter()
-        fresh = contract.publish(self.store, published, payloads)
+        fresh = publish(self.store, published, payloads)
         seconds = time.perf_counter() - t0
         self.passed(after, published)
-        self.store.put_json(STATE_KEY, after.to_json())
+        after.save(self.store)
         if self.metrics is not None:
             self.metrics.published.inc(published.num_samples)
             self.metrics.rollouts.inc()
@@ -485,7 +463,7 @@ class RolloutLoop:
         return after
 
     @staticmethod
-    def passed(after: RolloutState, published: contract.PublishedRollout) -> None:
+    def passed(after: RolloutState, published: PublishedRollout) -> None:
         """`after` moves past `published` (its counters; the caller stores or replays)."""
         after.next_rollout = published.rollout + 1
         after.step_offset = published.step_offset + published.num_steps
@@ -519,7 +497,7 @@ class RolloutLoop:
                 f"rollout: re-created rollout {k} starts at step {state.step_offset}, but the trainers' checkpoint "
                 f"is at step {point.global_step} ({point.step_in_rollout} into rollout {k}): their checkpoint was "
                 "not trained on this spec's data; use the spec that trained it, or fresh checkpoints")
-        self.store.put_json(STATE_KEY, state.to_json())
+        state.save(self.store)
         self.say(f"rollout: re-created the state at rollout {k} (source rollout {state.source_index}) in "
                  f"{time.perf_counter() - t0:.1f}s; publishing from there")
         return state
@@ -567,7 +545,7 @@ class RolloutLoop:
     def finish(self, state: RolloutState, resumed: bool) -> RolloutResult:
         if not state.finished:
             state.finished = True
-            self.store.put_json(STATE_KEY, state.to_json())
+            state.save(self.store)
         self.store.finish(state.next_rollout)
         leftover = state.carried_samples
         if leftover:

@@ -19,10 +19,10 @@ from trainingrun.cliargs import positive_seconds
 from trainingrun.contract.engine import EngineUnavailable, WeightsRefused
 from trainingrun.contract.env import CONFIG_ENV, METRICS_PORT_ENV, STORE_URL_ENV, ProcessEnv
 from trainingrun.contract.errors import EXIT_CONFIG_ERROR, ConfigError, StoreError
-from trainingrun.rollout.loop import STATE_KEY, RolloutLoop, RolloutResult, data_report, run_rollout
+from trainingrun.rollout.loop import RolloutLoop, RolloutResult, run_rollout
 from trainingrun.store import exit_status, open_store
 
-__all__ = ["STATE_KEY", "RolloutResult", "add_arguments", "data_report", "run", "run_rollout"]
+__all__ = ["RolloutResult", "add_arguments", "run", "run_rollout"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

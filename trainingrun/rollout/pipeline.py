@@ -14,7 +14,8 @@ Advantages (`trainer.advantage`, computed once per group, `group_advantages`), r
   rloo          r_i − mean_{j≠i} r_j = n/(n − 1) · (r_i − mean r) (leave-one-out baseline; 0 for n = 1)
   reinforce_pp  r − mean r here, then normalised over the step's samples when the step is formed
                 (`normalize_over_steps`: (a − mean) / (std + 1e-6), std as grpo's)
-Advantages given by a jsonl source are used as they are. sft — 1 for every sample.
+Advantages given by a jsonl source are used as they are. sft — 1 for every sample. The estimators are one table,
+`ESTIMATORS` (each entry: a group's advantages, and whether they are then normalised over each step).
 
 Scheduler lengths: a sample's length is len(tokens). The trainer packs whole samples (input = all tokens, target of
 position t-1 is token t where loss_mask[t] = 1), so a sample occupies len(tokens) positions of a micro-batch.
@@ -22,10 +23,13 @@ position t-1 is token t where loss_mask[t] = 1), so a sample occupies len(tokens
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import get_args
 
 import numpy as np
 
+from trainingrun.api.spec.trainer import StdNormalization
 from trainingrun.contract.errors import ConfigError
 from trainingrun.contract.fields import concat
 from trainingrun.contract.published import Samples
@@ -66,8 +70,7 @@ def apply_filters(groups: list[SampleGroup], *, max_length: int | None,
     return kept, stats
 
 
-ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
-STD_NORMALIZATIONS = ("population", "unbiased")
+STD_NORMALIZATIONS = get_args(StdNormalization)
 
 
 def _std(x: np.ndarray, std: str) -> float:
@@ -77,18 +80,45 @@ def _std(x: np.ndarray, std: str) -> float:
     return float(x.std(ddof=1)) if std == "unbiased" and len(x) > 1 else float(x.std())
 
 
+def _grpo(r: np.ndarray, std: str) -> np.ndarray:
+    return (r - r.mean()) / (_std(r, std) + ADV_EPS)
+
+
+def _centred(r: np.ndarray, std: str) -> np.ndarray:
+    return r - r.mean()
+
+
+def _rloo(r: np.ndarray, std: str) -> np.ndarray:
+    n = len(r)
+    return (r - r.mean()) * (n / (n - 1)) if n > 1 else np.zeros_like(r)
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """One advantage estimator (`trainer.advantage.estimator`, module docstring)."""
+
+    doc: str  # one line: the advantage
+    group: Callable[[np.ndarray, str], np.ndarray]  # (a group's rewards float64, stdNormalization) → its advantages
+    over_steps: bool = False  # then normalised over each step's samples when the steps are formed
+    #                           (`normalize_over_steps`; advantages given by a jsonl source are refused)
+
+
+# The advantage estimators: a new one is one entry here, its value in `api.models.AdvantageEstimator` and a row in
+# docs/rl.md ("Advantages"); tests/unit/test_rollout.py keeps the keys equal to the Literal's values.
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": Estimator("(r − mean r) / (std r + 1e-6)", _grpo),
+    "dr_grpo": Estimator("r − mean r (Dr. GRPO: no std)", _centred),
+    "rloo": Estimator("r_i − mean_{j≠i} r_j (leave-one-out; 0 for a group of one)", _rloo),
+    "reinforce_pp": Estimator("r − mean r, then normalised over the step's samples", _centred, over_steps=True),
+}
+
+
 def group_advantages(rewards: np.ndarray, estimator: str = "grpo", std: str = "population") -> np.ndarray:
     """One group's advantages (float64) from its rewards by `estimator` (see the module docstring)."""
-    r = np.asarray(rewards, np.float64)
-    centred = r - r.mean()
-    if estimator == "grpo":
-        return centred / (_std(r, std) + ADV_EPS)
-    if estimator in ("dr_grpo", "reinforce_pp"):
-        return centred
-    if estimator == "rloo":
-        n = len(r)
-        return centred * (n / (n - 1)) if n > 1 else np.zeros_like(r)
-    raise ValueError(f"trainer.advantage.estimator: {estimator!r} is not one of {ESTIMATORS}")
+    entry = ESTIMATORS.get(estimator)
+    if entry is None:
+        raise ValueError(f"trainer.advantage.estimator: {estimator!r} is not one of {tuple(ESTIMATORS)}")
+    return entry.group(np.asarray(rewards, np.float64), std)
 
 
 def compute_advantages(groups: list[SampleGroup], loss_type: str, estimator: str = "grpo",

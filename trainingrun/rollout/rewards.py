@@ -1,20 +1,29 @@
-"""Rewards of generated rollouts (`rollout.source.generate.reward`): a small registry, run so that a bad reward never
-stops the rollout.
+"""Rewards of generated rollouts (`rollout.source.generate.reward`): a table of reward types, run so that a bad reward
+never stops the rollout.
+
+A reward type scores a batch: it gets the batch's `RewardSample`s — each with the prompt (its text where there is text,
+and its tokens), the response (the decoded text, or the token ids for token references) and its tokens, the
+reference (the prompt's answer) and the prompt's meta — and returns one reward per sample (`REWARD_KINDS`):
 
     exact_match    1.0 if the response equals the reference, else 0.0 (token ids for the built-in tasks; text is
                    compared stripped of surrounding white space)
     token_match    fraction of reference positions the response gets right, over max(len(response), len(reference))
                    (a too long or too short answer loses the missing/extra positions); built-in tasks
-    reasoning_gym  the reasoning-gym task's own `score_answer` on the prompt's dataset entry
+    reasoning_gym  the reasoning-gym task's own `score_answer` on the prompt's dataset entry (the sample's `index`)
     math_verify    math-verify: 1.0 if the response's math equals the reference's (`\\boxed{18}`, `18 dollars`, ...)
-    function       a user function `module:function` called as function(response, reference) -> float
+    function       a user function `module:function` called as function(response, reference) -> float, per sample
 
-`exact_match` and `token_match` are pure comparisons and run in the rollout process. The others run in `workers`
-spawned processes (`RewardPool`): each call gets `timeoutSeconds`; a call that raises, times out (its worker is
-killed and replaced) or returns something that is not a finite number is a *failed* reward: the sample gets
-`failedReward`, the failure is counted by reason (`error`, `timeout`, `nan`) and reported, and the rollout goes on.
-Work travels to the workers as JSON over pipes (no pickle): for reasoning_gym only (dataset index, response) — each
-worker builds the same seeded dataset — else (response, reference).
+`exact_match` and `token_match` are pure comparisons and run in the rollout process, on the whole batch. The others
+are *isolated*: they run in `workers` spawned processes (`RewardPool`), one sample per call: each call gets
+`timeoutSeconds`; a call that raises, times out (its worker is killed and replaced) or returns something that is not
+a finite number is a *failed* reward: the sample gets `failedReward`, the failure is counted by reason (`error`,
+`timeout`, `nan`) and reported, and the rollout goes on. An in-process reward type that raises fails its whole batch
+(`error`), as does one that returns another number of rewards than it got samples; a per-sample type (`per_sample`)
+fails only the sample that raised. Samples travel to the workers as JSON over pipes (`RewardSample.to_json`; no
+pickle); for reasoning_gym each worker builds the same seeded dataset.
+
+A new reward type is one entry of `REWARD_KINDS` (a builder of its batch function from the `RewardConfig`, and
+whether it is isolated), its value in the spec's `api.models.RewardType`, and a row in docs/rl.md ("Rewards").
 """
 
 from __future__ import annotations
@@ -27,14 +36,64 @@ import os
 import multiprocessing.connection
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trainingrun.childproc import PipeWorker
-from trainingrun.rollout.prompts import reasoning_gym_dataset
+from trainingrun.rollout.prompts import Prompt, reasoning_gym_dataset
 
-IN_PROCESS = ("exact_match", "token_match")
 FAILURE_REASONS = ("error", "timeout", "nan")
+
+
+# ------------------------------------------------------------------------------------------------------ samples
+@dataclass(frozen=True)
+class RewardSample:
+    """One sample as a reward type sees it (JSON-able: it travels to the reward workers as `to_json`)."""
+
+    prompt: str | None  # the prompt's text (text tasks; None for token prompts)
+    prompt_tokens: list[int]  # what the engine was given
+    response: Any  # the completion's text without the stop token, or its token ids for token references
+    response_tokens: list[int]  # the completion's token ids (stop token included)
+    reference: Any  # the prompt's answer (token ids for the built-in tasks, text or a number otherwise; may be None)
+    meta: dict[str, Any] = field(default_factory=dict)  # the prompt's meta (jsonl prompts)
+    index: int = 0  # the prompt's position in its source (reasoning-gym: its dataset index)
+
+    @classmethod
+    def of(cls, prompt: Prompt, response: Any, response_tokens: Sequence[int]) -> RewardSample:
+        """The sample of `prompt` answered by `response` (tokens `response_tokens`)."""
+        return cls(prompt=prompt.text, prompt_tokens=[int(t) for t in prompt.tokens], response=response,
+                   response_tokens=[int(t) for t in response_tokens], reference=prompt.reference,
+                   meta=dict(prompt.meta), index=int(prompt.index))
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RewardSample:
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A sample a batch reward could not score (its place in the returned list): reason `error` and why."""
+
+    message: str
+
+
+BatchReward = Callable[[Sequence[RewardSample]], list[Any]]  # a batch → one reward (or `Failed`) per sample
+
+
+def per_sample(fn: Callable[[RewardSample], Any]) -> BatchReward:
+    """A reward of one sample as a batch reward: each sample scored on its own; one that raises is `Failed` alone."""
+    def score(samples: Sequence[RewardSample]) -> list[Any]:
+        out: list[Any] = []
+        for s in samples:
+            try:
+                out.append(fn(s))
+            except Exception as exc:  # noqa: BLE001 - a reward's failure is recorded, never raised
+                out.append(Failed(f"{type(exc).__name__}: {exc}"))
+        return out
+    return score
 
 
 # ------------------------------------------------------------------------------------------------------ rewards
@@ -88,21 +147,57 @@ class RewardConfig:
     function: str | None = None
     dataset: dict[str, Any] | None = None  # reasoning_gym: name, config, seed, size
 
-    def scorer(self) -> Callable[[Any, Any], float]:
-        if self.type == "exact_match":
-            return exact_match
-        if self.type == "token_match":
-            return token_match
-        if self.type == "math_verify":
-            return math_verify
-        if self.type == "function":
-            assert self.function is not None
-            return load_function(self.function)
-        if self.type == "reasoning_gym":
-            assert self.dataset is not None
-            ds = reasoning_gym_dataset(**self.dataset)
-            return lambda response, index: float(ds.score_answer(answer=response, entry=ds[int(index)]))
-        raise ValueError(f"rollout.source.generate.reward.type: unknown {self.type!r}")
+    @property
+    def kind(self) -> RewardKind:
+        kind = REWARD_KINDS.get(self.type)
+        if kind is None:
+            raise ValueError(f"rollout.source.generate.reward.type: unknown {self.type!r}")
+        return kind
+
+    def scorer(self) -> BatchReward:
+        """The reward type's batch function."""
+        return self.kind.build(self)
+
+
+def _pairs(fn: Callable[[Any, Any], float]) -> Callable[[RewardConfig], BatchReward]:
+    """The builder of a reward of (response, reference), scored per sample."""
+    return lambda config: per_sample(lambda s: fn(s.response, s.reference))
+
+
+def _user_function(config: RewardConfig) -> BatchReward:
+    """`reward.function`, called as function(response, reference) -> float (the user's contract), per sample."""
+    assert config.function is not None
+    return _pairs(load_function(config.function))(config)
+
+
+def _reasoning_gym(config: RewardConfig) -> BatchReward:
+    assert config.dataset is not None
+    ds = reasoning_gym_dataset(**config.dataset)
+    return per_sample(lambda s: float(ds.score_answer(answer=s.response, entry=ds[int(s.index)])))
+
+
+@dataclass(frozen=True)
+class RewardKind:
+    """One reward type (`reward.type`, module docstring)."""
+
+    doc: str  # one line: what the reward is
+    build: Callable[[RewardConfig], BatchReward]  # its batch function, built once per process
+    isolated: bool = True  # scored in the worker pool, one sample per call with timeoutSeconds; False: in the
+    #                        rollout process, the whole batch in one call
+
+
+# The reward types: a new one is one entry here, its value in `api.models.RewardType` and a row in docs/rl.md;
+# tests/unit/test_rewards_prompts.py keeps the keys equal to the Literal's values.
+REWARD_KINDS: dict[str, RewardKind] = {
+    "exact_match": RewardKind("1 if the response equals the reference (ids, or text stripped), else 0",
+                              _pairs(exact_match), isolated=False),
+    "token_match": RewardKind("fraction of positions right over max(len(response), len(reference))",
+                              _pairs(token_match), isolated=False),
+    "reasoning_gym": RewardKind("the reasoning-gym task's own score_answer on the prompt's dataset entry",
+                                _reasoning_gym),
+    "math_verify": RewardKind("math-verify: 1 if the response's math equals the reference's", _pairs(math_verify)),
+    "function": RewardKind("reward.function called as function(response, reference) -> float", _user_function),
+}
 
 
 # ------------------------------------------------------------------------------------------------------ scoring
@@ -126,19 +221,42 @@ def _finite(value: Any) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def _outcome(value: Any) -> tuple[Any, str | None, str]:
+    """(value, failure reason or None, message) of one value a batch reward returned."""
+    if isinstance(value, Failed):
+        return None, "error", value.message
+    x = _finite(value)
+    if x is None:
+        return None, "nan", f"reward returned {value!r}, not a finite number"
+    return x, None, ""
+
+
+def score_batch(fn: BatchReward, samples: Sequence[RewardSample]) -> list[tuple[Any, str | None, str]]:
+    """(value, reason, message) per sample of `fn` on `samples`: a raise, or another number of rewards than
+    samples, fails the whole batch."""
+    try:
+        values = list(fn(samples))
+    except Exception as exc:  # noqa: BLE001 - a reward's failure is recorded, never raised
+        return [(None, "error", f"{type(exc).__name__}: {exc}")] * len(samples)
+    if len(values) != len(samples):
+        return [(None, "error", f"reward returned {len(values)} rewards for {len(samples)} samples")] * len(samples)
+    return [_outcome(v) for v in values]
+
+
 class RewardScorer:
-    """Scores (response, reference) pairs with the configured reward (see the module docstring)."""
+    """Scores batches of `RewardSample`s with the configured reward type (see the module docstring)."""
 
     def __init__(self, config: RewardConfig, *, timeout: float, failed_reward: float, workers: int = 1):
         self.config = config
         self.timeout = timeout
         self.failed_reward = failed_reward
-        self.pool = None if config.type in IN_PROCESS else RewardPool(config, workers=workers, timeout=timeout)
+        isolated = config.kind.isolated
+        self.pool = RewardPool(config, workers=workers, timeout=timeout) if isolated else None
         self.fn = config.scorer() if self.pool is None else None
 
-    def score(self, items: list[tuple[Any, Any]]) -> Scored:
+    def score(self, samples: Sequence[RewardSample]) -> Scored:
         out = Scored(rewards=[], failed=[])
-        results = self.pool.run(items) if self.pool is not None else [self._local(r, ref) for r, ref in items]
+        results = self.pool.run(samples) if self.pool is not None else score_batch(self.fn, samples)
         for value, reason, message in results:
             x = _finite(value) if reason is None else None
             if reason is None and x is None:
@@ -149,19 +267,13 @@ class RewardScorer:
                 out.messages.append(f"{reason}: {message}")
         return out
 
-    def _local(self, response: Any, reference: Any) -> tuple[Any, str | None, str]:
-        try:
-            return self.fn(response, reference), None, ""
-        except Exception as exc:  # noqa: BLE001 - a reward's failure is recorded, never raised
-            return None, "error", f"{type(exc).__name__}: {exc}"
-
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
 
 
 class RewardPool:
-    """`workers` spawned processes running the scorer, one item at a time each, with a deadline per item."""
+    """`workers` spawned processes running the scorer, one sample at a time each, with a deadline per sample."""
 
     def __init__(self, config: RewardConfig, *, workers: int, timeout: float):
         self.config = config
@@ -177,7 +289,7 @@ class RewardPool:
             w = self.workers[i] = _Worker.start(self.ctx, self.config)
         return w
 
-    def run(self, items: list[tuple[Any, Any]]) -> list[tuple[Any, str | None, str]]:
+    def run(self, items: Sequence[RewardSample]) -> list[tuple[Any, str | None, str]]:
         results: list[tuple[Any, str | None, str] | None] = [None] * len(items)
         todo = list(range(len(items)))[::-1]
         busy: dict[int, tuple[int, float]] = {}  # worker -> (item, deadline)
@@ -243,8 +355,8 @@ class _Worker(PipeWorker):
             raise RuntimeError(f"reward worker died while starting (exit {proc.exitcode})") from None
         return w
 
-    def send(self, item: tuple[Any, Any]) -> None:
-        self.conn.send_bytes(json.dumps(list(item), default=str).encode())
+    def send(self, item: RewardSample) -> None:
+        self.conn.send_bytes(json.dumps(item.to_json(), default=str).encode())
 
     def receive(self) -> tuple[Any, str | None, str]:
         value, reason, message = json.loads(self.conn.recv_bytes())
@@ -260,16 +372,8 @@ def _serve(conn, config_json: str) -> None:  # pragma: no cover - runs in the sp
     conn.send_bytes(b"ready")
     while True:
         try:
-            response, reference = json.loads(conn.recv_bytes())
+            sample = RewardSample.from_json(json.loads(conn.recv_bytes()))
         except (EOFError, OSError):
             return
-        if scorer is None:
-            out = [None, "error", startup_error]
-        else:
-            try:
-                value = scorer(response, reference)
-                out = [_finite(value), None if _finite(value) is not None else "nan",
-                       "" if _finite(value) is not None else f"reward returned {value!r}, not a finite number"]
-            except Exception as exc:  # noqa: BLE001
-                out = [None, "error", f"{type(exc).__name__}: {exc}"]
+        out = [None, "error", startup_error] if scorer is None else list(score_batch(scorer, [sample])[0])
         conn.send_bytes(json.dumps(out).encode())

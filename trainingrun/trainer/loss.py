@@ -44,7 +44,9 @@ scaling").
 
 The run's choices travel as one frozen `LossSettings` (loss type, normalisation, `PolicySettings`; resolved once from
 the spec by `loss_settings`), each step's denominators GBS_s and T_s as `StepTotals`. New terms (an MoE router
-loss, ...) join `micro_batch_objective` through the settings.
+loss, ...) join `micro_batch_objective` through the settings. The loss types are one table, `LOSS_KINDS`: each entry
+its per-token ℓ_t and what it needs (a policy loss: the policy terms above; a ratio π/π_old; a reference model;
+generated rollouts only) — a new loss type is one entry, its value in the spec's `LossType` and its docs.
 
 `loss_mask[t] = 1` marks token t as a trained target: it is predicted from the logits at t−1 of the same sample, so
 the first token of a sample is never a target (its mask is ignored).
@@ -52,16 +54,21 @@ the first token of a sample is never a target (its mask is ignored).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import get_args
 
 import torch
 import torch.distributed as dist
 
-LOSS_TYPES = ("sft", "policy_gradient", "ppo")
-NORMALIZATIONS = ("sample", "token")
-OLD_LOGPROBS = ("engine", "trainer")
-CORRECTION_TYPES = ("none", "tis", "mask")
-LEVELS = ("token", "sequence")
+from trainingrun.api.spec.trainer import CorrectionType, Level, LossNormalization, LossType, OldLogprobs
+
+# the spec's enums (`trainingrun.api.models`); the loss types' table is `LOSS_KINDS` (below)
+LOSS_TYPES = get_args(LossType)
+NORMALIZATIONS = get_args(LossNormalization)
+OLD_LOGPROBS = get_args(OldLogprobs)
+CORRECTION_TYPES = get_args(CorrectionType)
+LEVELS = get_args(Level)
 
 # log-ratios are clamped to ±20 before exp: a far-off token (log-ratio 100) gives a ratio of e^20, never inf/NaN
 LOG_RATIO_CLAMP = 20.0
@@ -147,9 +154,14 @@ class LossSettings:
             raise ValueError(f"lossNormalization: {self.normalization!r} is not one of {NORMALIZATIONS}")
 
     @property
+    def kind(self) -> LossKind:
+        """The loss type's entry of `LOSS_KINDS`."""
+        return LOSS_KINDS[self.loss_type]
+
+    @property
     def recomputes_old_logprobs(self) -> bool:
         """The trainer runs the forward-only π_old pass before a rollout's first update (`oldLogprobs: trainer`)."""
-        return self.policy is not None and self.policy.old_logprobs == "trainer" and self.loss_type != "sft"
+        return self.policy is not None and self.policy.old_logprobs == "trainer" and self.kind.policy
 
 
 @dataclass(frozen=True)
@@ -341,18 +353,19 @@ def micro_batch_objective(
     ((max, count) for MAX_STATS), detached. `ref_logits`: the initial policy's logits (ppo with kl_coef > 0).
     `overwrite_logits`: the backward may write the gradient into `logits` (see `token_logprobs`).
     """
-    loss_type, normalization = loss.loss_type, loss.normalization
+    kind, normalization = loss.kind, loss.normalization
     n = inputs.num_samples
     stats = torch.zeros(len(STAT_NAMES), 2, dtype=torch.float64)
     if n == 0:  # empty micro-batch: zero contribution, but keep the graph connected for Megatron's backward
         return logits.sum() * 0.0, stats
     generated = inputs.engine_logprobs is not None
-    if loss_type == "ppo" and not generated:
-        raise ValueError("loss_type ppo: the payload has no generator log-probabilities (generated rollouts only)")
+    if kind.generated_only and not generated:
+        raise ValueError(f"loss_type {loss.loss_type}: the payload has no generator log-probabilities (generated "
+                         "rollouts only)")
     policy = loss.policy or PolicySettings()
     mask = inputs.target_mask.float()
-    scale = 1.0 if loss_type == "sft" else policy.logit_scale
-    entropy_grad = loss_type != "sft" and policy.entropy_coef > 0
+    scale = policy.logit_scale if kind.policy else 1.0
+    entropy_grad = kind.policy and policy.entropy_coef > 0
     logp, ent = token_logprobs(logits, inputs.tokens, scale, tp_group=tp_group, entropy=generated or entropy_grad,
                                overwrite=overwrite_logits)
     tokens_per_sample = torch.zeros(n, dtype=torch.float32, device=mask.device).index_add_(0, inputs.sample_of, mask)
@@ -363,15 +376,16 @@ def micro_batch_objective(
             with torch.no_grad():
                 stat_logp, stat_ent = token_logprobs(logits.detach(), inputs.tokens, policy.logit_scale,
                                                      tp_group=tp_group, entropy=True)
-        terms = _statistics(stat_logp, stat_ent, inputs, mask, tokens_per_sample, loss_type, policy)
-    if loss_type == "sft":
-        per_token = -logp
-    else:
-        ref_logp = None
-        if ref_logits is not None and loss_type == "ppo":
-            with torch.no_grad():
-                ref_logp, _ = token_logprobs(ref_logits, inputs.tokens, policy.logit_scale, tp_group=tp_group)
-        per_token = _policy_loss(logp, ent, inputs, mask, tokens_per_sample, loss_type, policy, ref_logp, terms)
+        terms = _statistics(stat_logp, stat_ent, inputs, mask, tokens_per_sample, kind, policy)
+    ref_logp = None
+    if ref_logits is not None and kind.reference:
+        with torch.no_grad():
+            ref_logp, _ = token_logprobs(ref_logits, inputs.tokens, policy.logit_scale, tp_group=tp_group)
+    tok = TokenTerms(logp=logp, ent=ent, inputs=inputs, mask=mask, tokens_per_sample=tokens_per_sample, kind=kind,
+                     policy=policy, ref_logp=ref_logp, out=terms)
+    per_token = kind.per_token(tok)
+    if kind.policy:
+        per_token = _policy_terms(per_token, tok)
     masked = per_token * mask
     loss_per_sample = torch.zeros(n, dtype=masked.dtype, device=mask.device).index_add_(0, inputs.sample_of, masked)
     has_tokens = tokens_per_sample > 0
@@ -426,9 +440,9 @@ def _k3(log_r: torch.Tensor) -> torch.Tensor:
     return torch.expm1(x) - x
 
 
-def _old_logprobs(inputs: LossInputs, loss_type: str, policy: PolicySettings) -> torch.Tensor:
-    """log π_old [T]: the trainer's recomputed (`oldLogprobs: trainer`, not sft) or the engine's."""
-    if policy.old_logprobs == "trainer" and loss_type != "sft":
+def _old_logprobs(inputs: LossInputs, kind: LossKind, policy: PolicySettings) -> torch.Tensor:
+    """log π_old [T]: the trainer's recomputed (`oldLogprobs: trainer`, a policy loss) or the engine's."""
+    if policy.old_logprobs == "trainer" and kind.policy:
         if inputs.old_logprobs is None:
             raise ValueError("policyLoss.oldLogprobs trainer: the micro-batch has no recomputed π_old (the "
                              "trainer's forward-only pass did not run)")
@@ -448,7 +462,7 @@ def _clipped(ratio, adv, policy: PolicySettings) -> tuple[torch.Tensor, torch.Te
     return -adv * ratio, -adv * torch.clamp(ratio, 1.0 - policy.clip_low, 1.0 + policy.clip_high)
 
 
-def _statistics(logp, ent, inputs: LossInputs, mask, tokens_per_sample, loss_type: str,
+def _statistics(logp, ent, inputs: LossInputs, mask, tokens_per_sample, kind: LossKind,
                 policy: PolicySettings) -> dict[str, torch.Tensor]:
     """Per-token statistics of a generated rollout, before the update (no gradient): |log π_engine − log π|, the
     ratio π/π_old and its k3 KL estimate, the fraction of tokens the clip acts on, the entropy, and the mismatch KL
@@ -457,12 +471,12 @@ def _statistics(logp, ent, inputs: LossInputs, mask, tokens_per_sample, loss_typ
     with torch.no_grad():
         lp = logp.detach()
         eng = inputs.engine_logprobs.float()
-        old = _old_logprobs(inputs, loss_type, policy)
+        old = _old_logprobs(inputs, kind, policy)
         adv = inputs.advantages.float()[inputs.sample_of]
         tok, level = _log_ratio(lp, old, inputs, mask, tokens_per_sample, policy.ratio_level)
         unclipped, clipped = _clipped(torch.exp(level), adv, policy)
         is_clipped = (clipped > unclipped).float()
-        trainer_lp = old if policy.old_logprobs == "trainer" and loss_type != "sft" else lp
+        trainer_lp = old if policy.old_logprobs == "trainer" and kind.policy else lp
         mismatch = torch.where(mask > 0, trainer_lp - eng, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         out = {"logprob_abs_diff": (lp - eng).abs(), "importance_ratio": torch.exp(tok), "approx_kl": _k3(tok),
                "clip_fraction": is_clipped, "entropy": ent.detach(), "mismatch_kl": _k3(mismatch)}
@@ -473,48 +487,104 @@ def _statistics(logp, ent, inputs: LossInputs, mask, tokens_per_sample, loss_typ
     return out
 
 
-def _policy_loss(logp, ent, inputs: LossInputs, mask, tokens_per_sample, loss_type: str, policy: PolicySettings,
-                 ref_logp, out: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Per-token loss ℓ_t [T] of policy_gradient or ppo (module docstring); adds the correction's and the
-    penalties' statistics to `out`."""
-    adv = inputs.advantages.float()[inputs.sample_of]
-    generated = inputs.engine_logprobs is not None
-    if loss_type == "policy_gradient":
-        per_token = -adv * logp
-    else:
-        old = _old_logprobs(inputs, loss_type, policy)
-        _, level = _log_ratio(logp, old, inputs, mask, tokens_per_sample, policy.ratio_level)
-        unclipped, clipped = _clipped(torch.exp(level), adv, policy)
-        per_token = torch.maximum(unclipped, clipped)
-        if policy.clip_ratio_c is not None:  # dual clip: the loss of a negative advantage is at most −A·c
-            per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * policy.clip_ratio_c), per_token)
-        if ref_logp is not None:
-            q = torch.where(mask > 0, ref_logp - logp, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-            k3 = torch.exp(q) - q - 1.0
-            per_token = per_token + policy.kl_coef * k3
-            out["kl_ref"] = k3.detach()
-    if generated:
-        weight = _correction_weights(logp, inputs, mask, tokens_per_sample, loss_type, policy, out)
-        if weight is not None:
-            per_token = per_token * weight
-    if policy.entropy_coef > 0:
-        per_token = per_token - policy.entropy_coef * ent
-        out["entropy_bonus"] = policy.entropy_coef * ent.detach()
+# ------------------------------------------------------------------------------------------------ the loss types
+@dataclass
+class TokenTerms:
+    """What a loss type's per-token loss is computed from (one micro-batch): log π and H [T] (at the sampling
+    temperature for a policy loss), the inputs, the target mask [T] (float), each sample's loss tokens [n], the policy
+    settings, log π_ref [T] (None without a reference), and `out`, the statistics the loss adds (name → [T] values)."""
+
+    logp: torch.Tensor
+    ent: torch.Tensor | None
+    inputs: LossInputs
+    mask: torch.Tensor
+    tokens_per_sample: torch.Tensor
+    kind: LossKind
+    policy: PolicySettings
+    ref_logp: torch.Tensor | None
+    out: dict[str, torch.Tensor]
+
+    @property
+    def advantages(self) -> torch.Tensor:
+        """A_i of each token's sample [T]."""
+        return self.inputs.advantages.float()[self.inputs.sample_of]
+
+
+def _sft(t: TokenTerms) -> torch.Tensor:
+    return -t.logp
+
+
+def _policy_gradient(t: TokenTerms) -> torch.Tensor:
+    return -t.advantages * t.logp
+
+
+def _ppo(t: TokenTerms) -> torch.Tensor:
+    policy, adv = t.policy, t.advantages
+    old = _old_logprobs(t.inputs, t.kind, policy)
+    _, level = _log_ratio(t.logp, old, t.inputs, t.mask, t.tokens_per_sample, policy.ratio_level)
+    unclipped, clipped = _clipped(torch.exp(level), adv, policy)
+    per_token = torch.maximum(unclipped, clipped)
+    if policy.clip_ratio_c is not None:  # dual clip: the loss of a negative advantage is at most −A·c
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * policy.clip_ratio_c), per_token)
+    if t.ref_logp is not None:
+        q = torch.where(t.mask > 0, t.ref_logp - t.logp, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        k3 = torch.exp(q) - q - 1.0
+        per_token = per_token + policy.kl_coef * k3
+        t.out["kl_ref"] = k3.detach()
     return per_token
 
 
-def _correction_weights(logp, inputs: LossInputs, mask, tokens_per_sample, loss_type: str, policy: PolicySettings,
+@dataclass(frozen=True)
+class LossKind:
+    """One loss type (`trainer.lossType`): its per-token loss ℓ_t and what it needs (module docstring)."""
+
+    doc: str  # one line: what ℓ_t is
+    per_token: Callable[[TokenTerms], torch.Tensor]  # ℓ_t [T] (before the policy terms)
+    policy: bool  # a policy loss: log π at the sampling temperature, π_old recomputed with `oldLogprobs: trainer`,
+    #               then the rollout correction and the entropy bonus (`_policy_terms`)
+    ratio: bool = False  # the objective holds π/π_old (with `oldLogprobs: engine` the correction's π_old is then
+    #                      the engine's; without, π before the update)
+    reference: bool = False  # with klCoef > 0 the KL to the initial policy (the trainer keeps a reference model)
+    generated_only: bool = False  # needs the generator's log-probabilities (generated rollouts)
+
+
+# The loss types: a new one is one entry here, its value in `api.models.LossType` and a line in docs/trainer.md
+# ("Loss types"); tests/unit/test_loss.py keeps the keys equal to the Literal's values.
+LOSS_KINDS: dict[str, LossKind] = {
+    "sft": LossKind("−log p(x_t | x_<t): masked cross-entropy at temperature 1", _sft, policy=False),
+    "policy_gradient": LossKind("−A_i · log π(x_t) (REINFORCE with the rollout's advantages)", _policy_gradient,
+                                policy=True),
+    "ppo": LossKind("max(−A_i·r, −A_i·clip(r, 1 − ε_low, 1 + ε_high)) (+ β·k3 to the initial policy; dual clip)",
+                    _ppo, policy=True, ratio=True, reference=True, generated_only=True),
+}
+
+
+def _policy_terms(per_token: torch.Tensor, t: TokenTerms) -> torch.Tensor:
+    """A policy loss's ℓ_t with the rollout correction's weight w_t (generated rollouts) and the entropy bonus;
+    adds their statistics to `t.out`."""
+    policy = t.policy
+    if t.inputs.engine_logprobs is not None:
+        weight = _correction_weights(t.logp, t.inputs, t.mask, t.tokens_per_sample, t.kind, policy, t.out)
+        if weight is not None:
+            per_token = per_token * weight
+    if policy.entropy_coef > 0:
+        per_token = per_token - policy.entropy_coef * t.ent
+        t.out["entropy_bonus"] = policy.entropy_coef * t.ent.detach()
+    return per_token
+
+
+def _correction_weights(logp, inputs: LossInputs, mask, tokens_per_sample, kind: LossKind, policy: PolicySettings,
                         out: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """w [T] (detached) of `rolloutCorrection` (None for `none`): ρ = π_old/π_engine, π_old of policy_gradient with
-    `oldLogprobs: engine` being π before this step's update; adds its statistics to `out`."""
+    """w [T] (detached) of `rolloutCorrection` (None for `none`): ρ = π_old/π_engine, π_old of a loss without a ratio
+    (policy_gradient) with `oldLogprobs: engine` being π before this step's update; adds its statistics to `out`."""
     rc = policy.correction
     if rc.type == "none":
         return None
     with torch.no_grad():
-        if policy.old_logprobs == "engine" and loss_type == "policy_gradient":
+        if policy.old_logprobs == "engine" and not kind.ratio:
             trainer_lp = logp.detach().float()
         else:
-            trainer_lp = _old_logprobs(inputs, loss_type, policy)  # ppo with oldLogprobs engine: the engine's, ρ ≡ 1
+            trainer_lp = _old_logprobs(inputs, kind, policy)  # ppo with oldLogprobs engine: the engine's, ρ ≡ 1
         eng = inputs.engine_logprobs.float()
         log_rho = torch.where(mask > 0, trainer_lp - eng, 0.0).double().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         if rc.level == "sequence":

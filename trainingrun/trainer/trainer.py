@@ -26,10 +26,9 @@ import time
 from pathlib import Path
 
 from trainingrun.api import load_trainingrun
-from trainingrun.contract import published as contract
 from trainingrun.contract.errors import ConfigError
 from trainingrun.contract.payload import RankPayload
-from trainingrun.contract.published import PublishedRollout, StepPlan
+from trainingrun.contract.published import PublishedRollout, StepPlan, read
 from trainingrun.contract.resume import ResumePoint
 from trainingrun.engines.table import logprob_dtype
 from trainingrun.modeling.architecture import Architecture
@@ -165,7 +164,7 @@ class Trainer:
         ddp = wrap_ddp(model, ddp_settings)
         moe = MoETraining.build(model, arch, replay=ts.moe.routing_replay, device=device)
         ref_model = None
-        if ts.loss_type == "ppo" and ts.policy_loss.kl_coef > 0:  # a copy of the initial weights, before any resume
+        if loss.kind.reference and ts.policy_loss.kl_coef > 0:  # a copy of the initial weights, before any resume
             ref_model = build_model(arch, device, seed=spec.seed)
             ref_model.load_state_dict(model.state_dict())
             ref_model.eval()
@@ -250,7 +249,7 @@ class Trainer:
         if not self.wait(k):
             return None
         try:
-            published = contract.read(self.store, k)
+            published = read(self.store, k)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.check_continues(published)

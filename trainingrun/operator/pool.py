@@ -1,0 +1,112 @@
+"""The engine pool's rules (`spec.rollout.engine.replicas` engine pods, each replica on its own), as pure functions of
+the observations and the ledger of roles restarted alone (`trainingrun.operator.roles.RoleLedger`); `status.decide`
+applies them to the status it writes.
+
+  current_engines        each replica's pod of its current generation
+  over_budget            an engine pod the kubelet restarted in place more often than the engine role's budget
+  engine_failures        each replica whose current pod failed, was disrupted or deleted (one missing from a running
+                         run counts as deleted, unless its replacement is not created yet); a replica out of the pool
+                         is never judged again
+  leave_pool             an engine replica that failed with the role's budget spent leaves the pool (marked `down`,
+                         never replaced) while another replica serves; the last one leaving fails the run, naming
+                         every engine pod of the pool and its last failure
+  pool_size              the replicas still in the pool
+  engine_not_ready       the first replica in the pool whose pod is not ready (a running run is not whole meanwhile)
+  engine_pods            the pod each replica in the pool should have (of its current generation)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from trainingrun import failure_policy as policy
+from trainingrun.api.constants import ROLE_ENGINE
+from trainingrun.operator.observe import Observed, PodObs
+from trainingrun.operator.roles import RoleLedger
+from trainingrun.operator.vocabulary import Child, Names, engine_child, engine_replicas
+
+
+def current_engines(obs: Observed, ledger: RoleLedger) -> dict[int, PodObs]:
+    """Each engine replica's pod of its current generation (the live one, else one being deleted, else the last seen
+    deleted), by replica."""
+    return obs.pick(lambda p: p.role == ROLE_ENGINE and p.generation == ledger.generation(ROLE_ENGINE, p.rank or 0),
+                    lambda p: p.rank or 0)
+
+
+def over_budget(live: Iterable[PodObs], budget: int) -> str | None:
+    """An engine pod restarted in place by the kubelet (an engine pod created by an operator before 0.2, with
+    restartPolicy Always; engine pods of this operator have restartPolicy Never and are replaced by the failure
+    policy) uses the engine role's budget: the message that fails the run when one restarted more than `budget` times
+    (None: none did)."""
+    for p in live:
+        if p.role == ROLE_ENGINE and p.restarts > budget:
+            why = p.failure or p.waiting or "no exit recorded"
+            return (f"the run's vLLM server (pod {p.name}) restarted {p.restarts} times, more than "
+                    f"failurePolicy.roles.engine.maxRestarts={budget}; last: {why}")
+    return None
+
+
+def engine_failures(obs: Observed, engines: dict[int, PodObs], ledger: RoleLedger, *, replicas: int, phase: str,
+                    names: Names) -> Iterator[policy.Failure]:
+    """Each engine replica's failure, in replica order (lazily: the caller may act on one before the next is
+    judged); see the module docstring."""
+    for replica in range(replicas):
+        p = engines.get(replica)
+        if ledger.down(ROLE_ENGINE, replica):
+            continue  # out of the pool
+        if p is not None:
+            failure = obs.failure_of(p, phase)
+        elif phase == "Running" and not ledger.replacing(ROLE_ENGINE, replica):
+            name = names.engine_pod(replica, ledger.generation(ROLE_ENGINE, replica))
+            failure = policy.Failure(name=name, kind=policy.ExitKind.FAILURE, role=ROLE_ENGINE, rank=replica,
+                                     reasons=frozenset({policy.DELETED}),
+                                     description=f"pod {name} was deleted while the run was running")
+        else:
+            failure = None
+        if failure is not None:
+            yield failure
+
+
+def leave_pool(ledger: RoleLedger, failure: policy.Failure, verdict: policy.Verdict, *, replicas: int, names: Names,
+               now: str) -> tuple[bool, str]:
+    """Record that the failed replica leaves the pool (at `now`, RFC 3339). (True, the message saying which engines
+    are left) while another replica serves; (False, the message the run fails with) when it was the last one."""
+    replica = failure.rank or 0
+    ledger.leave_pool(ROLE_ENGINE, replica, failure=failure.description, now=now)
+    left = [r for r in range(replicas) if not ledger.down(ROLE_ENGINE, r)]
+    if left:
+        return True, (f"{failure.description}; {verdict.why}: engine replica {replica} (pod {failure.name}) leaves "
+                      f"the pool; {len(left)} of {replicas} engine(s) left: "
+                      + ", ".join(names.engine_pod(r, ledger.generation(ROLE_ENGINE, r)) for r in left))
+    why = "; ".join(f"pod {names.engine_pod(r, ledger.generation(ROLE_ENGINE, r))}: "
+                    f"{(ledger.entry(ROLE_ENGINE, r) or {}).get('lastFailure') or 'down'}" for r in range(replicas))
+    return False, f"no engine of the pool is left ({verdict.why}): {why}"
+
+
+def pool_size(ledger: RoleLedger, replicas: int) -> int:
+    """The engine replicas still in the pool (not out of it for a spent budget)."""
+    return sum(1 for r in range(replicas) if not ledger.down(ROLE_ENGINE, r))
+
+
+def engine_not_ready(engines: dict[int, PodObs], ledger: RoleLedger, *, replicas: int,
+                     names: Names) -> tuple[str, str] | None:
+    """(reason, message) for the first replica in the pool whose pod is missing or not ready: RestartingRole while
+    its replacement is pending, else WaitingForEngine; None when every replica in the pool is ready."""
+    for replica in range(replicas):
+        p = engines.get(replica)
+        if ledger.down(ROLE_ENGINE, replica):
+            continue  # out of the pool: the others serve
+        if p is None or not p.ready:
+            name = names.engine_pod(replica, ledger.generation(ROLE_ENGINE, replica))
+            why = "" if p is None else f" ({p.waiting or 'phase ' + p.phase + ', not ready'})"
+            reason = "RestartingRole" if ledger.replacing(ROLE_ENGINE, replica) else "WaitingForEngine"
+            return reason, (f"waiting for the engine: pod {name} is not ready yet{why} (the rollout waits for it; "
+                            "hang detection pauses meanwhile)")
+    return None
+
+
+def engine_pods(run, ledger: RoleLedger) -> list[tuple[int, Child]]:
+    """(replica, the pod child of its current generation) for every replica still in the pool (one out of it is
+    never replaced again)."""
+    return [(replica, engine_child(run, replica, ledger.generation(ROLE_ENGINE, replica)))
+            for replica in range(engine_replicas(run)) if not ledger.down(ROLE_ENGINE, replica)]
