@@ -161,7 +161,7 @@ def test_run_dashboard_covers_the_issue_panels():
     assert "sum by (rank) (rate(trainingrun_trainer_rank_tokens_total" in exprs  # per-rank throughput
     # the Policy row (generated rollouts): weighted means over all ranks, and rank 0's largest correction weight
     for name in ("mismatch_kl", "logprob_abs_diff", "correction_weight", "masked_fraction", "importance_ratio",
-                 "clip_fraction", "seq_clip_fraction", "entropy", "entropy_bonus"):
+                 "clip_fraction", "dual_clip_fraction", "seq_clip_fraction", "entropy", "entropy_bonus"):
         assert f"sum(rate(trainingrun_trainer_{name}_sum" in exprs, name
     assert "max(trainingrun_trainer_correction_weight_max{" in exprs
     overview = " ".join(e for _, e in targets(dashboards()["overview.json"]))

@@ -5,8 +5,9 @@ parallelism 2.
 
 Combinations: loss type (ppo, policy_gradient) × policyLoss.oldLogprobs (engine, trainer) × rolloutCorrection (none,
 tis and mask at token and sequence level) × ratioLevel (token, sequence: ppo) × lossNormalization (sample, token);
-ppo with oldLogprobs engine takes no correction (the spec refuses it). Along them the entropy bonus, the dual clip,
-the KL penalty and the sampling temperature alternate (each is on in half of the combinations).
+ppo with oldLogprobs engine takes no correction (the spec refuses it). Along them the entropy bonus, the KL penalty
+and the sampling temperature alternate (each is on in half of the combinations), and the dual clip's c between the
+spec's default (clipRatioC 3: the settings are built without it) and 1.5 (where it acts on these ratios).
 
 The reference is written here from the formulas of docs/rl.md, not with the project's loss code: each sample run
 alone through a copy of the model with the vocabulary gathered (`runtime_gather_output`), log-softmax in float64,
@@ -45,7 +46,9 @@ SPLITS = {
 }
 TIS_THRESHOLD = 1.1
 MASK_BOUNDS = (0.92, 1.1)
-STAT_CHECKS = ("logprob_abs_diff", "importance_ratio", "clip_fraction", "approx_kl", "entropy", "kl_ref",
+DUAL_CLIP_DEFAULT = 3.0  # spec.trainer.policyLoss.clipRatioC's default (verl's)
+STAT_CHECKS = ("logprob_abs_diff", "importance_ratio", "clip_fraction", "dual_clip_fraction", "approx_kl", "entropy",
+               "kl_ref",
                "mismatch_kl", "correction_weight", "masked_fraction", "seq_clip_fraction", "entropy_bonus",
                "correction_weight_max")
 
@@ -63,7 +66,7 @@ def combos() -> list[dict]:
     for i, c in enumerate(out):
         c["temperature"] = (1.0, 0.7)[i % 2]
         c["entropy_coef"] = (0.0, 0.03)[(i // 2) % 2]
-        c["clip_ratio_c"] = (None, 1.5)[(i // 4) % 2] if c["loss"] == "ppo" else None
+        c["clip_ratio_c"] = ("default", 1.5)[(i // 4) % 2] if c["loss"] == "ppo" else "default"
         c["kl_coef"] = (0.0, 0.2)[(i // 3) % 2] if c["loss"] == "ppo" else 0.0
     return out
 
@@ -130,6 +133,7 @@ def _reference(c, samples, idx, cur, old_w0, engine, gbs, loss_tokens):
     acc = {k: [0.0, 0.0] for k in STAT_CHECKS}
     corr_max, dual = 0.0, 0
     corr_type, corr_level = c["corr"].split("/") if c["corr"] != "none" else ("none", "token")
+    dual_c = DUAL_CLIP_DEFAULT if c["clip_ratio_c"] == "default" else c["clip_ratio_c"]
     for j, i in enumerate(idx):
         toks = torch.as_tensor(samples.tokens[i], dtype=torch.long)
         m = torch.as_tensor(samples.loss_masks[i][1:], dtype=torch.float64)  # targets 1..L-1
@@ -152,9 +156,9 @@ def _reference(c, samples, idx, cur, old_w0, engine, gbs, loss_tokens):
         unclipped, clipped = -adv * ratio, -adv * ratio.clamp(lo, hi)
         if c["loss"] == "ppo":
             term = torch.maximum(unclipped, clipped)
-            if c["clip_ratio_c"] is not None and adv < 0:
-                dual += int(((term > -adv * c["clip_ratio_c"]).double() * m).sum() > 0)
-                term = torch.minimum(term, torch.full_like(term, -adv * c["clip_ratio_c"]))
+            if adv < 0:  # the dual clip: a negative advantage's term at most −A·c
+                dual += int(((term > -adv * dual_c).double() * m).sum() > 0)
+                term = torch.minimum(term, torch.full_like(term, -adv * dual_c))
             if c["kl_coef"] > 0:
                 q = lp_w0 - lp  # the reference policy is the initial weights
                 k3 = torch.exp(q) - q - 1
@@ -193,6 +197,9 @@ def _reference(c, samples, idx, cur, old_w0, engine, gbs, loss_tokens):
             mism = (old if c["old"] == "trainer" else lpd) - eng
             for key, val in (("logprob_abs_diff", (lpd - eng).abs()), ("importance_ratio", torch.exp(tok_log_r)),
                              ("clip_fraction", (clipped > unclipped).double()),
+                             # where the dual clip caps the ppo term (counted for every loss type, as the clip)
+                             ("dual_clip_fraction", ((torch.maximum(unclipped, clipped) > -adv * dual_c) & (adv < 0))
+                              .double()),
                              ("approx_kl", torch.exp(tok_log_r) - 1 - tok_log_r), ("entropy", ent.detach()),
                              ("mismatch_kl", torch.exp(mism) - 1 - mism)):
                 acc[key][0] += float((val * m).sum())
@@ -216,9 +223,10 @@ def _settings(c):
         kind, level = c["corr"].split("/")
         corr = RolloutCorrection(type=kind, level=level, threshold=TIS_THRESHOLD if kind == "tis" else MASK_BOUNDS[1],
                                  lower_threshold=MASK_BOUNDS[0] if kind == "mask" else None)
+    dual = {} if c["clip_ratio_c"] == "default" else {"clip_ratio_c": c["clip_ratio_c"]}  # default: the spec's
     return LossSettings(c["loss"], c["norm"], PolicySettings(
         temperature=c["temperature"], clip_low=0.2, clip_high=0.2, kl_coef=c["kl_coef"], old_logprobs=c["old"],
-        correction=corr, ratio_level=c["ratio"], clip_ratio_c=c["clip_ratio_c"], entropy_coef=c["entropy_coef"]))
+        correction=corr, ratio_level=c["ratio"], entropy_coef=c["entropy_coef"], **dual))
 
 
 def _phase(phase: str, out_dir: Path) -> None:

@@ -217,9 +217,6 @@ def test_full_disk_stops_the_run_cleanly_and_a_rerun_resumes(small_volume, tmp_p
     assert code == 0, log[-4000:]
     assert "resuming in" in log
     got = records(out)
-    if pp == 1:
-        assert_same_run(got, ref, rel=1e-5)
-    else:  # another model initialisation (per stage): the same steps, batches, samples and LR, trained once each
-        assert [(g["step"], g["global_batch_size"], g["samples_consumed"], g["sample_id_sum"]) for g in got] == \
-            [(r["step"], r["global_batch_size"], r["samples_consumed"], r["sample_id_sum"]) for r in ref]
-        assert [g["lr"] for g in got] == pytest.approx([r["lr"] for r in ref], rel=1e-12)
+    # at pipeline-parallel size 2 too: the seeded model is the same at every layout (modeling.initialise)
+    assert_same_run(got, ref, rel=1e-5)
+    assert [g["sample_id_sum"] for g in got] == [r["sample_id_sum"] for r in ref]

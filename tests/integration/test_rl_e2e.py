@@ -70,6 +70,7 @@ def test_lag_0_generator_and_trainer_hold_the_same_weights(demo):
         assert r["weight_version"] == r["rollout"] and r["policy_lag"] == 0, r["step"]
         assert r["logprob_abs_diff"] <= 1e-3, r["step"]  # seen: ~1e-7 (fp32, KV cache vs packed forward)
         assert r["importance_ratio"] == pytest.approx(1.0, abs=1e-3) and r["clip_fraction"] == 0
+        assert r["dual_clip_fraction"] == 0  # on by default (clipRatioC 3), it never acts at ratio 1
         for field in ("reward_std", "entropy", "approx_kl", "response_length", "groups_kept", "groups_produced"):
             assert field in r, field
         assert r["groups_kept"] * 8 == r["global_batch_size"]  # one step per rollout: all kept groups

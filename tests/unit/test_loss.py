@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import get_args
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +17,9 @@ from trainingrun.trainer.loss import (
     LOSS_KINDS, STAT_NAMES, LossInputs, LossSettings, StepTotals, megatron_loss_factor, micro_batch_objective,
     token_logprobs,
 )
+
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class _Cfg:
@@ -148,7 +152,7 @@ def test_ppo_objective_is_the_clipped_formula(norm: str, temperature: float, kl:
     obj, stats = micro_batch_objective(logits, inputs, LossSettings("ppo", norm, pol),
                                        StepTotals(global_batch_size=gbs, loss_tokens=loss_tokens),
                                        ref_logits=ref_logits if kl else None)
-    expected, start, clipped, n_tok, diffs = 0.0, 0, 0, 0, 0.0
+    expected, start, clipped, dual, n_tok, diffs = 0.0, 0, 0, 0, 0, 0.0
     for s, m, a in zip(seqs, masks, adv):
         lp = torch.log_softmax(logits[start:start + len(s)] / temperature, -1)
         rlp = torch.log_softmax(ref_logits[start:start + len(s)] / temperature, -1)
@@ -160,6 +164,9 @@ def test_ppo_objective_is_the_clipped_formula(norm: str, temperature: float, kl:
             r = torch.exp(logp - old[start + t])
             unclipped, clip = -a * r, -a * torch.clamp(r, 0.8, 1.28)
             term = torch.maximum(unclipped, clip)
+            if a < 0:  # the dual clip, on by default (clipRatioC 3)
+                dual += int(term > -a * 3.0)
+                term = torch.minimum(term, torch.tensor(-a * 3.0))
             q = rlp[t - 1, s[t]] - logp
             term = term + kl * (torch.exp(q) - q - 1)
             terms.append(term)
@@ -174,6 +181,7 @@ def test_ppo_objective_is_the_clipped_formula(norm: str, temperature: float, kl:
     assert torch.allclose(g1, g2, rtol=1e-4, atol=1e-7)
     row = dict(zip(STAT_NAMES, stats.tolist()))
     assert row["clip_fraction"] == [clipped, n_tok] and 0 < clipped < n_tok
+    assert row["dual_clip_fraction"] == [dual, n_tok]
     assert row["logprob_abs_diff"][0] == pytest.approx(diffs, rel=1e-5) and row["logprob_abs_diff"][1] == n_tok
     assert row["response_length"] == [n_tok, 3]
     assert (row["kl_ref"][1] == n_tok) == (kl > 0)
@@ -263,6 +271,40 @@ def test_far_off_tokens_give_finite_ratios_losses_and_gradients() -> None:
     assert torch.isfinite(obj) and torch.isfinite(g).all()
     assert all(np.isfinite(v).all() for v in row.values())
     assert row["importance_ratio"][0] <= 3 * np.exp(LOG_RATIO_CLAMP)
+
+
+def test_a_token_near_the_clamp_with_a_negative_advantage_is_dual_clipped_by_default() -> None:
+    """Regression: with dual clip off (the default before), one token whose log-ratio is just below the ±20 clamp
+    (ratio e^19.9 ≈ 4e8) with advantage −1 put a loss of ~4e8, and a gradient as large, into the step, while one just
+    above the clamp contributed no gradient. The spec's default clipRatioC 3 (verl's) caps its term at −A·3 = 3: a
+    constant, so no gradient, and the step counts it in dual_clip_fraction."""
+    import yaml
+
+    from trainingrun.api.models import parse_trainingrun
+    from trainingrun.trainer.loss import LOG_RATIO_CLAMP, PolicySettings, loss_settings, token_logprobs
+
+    doc = yaml.safe_load((ROOT / "examples" / "rl.yaml").read_text())
+    assert "clipRatioC" not in doc["spec"]["trainer"]["policyLoss"]  # the spec's default applies
+    settings = loss_settings(parse_trainingrun(doc).spec)
+    assert settings.loss_type == "ppo" and settings.policy.clip_ratio_c == 3.0 == PolicySettings().clip_ratio_c
+    torch.manual_seed(5)
+    logits = torch.randn(4, 10, requires_grad=True)
+    base = _inputs([[1, 2, 3, 4]], [[0, 1, 1, 1]], [-1.0])
+    logp, _ = token_logprobs(logits.detach(), base.tokens, settings.policy.logit_scale)
+    log_r = torch.tensor([0.0, LOG_RATIO_CLAMP - 0.1, 0.0, 0.0])  # token 1 just below the clamp, the others at 1
+    inputs = _with_old(base, logp - log_r)
+    loss = LossSettings("ppo", "token", PolicySettings(temperature=settings.policy.temperature))
+    obj, stats = micro_batch_objective(logits, inputs, loss, StepTotals(global_batch_size=1, loss_tokens=3))
+    (g,) = torch.autograd.grad(obj, logits)
+    # token 1's term is −A·3 = 3 (the cap), tokens 2 and 3 at ratio 1 give −A·1 = 1 each: (3 + 1 + 1) / 3
+    assert float(obj.detach()) == pytest.approx(5.0 / 3.0, rel=1e-5)
+    assert float(g.abs().max()) < 1.0  # before: ~4e8 / 3 on token 1's logits
+    row = dict(zip(STAT_NAMES, stats.tolist()))
+    assert row["dual_clip_fraction"] == [1.0, 3.0]
+    # dual clip off (only through PolicySettings now): the loss the default used to give
+    off = LossSettings("ppo", "token", PolicySettings(temperature=settings.policy.temperature, clip_ratio_c=None))
+    obj_off, stats_off = micro_batch_objective(logits, inputs, off, StepTotals(global_batch_size=1, loss_tokens=3))
+    assert float(obj_off.detach()) > 1e8 and dict(zip(STAT_NAMES, stats_off.tolist()))["dual_clip_fraction"] == [0.0, 3.0]
 
 
 @pytest.mark.parametrize("log_r", [1e-5, 1e-3, 0.5, -0.5])

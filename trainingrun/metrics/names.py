@@ -20,6 +20,8 @@ TRAINER_WEIGHTED = {
                                             "update; sum and count per rank.",
     "trainingrun_trainer_importance_ratio": "Importance ratio pi/pi_old per trained token; sum and count per rank.",
     "trainingrun_trainer_clip_fraction": "Trained tokens whose ratio was clipped (1) or not (0); sum and count.",
+    "trainingrun_trainer_dual_clip_fraction": "Trained tokens of a negative advantage whose term the dual clip capped "
+                                              "at -A * clipRatioC (1) or not (0); sum and count.",
     "trainingrun_trainer_approx_kl": "KL(pi_old || pi) estimate (k3) per trained token; sum and count per rank.",
     "trainingrun_trainer_entropy": "Entropy of the policy at each trained token; sum and count per rank.",
     "trainingrun_trainer_response_length": "Trained (response) tokens per sample; sum and count per rank.",

@@ -5,6 +5,7 @@
   convert.py       Megatron ↔ Hugging Face weight names and shapes, tensor-parallel split/gather rules
   hf_io.py         Hugging Face directories: safetensors in and out, tokenizer/config assets
   model.py         device + process groups + seed, `build_model` (the one Megatron GPT builder), canonical weights in
+  initialise.py    the seeded initialisation, the same at every tensor-, pipeline- and expert-parallel layout
   attention.py     SDPA core attention for packed (THD) sequences
   cpu_compat.py    the CPU shim that lets megatron-core run on a CPU-only torch (CPU mode only)
   state.py         a live model's weights: numpy arrays and back, the tensor-parallel gather of the full state

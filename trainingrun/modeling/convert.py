@@ -327,16 +327,16 @@ _TE_TO_CANON = (
 )
 
 
+def canonical_name(key: str) -> str:
+    """The local-spec name of a parameter of either spec (TE's fused norm names renamed)."""
+    for pattern, repl in _TE_TO_CANON:
+        key = pattern.sub(repl, key)
+    return key
+
+
 def canonical_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Local-spec names for a state dict of either spec; `_extra_state` entries (TE's FP8 metadata) dropped."""
-    out = {}
-    for key, value in state.items():
-        if key.endswith("_extra_state"):
-            continue
-        for pattern, repl in _TE_TO_CANON:
-            key = pattern.sub(repl, key)
-        out[key] = value
-    return out
+    return {canonical_name(key): value for key, value in state.items() if not key.endswith("_extra_state")}
 
 
 def model_names(state: dict[str, torch.Tensor], model_keys: Iterable[str]) -> dict[str, torch.Tensor]:

@@ -33,7 +33,8 @@ from trainingrun.modeling.attention import FlashVarlenAttention, PackedSDPAttent
 from trainingrun.modeling.convert import check_tp, model_names
 from trainingrun.modeling.hf_io import load_megatron_state
 from trainingrun.modeling.pipeline import check_pp
-from trainingrun.modeling.moe import init_weights, mark_expert_params, patch_megatron_moe
+from trainingrun.modeling.initialise import initialise
+from trainingrun.modeling.moe import mark_expert_params, patch_megatron_moe
 
 
 def prepare_device(gpus: int) -> torch.device:
@@ -288,10 +289,10 @@ def build_model(arch: Architecture, device: torch.device, *, load_weights: bool 
     query/key norms (`qk_norm`) and mixture-of-experts layers (`moe`: this rank holds its expert-parallel share of
     the experts). With `hf` set and `load_weights`, the Hugging Face weights are converted and this rank's shard is
     loaded
-    (`trainingrun.modeling.hf_io.load_megatron_state`); else the parameters keep Megatron's seeded initialisation.
+    (`trainingrun.modeling.hf_io.load_megatron_state`); else every parameter is drawn from `seed` as the whole model's
+    tensor of its name (`modeling.initialise`: the same model at every tensor-, pipeline- and expert-parallel layout).
     `parallel_output=False` gathers the logits over the vocabulary (full [.., V] on every TP rank). `options`: the
-    attention backend, recomputation and fusion (`ModelOptions`; by default the attention resolved on `device`). `seed`: the run's
-    seed, which the weights of a seeded mixture of experts are drawn from (`modeling.moe.init_weights`)."""
+    attention backend, recomputation and fusion (`ModelOptions`; by default the attention resolved on `device`)."""
     from megatron.core import parallel_state  # deferred: megatron after prepare_device
     from megatron.core.models.gpt import GPTModel  # deferred: megatron
 
@@ -322,12 +323,14 @@ def build_model(arch: Architecture, device: torch.device, *, load_weights: bool 
     _params_to_dtype(model, torch_dtype(arch.precision))
     if arch.moe is not None:
         mark_expert_params(model)
-        if not (arch.hf and load_weights):  # the same model at every expert-parallel size
-            init_weights(model, arch, seed=seed, std=config.init_method_std)
-    if arch.hf and load_weights:
-        state = load_megatron_state(arch.hf, arch, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-                                    tp_size=tp, pp_rank=parallel_state.get_pipeline_model_parallel_rank(), pp_size=pp,
-                                    ep_rank=parallel_state.get_expert_model_parallel_rank(), ep_size=ep)
+    ranks = dict(tp=(parallel_state.get_tensor_model_parallel_rank(), tp),
+                 pp=(parallel_state.get_pipeline_model_parallel_rank(), pp),
+                 ep=(parallel_state.get_expert_model_parallel_rank(), ep))
+    if not (arch.hf and load_weights):  # the same model at every tensor-, pipeline- and expert-parallel layout
+        initialise(model, arch, seed=seed, std=config.init_method_std, **ranks)
+    else:
+        state = load_megatron_state(arch.hf, arch, tp_rank=ranks["tp"][0], tp_size=tp, pp_rank=ranks["pp"][0],
+                                    pp_size=pp, ep_rank=ranks["ep"][0], ep_size=ep)
         load_canonical_state(model, state)
     return model
 

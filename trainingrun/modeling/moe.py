@@ -30,14 +30,11 @@ count nowhere.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from trainingrun.modeling.architecture import Architecture
-from trainingrun.modeling.convert import ep_global_name
 
 
 def patch_megatron_moe() -> None:
@@ -59,38 +56,6 @@ def mark_expert_params(model) -> None:
     for name, param in model.named_parameters():
         if ".mlp.experts." in name:
             param.allreduce = False
-
-
-def init_weights(model, arch: Architecture, *, seed: int, std: float = 0.02) -> None:
-    """Draw every weight matrix of a seeded mixture-of-experts model from a generator of its own, keyed by the run's
-    seed and the tensor's canonical name (global layer and expert numbers): the same model whatever the
-    expert-parallel (and pipeline) layout. Megatron's CPU initialisation draws the parameters of a rank from one
-    stream in construction order, so a rank building 2 of 4 experts would get other experts — and other weights for
-    every later layer — than one building all 4. Normal(0, std) as Megatron's `init_method`; normal(0,
-    std/√(2·layers)) for the matrices its `output_layer_init_method` covers (linear_proj, linear_fc2); norms (ones)
-    and biases (zeros) keep Megatron's values. (A mixture of experts runs at tensor-parallel size 1, so each
-    parameter is whole.)"""
-    from megatron.core import parallel_state  # deferred: megatron after prepare_device
-
-    ep_rank = parallel_state.get_expert_model_parallel_rank()
-    ep_size = parallel_state.get_expert_model_parallel_world_size()
-    out_std = std / (2.0 * arch.num_layers) ** 0.5
-    layer_numbers = [layer.layer_number - 1 for layer in model.decoder.layers]  # local index -> global
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.ndim < 2 or "layernorm" in name:
-                continue
-            m = _LAYER.match(name)
-            if m:
-                name = f"decoder.layers.{layer_numbers[int(m.group(1))]}.{m.group(2)}"
-            name = ep_global_name(name, arch, ep_rank, ep_size)
-            sigma = out_std if ("linear_proj." in name or "linear_fc2." in name) else std
-            key = np.random.SeedSequence([int(seed), *name.encode()]).generate_state(1)[0]
-            draw = torch.randn(param.shape, generator=torch.Generator().manual_seed(int(key)), dtype=torch.float32)
-            param.copy_((draw * sigma).to(param.device, param.dtype))
-
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
 
 @dataclass

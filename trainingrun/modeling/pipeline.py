@@ -10,6 +10,8 @@ layer. With tied embeddings and P > 1 the last stage keeps its own copy of the e
   to_stage(state, ...)    the whole model's canonical state → what stage p's model holds (its layers renumbered)
   to_whole(state, ...)    stage p's canonical state → its part of the whole model (global layer numbers; the last
                           stage's tied copy of the embedding dropped)
+  whole_name(name, ...)   the whole model's name of one of stage p's tensors (the tied copy: the embedding's), e.g.
+                          what its seeded initialisation is keyed by (`modeling.initialise`)
 """
 
 from __future__ import annotations
@@ -69,18 +71,26 @@ def to_stage(state: dict[str, T], arch: Architecture, pp_rank: int, pp_size: int
     return out
 
 
+def whole_name(name: str, arch: Architecture, pp_rank: int, pp_size: int) -> str:
+    """The whole model's canonical name of stage `pp_rank`'s tensor `name`: its layer renumbered globally; with tied
+    embeddings the last stage's `output_layer.weight` (at P > 1 a copy of the embedding) is the embedding's."""
+    if pp_size == 1:
+        return name
+    m = _LAYER.match(name)
+    if m:
+        return f"decoder.layers.{int(m.group(1)) + stage_layers(arch, pp_rank, pp_size).start}.{m.group(2)}"
+    if name == OUTPUT_LAYER and arch.tie_embeddings:
+        return EMBEDDING
+    return name
+
+
 def to_whole(state: dict[str, T], arch: Architecture, pp_rank: int, pp_size: int) -> dict[str, T]:
     """Stage `pp_rank`'s canonical state under the whole model's names (inverse of `to_stage`)."""
     if pp_size == 1:
         return dict(state)
-    offset = stage_layers(arch, pp_rank, pp_size).start
     out: dict[str, T] = {}
     for name, value in state.items():
-        m = _LAYER.match(name)
-        if m:
-            out[f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}"] = value
-        elif name == OUTPUT_LAYER and arch.tie_embeddings:
+        if name == OUTPUT_LAYER and arch.tie_embeddings:
             continue  # the copy of the embedding: the first stage's is the one
-        else:
-            out[name] = value
+        out[whole_name(name, arch, pp_rank, pp_size)] = value
     return out

@@ -10,7 +10,7 @@ with ℓ_{i,t} = −log p(x_t | x_<t)                  (loss type `sft`, masked 
   bonus);
   r = π(x_t)/π_old(x_t) (`ratioLevel: token`) or the sample's length-normalised sequence ratio
       exp(mean_t log(π/π_old)) (`sequence`, GSPO), log-ratios clamped to ±LOG_RATIO_CLAMP before exp;
-      with `clipRatioC` c (dual clip) the term of a negative advantage is at most −A_i·c;
+      with `clipRatioC` c (dual clip, default 3) the term of a negative advantage is at most −A_i·c;
   π_old = the engine's log-probability (`oldLogprobs: engine`) or the trainer's own, recomputed by a forward-only
       pass before the rollout's first update (`oldLogprobs: trainer`, `trainer/step.py`);
   k3_t = exp(q) − q − 1, q = log π_ref(x_t) − log π(x_t): the KL to the initial policy (β = klCoef > 0 only);
@@ -79,7 +79,8 @@ LOSS_CHUNK_ELEMENTS = 1 << 24
 # Those after sample_tokens need the generator's log-probabilities (generated rollouts); otherwise their count is 0.
 # MAX_STATS hold (max, count) instead: reduced by max over micro-batches and ranks (`merge_stats`).
 STAT_NAMES = ("objective", "sample_loss", "token_loss", "sample_reward", "sample_tokens", "sample_reward_sq",
-              "logprob_abs_diff", "importance_ratio", "clip_fraction", "approx_kl", "entropy", "kl_ref",
+              "logprob_abs_diff", "importance_ratio", "clip_fraction", "dual_clip_fraction", "approx_kl", "entropy",
+              "kl_ref",
               "response_length", "mismatch_kl", "correction_weight", "masked_fraction", "seq_clip_fraction",
               "entropy_bonus", "correction_weight_max")
 MAX_STATS = ("correction_weight_max",)
@@ -120,7 +121,7 @@ class PolicySettings:
     old_logprobs: str = "engine"
     correction: RolloutCorrection = field(default_factory=RolloutCorrection)
     ratio_level: str = "token"
-    clip_ratio_c: float | None = None  # dual clip (negative advantages); None: off
+    clip_ratio_c: float | None = 3.0  # dual clip (negative advantages); None: off (the spec has no off)
     entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
@@ -465,7 +466,8 @@ def _clipped(ratio, adv, policy: PolicySettings) -> tuple[torch.Tensor, torch.Te
 def _statistics(logp, ent, inputs: LossInputs, mask, tokens_per_sample, kind: LossKind,
                 policy: PolicySettings) -> dict[str, torch.Tensor]:
     """Per-token statistics of a generated rollout, before the update (no gradient): |log π_engine − log π|, the
-    ratio π/π_old and its k3 KL estimate, the fraction of tokens the clip acts on, the entropy, and the mismatch KL
+    ratio π/π_old and its k3 KL estimate, the fractions of tokens the clip and the dual clip (a negative advantage's
+    term capped at −A·clipRatioC) act on, the entropy, and the mismatch KL
     between engine and trainer (k3 of ρ = π_trainer/π_engine, π_trainer = the recomputed π_old with `oldLogprobs:
     trainer`, else π before the update); GSPO's clipped-sequence fraction (per sample) at `ratioLevel: sequence`."""
     with torch.no_grad():
@@ -476,10 +478,14 @@ def _statistics(logp, ent, inputs: LossInputs, mask, tokens_per_sample, kind: Lo
         tok, level = _log_ratio(lp, old, inputs, mask, tokens_per_sample, policy.ratio_level)
         unclipped, clipped = _clipped(torch.exp(level), adv, policy)
         is_clipped = (clipped > unclipped).float()
+        dual = torch.zeros_like(is_clipped)
+        if policy.clip_ratio_c is not None:
+            dual = ((adv < 0) & (torch.maximum(unclipped, clipped) > -adv * policy.clip_ratio_c)).float()
         trainer_lp = old if policy.old_logprobs == "trainer" and kind.policy else lp
         mismatch = torch.where(mask > 0, trainer_lp - eng, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         out = {"logprob_abs_diff": (lp - eng).abs(), "importance_ratio": torch.exp(tok), "approx_kl": _k3(tok),
-               "clip_fraction": is_clipped, "entropy": ent.detach(), "mismatch_kl": _k3(mismatch)}
+               "clip_fraction": is_clipped, "dual_clip_fraction": dual, "entropy": ent.detach(),
+               "mismatch_kl": _k3(mismatch)}
         if policy.ratio_level == "sequence":
             per_sample = torch.zeros(tokens_per_sample.numel(), dtype=torch.float32, device=mask.device)
             out["seq_clip_fraction"] = per_sample.index_reduce_(0, inputs.sample_of, is_clipped, "amax",

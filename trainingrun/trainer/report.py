@@ -16,8 +16,8 @@ from trainingrun.contract.progress import ProgressRecord
 from trainingrun.trainer.loss import STAT_NAMES
 
 
-RL_MEANS = ("logprob_abs_diff", "importance_ratio", "clip_fraction", "approx_kl", "entropy", "kl_ref",
-            "response_length", "mismatch_kl", "correction_weight", "masked_fraction", "seq_clip_fraction",
+RL_MEANS = ("logprob_abs_diff", "importance_ratio", "clip_fraction", "dual_clip_fraction", "approx_kl", "entropy",
+            "kl_ref", "response_length", "mismatch_kl", "correction_weight", "masked_fraction", "seq_clip_fraction",
             "entropy_bonus", "correction_weight_max")
 # exported per rank as (sum, count) counters; kl_ref and the maximum are not (the maximum is rank 0's gauge)
 RL_WEIGHTED = tuple(name for name in RL_MEANS if name not in ("kl_ref", "correction_weight_max"))

@@ -426,10 +426,12 @@ def run_detail() -> dict:
               [(weighted_mean("trainingrun_trainer_correction_weight"), "weight (mean)"),
                (f"max(trainingrun_trainer_correction_weight_max{{{sel}}})", "weight (max, last step)"),
                (weighted_mean("trainingrun_trainer_masked_fraction"), "masked fraction")]),
-        panel("Ratio and clipping", "π/π_old per trained token, the fraction of tokens the clip acts on and — "
-              "ratioLevel sequence (GSPO) — the fraction of sequences whose ratio was clipped.",
+        panel("Ratio and clipping", "π/π_old per trained token, the fractions of tokens the clip and the dual clip "
+              "(a negative advantage's term capped at −A·clipRatioC) act on and — ratioLevel sequence (GSPO) — the "
+              "fraction of sequences whose ratio was clipped.",
               [(weighted_mean("trainingrun_trainer_importance_ratio"), "ratio"),
                (weighted_mean("trainingrun_trainer_clip_fraction"), "tokens clipped"),
+               (weighted_mean("trainingrun_trainer_dual_clip_fraction"), "tokens dual-clipped"),
                (weighted_mean("trainingrun_trainer_seq_clip_fraction"), "sequences clipped")]),
         panel("Entropy", "The policy's entropy at the trained tokens and the entropy bonus (entropyCoef · entropy, "
               "subtracted from the loss).",

@@ -127,9 +127,9 @@ class PolicyLossSpec(ApiModel):
     ratio_level: Level = Field(
         "token", description="ppo: token ratios, or sequence (GSPO): the sample's length-normalised sequence ratio, "
                              "clipped per sequence.")
-    clip_ratio_c: float | None = Field(None, gt=1.0, le=1000.0,
-                                       description="ppo dual clip: the loss of a negative advantage is at most "
-                                                   "-A * clipRatioC; unset: off.")
+    clip_ratio_c: float = Field(3.0, gt=1.0, le=1000.0,
+                                description="ppo dual clip: the loss of a negative advantage is at most "
+                                            "-A * clipRatioC (verl's default 3); other losses ignore it.")
     entropy_coef: float = Field(0.0, ge=0.0, le=10.0,
                                 description="Entropy bonus: the loss minus entropyCoef times the policy's entropy "
                                             "at each trained token; 0: off.")
@@ -246,9 +246,8 @@ class TrainerSpec(ApiModel):
         ),
         Rule(
             name="ratio-options-need-ppo",
-            rule="self.lossType == 'ppo' || !has(self.policyLoss) || (self.policyLoss.ratioLevel == 'token' && "
-            "!has(self.policyLoss.clipRatioC))",
-            message="policyLoss.ratioLevel sequence and clipRatioC shape the ppo ratio: they need lossType ppo",
+            rule="self.lossType == 'ppo' || !has(self.policyLoss) || self.policyLoss.ratioLevel == 'token'",
+            message="policyLoss.ratioLevel sequence shapes the ppo ratio: it needs lossType ppo",
             fieldPath=".policyLoss",
         ),
         Rule(
@@ -340,7 +339,7 @@ class TrainerSpec(ApiModel):
             raise ValueError(self.cel_rule("ppo-correction-needs-trainer-old-logprobs").message)
         if self.loss_type == "sft" and (pl.old_logprobs != "engine" or correcting):
             raise ValueError(self.cel_rule("sft-has-no-old-policy").message)
-        if self.loss_type != "ppo" and (pl.ratio_level != "token" or pl.clip_ratio_c is not None):
+        if self.loss_type != "ppo" and pl.ratio_level != "token":
             raise ValueError(self.cel_rule("ratio-options-need-ppo").message)
         if self.world_size % (self.tensor_parallel_size * self.pipeline_parallel_size * self.expert_parallel_size):
             raise ValueError(self.cel_rule("expert-parallel-divides-data-parallel").message)
