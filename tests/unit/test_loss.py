@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainingrun.api import models as api
+from trainingrun.api.spec import trainer as api
 from trainingrun.modeling.attention import PackedSDPAttention, block_causal_mask
 from trainingrun.trainer import loss as loss_module
 from trainingrun.trainer.loss import (
@@ -428,7 +428,7 @@ def test_loss_kinds_are_the_spec_loss_types_and_the_enums_are_the_spec_literals(
     assert all(kind.doc for kind in LOSS_KINDS.values())
     for name, literal in (("LOSS_TYPES", api.LossType), ("NORMALIZATIONS", api.LossNormalization),
                           ("OLD_LOGPROBS", api.OldLogprobs), ("CORRECTION_TYPES", api.CorrectionType),
-                          ("LEVELS", api.RatioLevel)):
+                          ("LEVELS", api.Level)):
         assert getattr(loss_module, name) == get_args(literal), name
     spec_types = {name: f.annotation for name, f in api.TrainerSpec.model_fields.items()}
     assert get_args(spec_types["loss_type"]) == get_args(api.LossType)  # the spec field is the named Literal
