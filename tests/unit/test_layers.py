@@ -56,6 +56,7 @@ class Imports:
     edges: dict[str, set[str]] = field(default_factory=dict)  # module -> package modules it imports
     heavy_at_top: dict[str, bool] = field(default_factory=dict)  # imports a HEAVY package at module level
     local: list[tuple[str, int, list[str], bool, str]] = field(default_factory=list)  # in-function imports
+    third: dict[str, set[str]] = field(default_factory=dict)  # module -> top-level names it imports from outside
     paths: dict[str, Path] = field(default_factory=dict)
 
 
@@ -78,6 +79,7 @@ def read_imports(pkg_root: Path, package: str = "trainingrun") -> Imports:
         is_pkg = path.name == "__init__.py"
         out.edges[mod] = set()
         out.heavy_at_top[mod] = False
+        out.third[mod] = set()
 
         def visit(node: ast.AST, in_func: bool, mod=mod, lines=lines, is_pkg=is_pkg) -> None:
             for child in ast.iter_child_nodes(node):
@@ -101,6 +103,7 @@ def read_imports(pkg_root: Path, package: str = "trainingrun") -> Imports:
                     own.discard(mod)
                     out.edges[mod] |= own  # type: ignore[arg-type]
                     third = [n.split(".")[0] for n in names if n and n.split(".")[0] != package]
+                    out.third[mod].update(third)
                     if not func and any(t in HEAVY for t in third):
                         out.heavy_at_top[mod] = True
                     if func:
@@ -249,18 +252,26 @@ def test_the_checker_lets_a_well_built_house_pass(tmp_path):
     assert problems(read_imports(make_package(tmp_path, files))) == []
 
 
+def map_rows(doc: str) -> list[tuple[int | None, list[str], str]]:
+    """docs/architecture.md's module map, row by row: the "### Layer N" heading above the row, the paths in its first
+    cell, and its text after the first cell."""
+    section = doc.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    rows: list[tuple[int | None, list[str], str]] = []
+    layer = None
+    for line in section.splitlines():
+        if heading := re.match(r"### Layer (\d+)", line):
+            layer = int(heading.group(1))
+        if line.startswith("| `trainingrun/"):
+            first, rest = line.split("|")[1], "|".join(line.split("|")[2:])
+            rows.append((layer, re.findall(r"`(trainingrun/[^`]*)`", first), rest))
+    return rows
+
+
 def module_map() -> dict[str, str]:
     """docs/architecture.md's module map: the path in a row's first cell (each path, when it names several) -> the
     row's text."""
     doc = (ROOT / "docs" / "architecture.md").read_text()
-    section = doc.split("## Module map", 1)[1].split("\n## ", 1)[0]
-    rows: dict[str, str] = {}
-    for line in section.splitlines():
-        if line.startswith("| `trainingrun/"):
-            first, rest = line.split("|")[1], "|".join(line.split("|")[2:])
-            for path in re.findall(r"`(trainingrun/[^`]*)`", first):
-                rows[path] = rest
-    return rows
+    return {path: rest for _, paths, rest in map_rows(doc) for path in paths}
 
 
 def test_the_module_map_matches_the_tree():

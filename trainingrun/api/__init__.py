@@ -1,6 +1,19 @@
-"""TrainingRun API: the spec by section (`spec/`), the whole spec + status models (`models`), identity and label
-names (`constants`), CRD generation (`crd`), the manifest YAML decoder (`yamlcodec`), the CRD's checks of a decoded
-document (`checks`), the one manifest loader (`manifest`) and `trainingrun validate` (`validate`)."""
+"""TrainingRun API: the spec and status models, the CRD generated from them, and the one strict manifest loader.
+
+Module map:
+  spec/         the spec by section, one module each (its own map: `trainingrun/api/spec/__init__.py`)
+  models.py     the whole spec (`TrainingRunSpec`, the rules that span sections) + the status models, `TrainingRun`,
+                `parse_trainingrun`, `ALL_MODELS`
+  constants.py  the API identity (group, version, kind, plural, short name), label keys, annotation and finalizer
+                names
+  crd.py        CRD generation from the models (`trainingrun crd`; checked in as crds/trainingrun.yaml)
+  yamlcodec.py  the manifest YAML decoder (limits, duplicate keys, Kubernetes scalars, no coercion), `dump_yaml`
+  checks.py     the CRD's checks of a decoded document: OpenAPI schema, CEL rules, the strict models
+  manifest.py   the one manifest loader of every entry point (`load_file`)
+  validate.py   `trainingrun validate FILE...`
+
+This file: `load_trainingrun` (the loader as every entry point calls it), `describe_errors`, and the names the
+programs import from the API."""
 
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 `trainingrun.operator`: the same RunPlan (`trainingrun.plan.build_plan`) rendered into processes instead of pods, the
 same failure policy (`trainingrun.failure_policy`).
 
+Module map:
   main.py      the command line (`add_arguments`, `run`): load the spec, launch, print the summary
   launcher.py  the `Launcher`: attempts, supervision, restarts, the run directory
   procs.py     child processes: start one attempt's processes, stop them without orphans; metrics ports
@@ -10,10 +11,12 @@ same failure policy (`trainingrun.failure_policy`).
   progress.py  the live progress line and timestamped events
   rundir.py    the run directory's lock and safety rules (--resume, --fresh, changed specs)
   engine.py    the run's own engine servers (the plan's engine roles) under the launcher
-
-The run-directory tools (`trainingrun status | logs | plot RUN_DIR`) read what the launcher writes:
   history.py   a run's per-step records (last attempt wins), local or a cluster's output directory
-  status.py    `trainingrun status`    logs.py  `trainingrun logs`    plot.py  `trainingrun plot`
+  status.py    `trainingrun status RUN_DIR`
+  logs.py      `trainingrun logs RUN_DIR [PROCESS]`
+  plot.py      `trainingrun plot RUN_DIR`
+
+The run-directory tools (history.py, status.py, logs.py, plot.py) read what the launcher writes.
 
 The launcher renders the plan into local processes: one rollout and N trainer ranks (`python -m trainingrun
 rollout|trainer`), all with cwd DIR, a file store under DIR/store (or the spec's store URL), distinct metrics ports

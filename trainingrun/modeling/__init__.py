@@ -1,14 +1,19 @@
-"""The model layer, below the programs (it imports nothing from trainer/, rollout/, engines/ or api/):
+"""The model layer, below the programs (it imports nothing from trainer/, rollout/, engines/ or api/).
 
+Module map:
   architecture.py  the typed, frozen `Architecture`, presets and family defaults, spec fields → `resolve` (no torch)
   hf_config.py     Hugging Face config.json ↔ Architecture (no torch)
   convert.py       Megatron ↔ Hugging Face weight names and shapes, tensor-parallel split/gather rules
+  pipeline.py      the layers of each pipeline stage; weight names between a stage and the whole model (no torch)
   hf_io.py         Hugging Face directories: safetensors in and out, tokenizer/config assets
   model.py         device + process groups + seed, `build_model` (the one Megatron GPT builder), canonical weights in
   initialise.py    the seeded initialisation, the same at every tensor-, pipeline- and expert-parallel layout
-  attention.py     SDPA core attention for packed (THD) sequences
+  attention.py     the core attentions of packed (THD) sequences: block-diagonal SDPA, torch's varlen flash
   cpu_compat.py    the CPU shim that lets megatron-core run on a CPU-only torch (CPU mode only)
-  state.py         a live model's weights: numpy arrays and back, the tensor-parallel gather of the full state
+  moe.py           mixture-of-experts hooks at run time: routing record/replay, the per-sample balance loss, router
+                   statistics
+  state.py         a live model's weights: numpy arrays and back; the full state gathered over tensor- and
+                   expert-parallel ranks, pipeline stages joined
   score.py         per-token log-probabilities of token lines (`trainingrun score`'s model)
   tokenizer.py     the run's tokenizer (model.hf's tokenizer.json, chat template)
   gguf.py          GGUF → Hugging Face for the SmolLM2 example (`trainingrun gguf-to-hf`)

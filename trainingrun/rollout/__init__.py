@@ -8,6 +8,11 @@ Module map:
   jsonl.py            `source.type: jsonl`, a validated rollout file (and the jsonl line reader)
   generate.py         `source.type: generate`, the policy generates: engine (`trainingrun.engines`), pinned weight
                       version, rewards
+  stream.py           the prompt stream of over-sampling and partial rollouts: which prompts a rollout asks for,
+                      what an abort leaves behind
+  episodes.py         multi-turn episodes, token in and token out, over an environment
+  environments/       the environments of multi-turn episodes: the protocol, the built-ins, the worker pool (its own
+                      map: `trainingrun/rollout/environments/__init__.py`)
   prompts.py          prompts of generated rollouts and the tokenizers that turn text into ids
   rewards.py          rewards of generated rollouts: a table of reward types scoring batches of samples (with their
                       prompts), isolated ones in workers so a bad one never stops the rollout

@@ -5,9 +5,15 @@ current directory) and `redis://host:port/db`. Protocol (`Store` = `RolloutStrea
 `trainingrun.store.base`; what travels through it (rank payloads, published rollouts, the resume point and the
 progress record): `trainingrun.contract`; layout, atomicity and retention: docs/store.md.
 
-Modules: `base.py` (protocols, the store's error types), `common.py` (the rules both backends follow, free of I/O),
-`wire.py` (JSON and the binary payload format), `file.py` + `file_io.py` (the `file://` backend and its
-file primitives), `redis.py` + `redis_io.py` (the `redis://` backend and its connection, retries, transactions).
+Module map:
+  base.py      the protocols (`RolloutStream`, `WeightVersions`, `KeyValue`; `Store`) and the store's error types
+  common.py    the rules both backends follow, free of I/O: checks, fencing, the writer claim, the wait verdict,
+               release
+  wire.py      JSON and the binary payload format (rank payloads, weight versions; never pickle)
+  file.py      the `file://` backend: the store's layout on a volume
+  file_io.py   its file primitives (atomic writes, safe reads, read-only maps)
+  redis.py     the `redis://` backend: the store's keys on a Redis server
+  redis_io.py  its connection, retries, pipelines and transactions, the writer claim's lease
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Environments of multi-turn episodes (`rollout.source.generate.environment`; docs/rl.md, "Multi-turn").
 
+Module map:
   base.py        the protocol (`reset(prompt) -> observation`, `step(turn) -> (observation, reward, done[, info])`),
                  the checks every answer passes (`StepResult`, `InvalidResult`), the built-ins by name, `module:Class`
   calculator.py  `type: calculator`: <calc>EXPR</calc> tool calls, the final answer scored against the reference
