@@ -240,7 +240,7 @@ class ModelSpec(ApiModel):
         "auto",
         description="Attention of packed (THD) micro-batches. te: TransformerEngine's fused attention (in its layer "
         "spec: transformerImpl auto or transformer_engine); flash: torch's variable-length flash attention (CUDA, "
-        "bf16/fp16; local spec); sdpa: torch SDPA with a block-diagonal mask (any device, O(T^2) memory; local spec). "
+        "bf16/fp16; local spec); sdpa: torch SDPA, one causal call per packed sample (any device, memory linear in T; local spec). "
         "auto: te, then flash, then sdpa, the first the device offers (the trainer logs the choice). A named backend "
         "the device cannot run stops the trainer at start-up (exit 78) naming what is missing.",
     )
@@ -435,8 +435,7 @@ class RecomputeSpec(ApiModel):
 
     granularity: Literal["none", "selective", "full"] = Field(
         "none", description="none: every activation kept. selective: the core attention is recomputed in backward "
-        "(its inputs kept; costs about one more attention forward; saves most with sdpa, whose [T, T] scores it no "
-        "longer keeps). full: whole layers are recomputed from their inputs (costs about one more forward of those "
+        "(its inputs kept; costs about one more attention forward; saves its output and log-sum-exp). full: whole layers are recomputed from their inputs (costs about one more forward of those "
         "layers, ~1/3 more compute when all are; saves their activations).")
     method: Literal["uniform", "block"] = Field(
         "uniform", description="full only. uniform: the layers are split into chunks of numLayers (default 1) and "
