@@ -1,6 +1,7 @@
 """TrainingRun API: spec + status models (`models`), identity and label names (`constants`), CRD generation (`crd`),
 the manifest YAML decoder (`yamlcodec`), the CRD's checks of a decoded document (`checks`), the one manifest loader
-(`manifest`) and `trainingrun validate` (`validate`)."""
+(`manifest`), `trainingrun validate` (`validate`), and a spec's memory plan (`memory`) with `trainingrun plan`
+(`memory_cli`)."""
 
 from __future__ import annotations
 

@@ -20,10 +20,12 @@ tensor-, pipeline- and expert-parallel shard, `trainer_parameters`), b = bytes o
                  linear in T (before issue 28 sdpa kept [heads, T, T] float32 scores per layer)
   logits         T · V/tp · b (kept until the loss's backward writes their gradient in place)
   temporaries    the largest short-lived allocation at the peak: the loss's float32 chunks (trainer/loss.py,
-                 LOSS_TEMPORARIES × [LOSS_CHUNK_ELEMENTS / (V/tp) rows, V/tp]) or one layer's backward (its
-                 activation gradients and the largest weight gradient before it joins the buffer), whichever is larger
+                 LOSS_TEMPORARIES (+1 with the entropy) × [LOSS_CHUNK_ELEMENTS / (V/tp) rows, V/tp]) or one
+                 layer's backward (its activation gradients and the largest weight gradient before it joins the
+                 buffer), whichever is larger
   reference      ppo with klCoef > 0: the initial policy's weights (P · b) and its logits
-  sync buffers   generated rollouts: two buckets of weightSync.bucketMiB (the streamed weight sync's bound)
+  sync buffers   generated rollouts: two buckets of weightSync.bucketMiB (the streamed weight sync's bound), or
+                 the whole model where it is smaller
   runtime        what the process holds before the model: on a CPU torch, megatron-core, gloo and the trainer's
                  modules (CPU_TRAINER_RUNTIME, measured); on a GPU the CUDA context, NCCL and the allocator's slack
                  (GPU_TRAINER_RUNTIME, an estimate)
@@ -33,7 +35,8 @@ Engine (the run's own vLLM servers), per GPU of each (engine.vllm.gpus is its te
                  (--max-num-batched-tokens tokens, the sampler's float32 logits for --max-num-seqs sequences)
   KV cache       what vLLM gives the cache: gpu-memory-utilization × gpuMemoryGiB less the two above; it must hold
                  at least one sequence of maxModelLen (2 · layers · KV heads per GPU · head_dim · bytes per token)
-  sync buffers   disk and broadcast syncs: two buckets of weightSync.bucketMiB, outside vLLM's share
+  sync buffers   disk and broadcast syncs: two buckets of weightSync.bucketMiB (at most the model), outside vLLM's
+                 share
 On a CPU an engine is one server (API server + engine core processes): weights + engine.vllm.kvCacheGib +
 CPU_ENGINE_RUNTIME (measured).
 
@@ -64,13 +67,14 @@ PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ENGINE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # trainer/loss.py's chunk (2^24 float32 elements per temporary; a test keeps the two equal) and the temporaries of
-# that size alive at once (benchmarks/loss_memory.py measured 0.35 GiB = 5.6 × 64 MiB at the full shape).
+# that size alive at once in its backward: 4 (measured on the CPU: a trainer's peak rises by 4 chunks in the loss's
+# backward), one more with the entropy (generated rollouts; benchmarks/loss_memory.py: 0.31 GiB = 4.9 chunks).
 LOSS_CHUNK_ELEMENTS = 1 << 24
-LOSS_TEMPORARIES = 5.6
+LOSS_TEMPORARIES = 4
 # What a trainer process holds besides the model's terms. CPU: measured on this project's machine (torch 2.13 CPU,
 # megatron-core 0.16.1, gloo; tests/integration/test_memory_plan.py keeps the whole plan within 25 % of measured
 # peaks). GPU: an estimate (no GPU was lent to issue 28): CUDA context ~0.5 GiB, NCCL buffers, allocator slack.
-CPU_TRAINER_RUNTIME = 560 * MIB
+CPU_TRAINER_RUNTIME = 440 * MIB
 GPU_TRAINER_RUNTIME = 2 * GIB
 # A vLLM server on a CPU (API server + engine core, docs/vllm.md: ~1.4 GB for the tiny test model beside its KV
 # cache); on a GPU the CUDA context and graphs of one worker (an estimate).
@@ -101,6 +105,7 @@ class TrainerSettings:
     recompute_num_layers: int | None = None
     gradient_accumulation_fusion: bool = False
     reference_model: bool = False  # ppo with klCoef > 0: the initial policy beside the trained one
+    entropy: bool = False  # the loss computes per-token entropies (generated rollouts)
     gpu_memory_gib: float = 80.0
 
     @property
@@ -399,8 +404,7 @@ def _stage_terms(arch: Architecture, t: TrainerSettings, sync: SyncSettings, sta
     pp, tp = t.pipeline_parallel, t.tensor_parallel
     b = PRECISION_BYTES[arch.precision]
     params = trainer_parameters(arch, tp, pp, t.expert_parallel, stage)
-    moe = arch.moe is not None
-    split = (_TP, _PP) + ((_EP,) if moe else ())
+    split = (_PP, _EP) if arch.moe is not None else (_TP, _PP)  # a mixture of experts runs at TP 1
     terms = [Term("weights", "weights", params.held * b, f"{params.held:,} parameters × {b} B ({arch.precision})",
                   ("model.precision", *split))]
     gb = 4 if t.grad_reduce_dtype == "fp32" else 2
@@ -454,7 +458,7 @@ def _stage_terms(arch: Architecture, t: TrainerSettings, sync: SyncSettings, sta
     terms.append(Term("logits", "logits", logits, f"{T:,} tokens × {vocab:,} vocabulary × {b} B" if last else
                       "not on this pipeline stage", (t.token_field, _TP)))
     chunk_rows = max(1, LOSS_CHUNK_ELEMENTS // max(vocab, 1))
-    loss_tmp = int(LOSS_TEMPORARIES * min(T, chunk_rows) * vocab * 4) if last else 0
+    loss_tmp = (LOSS_TEMPORARIES + t.entropy) * min(T, chunk_rows) * vocab * 4 if last else 0
     weight_grad = 0 if t.gradient_accumulation_fusion else params.largest * b
     backward = max(full, default=0) + attn + weight_grad
     temporaries, what = (loss_tmp, "the loss's float32 chunks") if loss_tmp >= backward else (
@@ -463,9 +467,11 @@ def _stage_terms(arch: Architecture, t: TrainerSettings, sync: SyncSettings, sta
     if t.reference_model:
         terms.append(Term("reference", "reference model", params.held * b + logits,
                           "ppo klCoef > 0: the initial policy's weights and logits", ("trainer.policyLoss.klCoef",)))
-    terms.append(Term("sync", "sync buffers", sync.buffers,
-                      f"2 buckets of {sync.bucket_mib} MiB" if sync.synced else "no weight sync (replayed rollouts)",
-                      ("weightSync.bucketMiB",) if sync.synced else ()))
+    buffers = min(sync.buffers, parameter_count(arch) * b)  # two buckets, or the whole model when it is smaller
+    terms.append(Term("sync", "sync buffers", buffers,
+                      (f"2 buckets of {sync.bucket_mib} MiB" if buffers == sync.buffers else "the whole model (less "
+                       f"than 2 buckets of {sync.bucket_mib} MiB)") if sync.synced else
+                      "no weight sync (replayed rollouts)", ("weightSync.bucketMiB",) if sync.synced else ()))
     runtime = GPU_TRAINER_RUNTIME if t.on_gpu else CPU_TRAINER_RUNTIME
     terms.append(Term("runtime", "runtime", runtime, "CUDA context, NCCL, allocator (estimate)" if t.on_gpu else
                       "torch, megatron-core, gloo (measured)"))
@@ -506,7 +512,7 @@ def engine_plan(arch: Architecture, e: EngineSettings, sync: SyncSettings = Sync
     weights = Term("weights", "weights", params.held * eb, f"{params.held:,} parameters × {eb} B ({e.dtype})",
                    (f"{_V}.gpus", f"{_V}.dtype"))
     synced = sync.synced and sync.type in ("disk", "broadcast")
-    buffers = Term("sync", "sync buffers", 2 * sync.bucket_mib * MIB if synced else 0,
+    buffers = Term("sync", "sync buffers", min(sync.buffers, parameter_count(arch) * eb) if synced else 0,
                    f"2 buckets of {sync.bucket_mib} MiB" if synced else "no weight sync",
                    ("weightSync.bucketMiB",) if synced else ())
     per_token = kv_bytes_per_token(arch, e.gpus, e.dtype)
@@ -517,8 +523,7 @@ def engine_plan(arch: Architecture, e: EngineSettings, sync: SyncSettings = Sync
         return RolePlan("engine", "server", e.replicas, (weights, kv, runtime, buffers), None,
                         f"spec.{_V}.gpuMemoryGiB")
     vocab = arch.vocab_size // gpus
-    f_act = max(2 * arch.ffn_hidden_size, *(
-        [arch.moe.top_k * 2 * arch.moe.ffn_hidden_size] if arch.moe is not None else []))
+    f_act = 2 * arch.ffn_hidden_size if arch.moe is None else arch.moe.top_k * 2 * arch.moe.ffn_hidden_size
     profile = (e.max_num_batched_tokens * (4 * arch.hidden_size + f_act // gpus) * eb
                + e.max_num_seqs * vocab * 4 * 2)
     runtime = Term("runtime", "runtime", ENGINE_GPU_CONTEXT + profile,
