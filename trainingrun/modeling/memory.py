@@ -363,21 +363,26 @@ def core_attention_bytes(arch: Architecture, tokens: int, tp: int = 1, *, select
     return tokens * (inputs + a * d * b + 4 * a)
 
 
+def norm_bytes(arch: Architecture, size: int) -> int:
+    """Bytes per token a norm over `size` values keeps: torch's RMSNorm (the local spec's without apex) its float32
+    input and normalised input and a float32 statistic; LayerNorm its input and two float32 statistics."""
+    if arch.normalization == "RMSNorm":
+        return 8 * size + 4
+    return size * PRECISION_BYTES[arch.precision] + 8
+
+
 def layer_activation_bytes(arch: Architecture, layer: int, tp: int = 1) -> int:
     """Bytes per token transformer layer `layer` keeps for the backward, outside its core attention
-    (`core_attention_bytes`), as Megatron's local layer spec saves them: each norm its float32 input and statistics,
-    RoPE its cos/sin, each linear layer its input, the MLP's activation (SwiGLU: 4 · ffn; GELU: ffn); a mixture of
+    (`core_attention_bytes`), as Megatron's local layer spec saves them: each norm (`norm_bytes`), RoPE its cos/sin, each linear layer its input, the MLP's activation (SwiGLU: 4 · ffn; GELU: ffn); a mixture of
     experts routes top-k copies of every token through experts that keep 5 · ffn (the probabilities applied in the
     activation) and the router's float32 input and logits."""
     b = PRECISION_BYTES[arch.precision]
     h, a, g, d = arch.hidden_size, arch.num_attention_heads // tp, max(1, arch.num_query_groups // tp), arch.head_dim
-    stats = 8 if arch.normalization == "LayerNorm" else 4
-    norm = 4 * h + stats
-    out = 2 * norm  # input norm, pre-MLP norm
+    out = 2 * norm_bytes(arch, h)  # input norm, pre-MLP norm
     out += h * b  # the QKV projection's input
     out += 4 * d * b  # RoPE's cos and sin for queries and keys
     if arch.qk_norm:
-        out += 2 * 4 * (a + g) * d + 4 * (a + g)
+        out += (a + g) * norm_bytes(arch, d)  # one per query and key head
     out += a * d * b  # the output projection's input
     moe = arch.moe
     if moe is not None and moe.is_moe_layer(layer):
@@ -444,8 +449,8 @@ def _stage_terms(arch: Architecture, t: TrainerSettings, sync: SyncSettings, sta
         how_act = "no recompute" if t.recompute == "none" else "selective recompute"
     last = stage == pp - 1
     if last:
-        act += T * (4 * arch.hidden_size + 8 + arch.hidden_size * b)  # final norm, output layer's input
-    act += T * 16  # token and position ids
+        act += T * (norm_bytes(arch, arch.hidden_size) + arch.hidden_size * b)  # final norm, output layer's input
+    act += T * 8  # the token ids
     act_fields = (t.token_field, *((_RECOMPUTE,) if t.recompute != "full" else ()), _TP, _PP)
     terms.append(Term("activations", "activations", act * in_flight,
                       f"{per_stage} layer(s) at {T:,} tokens, {how_act}"
