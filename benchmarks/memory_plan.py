@@ -6,8 +6,15 @@ trainer process, VmHWM at exit), two rollouts of one optimizer step each (the se
 as every later one does); beside it the plan of the same spec (`trainingrun.api.memory.spec_plan`, what
 `trainingrun plan` prints): one JSON object per line with both totals, their ratio and the plan's terms.
 
-Run: `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/memory_plan.py [--configs llama-1k,llama-4k,tiny]`. Prints
-figures, asserts nothing (tests/integration/test_memory_plan.py holds the plan within 25 % of them).
+`--attention`: the sdpa core attention alone at SmolLM2-135M's shape (9 query heads, 3 key/value heads of 64), one
+packed document of T tokens, forward and backward, in a fresh process each: the growth of the peak resident set,
+for the block-diagonal call sdpa made before issue 28 ("before": one masked SDPA call, torch's math kernel) and the
+per-document calls ("after"). (What the attention keeps for the backward is the plan's `core_attention_bytes` to
+the byte: tests/unit/test_attention_backends.py.)
+
+Run: `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/memory_plan.py [--configs llama-1k,llama-4k,tiny]
+[--attention]`. Prints figures, asserts nothing (tests/integration/test_memory_plan.py holds the plan within 25 % of
+the runs).
 """
 
 from __future__ import annotations
@@ -76,10 +83,56 @@ def measure(name: str, workdir: Path, timeout: float = 600) -> dict:
             "terms_gib": {t.key: round(t.gib, 3) for t in role.terms}}
 
 
+def _attention_child(kind: str, tokens: int) -> float:
+    """MiB the peak resident set grew by over one forward + backward of the sdpa core attention (this process)."""
+    import resource
+
+    import torch
+
+    from trainingrun.modeling.attention import PackedSDPAttention, block_causal_mask
+
+    class Config:
+        attention_dropout, kv_channels, hidden_size, num_attention_heads = 0.0, 64, 576, 9
+
+    class Packed:
+        qkv_format = "thd"
+        cu_seqlens_q = cu_seqlens_kv = torch.tensor([0, tokens], dtype=torch.int32)
+
+    torch.manual_seed(0)
+    q = torch.randn(tokens, 9, 64, requires_grad=True)
+    k, v = (torch.randn(tokens, 3, 64, requires_grad=True) for _ in range(2))
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if kind == "after":
+        out = PackedSDPAttention(Config(), layer_number=1)(q, k, v, None, packed_seq_params=Packed())
+    else:
+        mask = block_causal_mask(Packed.cu_seqlens_q, tokens)
+        qq, kk, vv = (x.transpose(0, 1) for x in (q, k, v))
+        kk, vv = (x.repeat_interleave(3, dim=0) for x in (kk, vv))
+        out = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask).transpose(0, 1)
+    out.sum().backward()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
+
+
+def attention(kind: str, tokens: int) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child-attention", kind, str(tokens)], check=True,
+                         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return {"attention": kind, "tokens": tokens, "peak_growth_mib": round(float(out.stdout.split()[-1]), 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="llama-1k,llama-4k,tiny")
+    ap.add_argument("--attention", action="store_true", help="the sdpa core attention before and after issue 28")
+    ap.add_argument("--child-attention", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child_attention:
+        print(_attention_child(args.child_attention[0], int(args.child_attention[1])))
+        return
+    if args.attention:
+        for kind, tokens in (("before", 2048), ("before", 4096), ("after", 4096), ("after", 8192),
+                             ("after", 32768)):
+            print(json.dumps(attention(kind, tokens)), flush=True)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs.split(","):
             print(json.dumps(measure(name, Path(tmp))), flush=True)
