@@ -422,7 +422,9 @@ def _stage_terms(arch: Architecture, t: TrainerSettings, sync: SyncSettings, sta
     shard_experts = t.expert_data_parallel if t.distributed_optimizer else 1
     opt = params.trainable_dense * per // shard_dense + params.trainable_experts * per // shard_experts
     how = "Adam m, v" + (" + fp32 main weights" if per == 12 else "") + f", {per} B per parameter"
-    how += f", sharded over DP {t.data_parallel}" if t.distributed_optimizer else ""
+    if t.distributed_optimizer:
+        how += f", sharded over DP {t.data_parallel}" + (
+            f" (the experts over their {t.expert_data_parallel})" if params.trainable_experts else "")
     terms.append(Term("optimizer", "optimizer states", opt, how,
                       ((_DP,) if t.distributed_optimizer else ("trainer.optimizer.distributed",)) + split))
     # activations: per micro-batch, times the micro-batches this stage holds in flight (1F1B)
