@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trainingrun.api.memory import plan_problems, spec_plan
 from trainingrun.api.models import parse_trainingrun
@@ -95,6 +97,29 @@ def test_the_ranks_shards_add_up_to_the_model(name, tp, pp, ep):
         assert dense == whole.dense + copy_
     else:  # replicated: norms; split: everything else
         assert whole.dense / tp < dense < whole.dense
+
+
+@settings(max_examples=60, deadline=None)
+@given(layers=st.integers(1, 12), groups=st.sampled_from([1, 2, 4]), per_group=st.integers(1, 4),
+       head_dim=st.sampled_from([8, 16]), ffn=st.integers(1, 40), vocab=st.integers(2, 500), tied=st.booleans(),
+       tp=st.sampled_from([1, 2]), pp=st.integers(1, 4), tokens=st.integers(1, 4096))
+def test_plan_properties(layers, groups, per_group, head_dim, ffn, vocab, tied, tp, pp, tokens):
+    """For any dense llama layout the trainer runs: the stages' shards add up to the model, every term is >= 0, the
+    total is the terms' sum, more tokens never need less, and the distributed optimizer never needs more."""
+    layers *= pp
+    heads = groups * per_group
+    arch = resolve(architecture="llama", num_layers=layers, num_attention_heads=heads, num_query_groups=groups,
+                   head_dim=head_dim, hidden_size=heads * head_dim, ffn_hidden_size=8 * ffn * tp,
+                   vocab_size=vocab * tp, seq_length=4096, tie_embeddings=tied)
+    tp = tp if groups % tp == 0 else 1  # key/value heads split over the tensor-parallel ranks
+    stages = [trainer_parameters(arch, 1, pp, 1, s) for s in range(pp)]
+    assert sum(s.held for s in stages) == parameter_count(arch) + (arch.vocab_size * arch.hidden_size
+                                                                    if tied and pp > 1 else 0)
+    base = dict(gpus_per_replica=tp * pp, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=2)
+    role = trainer_plan(arch, TrainerSettings(**base, tokens=tokens))
+    assert all(t.bytes >= 0 for t in role.terms) and role.total == sum(t.bytes for t in role.terms)
+    assert trainer_plan(arch, TrainerSettings(**base, tokens=tokens + 64)).total >= role.total
+    assert trainer_plan(arch, TrainerSettings(**base, tokens=tokens, distributed_optimizer=True)).total <= role.total
 
 
 # ------------------------------------------------------------------------------------------------------- terms

@@ -405,7 +405,7 @@ _DP = "trainer.replicas / trainer.gpusPerReplica (data-parallel size)"
 _RECOMPUTE = "trainer.performance.recompute.granularity"
 
 
-def _stage_terms(arch: Architecture, t: TrainerSettings, sync: SyncSettings, stage: int) -> list[Term]:
+def _stage_terms(arch: Architecture, t: TrainerSettings, sync: SyncSettings, stage: int, whole: int) -> list[Term]:
     pp, tp = t.pipeline_parallel, t.tensor_parallel
     b = PRECISION_BYTES[arch.precision]
     params = trainer_parameters(arch, tp, pp, t.expert_parallel, stage)
@@ -474,7 +474,7 @@ def _stage_terms(arch: Architecture, t: TrainerSettings, sync: SyncSettings, sta
     if t.reference_model:
         terms.append(Term("reference", "reference model", params.held * b + logits,
                           "ppo klCoef > 0: the initial policy's weights and logits", ("trainer.policyLoss.klCoef",)))
-    buffers = min(sync.buffers, parameter_count(arch) * b)  # two buckets, or the whole model when it is smaller
+    buffers = min(sync.buffers, whole * b)  # two buckets, or the whole model when it is smaller
     terms.append(Term("sync", "sync buffers", buffers,
                       (f"2 buckets of {sync.bucket_mib} MiB" if buffers == sync.buffers else "the whole model (less "
                        f"than 2 buckets of {sync.bucket_mib} MiB)") if sync.synced else
@@ -493,7 +493,8 @@ def _backend(arch: Architecture, t: TrainerSettings) -> str:
 
 def trainer_plan(arch: Architecture, t: TrainerSettings, sync: SyncSettings = SyncSettings()) -> RolePlan:
     """The trainer's plan per GPU — its fullest pipeline stage — or per process on a CPU."""
-    stages = [_stage_terms(arch, t, sync, s) for s in range(t.pipeline_parallel)]
+    whole = parameter_count(arch)
+    stages = [_stage_terms(arch, t, sync, s, whole) for s in range(t.pipeline_parallel)]
     worst = max(range(len(stages)), key=lambda s: sum(x.bytes for x in stages[s]))
     world = t.data_parallel * t.tensor_parallel * t.pipeline_parallel
     note = f"pipeline stage {worst} of {t.pipeline_parallel}, the fullest" if t.pipeline_parallel > 1 else ""
