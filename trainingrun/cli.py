@@ -14,6 +14,8 @@ from trainingrun.childlog import install_timestamps
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("trainingrun.local.main", "run a TrainingRun locally: one rollout process and N trainer processes"),
     "validate": ("trainingrun.api.validate", "validate TrainingRun manifests offline (schema + CEL rules)"),
+    "plan": ("trainingrun.api.memory_cli", "print a TrainingRun's memory per role and GPU (process on a CPU) against "
+             "its budget"),
     "crd": ("trainingrun.api.crd", "print the TrainingRun CustomResourceDefinition YAML"),
     "status": ("trainingrun.local.status", "show a local run's phase, step, samples and restarts (RUN_DIR)"),
     "logs": ("trainingrun.local.logs", "print or follow a local run's process logs (RUN_DIR [PROCESS])"),

@@ -274,6 +274,76 @@ def test_flash_module_without_a_kernel_says_which_torch_lacks_it(monkeypatch):
         FlashVarlenAttention(_Cfg(), layer_number=1)(q, q, q, None, packed_seq_params=_Packed(cu, 3))
 
 
+# ------------------------------------------------------------------------ sdpa: one causal call per document
+def block_diagonal_sdpa(query, key, value, cu, scale):
+    """The sdpa backend before issue 28: one SDPA call over the whole packed micro-batch with the block-diagonal
+    causal mask (grouped-query heads repeated): the reference the per-document calls must reproduce."""
+    total, heads = query.shape[0], query.shape[1]
+    mask = attn.block_causal_mask(cu, total)
+    q, k, v = (x.transpose(0, 1) for x in (query, key, value))
+    k, v = (x.repeat_interleave(heads // x.shape[0], dim=0) for x in (k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1).contiguous()
+
+
+class _SmolCfg:  # SmolLM2-135M's attention: 9 query heads, 3 key/value heads of 64
+    attention_dropout = 0.0
+    kv_channels = 64
+    hidden_size = 576
+    num_attention_heads = 9
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("lens,tail,kv_heads", [
+    ([300, 1, 500, 223], 0, 3),  # GQA, a one-token document
+    ([64] * 16, 0, 9),  # many short documents, no GQA
+    ([700, 20], 24, 3),  # positions past cu_seqlens[-1] form one more document
+    ([5, 0, 9], 0, 1),  # an empty document (repeated offset), one key/value head
+])
+def test_sdpa_per_document_equals_the_block_diagonal_call_forward_and_backward(dtype, lens, tail, kv_heads):
+    torch.manual_seed(0)
+    total = sum(lens) + tail
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(total, 9, 64, dtype=dtype, requires_grad=True)
+    k = torch.randn(total, kv_heads, 64, dtype=dtype, requires_grad=True)
+    v = torch.randn(total, kv_heads, 64, dtype=dtype, requires_grad=True)
+    module = PackedSDPAttention(_SmolCfg(), layer_number=1)
+    out = module(q, k, v, None, packed_seq_params=_Packed(cu, max(lens)))
+    ref = block_diagonal_sdpa(q, k, v, cu, module.softmax_scale)
+    tol = 1e-6 if dtype == torch.float32 else 1e-12  # fp32: the fused kernel sums in another order
+    assert out.shape == ref.shape == (total, 9, 64)
+    assert (out - ref).abs().max() <= tol * ref.abs().max()
+    w = torch.randn_like(out)
+    for g, r in zip(torch.autograd.grad((out * w).sum(), (q, k, v)), torch.autograd.grad((ref * w).sum(), (q, k, v))):
+        assert (g - r).abs().max() <= tol * r.abs().max()
+
+
+@pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize("lens", [[4096], [1024] * 4, [64] * 64])
+def test_sdpa_keeps_what_the_memory_plan_counts_linear_in_tokens(precision, dtype, lens):
+    """What the backward keeps (every tensor saved by autograd, counted once per storage) is exactly the plan's
+    `core_attention_bytes`: linear in the packed length whatever the documents (the block-diagonal call kept
+    [heads, T, T] float32 scores: 9 × 4096² × 4 B = 576 MiB here)."""
+    from trainingrun.modeling.memory import core_attention_bytes
+
+    total = sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    qkv = torch.randn(total, 9 + 2 * 3, 64, dtype=dtype, requires_grad=True)  # the fused projection's output
+    q, k = qkv[:, :9] * 1.0, qkv[:, 9:12] * 1.0  # new tensors after RoPE
+    v = qkv[:, 12:]  # a view of the fused output, as Megatron splits it
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        PackedSDPAttention(_SmolCfg(), layer_number=1)(q, k, v, None, packed_seq_params=_Packed(cu, max(lens)))
+    plan_arch = resolve(architecture="llama", num_layers=1, hidden_size=576, num_attention_heads=9,
+                        num_query_groups=3, head_dim=64, vocab_size=64, seq_length=4096, precision=precision)
+    assert sum(saved.values()) == core_attention_bytes(plan_arch, total)
+
+
 # ------------------------------------------------------------------------------------ performance options
 def trainer_spec(**performance) -> TrainerSpec:
     distributed = performance.pop("distributed", False)

@@ -13,7 +13,7 @@ import itertools
 import pytest
 import torch
 
-from trainingrun.api.models import ModelSpec
+from trainingrun.api.spec.model import ModelSpec
 from trainingrun.modeling import initialise as init
 from trainingrun.modeling import pipeline
 from trainingrun.modeling.architecture import Architecture

@@ -102,6 +102,29 @@ def test_objective_is_the_contract_formula(loss_type: str, norm: str) -> None:
     assert row["sample_tokens"] == [9, 3]
 
 
+def test_the_logits_gradient_reaches_the_output_layer_in_the_logits_own_storage() -> None:
+    """Regression (issue 28, found by the memory plan's CPU measurements): the trainer handed the loss `logits[0]`,
+    whose backward allocated a second zero-filled [1, T, V] tensor for the gradient the loss had written in place of
+    the logits; `step.logit_rows` is a view both ways, so no [T, V] tensor is added in the backward."""
+    from trainingrun.trainer.step import logit_rows
+
+    seqs, masks = [[1, 2, 3, 4], [5, 6]], [[0, 1, 1, 1], [0, 1]]
+    received = []
+    for rows in (logit_rows, lambda x: x[0]):
+        torch.manual_seed(3)
+        leaf = torch.randn(1, 6, 10, requires_grad=True)
+        logits = leaf * 1.0  # the output layer's result [1, T, V]
+        logits.register_hook(received.append)
+        obj, _ = micro_batch_objective(rows(logits), _inputs(seqs, masks, [1.0, 1.0]), LossSettings("sft", "sample"),
+                                       StepTotals(global_batch_size=2, loss_tokens=4), overwrite_logits=True)
+        obj.backward()
+        received.append(logits.data_ptr())
+    (grad, ptr), (grad_indexed, ptr_indexed) = received[:2], received[2:]
+    assert grad.data_ptr() == ptr  # the loss's in-place gradient, handed on as it is
+    assert grad_indexed.data_ptr() != ptr_indexed  # what `logits[0]` did: a new tensor
+    assert torch.equal(grad, grad_indexed)  # the same gradient either way
+
+
 def test_empty_micro_batch_contributes_zero_with_a_gradient_path() -> None:
     logits = torch.randn(1, 10, requires_grad=True)
     empty = LossInputs(torch.zeros(1, dtype=torch.long), torch.zeros(1), torch.zeros(0, dtype=torch.long),

@@ -2,7 +2,8 @@
 (types, bounds, enums, required fields; unknown fields rejected as `kubectl apply`'s strict field validation does)
 and its `x-kubernetes-validations` CEL rules, evaluated with a real CEL engine (cel-python) on the object after
 defaulting, as the API server does, then the strict models. `validate_document` returns one `Problem` per error,
-naming the field path; the manifest loader (`trainingrun.api.manifest`) and `trainingrun validate`
+naming the field path — and, for a document the API server would admit, one per role whose memory plan does not fit
+its GPUs (`kind` "memory", `api.memory`); the manifest loader (`trainingrun.api.manifest`) and `trainingrun validate`
 (`trainingrun.api.validate`) turn them into `FILE:LINE:COL: FIELD.PATH: message` lines.
 
 The schema and CEL checks need the `validate` extra (jsonschema, cel-python); the models are always checked.
@@ -21,6 +22,7 @@ from pydantic import ValidationError
 
 from trainingrun.api.constants import API_VERSION, KIND
 from trainingrun.api.crd import spec_schema
+from trainingrun.api.memory import plan_problems
 from trainingrun.api.models import parse_trainingrun
 from trainingrun.api.yamlcodec import dotted
 from trainingrun.modeling.architecture import check_parallel
@@ -30,6 +32,7 @@ from trainingrun.modeling.architecture import check_parallel
 class Problem:
     parts: tuple[str | int, ...]  # field path, e.g. ("spec", "trainer", "replicas")
     message: str
+    kind: str = "spec"  # "spec": the API server would refuse it; "memory": admitted, but its memory plan does not fit
 
     @property
     def path(self) -> str:
@@ -290,12 +293,21 @@ def validate_document(doc: Any) -> list[Problem]:
 
 def _model_problems(doc: dict[str, Any]) -> list[Problem]:
     """The strict pydantic models hold the same rules; anything they still reject is reported too (and they are
-    the only check where the `validate` extra is not installed). Then the rules that need the resolved model."""
+    the only check where the `validate` extra is not installed). Then the rules that need the resolved model, and
+    last the memory plan."""
     try:
         run = parse_trainingrun(doc)
     except ValidationError as exc:
         return [Problem(tuple(e["loc"]), e["msg"]) for e in exc.errors()]
-    return _architecture_problems(run)
+    return _architecture_problems(run) or memory_problems(run)
+
+
+def memory_problems(run: Any) -> list[Problem]:
+    """A role whose memory plan (`api.memory`, `trainingrun plan`) does not fit its GPUs, at the budget field
+    (spec.trainer.gpuMemoryGiB, spec.rollout.engine.vllm.gpuMemoryGiB), the message naming the role, the terms that
+    overflow and the fields to change. A `model.hf` model is planned where its config.json is readable."""
+    return [Problem(tuple(field.split(".")), message, kind="memory")
+            for field, message in plan_problems(run)]
 
 
 def _architecture_problems(run: Any) -> list[Problem]:

@@ -33,7 +33,13 @@ from trainingrun.api.yamlcodec import Document, ManifestError, dotted, parse_yam
 
 def problems(doc: Document) -> list[str]:
     """Every problem of one decoded document as `FILE:LINE:COL: FIELD: message` lines (empty when valid)."""
-    return [f"{doc.where(p.parts)}: {p}" for p in validate_document(doc.value)]
+    return [line for _, line in problem_lines(doc)]
+
+
+def problem_lines(doc: Document) -> list[tuple[str, str]]:
+    """(kind, line) per problem: kind "spec" (the API server would refuse it) or "memory" (its memory plan does not
+    fit, `trainingrun.api.memory`)."""
+    return [(p.kind, f"{doc.where(p.parts)}: {p}") for p in validate_document(doc.value)]
 
 
 def apply_overrides(value: Any, overrides: Mapping[str, Any] | None) -> Any:

@@ -3,12 +3,13 @@
 Module map:
   architecture.py  the typed, frozen `Architecture`, presets and family defaults, spec fields → `resolve` (no torch)
   hf_config.py     Hugging Face config.json ↔ Architecture (no torch)
+  memory.py        the memory plan: what each role holds per GPU (per process on a CPU), term by term (no torch)
   convert.py       Megatron ↔ Hugging Face weight names and shapes, tensor-parallel split/gather rules
   pipeline.py      the layers of each pipeline stage; weight names between a stage and the whole model (no torch)
   hf_io.py         Hugging Face directories: safetensors in and out, tokenizer/config assets
   model.py         device + process groups + seed, `build_model` (the one Megatron GPT builder), canonical weights in
   initialise.py    the seeded initialisation, the same at every tensor-, pipeline- and expert-parallel layout
-  attention.py     the core attentions of packed (THD) sequences: block-diagonal SDPA, torch's varlen flash
+  attention.py     core attentions of packed (THD) sequences: sdpa (one causal SDPA call per document), flash
   cpu_compat.py    the CPU shim that lets megatron-core run on a CPU-only torch (CPU mode only)
   moe.py           mixture-of-experts hooks at run time: routing record/replay, the per-sample balance loss, router
                    statistics

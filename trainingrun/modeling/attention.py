@@ -4,18 +4,25 @@ backend, torch's variable-length flash attention). Which one a model gets: `trai
 
 Megatron's local `DotProductAttention` refuses packed input ("Packed sequence is not supported"), and
 TransformerEngine is not available on a CPU machine. This module takes Megatron's core-attention call
-(query/key/value after RoPE) and, for THD input, attends within each document only: the mask is block-diagonal over
-the documents given by `packed_seq_params.cu_seqlens_q`, and causal inside each block. It is a drop-in for
-`core_attention` in `get_gpt_layer_local_spec()` (see `trainingrun.modeling.model.layer_spec`). It has no parameters
-and imports nothing from megatron (a plain `torch.nn.Module` with Megatron's constructor and forward signature), so
-it is tested in any process.
+(query/key/value after RoPE) and, for THD input, attends within each document only (the documents given by
+`packed_seq_params.cu_seqlens_q`), causal inside each: the values of one call with the block-diagonal mask
+`block_causal_mask`, computed as one causal SDPA call per document over [1, heads, s_i, d] views, so no [T, T] mask
+or score matrix exists. torch picks its fused (flash) kernel for such a call on the CPU (fp32, bf16, fp16) and on
+CUDA, which keeps for the backward only q, k, v, the output and a float32 log-sum-exp per head and token: memory
+linear in T (`modeling.memory.core_attention_bytes`, checked by tests/unit/test_attention_backends.py). One masked
+call over the whole micro-batch took torch's math kernel and kept [heads, T, T] float32 scores per layer:
+SmolLM2-135M at maxTokensPerGPU 8192 was killed at 18.6 GB resident in its first step. Grouped-query attention
+reaches SDPA as it is (`enable_gqa`), without repeated key/value heads. It is a drop-in for `core_attention` in
+`get_gpt_layer_local_spec()` (see `trainingrun.modeling.model.layer_spec`). It has no parameters and imports nothing
+from megatron (a plain `torch.nn.Module` with Megatron's constructor and forward signature), so it is tested in any
+process.
 
 Shapes (as Megatron passes them):
   THD (packed):  query/key/value [T, heads, head_dim]           -> output [T, heads, head_dim]
   SBHD (padded): query/key/value [S, B, heads, head_dim]         -> output [S, B, heads * head_dim]
                  causal; with fewer queries than keys (inference with a KV cache) the queries are the last
                  positions, so query i attends keys 0 .. Sk - Sq + i.
-Grouped-query attention (fewer key/value heads) is expanded by repetition.
+Grouped-query attention (fewer key/value heads): SDPA's `enable_gqa` (THD), key/value heads repeated (SBHD).
 
 `FlashVarlenAttention` takes the same call. For THD input it runs `torch.nn.attention.varlen.varlen_attn` (CUDA
 only, bf16/fp16) over the documents given by `cu_seqlens_q`/`cu_seqlens_kv` and `max_seqlen_q`/`max_seqlen_kv`:
@@ -52,7 +59,8 @@ def block_causal_mask(cu_seqlens: torch.Tensor, total: int, device: torch.device
 
 
 class PackedSDPAttention(torch.nn.Module):
-    """Core attention for the local layer spec that accepts packed sequences (block-diagonal causal mask)."""
+    """Core attention for the local layer spec that accepts packed sequences (causal within each document, one SDPA
+    call per document: module docstring)."""
 
     def __init__(
         self,
@@ -85,14 +93,7 @@ class PackedSDPAttention(torch.nn.Module):
             raise ValueError("PackedSDPAttention does not support attention_bias")
         dropout = self.dropout_p if self.training else 0.0
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            total = query.shape[0]
-            mask = block_causal_mask(packed_seq_params.cu_seqlens_q, total, query.device)
-            q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [heads, T, d]
-            k, v = _expand_kv(q, k, dim=-3), _expand_kv(q, v, dim=-3)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.softmax_scale
-            )
-            return out.transpose(0, 1).contiguous()  # [T, heads, d]
+            return self._per_document(query, key, value, packed_seq_params.cu_seqlens_q, dropout)
         # [S, B, H, D] -> [B, H, S, D]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         k, v = _expand_kv(q, k, dim=-3), _expand_kv(q, v, dim=-3)
@@ -108,6 +109,29 @@ class PackedSDPAttention(torch.nn.Module):
         )
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1).contiguous()
+
+
+    def _per_document(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                      dropout: float) -> torch.Tensor:
+        """Causal attention within each document of a packed [T, heads, d] micro-batch, one SDPA call per document
+        (module docstring): the same values as one call with `block_causal_mask`, without its [T, T] scores."""
+        total, heads = query.shape[0], query.shape[1]
+        out = query.new_empty(total, heads, value.shape[-1])
+        gqa = key.shape[1] != heads
+        for a, b in document_bounds(cu_seqlens, total):
+            q, k, v = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, heads, s, d]
+            doc = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                                 scale=self.softmax_scale, enable_gqa=gqa)
+            out[a:b] = doc[0].transpose(0, 1)
+        return out
+
+
+def document_bounds(cu_seqlens: torch.Tensor, total: int) -> list[tuple[int, int]]:
+    """(start, end) of each non-empty document of a packed micro-batch of `total` tokens: `cu_seqlens` = [0, len_0,
+    len_0 + len_1, ...]; positions past cu_seqlens[-1] (if any) form one more document, as in `block_causal_mask`."""
+    cuts = [int(c) for c in cu_seqlens.tolist() if 0 < int(c) < total]
+    edges = [0, *sorted(set(cuts)), total]
+    return [(a, b) for a, b in zip(edges[:-1], edges[1:]) if b > a]
 
 
 def _expand_kv(q: torch.Tensor, kv: torch.Tensor, dim: int) -> torch.Tensor:

@@ -1,13 +1,19 @@
 """What a schema-valid TrainingRun needs to run in a cluster, beyond the CRD's own schema and CEL rules (which the API
 server enforces at admission, `trainingrun.api.checks`): names that make DNS labels, a model the spec can resolve
 without its HF directory, podTemplate volumes and mounts that leave the operator's own alone, and a store that pods
-can share. `status.decide` fails a run with these errors (InvalidSpec) before creating anything. Pure.
+can share. `status.decide` fails a run with these errors (InvalidSpec) before creating anything.
+
+`memory_errors`: a memory plan that does not fit the GPUs the run names (`api.memory`, what `trainingrun plan`
+prints), checked by `status.decide` for a new run only, before its first pods — a run already running (created by an
+older operator, or whose figures proved fine) is never failed by an estimate. A `model.hf` model is planned by its
+trainers at start-up instead (exit 78 naming the same terms), where its config.json is. Pure.
 """
 
 from __future__ import annotations
 
 import re
 
+from trainingrun.api.memory import plan_problems
 from trainingrun.api.models import TrainingRun
 from trainingrun.operator.vocabulary import CONFIG_VOLUME, SHM_VOLUME, Names
 from trainingrun.plan import CONFIG_MOUNT_PATH
@@ -47,3 +53,9 @@ def cluster_errors(run: TrainingRun) -> list[str]:
             "use a redis:// URL or store.managed: true"
         )
     return errors
+
+
+def memory_errors(run: TrainingRun) -> list[str]:
+    """One message per role whose memory plan does not fit its GPUs (the budget field, the role, the terms that
+    overflow and the fields to change); empty when it fits, on CPUs, or for a `model.hf` model (not readable here)."""
+    return [f"{field}: {message}" for field, message in plan_problems(run, read_hf=False)]

@@ -67,7 +67,7 @@ from trainingrun.api.constants import (
 )
 from trainingrun.api.models import TrainingRun
 from trainingrun.operator import gang, kube, metrics, status
-from trainingrun.operator.checks import cluster_errors
+from trainingrun.operator.checks import cluster_errors, memory_errors
 from trainingrun.operator.kube import ApiError, Conflict, KubeApi
 from trainingrun.operator.observe import Observed, PodObs, Refusal, is_permanent, observe_pod
 from trainingrun.operator.progress import ProgressReader
@@ -327,6 +327,7 @@ def observe(state: OperatorState, run_state: RunState, run: TrainingRun, body: k
         progress=progress,
         refusal=record.refusal if record is not None else None,
         spec_errors=tuple(cluster_errors(run)),
+        memory_errors=tuple(memory_errors(run)) if current.get("phase") is None else (),
         generation=meta.get("generation"),
     )
 

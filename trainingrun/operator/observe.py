@@ -202,6 +202,7 @@ class Observed:
     progress: ProgressObs | None = None
     refusal: Refusal | None = None
     spec_errors: tuple[str, ...] = ()  # checks.cluster_errors
+    memory_errors: tuple[str, ...] = ()  # checks.memory_errors: refuse a new run only (status._invalid_spec)
     generation: int | None = None
 
     def live(self) -> list[PodObs]:

@@ -172,10 +172,12 @@ def _restarting(ctx: Reconcile) -> None:
 
 # --------------------------------------------------------------------------------------------- one-rule helpers
 def _invalid_spec(ctx: Reconcile) -> bool:
-    """A schema-valid spec that cannot run in a cluster (`checks.cluster_errors`) fails at once."""
-    if not ctx.obs.spec_errors:
+    """A schema-valid spec that cannot run in a cluster (`checks.cluster_errors`) fails at once; a new run (no phase
+    yet: nothing created) also when its memory plan does not fit its GPUs (`checks.memory_errors`)."""
+    errors = ctx.obs.spec_errors + (ctx.obs.memory_errors if ctx.st["phase"] is None else ())
+    if not errors:
         return False
-    return ctx.fail("InvalidSpec", "the spec cannot run in a cluster: " + "; ".join(ctx.obs.spec_errors))
+    return ctx.fail("InvalidSpec", "the spec cannot run in a cluster: " + "; ".join(errors))
 
 
 def _engine_budget(ctx: Reconcile) -> bool:

@@ -28,6 +28,12 @@ class VLLMSettings(ApiModel):
     max_model_len: int | None = Field(None, ge=16, le=1_048_576,
                                       description="Longest prompt + completion; unset: model.seqLength.")
     kv_cache_gib: int = Field(2, ge=1, le=4096, description="KV cache GiB on CPU (VLLM_CPU_KVCACHE_SPACE).")
+    gpu_memory_gib: float = Field(
+        80.0, gt=0, le=65536, alias="gpuMemoryGiB",
+        description="Memory of one engine GPU in GiB: the memory plan's budget (`trainingrun plan`). vLLM takes "
+        "--gpu-memory-utilization (default 0.9) of it for weights, activations and KV cache; the plan refuses a run "
+        "whose share cannot hold the weights per GPU and one sequence of maxModelLen, or whose weight-sync buffers "
+        "do not fit beside it. Not checked for CPU engines (gpus 0).")
     concurrency: int = Field(64, ge=1, le=4096, description="Requests the rollout keeps in flight per engine (the "
                                                             "dispatch's per-engine cap).")
     args: list[str] = Field(default_factory=list, max_length=64, description="Extra server arguments.")
@@ -85,6 +91,11 @@ class WeightSyncSpec(ApiModel):
     port: int = Field(0, ge=0, le=65535,
                       description="broadcast: trainer 0's port the engine fetches weights from; 0: a free one "
                                   "(local runs), 29600 in a cluster.")
+    bucket_mib: int = Field(
+        512, ge=1, le=16384, alias="bucketMiB",
+        description="Size of one weight-sync bucket in MiB: weights move to the engines in buckets of this size, and "
+        "no trainer process holds more than two of them of sync memory (counted by the memory plan on every trainer "
+        "GPU and engine GPU).")
     logprob_tolerance: float | None = Field(
         None, gt=0.0, le=100.0,
         description="maxPolicyLag 0: a step whose logprob_abs_diff (engine vs trainer on the same weights) exceeds "

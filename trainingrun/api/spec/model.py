@@ -174,7 +174,7 @@ class ModelSpec(ApiModel):
         "auto",
         description="Attention of packed (THD) micro-batches. te: TransformerEngine's fused attention (in its layer "
         "spec: transformerImpl auto or transformer_engine); flash: torch's variable-length flash attention (CUDA, "
-        "bf16/fp16; local spec); sdpa: torch SDPA with a block-diagonal mask (any device, O(T^2) memory; local spec). "
+        "bf16/fp16; local spec); sdpa: torch SDPA, one causal call per packed sample (any device, memory linear in T; local spec). "
         "auto: te, then flash, then sdpa, the first the device offers (the trainer logs the choice). A named backend "
         "the device cannot run stops the trainer at start-up (exit 78) naming what is missing.",
     )

@@ -172,8 +172,7 @@ class RecomputeSpec(ApiModel):
 
     granularity: Literal["none", "selective", "full"] = Field(
         "none", description="none: every activation kept. selective: the core attention is recomputed in backward "
-        "(its inputs kept; costs about one more attention forward; saves most with sdpa, whose [T, T] scores it no "
-        "longer keeps). full: whole layers are recomputed from their inputs (costs about one more forward of those "
+        "(its inputs kept; costs about one more attention forward; saves its output and log-sum-exp). full: whole layers are recomputed from their inputs (costs about one more forward of those "
         "layers, ~1/3 more compute when all are; saves their activations).")
     method: Literal["uniform", "block"] = Field(
         "uniform", description="full only. uniform: the layers are split into chunks of numLayers (default 1) and "
@@ -326,6 +325,14 @@ class TrainerSpec(ApiModel):
     resources: ResourceRequirements = Field(
         default_factory=ResourceRequirements, description="Resources of each trainer container."
     )
+    gpu_memory_gib: float = Field(
+        80.0, gt=0, le=65536, alias="gpuMemoryGiB",
+        description="Memory of one trainer GPU in GiB, as nvidia-smi reports it (80 for an A100/H100 80GB, 140 for an "
+        "H200): the "
+        "memory plan's budget. `trainingrun validate` and the operator refuse a run whose plan (`trainingrun plan`: "
+        "weights, gradients, optimizer states, activations and logits at the token cap, attention, sync buffers, per "
+        "GPU) does not fit, naming the terms and the fields that change them. Not checked for CPU trainers "
+        "(gpusPerReplica 0).")
 
     @model_validator(mode="after")
     def _rules(self) -> TrainerSpec:
