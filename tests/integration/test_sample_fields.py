@@ -14,7 +14,8 @@ from trainingrun.api import parse_trainingrun
 from trainingrun.contract import published as contract
 from trainingrun.contract.fields import TOKEN, Field, register_field, unregister_field
 from trainingrun.rollout.groups import SampleGroup
-from trainingrun.rollout.main import STATE_KEY, run_rollout
+from trainingrun.contract.rollout_state import ROLLOUT_STATE_KEY
+from trainingrun.rollout.main import run_rollout
 from trainingrun.rollout.synthetic import SyntheticSource
 from trainingrun.store import open_store
 from trainingrun.trainer.batch import pack, pad_to_length, step_microbatches
@@ -116,7 +117,7 @@ def test_a_new_per_token_field_travels_from_the_source_to_the_trainer_batch(prob
             check_payload(payload, probe.name)
     assert pad_seen > 0
     # groups carried past the last rollout keep it in the resume state (the group's JSON form)
-    carried = [SampleGroup.from_json(g) for g in store.get_json(STATE_KEY)["carried"]]
+    carried = [SampleGroup.from_json(g) for g in store.get_json(ROLLOUT_STATE_KEY)["carried"]]
     assert carried and result.leftover_groups == len(carried)
     for g in carried:
         for sid, t, values in zip(g.sample_ids, g.tokens, g.get(probe.name)):

@@ -11,8 +11,8 @@ Module map:
   checks.py     the CRD's checks of a decoded document: OpenAPI schema, CEL rules, the strict models
   manifest.py   the one manifest loader of every entry point (`load_file`)
   validate.py   `trainingrun validate FILE...`
-  memory.py     a spec's memory plan (the spec → `modeling.memory`'s settings; `plan_problems` for the checks)
-  memory_cli.py `trainingrun plan FILE`
+  memory.py     a spec's memory plan (the spec → `modeling.memory`'s settings, what does not fit)
+  memory_cli.py  `trainingrun plan FILE`
 
 This file: `load_trainingrun` (the loader as every entry point calls it), `describe_errors`, and the names the
 programs import from the API."""
