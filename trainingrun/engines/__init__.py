@@ -8,9 +8,10 @@ Module map:
   table.py       the engine table: `rollout.engine.type` → `EngineType` (builder, weight-sync publishers, the
                  servers' pods and local processes, logprob dtype); the rules over it: `make_engine`,
                  `make_publisher`, `own_servers` ("the run owns its engines"), `register`
-  pool.py        the engine pool, engine-agnostic: dispatch with its per-request ledger, stalls, deaths, recovery,
-                 abort, the version barrier, the weight-load fan-out, over a `ReplicaAdapter` per server (imports
-                 no engine's code)
+  pool.py        the engine pool, engine-agnostic: recovery, the version barrier, the weight-load fan-out, over a
+                 `ReplicaAdapter` per server (imports no engine's code)
+  dispatch.py    one generate call of the pool: dispatch with its per-request ledger, stalls, deaths, abort
+  replica.py     one server as the pool sees it: the `ReplicaAdapter` protocol, the `Replica` record
   megatron.py    `engine.type: megatron`: generation in the rollout process with the run's Megatron model
   store_sync.py  `weightSync.type: store` (the megatron entry's publisher): full weights through the run's store
   simulated.py   a stand-in vLLM server (the same HTTP API, no model) for tests and benchmarks
