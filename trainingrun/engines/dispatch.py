@@ -3,15 +3,25 @@ dispatch loop (`Call`). Engine-agnostic: it reaches servers only through the poo
 (`trainingrun.engines.replica`); it imports no engine's code.
 
 One request per group (its n samples), or per cut sample when a group continues cut completions (partial rollouts).
-The next request, lowest position first, goes to the live replica with the fewest requests in flight, up to
-`concurrency` per replica. A ledger holds, for every request, which replica it was sent to under which ticket: an
-answer counts only if its ticket is still the request's, so a prompt is answered exactly once even when it was
-re-sent.
+The next request, lowest position first, goes to the live replica with the fewest requests in flight, up to its
+in-flight limit (`Replica.limit`: the pool's fixed `concurrency`, or with `concurrency: auto` an `AdaptiveLimit`
+moved every CONTROL_SECONDS from the engine's own signals, `trainingrun.engines.concurrency`). A ledger holds, for
+every request, which replica it was sent to under which ticket: an answer counts only if its ticket is still the
+request's, so a prompt is answered exactly once even when it was re-sent.
+
+Sticky routing: a request with an affinity (`GroupRequest.affinity`: an episode, a conversation) goes to the replica
+that served the affinity's previous request while that replica is live (not stalled, not out of the pool), whose
+prefix cache holds the conversation so far; at its limit the request waits up to the pool's `sticky_wait` seconds
+for room there (other requests go ahead of it), then goes to the least loaded replica, which the affinity follows
+from then on. The affinity table (`AffinityTable`) forgets the least recently used beyond AFFINITY_CAPACITY
+entries, and what the caller releases (`EnginePool.release`, episodes that ended).
 
   * A replica whose request fails with `EngineUnavailable` (the server died, restarts, its engine is dead) is taken
     out (`EnginePool._recover`); exactly its unanswered requests go back to the front of the queue and on to the
     others. It is recovered in the background: its label, then the pool's current weight version loaded (the
-    version barrier: it gets no request before it holds that version), then back in the pool.
+    version barrier: it gets no request before it holds that version), then back in the pool. An `EngineFault` (the
+    engine's own error) is compared first (`EnginePool._fault`): the same error from every replica, or from one
+    replica again each time it came back, ends the call with `DeterministicEngineError` — no restart helps.
   * A replica with requests in flight that answered nothing — no completion, no probe of its label (probed every
     PROBE_SECONDS while a call runs) — for `stall_seconds` is reported as stalled ("engine-1 (URL) has not answered
     for 60s with 12 requests in flight"); its requests go to the others (its late answers are dropped), and it
@@ -37,17 +47,19 @@ while it holds unconfirmed answers is taken out the same way.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from trainingrun.contract.engine import (
     ABORTED,
     Completion,
+    DeterministicEngineError,
     EngineError,
     EngineUnavailable,
     GroupRequest,
@@ -55,11 +67,38 @@ from trainingrun.contract.engine import (
     Sampling,
     empty_cut,
 )
-from trainingrun.engines.replica import LOADING, MAX_RECOVERIES, PROBE_TIMEOUT, Replica
+from trainingrun.engines.concurrency import CONTROL_SECONDS, AdaptiveLimit
+from trainingrun.engines.replica import LOADING, MAX_RECOVERIES, PROBE_TIMEOUT, EngineSignals, Replica
 
 PROBE_SECONDS = 1.0
 ABORT_GRACE = 2.0  # a request still in flight this long after an abort (it was on its way) is aborted again
 ABORT_WAIT = 60.0  # after that, requests still in flight are given up (cut where their prefix was)
+AFFINITY_CAPACITY = 65536  # affinities remembered (least recently used forgotten first)
+
+
+class AffinityTable:
+    """Affinity → the name of the replica that served its last request; bounded (least recently used out first).
+    Used under the pool's lock."""
+
+    def __init__(self, capacity: int = AFFINITY_CAPACITY):
+        self.capacity = capacity
+        self._home: collections.OrderedDict[str, str] = collections.OrderedDict()
+
+    def get(self, key: str) -> str | None:
+        return self._home.get(key)
+
+    def set(self, key: str, replica: str) -> None:
+        self._home[key] = replica
+        self._home.move_to_end(key)
+        while len(self._home) > self.capacity:
+            self._home.popitem(last=False)
+
+    def release(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self._home.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._home)
 
 
 class PoolSide(Protocol):
@@ -67,8 +106,10 @@ class PoolSide(Protocol):
     tickets, its counters, and the recovery it hands a replica to."""
 
     replicas: list[Replica]
-    concurrency: int
     stall_seconds: float
+    sticky_wait: float
+    affinity: AffinityTable
+    adaptive: dict[str, AdaptiveLimit]  # by replica name; empty with a fixed concurrency
     seeded: bool
     stats: dict[str, Any]
     say: Callable[[str], None]
@@ -84,6 +125,12 @@ class PoolSide(Protocol):
 
     def _wait_for_a_replica(self, what: str) -> None: ...
 
+    def _fault(self, r: Replica, exc: EngineUnavailable) -> DeterministicEngineError | None: ...
+
+    def _answered(self, r: Replica) -> None: ...
+
+    def _signals(self, r: Replica, s: EngineSignals) -> None: ...
+
 
 @dataclass
 class _Job:
@@ -95,6 +142,7 @@ class _Job:
     max_tokens: int
     prefix: Completion | None = None  # continuing a cut sample
     seed: int = 0
+    affinity: str | None = None
 
 
 class Call:
@@ -110,7 +158,8 @@ class Call:
             slots: list[Completion | None] = [None] * req.n
             prompt = [int(t) for t in req.prompt]
             if not req.prefixes:
-                self.jobs.append(_Job(key, list(range(req.n)), prompt, sampling.max_new_tokens, seed=req.seed))
+                self.jobs.append(_Job(key, list(range(req.n)), prompt, sampling.max_new_tokens, seed=req.seed,
+                                      affinity=req.affinity))
             else:
                 for i, p in enumerate(req.prefixes):
                     if p.finished:
@@ -121,10 +170,12 @@ class Call:
                         slots[i] = Completion(p.tokens, p.logprobs, "length", versions=p.versions)
                         continue
                     self.jobs.append(_Job(key, [i], prompt + [int(t) for t in p.tokens], left, prefix=p,
-                                          seed=int(req.seed) + 7919 * (i + 1)))
+                                          seed=int(req.seed) + 7919 * (i + 1), affinity=req.affinity))
             self.results.append(slots)
         self.pending: list[int] = list(range(len(self.jobs)))  # a heap of job indices: lowest position first
         heapq.heapify(self.pending)
+        started = time.monotonic()
+        self.ready_at = {j: started for j in self.pending}  # when each pending job became ready (sticky wait)
         self.inflight: dict[int, tuple[Replica, int, float]] = {}  # job -> (replica, ticket, sent at)
         # answers waiting for a probe of their replica sent after them: replica name -> [(job, completions, at)]
         self.held: dict[str, list[tuple[int, list[Any], float]]] = {}
@@ -133,6 +184,7 @@ class Call:
         self.new_tokens = 0
         self.stall_said: dict[str, float] = {}
         self.probing: set[str] = set()
+        self.reading: set[str] = set()  # replicas whose signals are being read
         self.resends: dict[int, int] = {}
         self.last_abort: float | None = None
 
@@ -141,7 +193,8 @@ class Call:
         pool = self.pool
         for key in range(len(self.requests)):
             self._maybe_report(key)
-        last_probe = 0.0
+        last_probe = last_control = 0.0
+        last_tick = time.monotonic()
         while True:
             if not self.stopped:
                 self._dispatch()
@@ -160,6 +213,14 @@ class Call:
             if ev is not None:
                 self._handle(*ev)
             now = time.monotonic()
+            with pool._lock:  # requests in flight over time, per replica (its mean in flight)
+                for r in pool.replicas:
+                    r.inflight_seconds += r.outstanding * (now - last_tick)
+                    r.call_seconds += now - last_tick
+            last_tick = now
+            if now - last_control >= CONTROL_SECONDS:
+                last_control = now
+                self._read_signals()
             if now - last_probe >= PROBE_SECONDS:
                 last_probe = now
                 self._probe()
@@ -181,19 +242,42 @@ class Call:
         return out
 
     def _dispatch(self) -> None:
+        """Send what can go now: lowest position first, each to its affinity's replica (sticky routing) or the live
+        replica with the fewest requests in flight, within each replica's limit (module docstring)."""
         pool = self.pool
-        while self.pending:
-            with pool._lock:
-                live = [r for r in pool.replicas if r.live and r.outstanding < pool.concurrency]
-                if not live:
-                    return
-                r = min(live, key=lambda x: (x.outstanding, pool.replicas.index(x)))
+        if not self.pending:
+            return
+        now = time.monotonic()
+        sends, held = [], []
+        with pool._lock:
+            live = [r for r in pool.replicas if r.live]
+            room = {r.name: r.limit - r.outstanding for r in live}
+            while self.pending and any(v > 0 for v in room.values()):
                 job_index = heapq.heappop(self.pending)
+                job = self.jobs[job_index]
+                r = None
+                home = pool.affinity.get(job.affinity) if job.affinity is not None else None
+                if home is not None and home in room:
+                    if room[home] > 0:
+                        r = next(x for x in live if x.name == home)
+                    elif now - self.ready_at.get(job_index, now) < pool.sticky_wait:
+                        held.append(job_index)  # waits for room at its replica; the others go ahead
+                        continue
+                if r is None:
+                    r = min((x for x in live if room[x.name] > 0),
+                            key=lambda x: (x.outstanding, pool.replicas.index(x)))
+                if job.affinity is not None:
+                    pool.affinity.set(job.affinity, r.name)
                 ticket = next(pool._tickets)
                 r.outstanding += 1
+                room[r.name] -= 1
                 if r.outstanding == 1:
-                    r.last_seen = max(r.last_seen, time.monotonic())
-            self.inflight[job_index] = (r, ticket, time.monotonic())
+                    r.last_seen = max(r.last_seen, now)
+                sends.append((job_index, r, ticket))
+        for job_index in held:
+            heapq.heappush(self.pending, job_index)
+        for job_index, r, ticket in sends:
+            self.inflight[job_index] = (r, ticket, now)
             threading.Thread(target=self._send, args=(job_index, r, ticket), name=f"req-{r.name}",
                              daemon=True).start()
 
@@ -209,6 +293,16 @@ class Call:
         self.events.put(("answer", job_index, r, ticket, result))
 
     def _handle(self, kind: str, *args) -> None:
+        if kind == "signals":
+            r, result = args
+            self.reading.discard(r.name)
+            if isinstance(result, EngineSignals):
+                self.pool._signals(r, result)
+                limit = self.pool.adaptive.get(r.name)
+                if limit is not None:
+                    with self.pool._lock:
+                        r.limit = limit.update(result, r.outstanding, blocked=bool(self.pending))
+            return
         if kind == "probe":
             r, label, sent = args
             self.probing.discard(r.name)
@@ -244,8 +338,11 @@ class Call:
         if isinstance(result, EngineUnavailable):
             del self.inflight[job_index]
             self._requeue(job_index)
+            verdict = self.pool._fault(r, result)  # the same engine error everywhere, or again and again
             self.pool._recover(r, f"a request failed ({result})")
             self._requeue_of(r)
+            if verdict is not None:
+                raise verdict
             return
         if isinstance(result, BaseException):
             raise result
@@ -267,6 +364,7 @@ class Call:
         job = self.jobs[job_index]
         with self.pool._lock:
             r.answered += 1
+        self.pool._answered(r)
         for i, c in zip(job.samples, result):
             reason = c.finish_reason if c.finish_reason in ("stop", "length") else ABORTED
             if reason == ABORTED:
@@ -298,7 +396,26 @@ class Call:
 
     def _requeue(self, job_index: int) -> None:
         self.pool.stats["retried_prompts"] += 1
+        self.ready_at[job_index] = time.monotonic()
         heapq.heappush(self.pending, job_index)
+
+    def _read_signals(self) -> None:
+        """Ask every live replica whose adapter reports signals for them, without blocking the loop (answers come
+        back as events)."""
+        for r in self.pool.replicas:
+            read = getattr(r.adapter, "signals", None)
+            if not r.live or read is None or r.name in self.reading:
+                continue
+            self.reading.add(r.name)
+
+            def ask(r: Replica = r, read: Callable = read) -> None:
+                try:
+                    result: Any = read(timeout=PROBE_TIMEOUT)
+                except EngineError as exc:
+                    result = exc
+                self.events.put(("signals", r, result))
+
+            threading.Thread(target=ask, name=f"signals-{r.name}", daemon=True).start()
 
     def _requeue_of(self, r: Replica) -> None:
         """Every request `r` has in flight or answered unconfirmed goes back to the queue (its answers, if they

@@ -15,9 +15,14 @@ the contract's: `EngineUnavailable` (down, restarting, dead: retried elsewhere a
 damaged or foreign version), `EngineError` (refused: not retried).
 
 Dispatch (`generate_groups`; `generate` is the same without a stop): one `Call` of `trainingrun.engines.dispatch`
-per call — the per-request ledger and the dispatch loop, stalls, deaths, abort, the check of answers (its module
-docstring). A replica it takes out is recovered here (`_recover`): its label, then the pool's current weight
-version loaded (the version barrier), then back in the pool.
+per call — the per-request ledger and the dispatch loop, sticky routing, stalls, deaths, abort, the check of answers
+(its module docstring). A replica it takes out is recovered here (`_recover`): its label, then the pool's current
+weight version loaded (the version barrier), then back in the pool. What lasts across calls is the pool's: each
+replica's in-flight limit (`concurrency`: a fixed number, or "auto": an `AdaptiveLimit` per replica between
+AUTO_LOW and AUTO_HIGH, starting at DEFAULT_CONCURRENCY), the affinity table (`release` forgets ended
+conversations), each replica's counters (`engine_counts`: prefix-cache queries and hits from the engine's own
+counters, requests in flight over time, its limit), and the engine errors it answered with (`_fault`: the same
+error from every replica, or from one each time it came back, is a `DeterministicEngineError`).
 
 Weights (`load_weights(version)`): `fetch(version)` says where the version is (an HF directory for `disk`, trainer
 rank 0's address for `broadcast`: the version's meta); every replica loads it in parallel (`ReplicaAdapter.load`;
@@ -35,6 +40,7 @@ during it, answers count only once a probe of their replica finds the call's lab
 from __future__ import annotations
 
 import itertools
+import re
 import sys
 import threading
 import time
@@ -45,19 +51,35 @@ import numpy as np
 
 from trainingrun.contract.engine import (
     Completion,
+    DeterministicEngineError,
+    EngineCounts,
     EngineError,
+    EngineFault,
     EngineUnavailable,
     GroupRequest,
     OnGroup,
     Sampling,
     WeightsRefused,
 )
-from trainingrun.engines.dispatch import Call
-from trainingrun.engines.replica import LOADING, MAX_RECOVERIES, PROBE_TIMEOUT, Answer, Replica, ReplicaAdapter
+from trainingrun.engines.concurrency import AdaptiveLimit
+from trainingrun.engines.dispatch import AffinityTable, Call
+from trainingrun.engines.replica import (
+    LOADING,
+    MAX_RECOVERIES,
+    PROBE_TIMEOUT,
+    Answer,
+    EngineSignals,
+    Replica,
+    ReplicaAdapter,
+)
 
-__all__ = ["DEFAULT_CONCURRENCY", "LOADING", "MAX_RECOVERIES", "Answer", "EnginePool", "Replica", "ReplicaAdapter"]
+__all__ = ["DEFAULT_CONCURRENCY", "LOADING", "MAX_RECOVERIES", "Answer", "EnginePool", "EngineSignals", "Replica",
+           "ReplicaAdapter"]
 
-DEFAULT_CONCURRENCY = 64
+DEFAULT_CONCURRENCY = 64  # a fixed limit's default, and where an adaptive one starts
+AUTO_LOW, AUTO_HIGH = 4, 4096  # bounds of an adaptive limit (AUTO_HIGH: the API's largest fixed number)
+STICKY_WAIT = 0.5  # seconds a request waits for room at its affinity's replica (benchmarks/engine_pool.py --sticky)
+FAULT_REPEATS = 2  # a replica that came back and failed with the same engine error this often: deterministic
 LOAD_REPORT_SECONDS = 30.0
 
 
@@ -66,9 +88,10 @@ class EnginePool:
     names (default engine-0, engine-1, ...); `name`: the engine type (`Engine.name`)."""
 
     def __init__(self, adapters: Sequence[ReplicaAdapter], *, fetch: Callable[[int], dict[str, Any]],
-                 name: str = "pool", label_prefix: str = "v", concurrency: int = DEFAULT_CONCURRENCY,
+                 name: str = "pool", label_prefix: str = "v", concurrency: int | str = DEFAULT_CONCURRENCY,
                  restart_timeout: float = 900.0, load_timeout: float = 600.0, stall_seconds: float = 60.0,
-                 seeded: bool = False, names: Sequence[str] | None = None, say: Callable[[str], None] | None = None):
+                 sticky_wait: float = STICKY_WAIT, seeded: bool = False, names: Sequence[str] | None = None,
+                 say: Callable[[str], None] | None = None):
         adapters = list(adapters)
         if not adapters:
             raise ValueError("clients: a pool needs at least one server")
@@ -77,7 +100,17 @@ class EnginePool:
         self.replicas = [Replica(n, a) for n, a in zip(names, adapters, strict=True)]
         self.fetch = fetch
         self.label_prefix = label_prefix
+        if concurrency != "auto" and not (isinstance(concurrency, int) and concurrency >= 1):
+            raise ValueError(f"concurrency: {concurrency!r}; allowed: an integer >= 1 or 'auto'")
         self.concurrency = concurrency
+        start = DEFAULT_CONCURRENCY if concurrency == "auto" else int(concurrency)
+        for r in self.replicas:
+            r.limit = start
+        self.adaptive = ({r.name: AdaptiveLimit(start, AUTO_LOW, AUTO_HIGH) for r in self.replicas}
+                         if concurrency == "auto" else {})
+        self.sticky_wait = sticky_wait
+        self.affinity = AffinityTable()
+        self._prefix_base: dict[str, tuple[float, float]] = {}  # each replica's counters at the last reading
         self.restart_timeout = restart_timeout
         self.load_timeout = load_timeout
         self.stall_seconds = stall_seconds
@@ -239,6 +272,7 @@ class EnginePool:
                             continue  # a newer version came meanwhile: load that one
                         r.version, r.live, r.stalled, r.failed = version, True, False, False
                         r.last_seen = time.monotonic()
+                        r.fault_back = bool(r.fault)
                     self.say(f"{r.describe()}: back in the pool after {time.monotonic() - t0:.1f}s, holding weight "
                              f"version {version}")
                     return
@@ -282,6 +316,7 @@ class EnginePool:
                 continue
             if label == want:
                 with self._lock:
+                    r.fault_back = r.fault_back or (bool(r.fault) and not r.live)
                     r.live, r.version, r.failed, r.stalled = True, self._version, False, False
                     r.last_seen = time.monotonic()
             else:
@@ -289,10 +324,21 @@ class EnginePool:
                                  "interrupted)")
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: Sampling) -> list[list[Completion]]:
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: Sampling, *,
+                 affinities: Sequence[str | None] | None = None) -> list[list[Completion]]:
+        """n completions of each prompt; `affinities` (one per prompt, or None): sticky routing (dispatch.py)."""
         seeds = np.random.SeedSequence([int(sampling.seed), 0x61]).generate_state(max(len(prompts), 1))
-        requests = [GroupRequest(prompt=[int(t) for t in p], n=n, seed=int(s)) for p, s in zip(prompts, seeds)]
+        keys = list(affinities) if affinities is not None else [None] * len(prompts)
+        if len(keys) != len(prompts):
+            raise ValueError(f"affinities: {len(keys)} for {len(prompts)} prompts")
+        requests = [GroupRequest(prompt=[int(t) for t in p], n=n, seed=int(s), affinity=a)
+                    for p, s, a in zip(prompts, seeds, keys)]
         return self.generate_groups(requests, sampling)
+
+    def release(self, affinities) -> None:
+        """Forget these affinities (conversations that ended)."""
+        with self._lock:
+            self.affinity.release(affinities)
 
     def generate_groups(self, requests: Sequence[GroupRequest], sampling: Sampling, *,
                         on_group: OnGroup | None = None) -> list[list[Completion]]:
@@ -302,6 +348,7 @@ class EnginePool:
         self._check_replicas()
         call = Call(self, list(requests), sampling, on_group)
         out = call.run()
+        self._read_all_signals()  # the call's last prefix-cache counts
         self.stats["generated_tokens"] += call.new_tokens
         self.stats["generate_seconds"] += time.perf_counter() - t0
         return out
@@ -310,5 +357,77 @@ class EnginePool:
         """Requests each replica answered so far."""
         return {r.name: r.answered for r in self.replicas}
 
+    # ------------------------------------------------------------------ what each engine did
+    def engine_counts(self) -> dict[str, EngineCounts]:
+        """Each replica's counters so far (a rollout's share: the difference of two readings)."""
+        with self._lock:
+            return {r.name: EngineCounts(prefix_queries=r.prefix_queries, prefix_hits=r.prefix_hits,
+                                         inflight_seconds=r.inflight_seconds, seconds=r.call_seconds,
+                                         concurrency=r.limit) for r in self.replicas}
+
+    def _signals(self, r: Replica, s: EngineSignals) -> None:
+        """A reading of `r`'s signals: its prefix-cache counters' increments counted (a counter that fell: the
+        server restarted, counting from 0)."""
+        with self._lock:
+            r.signals = s
+            if s.prefix_queries is None or s.prefix_hits is None:
+                return
+            base = self._prefix_base.get(r.name)
+            if base is not None:
+                q0, h0 = base if s.prefix_queries >= base[0] and s.prefix_hits >= base[1] else (0.0, 0.0)
+                r.prefix_queries += s.prefix_queries - q0
+                r.prefix_hits += s.prefix_hits - h0
+            self._prefix_base[r.name] = (s.prefix_queries, s.prefix_hits)
+
+    def _read_all_signals(self) -> None:
+        """Read every live replica's signals now (after a call: its prefix-cache counts); failures ignored."""
+        for r in self.replicas:
+            read = getattr(r.adapter, "signals", None)
+            if read is None or not r.live:
+                continue
+            try:
+                s = read(timeout=PROBE_TIMEOUT)
+            except EngineError:
+                continue
+            if isinstance(s, EngineSignals):
+                self._signals(r, s)
+
+    # ------------------------------------------------------------------ engine errors
+    def _fault(self, r: Replica, exc: EngineUnavailable) -> DeterministicEngineError | None:
+        """A request of `r` failed: with an engine error (`EngineFault`) compared with the others' (module
+        docstring), the `DeterministicEngineError` that ends the call, else None."""
+        if not isinstance(exc, EngineFault):
+            return None
+        cause = normalise_cause(exc.cause)
+        with self._lock:
+            if r.fault == cause and r.fault_back:
+                r.fault_repeats += 1
+            elif r.fault != cause:
+                r.fault, r.fault_repeats = cause, 0
+            r.fault_back = False
+            every = len(self.replicas) > 1 and all(x.fault == cause for x in self.replicas)
+            again = r.fault_repeats >= FAULT_REPEATS
+        if every:
+            names = ", ".join(x.describe() for x in self.replicas)
+            return DeterministicEngineError(f"every engine of the pool failed with the same error ({names}): "
+                                            f"{exc.cause}")
+        if again:
+            return DeterministicEngineError(f"{r.describe()} failed with the same error each time it came back "
+                                            f"({r.fault_repeats + 1} times): {exc.cause}")
+        return None
+
+    def _answered(self, r: Replica) -> None:
+        """`r` answered a request: its last engine error is over."""
+        with self._lock:
+            r.fault, r.fault_back, r.fault_repeats = "", False, 0
+
     def close(self) -> None:
         self._closed.set()
+
+
+def normalise_cause(cause: str) -> str:
+    """An engine error's message without what differs between two servers or requests (request ids, long hex, URLs),
+    so the same error from two engines compares equal."""
+    text = re.sub(r"https?://\S+", "<url>", cause.strip())
+    text = re.sub(r"\b(cmpl|chatcmpl|req)-[0-9a-zA-Z-]+", r"\1-<id>", text)
+    return re.sub(r"\b[0-9a-fA-F]{12,}\b", "<hex>", text)

@@ -1,7 +1,10 @@
 """One server of the engine pool as the pool sees it: the `ReplicaAdapter` an engine type writes for its servers
-(what the pool needs of one server), the `Replica` record the pool keeps of it, and the constants of the label
-protocol shared by the pool (`trainingrun.engines.pool`: weights, recovery) and its dispatch
-(`trainingrun.engines.dispatch`). Engine-agnostic: imports no engine's code.
+(what the pool needs of one server), the `EngineSignals` it may report (its load, its prefix cache), the `Replica`
+record the pool keeps of it, and the constants of the label protocol shared by the pool (`trainingrun.engines.pool`:
+weights, recovery) and its dispatch (`trainingrun.engines.dispatch`). Engine-agnostic: imports no engine's code.
+
+`signals` is optional: an adapter without it (or that returns None) gives the pool no load signals, so its replica
+keeps a fixed in-flight limit (`DEFAULT_CONCURRENCY` under `concurrency: auto`) and reports no prefix-cache figures.
 """
 
 from __future__ import annotations
@@ -50,6 +53,23 @@ class ReplicaAdapter(Protocol):
         """Load weight `version` (its published `meta`), labelled `label(version)` only once complete, within
         `timeout`; returns what the load reports (its seconds, ...)."""
 
+    # optional (module docstring):
+    # def signals(self, timeout: float) -> EngineSignals | None:
+    #     """Its load and prefix-cache counters now (`EngineUnavailable` when it cannot be reached)."""
+
+
+@dataclass(frozen=True)
+class EngineSignals:
+    """What a server says of its own load (vLLM: its Prometheus /metrics): gauges now and counters so far; None where
+    the engine does not say. Requests are counted as the engine counts them (vLLM: one per sample)."""
+
+    running: float | None = None  # requests being generated
+    waiting: float | None = None  # requests queued in the engine (no room: KV cache or batch full)
+    kv_usage: float | None = None  # share of the KV cache in use, 0..1
+    prefix_queries: float | None = None  # counter: prompt tokens looked up in the prefix cache
+    prefix_hits: float | None = None  # counter: of those, tokens found cached
+    preemptions: float | None = None  # counter: running requests the engine pushed back to make room
+
 
 @dataclass
 class Replica:
@@ -67,6 +87,17 @@ class Replica:
     last_sync: float = 0.0  # seconds its last load took
     stalled: bool = False
     failed: bool = False  # gave up waiting for it (restart_timeout); probed again at the next call
+    limit: int = 64  # requests it may have in flight (fixed, or moved by its `AdaptiveLimit`)
+    signals: EngineSignals | None = None  # the last it reported
+    # what it did, cumulative over the pool's calls (`EnginePool.engine_counts`)
+    inflight_seconds: float = 0.0  # ∫ our requests in flight dt
+    call_seconds: float = 0.0  # seconds of calls
+    prefix_queries: float = 0.0  # prompt tokens its prefix cache was asked for (from its counters' increments)
+    prefix_hits: float = 0.0
+    # the engine error (`EngineFault.cause`) its last failed request ended with, until it answers one
+    fault: str = ""
+    fault_back: bool = False  # it came back into the pool since that error
+    fault_repeats: int = 0  # times it came back and failed with that same error again
 
     @property
     def url(self) -> str:
