@@ -144,7 +144,7 @@ class EnginePool:
         meta = self.fetch(version)
         t0 = time.perf_counter()
         with self._lock:
-            targets = [r for r in self.replicas if not r.recovering]
+            targets = [r for r in self.replicas if not r.recovering and not r.broken]
         outcome: dict[str, BaseException | None] = {}
         self._load_all(targets, version, meta, outcome, wait=len(targets) == 1)
         if len(targets) > 1 and not any(outcome.get(r.name, 1) is None for r in targets):
@@ -249,7 +249,7 @@ class EnginePool:
         with self._lock:
             r.live = False
             r.last_error = why
-            if r.recovering or self._closed.is_set():
+            if r.recovering or r.broken or self._closed.is_set():
                 return
             r.recovering = True
         self.stats["recoveries"] += 1
@@ -307,7 +307,7 @@ class EnginePool:
         or recovered); replicas given up on are tried once more."""
         want = self.label(self._version)
         for r in self.replicas:
-            if r.recovering:
+            if r.recovering or r.broken:
                 continue
             try:
                 label = r.adapter.label(timeout=PROBE_TIMEOUT)
@@ -346,6 +346,7 @@ class EnginePool:
             raise EngineError("generate before load_weights: the engine holds no weight version yet")
         t0 = time.perf_counter()
         self._check_replicas()
+        self._read_all_signals(first=True)  # the counters' starting point of a replica not read yet
         call = Call(self, list(requests), sampling, on_group)
         out = call.run()
         self._read_all_signals()  # the call's last prefix-cache counts
@@ -379,11 +380,12 @@ class EnginePool:
                 r.prefix_hits += s.prefix_hits - h0
             self._prefix_base[r.name] = (s.prefix_queries, s.prefix_hits)
 
-    def _read_all_signals(self) -> None:
-        """Read every live replica's signals now (after a call: its prefix-cache counts); failures ignored."""
+    def _read_all_signals(self, *, first: bool = False) -> None:
+        """Read every live replica's signals now (after a call: its prefix-cache counts; `first`: only those never
+        read, before a call); failures ignored."""
         for r in self.replicas:
             read = getattr(r.adapter, "signals", None)
-            if read is None or not r.live:
+            if read is None or not r.live or (first and r.name in self._prefix_base):
                 continue
             try:
                 s = read(timeout=PROBE_TIMEOUT)
@@ -407,6 +409,12 @@ class EnginePool:
             r.fault_back = False
             every = len(self.replicas) > 1 and all(x.fault == cause for x in self.replicas)
             again = r.fault_repeats >= FAULT_REPEATS
+            serving = [x for x in self.replicas if x is not r and not x.broken and not x.fault]
+            if again and serving and not every:  # the others serve: this one is left out, the run goes on
+                r.broken, again = cause, False
+        if r.broken == cause and not every:
+            self.say(f"{r.describe()} failed with the same error each time it came back ({r.fault_repeats + 1} "
+                     f"times): {exc.cause}; left out of the pool, {len(serving)} engine(s) serve on")
         if every:
             names = ", ".join(x.describe() for x in self.replicas)
             return DeterministicEngineError(f"every engine of the pool failed with the same error ({names}): "

@@ -98,6 +98,7 @@ class Replica:
     fault: str = ""
     fault_back: bool = False  # it came back into the pool since that error
     fault_repeats: int = 0  # times it came back and failed with that same error again
+    broken: str = ""  # that error, once it failed so FAULT_REPEATS times while others served: left out for good
 
     @property
     def url(self) -> str:

@@ -59,6 +59,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -364,8 +365,10 @@ class SimEngine:
         """A request while `fail` is set: the engine's error, logged as an engine that died logs it."""
         with self.cond:
             self.failed_requests += 1
+        cause = self.cfg.fail or ""
+        line = cause if re.match(r"\w+(Error|Exception): ", cause) else f"RuntimeError: {cause}"
         print(f"ERROR [simulated] EngineCore encountered a fatal error.\nTraceback (most recent call last):\n"
-              f"  File \"simulated.py\", in step\nRuntimeError: {self.cfg.fail}", file=sys.stderr, flush=True)
+              f"  File \"simulated.py\", in step\n{line}", file=sys.stderr, flush=True)
         return self.cfg.fail or ""
 
     def _load_dir(self, path: str, files: str | None) -> dict[str, Any]:

@@ -378,7 +378,8 @@ class Launcher:
             reason = (f"{replica.name} failed with the same error again after its restart: {again}; not restarting "
                       "(a restart meets the same error)")
             return Outcome("config_error", culprit=replica.name, reason=reason, log=replica.server.log_path,
-                           failure=replace(failure, kind=policy.ExitKind.CONFIG_ERROR, description=reason))
+                           failure=replace(failure, kind=policy.ExitKind.CONFIG_ERROR, code=policy.EXIT_CONFIG_ERROR,
+                                           description=reason))
         verdict = self.policy.decide(failure, self.counts())
         pool = len(self.engine.replicas)
         if not verdict.restart:

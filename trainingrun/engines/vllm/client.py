@@ -211,6 +211,8 @@ def parse_metrics(text: str) -> dict[str, float]:
         if not line or line.startswith("#"):
             continue
         if "{" in line:  # name{labels} value [timestamp]
+            if "}" not in line:
+                continue
             name, tail = line[:line.index("{")], line[line.rindex("}") + 1:]
         else:  # name value [timestamp]
             name, _, tail = line.partition(" ")
