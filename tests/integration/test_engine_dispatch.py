@@ -517,21 +517,30 @@ class Health(http.server.BaseHTTPRequestHandler):
         pass
 
 
+def engine_error():
+    print("(Worker pid=1) ERROR 12-03 23:26:04 [multiproc_executor.py:1063] Traceback (most recent call last):",
+          flush=True)
+    print("(Worker pid=1) ERROR 12-03 23:26:04 [multiproc_executor.py:1063] RuntimeError: Unsupported CPU "
+          "attention configuration: head_dim=16 isa=2 kv_cache_idx=0", flush=True)
+    print("(EngineCore pid=2) ERROR 12-03 23:26:04 [core.py:1512] EngineCore encountered a fatal error.", flush=True)
+
+
+stays = os.environ.get("FAKE_VLLM_STAYS")  # logs the error before it is healthy, then goes on answering /health
+if stays:
+    engine_error()
 threading.Thread(target=http.server.ThreadingHTTPServer(("127.0.0.1", port), Health).serve_forever,
                  daemon=True).start()
+if stays:
+    time.sleep(600)
 time.sleep(1.0)
-print("(Worker pid=1) ERROR 12-03 23:26:04 [multiproc_executor.py:1063] Traceback (most recent call last):", flush=True)
-print("(Worker pid=1) ERROR 12-03 23:26:04 [multiproc_executor.py:1063] RuntimeError: Unsupported CPU attention "
-      "configuration: head_dim=16 isa=2 kv_cache_idx=0", flush=True)
-print("(EngineCore pid=2) ERROR 12-03 23:26:04 [core.py:1512] EngineCore encountered a fatal error.", flush=True)
+engine_error()
 os._exit(0)
 '''
 
 
-def test_a_replica_failing_with_the_same_error_after_its_restart_ends_the_run_naming_it(tmp_path):
-    """The run's own engine (a stand-in that logs vLLM's head-dim error and exits 0 a second after each start): the
-    launcher restarts it once, sees the same error again and ends the run with exit 78 naming it, although the
-    engine role's budget would allow more restarts."""
+def launch_with_fake_engine(tmp_path: Path, mode: str, failure_policy: dict, **env):
+    """`trainingrun run` with stand-in rollout and trainers (test_local_launcher's FAKE_CHILD, `mode`) and a
+    stand-in vLLM server (FAKE_VLLM) as the run's own engine."""
     from tests.integration.test_local_launcher import FAKE_CHILD, finish
 
     fake = tmp_path / "fake_child.py"
@@ -554,21 +563,41 @@ def test_a_replica_failing_with_the_same_error_after_its_restart_ends_the_run_na
         "sampling": {"maxNewTokens": 4}, "reward": {"type": "function", "function": "m:f"}}},
         "engine": {"type": "vllm", "vllm": {"maxModelLen": 64}}}
     spec["weightSync"] = {"type": "disk"}
-    spec["failurePolicy"] = {"maxRestarts": 0, "backoffSeconds": 0, "roles": {"engine": {"maxRestarts": 5}}}
+    spec["failurePolicy"] = failure_policy
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(doc))
     out = tmp_path / "run"
     env = {**__import__("os").environ, "TRAININGRUN_CHILD_COMMAND": shlex.join([sys.executable, str(fake)]),
-           "FAKE_MODE": "sleep", "TRAININGRUN_VLLM_PYTHON": str(engine)}
+           "FAKE_MODE": mode, "TRAININGRUN_VLLM_PYTHON": str(engine), **env}
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "trainingrun", "run", str(path), "--out", str(out),
                              "--grace-seconds", "1", "--progress-interval", "0.2", "--no-plot"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     code, stdout, stderr = finish(proc, timeout=120)
-    assert code == 78, stdout[-3000:] + stderr[-3000:]
-    assert time.monotonic() - t0 < 60
-    summary = json.loads((out / "summary.json").read_text())
+    return code, stdout + stderr, json.loads((out / "summary.json").read_text()), time.monotonic() - t0
+
+
+def test_a_replica_failing_with_the_same_error_after_its_restart_ends_the_run_naming_it(tmp_path):
+    """The run's own engine (a stand-in that logs vLLM's head-dim error and exits 0 a second after each start): the
+    launcher restarts it once, sees the same error again and ends the run with exit 78 naming it, although the
+    engine role's budget would allow more restarts."""
+    code, log, summary, wall = launch_with_fake_engine(
+        tmp_path, "sleep", {"maxRestarts": 0, "backoffSeconds": 0, "roles": {"engine": {"maxRestarts": 5}}})
+    assert code == 78 and wall < 60, log[-4000:]
     reason = summary["failure"]["reason"]
     assert "engine-0 failed with the same error again after its restart" in reason, summary["failure"]
     assert "RuntimeError: Unsupported CPU attention configuration: head_dim=16" in reason
     assert summary["role_restarts"] == {"engine": 1}
+
+
+def test_a_failed_rollout_is_reported_with_the_engines_own_error(tmp_path):
+    """The rollout fails (as it does when its pool saw every engine fail: the engines' HTTP answers name no cause)
+    while the run's own engine logged its error: the run's failure names the engine's error from its log."""
+    code, log, summary, _ = launch_with_fake_engine(
+        tmp_path, "rollout-always", {"maxRestarts": 0, "backoffSeconds": 0, "roles": {"rollout": {"maxRestarts": 0}}},
+        FAKE_VLLM_STAYS="1")
+    assert code == 1, log[-4000:]
+    failure = summary["failure"]
+    assert failure["process"] == "rollout", failure
+    assert ("engine error (engine-0: RuntimeError: Unsupported CPU attention configuration: head_dim=16"
+            in failure["reason"]), failure

@@ -334,7 +334,7 @@ def engine_problems(spec: Any, arch: Any) -> list[Problem]:
         return []
     where = "spec.model.hf" if spec.model.hf is not None else "spec.model"
     return [Problem(tuple(where.split(".")),
-                    f"head dimension {arch.head_dim} (hidden size {arch.hidden_size} / {arch.num_attention_heads} "
-                    f"heads): vLLM's CPU attention (rollout.engine.vllm.gpus 0) takes only head dimensions "
+                    f"head dimension {arch.head_dim} (hidden size {arch.hidden_size}, {arch.num_attention_heads} "
+                    f"attention heads): vLLM's CPU attention (rollout.engine.vllm.gpus 0) takes only head dimensions "
                     f"{', '.join(map(str, VLLM_CPU_HEAD_DIMS))}; choose such a model, or give the engine GPUs "
                     "(rollout.engine.vllm.gpus)")]
