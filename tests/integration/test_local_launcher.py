@@ -397,7 +397,7 @@ def test_the_runs_vllm_server_restarts_alone_on_the_engine_budget(tmp_path, fake
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 4, "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 256,
         "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}))
     engine = tmp_path / "fake-vllm"
