@@ -122,7 +122,7 @@ def sticky(args) -> dict:
     rows = {}
     engines = Engines(args.engines, args)
     try:
-        for mode in ("least-loaded", "sticky"):
+        for mode in ("least-loaded", "sticky") if args.mode == "both" else (args.mode,):
             pool = engines.pool(args.concurrency)
             runs = []
             for rep in range(args.repeats):
@@ -140,6 +140,9 @@ def sticky(args) -> dict:
                           "prefix_hit_rate": statistics.median(r["prefix_hit_rate"] for r in runs)}
     finally:
         engines.close()
+    if len(rows) < 2:
+        emit({"part": "sticky", "engines": args.engines, **rows})
+        return rows
     summary = {"part": "sticky", "engines": args.engines, "least_loaded": rows["least-loaded"],
                "sticky": rows["sticky"], "tok_s_ratio": rows["sticky"]["tok_s"] / rows["least-loaded"]["tok_s"]}
     emit(summary)
@@ -254,6 +257,8 @@ def parse(argv=None) -> argparse.Namespace:
     s.add_argument("--task", type=int, default=64, help="tokens of each episode's own task")
     s.add_argument("--observation", type=int, default=64, help="tokens of each observation")
     s.add_argument("--concurrency", type=int, default=64)
+    s.add_argument("--mode", choices=("both", "sticky", "least-loaded"), default="both",
+                   help="both, or one (one whole process per mode)")
     s.add_argument("--waits", default="0,0.5,2", help="sticky-wait: seconds to try")
     s.add_argument("--wait-concurrency", type=int, default=8, help="sticky-wait: the fixed limit that makes waits")
     a = ap.add_argument_group("adaptive")

@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.integration.test_local_launcher import FAKE_VLLM_HEALTH
 from tests.simengine import SimProcess, publish_disk_version
 from trainingrun.contract.engine import DeterministicEngineError, GroupRequest, Sampling
 from trainingrun.engines import pool as pool_mod
@@ -501,21 +502,7 @@ def test_a_server_that_is_up_but_no_longer_serves_is_killed_and_reported_with_it
         server.close()
 
 
-FAKE_VLLM = r'''
-import http.server, os, sys, threading, time
-args = sys.argv[1:]
-port = int(args[args.index("--port") + 1])
-
-
-class Health(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200)
-        self.end_headers()
-        self.wfile.write(b"ok")
-
-    def log_message(self, *a):
-        pass
-
+FAKE_VLLM = FAKE_VLLM_HEALTH + r'''
 
 def engine_error():
     print("(Worker pid=1) ERROR 12-03 23:26:04 [multiproc_executor.py:1063] Traceback (most recent call last):",
@@ -528,8 +515,7 @@ def engine_error():
 stays = os.environ.get("FAKE_VLLM_STAYS")  # logs the error before it is healthy, then goes on answering /health
 if stays:
     engine_error()
-threading.Thread(target=http.server.ThreadingHTTPServer(("127.0.0.1", port), Health).serve_forever,
-                 daemon=True).start()
+serve()
 if stays:
     time.sleep(600)
 time.sleep(1.0)
@@ -541,31 +527,11 @@ os._exit(0)
 def launch_with_fake_engine(tmp_path: Path, mode: str, failure_policy: dict, **env):
     """`trainingrun run` with stand-in rollout and trainers (test_local_launcher's FAKE_CHILD, `mode`) and a
     stand-in vLLM server (FAKE_VLLM) as the run's own engine."""
-    from tests.integration.test_local_launcher import FAKE_CHILD, finish
+    from tests.integration.test_local_launcher import FAKE_CHILD, finish, vllm_run
 
     fake = tmp_path / "fake_child.py"
     fake.write_text(FAKE_CHILD)
-    engine = tmp_path / "fake-vllm"
-    engine.write_text(f"#!{sys.executable}\n{FAKE_VLLM}")
-    engine.chmod(0o755)
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 128, "num_attention_heads": 4,
-        "num_key_value_heads": 4, "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 256,
-        "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}))
-    doc = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
-    spec = doc["spec"]
-    spec["model"] = {"hf": str(model), "seqLength": 64}
-    spec["trainer"] = {**spec["trainer"], "lossType": "ppo"}
-    spec["rollout"] = {**spec["rollout"], "numRollouts": 3, "source": {"type": "generate", "generate": {
-        "prompts": {"type": "synthetic", "synthetic": {"task": "copy", "minLength": 2, "maxLength": 2}},
-        "sampling": {"maxNewTokens": 4}, "reward": {"type": "function", "function": "m:f"}}},
-        "engine": {"type": "vllm", "vllm": {"maxModelLen": 64}}}
-    spec["weightSync"] = {"type": "disk"}
-    spec["failurePolicy"] = failure_policy
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(doc))
+    path, engine = vllm_run(tmp_path, FAKE_VLLM, failure_policy)
     out = tmp_path / "run"
     env = {**__import__("os").environ, "TRAININGRUN_CHILD_COMMAND": shlex.join([sys.executable, str(fake)]),
            "FAKE_MODE": mode, "TRAININGRUN_VLLM_PYTHON": str(engine), **env}

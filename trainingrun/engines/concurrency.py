@@ -8,8 +8,8 @@ The rule, at each reading (the engine counts requests as it runs them — vLLM o
 request of n samples: only the engine's own ratios are used):
   * over — the engine queues more than WAITING_SLACK of what it runs, or it preempted requests since the last reading
     (its KV cache overflowed): trim to the share of our requests it runs, plus HEADROOM so a request is always there
-    when one finishes: limit = ceil(in flight × running / (running + waiting) × (1 + HEADROOM)), at most × TRIM_AT_MOST
-    (never below TRIM_FLOOR of the old limit in one reading), and × PREEMPT_TRIM after preemptions with nothing queued;
+    when one finishes: limit = ceil(in flight × running / (running + waiting) × (1 + HEADROOM)), never below
+    TRIM_FLOOR of the old limit in one reading; after preemptions with nothing queued, × PREEMPT_TRIM;
   * room — nothing queued, the KV cache below KV_GROW, and the limit is what held requests back (requests were
     waiting in the pool while the replica was at its limit): grow by GROW;
   * otherwise hold.

@@ -12,8 +12,8 @@ request's, so a prompt is answered exactly once even when it was re-sent.
 Sticky routing: a request with an affinity (`GroupRequest.affinity`: an episode, a conversation) goes to the replica
 that served the affinity's previous request while that replica is live (not stalled, not out of the pool), whose
 prefix cache holds the conversation so far; at its limit the request waits up to the pool's `sticky_wait` seconds
-for room there (other requests go ahead of it), then goes to the least loaded replica, which the affinity follows
-from then on. The affinity table (`AffinityTable`) forgets the least recently used beyond AFFINITY_CAPACITY
+for room there (other requests go ahead of it; default 0: no wait, measured best in benchmarks/engine_pool.py
+sticky-wait), then goes to the least loaded replica, which the affinity follows from then on. The affinity table (`AffinityTable`) forgets the least recently used beyond AFFINITY_CAPACITY
 entries, and what the caller releases (`EnginePool.release`, episodes that ended).
 
   * A replica whose request fails with `EngineUnavailable` (the server died, restarts, its engine is dead) is taken

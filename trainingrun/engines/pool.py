@@ -22,7 +22,8 @@ replica's in-flight limit (`concurrency`: a fixed number, or "auto": an `Adaptiv
 AUTO_LOW and AUTO_HIGH, starting at DEFAULT_CONCURRENCY), the affinity table (`release` forgets ended
 conversations), each replica's counters (`engine_counts`: prefix-cache queries and hits from the engine's own
 counters, requests in flight over time, its limit), and the engine errors it answered with (`_fault`: the same
-error from every replica, or from one each time it came back, is a `DeterministicEngineError`).
+error from every replica, or from one each time it came back — FAULT_REPEATS returns — while no other serves, is a
+`DeterministicEngineError`; with others serving that one is left out of the pool for good, `Replica.broken`).
 
 Weights (`load_weights(version)`): `fetch(version)` says where the version is (an HF directory for `disk`, trainer
 rank 0's address for `broadcast`: the version's meta); every replica loads it in parallel (`ReplicaAdapter.load`;
@@ -78,7 +79,7 @@ __all__ = ["DEFAULT_CONCURRENCY", "LOADING", "MAX_RECOVERIES", "Answer", "Engine
 
 DEFAULT_CONCURRENCY = 64  # a fixed limit's default, and where an adaptive one starts
 AUTO_LOW, AUTO_HIGH = 4, 4096  # bounds of an adaptive limit (AUTO_HIGH: the API's largest fixed number)
-STICKY_WAIT = 0.5  # seconds a request waits for room at its affinity's replica (benchmarks/engine_pool.py --sticky)
+STICKY_WAIT = 0.0  # seconds a request waits for room at its affinity's replica: none (benchmarks/engine_pool.py sticky-wait)
 FAULT_REPEATS = 2  # a replica that came back and failed with the same engine error this often: deterministic
 LOAD_REPORT_SECONDS = 30.0
 
