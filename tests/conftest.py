@@ -31,7 +31,8 @@ if sys.version_info < (3, 13):
 # (xdist's own --dist loadgroup could not do it: with pytest 9.2 its group suffix never reaches the node ids, so
 # every test was scheduled alone and both workers started vLLM servers.)
 SHARED_SCOPES = {f"tests/integration/{m}.py": "vllm"
-                 for m in ("test_vllm", "test_vllm_e2e", "test_vllm_episodes", "test_vllm_oversampling")}
+                 for m in ("test_vllm", "test_vllm_e2e", "test_vllm_episodes", "test_vllm_oversampling",
+                           "test_vllm_failfast")}
 SESSION_FIXTURES = {"vllm": "vllm", "tiny_llama_dir": "vllm"}  # a session fixture -> the scope of its tests
 
 

@@ -259,10 +259,10 @@ def run_vllm_python(python: str, *args: str, timeout: float = 300) -> str:
 
 
 def make_tiny_llama(python: str, out: Path, *, seed: int = 0, perturb_from: Path | None = None,
-                    scale: float = 0.5) -> Path:
+                    scale: float = 0.5, hidden: int = 128) -> Path:
     """A tiny random Llama HF directory made by `transformers` (tests/tiny_llama.py); `perturb_from`: its weights
-    plus seeded noise (new weights for weight-sync tests)."""
-    args = [str(TINY_LLAMA), str(out), "--seed", str(seed)]
+    plus seeded noise (new weights for weight-sync tests); `hidden` 64: head_dim 16."""
+    args = [str(TINY_LLAMA), str(out), "--seed", str(seed), "--hidden", str(hidden)]
     if perturb_from is not None:
         args += ["--perturb-from", str(perturb_from), "--scale", str(scale)]
     run_vllm_python(python, *args)

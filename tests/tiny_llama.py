@@ -8,6 +8,7 @@ comma-separated), the fp32 `transformers` log-probabilities of the sequence (log
 the reference an engine's logprobs are compared with.
 
 Sizes: vLLM's CPU attention needs head_dim in {32, 64, 80, ...}: hidden 128 with 4 heads (2 KV heads) gives 32.
+`--hidden 64` gives head_dim 16, a model vLLM's CPU attention refuses at its first request (tests of that failure).
 Vocabulary: 512 word-level tokens "<pad>" 0, "<sep>" 1, "</s>" 2, "t3" ... "t511" (the synthetic tasks' ids).
 """
 
@@ -33,12 +34,12 @@ def make_tokenizer(out: Path) -> None:
                             unk_token="<pad>").save_pretrained(out)
 
 
-def make_model(out: Path, seed: int, tied: bool) -> None:
+def make_model(out: Path, seed: int, tied: bool, hidden: int = 128) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                       rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied, bos_token_id=1,
                       eos_token_id=2, pad_token_id=0, initializer_range=0.2)
@@ -74,6 +75,7 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tied", action="store_true")
+    p.add_argument("--hidden", type=int, default=128, help="hidden size (4 heads, 2 KV heads)")
     p.add_argument("--perturb-from")
     p.add_argument("--scale", type=float, default=0.5)
     p.add_argument("--logprobs", help="write the reference logprobs of --tokens under model OUT here")
@@ -89,7 +91,7 @@ def main() -> None:
         perturb(Path(a.perturb_from), out, a.seed, a.scale)
     else:
         make_tokenizer(out)
-        make_model(out, a.seed, a.tied)
+        make_model(out, a.seed, a.tied, a.hidden)
 
 
 if __name__ == "__main__":

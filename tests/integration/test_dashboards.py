@@ -164,6 +164,11 @@ def test_run_dashboard_covers_the_issue_panels():
                  "clip_fraction", "dual_clip_fraction", "seq_clip_fraction", "entropy", "entropy_bonus"):
         assert f"sum(rate(trainingrun_trainer_{name}_sum" in exprs, name
     assert "max(trainingrun_trainer_correction_weight_max{" in exprs
+    # the engine pool (issue 30): prefix-cache hit rate and requests in flight per engine
+    assert "sum by (engine) (rate(trainingrun_rollout_engine_prefix_cache_hits_total{" in exprs
+    assert "sum by (engine) (rate(trainingrun_rollout_engine_prefix_cache_queries_total{" in exprs
+    assert "max by (engine) (trainingrun_rollout_engine_inflight{" in exprs
+    assert "max by (engine) (trainingrun_rollout_engine_concurrency{" in exprs
     overview = " ".join(e for _, e in targets(dashboards()["overview.json"]))
     for metric in ("trainingrun_operator_reconcile_seconds_bucket", "trainingrun_operator_errors_total"):
         assert metric in overview, metric

@@ -296,3 +296,47 @@ def test_the_token_cap_truncates_an_episode_within_it(tmp_path):
         for tokens, mask, logps in samples(pl):
             assert len(tokens) <= 40
             check_sample(tokens, mask, logps, engine.pairs())
+
+
+class StickyScriptedEngine(ScriptedEngine):
+    """The scripted engine as an engine of several replicas (`contract.engine.AffinityEngine`): records the affinity of
+    every context it is asked for, and what is released."""
+
+    def __init__(self, store, script):
+        super().__init__(store, script)
+        self.asked: list[tuple[str, list[int]]] = []
+        self.released: list[str] = []
+
+    def generate(self, prompts, n, sampling, *, affinities=None):
+        assert affinities is not None and len(affinities) == len(prompts)
+        self.asked += [(a, [int(t) for t in p]) for a, p in zip(affinities, prompts)]
+        return super().generate(prompts, n, sampling)
+
+    def release(self, affinities):
+        self.released += list(affinities)
+
+
+def test_every_turn_of_an_episode_carries_its_prompts_affinity_and_ends_released(tmp_path):
+    """With an engine pool the episodes of one prompt share one affinity key (their first turn is one request; their
+    later turns go where the prompt and their own turns are cached): each key's contexts all extend that prompt's
+    first context, a later turn's context extends an earlier one of its episode, and every key is released once the
+    rollout's episodes ended."""
+    from trainingrun.contract.engine import AffinityEngine
+
+    texts = [f"p{k}" * (1 + k % 3) for k in range(8)]
+    spec = parse_trainingrun(spec_doc(write_prompts(tmp_path / "prompts.jsonl", texts),
+                                      {"type": "class", "className": "tests.envs_fixture:Echo"})).spec
+    store = open_store(f"file://{tmp_path}/store")
+    publish_versions(store, range(10))
+    engine = StickyScriptedEngine(store, talkative)
+    assert isinstance(engine, AffinityEngine)
+    loop(spec, store, engine).run()
+    by_key: dict[str, list[list[int]]] = {}
+    for key, ctx in engine.asked:
+        by_key.setdefault(key, []).append(ctx)
+    assert len(by_key) == 2 * 4  # numRollouts × prompts per rollout: one key per prompt of each call
+    for key, contexts in by_key.items():
+        first = contexts[0]
+        assert all(c[:len(first)] == first for c in contexts), key  # one prompt's episodes
+        assert max(len(c) for c in contexts) > len(first)  # and their later turns
+    assert sorted(engine.released) == sorted(by_key)  # every key released, none twice

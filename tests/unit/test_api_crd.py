@@ -309,6 +309,7 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
                                                 {"samplesPerRollout": 8, "groupSize": 1}),
     ("rollout.engine", "replicas-of-own-servers"): ({"type": "vllm", "url": "http://a:8000,http://b:8000"},
                                                     {"type": "vllm", "url": "http://a:8000", "replicas": 2}),
+    ("rollout.engine.vllm", "concurrency-auto-or-bounded"): ({"concurrency": 8}, {"concurrency": 0}),
     ("store", "url-or-managed"): ({"url": "redis://r:6379/0"}, {"url": "redis://r:6379/0", "managed": True}),
     ("failurePolicy.rules[items]", "restart-role-names-a-role"): (
         {"roles": ["rollout", "engine"], "action": "RestartRole"}, {"roles": ["trainer"], "action": "RestartRole"}),
@@ -349,7 +350,7 @@ MODEL_OF = {
     "trainer.performance.recompute": RecomputeSpec,
     "rollout.source.synthetic": SyntheticSource, "rollout.source": SourceSpec,
     "rollout.steps": StepPolicy, "rollout": RolloutSpec, "store": StoreSpec,
-    "rollout.engine": EngineSpec,
+    "rollout.engine": EngineSpec, "rollout.engine.vllm": VLLMSettings,
     "podTemplate": PodTemplateOverrides, "rollout.source.generate.prompts": PromptsSpec,
     "rollout.source.generate.prompts.synthetic": SyntheticPrompts,
     "rollout.source.generate.reward": RewardSpec, "": models.TrainingRunSpec,
@@ -430,6 +431,23 @@ def test_cel_rule_passes_and_fails_like_its_python_twin(path, name):
     with pytest.raises(ValidationError) as err:
         model.model_validate(copy.deepcopy(bad))
     assert model.cel_rule(name).message in str(err.value)
+
+
+@pytest.mark.parametrize("value,admitted", [("auto", True), (1, True), (4096, True), (0, False), (4097, False),
+                                            ("fast", False), ("64", False)])
+def test_engine_concurrency_is_auto_or_a_bounded_integer(value, admitted):
+    """rollout.engine.vllm.concurrency is int-or-string in the CRD: its CEL rule and the model admit exactly 'auto'
+    and 1..4096; unset, it defaults to auto."""
+    schema = node_at(spec_schema(), "rollout.engine.vllm")
+    assert schema["properties"]["concurrency"].get("x-kubernetes-int-or-string") is True
+    assert apply_defaults({}, schema)["concurrency"] == "auto" and VLLMSettings().concurrency == "auto"
+    rule = VLLMSettings.cel_rule("concurrency-auto-or-bounded").rule
+    assert evaluate_rule(rule, apply_defaults({"concurrency": value}, schema), schema) is admitted
+    if admitted:
+        assert VLLMSettings.model_validate({"concurrency": value}, strict=True).concurrency == value
+    else:
+        with pytest.raises(ValidationError):
+            VLLMSettings.model_validate({"concurrency": value}, strict=True)
 
 
 def test_number_fields_are_doubles_in_cel():

@@ -180,3 +180,41 @@ def test_run_refuses_too_many_trainers_for_fixed_steps_before_starting_anything(
     assert proc.returncode == 1, proc.stderr
     assert ": spec.rollout.steps.globalBatchSize: " in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not out.exists()
+
+
+def _hf_dir(tmp_path: Path, hidden: int, heads: int) -> Path:
+    import json
+
+    d = tmp_path / f"model-{hidden}-{heads}"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": 2 * hidden, "num_attention_heads": heads, "num_key_value_heads": heads,
+        "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0}))
+    return d
+
+
+@pytest.mark.parametrize("hidden,heads,gpus,url,refused", [
+    (64, 4, 0, None, True),  # head_dim 16: vLLM's CPU attention refuses it at the first request
+    (128, 4, 0, None, False),  # head_dim 32
+    (64, 4, 1, None, False),  # the engine has GPUs
+    (64, 4, 0, "http://vllm:8000", False),  # the user's servers: their hardware is not the spec's to know
+])
+def test_validate_refuses_a_head_dim_the_run_s_own_cpu_engines_cannot_run(tmp_path, hidden, heads, gpus, url,
+                                                                         refused):
+    engine = {"type": "vllm", "vllm": {"gpus": gpus}, **({"url": url} if url else {})}
+    doc = tiny_with({"model": {"hf": str(_hf_dir(tmp_path, hidden, heads)), "seqLength": 64},
+                     "trainer": {"lossType": "ppo"},
+                     "rollout": {"source": {"type": "generate", "generate": {
+                         "prompts": {"type": "synthetic"}, "reward": {"type": "token_match"}}},
+                         "engine": engine},
+                     "weightSync": {"type": "disk"}})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    lines = validate_text(path.read_text(), str(path))
+    if not refused:
+        assert lines == []
+        return
+    (line,) = lines
+    assert ": spec.model.hf: head dimension 16" in line and "32, 64, 80" in line and "rollout.engine.vllm.gpus" in line

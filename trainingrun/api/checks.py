@@ -16,6 +16,7 @@ import json
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -24,6 +25,7 @@ from trainingrun.api.constants import API_VERSION, KIND
 from trainingrun.api.crd import spec_schema
 from trainingrun.api.memory import plan_problems
 from trainingrun.api.models import parse_trainingrun
+from trainingrun.api.spec.engine import VLLM_CPU_HEAD_DIMS
 from trainingrun.api.yamlcodec import dotted
 from trainingrun.modeling.architecture import check_parallel
 
@@ -311,11 +313,16 @@ def memory_problems(run: Any) -> list[Problem]:
 
 
 def _architecture_problems(run: Any) -> list[Problem]:
-    """The parallel sizes against the model (`modeling.architecture.check_parallel`, which every trainer applies at
-    start-up too): here for a model the spec resolves by itself (a preset or explicit sizes; a model.hf directory is
-    read by the trainers). Not CEL: presets are tables the API server does not have."""
+    """The rules that need the resolved model: the parallel sizes against it (`modeling.architecture.check_parallel`,
+    which every trainer applies at start-up too), and the head dimension the run's own vLLM engines on CPUs take
+    (`engine_problems`). Here for a model the spec resolves by itself (a preset or explicit sizes) and for a
+    `model.hf` directory whose config.json is readable here (`trainingrun validate` and the launcher run where the
+    model is; elsewhere — the operator — it is checked where it is read). Not CEL: presets and config.json are
+    what the API server does not have."""
+    model = run.spec.model
+    readable = model.hf is not None and (Path(model.hf) / "config.json").is_file()
     try:
-        arch = run.spec.model.resolved(read_hf=False)
+        arch = model.resolved(read_hf=readable)
     except ValueError:
         return []  # reported where the model is resolved (the trainer, the operator's checks)
     if arch is None:
@@ -326,4 +333,20 @@ def _architecture_problems(run: Any) -> list[Problem]:
     except ValueError as exc:
         field, _, message = str(exc).partition(": ")
         return [Problem(("spec", *field.split(".")), message)]
-    return []
+    return engine_problems(run.spec, arch)
+
+
+def engine_problems(spec: Any, arch: Any) -> list[Problem]:
+    """The run's own vLLM servers without GPUs run vLLM's CPU attention, which takes only the head dimensions of
+    `VLLM_CPU_HEAD_DIMS`: another model loads, then kills the engine at its first request (docs/vllm.md)."""
+    e = spec.rollout.engine
+    if spec.rollout.source.type != "generate" or e.type != "vllm" or e.url is not None or e.vllm.gpus > 0:
+        return []
+    if arch.head_dim in VLLM_CPU_HEAD_DIMS:
+        return []
+    where = "spec.model.hf" if spec.model.hf is not None else "spec.model"
+    return [Problem(tuple(where.split(".")),
+                    f"head dimension {arch.head_dim} (hidden size {arch.hidden_size}, {arch.num_attention_heads} "
+                    f"attention heads): vLLM's CPU attention (rollout.engine.vllm.gpus 0) takes only head dimensions "
+                    f"{', '.join(map(str, VLLM_CPU_HEAD_DIMS))}; choose such a model, or give the engine GPUs "
+                    "(rollout.engine.vllm.gpus)")]

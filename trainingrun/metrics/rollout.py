@@ -2,7 +2,8 @@
 
 The `trainingrun_rollout_*` families (names and help: `names.ROLLOUT`, `names.ROLLOUT_WEIGHTED`), label `run` on
 every one: what the source produced and the filters dropped, generated rollouts' rewards, tokens and waits, groups
-aborted and each engine's last weight-sync seconds, multi-turn episodes (weighted (sum, count) pairs: turns and tool
+aborted and each engine's last weight-sync seconds, prefix-cache queries and hits, requests in flight and in-flight
+limit (label engine), multi-turn episodes (weighted (sum, count) pairs: turns and tool
 calls per episode, tool error rate, ...; failures by reason), what was published, the schedule's imbalance and the
 publish latency, the rollouts pending. Served on `TRAININGRUN_METRICS_PORT` by `trainingrun rollout`
 (`trainingrun.rollout.main`); the trainer's counterpart is `exporter.TrainerExporter`.
@@ -38,6 +39,10 @@ class RolloutMetrics:
         self.weight_wait_seconds = mk(Counter, "trainingrun_rollout_weight_wait_seconds").labels(run)
         self.weight_version = mk(Gauge, "trainingrun_rollout_weight_version").labels(run)
         self.engine_sync_seconds = mk(Gauge, "trainingrun_rollout_engine_weight_sync_seconds", ["engine"])
+        self.prefix_queries = mk(Counter, "trainingrun_rollout_engine_prefix_cache_queries", ["engine"])
+        self.prefix_hits = mk(Counter, "trainingrun_rollout_engine_prefix_cache_hits", ["engine"])
+        self.engine_inflight = mk(Gauge, "trainingrun_rollout_engine_inflight", ["engine"])
+        self.engine_concurrency = mk(Gauge, "trainingrun_rollout_engine_concurrency", ["engine"])
         # multi-turn episodes: weighted (sum, count) pairs (names.ROLLOUT_WEIGHTED) and failures by reason
         self.episodes = WeightedCollector(ROLLOUT_WEIGHTED, {"run": run}, "rollout")
         self.registry.register(self.episodes)
@@ -65,6 +70,11 @@ class RolloutMetrics:
         self.weight_version.set(gen.weight_version)
         for engine, seconds in gen.sync_seconds.items():
             self.engine_sync_seconds.labels(self.run, engine).set(seconds)
+        for engine, c in gen.engines.items():  # `contract.engine.EngineCounts`: this rollout's share
+            self.prefix_queries.labels(self.run, engine).inc(max(c.prefix_queries, 0.0))
+            self.prefix_hits.labels(self.run, engine).inc(max(c.prefix_hits, 0.0))
+            self.engine_inflight.labels(self.run, engine).set(c.inflight)
+            self.engine_concurrency.labels(self.run, engine).set(c.concurrency)
         if gen.groups_aborted:
             self.groups.labels(self.run, "aborted").inc(gen.groups_aborted)
         if gen.episodes is not None:

@@ -26,6 +26,12 @@ An episode ends
               maxObservationTokens is `oversized`): reward failedReward, its tokens so far train as they are.
 The episode's reward is the sum of its per-turn rewards (`episodeReward: sum`) or the last one (`final`).
 
+Sticky routing: with an engine of several replicas (`contract.engine.AffinityEngine`, the engine pool) every request
+of an episode carries its group's affinity (`env<runner>-<call>-g<group>`), so an episode's turns go to the replica
+that served its previous turn, whose prefix cache holds the conversation; the episodes of one prompt share the key:
+they share the prompt (their first turn is one request) and their turns then hit the same cache. The keys are
+released when the call's episodes ended.
+
 Samples (`samples`): one per episode (default: the whole token sequence, loss mask on the model's turns), or one per
 turn (the turn's context, unmasked, then the turn): all with the episode's reward, so a group holds a variable number
 of samples; the scheduler counts them and never splits a group. Sample ids: episode i of group g is g·n + i; turn t of
@@ -41,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from trainingrun.contract.engine import Engine, Sampling
+from trainingrun.contract.engine import AffinityEngine, Engine, Sampling
 from trainingrun.contract.errors import ConfigError
 from trainingrun.contract.published import EpisodeCounts
 from trainingrun.rollout.environments.base import StepResult, environment_path
@@ -254,6 +260,7 @@ class EpisodeRunner:
         self.pool.start()
         self.stats: dict[str, float] = {"engine_calls": 0, "env_seconds": 0.0, "generate_seconds": 0.0}
         self.messages: list[str] = []  # the first few failures of the last run
+        self._runs = 0  # calls of `run` so far: part of the episodes' affinity keys
 
     def close(self) -> None:
         self.pool.close()
@@ -264,18 +271,27 @@ class EpisodeRunner:
         """groupSize (`n`) episodes of every prompt, in prompt order; `sampling` is each turn's (its max_new_tokens
         lowered to the room left), its seed varied per turn and call from `seed`."""
         self.messages = []
+        self._runs += 1
         episodes = [Episode(key=j * n + i, group=j, member=i) for j in range(len(prompts)) for i in range(n)]
         self._reset(episodes, prompts, seed, dataset)
         turn = 0
-        while True:
-            running = [e for e in episodes if e.end is None]
-            if not running:
-                break
-            stepped = self._turn(engine, running, sampling, seed, turn)
-            self._step(stepped)
-            turn += 1
+        try:
+            while True:
+                running = [e for e in episodes if e.end is None]
+                if not running:
+                    break
+                stepped = self._turn(engine, running, sampling, seed, turn)
+                self._step(stepped)
+                turn += 1
+        finally:
+            if isinstance(engine, AffinityEngine):
+                engine.release(self._affinity(j) for j in range(len(prompts)))
         self.pool.release([e.key for e in episodes])
         return [episodes[j * n:(j + 1) * n] for j in range(len(prompts))]
+
+    def _affinity(self, group: int) -> str:
+        """The affinity key of a prompt's episodes in this call (module docstring)."""
+        return f"env{id(self):x}-{self._runs}-g{group}"
 
     def _reset(self, episodes: list[Episode], prompts: Sequence[Prompt], seed: int,
                dataset: dict[str, Any] | None) -> None:
@@ -321,7 +337,11 @@ class EpisodeRunner:
             s = replace(sampling, max_new_tokens=max_new,
                         seed=int(np.random.SeedSequence([seed, turn, c, 0x7A]).generate_state(1)[0]))
             t0 = time.perf_counter()
-            completions = engine.generate([ctx for ctx, _ in items], count, s)
+            if isinstance(engine, AffinityEngine):  # each episode's turns to the replica of its previous turn
+                completions = engine.generate([ctx for ctx, _ in items], count, s,
+                                              affinities=[self._affinity(eps[0].group) for _, eps in items])
+            else:
+                completions = engine.generate([ctx for ctx, _ in items], count, s)
             self.stats["generate_seconds"] += time.perf_counter() - t0
             self.stats["engine_calls"] += 1
             for (_ctx, eps), comps in zip(items, completions):

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from trainingrun.contract.engine import Completion, Engine, GroupedEngine, GroupRequest, Sampling
+from trainingrun.contract.engine import Completion, Engine, EngineCounts, GroupedEngine, GroupRequest, Sampling
 from trainingrun.contract.errors import ConfigError
 from trainingrun.contract.published import EpisodeCounts
 from trainingrun.engines.table import make_engine
@@ -81,6 +81,7 @@ class GenerateStats:
     partials_continued: int = 0  # carried cut groups continued in this one
     partials_dropped: int = 0  # carried cut groups dropped: older than the staleness bound (staleTokens drop)
     sync_seconds: dict[str, float] = field(default_factory=dict)  # each engine's last weight load
+    engines: dict[str, EngineCounts] = field(default_factory=dict)  # each engine's share of this generation
     episodes: EpisodeCounts | None = None  # with an environment
 
 
@@ -182,6 +183,18 @@ class GenerateSource:
         return self._blocks[block][offset]
 
     def generate(self, prompts: list[Prompt] | StreamDraw, rollout: int) -> list[SampleGroup]:
+        before = self._engine_counts()
+        groups = self._generate(prompts, rollout)
+        self.stats.engines = {name: c.minus(before[name]) if name in before else c
+                              for name, c in self._engine_counts().items()}
+        return groups
+
+    def _engine_counts(self) -> dict[str, EngineCounts]:
+        """Each engine replica's counters (the engine pool's `engine_counts`; none for an in-process engine)."""
+        read = getattr(self.engine, "engine_counts", None)
+        return read() if read is not None else {}
+
+    def _generate(self, prompts: list[Prompt] | StreamDraw, rollout: int) -> list[SampleGroup]:
         if isinstance(prompts, StreamDraw):
             return self.generate_stream(prompts, rollout)
         version = required_version(rollout, self.lag)

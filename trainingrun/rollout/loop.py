@@ -331,6 +331,7 @@ class RolloutLoop:
             groups_aborted=getattr(gen, "groups_aborted", 0), partials_carried=getattr(gen, "partials_carried", 0),
             partials_dropped=getattr(gen, "partials_dropped", 0), tokens_masked=masked,
             episodes=gen.episodes if gen is not None else None,
+            engines=dict(getattr(gen, "engines", {}) or {}),
         )
 
     def resume(self) -> tuple[RolloutState, bool]:

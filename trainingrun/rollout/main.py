@@ -3,8 +3,10 @@
 Environment (`trainingrun.contract.env.ProcessEnv`, written by trainingrun/plan.py): TRAININGRUN_CONFIG,
 TRAININGRUN_STORE_URL, TRAININGRUN_RUN, TRAININGRUN_ATTEMPT, TRAININGRUN_METRICS_PORT (metrics:
 `trainingrun.metrics.rollout`). Exit codes: 0 done, 1 store or runtime error (an engine pool with no live engine
-included: one line naming the engines and their last errors), 78 (EXIT_CONFIG_ERROR) configuration error or a
-published weight version the engine refused (damaged or changed after publishing: one line naming it).
+included: one line naming the engines and their last errors), 78 (EXIT_CONFIG_ERROR) configuration error, a
+published weight version the engine refused (damaged or changed after publishing: one line naming it), or engines
+that fail deterministically (every engine with the same error, or one again after each restart: one line with the
+engine's own message).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 
 from trainingrun.api import load_trainingrun
 from trainingrun.cliargs import positive_seconds
-from trainingrun.contract.engine import EngineUnavailable, WeightsRefused
+from trainingrun.contract.engine import DeterministicEngineError, EngineUnavailable, WeightsRefused
 from trainingrun.contract.env import CONFIG_ENV, METRICS_PORT_ENV, STORE_URL_ENV, ProcessEnv
 from trainingrun.contract.errors import EXIT_CONFIG_ERROR, ConfigError, StoreError
 from trainingrun.rollout.loop import RolloutLoop, RolloutResult, run_rollout
@@ -91,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
     except WeightsRefused as exc:  # a committed version never changes: no restart can help
         print(f"error: the engine refused a published weight version: {exc}; not restarting (a committed version "
               "is never republished)", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    except DeterministicEngineError as exc:  # the engines' own error, the same everywhere: no restart can help
+        print(f"error: engine: {exc}; not restarting (a restart meets the same error)", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     except EngineUnavailable as exc:  # the engines: one line naming them (the failure policy restarts the group)
         print(f"error: engine: {exc}", file=sys.stderr)

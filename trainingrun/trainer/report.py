@@ -32,7 +32,9 @@ def step_record(*, res, step, rollout: int, global_step: int, samples_consumed: 
     per-token policy statistics (RL_MEANS, token-weighted over the step's trained tokens, before the update; the
     correction's maximum weight over the step; GSPO's clipped-sequence fraction per sample), the
     trained samples' reward_std, and the rollout's produced/kept/filtered/aborted groups and failed rewards; with an
-    environment also the rollout's episode statistics (`contract.published.EpisodeCounts.record`)."""
+    environment also the rollout's episode statistics (`contract.published.EpisodeCounts.record`); with an engine
+    pool the rollout's prefix-cache hit rate and, by engine, its hit rate, requests in flight and in-flight limit
+    (`contract.published.SourceStats.engine_record`)."""
     gbs = step.global_batch_size
     record = {
         "step": global_step, "rollout": rollout, "step_in_rollout": step.index,
@@ -71,6 +73,8 @@ def step_record(*, res, step, rollout: int, global_step: int, samples_consumed: 
             "rewards_failed": st.reward_failed if st is not None else 0,
             # multi-turn episodes: turns_per_episode, tool calls, environment failures, ... (EpisodeCounts.record)
             **(st.episodes.record() if st is not None and st.episodes is not None else {}),
+            # the engine pool: prefix_hit_rate, and by engine its hit rate, requests in flight and limit
+            **(st.engine_record() if st is not None else {}),
         })
     return record
 

@@ -445,6 +445,20 @@ def run_detail() -> dict:
                 "filtered"),
                (f"sum(rate({counter('trainingrun_rollout_samples_published')}{{{sel}}}[$__rate_interval]))",
                 "published")], unit="ops"),
+        panel("Prefix-cache hit rate per engine", "Prompt tokens each engine found in its prefix cache over those it "
+              "looked up (its own counters): rate(hits) / rate(queries). Multi-turn episodes are routed to the engine "
+              "of their previous turn (0 with an in-process engine).",
+              [(f"sum by (engine) (rate({counter('trainingrun_rollout_engine_prefix_cache_hits')}{{{sel}}}"
+                "[$__rate_interval])) / clamp_min(sum by (engine) (rate("
+                + counter("trainingrun_rollout_engine_prefix_cache_queries") + f"{{{sel}}}[$__rate_interval])), "
+                "1e-9) or on() vector(0)", "{{engine}}")], unit="percentunit"),
+        panel("Requests in flight per engine", "Mean requests the rollout kept in flight at each engine while "
+              "generating the last rollout, and each engine's in-flight limit (engine.vllm.concurrency, or the "
+              "limit auto adapted to from the engine's KV cache and queue; 0 with an in-process engine).",
+              [(f"max by (engine) (trainingrun_rollout_engine_inflight{{{sel}}}) or on() vector(0)",
+                "{{engine}} in flight"),
+               (f"max by (engine) (trainingrun_rollout_engine_concurrency{{{sel}}}) or on() vector(0)",
+                "{{engine}} limit")]),
         row("Multi-turn episodes"),
         panel("Turns and tool calls per episode", "Model turns and tool calls per episode: Σ rate(sum) / Σ "
               "rate(count) over episodes (0 without an environment).",

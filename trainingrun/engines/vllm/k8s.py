@@ -67,7 +67,8 @@ def engine_container(spec, *, volume_mounts: list[dict[str, Any]], resources: di
     assert model is not None, "the vllm engine loads model.hf (cluster_errors refuses a run without it)"
     max_len = v.max_model_len or spec.model.seq_length  # None: the model's own (config.json, read by vLLM)
     args = server_args(model, port=ENGINE_PORT, host="0.0.0.0", dtype=v.dtype, max_model_len=int(max_len or 0),
-                       enforce_eager=v.gpus == 0, tensor_parallel_size=max(v.gpus, 1), extra=v.args)
+                       enforce_eager=v.gpus == 0, tensor_parallel_size=max(v.gpus, 1),
+                       prefix_caching=v.prefix_caching, extra=v.args)
     if not max_len:
         i = args.index("--max-model-len")
         del args[i:i + 2]

