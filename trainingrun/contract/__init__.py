@@ -16,6 +16,8 @@ Module map:
                 reads it into the TrainingRun's status
   rollout_state.py  the rollout's state record (`RolloutStateRecord`, key `rollout_state`): the rollout writes it and
                 reads it back on restart; the local launcher reads its `DataAccount` into summary.json
+  evaluation.py the evaluations of `rollout.eval` (`EvalRecord`, key `eval`, eval.jsonl): the rollout writes them and
+                reads them back on restart; `trainingrun status` and `plot` read eval.jsonl
   env.py        the process environment (`ProcessEnv`): the `TRAININGRUN_*` variables the plan writes and every
                 process reads
   errors.py     `ConfigError` and its exit status `EXIT_CONFIG_ERROR` (78); `StoreError`, `CorruptPayload`

@@ -31,7 +31,8 @@ def step_record(*, res, step, rollout: int, global_step: int, samples_consumed: 
     oldest trained token) and policy_lag_mean (the same over every trained token: partial rollouts mix versions), the
     per-token policy statistics (RL_MEANS, token-weighted over the step's trained tokens, before the update; the
     correction's maximum weight over the step; GSPO's clipped-sequence fraction per sample), the
-    trained samples' reward_std, and the rollout's produced/kept/filtered/aborted groups and failed rewards; with an
+    trained samples' reward_std, and the rollout's produced/kept/filtered/aborted groups and failed rewards (in all and
+    by reason: `rewards_failed_by_reason`, the reasons that occurred); with an
     environment also the rollout's episode statistics (`contract.published.EpisodeCounts.record`)."""
     gbs = step.global_batch_size
     record = {
@@ -69,6 +70,7 @@ def step_record(*, res, step, rollout: int, global_step: int, samples_consumed: 
             "groups_filtered": st.groups_produced - st.groups_kept if st is not None else 0,
             "groups_aborted": st.groups_aborted if st is not None else 0,
             "rewards_failed": st.reward_failed if st is not None else 0,
+            "rewards_failed_by_reason": dict(st.reward_failures) if st is not None else {},
             # multi-turn episodes: turns_per_episode, tool calls, environment failures, ... (EpisodeCounts.record)
             **(st.episodes.record() if st is not None and st.episodes is not None else {}),
         })
