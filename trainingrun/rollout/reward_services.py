@@ -144,6 +144,8 @@ def _post_once(url: str, data: bytes, headers: Mapping[str, str], timeout: float
             detail = exc.read(500).decode(errors="replace")
         except (OSError, http.client.HTTPException):
             detail = ""
+        for value in headers.values():  # a service that echoes a header back: its value never reaches a log
+            detail = detail.replace(value, "***")
         message = f"POST {url}: HTTP {exc.code}" + (f": {detail.strip()[:300]}" if detail.strip() else "")
         if exc.code >= 500:
             raise _Retryable("http", message) from None
@@ -165,11 +167,12 @@ def _post_once(url: str, data: bytes, headers: Mapping[str, str], timeout: float
 def _read(resp, deadline: float) -> bytes:
     """The whole answer, cut (timeout) once `deadline` passes and refused (invalid) beyond MAX_ANSWER_BYTES."""
     chunks, size = [], 0
+    read = getattr(resp, "read1", resp.read)  # read1: what has arrived (read(n) would wait for all n bytes)
     while True:
         if time.monotonic() > deadline:
             raise TimeoutError
         try:
-            chunk = resp.read(1 << 16)
+            chunk = read(1 << 16)
         except socket.timeout:
             raise TimeoutError from None
         if not chunk:
