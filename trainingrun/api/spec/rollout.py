@@ -561,6 +561,18 @@ class RolloutSpec(ApiModel):
         default_factory=ResourceRequirements, description="Resources of the rollout container."
     )
 
+    def header_secrets(self) -> list[tuple[str, SecretKeySelector]]:
+        """(environment variable, Secret key) of every request header of a reward served over HTTP — the run's
+        (generate.reward) and the evaluation's (eval.reward): the operator renders them on the rollout container."""
+        out = []
+        g = self.source.generate
+        for place, reward in (("reward", g.reward if g is not None else None),
+                              ("eval", self.eval.reward if self.eval is not None else None)):
+            service = reward.service() if reward is not None else None
+            for name, secret in (service.headers.items() if service is not None else ()):
+                out.append((header_env(place, name), secret))
+        return out
+
     @model_validator(mode="after")
     def _rules(self) -> RolloutSpec:
         if self.samples_per_rollout % self.group_size:
