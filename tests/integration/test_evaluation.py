@@ -1,7 +1,7 @@
 """Periodic evaluation (`spec.rollout.eval`, trainingrun/rollout/evaluate.py) in the rollout loop, against a real store
 (temp directory), with the stand-in engine of test_generate_rollout.py (plain numpy, samples deterministically from
 (seed, prompt, weights); the in-process Megatron engine and real vLLM are tested end to end in test_rl_e2e.py and
-test_vllm_eval.py).
+test_vllm_e2e.py).
 
 Checks: versions 0, N, 2N, ... and the final one are evaluated, each before the rollout generated with it and with
 exactly that version loaded; the published rollouts of a run with evaluation equal, array for array, those of the same

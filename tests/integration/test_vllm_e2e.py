@@ -7,6 +7,8 @@ server on CPU (tiny Llama HF directory) and weight sync by `disk` and by `broadc
              the other); engine-1 is killed after the first step and restarted alone by the launcher
   broadcast  the session's vLLM server (`engine.url`, bf16), trainer 0 sends the weights over a gloo group to the
              engine's worker extension
+  eval       the same with rollout.eval every 2 rollouts: held-out evaluations on the vLLM engine, the final one after
+             the last rollout
 
 With maxPolicyLag 0 every rollout is generated with the weights trained on all earlier rollouts, so the trainer's
 log-probabilities of the generated tokens (before its update) equal the engine's up to the engine's precision:
@@ -180,5 +182,58 @@ def test_broadcast_sync_with_a_user_server(tmp_path: Path, tiny_llama_dir: Path,
         assert client.weight_version() == f"v{ROLLOUTS - 1}"
         after = client.prompt_logprobs(PROMPT)
         assert max(abs(a - b) for a, b in zip(before, after)) > 1e-2, (before, after)
+    finally:
+        load_from_disk(client, str(tiny_llama_dir), "base")  # the session's server goes back to what it had
+
+
+EVAL_ROLLOUTS = 3
+
+
+def test_evaluations_on_a_vllm_engine_include_the_final_weights(tmp_path: Path, tiny_llama_dir: Path, vllm):
+    """rollout.eval with the session's server (bf16), weights by broadcast: versions 0, 2 and the final 3 evaluated;
+    the final evaluation runs after the last rollout, while the trainer still waits for the end of the stream, so its
+    weights reach the engine by the broadcast sync too and the server holds the final version afterwards."""
+    from trainingrun.engines.vllm.sync import load_from_disk
+
+    doc = {
+        "apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun", "metadata": {"name": "vllm-eval"},
+        "spec": {
+            "seed": 3,
+            "model": {"hf": str(tiny_llama_dir), "seqLength": 64},
+            "trainer": {"replicas": 1, "gpusPerReplica": 0, "maxTokensPerGPU": 1024, "lossType": "ppo",
+                        "lossNormalization": "token",
+                        "optimizer": {"lr": 0.01, "minLr": 0.01, "warmupSamples": 0, "clipGrad": 1.0},
+                        "checkpoint": {"interval": 100, "path": "checkpoints"}},
+            "rollout": {
+                "source": {"type": "generate", "generate": {
+                    "prompts": {"type": "synthetic", "synthetic": {"task": "copy", "minLength": 2, "maxLength": 2}},
+                    "sampling": {"temperature": 1.0, "maxNewTokens": 4}, "reward": {"type": "token_match"}}},
+                "engine": {"type": "vllm", "url": vllm.url, "vllm": {"dtype": "bfloat16", "concurrency": 8}},
+                "maxPolicyLag": 0, "samplesPerRollout": 32, "groupSize": 8, "filters": {"zeroVariance": False},
+                "steps": {"policy": "dynamic"}, "numRollouts": EVAL_ROLLOUTS, "maxPendingRollouts": 1,
+                "eval": {"intervalRollouts": 2, "numPrompts": 8, "samplesPerPrompt": 4, "passThreshold": 0.5,
+                         "prompts": {"synthetic": {"task": "reverse", "minLength": 2, "maxLength": 3}}}},
+            "weightSync": {"type": "broadcast"},
+            "metrics": {"port": metrics_ports(2)},
+            "failurePolicy": {"maxRestarts": 0, "backoffSeconds": 0, "progressDeadlineSeconds": 900},
+        },
+    }
+    spec = tmp_path / "eval.yaml"
+    spec.write_text(yaml.safe_dump(doc))
+    client = VLLMClient(vllm.url, timeout=120)
+    out = tmp_path / "run"
+    try:
+        code, log = finish(start(spec, out), timeout=1200)
+        assert code == 0, log[-6000:]
+        assert len(records(out)) == EVAL_ROLLOUTS
+        evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+        assert [e["weight_version"] for e in evals] == [0, 2, 3]  # 3: the final weights, after the last rollout
+        assert [e["step"] for e in evals] == [0, 2, 3]
+        for e in evals:
+            assert (e["k"], e["prompts"], e["samples"]) == (4, 8, 32) and 0 <= e["pass_at_1"] <= e["pass_at_k"] <= 1
+            assert 0 < e["response_length_mean"] <= 4 and e["rewards_failed"] == 0
+        assert client.weight_version() == f"v{EVAL_ROLLOUTS}"  # the final evaluation's weights, sent by broadcast
+        print("vllm eval:", [(e["weight_version"], e["reward_mean"], e["pass_at_k"], round(e["seconds"], 2))
+                             for e in evals])
     finally:
         load_from_disk(client, str(tiny_llama_dir), "base")  # the session's server goes back to what it had
