@@ -195,30 +195,11 @@ def test_evaluations_on_a_vllm_engine_include_the_final_weights(tmp_path: Path, 
     weights reach the engine by the broadcast sync too and the server holds the final version afterwards."""
     from trainingrun.engines.vllm.sync import load_from_disk
 
-    doc = {
-        "apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun", "metadata": {"name": "vllm-eval"},
-        "spec": {
-            "seed": 3,
-            "model": {"hf": str(tiny_llama_dir), "seqLength": 64},
-            "trainer": {"replicas": 1, "gpusPerReplica": 0, "maxTokensPerGPU": 1024, "lossType": "ppo",
-                        "lossNormalization": "token",
-                        "optimizer": {"lr": 0.01, "minLr": 0.01, "warmupSamples": 0, "clipGrad": 1.0},
-                        "checkpoint": {"interval": 100, "path": "checkpoints"}},
-            "rollout": {
-                "source": {"type": "generate", "generate": {
-                    "prompts": {"type": "synthetic", "synthetic": {"task": "copy", "minLength": 2, "maxLength": 2}},
-                    "sampling": {"temperature": 1.0, "maxNewTokens": 4}, "reward": {"type": "token_match"}}},
-                "engine": {"type": "vllm", "url": vllm.url, "vllm": {"dtype": "bfloat16", "concurrency": 8}},
-                "maxPolicyLag": 0, "samplesPerRollout": 32, "groupSize": 8, "filters": {"zeroVariance": False},
-                "steps": {"policy": "dynamic"}, "numRollouts": EVAL_ROLLOUTS, "maxPendingRollouts": 1,
-                "eval": {"intervalRollouts": 2, "numPrompts": 8, "samplesPerPrompt": 4, "passThreshold": 0.5,
-                         "prompts": {"synthetic": {"task": "reverse", "minLength": 2, "maxLength": 3}}}},
-            "weightSync": {"type": "broadcast"},
-            "metrics": {"port": metrics_ports(2)},
-            "failurePolicy": {"maxRestarts": 0, "backoffSeconds": 0, "progressDeadlineSeconds": 900},
-        },
-    }
-    spec = tmp_path / "eval.yaml"
+    spec = write_spec(tmp_path / "eval.yaml", tiny_llama_dir, sync="broadcast", dtype="bfloat16", url=vllm.url,
+                      rollouts=EVAL_ROLLOUTS)
+    doc = yaml.safe_load(spec.read_text())
+    doc["spec"]["rollout"]["eval"] = {"intervalRollouts": 2, "numPrompts": 8, "samplesPerPrompt": 4,
+                                      "prompts": {"synthetic": {"task": "reverse", "minLength": 2, "maxLength": 3}}}
     spec.write_text(yaml.safe_dump(doc))
     client = VLLMClient(vllm.url, timeout=120)
     out = tmp_path / "run"
@@ -232,6 +213,7 @@ def test_evaluations_on_a_vllm_engine_include_the_final_weights(tmp_path: Path, 
         for e in evals:
             assert (e["k"], e["prompts"], e["samples"]) == (4, 8, 32) and 0 <= e["pass_at_1"] <= e["pass_at_k"] <= 1
             assert 0 < e["response_length_mean"] <= 4 and e["rewards_failed"] == 0
+            assert 0 <= e["reward_mean"] <= 1  # the run's parity reward (1 for an even first token)
         assert client.weight_version() == f"v{EVAL_ROLLOUTS}"  # the final evaluation's weights, sent by broadcast
         print("vllm eval:", [(e["weight_version"], e["reward_mean"], e["pass_at_k"], round(e["seconds"], 2))
                              for e in evals])
