@@ -1,11 +1,12 @@
 """`trainingrun plot RUN_DIR [--output FILE]`: one PNG of a run's per-step history.
 
-Six panels: loss per step, global batch size per step (bars: it varies), learning rate against samples consumed
-(the scheduler advances by samples), gradient norm, reward (the trained samples' mean, the mean over every
-generated sample when the record has `reward_mean`, and with `rollout.eval` the evaluations on held-out prompts from
-eval.jsonl: their reward mean, pass@1 and pass@k at the step their weights were trained to), throughput (samples/s and tokens/s on their own axes). Dashed
-vertical lines mark restarts (the step where another attempt's records begin). The history comes from the run
-directory (`trainingrun.local.history`): a local run's directory, or a cluster's output directory with its metrics.jsonl.
+Six panels: loss per step, global batch size per step (bars: it varies), learning rate against samples consumed (the
+scheduler advances by samples), gradient norm, reward (the trained samples' mean, the mean over every generated
+sample when the record has `reward_mean`, and with `rollout.eval` the evaluations on held-out prompts from
+eval.jsonl: their reward mean, pass@1 and pass@k at the step their weights were trained to), throughput (samples/s
+and tokens/s on their own axes). Dashed vertical lines mark restarts (the step where another attempt's records
+begin). The history comes from the run directory (`trainingrun.local.history`): a local run's directory, or a
+cluster's output directory with its metrics.jsonl.
 A finished local run writes `RUN_DIR/plot.png` itself.
 """
 

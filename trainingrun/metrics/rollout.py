@@ -5,8 +5,9 @@ every one: what the source produced and the filters dropped, generated rollouts'
 aborted and each engine's last weight-sync seconds, multi-turn episodes (weighted (sum, count) pairs: turns and tool
 calls per episode, tool error rate, ...; failures by reason), what was published, the schedule's imbalance and the
 publish latency, the rollouts pending; and the `trainingrun_eval_*` families of the evaluations on held-out prompts
-(`names.EVAL`: the last evaluation's gauges, evaluations and failed rewards counted). Served on `TRAININGRUN_METRICS_PORT` by `trainingrun rollout`
-(`trainingrun.rollout.main`); the trainer's counterpart is `exporter.TrainerExporter`.
+(`names.EVAL`: the last evaluation's gauges, evaluations and failed rewards counted). Served on
+`TRAININGRUN_METRICS_PORT` by `trainingrun rollout` (`trainingrun.rollout.main`); the trainer's counterpart is
+`exporter.TrainerExporter`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ class RolloutMetrics:
         self.registry = CollectorRegistry()
         labels = ["run"]
         helps = {**ROLLOUT, **EVAL}
-        mk = lambda cls, name, extra=(), **kw: cls(name, helps[name], labels + list(extra), registry=self.registry, **kw)  # noqa: E731
+        mk = lambda cls, name, extra=(), **kw: cls(name, helps[name], labels + list(extra),  # noqa: E731
+                                                   registry=self.registry, **kw)
         self.run = run
         self.produced = mk(Counter, "trainingrun_rollout_samples_produced").labels(run)
         self._filtered = mk(Counter, "trainingrun_rollout_samples_filtered", ["filter"])

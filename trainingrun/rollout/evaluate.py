@@ -48,8 +48,8 @@ from trainingrun.tracking import eval_tracker
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """The unbiased estimate of pass@k from n completions of which c pass: 1 − C(n − c, k) / C(n, k) (the chance that
-    k of the n drawn without replacement hold at least one that passes), in the stable product form."""
+    """The unbiased estimate of pass@k from n completions of which c pass: 1 − C(n − c, k) / C(n, k) (the chance
+    that k of the n drawn without replacement hold at least one that passes), in the stable product form."""
     if not (0 <= c <= n and 1 <= k <= n):
         raise ValueError(f"pass_at_k: needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     if n - c < k:

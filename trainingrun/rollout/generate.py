@@ -356,7 +356,8 @@ class GenerateSource:
         self.stats.score_seconds += time.perf_counter() - t0
         failed = sum(counts.values())
         if failed:
-            self.say(f"rollout: {failed} of {len(items)} rewards failed ({ {r: n for r, n in counts.items() if n} }); e.g. "
+            occurred = {r: n for r, n in counts.items() if n}
+            self.say(f"rollout: {failed} of {len(items)} rewards failed ({occurred}); e.g. "
                      + "; ".join(scored.messages[:2]))
 
     def close(self) -> None:

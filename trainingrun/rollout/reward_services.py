@@ -242,7 +242,8 @@ class RemoteReward(_Pooled):
         out = []
         for r in rewards:
             x = finite(r)
-            out.append(Verdict(x) if x is not None else Verdict(None, "nan", f"reward {r!r:.40} is not a finite number"))
+            out.append(Verdict(x) if x is not None
+                       else Verdict(None, "nan", f"reward {r!r:.40} is not a finite number"))
         return out
 
 

@@ -17,16 +17,17 @@ reference (the prompt's answer) and the prompt's meta — and returns one reward
     judge          an LLM judge behind an OpenAI-compatible chat endpoint, one request per sample; its raw answers are
                    kept (`Answer`, `Scored.raw`)
 
-`exact_match` and `token_match` are pure comparisons and run in the rollout process, on the whole batch; `remote` and
-`judge` too, their requests in a bounded thread pool with their own timeouts, retries and failure reasons (`http`,
-`unreachable`, `timeout`, `invalid`, `nan`: `rollout/reward_services.py`). The others are *isolated*: they run in `workers` spawned processes (`RewardPool`), one sample per call: each call gets
-`timeoutSeconds`; a call that raises, times out (its worker is killed and replaced) or returns something that is not
-a finite number is a *failed* reward: the sample gets `failedReward`, the failure is counted by reason (`error`,
-`timeout`, `nan`) and reported, and the rollout goes on. An in-process reward type that raises fails its whole batch
-(`error`), as does one that returns another number of rewards than it got samples; a per-sample type (`per_sample`)
-fails only the sample that raised; a batch function may fail single samples with its own reason (`Failed(message,
-reason)`). Samples travel to the workers as JSON over pipes (`RewardSample.to_json`; no
-pickle); for reasoning_gym each worker builds the same seeded dataset.
+`exact_match` and `token_match` are pure comparisons and run in the rollout process, on the whole batch; `remote`
+and `judge` too, their requests in a bounded thread pool with their own timeouts, retries and failure reasons
+(`http`, `unreachable`, `timeout`, `invalid`, `nan`: `rollout/reward_services.py`). The others are *isolated*: they
+run in `workers` spawned processes (`RewardPool`), one sample per call: each call gets `timeoutSeconds`; a call that
+raises, times out (its worker is killed and replaced) or returns something that is not a finite number is a *failed*
+reward: the sample gets `failedReward`, the failure is counted by reason (`error`, `timeout`, `nan`) and reported,
+and the rollout goes on. An in-process reward type that raises fails its whole batch (`error`), as does one that
+returns another number of rewards than it got samples; a per-sample type (`per_sample`) fails only the sample that
+raised; a batch function may fail single samples with its own reason (`Failed(message, reason)`). Samples travel to
+the workers as JSON over pipes (`RewardSample.to_json`; no pickle); for reasoning_gym each worker builds the same
+seeded dataset.
 
 A new reward type is one entry of `REWARD_KINDS` (a builder of its batch function from the `RewardConfig`, and
 whether it is isolated), its value in the spec's `api.models.RewardType`, and a row in docs/rl.md ("Rewards").
@@ -332,7 +333,8 @@ def score_batch(fn: BatchReward, samples: Sequence[RewardSample]) -> list[Result
     except Exception as exc:  # noqa: BLE001 - a reward's failure is recorded, never raised
         return [Result(None, "error", f"{type(exc).__name__}: {exc}")] * len(samples)
     if len(values) != len(samples):
-        return [Result(None, "error", f"reward returned {len(values)} rewards for {len(samples)} samples")] * len(samples)
+        why = f"reward returned {len(values)} rewards for {len(samples)} samples"
+        return [Result(None, "error", why)] * len(samples)
     return [_outcome(v) for v in values]
 
 
