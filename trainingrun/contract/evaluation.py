@@ -19,7 +19,8 @@ schedule itself is in the rollout's state, `contract.rollout_state`). Read by th
             "samples": int,              completions scored (prompts x k)
             "response_length_mean": float,  completion tokens per completion                           required
             "rewards_failed": int,       completions whose reward failed (failedReward)
-            "seconds": float,            wall time of the evaluation (generation and scoring)
+            "seconds": float,            wall time of the evaluation: generation and scoring (not the wait for
+                                         the weights)
             "time": float}               unix time it ended
 
 A field present with a wrong type is refused naming it (`CorruptPayload`); fields the reader does not know are

@@ -125,8 +125,8 @@ class Evaluator:
         return rec
 
     def evaluate(self, version: int, *, step: int, rollout: int) -> EvalRecord:
-        t0 = time.perf_counter()
         self.source.ensure_weights(version, stats=GenerateStats())
+        t0 = time.perf_counter()  # the evaluation's own time: generation and scoring (not the wait for the weights)
         prompts = self.prompts.draw(0, self.e.num_prompts) or []
         if not prompts:
             raise ConfigError("rollout.eval.prompts: no prompts to evaluate")
