@@ -197,7 +197,12 @@ def test_evaluations_every_4_rollouts_leave_training_unchanged(spec_dir, demo):
     assert evals[-1]["reward_mean"] > evals[0]["reward_mean"], evals
     status = json.loads(subprocess_out("status", str(out), "-o", "json"))
     assert status["eval"] == evals[-1] and status["evaluations"] == 4
-    assert (out / "tensorboard" / "eval").is_dir() and any((out / "tensorboard" / "eval").iterdir())
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(out / "tensorboard" / "eval"))  # the rollout's own TensorBoard run, eval/* by step
+    tb.Reload()
+    assert [(e.step, e.value) for e in tb.Scalars("eval/reward_mean")] == [
+        (e["step"], pytest.approx(e["reward_mean"])) for e in evals]
     assert (out / "plot.png").stat().st_size > 10_000
     print("eval:", [(e["weight_version"], round(e["reward_mean"], 3), round(e["pass_at_1"], 3),
                      round(e["pass_at_k"], 3), round(e["seconds"], 2)) for e in evals])
