@@ -8,7 +8,9 @@ library only: it scores examples/rl.yaml's task as the built-in `token_match` do
                                                 right, over max(len(response), len(reference))
 
 `--fail P`: a request is answered 500 with probability P (the rollout retries it); `--hang P`: a request is held
-without an answer for `--hang-seconds` (the rollout's timeoutSeconds fails its samples). `--token-env VAR`: requests
+without an answer for `--hang-seconds` (the rollout's timeoutSeconds fails its samples). Which requests misbehave is a
+function of `--seed`, the request's body and how often that body came before (a retry draws again), not of the order
+in which concurrent requests arrive: a run against it is as reproducible as the run itself. `--token-env VAR`: requests
 must carry `Authorization: Bearer <$VAR>` (else 401). Point a run at it with
 
     reward: {type: remote, timeoutSeconds: 2, remote: {url: "http://127.0.0.1:8700/score", batchSize: 64}}
@@ -17,9 +19,9 @@ must carry `Authorization: Bearer <$VAR>` (else 401). Point a run at it with
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
-import random
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -42,7 +44,8 @@ class RewardServer(ThreadingHTTPServer):
                  seed: int = 0, token: str | None = None):
         super().__init__(("127.0.0.1", port), _Handler)
         self.fail, self.hang, self.hang_seconds, self.token = fail, hang, hang_seconds, token
-        self.rng = random.Random(seed)
+        self.seed = seed
+        self.seen: dict[bytes, int] = {}  # digest of a body -> how often it came
         self.lock = threading.Lock()
         self.counts = {"answered": 0, "failed": 0, "hung": 0, "refused": 0}
         self.stopping = threading.Event()
@@ -51,9 +54,14 @@ class RewardServer(ThreadingHTTPServer):
         with self.lock:
             self.counts[what] += 1
 
-    def draw(self) -> float:
+    def draw(self, body: bytes) -> float:
+        """A uniform number in [0, 1) of (seed, body, the how-manieth time this body came)."""
+        digest = hashlib.sha256(body).digest()
         with self.lock:
-            return self.rng.random()
+            n = self.seen.get(digest, 0)
+            self.seen[digest] = n + 1
+        h = hashlib.sha256(f"{self.seed}:{n}:".encode() + digest).digest()
+        return int.from_bytes(h[:8], "big") / 2 ** 64
 
     def handle_error(self, request, client_address):  # a client that gave up on a hung request
         pass
@@ -69,7 +77,7 @@ class _Handler(BaseHTTPRequestHandler):
         if srv.token is not None and self.headers.get("Authorization") != f"Bearer {srv.token}":
             srv.count("refused")
             return self._send(401, {"error": "missing or wrong Authorization"})
-        x = srv.draw()
+        x = srv.draw(body)
         if x < srv.hang:
             srv.count("hung")
             srv.stopping.wait(srv.hang_seconds)

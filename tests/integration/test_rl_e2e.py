@@ -226,7 +226,7 @@ def reward_server_module():
 REMOTE_RUN = 32
 
 
-def test_a_flaky_reward_service_of_the_users_own_still_trains_the_demo(spec_dir, demo):
+def test_a_flaky_reward_service_of_the_users_own_still_trains_the_demo(spec_dir):
     """Acceptance (issue 31): the demo's task scored by examples/reward_server.py (token_match over HTTP; a bearer
     token from the launcher's environment) that answers 15 % of requests 500 and leaves 5 % hanging: the run
     succeeds, the failures are counted in metrics.jsonl by reason, and the reward still rises."""
