@@ -11,6 +11,10 @@ restarts). Inside it: `tensorboard/` (or `spec.metrics.tensorboard.path`, relati
 `wandb/` (W&B's own files; offline runs are synced later with `wandb sync`), and in a cluster `metrics.jsonl` (each
 attempt appends; the last record of a step wins, as in a local run's merge).
 
+The rollout process writes its own history into the same output directory (`output_dir`): the evaluations of
+`spec.rollout.eval` as TensorBoard scalars `eval/<field>` by step in `<tensorboard>/eval` (a run of its own beside the
+trainer's; `eval_tracker`), eval.jsonl, and a judge's raw answers under judge/.
+
 Restarts: TensorBoard gets `purge_step` = the first step after the resumed checkpoint, so the steps a failed attempt
 logged after that checkpoint are hidden and the re-run steps replace them. The W&B run id is kept with the
 checkpoints (`<checkpoint dir>/wandb-run-id`), so every attempt continues the same W&B run (`resume="allow"`).
@@ -64,12 +68,19 @@ def tracking_paths(metrics_spec, *, checkpoint_dir: Path, environ: dict[str, str
         out = Path(jsonl_env).parent
     else:  # a pod: the checkpoint volume
         out = checkpoint_dir
-    tb = metrics_spec.tensorboard
-    tb_dir = None
-    if tb.enabled:
-        tb_dir = out / (tb.path or "tensorboard")  # an absolute path replaces `out`
     jsonl = None if (local_out or jsonl_env) else out / "metrics.jsonl"
-    return TrackingPaths(out, tb_dir, out, checkpoint_dir / WANDB_ID_FILE, jsonl)
+    return TrackingPaths(out, tensorboard_dir(metrics_spec, out), out, checkpoint_dir / WANDB_ID_FILE, jsonl)
+
+
+def tensorboard_dir(metrics_spec, out: Path) -> Path | None:
+    """The TensorBoard directory under the output directory `out` (None: TensorBoard off)."""
+    tb = metrics_spec.tensorboard
+    return out / (tb.path or "tensorboard") if tb.enabled else None  # an absolute path replaces `out`
+
+
+def output_dir(spec, environ: dict[str, str] | None = None) -> Path:
+    """The output directory of a process of the run `spec` (see the module docstring)."""
+    return tracking_paths(spec.metrics, checkpoint_dir=Path(spec.trainer.checkpoint.path), environ=environ).output_dir
 
 
 def wandb_run_id(id_file: Path) -> str:
@@ -155,6 +166,21 @@ class Tracker:
                       f"{type(exc).__name__}: {exc}")
             if writer in self.writers:
                 self.writers.remove(writer)
+
+
+def eval_tracker(metrics_spec, out: Path, warn: Callable[[str], None] = print) -> Tracker:
+    """The rollout's TensorBoard writer of its evaluations (`<tensorboard>/eval`; no W&B: the run's W&B run is
+    trainer rank 0's). Records logged to it carry `step` and fields named `eval/<name>`."""
+    tb = tensorboard_dir(metrics_spec, out)
+    writers: list[Any] = []
+    if tb is not None:
+        try:
+            writers.append(_TensorBoard(tb / "eval", purge_step=None))
+        except ImportError as exc:
+            warn(f"warning: TensorBoard event files of the evaluations are off: {exc}")
+        except OSError as exc:
+            warn(f"warning: TensorBoard event files of the evaluations are off: cannot write {tb / 'eval'}: {exc}")
+    return Tracker(writers, warn=warn)
 
 
 def open_tracker(metrics_spec, paths: TrackingPaths, *, run_name: str, resume_step: int, config: dict[str, Any],

@@ -52,7 +52,7 @@ NUM_ROLLOUTS = 6
 RUN_TIMEOUT = 300
 
 ALL_METRICS = {**names.TRAINER_WEIGHTED, **names.TRAINER_GAUGES, **names.TRAINER_COUNTERS, **names.ROLLOUT,
-               **names.ROLLOUT_WEIGHTED, **names.OPERATOR}
+               **names.ROLLOUT_WEIGHTED, **names.EVAL, **names.OPERATOR}
 
 
 def dashboards() -> dict[str, dict]:
@@ -137,7 +137,7 @@ def test_every_query_uses_known_metrics_and_the_variables(name):
             for s in re.findall(r"\b(DCGM_FI_[A-Z_]+)\b", expr):
                 assert re.search(rf'{s}\{{namespace=~"\$namespace", pod=~"\$run-\(trainer\|rollout\)-\.\+"\}}', expr), expr
             continue
-        series = set(re.findall(r"\b(trainingrun_[a-z_]+)\b", expr))
+        series = set(re.findall(r"\b(trainingrun_[a-z0-9_]+)\b", expr))
         assert series, f"{title}: no trainingrun metric in {expr}"
         for s in series:
             assert base_metric(s) in ALL_METRICS, f"{title}: {s} is not in trainingrun.metrics.names"
@@ -198,6 +198,16 @@ def test_per_step_panels_plot_against_the_step_and_throughput_has_two_axes():
     assert override["matcher"] == {"id": "byName", "options": "tokens/s"}
     assert {"id": "custom.axisPlacement", "value": "right"} in override["properties"]
     assert [t["legendFormat"] for t in tp["targets"]] == ["samples/s", "tokens/s"]
+
+
+def test_run_dashboard_has_an_evaluation_row():
+    run = {p["title"]: p for p in all_panels(dashboards()["run.json"])}
+    assert run["Evaluation (held-out prompts)"]["type"] == "row"
+    trend = run["Held-out reward and pass@k"]
+    assert trend["type"] == "trend" and trend["options"]["xField"] == "step"
+    exprs = {t["legendFormat"]: t["expr"] for t in trend["targets"]}
+    assert "trainingrun_eval_step" in exprs["step"] and "trainingrun_eval_pass_at_k" in exprs["pass@k"]
+    assert "trainingrun_eval_reward_mean" in exprs["reward mean"] and "trainingrun_eval_pass_at_1" in exprs["pass@1"]
 
 
 def test_run_table_restart_annotations_and_gpu_rows():
@@ -343,6 +353,9 @@ def test_every_panel_returns_data_from_a_real_run_and_operator(tmp_path, redis):
     doc["spec"]["rollout"]["numRollouts"] = NUM_ROLLOUTS
     doc["spec"]["trainer"]["policyLoss"] = {"oldLogprobs": "trainer", "rolloutCorrection": {"type": "tis"},
                                             "ratioLevel": "sequence", "entropyCoef": 0.001}
+    # held-out evaluations (the Evaluation row): versions 0, 2, 4, 6
+    doc["spec"]["rollout"]["eval"] = {"intervalRollouts": 2, "numPrompts": 8, "samplesPerPrompt": 4,
+                                      "prompts": {"synthetic": {"task": "copy", "minLength": 2, "maxLength": 2}}}
     base = metrics_ports(3)
     doc["spec"]["metrics"]["port"] = base
     doc["spec"]["metrics"]["lingerSeconds"] = 1  # 10 scrapes of every process's final values

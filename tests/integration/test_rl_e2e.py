@@ -11,11 +11,20 @@ in-process Megatron engine generating, real Megatron-core trainers, weights thro
   old0    policyLoss.oldLogprobs trainer + rolloutCorrection tis, 8 rollouts        -> ratio 1, weights 1, same loss
   old1    the same with maxPolicyLag 1 and rolloutCorrection mask, 8 rollouts        -> ratio 1 at lag 1 too
   overs   overSampling 0.5, 8 rollouts                                              -> groups aborted, on-policy
+  eval    rollout.eval every 4 rollouts, 12 rollouts                                -> 4 evaluations (versions 0, 4,
+          8, 12) between training rollouts, training records those of the demo (same seed)
+  remote  the demo's task scored by a reward service of the user's own (examples/reward_server.py: token_match over
+          HTTP, a bearer token from the environment) that answers some requests 500 and leaves others hanging
+          -> the run succeeds, the failures are counted by reason, the reward rises
+The killed variant evaluates too (every 4 rollouts): the restarted rollout neither repeats nor skips an evaluation.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -131,6 +140,8 @@ def test_rollout_killed_mid_run_resumes_without_losing_or_repeating_a_prompt(spe
     doc = yaml.safe_load(spec.read_text())
     doc["spec"]["trainer"]["checkpoint"]["interval"] = 4
     spec.write_text(yaml.safe_dump(doc))
+    doc["spec"]["rollout"]["eval"] = EVAL
+    spec.write_text(yaml.safe_dump(doc))
     out = spec_dir / "killed"
     raw = out / "raw" / "trainer-metrics.attempt0.jsonl"
     code, log = fault_when(start(spec, out), lambda: raw.exists() and len(raw.read_text().splitlines()) >= 6,
@@ -150,6 +161,109 @@ def test_rollout_killed_mid_run_resumes_without_losing_or_repeating_a_prompt(spe
     data = summary["data"]
     assert data["samples_produced"] == data["samples_published"] + sum(data["samples_filtered"].values()) + \
         data["leftover_samples"]
+    # the restarted rollout neither repeated nor skipped an evaluation (its schedule is in the rollout's state)
+    evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+    assert [e["weight_version"] for e in evals] == [0, 4, 8, 12, 16] == [e["step"] for e in evals]
+    rollout_logs = "".join(p.read_text() for p in (out / "logs").glob("rollout*.log"))
+    for v in (0, 4, 8, 12, 16):
+        done = rollout_logs.count(f"rollout: evaluation of weight version {v} (step")
+        assert done == 1, (v, done)
+
+
+EVAL = {"intervalRollouts": 4, "numPrompts": 16, "samplesPerPrompt": 4,
+        "prompts": {"synthetic": {"task": "copy", "minLength": 2, "maxLength": 2}}}
+
+
+def test_evaluations_every_4_rollouts_leave_training_unchanged(spec_dir, demo):
+    """Acceptance (issue 31): a run with rollout.eval every 4 rollouts writes >= 4 evaluations with increasing weight
+    versions, and its training records equal those of the same run without (the demo, same seed): global batch sizes
+    and sample ids exact, losses within 1e-6."""
+    out = spec_dir / "eval"
+    code, log = finish(start(write_spec(spec_dir / "eval.yaml", numRollouts=SHORT, eval=EVAL), out, plot=True))
+    assert code == 0, log[-4000:]
+    recs, ref = records(out), demo["records"][:SHORT]
+    for a, b in zip(recs, ref, strict=True):
+        assert (a["global_batch_size"], a["samples_consumed"], a["sample_id_sum"], a["weight_version"]) == (
+            b["global_batch_size"], b["samples_consumed"], b["sample_id_sum"], b["weight_version"]), a["step"]
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6), a["step"]
+        assert a["reward_mean"] == b["reward_mean"] and a["logprob_abs_diff"] <= 1e-3, a["step"]
+    evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+    assert [e["weight_version"] for e in evals] == [0, 4, 8, 12]  # 12: after the last rollout
+    assert [e["step"] for e in evals] == [0, 4, 8, 12]  # one step per rollout: the weights after step v
+    for e in evals:
+        assert (e["k"], e["prompts"], e["samples"]) == (4, 16, 64) and 0 <= e["pass_at_1"] <= e["pass_at_k"] <= 1
+        assert 0 < e["response_length_mean"] <= 4 and e["rewards_failed"] == 0
+    # the policy learns the task: the held-out reward of the final weights is above the initial weights'
+    assert evals[-1]["reward_mean"] > evals[0]["reward_mean"], evals
+    status = json.loads(subprocess_out("status", str(out), "-o", "json"))
+    assert status["eval"] == evals[-1] and status["evaluations"] == 4
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(out / "tensorboard" / "eval"))  # the rollout's own TensorBoard run, eval/* by step
+    tb.Reload()
+    assert [(e.step, e.value) for e in tb.Scalars("eval/reward_mean")] == [
+        (e["step"], pytest.approx(e["reward_mean"])) for e in evals]
+    assert (out / "plot.png").stat().st_size > 10_000
+    print("eval:", [(e["weight_version"], round(e["reward_mean"], 3), round(e["pass_at_1"], 3),
+                     round(e["pass_at_k"], 3), round(e["seconds"], 2)) for e in evals])
+
+
+def subprocess_out(*args: str) -> str:
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "trainingrun", *args], capture_output=True, text=True, check=True,
+                          cwd=ROOT).stdout
+
+
+def reward_server_module():
+    spec = importlib.util.spec_from_file_location("reward_server", ROOT / "examples" / "reward_server.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+REMOTE_RUN = 32
+
+
+def test_a_flaky_reward_service_of_the_users_own_still_trains_the_demo(spec_dir):
+    """Acceptance (issue 31): the demo's task scored by examples/reward_server.py (token_match over HTTP; a bearer
+    token from the launcher's environment) that answers 15 % of requests 500 and leaves 5 % hanging: the run
+    succeeds, the failures are counted in metrics.jsonl by reason, and the reward still rises."""
+    server = reward_server_module().RewardServer(0, fail=0.15, hang=0.05, hang_seconds=60, seed=1, token="tok-31")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        reward = {"type": "remote", "timeoutSeconds": 3, "failedReward": 0.0, "remote": {
+            "url": f"http://127.0.0.1:{server.server_address[1]}/score", "batchSize": 64, "concurrency": 4,
+            "retries": 2, "headers": {"Authorization": {"name": "reward-token", "key": "token"}}}}
+        spec = write_spec(spec_dir / "remote.yaml", numRollouts=REMOTE_RUN)
+        doc = yaml.safe_load(spec.read_text())
+        doc["spec"]["rollout"]["source"]["generate"]["reward"] = reward
+        spec.write_text(yaml.safe_dump(doc))
+        out = spec_dir / "remote"
+        env = {**os.environ, "TRAININGRUN_REWARD_HEADER_AUTHORIZATION": "Bearer tok-31"}
+        code, log = finish(start(spec, out, env=env), timeout=600)
+    finally:
+        server.stopping.set()
+        server.shutdown()
+        server.server_close()
+    assert code == 0, log[-4000:]
+    recs = records(out)
+    assert len(recs) == REMOTE_RUN
+    counts = server.counts
+    assert counts["refused"] == 0 and counts["failed"] > 0 and counts["hung"] > 0, counts  # the token reached it
+    failed = sum(r["rewards_failed"] for r in recs)
+    reasons: dict[str, int] = {}
+    for r in recs:
+        for reason, n in r["rewards_failed_by_reason"].items():
+            reasons[reason] = reasons.get(reason, 0) + n
+    assert failed == sum(reasons.values()) > 0 and reasons.get("timeout", 0) >= 64, reasons  # a hung batch: 64
+    assert set(reasons) <= {"timeout", "http", "unreachable"}, reasons
+    rewards = [r["reward_mean"] for r in recs]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.15, (first, last, rewards)
+    print(f"remote: reward {first:.3f} -> {last:.3f}, server {counts}, failed samples {reasons}")
 
 
 OLD_RUN = 8

@@ -7,6 +7,8 @@ server on CPU (tiny Llama HF directory) and weight sync by `disk` and by `broadc
              the other); engine-1 is killed after the first step and restarted alone by the launcher
   broadcast  the session's vLLM server (`engine.url`, bf16), trainer 0 sends the weights over a gloo group to the
              engine's worker extension
+  eval       the same with rollout.eval every 2 rollouts: held-out evaluations on the vLLM engine, the final one after
+             the last rollout
 
 With maxPolicyLag 0 every rollout is generated with the weights trained on all earlier rollouts, so the trainer's
 log-probabilities of the generated tokens (before its update) equal the engine's up to the engine's precision:
@@ -180,5 +182,40 @@ def test_broadcast_sync_with_a_user_server(tmp_path: Path, tiny_llama_dir: Path,
         assert client.weight_version() == f"v{ROLLOUTS - 1}"
         after = client.prompt_logprobs(PROMPT)
         assert max(abs(a - b) for a, b in zip(before, after)) > 1e-2, (before, after)
+    finally:
+        load_from_disk(client, str(tiny_llama_dir), "base")  # the session's server goes back to what it had
+
+
+EVAL_ROLLOUTS = 3
+
+
+def test_evaluations_on_a_vllm_engine_include_the_final_weights(tmp_path: Path, tiny_llama_dir: Path, vllm):
+    """rollout.eval with the session's server (bf16), weights by broadcast: versions 0, 2 and the final 3 evaluated;
+    the final evaluation runs after the last rollout, while the trainer still waits for the end of the stream, so its
+    weights reach the engine by the broadcast sync too and the server holds the final version afterwards."""
+    from trainingrun.engines.vllm.sync import load_from_disk
+
+    spec = write_spec(tmp_path / "eval.yaml", tiny_llama_dir, sync="broadcast", dtype="bfloat16", url=vllm.url,
+                      rollouts=EVAL_ROLLOUTS)
+    doc = yaml.safe_load(spec.read_text())
+    doc["spec"]["rollout"]["eval"] = {"intervalRollouts": 2, "numPrompts": 8, "samplesPerPrompt": 4,
+                                      "prompts": {"synthetic": {"task": "reverse", "minLength": 2, "maxLength": 3}}}
+    spec.write_text(yaml.safe_dump(doc))
+    client = VLLMClient(vllm.url, timeout=120)
+    out = tmp_path / "run"
+    try:
+        code, log = finish(start(spec, out), timeout=1200)
+        assert code == 0, log[-6000:]
+        assert len(records(out)) == EVAL_ROLLOUTS
+        evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+        assert [e["weight_version"] for e in evals] == [0, 2, 3]  # 3: the final weights, after the last rollout
+        assert [e["step"] for e in evals] == [0, 2, 3]
+        for e in evals:
+            assert (e["k"], e["prompts"], e["samples"]) == (4, 8, 32) and 0 <= e["pass_at_1"] <= e["pass_at_k"] <= 1
+            assert 0 < e["response_length_mean"] <= 4 and e["rewards_failed"] == 0
+            assert 0 <= e["reward_mean"] <= 1  # the run's parity reward (1 for an even first token)
+        assert client.weight_version() == f"v{EVAL_ROLLOUTS}"  # the final evaluation's weights, sent by broadcast
+        print("vllm eval:", [(e["weight_version"], e["reward_mean"], e["pass_at_k"], round(e["seconds"], 2))
+                             for e in evals])
     finally:
         load_from_disk(client, str(tiny_llama_dir), "base")  # the session's server goes back to what it had

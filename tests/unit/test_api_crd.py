@@ -20,6 +20,9 @@ from trainingrun.api.spec.engine import EngineSpec, VLLMSettings
 from trainingrun.api.spec.model import MoESpec, ModelSpec
 from trainingrun.api.spec.rollout import (
     EnvironmentSpec,
+    EvalSpec,
+    JudgeSpec,
+    RemoteRewardSpec,
     GenerateSource,
     PromptsSpec,
     RewardSpec,
@@ -298,6 +301,31 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
          "rollout": {"source": {"type": "generate", "generate": {}}, "engine": {"type": "vllm"}},
          "weightSync": {"type": "disk"}},
     ),
+    # rewards served over HTTP, and the evaluation (its prompts and reward are the same models as the run's)
+    **{(f"{at}", "remote-settings"): ({"type": "remote", "remote": {"url": "http://rm:8000/score"}},
+                                      {"type": "exact_match", "remote": {"url": "http://rm:8000/score"}})
+       for at in ("rollout.source.generate.reward", "rollout.eval.reward")},
+    **{(f"{at}", "judge-settings"): ({"type": "judge", "judge": {"url": "http://j:8000/v1", "model": "m"}},
+                                     {"type": "judge"})
+       for at in ("rollout.source.generate.reward", "rollout.eval.reward")},
+    ("rollout.eval.reward", "function-named"): ({"type": "function", "function": "m:f"}, {"type": "function"}),
+    **{(f"{at}.{kind}", "header-names"): (
+        {"url": "http://s:8000/x", **extra, "headers": {"X-Api-Key": {"name": "s"}}},
+        {"url": "http://s:8000/x", **extra, "headers": {"X Api Key": {"name": "s"}}})
+       for at in ("rollout.source.generate.reward", "rollout.eval.reward")
+       for kind, extra in (("remote", {}), ("judge", {"model": "m"}))},
+    ("rollout.eval", "eval-reward-unshaped"): (
+        {"intervalRollouts": 4, "prompts": {}, "reward": {"type": "token_match"}},
+        {"intervalRollouts": 4, "prompts": {}, "reward": {"type": "token_match", "overlong": {"buffer": 4}}}),
+    ("rollout.eval.prompts", "reasoning-gym-settings"): ({"type": "reasoningGym", "reasoningGym": {"name": "x"}},
+                                                         {"type": "reasoningGym"}),
+    ("rollout.eval.prompts", "jsonl-settings"): ({"type": "jsonl", "jsonl": {"path": "p.jsonl"}}, {"type": "jsonl"}),
+    ("rollout.eval.prompts.synthetic", "min-length-at-most-max"): ({"minLength": 2, "maxLength": 3},
+                                                                   {"minLength": 4, "maxLength": 3}),
+    ("rollout", "eval-needs-generate"): (
+        {"source": {"type": "generate", "generate": {}}, "eval": {"intervalRollouts": 4, "prompts": {}}},
+        {"source": {"type": "generate", "generate": {"environment": {"type": "calculator"}}},
+         "eval": {"intervalRollouts": 4, "prompts": {}}}),
     ("rollout.steps", "batch-size-with-fixed"): ({"policy": "fixed", "globalBatchSize": 8}, {"policy": "dynamic", "globalBatchSize": 8}),
     ("rollout", "whole-groups"): ({"samplesPerRollout": 64, "groupSize": 8}, {"samplesPerRollout": 60, "groupSize": 8}),
     ("rollout", "partial-needs-over-sampling"): ({"overSampling": 0.25, "partialRollout": True},
@@ -354,6 +382,10 @@ MODEL_OF = {
     "podTemplate": PodTemplateOverrides, "rollout.source.generate.prompts": PromptsSpec,
     "rollout.source.generate.prompts.synthetic": SyntheticPrompts,
     "rollout.source.generate.reward": RewardSpec, "": models.TrainingRunSpec,
+    "rollout.eval.reward": RewardSpec, "rollout.eval": EvalSpec, "rollout.eval.prompts": PromptsSpec,
+    "rollout.eval.prompts.synthetic": SyntheticPrompts,
+    **{f"{at}.{kind}": model for at in ("rollout.source.generate.reward", "rollout.eval.reward")
+       for kind, model in (("remote", RemoteRewardSpec), ("judge", JudgeSpec))},
     "trainer.policyLoss.rolloutCorrection": RolloutCorrectionSpec,
     "rollout.source.generate": GenerateSource,
     "rollout.source.generate.environment": EnvironmentSpec,

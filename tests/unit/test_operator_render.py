@@ -224,6 +224,26 @@ def test_wandb_api_key_reaches_the_trainers_from_a_secret_only():
     assert not any(e["name"] == "WANDB_API_KEY" for p in plain for e in p["spec"]["containers"][0]["env"])
 
 
+def test_reward_service_headers_reach_the_rollout_from_secrets_only():
+    """reward.remote / reward.judge headers (the run's reward and the evaluation's): each a secretKeyRef env on the
+    rollout container, named by api.spec.rollout.header_env; no value anywhere in a pod, nothing on the trainers."""
+    rollout = {**TINY["spec"]["rollout"], "source": {"type": "generate", "generate": {
+        "reward": {"type": "remote", "remote": {"url": "http://rm:8000/score", "headers": {
+            "Authorization": {"name": "rm", "key": "token"}, "X-Team": {"name": "rm", "key": "team"}}}}}},
+        "eval": {"intervalRollouts": 4, "prompts": {}, "reward": {"type": "judge", "judge": {
+            "url": "http://judge:8000/v1", "model": "m", "headers": {"Authorization": {"name": "judge"}}}}}}
+    pods = render.render_pods(run_of(rollout=rollout), OWNER, attempt=0)
+    for pod in pods:
+        env = pod["spec"]["containers"][0]["env"]
+        refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in env if "valueFrom" in e}
+        if pod["metadata"]["labels"][LABEL_ROLE] == "rollout":
+            assert refs == {"TRAININGRUN_REWARD_HEADER_AUTHORIZATION": {"name": "rm", "key": "token"},
+                            "TRAININGRUN_REWARD_HEADER_X_TEAM": {"name": "rm", "key": "team"},
+                            "TRAININGRUN_EVAL_HEADER_AUTHORIZATION": {"name": "judge", "key": "api-key"}}
+        else:
+            assert refs == {}
+
+
 def test_each_child_is_rendered_by_its_own_renderer_as_exactly_that_object():
     """`render_child` looks the child's (kind, role) up in RENDERERS: the object it returns is that child (kind, name,
     role label), for every child a run with every optional part (managed store, gang scheduling, the vLLM engine) has;

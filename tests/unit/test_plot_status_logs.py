@@ -88,6 +88,31 @@ def test_plot_figure_shows_the_records_and_marks_the_restart(tmp_path):
     assert len(twins) == 1 and twins[0].get_ylabel() == "tokens/s"
 
 
+def write_evals(d: Path) -> list[dict]:
+    """eval.jsonl as the rollout writes it (rollout.eval every 4 rollouts), one line cut short by a killed writer."""
+    evals = [{"step": v, "weight_version": v, "rollout": v, "reward_mean": 0.1 + v / 20, "pass_at_1": v / 24,
+              "pass_at_k": min(1.0, v / 10), "k": 4, "prompts": 16, "samples": 64, "response_length_mean": 3.0,
+              "rewards_failed": 0, "seconds": 0.2, "time": 1.0} for v in (0, 4, 8, 12)]
+    (d / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals) + '{"step": 1')
+    return evals
+
+
+def test_plot_draws_the_held_out_evaluations_in_the_reward_panel(tmp_path):
+    from trainingrun.local.history import eval_records, step_records
+    from trainingrun.local.plot import figure
+
+    make_run_dir(tmp_path)
+    evals = write_evals(tmp_path)
+    assert [e.to_json() for e in eval_records(tmp_path)] == evals
+    fig = figure(step_records(tmp_path), "plotted", eval_records(tmp_path))
+    (reward,) = [a for a in fig.axes if a.get_title() == "reward"]
+    lines = {ln.get_label(): ln for ln in reward.get_lines()}
+    for label, key in (("held-out eval: reward mean", "reward_mean"), ("held-out eval: pass@1", "pass_at_1"),
+                       ("held-out eval: pass@4", "pass_at_k")):
+        assert list(lines[label].get_xdata()) == [0, 4, 8, 12]  # at the step the weights were trained to
+        assert list(lines[label].get_ydata()) == pytest.approx([e[key] for e in evals])
+
+
 def test_plot_command_writes_a_png_that_reads_back(tmp_path, capsys):
     import matplotlib.image
 
@@ -135,6 +160,22 @@ def test_status_of_a_finished_run(tmp_path, capsys):
     assert cli(["status", str(tmp_path)]) == 0
     table = capsys.readouterr().out
     assert "Succeeded" in table and "12/12" in table
+
+
+def test_status_shows_the_last_evaluation(tmp_path, capsys):
+    make_run_dir(tmp_path)
+    assert cli(["status", str(tmp_path), "-o", "json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["eval"] is None and st["evaluations"] == 0
+    evals = write_evals(tmp_path)
+    assert cli(["status", str(tmp_path), "-o", "json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["eval"] == evals[-1] and st["evaluations"] == 4
+    assert cli(["status", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    (row,) = [line for line in table.splitlines() if line.startswith("last evaluation")]
+    assert row.split(None, 2)[2] == ("weight version 12 (step 12): reward mean 0.700, pass@1 0.500, pass@4 1.000 "
+                                     "(4 evaluations, eval.jsonl)"), table
 
 
 def test_status_phases(tmp_path, capsys):

@@ -24,7 +24,8 @@ from trainingrun.api.models import ALL_MODELS, TrainingRunSpec, TrainingRunStatu
 _KEEP = {
     "type", "description", "properties", "required", "items", "enum", "default", "minimum", "maximum",
     "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "pattern", "additionalProperties",
-    "minItems", "maxItems", "format", "x-kubernetes-list-type", "x-kubernetes-list-map-keys",
+    "minItems", "maxItems", "minProperties", "maxProperties", "format", "x-kubernetes-list-type",
+    "x-kubernetes-list-map-keys",
 }
 
 # CEL cost estimation needs bounds on strings, lists and maps reached by rules; these caps apply to every
@@ -106,7 +107,7 @@ def _convert(node: Any, defs: dict[str, Any], rules: dict[str, list[dict[str, An
     if out.get("type") == "object" and "additionalProperties" in out:
         out.setdefault("maxProperties", MAX_PROPERTIES)
     if title in rules and node.get("type") == "object":
-        out["x-kubernetes-validations"] = rules[title]
+        out["x-kubernetes-validations"] = copy.deepcopy(rules[title])  # a model used twice: no YAML aliases
     order = {key: i for i, key in enumerate(("type", "description"))}
     return dict(sorted(out.items(), key=lambda kv: order.get(kv[0], len(order))))
 

@@ -22,6 +22,10 @@ publisher (`trainingrun/trainer/weights.py`, chosen by `spec.weightSync`) makes 
 built with whatever it needs to fetch a loadable version (the store, a directory, a process group). `load_weights`
 must leave the engine on either the old version or the new one, never a mix.
 
+An engine that keeps state between calls which could change what a later call generates (the in-process engine keeps
+the keys and values of its last call, to continue a multi-turn episode from them) has `drop_cache()` (optional): the
+rollout's evaluation calls it after its own generation, so that the training's calls are as if it never ran.
+
 Grouped generation with abort and continuation (optional; `GroupedEngine`, both engines of this package implement
 it; over-sampling and partial rollouts need it, single-call `generate` stays as it is):
 

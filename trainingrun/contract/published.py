@@ -124,7 +124,8 @@ class SourceStats:
     reward_sum: float = 0.0
     reward_sq_sum: float = 0.0
     reward_count: int = 0
-    reward_failed: int = 0  # generated rollouts: samples whose reward failed (raised, timed out, not finite)
+    reward_failed: int = 0  # generated rollouts: samples whose reward failed (raised, timed out, not finite, ...)
+    reward_failures: dict[str, int] = field(default_factory=dict)  # ... by reason (those that occurred)
     weight_version: int = -1  # generated rollouts: the weight version the source rollout was generated with
     groups_produced: int = 0
     groups_kept: int = 0
@@ -150,7 +151,8 @@ class SourceStats:
         return {"source_index": self.source_index, "produced": self.produced, "filtered": dict(self.filtered),
                 "carried_in": self.carried_in, "carried_out": self.carried_out, "seed": self.seed,
                 "reward_sum": self.reward_sum, "reward_sq_sum": self.reward_sq_sum, "reward_count": self.reward_count,
-                "reward_failed": self.reward_failed, "weight_version": self.weight_version,
+                "reward_failed": self.reward_failed, "reward_failures": dict(self.reward_failures),
+                "weight_version": self.weight_version,
                 "groups_produced": self.groups_produced, "groups_kept": self.groups_kept,
                 "groups_aborted": self.groups_aborted, "partials_carried": self.partials_carried,
                 "partials_dropped": self.partials_dropped, "tokens_masked": self.tokens_masked,
@@ -179,6 +181,7 @@ class SourceStats:
                    carried_out=int(d["carried_out"]), seed=int(d["seed"]),
                    reward_sum=float(d.get("reward_sum", 0.0)), reward_sq_sum=float(d.get("reward_sq_sum", 0.0)),
                    reward_count=int(d.get("reward_count", 0)), reward_failed=int(d.get("reward_failed", 0)),
+                   reward_failures={str(k): int(v) for k, v in (d.get("reward_failures") or {}).items()},
                    weight_version=int(d.get("weight_version", -1)), groups_produced=int(d.get("groups_produced", 0)),
                    groups_kept=int(d.get("groups_kept", 0)), groups_aborted=int(d.get("groups_aborted", 0)),
                    partials_carried=int(d.get("partials_carried", 0)),
@@ -281,7 +284,8 @@ class PublishedRollout:
         known = {"rollout", "dp_size", "schedule", "global_batch_sizes", "loss_tokens", "step_tokens", "imbalance",
                  "num_steps", "num_samples", "num_groups", "step_offset", "samples_offset", "mean_reward",
                  "step_weight_versions", "source_index", "produced", "filtered", "carried_in", "carried_out", "seed",
-                 "reward_sum", "reward_sq_sum", "reward_count", "reward_failed", "weight_version", "groups_produced",
+                 "reward_sum", "reward_sq_sum", "reward_count", "reward_failed", "reward_failures", "weight_version",
+                 "groups_produced",
                  "groups_kept", "groups_aborted", "partials_carried", "partials_dropped", "tokens_masked",
                  "step_lag_means", "episodes", "engines"}
         versions = tuple(int(x) for x in d.get("step_weight_versions", ()))

@@ -19,6 +19,9 @@ sides go through `RolloutStateRecord`; nobody reads the JSON by its keys.
    "staged": [group, ...] | null,        generated and scored groups of source rollout source_index
    "stream": object | null,              over-sampling: the prompt stream before that source rollout
    "staged_stream": object | null,       ... and after it
+   "eval_last": int | null,              rollout.eval: the last weight version evaluated (null: none yet)
+   "step_offsets": [int, ...],           step_offset at the start of each of the last maxPolicyLag + 1
+                                         rollouts, oldest first (an evaluation's step)
    "updated_at": float}                  unix time of the write
 
 A group is the rollout's `SampleGroup` in its JSON form (`trainingrun.rollout.groups`), opaque here except for its
@@ -63,6 +66,14 @@ def _optional_object(d: dict[str, Any], name: str, *, where: str) -> dict[str, A
     if value is not None and not isinstance(value, dict):
         raise CorruptPayload(f"{where}: {name} must be a JSON object or null, got {type(value).__name__}")
     return value
+
+
+def _counts(d: dict[str, Any], name: str, *, where: str) -> tuple[int, ...]:
+    """Field `name`: a list of integers >= 0 (absent: empty)."""
+    value = d.get(name) or []
+    if not isinstance(value, list):
+        raise CorruptPayload(f"{where}: {name} must be a list of integers, got {type(value).__name__}")
+    return tuple(count({name: v}, name, where=f"{where}: {name}[{i}]") for i, v in enumerate(value))
 
 
 @dataclass(frozen=True)
@@ -113,6 +124,8 @@ class RolloutStateRecord:
     staged: tuple[dict[str, Any], ...] | None = None
     stream: dict[str, Any] | None = None
     staged_stream: dict[str, Any] | None = None
+    eval_last: int | None = None
+    step_offsets: tuple[int, ...] = ()
     updated_at: float | None = None  # set by `to_json` when None
 
     def to_json(self) -> dict[str, Any]:
@@ -124,6 +137,7 @@ class RolloutStateRecord:
             "empty_streak": self.empty_streak, "totals": dict(self.totals), "finished": self.finished,
             "staged": None if self.staged is None else list(self.staged),
             "stream": self.stream, "staged_stream": self.staged_stream,
+            "eval_last": self.eval_last, "step_offsets": list(self.step_offsets),
             "updated_at": time.time() if self.updated_at is None else self.updated_at,
         }
 
@@ -150,6 +164,8 @@ class RolloutStateRecord:
             staged=_groups(d, "staged", where=where, required=False),
             stream=_optional_object(d, "stream", where=where),
             staged_stream=_optional_object(d, "staged_stream", where=where),
+            eval_last=count(d, "eval_last", where=where, required=False) if d.get("eval_last") is not None else None,
+            step_offsets=_counts(d, "step_offsets", where=where),
             updated_at=number(d, "updated_at", where=where, required=False),
         )
 

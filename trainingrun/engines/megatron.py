@@ -135,6 +135,11 @@ class MegatronEngine:
         self.stats["load_seconds"] += time.perf_counter() - t0
         self.stats["loaded_bytes"] += sum(a.nbytes for a in arrays.values())
 
+    def drop_cache(self) -> None:
+        """Forget the keys and values kept for continuing the last call (the rollout's evaluation calls it, so that
+        no training call continues from an evaluation's cache: contract/engine.py)."""
+        self._cache = None
+
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: Sampling) -> list[list[Completion]]:
         t0 = time.perf_counter()

@@ -1,4 +1,6 @@
-"""A run's per-step history, read from its directory: what `trainingrun plot` and `trainingrun status` show.
+"""A run's per-step history, read from its directory: what `trainingrun plot` and `trainingrun status` show; and its
+evaluations on held-out prompts (`rollout.eval`): eval.jsonl, one record per evaluated weight version, which the
+rollout rewrites whole from the store after each evaluation (`eval_records`).
 
 A local run directory has `raw/trainer-metrics.attempt<k>.jsonl` (rank 0's records as each attempt wrote them, also
 while the run is live) and `metrics.jsonl` (merged at the end of each attempt). A cluster's output directory (the
@@ -8,9 +10,12 @@ appears more than once, and the last record of a step wins.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+from trainingrun.contract.errors import CorruptPayload
+from trainingrun.contract.evaluation import EVAL_FILE, EvalRecord
 from trainingrun.local.report import merge_metrics, read_records
 
 
@@ -35,3 +40,20 @@ def restart_steps(records: list[dict[str, Any]]) -> list[tuple[int, int]]:
             out.append((int(rec["step"]), int(a) if isinstance(a, int) else -1))
         prev = a
     return out
+
+
+def eval_records(run_dir: Path) -> list[EvalRecord]:
+    """The run's evaluations in weight-version order (the last line of a version wins; a malformed line, e.g. cut
+    short, is skipped); [] without eval.jsonl."""
+    by_version: dict[int, EvalRecord] = {}
+    try:
+        text = (run_dir / EVAL_FILE).read_text()
+    except OSError:
+        return []
+    for line in text.splitlines():
+        try:
+            rec = EvalRecord.from_json(json.loads(line), where=str(run_dir / EVAL_FILE))
+        except (ValueError, CorruptPayload):
+            continue
+        by_version[rec.weight_version] = rec
+    return [by_version[v] for v in sorted(by_version)]

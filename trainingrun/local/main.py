@@ -15,7 +15,7 @@ from trainingrun.api import load_trainingrun
 from trainingrun.api.yamlcodec import ManifestError, parse_yaml
 from trainingrun.cliargs import positive_seconds, seconds
 from trainingrun.diskspace import describe
-from trainingrun.local.history import step_records
+from trainingrun.local.history import eval_records, step_records
 from trainingrun.local.launcher import LAUNCHER_LOG, Launcher, already_succeeded, spec_yaml
 from trainingrun.local.plot import PLOT_FILE, write_plot
 from trainingrun.local.report import summary_table
@@ -218,7 +218,7 @@ def write_run_plot(out_dir: Path, progress: ProgressLine) -> None:
     if not records:
         return
     try:
-        path = write_plot(records, out_dir / PLOT_FILE, title=out_dir.resolve().name)
+        path = write_plot(records, out_dir / PLOT_FILE, title=out_dir.resolve().name, evals=eval_records(out_dir))
     except Exception as exc:  # noqa: BLE001 - matplotlib missing, disk full: the run's results are written already
         progress.event(f"warning: no plot written: {type(exc).__name__}: {exc}")
         return

@@ -1,10 +1,12 @@
 """`trainingrun plot RUN_DIR [--output FILE]`: one PNG of a run's per-step history.
 
-Six panels: loss per step, global batch size per step (bars: it varies), learning rate against samples consumed
-(the scheduler advances by samples), gradient norm, reward (the trained samples' mean, and the mean over every
-generated sample when the record has `reward_mean`), throughput (samples/s and tokens/s on their own axes). Dashed
-vertical lines mark restarts (the step where another attempt's records begin). The history comes from the run
-directory (`trainingrun.local.history`): a local run's directory, or a cluster's output directory with its metrics.jsonl.
+Six panels: loss per step, global batch size per step (bars: it varies), learning rate against samples consumed (the
+scheduler advances by samples), gradient norm, reward (the trained samples' mean, the mean over every generated
+sample when the record has `reward_mean`, and with `rollout.eval` the evaluations on held-out prompts from
+eval.jsonl: their reward mean, pass@1 and pass@k at the step their weights were trained to), throughput (samples/s
+and tokens/s on their own axes). Dashed vertical lines mark restarts (the step where another attempt's records
+begin). The history comes from the run directory (`trainingrun.local.history`): a local run's directory, or a
+cluster's output directory with its metrics.jsonl.
 A finished local run writes `RUN_DIR/plot.png` itself.
 """
 
@@ -13,10 +15,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from trainingrun.local.history import restart_steps, step_records
+from trainingrun.contract.evaluation import EvalRecord
+from trainingrun.local.history import eval_records, restart_steps, step_records
 
 PLOT_FILE = "plot.png"
 
@@ -43,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         print("error: trainingrun plot needs matplotlib: pip install 'trainingrun[local]'", file=sys.stderr)
         return 1
     try:
-        write_plot(records, out, title=run_dir.resolve().name)
+        write_plot(records, out, title=run_dir.resolve().name, evals=eval_records(run_dir))
     except OSError as exc:
         print(f"error: cannot write {out}: {exc.strerror or exc}", file=sys.stderr)
         return 1
@@ -63,8 +67,8 @@ def _series(records: list[dict[str, Any]], key: str, x: str = "step") -> tuple[l
     return xs, ys
 
 
-def figure(records: list[dict[str, Any]], title: str = ""):
-    """The matplotlib Figure (Agg backend, nothing shown)."""
+def figure(records: list[dict[str, Any]], title: str = "", evals: Sequence[EvalRecord] = ()):
+    """The matplotlib Figure (Agg backend, nothing shown); `evals`: the run's evaluations (eval.jsonl)."""
     import matplotlib  # deferred: matplotlib (the optional `local` extra), slow to import
 
     matplotlib.use("Agg", force=True)
@@ -128,6 +132,13 @@ def figure(records: list[dict[str, Any]], title: str = ""):
     ax.set_title("reward")
     has = line(ax, "reward", "trained samples (mean)", color="tab:purple")
     has = line(ax, "reward_mean", "all generated samples (mean)", color="tab:brown") or has
+    if evals:
+        steps = [e.step for e in evals]
+        k = evals[-1].k
+        ax.plot(steps, [e.reward_mean for e in evals], "s-", color="tab:green", label="held-out eval: reward mean")
+        ax.plot(steps, [e.pass_at_1 for e in evals], "^--", color="tab:olive", label="held-out eval: pass@1")
+        ax.plot(steps, [e.pass_at_k for e in evals], "v:", color="tab:gray", label=f"held-out eval: pass@{k}")
+        has = True
     if not has:
         no_data(ax, "reward")
     mark_restarts(ax)
@@ -161,9 +172,9 @@ def figure(records: list[dict[str, Any]], title: str = ""):
     return fig
 
 
-def write_plot(records: list[dict[str, Any]], path: Path, title: str = "") -> Path:
+def write_plot(records: list[dict[str, Any]], path: Path, title: str = "", evals: Sequence[EvalRecord] = ()) -> Path:
     """Write the PNG atomically (a temporary file, then rename)."""
-    fig = figure(records, title)
+    fig = figure(records, title, evals)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.png")
     fig.savefig(tmp, format="png")

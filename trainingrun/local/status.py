@@ -3,7 +3,8 @@
 Phase: Running while a launcher holds the run directory's lock (`trainingrun.local.rundir`); otherwise the status of the
 last summary.json (Succeeded, Failed, Interrupted); Stopped when steps were trained but the launcher ended without a
 summary (killed); NotStarted when the directory has neither. Step, rollout, samples, loss and global batch size come
-from the newest step record (also while the run is live); attempt and processes from pids.json; restarts from
+from the newest step record (also while the run is live); with `rollout.eval` the last evaluation on held-out prompts
+and their count from eval.jsonl; attempt and processes from pids.json; restarts from
 summary.json, or while live from the attempts seen. The columns are the fields of `-o json`.
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from trainingrun.local.history import step_records
+from trainingrun.local.history import eval_records, step_records
 from trainingrun.local.rundir import live_owner
 
 PHASES = {"succeeded": "Succeeded", "failed": "Failed", "interrupted": "Interrupted"}
@@ -56,6 +57,7 @@ def run_status(run_dir: Path) -> dict[str, Any]:
     pids = _read_json(run_dir / "pids.json") or {}
     records = step_records(run_dir)
     last = records[-1] if records else {}
+    evals = eval_records(run_dir)
     try:
         doc = yaml.safe_load((run_dir / "run.yaml").read_text())
     except (OSError, yaml.YAMLError):
@@ -96,6 +98,8 @@ def run_status(run_dir: Path) -> dict[str, Any]:
         "samples_consumed": last.get("samples_consumed", 0),
         "global_batch_size": last.get("global_batch_size"),
         "loss": last.get("loss"),
+        "evaluations": len(evals),
+        "eval": evals[-1].to_json() if evals else None,
         "processes": processes,
         "failure": (summary or {}).get("failure") if owner is None else None,
         "wall_seconds": (summary or {}).get("wall_seconds") if owner is None else None,
@@ -116,6 +120,11 @@ def format_status(st: dict[str, Any]) -> str:
         ("attempt", "-" if st["attempt"] is None else st["attempt"]),
         ("restarts", st["restarts"]),
     ]
+    if st["eval"]:
+        e = st["eval"]
+        rows.append(("last evaluation", f"weight version {e['weight_version']} (step {e['step']}): reward mean "
+                                        f"{e['reward_mean']:.3f}, pass@1 {e['pass_at_1']:.3f}, pass@{e['k']} "
+                                        f"{e['pass_at_k']:.3f} ({st['evaluations']} evaluations, eval.jsonl)"))
     if st["launcher"]:
         rows.append(("launcher", f"pid {st['launcher'].get('pid')} on {st['launcher'].get('host')}"))
     for name, p in st["processes"].items():

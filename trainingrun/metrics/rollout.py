@@ -5,8 +5,10 @@ every one: what the source produced and the filters dropped, generated rollouts'
 aborted and each engine's last weight-sync seconds, prefix-cache queries and hits, requests in flight and in-flight
 limit (label engine), multi-turn episodes (weighted (sum, count) pairs: turns and tool
 calls per episode, tool error rate, ...; failures by reason), what was published, the schedule's imbalance and the
-publish latency, the rollouts pending. Served on `TRAININGRUN_METRICS_PORT` by `trainingrun rollout`
-(`trainingrun.rollout.main`); the trainer's counterpart is `exporter.TrainerExporter`.
+publish latency, the rollouts pending; and the `trainingrun_eval_*` families of the evaluations on held-out prompts
+(`names.EVAL`: the last evaluation's gauges, evaluations and failed rewards counted). Served on
+`TRAININGRUN_METRICS_PORT` by `trainingrun rollout` (`trainingrun.rollout.main`); the trainer's counterpart is
+`exporter.TrainerExporter`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, start_http_server
 
 from trainingrun.metrics.exporter import WeightedCollector
-from trainingrun.metrics.names import ROLLOUT, ROLLOUT_WEIGHTED
+from trainingrun.metrics.names import EVAL, ROLLOUT, ROLLOUT_WEIGHTED
 
 
 class RolloutMetrics:
@@ -25,7 +27,9 @@ class RolloutMetrics:
     def __init__(self, run: str):
         self.registry = CollectorRegistry()
         labels = ["run"]
-        mk = lambda cls, name, extra=(), **kw: cls(name, ROLLOUT[name], labels + list(extra), registry=self.registry, **kw)  # noqa: E731
+        helps = {**ROLLOUT, **EVAL}
+        mk = lambda cls, name, extra=(), **kw: cls(name, helps[name], labels + list(extra),  # noqa: E731
+                                                   registry=self.registry, **kw)
         self.run = run
         self.produced = mk(Counter, "trainingrun_rollout_samples_produced").labels(run)
         self._filtered = mk(Counter, "trainingrun_rollout_samples_filtered", ["filter"])
@@ -56,6 +60,12 @@ class RolloutMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
         ).labels(run)
         self.pending = mk(Gauge, "trainingrun_rollout_pending").labels(run)
+        # evaluations (rollout.eval): the last one's figures
+        self.eval_gauges = {name: mk(Gauge, f"trainingrun_eval_{name}").labels(run)
+                            for name in ("reward_mean", "pass_at_1", "pass_at_k", "response_length_mean",
+                                         "weight_version", "step", "seconds")}
+        self.evaluations = mk(Counter, "trainingrun_eval_evaluations").labels(run)
+        self._eval_failures = mk(Counter, "trainingrun_eval_reward_failures", ["reason"])
         self.server = None
 
     def observe_generation(self, gen, rewards) -> None:
@@ -89,6 +99,16 @@ class RolloutMetrics:
         self.truncated_episodes.inc(ep.truncated)
         for reason, n in ep.failures.items():
             self._env_failures.labels(self.run, reason).inc(n)
+
+    def observe_eval(self, rec) -> None:
+        """One evaluation (`contract.evaluation.EvalRecord`)."""
+        for name, gauge in self.eval_gauges.items():
+            gauge.set(getattr(rec, name))
+        self.evaluations.inc()
+
+    def observe_eval_failures(self, counts: dict[str, int]) -> None:
+        for reason, n in counts.items():
+            self._eval_failures.labels(self.run, reason).inc(n)
 
     def serve(self, port: int, addr: str | None = None) -> int:
         if addr is None:  # a pod is scraped on its IP; elsewhere stay on loopback

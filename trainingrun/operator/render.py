@@ -247,6 +247,10 @@ def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, att
         # W&B online mode: the API key from a Secret (never in the spec or the ConfigMap)
         container["env"].append({"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {
             "name": wandb.api_key_secret.name, "key": wandb.api_key_secret.key}}})
+    if process.role == ROLE_ROLLOUT:
+        # the request headers of rewards served over HTTP: from their Secrets (never in the spec or the ConfigMap)
+        container["env"].extend({"name": var, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+                                for var, ref in spec.rollout.header_secrets())
     if resources:
         container["resources"] = resources
     pod_spec = {

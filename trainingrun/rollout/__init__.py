@@ -16,6 +16,10 @@ Module map:
   prompts.py          prompts of generated rollouts and the tokenizers that turn text into ids
   rewards.py          rewards of generated rollouts: a table of reward types scoring batches of samples (with their
                       prompts), isolated ones in workers so a bad one never stops the rollout
+  reward_services.py  rewards served over HTTP (`remote`: a reward service; `judge`: an LLM judge): a bounded thread
+                      pool, timeouts, retries with backoff, failures by reason, Secret headers from the environment
+  evaluate.py         `rollout.eval`: periodic evaluation of the weights on held-out prompts between training
+                      rollouts (pass@k), without changing the training; eval.jsonl
   groups.py           `SampleGroup`, the samples of one prompt: the unit every stage passes on
   pipeline.py         the pure stages: filters, advantages (a table of estimators), steps, flat samples
   recovery.py         re-creating the stream after the store lost it (the trainers' resume point is ahead)

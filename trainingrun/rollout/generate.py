@@ -8,8 +8,10 @@ The three first stages of the rollout loop for generated rollouts:
                           completion, loss mask on the completion, the generator's per-token log-probabilities,
                           its weight version
     score(groups)         the reward of every completion (`rollout/rewards.py`: the reward type scores the batch's
-                          samples, each with its prompt, response, reference and meta); failed rewards are counted;
-                          with `reward.overlong`, DAPO's length penalty is added (`overlong_penalty`)
+                          samples, each with its prompt, response, reference and meta); failed rewards are counted
+                          by reason; with `reward.overlong`, DAPO's length penalty is added (`overlong_penalty`); a
+                          judge's raw answers of the first `keepAnswers` samples of rollout k are kept in
+                          judge/rollout-<k>.jsonl of the output directory (`rewards.AnswerLog`)
 
 With `environment` the generate stage runs groupSize multi-turn episodes per prompt instead (`rollout/episodes.py`:
 one engine call per turn, the environment's observations between turns, its rewards), and score has nothing left
@@ -41,6 +43,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -53,7 +56,7 @@ from trainingrun.modeling.architecture import Architecture
 from trainingrun.rollout.episodes import EpisodeRunner, build_group, counts, cut_at_stop, turn_text
 from trainingrun.rollout.groups import SampleGroup
 from trainingrun.rollout.prompts import Prompt, load_tokenizer, make_prompts
-from trainingrun.rollout.rewards import RewardConfig, RewardSample, RewardScorer
+from trainingrun.rollout.rewards import AnswerLog, RewardConfig, RewardSample, RewardScorer
 from trainingrun.rollout.stream import PartialGroup, PromptStream, extra_prompts, is_cut
 from trainingrun.rollout.synthetic import EOS
 
@@ -92,6 +95,14 @@ def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: flo
     return 0.0 if length <= free else penalty * (free - min(length, max_new_tokens)) / buffer
 
 
+def reward_response(ctoks: np.ndarray, prompt: Prompt, tokenizer, stop_ids, stops) -> Any:
+    """What the reward sees of a completion: its token ids (stop token included) for token references (built-in
+    tasks: reference = answer + end token), else the decoded text without the stop token, cut at a stop string."""
+    if tokenizer is None or isinstance(prompt.reference, list):
+        return [int(t) for t in ctoks]
+    return turn_text(ctoks, tokenizer, stop_ids, stops)
+
+
 def request_seed(seed: int, position: int) -> int:
     """The sampling seed of the prompt at stream position `position` (never of the engine that serves it)."""
     return int(np.random.SeedSequence([seed, position, 0x5B]).generate_state(1)[0])
@@ -110,7 +121,8 @@ class GenerateSource:
     replayable = False
 
     def __init__(self, spec, store, *, arch: Architecture, say: Callable[[str], None] | None = None,
-                 engine: Engine | None = None, max_wait: float | None = None, poll_interval: float = 0.05):
+                 engine: Engine | None = None, max_wait: float | None = None, poll_interval: float = 0.05,
+                 out_dir: Path | None = None):
         g = spec.rollout.source.generate
         assert g is not None
         self.spec, self.store, self.g = spec, store, g
@@ -133,21 +145,24 @@ class GenerateSource:
         if g.reward.type == "reasoning_gym" and dataset is None and self.environment is None:
             raise ConfigError("rollout.source.generate.reward.type: reasoning_gym scores reasoning-gym prompts only "
                               "(prompts.type reasoningGym)")
-        self.scorer = self.episodes = None
+        self.scorer = self.episodes = self.answers = None
         if self.environment is not None:
             self.episodes = EpisodeRunner(self.environment, tokenizer=self.tokenizer, chat=g.prompts.chat,
                                           stop_ids=self.stop_ids, stops=g.sampling.stop,
                                           max_new_tokens=g.sampling.max_new_tokens, seq_length=seq_length,
                                           prompt_type=g.prompts.type, say=self.say)
         else:
-            self.scorer = RewardScorer(RewardConfig(type=g.reward.type, function=g.reward.function, dataset=dataset),
-                                       timeout=g.reward.timeout_seconds, failed_reward=g.reward.failed_reward,
-                                       workers=g.reward.workers)
+            self.scorer = RewardScorer(RewardConfig.of(g.reward, dataset=dataset), timeout=g.reward.timeout_seconds,
+                                       failed_reward=g.reward.failed_reward, workers=g.reward.workers)
+            if g.reward.judge is not None:  # its raw answers, kept for inspection (out_dir: the run's output)
+                self.answers = AnswerLog(out_dir / "judge" if out_dir is not None else None,
+                                         g.reward.judge.keep_answers, self.say)
         self.engine = engine if engine is not None else make_engine(spec, store, arch)
         self.lag = spec.rollout.max_policy_lag
         self.stats = GenerateStats()
         self._pending: dict[int, list[RewardSample]] = {}  # group id -> its samples (as the reward sees them)
         self._index = -1
+        self._rollout = -1  # the rollout being generated (its judge answers' file)
         # over-sampling / partial rollouts (module docstring)
         r = spec.rollout
         self.streaming = r.over_sampling > 0 or r.partial_rollout
@@ -183,6 +198,7 @@ class GenerateSource:
         return self._blocks[block][offset]
 
     def generate(self, prompts: list[Prompt] | StreamDraw, rollout: int) -> list[SampleGroup]:
+        self._rollout = rollout
         before = self._engine_counts()
         groups = self._generate(prompts, rollout)
         self.stats.engines = {name: c.minus(before[name]) if name in before else c
@@ -338,6 +354,8 @@ class GenerateSource:
         if not items:
             return
         scored = self.scorer.score(items)
+        if self.answers is not None:
+            self.answers.add(f"rollout-{self._rollout}", items, scored)
         overlong = self.g.reward.overlong
         for (g, i), reward in zip(where, scored.rewards):
             if overlong is not None:  # the completion's tokens are the loss-masked ones
@@ -351,7 +369,8 @@ class GenerateSource:
         self.stats.score_seconds += time.perf_counter() - t0
         failed = sum(counts.values())
         if failed:
-            self.say(f"rollout: {failed} of {len(items)} rewards failed ({counts}); e.g. "
+            occurred = {r: n for r, n in counts.items() if n}
+            self.say(f"rollout: {failed} of {len(items)} rewards failed ({occurred}); e.g. "
                      + "; ".join(scored.messages[:2]))
 
     def close(self) -> None:
@@ -361,9 +380,11 @@ class GenerateSource:
         self.engine.close()
 
     # ---- helpers
-    def ensure_weights(self, version: int, *, newest: bool = False) -> int:
+    def ensure_weights(self, version: int, *, newest: bool = False, stats: GenerateStats | None = None) -> int:
         """Load weight version `version` into the engine, waiting until the trainers published it; with `newest`,
-        the newest version published by then (at least `version`). Returns the version the engine holds."""
+        the newest version published by then (at least `version`). Returns the version the engine holds. The waits
+        and loads are recorded in `stats` (default: this source rollout's)."""
+        stats = self.stats if stats is None else stats
         if self.engine.weight_version == version and not newest:
             return version
         t0 = time.monotonic()
@@ -380,23 +401,19 @@ class GenerateSource:
                 self.say(f"rollout: waiting for weight version {version} ({now - t0:.0f}s, newest {latest})")
                 reported = now
             time.sleep(self.poll_interval)
-        self.stats.wait_seconds = time.monotonic() - t0
+        stats.wait_seconds = time.monotonic() - t0
         if newest:
             version = max(version, int(latest))
             if self.engine.weight_version == version:
                 return version
         t1 = time.perf_counter()
         self.engine.load_weights(version)
-        self.stats.load_seconds = time.perf_counter() - t1
-        self.stats.sync_seconds = dict(getattr(self.engine, "last_sync", {}))
+        stats.load_seconds = time.perf_counter() - t1
+        stats.sync_seconds = dict(getattr(self.engine, "last_sync", {}))
         return version
 
     def _response(self, ctoks: np.ndarray, prompt: Prompt) -> Any:
-        """What the reward sees: the completion's token ids (stop token included) for token references (built-in
-        tasks: reference = answer + end token), else the decoded text without the stop token."""
-        if self.tokenizer is None or isinstance(prompt.reference, list):
-            return [int(t) for t in ctoks]
-        return turn_text(ctoks, self.tokenizer, self.stop_ids, self.sampling.stop)
+        return reward_response(ctoks, prompt, self.tokenizer, self.stop_ids, self.sampling.stop)
 
     def _cut_at_stop(self, tokens: np.ndarray, logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Completions end after the token that completes a stop string (text tasks): later tokens are dropped."""

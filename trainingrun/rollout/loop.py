@@ -10,6 +10,10 @@
     → schedule + per-rank payloads         (`contract/published.py`)
     → wait for room (maxPendingRollouts) → publish → save the resume state
 
+With `rollout.eval` (`rollout/evaluate.py`), weight versions 0, N, 2N, ... are evaluated on held-out prompts before the
+rollout generated with them, and the final version after the last rollout, before `finish` ends the stream; the last
+version evaluated is part of the resume state.
+
 A source rollout whose groups do not fill a step publishes nothing: its groups are carried and the next source
 rollout is drawn, so every published rollout has at least one step and k counts published rollouts (numRollouts of
 them; a jsonl source may end earlier). At the end, `finish(k)`; groups still carried are reported, never silently
@@ -28,6 +32,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,6 +44,7 @@ from trainingrun.contract.resume import ResumePoint
 from trainingrun.contract.rollout_state import ROLLOUT_STATE_KEY, RolloutStateRecord
 from trainingrun.modeling.architecture import Architecture
 from trainingrun.modeling.tokenizer import TokenizerError, run_tokenizer
+from trainingrun.rollout.evaluate import Evaluator
 from trainingrun.rollout.generate import GenerateSource, required_version
 from trainingrun.rollout.groups import SampleGroup
 from trainingrun.rollout.jsonl import JsonlSource, load_jsonl
@@ -51,6 +57,7 @@ from trainingrun.rollout.source import Source
 from trainingrun.rollout.stream import PromptStream
 from trainingrun.rollout.synthetic import SyntheticConfig, SyntheticSource
 from trainingrun.store.base import Store
+from trainingrun.tracking import output_dir
 
 MAX_EMPTY_SOURCE_ROLLOUTS = 100
 
@@ -73,6 +80,14 @@ class RolloutState:
     staged: list[SampleGroup] | None = None  # generated + scored groups of source rollout `source_index`, not yet used
     stream: dict[str, Any] | None = None  # over-sampling: the prompt stream before source rollout `source_index`
     staged_stream: dict[str, Any] | None = None  # ... and after it (with `staged`)
+    eval_last: int = -1  # rollout.eval: the last weight version evaluated (-1: none)
+    step_offsets: list[int] = field(default_factory=lambda: [0])  # step_offset at the start of the last rollouts
+
+    def step_at(self, version: int) -> int:
+        """Optimizer steps trained into weight version `version` (the step offset at the start of rollout
+        `version`, one of the last few: `step_offsets`)."""
+        i = len(self.step_offsets) - 1 - (self.next_rollout - version)
+        return self.step_offsets[min(max(i, 0), len(self.step_offsets) - 1)]
 
     @property
     def carried_samples(self) -> int:
@@ -86,6 +101,7 @@ class RolloutState:
             totals=dict(self.totals), finished=self.finished,
             staged=None if self.staged is None else tuple(g.to_json() for g in self.staged),
             stream=self.stream, staged_stream=self.staged_stream,
+            eval_last=None if self.eval_last < 0 else self.eval_last, step_offsets=tuple(self.step_offsets),
         )
 
     @classmethod
@@ -97,6 +113,8 @@ class RolloutState:
             totals=dict(r.totals), finished=r.finished,
             staged=None if r.staged is None else [SampleGroup.from_json(g) for g in r.staged],
             stream=r.stream, staged_stream=r.staged_stream,
+            eval_last=-1 if r.eval_last is None else r.eval_last,
+            step_offsets=list(r.step_offsets) or [r.step_offset],
         )
 
     def save(self, store: Store) -> None:
@@ -104,13 +122,14 @@ class RolloutState:
 
 
 def config_fingerprint(spec: TrainingRunSpec, arch: Architecture) -> str:
-    """Hash of everything that decides the published data (not numRollouts/maxPendingRollouts, which may change).
+    """Hash of everything that decides the published data (not numRollouts/maxPendingRollouts, which may change, nor
+    the evaluation, which trains nothing).
 
     Not the data-parallel size either: a run may be resized (elastic data parallelism). The rollouts published
     after a resize are scheduled for the new size; those published before it are re-scheduled by the trainers
     (`trainer/reshard.py`), with the same steps and samples."""
     rollout = spec.rollout.to_dict()
-    for volatile in ("numRollouts", "maxPendingRollouts", "resources"):
+    for volatile in ("numRollouts", "maxPendingRollouts", "resources", "eval"):
         rollout.pop(volatile, None)
     t = spec.trainer
     relevant = {
@@ -192,7 +211,7 @@ class RolloutLoop:
 
     def __init__(self, spec: TrainingRunSpec, store: Store, *, dp_size: int | None = None, metrics=None,
                  progress: Callable[[str], None] | None = None, max_wait: float | None = None,
-                 poll_interval: float = 0.1):
+                 poll_interval: float = 0.1, out_dir: Path | None = None):
         self.spec = spec
         self.store = store
         self.dp = spec.trainer.data_parallel_size if dp_size is None else dp_size
@@ -210,6 +229,10 @@ class RolloutLoop:
         self.source = make_source(spec, self.arch, self.say, store, max_wait)
         if isinstance(self.source, GenerateSource):  # over-sampling stops once enough groups pass the filters
             self.source.keeps = self.keeps
+        self.evaluator = None
+        if spec.rollout.eval is not None and isinstance(self.source, GenerateSource):
+            self.evaluator = Evaluator(spec, self.source, self.arch, store=store, metrics=metrics, say=self.say,
+                                       out_dir=output_dir(spec) if out_dir is None else out_dir)
         self.fingerprint = config_fingerprint(spec, self.arch)
 
     def keeps(self, group: SampleGroup) -> bool:
@@ -220,7 +243,10 @@ class RolloutLoop:
     def run(self) -> RolloutResult:
         try:
             state, resumed = self.resume()
+            if self.evaluator is not None:
+                self.evaluator.start()
             while not state.finished and state.next_rollout < self.spec.rollout.num_rollouts:
+                self.evaluate(state)
                 step = self.advance(state)
                 if step is None:
                     self.exhausted(state)
@@ -235,7 +261,23 @@ class RolloutLoop:
                     state = self.catch_up(state, ahead.point)
             return self.finish(state, resumed)
         finally:
+            if self.evaluator is not None:
+                self.evaluator.close()
             self.source.close()
+
+    def evaluate(self, state: RolloutState, *, final: bool = False) -> None:
+        """rollout.eval: the weight version due before rollout `state.next_rollout` (or, `final`, the one trained on
+        every rollout published), evaluated and marked done in the state (`rollout/evaluate.py`)."""
+        ev = self.evaluator
+        if ev is None or state.finished:
+            return
+        k = state.next_rollout
+        version = k if final else required_version(k, self.spec.rollout.max_policy_lag)
+        if not ev.due(version, state.eval_last, final=final):
+            return
+        ev.run(version, step=state.step_at(version), rollout=k)
+        state.eval_last = version
+        state.save(self.store)
 
     def advance(self, state: RolloutState, *, replay: bool = False):
         """One source rollout from `state`: (state after it, the rollout to publish and its payloads — both None
@@ -326,6 +368,7 @@ class RolloutLoop:
             carried_in=carried_in, carried_out=after.carried_samples, seed=self.spec.seed,
             reward_sum=float(rewards.sum()), reward_sq_sum=float((rewards ** 2).sum()), reward_count=len(rewards),
             reward_failed=sum(gen.reward_failed.values()) if gen is not None else 0,
+            reward_failures={r: n for r, n in gen.reward_failed.items() if n} if gen is not None else {},
             weight_version=min((int(g.versions.min()) for g in groups if g.versions is not None), default=-1),
             groups_produced=len(groups), groups_kept=len(kept),
             groups_aborted=getattr(gen, "groups_aborted", 0), partials_carried=getattr(gen, "partials_carried", 0),
@@ -401,6 +444,7 @@ class RolloutLoop:
             fingerprint=self.fingerprint, next_rollout=state.next_rollout, source_index=state.source_index + 1,
             step_offset=state.step_offset, samples_offset=state.samples_offset, carried=carry, totals=totals,
             stream=state.staged_stream if state.staged_stream is not None else state.stream,
+            eval_last=state.eval_last, step_offsets=list(state.step_offsets),
         )
 
     def carry_over(self, state: RolloutState, after: RolloutState, groups: list[SampleGroup],
@@ -463,12 +507,12 @@ class RolloutLoop:
         )
         return after
 
-    @staticmethod
-    def passed(after: RolloutState, published: PublishedRollout) -> None:
+    def passed(self, after: RolloutState, published: PublishedRollout) -> None:
         """`after` moves past `published` (its counters; the caller stores or replays)."""
         after.next_rollout = published.rollout + 1
         after.step_offset = published.step_offset + published.num_steps
         after.samples_offset = published.samples_offset + published.num_samples
+        after.step_offsets = [*after.step_offsets, after.step_offset][-(self.spec.rollout.max_policy_lag + 1):]
 
     def catch_up(self, state: RolloutState, point: ResumePoint) -> RolloutState:
         """The trainers resume at `point`, past this rollout's stream (the store lost data): release what we
@@ -544,6 +588,7 @@ class RolloutLoop:
             )
 
     def finish(self, state: RolloutState, resumed: bool) -> RolloutResult:
+        self.evaluate(state, final=True)  # before the end of the stream: the trainers still serve the last weights
         if not state.finished:
             state.finished = True
             state.save(self.store)

@@ -230,14 +230,16 @@ def _format(template: str, prompt: str) -> str:
         raise ConfigError(f"rollout.source.generate.prompts.template: {template!r}: {exc!r} (use {{prompt}})") from None
 
 
-def make_prompts(spec, arch: Architecture, *, tokenizer=None):
-    """The prompt source `spec.rollout.source.generate.prompts` names, for the run's model `arch`."""
-    p = spec.rollout.source.generate.prompts
+def make_prompts(spec, arch: Architecture, *, tokenizer=None, prompts=None, seed: int | None = None):
+    """The prompt source `spec.rollout.source.generate.prompts` names (or `prompts`, a PromptsSpec: the evaluation's,
+    seeded by `seed` instead of spec.seed), for the run's model `arch`."""
+    p = prompts if prompts is not None else spec.rollout.source.generate.prompts
+    seed = spec.seed if seed is None else seed
     vocab = arch.vocab_size
     if p.type == "synthetic":
-        return SyntheticPrompts(p.synthetic, vocab_size=vocab, seed=spec.seed)
+        return SyntheticPrompts(p.synthetic, vocab_size=vocab, seed=seed)
     tokenizer = tokenizer or load_tokenizer(arch)
     if p.type == "reasoningGym":
-        return ReasoningGymPrompts(p.reasoning_gym, seed=spec.seed, template=p.template, tokenizer=tokenizer,
+        return ReasoningGymPrompts(p.reasoning_gym, seed=seed, template=p.template, tokenizer=tokenizer,
                                    chat=p.chat)
     return JsonlPrompts(p.jsonl.path, template=p.template, tokenizer=tokenizer, vocab_size=vocab, chat=p.chat)

@@ -31,10 +31,10 @@ def step_record(*, res, step, rollout: int, global_step: int, samples_consumed: 
     oldest trained token) and policy_lag_mean (the same over every trained token: partial rollouts mix versions), the
     per-token policy statistics (RL_MEANS, token-weighted over the step's trained tokens, before the update; the
     correction's maximum weight over the step; GSPO's clipped-sequence fraction per sample), the
-    trained samples' reward_std, and the rollout's produced/kept/filtered/aborted groups and failed rewards; with an
-    environment also the rollout's episode statistics (`contract.published.EpisodeCounts.record`); with an engine
-    pool the rollout's prefix-cache hit rate and, by engine, its hit rate, requests in flight and in-flight limit
-    (`contract.published.SourceStats.engine_record`)."""
+    trained samples' reward_std, and the rollout's produced/kept/filtered/aborted groups and failed rewards (in all and
+    by reason: `rewards_failed_by_reason`, the reasons that occurred); with an environment also the rollout's episode
+    statistics (`contract.published.EpisodeCounts.record`); with an engine pool the rollout's prefix-cache hit rate
+    and, by engine, its hit rate, requests in flight and in-flight limit (`contract.published.SourceStats.engine_record`)."""
     gbs = step.global_batch_size
     record = {
         "step": global_step, "rollout": rollout, "step_in_rollout": step.index,
@@ -71,6 +71,7 @@ def step_record(*, res, step, rollout: int, global_step: int, samples_consumed: 
             "groups_filtered": st.groups_produced - st.groups_kept if st is not None else 0,
             "groups_aborted": st.groups_aborted if st is not None else 0,
             "rewards_failed": st.reward_failed if st is not None else 0,
+            "rewards_failed_by_reason": dict(st.reward_failures) if st is not None else {},
             # multi-turn episodes: turns_per_episode, tool calls, environment failures, ... (EpisodeCounts.record)
             **(st.episodes.record() if st is not None and st.episodes is not None else {}),
             # the engine pool: prefix_hit_rate, and by engine its hit rate, requests in flight and limit

@@ -103,6 +103,7 @@ def panel(title: str, description: str, exprs: list[tuple[str, str]], *, unit: s
 
 
 STEP_X = ("trainingrun_trainer_step", "step")
+EVAL_STEP_X = ("trainingrun_eval_step", "step")
 SAMPLES_X = ("trainingrun_trainer_samples_consumed", "samples consumed")
 
 
@@ -459,6 +460,23 @@ def run_detail() -> dict:
                 "{{engine}} in flight"),
                (f"max by (engine) (trainingrun_rollout_engine_concurrency{{{sel}}}) or on() vector(0)",
                 "{{engine}} limit")]),
+        row("Evaluation (held-out prompts)"),
+        per_step_panel("Held-out reward and pass@k", "rollout.eval: the last evaluation's mean reward, pass@1 and "
+                       "pass@k (k = samplesPerPrompt) on the held-out prompts, at the step its weights were trained "
+                       "to (every evaluation is in eval.jsonl and TensorBoard eval/*).",
+                       [(f"max(trainingrun_eval_reward_mean{{{sel}}})", "reward mean"),
+                        (f"max(trainingrun_eval_pass_at_1{{{sel}}})", "pass@1"),
+                        (f"max(trainingrun_eval_pass_at_k{{{sel}}})", "pass@k")], x=EVAL_STEP_X),
+        panel("Evaluated weight version", "Weight version of the last evaluation.",
+              [(f"max(trainingrun_eval_weight_version{{{sel}}})", "version")], kind="stat", decimals=0),
+        panel("Evaluation time and length", "Wall time of the last evaluation (generation and scoring, between "
+              "training rollouts) and its completion tokens per completion (right axis).",
+              [(f"max(trainingrun_eval_seconds{{{sel}}})", "seconds"),
+               (f"max(trainingrun_eval_response_length_mean{{{sel}}})", "tokens / completion")],
+              unit="s", right_axis={"tokens / completion": "short"}),
+        panel("Evaluation rewards failed", "Evaluation rewards that failed, per second, by reason.",
+              [("sum by (reason) (rate(" + counter("trainingrun_eval_reward_failures") + f"{{{sel}}}"
+                "[$__rate_interval]))", "{{reason}}")], unit="ops"),
         row("Multi-turn episodes"),
         panel("Turns and tool calls per episode", "Model turns and tool calls per episode: Σ rate(sum) / Σ "
               "rate(count) over episodes (0 without an environment).",

@@ -2,13 +2,17 @@
 prompts, sampling, reward, multi-turn environments), the filters, the step policy, over-sampling and partial
 rollouts. The engine that generates them is `trainingrun.api.spec.engine`.
 
-The reward types are named here once (`RewardType`): the rollout's rewards take their values from the alias."""
+The reward types are named here once (`RewardType`): the rollout's rewards take their values from the alias. Rewards
+served over HTTP (`remote`, `judge`) name their request headers' Secret keys here, never their values; the environment
+variable that carries each value into the rollout process is named once, by `header_env` (the operator renders it
+from the Secret, the rollout reads it)."""
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from trainingrun.api.spec.base import (
     MAX_LENGTH,
@@ -19,8 +23,9 @@ from trainingrun.api.spec.base import (
     Rule,
 )
 from trainingrun.api.spec.engine import EngineSpec
+from trainingrun.api.spec.services import SecretKeySelector
 
-RewardType = Literal["exact_match", "token_match", "reasoning_gym", "math_verify", "function"]
+RewardType = Literal["exact_match", "token_match", "reasoning_gym", "math_verify", "function", "remote", "judge"]
 
 # The synthetic tasks' prompt lengths (replayed and generated): one rule and its twin for both.
 LENGTHS_IN_ORDER = Rule(name="min-length-at-most-max", rule="self.minLength <= self.maxLength",
@@ -137,6 +142,123 @@ class OverlongSpec(ApiModel):
     penalty: float = Field(1.0, ge=0.0, le=1e6, description="The penalty at maxNewTokens.")
 
 
+# Rewards served over HTTP (`remote`, `judge`): each request header's value is a key of a Secret. In a cluster the
+# operator gives it to the rollout container as the environment variable `header_env(place, header)` (a
+# secretKeyRef); a local run reads the same variable from the launcher's environment. Never in the spec or a log.
+HEADER_NAME = r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$"
+HEADER_PLACES = {"reward": "rollout.source.generate.reward", "eval": "rollout.eval.reward"}
+
+
+def header_env(place: str, header: str) -> str:
+    """The environment variable holding the value of request header `header` of the reward at `place` ("reward":
+    the run's, "eval": the evaluation's): TRAININGRUN_REWARD_HEADER_AUTHORIZATION, TRAININGRUN_EVAL_HEADER_X_API_KEY."""
+    if place not in HEADER_PLACES:
+        raise ValueError(f"header_env: unknown place {place!r}; allowed: {sorted(HEADER_PLACES)}")
+    return f"TRAININGRUN_{place.upper()}_HEADER_{header.upper().replace('-', '_')}"
+
+
+class ServiceFields(BaseModel):
+    """The fields every reward served over HTTP shares (remote, judge): where, how many requests at once, retries,
+    headers. A base of those models, not an object of the API itself."""
+
+    url: str = Field(..., min_length=8, max_length=2048, pattern=r"^https?://[^\s]+$",
+                     description="http:// or https:// URL of the service.")
+    concurrency: int = Field(4, ge=1, le=256, description="Requests in flight at once (a bounded thread pool).")
+    retries: int = Field(2, ge=0, le=16,
+                         description="Retries of a request answered 5xx or whose connection failed (refused, reset, "
+                                     "closed), after 0.25 s, 0.5 s, 1 s, ... (at most 8 s); 4xx and timeouts are not "
+                                     "retried.")
+    headers: dict[str, SecretKeySelector] = Field(
+        default_factory=dict, max_length=16,
+        description="Request headers whose values are Secret keys (e.g. Authorization: {name: rm-token, key: "
+                    "token}; the key's value is the header's whole value). In a cluster the operator gives each to "
+                    "the rollout pod as an environment variable; a local run reads it from the environment "
+                    "(TRAININGRUN_REWARD_HEADER_<NAME> for the run's reward, TRAININGRUN_EVAL_HEADER_<NAME> for the "
+                    "evaluation's; NAME upper-cased, '-' as '_'). Never written to the spec, the logs or the status.")
+
+
+SERVICE_RULES = (
+    Rule(name="header-names", rule=f"!has(self.headers) || self.headers.all(h, h.matches('{HEADER_NAME}'))",
+         message="headers: names are HTTP header names (letters, digits and '-', at most 128)", fieldPath=".headers"),
+)
+
+
+def _service_rules(model: Any) -> Any:
+    if not all(re.match(HEADER_NAME, h) for h in model.headers):
+        raise ValueError(model.cel_rule("header-names").message)
+    lower = [h.lower() for h in model.headers]
+    if len(set(lower)) != len(lower):
+        raise ValueError(f"headers: {sorted(model.headers)} name one header twice (header names ignore case)")
+    return model
+
+
+class RemoteRewardSpec(ApiModel, ServiceFields):
+    """A reward service of the user's own: POST url with {"samples": [{"prompt", "prompt_tokens", "response",
+    "response_tokens", "reference", "meta"}, ...]} (batchSize samples per request), answered {"rewards": [float, ...]}
+    in the same order."""
+
+    CEL_RULES = SERVICE_RULES
+
+    batch_size: int = Field(32, ge=1, le=4096, description="Samples per request.")
+
+    _rules = model_validator(mode="after")(_service_rules)
+
+
+DEFAULT_JUDGE_TEMPLATE = ("Rate the response to the question from 0 to 10.\n\nQuestion: {prompt}\n\nReference "
+                          "answer: {reference}\n\nResponse: {response}\n\nEnd with a line 'Score: N'.")
+
+
+class JudgeSpec(ApiModel, ServiceFields):
+    """An LLM judge behind an OpenAI-compatible chat endpoint: one chat completion per sample of the template
+    filled with the sample's prompt, response and reference; the reward is the first group of `pattern` in the answer,
+    divided by `scale`."""
+
+    CEL_RULES = SERVICE_RULES
+
+    model: str = Field(..., min_length=1, max_length=256, description="The judge's model name (the request's model).")
+    template: str = Field(
+        DEFAULT_JUDGE_TEMPLATE, min_length=1, max_length=16384,
+        description="The user message: {prompt}, {response} and {reference} are replaced by the sample's (braces "
+                    "meant literally are doubled: {{ }}).")
+    pattern: str = Field(
+        r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)", min_length=1, max_length=1024,
+        description="Regular expression (Python) searched in the judge's answer; its first group is the score. An "
+                    "answer it does not match fails the sample (reason invalid).")
+    scale: float = Field(10.0, gt=0.0, le=1e6, description="The reward is the score divided by scale.")
+    max_tokens: int = Field(512, ge=1, le=131072, description="Longest answer of the judge in tokens.")
+    temperature: float = Field(0.0, ge=0.0, le=10.0, description="The judge's sampling temperature.")
+    keep_answers: int = Field(
+        16, ge=0, le=4096,
+        description="The judge's raw answers of the first keepAnswers samples of every rollout (and evaluation) are "
+                    "kept for inspection in judge/ of the output directory (a local run's directory; in a cluster "
+                    "trainer.checkpoint.path).")
+
+    @field_validator("template")
+    @classmethod
+    def _template(cls, v: str) -> str:
+        try:
+            v.format(prompt="", response="", reference="")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"template: {exc!r}: use {{prompt}}, {{response}}, {{reference}} and double literal "
+                             "braces") from None
+        if "{response}" not in v:
+            raise ValueError("template: must contain {response} (what the judge rates)")
+        return v
+
+    @field_validator("pattern")
+    @classmethod
+    def _pattern(cls, v: str) -> str:
+        try:
+            groups = re.compile(v).groups
+        except re.error as exc:
+            raise ValueError(f"pattern: not a regular expression: {exc}") from None
+        if groups < 1:
+            raise ValueError("pattern: needs a group, e.g. 'Score: (\\d+)': its first group is the score")
+        return v
+
+    _rules = model_validator(mode="after")(_service_rules)
+
+
 class RewardSpec(ApiModel):
     """How a completion is scored. A reward that raises, runs past timeoutSeconds or returns a non-finite number is
     recorded as failed (reward failedReward), counted in metrics, and never stops the rollout."""
@@ -144,19 +266,27 @@ class RewardSpec(ApiModel):
     CEL_RULES = (
         Rule(name="function-named", rule="self.type != 'function' || has(self.function)",
              message="reward type function needs reward.function"),
+        Rule(name="remote-settings", rule="(self.type == 'remote') == has(self.remote)",
+             message="reward type remote needs reward.remote (and reward.remote is only for type remote)"),
+        Rule(name="judge-settings", rule="(self.type == 'judge') == has(self.judge)",
+             message="reward type judge needs reward.judge (and reward.judge is only for type judge)"),
     )
 
     type: RewardType = Field(
         "exact_match",
         description="exact_match: 1 if the answer is exactly the reference; token_match: fraction of answer "
                     "positions right (synthetic tasks); reasoning_gym: the task's own scorer; math_verify: "
-                    "math-verify against the reference; function: reward.function.",
+                    "math-verify against the reference; function: reward.function; remote: a reward service "
+                    "(reward.remote); judge: an LLM judge (reward.judge).",
     )
     function: str | None = Field(
         None, pattern=r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$",
         description="module:function called as function(response, reference) -> float.",
     )
-    timeout_seconds: float = Field(10.0, gt=0.0, le=3600.0, description="Longest a reward may take.")
+    remote: RemoteRewardSpec | None = Field(None, description="The reward service (type remote).")
+    judge: JudgeSpec | None = Field(None, description="The LLM judge (type judge).")
+    timeout_seconds: float = Field(10.0, gt=0.0, le=3600.0,
+                                   description="Longest a reward may take (remote, judge: one request).")
     failed_reward: float = Field(0.0, ge=-1e6, le=1e6, description="Reward of a sample whose reward failed.")
     workers: int = Field(1, ge=1, le=64, description="Processes scoring in parallel (reasoning_gym, math_verify, "
                                                      "function).")
@@ -168,7 +298,15 @@ class RewardSpec(ApiModel):
     def _rules(self) -> RewardSpec:
         if self.type == "function" and self.function is None:
             raise ValueError(self.cel_rule("function-named").message)
+        if (self.type == "remote") != (self.remote is not None):
+            raise ValueError(self.cel_rule("remote-settings").message)
+        if (self.type == "judge") != (self.judge is not None):
+            raise ValueError(self.cel_rule("judge-settings").message)
         return self
+
+    def service(self) -> RemoteRewardSpec | JudgeSpec | None:
+        """The HTTP service of a remote or judge reward (None for the others)."""
+        return self.remote if self.type == "remote" else self.judge if self.type == "judge" else None
 
 
 class EnvironmentSpec(ApiModel):
@@ -314,6 +452,39 @@ class StepPolicy(ApiModel):
         return self
 
 
+class EvalSpec(ApiModel):
+    """Periodic evaluation of the policy on held-out prompts (docs/rl.md, "Evaluation"): before rollout 0, every
+    intervalRollouts rollouts and at the end, the engine samples samplesPerPrompt completions of each of numPrompts
+    prompts with the current weight version, between training rollouts; the reward scores them. Training is unchanged
+    by it. Results: eval.jsonl in the output directory, Prometheus trainingrun_eval_*, TensorBoard eval/*."""
+
+    CEL_RULES = (
+        Rule(name="eval-reward-unshaped", rule="!has(self.reward) || !has(self.reward.overlong)",
+             message="eval.reward.overlong: the evaluation scores the reward alone (overlong shaping trains, it does "
+                     "not measure); remove it", fieldPath=".reward.overlong"),
+    )
+
+    interval_rollouts: int = Field(..., ge=1, le=1_000_000_000,
+                                   description="Evaluate every this many rollouts (weight versions 0, N, 2N, ... and "
+                                               "the final one).")
+    prompts: PromptsSpec = Field(..., description="The held-out prompts (the first numPrompts of them, the same at "
+                                                  "every evaluation; synthetic ones are drawn from their own seed).")
+    num_prompts: int = Field(64, ge=1, le=1_000_000, description="Prompts per evaluation.")
+    samples_per_prompt: int = Field(4, ge=1, le=1024,
+                                    description="Completions per prompt: k of pass@k (pass@1 and pass@k are the "
+                                                "unbiased estimates over them).")
+    pass_threshold: float = Field(1.0, ge=-1e6, le=1e6,
+                                  description="A completion passes (pass@k) when its reward is at least this.")
+    sampling: SamplingSpec | None = Field(None, description="Sampling settings (default: the run's).")
+    reward: RewardSpec | None = Field(None, description="The reward (default: the run's, without overlong shaping).")
+
+    @model_validator(mode="after")
+    def _rules(self) -> EvalSpec:
+        if self.reward is not None and self.reward.overlong is not None:
+            raise ValueError(self.cel_rule("eval-reward-unshaped").message)
+        return self
+
+
 class RolloutSpec(ApiModel):
     """The rollout pod: produce samples, filter them, split them into steps, schedule and publish."""
 
@@ -337,6 +508,14 @@ class RolloutSpec(ApiModel):
             message="overSampling aborts single completions; multi-turn episodes (source.generate.environment) are "
                     "not over-sampled: set overSampling 0 or remove the environment",
             fieldPath=".overSampling",
+        ),
+        Rule(
+            name="eval-needs-generate",
+            rule="!has(self.eval) || (has(self.source) && self.source.type == 'generate' && "
+                 "has(self.source.generate) && !has(self.source.generate.environment))",
+            message="eval evaluates the policy's single completions with the engine: it needs source.type generate "
+                    "without an environment",
+            fieldPath=".eval",
         ),
         Rule(
             name="zero-variance-needs-groups",
@@ -376,9 +555,23 @@ class RolloutSpec(ApiModel):
         description="partialRollout: a cut completion whose oldest token is older than maxPolicyLag allows is "
                     "dropped (counted; its prompt is generated afresh) or kept with its old tokens masked out of "
                     "the loss.")
+    eval: EvalSpec | None = Field(
+        None, description="Periodic evaluation on held-out prompts between training rollouts (unset: none).")
     resources: ResourceRequirements = Field(
         default_factory=ResourceRequirements, description="Resources of the rollout container."
     )
+
+    def header_secrets(self) -> list[tuple[str, SecretKeySelector]]:
+        """(environment variable, Secret key) of every request header of a reward served over HTTP — the run's
+        (generate.reward) and the evaluation's (eval.reward): the operator renders them on the rollout container."""
+        out = []
+        g = self.source.generate
+        for place, reward in (("reward", g.reward if g is not None else None),
+                              ("eval", self.eval.reward if self.eval is not None else None)):
+            service = reward.service() if reward is not None else None
+            for name, secret in (service.headers.items() if service is not None else ()):
+                out.append((header_env(place, name), secret))
+        return out
 
     @model_validator(mode="after")
     def _rules(self) -> RolloutSpec:
@@ -388,6 +581,9 @@ class RolloutSpec(ApiModel):
             raise ValueError(self.cel_rule("partial-needs-over-sampling").message)
         if self.over_sampling > 0 and self.source.generate is not None and self.source.generate.environment is not None:
             raise ValueError(self.cel_rule("over-sampling-single-turn").message)
+        if self.eval is not None and (self.source.type != "generate" or self.source.generate is None
+                                      or self.source.generate.environment is not None):
+            raise ValueError(self.cel_rule("eval-needs-generate").message)
         if self.filters.zero_variance and self.group_size < 2:
             raise ValueError(self.cel_rule("zero-variance-needs-groups").message)
         return self
