@@ -137,6 +137,7 @@ class GroupRequest:
     n: int
     seed: int = 0
     prefixes: tuple[Completion, ...] = ()  # empty, or n completions: finished ones are kept, ABORTED ones continued
+    affinity: str | None = None
 
     def __post_init__(self) -> None:
         if self.prefixes and len(self.prefixes) != self.n:
