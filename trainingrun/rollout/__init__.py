@@ -11,6 +11,11 @@ Module map:
   prompts.py          prompts of generated rollouts and the tokenizers that turn text into ids
   rewards.py          rewards of generated rollouts: a table of reward types scoring batches of samples (with their
                       prompts), isolated ones in workers so a bad one never stops the rollout
+  agents.py           `generate.agent`: episodes of an agent program (a process per episode) or service, their
+                      rewards and failures; over the gateway
+  gateway.py          the OpenAI-compatible HTTP gateway agents call (/v1/chat/completions, /v1/models), by key
+  sessions.py         an agent's episode at the gateway: chat requests → token ids, token in/token out (new segments
+                      when the history was rewritten), the caps; the engine gate that batches its requests
   groups.py           `SampleGroup`, the samples of one prompt: the unit every stage passes on
   pipeline.py         the pure stages: filters, advantages (a table of estimators), steps, flat samples
   recovery.py         re-creating the stream after the store lost it (the trainers' resume point is ahead)

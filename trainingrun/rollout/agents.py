@@ -209,9 +209,25 @@ class AgentRunner:
                                  limits=self.limits,
                                  seed=int(np.random.SeedSequence([seed, e.key, 0xE8]).generate_state(1)[0]))
                          for e in episodes]
+        left, done = [len(self.sessions)], threading.Event()
+
+        def episode(s: Session) -> None:
+            try:
+                self._episode(s, prompts[s.episode.group], gate)
+            finally:
+                with self._lock:
+                    left[0] -= 1
+                    if not left[0]:
+                        done.set()
+
         try:
             with ThreadPoolExecutor(self.agent.concurrency, thread_name_prefix="agent") as pool:
-                futures = [pool.submit(self._episode, s, prompts[s.episode.group], gate) for s in self.sessions]
+                futures = [pool.submit(episode, s) for s in self.sessions]
+                try:
+                    gate.serve(done)  # the engine's calls, in this thread
+                except BaseException as exc:
+                    self._stop_all(exc)
+                    gate.close()
                 for f in futures:
                     f.result()
         finally:

@@ -253,6 +253,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(401, "invalid_api_key", "the episode of this key is over")
         except EngineUnavailable as exc:
             return self._error(503, "engine_unavailable", str(exc))
+        except Exception as exc:  # noqa: BLE001 - the engine failed: the rollout fails with it (sessions.py)
+            return self._error(500, "engine_error", f"{type(exc).__name__}: {exc}")
         g = self.server.gateway
         rid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         usage = {"prompt_tokens": turn.prompt_tokens, "completion_tokens": turn.completion_tokens,

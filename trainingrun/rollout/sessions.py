@@ -22,9 +22,9 @@ The caps: a request beyond `maxTurns` turns, with `max_tokens` above `sampling.m
 reaches the token cap (`maxTokens`, at most model seqLength) fails the episode (`limit`); a turn is given at most the
 room left under the cap. The sampling is the spec's (temperature, top-p: the trainer's loss is computed at the spec's
 temperature, so the recorded log-probabilities must be that policy's): a request's own `temperature` and `top_p`
-are not used. An engine that refuses a request (`EngineError`) fails the episode (`engine`); one with no live server
-left (`EngineUnavailable`) is the rollout's failure, raised by the agent runner. A session's requests are served one
-at a time, in arrival order.
+are not used. An engine that refuses a request (the contract's `EngineError`) fails the episode (`engine`); one with
+no live server left (`EngineUnavailable`) or that fails otherwise (any other exception) is the rollout's failure,
+raised by the agent runner. A session's requests are served one at a time, in arrival order.
 """
 
 from __future__ import annotations
@@ -91,10 +91,13 @@ class Turn:
 
 class EngineGate:
     """The engine for the sessions of one rollout (see the module docstring). `parallel`: the engine takes calls from
-    several threads at once (a pool of servers): each request is its own grouped call; else one dispatcher thread
-    sends the requests that wait as one call (per max new tokens), once every live session has one waiting
-    (`live()`), or `window` seconds after the first arrived. `sampling` is the spec's; each call gets its seed from
-    `seeds` (the in-process engine draws per call), each request its own (`GroupRequest.seed`)."""
+    several threads at once (a pool of servers): each request is its own grouped call, from the thread that serves
+    it. Else the engine is called from the thread that runs `serve` only (the rollout's: the in-process engine's CPU
+    shim and device state belong to it), with the requests that wait as one call (per max new tokens), once every
+    live session has one waiting (`live()`), or `window` seconds after the first arrived. `sampling` is the spec's;
+    each call gets its seed from `seeds` (the in-process engine draws per call), each request its own
+    (`GroupRequest.seed`). An engine that raises something else than the contract's `EngineError` has failed, not
+    the request: `serve` raises it (after the waiting requests got it)."""
 
     def __init__(self, engine, sampling: Sampling, *, parallel: bool, live: Callable[[], int],
                  seeds: Callable[[], int], window: float = 0.1):
@@ -105,21 +108,12 @@ class EngineGate:
         self._pending: list[_Pending] = []
         self._cv = threading.Condition()
         self._closed = False
-        self._thread = None
-        if not parallel:
-            self._thread = threading.Thread(target=self._dispatch, name="gateway-engine", daemon=True)
-            self._thread.start()
 
     def generate(self, prompt: list[int], max_new: int, seed: int, affinity: str) -> Completion:
-        """One completion of `prompt` with at most `max_new` new tokens (EngineError as the engine raised it)."""
-        if self.parallel:
-            try:
-                return self._call([_Pending(prompt, max_new, seed, affinity)])[0]
-            except EngineError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the engine failed this request: the episode's failure
-                raise EngineError(f"{type(exc).__name__}: {exc}") from None
+        """One completion of `prompt` with at most `max_new` new tokens (raises what the engine raised)."""
         p = _Pending(prompt, max_new, seed, affinity)
+        if self.parallel:
+            return self._call([p])[0]
         with self._cv:
             if self._closed:
                 raise EngineUnavailable("the rollout's gateway is closing")
@@ -136,27 +130,15 @@ class EngineGate:
         with self._cv:
             self._cv.notify_all()
 
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            waiting, self._pending = self._pending, []
-            self._cv.notify_all()
-        for p in waiting:
-            p.fail(EngineUnavailable("the rollout's gateway closed"))
-        if self._thread is not None:
-            self._thread.join(timeout=60)
-
-    # ---- the dispatcher (not parallel)
-    def _dispatch(self) -> None:
-        while True:
+    def serve(self, done: threading.Event) -> None:
+        """Send the waiting requests to the engine, in this thread, until `done` is set (module docstring)."""
+        while not done.is_set():
             with self._cv:
-                while not self._pending and not self._closed:
-                    self._cv.wait()
-                if self._closed:
-                    return
+                if not self._pending:
+                    self._cv.wait(0.1)
+                    continue
                 first = time.monotonic()
-                while (not self._closed and len(self._pending) < self.live()
-                       and time.monotonic() - first < self.window):
+                while len(self._pending) < self.live() and time.monotonic() - first < self.window:
                     self._cv.wait(max(0.0, self.window - (time.monotonic() - first)))
                 batch, self._pending = self._pending, []
             by_budget: dict[int, list[_Pending]] = {}
@@ -165,9 +147,24 @@ class EngineGate:
             for _max_new, group in sorted(by_budget.items(), reverse=True):
                 try:
                     self._call(group)
-                except BaseException as exc:  # noqa: BLE001 - every waiting request gets the engine's error
-                    for p in group:
-                        p.fail(exc if isinstance(exc, EngineError) else EngineError(f"{type(exc).__name__}: {exc}"))
+                except EngineError as exc:
+                    refused = not isinstance(exc, EngineUnavailable)
+                    for p in group if refused else batch:
+                        p.fail(exc)
+                    if not refused:
+                        raise
+                except BaseException as exc:
+                    for p in batch:
+                        p.fail(exc)
+                    raise
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            waiting, self._pending = self._pending, []
+            self._cv.notify_all()
+        for p in waiting:
+            p.fail(EngineUnavailable("the rollout's gateway closed"))
 
     def _call(self, group: Sequence[_Pending]) -> list[Completion]:
         """One engine call for `group` (one max new tokens); each pending is resolved as its completion finishes."""
@@ -227,15 +224,15 @@ class Session:
         self.requests = 0
         self.seconds = 0.0
         self.latencies: list[float] = []
-        self.fatal: EngineUnavailable | None = None
+        self.fatal: BaseException | None = None  # the engine failed (the rollout fails with it)
 
     @property
     def rewrites(self) -> int:
         return len(self.episode.sequences()) - 1 if self.episode.segments else 0
 
     def complete(self, request: ChatRequest) -> Turn:
-        """Answer one request (Revoked: the episode is over; AgentFailure: the episode failed with it;
-        EngineUnavailable: the engines are gone — the rollout fails)."""
+        """Answer one request (Revoked: the episode is over; AgentFailure: the episode failed with it; anything else
+        — EngineUnavailable, the engine's own failure — fails the rollout: `fatal`)."""
         t0 = time.monotonic()
         with self.lock:
             if self.episode.end is not None:
@@ -290,12 +287,16 @@ class Session:
         seed = int(np.random.SeedSequence([self.seed, len(e.turns), 0xA6]).generate_state(1)[0])
         try:
             comp = self.gate.generate(context, max_new, seed, self.key)
-        except EngineUnavailable as exc:
+        except EngineError as exc:
+            if not isinstance(exc, EngineUnavailable):
+                raise AgentFailure("engine", f"the engine refused the request: {exc}", status=500) from None
             self.fatal = exc
             self.wake.set()
             raise
-        except EngineError as exc:
-            raise AgentFailure("engine", f"the engine refused the request: {exc}", status=500) from None
+        except Exception as exc:  # the engine failed, not the request: the rollout's failure
+            self.fatal = exc
+            self.wake.set()
+            raise
         stops = lim.stops + tuple(s for s in request.stop if s not in lim.stops)
         tokens, logps = cut_at_stop(comp.tokens, comp.logprobs, self.codec.tokenizer, stops)
         tokens, logps = np.asarray(tokens, np.int32), np.asarray(logps, np.float32)
