@@ -32,7 +32,7 @@ from tests.integration.test_generate_rollout import loop, publish_versions
 from tests.simengine import SimProcess, publish_disk_version
 from trainingrun.api import parse_trainingrun
 from trainingrun.api.spec.rollout import AgentSpec
-from trainingrun.contract.engine import Completion, Sampling
+from trainingrun.contract.engine import Completion, EngineError, EngineUnavailable, Sampling
 from trainingrun.contract.errors import ConfigError
 from trainingrun.contract.published import read
 from trainingrun.engines.vllm.engine import VLLMEngine, make_clients
@@ -261,12 +261,13 @@ class AgentService:
         self.server.server_close()
 
 
-def episodes_of(tmp_path, agent: AgentSpec, behaviours: list[str], n: int = 2):
-    """One run of the agent runner over the scripted engine: (episodes, its failure messages)."""
+def episodes_of(tmp_path, agent: AgentSpec, behaviours: list[str], n: int = 2, engine=None):
+    """One run of the agent runner over the scripted engine (or `engine`): (episodes, its failure messages)."""
     store = open_store(f"file://{tmp_path}/store")
     publish_versions(store, [0])
-    engine = ChatScript(store, calculator)
-    engine.load_weights(0)
+    if engine is None:
+        engine = ChatScript(store, calculator)
+        engine.load_weights(0)
     runner = AgentRunner(agent, tokenizer=TOK, stop_ids=(EOS, 9), stops=(), max_new_tokens=8, seq_length=96,
                          model="m")
     prompts = [Prompt(tokens=np.zeros(1, np.int32), reference=str(2 * k + 1), index=k,
@@ -301,6 +302,38 @@ def test_url_mode_posts_each_task_to_the_agent_service(tmp_path):
     finally:
         good.close()
         broken.close()
+
+
+class Failing(ChatScript):
+    """Refuses the requests of questions about 1 (`EngineError`); with `fault`, raises it at the second call."""
+
+    def __init__(self, fault: BaseException | None = None):
+        super().__init__(None, calculator)
+        self.version, self.fault, self.calls = 0, fault, 0
+
+    def generate_groups(self, requests, sampling, *, on_group=None):
+        self.calls += 1
+        if self.fault is not None and self.calls == 2:
+            raise self.fault
+        if any("problem: 1 +" in TOK.decode([int(t) for t in r.prompt]) for r in requests):
+            raise EngineError("prompt refused (a stand-in for vLLM's 400)")
+        return super().generate_groups(requests, sampling, on_group=on_group)
+
+
+def test_a_refused_request_fails_its_episode_and_a_failed_engine_the_rollout(tmp_path):
+    spec = AgentSpec(command=AGENT, max_turns=3, concurrency=1)  # one at a time: one engine call per request
+    episodes, messages = episodes_of(tmp_path / "refused", spec, ["calc"] * 3, engine=Failing())
+    assert [(e.end, e.failure) for e in episodes] == [("done", None)] * 2 + [("failed", "engine")] * 2 + \
+        [("done", None)] * 2
+    assert "prompt refused" in messages[0]
+    for fault in (RuntimeError("CUDA error: an illegal memory access"), EngineUnavailable("no engine is live")):
+        t0 = time.monotonic()
+        with pytest.raises(type(fault), match=str(fault)):
+            episodes_of(tmp_path / type(fault).__name__, AgentSpec(command=AGENT, max_turns=3, concurrency=4),
+                        ["hang", "calc", "calc", "calc"], engine=Failing(fault))
+        assert time.monotonic() - t0 < 30  # the hanging agent was stopped, not waited for (timeoutSeconds 300)
+    leftover = subprocess.run(["pgrep", "-f", "tests/gateway_agent.py"], capture_output=True, text=True).stdout
+    assert not leftover.strip(), "agent processes outlived the rollout's failure"
 
 
 def test_the_gateways_port_taken_is_a_configuration_error_naming_the_field():

@@ -176,7 +176,9 @@ class AgentRunner:
                               "model.hf's tokenizer has none (tokenizer_config.json chat_template)")
         if agent.max_tokens is not None and agent.max_tokens > seq_length:
             raise ConfigError(f"{FIELD}.maxTokens: {agent.max_tokens} exceeds model seqLength {seq_length}")
-        self.codec = TurnCodec(tokenizer, chat=True, eos_id=getattr(tokenizer, "eos_id", None), field=FIELD)
+        # no probe of the roles: a template that renders earlier turns differently later makes new segments here
+        self.codec = TurnCodec(tokenizer, chat=True, eos_id=getattr(tokenizer, "eos_id", None), field=FIELD,
+                               probe_roles=False)
         self.limits = Limits(max_turns=agent.max_turns, cap=agent.max_tokens or seq_length,
                              max_new_tokens=max_new_tokens, stop_ids=tuple(stop_ids), stops=tuple(stops))
         self.rules = EpisodeRules(samples=agent.samples, max_turns=agent.max_turns, failed_reward=agent.failed_reward,

@@ -87,11 +87,12 @@ class TurnCodec:
     prompt), later observations as the template renders a message after an assistant turn. For agents
     (`rollout/gateway.py`) also a whole conversation (`conversation`) and several messages after an assistant turn
     (`messages`); those raise ValueError for messages the template refuses (the agent's error, not the run's).
-    `field` names the spec field in configuration errors."""
+    `field` names the spec field in configuration errors; `probe_roles`: refuse at once a template that cannot
+    render user and tool messages after an assistant turn without changing the earlier text (environments)."""
 
     _USER, _ASSISTANT = "\x00u\x00", "\x00a\x00"
 
-    def __init__(self, tokenizer, *, chat: bool, eos_id: int | None, field: str = FIELD):
+    def __init__(self, tokenizer, *, chat: bool, eos_id: int | None, field: str = FIELD, probe_roles: bool = True):
         self.tokenizer, self.chat, self.eos_id, self.field = tokenizer, chat, eos_id, field
         self._parts: dict[str, tuple[str, str] | None] = {}
         if chat:
@@ -108,7 +109,7 @@ class TurnCodec:
             eos_text = tokenizer.decode([eos_id]) if eos_id is not None else ""
             rest = self.closing.lstrip()
             self.closing_after_eos = rest[len(eos_text):] if eos_text and rest.startswith(eos_text) else self.closing
-            for role in ("user", "tool"):
+            for role in ("user", "tool") if probe_roles else ():
                 self._delta(" probe \n", role)  # the template renders these roles after an assistant turn
 
     def first(self, text: str) -> np.ndarray:
@@ -124,9 +125,7 @@ class TurnCodec:
         (less the end-of-text token when the model emitted it), the messages, the next generation prompt.
         ValueError when the template refuses them or renders the earlier conversation differently after them."""
         if len(messages) == 1 and set(messages[0]) == {"role", "content"} and isinstance(messages[0]["content"], str):
-            role = messages[0]["role"]
-            if self._parts.get(role):  # a role seen before, content inserted as it is
-                return self._after_turn_ids(self._delta(messages[0]["content"], role), after_eos)
+            return self._after_turn_ids(self._single(messages[0]["content"], messages[0]["role"]), after_eos)
         return self._after_turn_ids(self._render_after(messages), after_eos)
 
     def conversation(self, messages: Sequence[dict[str, Any]], tools: Sequence[Any] | None = None) -> np.ndarray:
@@ -152,19 +151,25 @@ class TurnCodec:
         return full[len(self._closed):]
 
     def _delta(self, text: str, role: str) -> str:
-        """What the template renders for a `role` message after the probe's assistant turn, with the generation
-        prompt (cached as the text around the content when the template inserts content as it is)."""
-        parts = self._parts.get(role, False)
-        if parts:
-            return parts[0] + text + parts[1]
+        """`_single`, for environments: a template that cannot do it is a configuration error."""
         try:
-            delta = self._render_after([{"role": role, "content": text}])
+            return self._single(text, role)
         except Reordered:
             raise ConfigError(f"{self.field}: the chat template renders a conversation's earlier messages "
-                              f"differently when a {role!r} message follows; cannot tokenise observations once") from None
+                              f"differently when a {role!r} message follows; cannot tokenise observations "
+                              "once") from None
         except ValueError as exc:
             raise ConfigError(f"{self.field}: the chat template cannot render a {role!r} message after an assistant "
                               f"turn: {exc}") from None
+
+    def _single(self, text: str, role: str) -> str:
+        """What the template renders for a `role` message after the probe's assistant turn, with the generation
+        prompt (cached as the text around the content when the template inserts content as it is); ValueError as
+        `_render_after`."""
+        parts = self._parts.get(role, False)
+        if parts:
+            return parts[0] + text + parts[1]
+        delta = self._render_after([{"role": role, "content": text}])
         if parts is False:  # first use of the role: is the content inserted verbatim?
             at = delta.find(text)
             verbatim = at >= 0 and delta.count(text) == 1
