@@ -279,3 +279,55 @@ def test_the_local_launcher_makes_the_agents_script_path_absolute(tmp_path):
     run = resolve_input_paths(parse_trainingrun(doc), tmp_path)
     assert run.spec.rollout.source.generate.agent.command == [
         "python3", str(tmp_path / "agents" / "a.py"), "--calls", "2", "/abs/x"]
+
+
+def test_tools_reach_the_template_and_changing_them_starts_a_new_sequence():
+    template = ("{% if tools %}tool : {{ tools | length }} </s> {% endif %}{% for m in messages %}{{ m['role'] }} : "
+                "{{ m['content'] }} </s> {% endfor %}{% if add_generation_prompt %}assistant : {% endif %}")
+    tok = RunTokenizer(tokenizer=TOK.tokenizer, chat_template=template, special=TOK.special, eos_id=TOK.eos_id,
+                       source="test")
+    codec = TurnCodec(tok, chat=True, eos_id=tok.eos_id, probe_roles=False)
+    assert TOK.decode(codec.conversation(Q, tools=[{"type": "function"}] * 3).tolist()).startswith("tool : 3 </s> user")
+    gate = EngineGate(Answers(), Sampling(max_new_tokens=8, stop_token_ids=(2,)), parallel=True, live=lambda: 1,
+                      seeds=lambda: 0)
+    s = Session(Episode(key=0, group=0, member=0), "k", codec=codec, gate=gate,
+                limits=Limits(max_turns=4, cap=96, max_new_tokens=8, stop_ids=(2,), stops=()), seed=1)
+    tools = ({"type": "function", "function": {"name": "calc"}},)
+    msgs = list(Q)
+    for i, t in enumerate([tools, tools, None]):  # the same tools continue; dropping them is a new sequence
+        s.complete(parse_chat({"messages": msgs, **({"tools": list(t)} if t else {})}))
+        msgs += [{"role": "assistant", "content": "7"}, {"role": "user", "content": "again"}]
+        assert len(s.episode.sequences()) == (1 if i < 2 else 2)
+    assert s.rewrites == 1
+
+
+def test_the_example_agent_uses_the_openai_client_where_it_is_installed(tmp_path):
+    """examples/agents/calculator_agent.py with a stand-in `openai` package first on its path: the client's
+    chat.completions.create is what it calls (urllib otherwise: the e2e test)."""
+    import subprocess
+    import sys
+
+    fake = tmp_path / "openai"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "import json, os, types\n"
+        "class OpenAI:\n"
+        "    def __init__(self):\n"
+        "        self.chat = types.SimpleNamespace(completions=self)\n"
+        "        self.log = open(os.environ['CALLS'], 'a')\n"
+        "    def create(self, model, messages):\n"
+        "        self.log.write(json.dumps(messages) + '\\n'); self.log.flush()\n"
+        "        text = '<calc> 2 + 3 </calc>' if len(messages) == 1 else '5'\n"
+        "        msg = types.SimpleNamespace(content=text)\n"
+        "        return types.SimpleNamespace(choices=[types.SimpleNamespace(message=msg)])\n")
+    calls = tmp_path / "calls.jsonl"
+    env = {"PYTHONPATH": str(tmp_path), "CALLS": str(calls), "OPENAI_BASE_URL": "http://127.0.0.1:9/v1",
+           "OPENAI_API_KEY": "k", "TRAININGRUN_TASK": json.dumps({"prompt": "2 + 3 =", "answer": "5", "meta": {}})}
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "agents" / "calculator_agent.py")], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == '{"reward": 1.0}'
+    conversation = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert conversation[-1] == [{"role": "user", "content": "2 + 3 ="},
+                                {"role": "assistant", "content": "<calc> 2 + 3 </calc>"},
+                                {"role": "tool", "content": "5"}]
