@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 from tests.episodes_check import Recording, check_sample
+from tests.integration.test_episodes import ScriptedEngine
 from tests.integration.test_generate_rollout import loop, publish_versions
 from tests.simengine import SimProcess, publish_disk_version
 from trainingrun.api import parse_trainingrun
@@ -50,22 +51,9 @@ AGENT = [sys.executable, "-S", str(ROOT / "tests" / "gateway_agent.py")]
 QUESTION = "State the final answer to the following arithmetic problem: {a} + {b} ="
 
 
-class ChatScript:
+class ChatScript(ScriptedEngine):
     """A grouped engine over the agent model's word tokenizer: the completion of a context is `script(text of the
     context)`'s words and the end token (cut at max new tokens); log-probabilities from a hash of the context."""
-
-    name = "scripted"
-
-    def __init__(self, store, script):
-        self.store, self.script, self.version = store, script, -1
-
-    @property
-    def weight_version(self) -> int:
-        return self.version
-
-    def load_weights(self, version: int) -> None:
-        self.store.read_weights(version)
-        self.version = version
 
     def generate_groups(self, requests, sampling, *, on_group=None):
         out = []
@@ -82,9 +70,6 @@ class ChatScript:
 
     def generate(self, prompts, n, sampling):
         raise AssertionError("the gateway sends grouped requests")
-
-    def close(self) -> None:
-        pass
 
 
 class RecordingGroups(Recording):
