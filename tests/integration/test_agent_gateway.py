@@ -381,3 +381,45 @@ def wait_for(cond, timeout: float = 60.0) -> None:
     while not cond():
         assert time.monotonic() - t0 < timeout
         time.sleep(0.01)
+
+
+def test_a_command_that_cannot_run_is_a_configuration_error():
+    with pytest.raises(ConfigError, match=r"rollout.source.generate.agent.command: 'no-such-agent-program'"):
+        AgentRunner(AgentSpec(command=["no-such-agent-program", "--x"]), tokenizer=TOK, stop_ids=(EOS,), stops=(),
+                    max_new_tokens=8, seq_length=96, model="m")
+
+
+RUNNER = """
+import sys, numpy as np
+from tests.integration.test_agent_gateway import AGENT, QUESTION, TOK, Failing
+from trainingrun.api.spec.rollout import AgentSpec
+from trainingrun.contract.engine import Sampling
+from trainingrun.rollout.agents import AgentRunner
+from trainingrun.rollout.prompts import Prompt
+runner = AgentRunner(AgentSpec(command=[*AGENT, sys.argv[1]], concurrency=4), tokenizer=TOK, stop_ids=(2,), stops=(),
+                     max_new_tokens=8, seq_length=96, model="m")
+prompts = [Prompt(tokens=np.zeros(1, np.int32), reference="1", index=k, text=QUESTION.format(a=k, b=1),
+                  meta={"behaviour": "hang"}) for k in range(2)]
+runner.run(Failing(), prompts, 2, Sampling(max_new_tokens=8), seed=1)
+"""
+
+
+def test_the_agents_die_with_the_rollout(tmp_path):
+    """A rollout SIGKILLed while its agents run leaves none behind (each dies with the thread that started it)."""
+    marker = f"agents-of-{tmp_path.name}"  # an argument of theirs, ignored by them
+    proc = subprocess.Popen([sys.executable, "-c", RUNNER, marker], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+
+    def agents() -> list[str]:
+        found = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+        return [pid for pid in found if int(pid) != proc.pid]
+
+    try:
+        wait_for(lambda: len(agents()) >= 4)
+        proc.kill()
+        proc.wait()
+        wait_for(lambda: not agents(), timeout=10)
+    finally:
+        proc.kill()
+        for pid in agents():
+            os.kill(int(pid), 9)

@@ -6,7 +6,8 @@ attributes requests to episodes by it (`rollout/sessions.py`: token in, token ou
 JSON, `{"prompt": text, "answer": reference, "meta": {...}}`.
 
     command   the argv is run once per episode as a child of the rollout process (in a cluster: in the rollout pod's
-              image), in a process group of its own that dies with the rollout, with the environment
+              image), in a process group of its own that dies with the rollout (`childproc.dying_with_parent`), with
+              the environment
                   OPENAI_BASE_URL   http://127.0.0.1:PORT/v1 (the gateway)
                   OPENAI_API_KEY    the episode's key
                   TRAININGRUN_TASK  the task (the same JSON, and a newline, on stdin)
@@ -37,6 +38,7 @@ import math
 import os
 import secrets
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -50,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from trainingrun.childproc import DIE_WITH_PARENT
+from trainingrun.childproc import dying_with_parent
 from trainingrun.contract.engine import Engine, Sampling
 from trainingrun.contract.errors import ConfigError
 from trainingrun.engines.pool import EnginePool
@@ -183,6 +185,9 @@ class AgentRunner:
                              max_new_tokens=max_new_tokens, stop_ids=tuple(stop_ids), stops=tuple(stops))
         self.rules = EpisodeRules(samples=agent.samples, max_turns=agent.max_turns, failed_reward=agent.failed_reward,
                                   episode_reward="final", sequence_ids=True)
+        if agent.command is not None and shutil.which(agent.command[0]) is None:
+            raise ConfigError(f"{FIELD}.command: {agent.command[0]!r} is not a program this rollout can run (not "
+                              "found, or not executable)")
         host, advertise = gateway_address(agent)
         self.gateway = Gateway(host=host, port=agent.port or 0, advertise=advertise, model=model,
                                max_handlers=max(64, 4 * agent.concurrency), say=self.say).start()
@@ -279,13 +284,13 @@ class AgentRunner:
             s.wake.set()
 
     def _process(self, session: Session, task: str) -> tuple[float | None, str | None, str]:
-        argv = list(self.agent.command)
+        argv, preexec = dying_with_parent(self.agent.command)
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     env=agent_environment(self.gateway.base_url, session.key, task),
-                                    start_new_session=True, preexec_fn=DIE_WITH_PARENT, close_fds=True)
+                                    start_new_session=True, preexec_fn=preexec, close_fds=True)
         except OSError as exc:
-            raise ConfigError(f"{FIELD}.command: cannot run {argv}: {exc.strerror or exc}") from None
+            raise ConfigError(f"{FIELD}.command: cannot run {self.agent.command}: {exc.strerror or exc}") from None
         io = ProcessIO(proc, task.encode() + b"\n", session.wake)
         io.start()
         fired = session.wake.wait(self.agent.timeout_seconds)
