@@ -57,7 +57,10 @@ def client():
         OpenAI = None
     if OpenAI is not None:
         api = OpenAI()
-        return lambda messages: api.chat.completions.create(model="policy", messages=messages).choices[0].message.content
+
+        def chat_openai(messages):
+            return api.chat.completions.create(model="policy", messages=messages).choices[0].message.content
+        return chat_openai
 
     base, key = os.environ["OPENAI_BASE_URL"].rstrip("/"), os.environ["OPENAI_API_KEY"]
 

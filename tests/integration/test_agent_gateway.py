@@ -1,5 +1,5 @@
-"""Agents through the gateway (`rollout.source.generate.agent`: rollout/agents.py, gateway.py, sessions.py) in the rollout
-loop against a real file store, with a scripted engine over the agent example's tokenizer (the in-process engine:
+"""Agents through the gateway (`rollout.source.generate.agent`: rollout/agents.py, gateway.py, sessions.py) in the
+rollout loop against a real file store, with a scripted engine over the agent example's tokenizer (the in-process engine:
 test_agent_gateway_e2e.py) and agent programs in real processes (tests/gateway_agent.py: standard library, HTTP only).
 
   token in, token out   every model token of every sample is what the engine returned for exactly the context before

@@ -100,8 +100,9 @@ def load_effective_run(path: str, trainers: int | None, overrides: list[str] | N
 
 def resolve_input_paths(run, base: Path):
     """`run` with a relative `rollout.source.jsonl.path`, `model.hf` and the agent command's arguments that name a
-    file there made absolute against `base` (the directory the user ran `trainingrun run` in). Children run in the output directory, where a relative input path would not
-    be found; output paths (`trainer.checkpoint.path`) stay relative to the output directory on purpose."""
+    file there made absolute against `base` (the directory the user ran `trainingrun run` in). Children run in the
+    output directory, where a relative input path would not be found; output paths (`trainer.checkpoint.path`) stay
+    relative to the output directory on purpose."""
     spec = run.spec
     source = spec.rollout.source
     if source.type == "jsonl" and source.jsonl is not None and not Path(source.jsonl.path).is_absolute():

@@ -298,7 +298,8 @@ def build_group(group_id: int, episodes: Sequence[Episode], env, *, version: int
         else:
             turn_ends = [(seq.start, k + 1) for seq in e.sequences() for k in seq if e.segments[k][1] is not None]
             base = key * rules.max_turns
-            pieces = [(e.arrays(end, start=start, only_last=True), base + t) for t, (start, end) in enumerate(turn_ends)]
+            pieces = [(e.arrays(end, start=start, only_last=True), base + t)
+                      for t, (start, end) in enumerate(turn_ends)]
         for (t, m, lp), sid in pieces:
             toks.append(t)
             masks.append(np.zeros_like(m) if masked else m)
