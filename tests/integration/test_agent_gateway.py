@@ -423,3 +423,14 @@ def test_the_agents_die_with_the_rollout(tmp_path):
         proc.kill()
         for pid in agents():
             os.kill(int(pid), 9)
+
+
+def test_prompts_given_as_token_ids_are_refused_for_agents(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "2 + 3 =", "answer": "5"}) + "\n" + json.dumps({"prompt_tokens": [5, 6]})
+                    + "\n")
+    spec = parse_trainingrun(spec_doc(path, {"command": AGENT})).spec
+    store = open_store(f"file://{tmp_path}/store")
+    with pytest.raises(ConfigError, match="prompts.jsonl: line 2 gives prompt_tokens; an agent is given its task as "
+                                          "text"):
+        loop(spec, store, ChatScript(store, calculator))

@@ -145,6 +145,11 @@ class GenerateSource:
                                           prompt_type=g.prompts.type, say=self.say)
             self.rules = EpisodeRules.of(self.environment)
         elif self.agent is not None:
+            lines = getattr(self.prompts, "lines", None) or []
+            tokens_only = next((k for k, line in enumerate(lines, 1) if "prompt_tokens" in line), None)
+            if tokens_only is not None:
+                raise ConfigError(f"rollout.source.generate.prompts.jsonl: line {tokens_only} gives prompt_tokens; an "
+                                  "agent is given its task as text (prompt)")
             self.episodes = AgentRunner(self.agent, tokenizer=self.tokenizer, stop_ids=self.stop_ids,
                                         stops=g.sampling.stop, max_new_tokens=g.sampling.max_new_tokens,
                                         seq_length=seq_length, model=model_name(arch.hf), say=self.say)
