@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -114,9 +115,15 @@ class Answers:
                 for _ in requests]
 
 
+def serving(engine) -> EngineGate:
+    """An engine gate whose calls run in a thread of their own (the rollout's thread in a run)."""
+    gate = EngineGate(engine, Sampling(max_new_tokens=8, stop_token_ids=(2,)), live=lambda: 1, seeds=lambda: 0)
+    threading.Thread(target=gate.serve, args=(threading.Event(),), daemon=True).start()
+    return gate
+
+
 def gateway_with_a_session(max_turns: int = 3):
-    gate = EngineGate(Answers(), Sampling(max_new_tokens=8, stop_token_ids=(2,)), parallel=True, live=lambda: 1,
-                      seeds=lambda: 0)
+    gate = serving(Answers())
     e = Episode(key=0, group=0, member=0)
     s = Session(e, "tr-good", codec=TurnCodec(TOK, chat=True, eos_id=2), gate=gate,
                 limits=Limits(max_turns=max_turns, cap=96, max_new_tokens=8, stop_ids=(2,), stops=()), seed=1)
@@ -288,8 +295,7 @@ def test_tools_reach_the_template_and_changing_them_starts_a_new_sequence():
                        source="test")
     codec = TurnCodec(tok, chat=True, eos_id=tok.eos_id, probe_roles=False)
     assert TOK.decode(codec.conversation(Q, tools=[{"type": "function"}] * 3).tolist()).startswith("tool : 3 </s> user")
-    gate = EngineGate(Answers(), Sampling(max_new_tokens=8, stop_token_ids=(2,)), parallel=True, live=lambda: 1,
-                      seeds=lambda: 0)
+    gate = serving(Answers())
     s = Session(Episode(key=0, group=0, member=0), "k", codec=codec, gate=gate,
                 limits=Limits(max_turns=4, cap=96, max_new_tokens=8, stop_ids=(2,), stops=()), seed=1)
     tools = ({"type": "function", "function": {"name": "calc"}},)

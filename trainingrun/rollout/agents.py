@@ -55,7 +55,6 @@ import numpy as np
 from trainingrun.childproc import dying_with_parent
 from trainingrun.contract.engine import Engine, Sampling
 from trainingrun.contract.errors import ConfigError
-from trainingrun.engines.pool import EnginePool
 from trainingrun.rollout.episodes import Episode, EpisodeRules, TurnCodec
 from trainingrun.rollout.gateway import FIELD, Gateway
 from trainingrun.rollout.prompts import Prompt
@@ -210,7 +209,7 @@ class AgentRunner:
         self.messages, self.fatal = [], None
         episodes = [Episode(key=j * n + i, group=j, member=i) for j in range(len(prompts)) for i in range(n)]
         calls = itertools.count()
-        gate = EngineGate(engine, sampling, parallel=isinstance(engine, EnginePool), live=lambda: self._live,
+        gate = EngineGate(engine, sampling, live=lambda: self._live,
                           seeds=lambda: int(np.random.SeedSequence([seed, next(calls), 0xC4]).generate_state(1)[0]))
         self.sessions = [Session(e, f"tr-{secrets.token_urlsafe(24)}", codec=self.codec, gate=gate,
                                  limits=self.limits,

@@ -4,9 +4,8 @@ engine's answers recorded as they were generated (docs/rl.md, "Agents").
     Session.complete(request) -> Turn      one chat request of the episode's key: its context, one generation, the
                                            answer's text; the turn enters the episode's segments as the engine's
                                            token ids and log-probabilities (loss mask 1 later), never re-encoded
-    EngineGate.generate(prompt, ...)       the engine behind every session of a rollout: requests batched into one
-                                           grouped call (the in-process engine), or sent as they come (a pool of
-                                           servers, which batches itself)
+    EngineGate.generate(prompt, ...)       the engine behind every session of a rollout: the requests that wait
+                                           batched into one grouped call, made from the rollout's thread
 
 Token in, token out. A request whose messages are the previous request's messages, then the answer the gateway gave
 (as the agent got it: role assistant, that text), then new non-assistant messages (tool results, user turns)
@@ -90,18 +89,18 @@ class Turn:
 
 
 class EngineGate:
-    """The engine for the sessions of one rollout (see the module docstring). `parallel`: the engine takes calls from
-    several threads at once (a pool of servers): each request is its own grouped call, from the thread that serves
-    it. Else the engine is called from the thread that runs `serve` only (the rollout's: the in-process engine's CPU
-    shim and device state belong to it), with the requests that wait as one call (per max new tokens), once every
-    live session has one waiting (`live()`), or `window` seconds after the first arrived. `sampling` is the spec's;
-    each call gets its seed from `seeds` (the in-process engine draws per call), each request its own
-    (`GroupRequest.seed`). An engine that raises something else than the contract's `EngineError` has failed, not
-    the request: `serve` raises it (after the waiting requests got it)."""
+    """The engine for the sessions of one rollout (see the module docstring). The engine is called from the thread
+    that runs `serve` only (the rollout's: the in-process engine's CPU shim and device state belong to it; the pool
+    of servers runs one call at a time), with the requests that wait as one grouped call (per max new tokens), once
+    every live session has one waiting (`live()`), or `window` seconds after the first arrived; each request is
+    answered as soon as its completion finished (`on_group`). `sampling` is the spec's; each call gets its seed from
+    `seeds` (the in-process engine draws per call), each request its own (`GroupRequest.seed`). An engine that
+    raises something else than the contract's `EngineError` has failed, not the request: `serve` raises it (after
+    the waiting requests got it)."""
 
-    def __init__(self, engine, sampling: Sampling, *, parallel: bool, live: Callable[[], int],
-                 seeds: Callable[[], int], window: float = 0.1):
-        self.engine, self.sampling, self.parallel = engine, sampling, parallel
+    def __init__(self, engine, sampling: Sampling, *, live: Callable[[], int], seeds: Callable[[], int],
+                 window: float = 0.1):
+        self.engine, self.sampling = engine, sampling
         self.live, self.seeds, self.window = live, seeds, window
         self.grouped = isinstance(engine, GroupedEngine)
         self.calls = 0
@@ -112,8 +111,6 @@ class EngineGate:
     def generate(self, prompt: list[int], max_new: int, seed: int, affinity: str) -> Completion:
         """One completion of `prompt` with at most `max_new` new tokens (raises what the engine raised)."""
         p = _Pending(prompt, max_new, seed, affinity)
-        if self.parallel:
-            return self._call([p])[0]
         with self._cv:
             if self._closed:
                 raise EngineUnavailable("the rollout's gateway is closing")
