@@ -7,6 +7,8 @@ workers, a vLLM server): pure, importable from every layer.
   DIE_WITH_PARENT          a `subprocess.Popen(preexec_fn=...)` that makes the kernel SIGKILL the child when the
                            process that started it dies (Linux PR_SET_PDEATHSIG), so even a parent killed with
                            SIGKILL leaves no children behind; None where the platform has no such thing
+  dying_with_parent(argv)  the same without a preexec_fn where util-linux's setpriv is installed (a spawn many
+                           times cheaper in a large process: the rollout's agent processes)
   PipeWorker               a spawned worker process and the parent's end of its pipe (the reward and environment
                            worker pools: rollout/rewards.py, rollout/environments/pool.py)
 """
@@ -14,11 +16,13 @@ workers, a vLLM server): pure, importable from every layer.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import shlex
+import shutil
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +47,22 @@ def die_with_parent() -> None:  # pragma: no cover - runs in the forked child
 
 
 DIE_WITH_PARENT: Callable[[], None] | None = die_with_parent if sys.platform.startswith("linux") else None
+
+
+def dying_with_parent(argv: Sequence[str]) -> tuple[list[str], Callable[[], None] | None]:
+    """(argv, preexec_fn) for `subprocess.Popen` that start `argv` so that the kernel SIGKILLs it when the thread that
+    started it dies: through util-linux's `setpriv --pdeathsig KILL` where it is installed — then without a
+    preexec_fn, so subprocess can use vfork, which in a large process is far cheaper than fork (the rollout with its
+    model: 0.5 ms a spawn against 29 ms, measured) — else `DIE_WITH_PARENT`."""
+    setpriv = _setpriv()
+    if setpriv is not None:
+        return [setpriv, "--pdeathsig", "KILL", "--", *argv], None
+    return list(argv), DIE_WITH_PARENT
+
+
+@functools.cache
+def _setpriv() -> str | None:
+    return shutil.which("setpriv") if sys.platform.startswith("linux") else None
 
 
 @dataclass

@@ -19,6 +19,7 @@ from trainingrun.api.spec.cluster import FailureRule, KueueTopology, PodTemplate
 from trainingrun.api.spec.engine import EngineSpec, VLLMSettings
 from trainingrun.api.spec.model import MoESpec, ModelSpec
 from trainingrun.api.spec.rollout import (
+    AgentSpec,
     EnvironmentSpec,
     EvalSpec,
     JudgeSpec,
@@ -261,6 +262,27 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
         {"type": "class", "className": "envs:Maze"}, {"type": "class"}),
     ("rollout.source.generate.environment", "environment-class-only-for-class"): (
         {"type": "calculator"}, {"type": "calculator", "className": "envs:Maze"}),
+    ("rollout.source.generate.agent", "agent-command-or-url"): (
+        {"command": ["python3", "agent.py"]}, {"command": ["python3", "agent.py"], "url": "http://agents:8000/run"}),
+    ("rollout.source.generate", "agent-or-environment"): (
+        {"prompts": {"type": "jsonl", "jsonl": {"path": "/p.jsonl"}}, "agent": {"url": "http://agents:8000/run"}},
+        {"prompts": {"type": "jsonl", "jsonl": {"path": "/p.jsonl"}}, "agent": {"url": "http://agents:8000/run"},
+         "environment": {"type": "calculator"}}),
+    ("rollout.source.generate", "agent-without-reward"): (
+        {"prompts": {"type": "jsonl", "jsonl": {"path": "/p.jsonl"}}, "agent": {"command": ["./agent"]}},
+        {"prompts": {"type": "jsonl", "jsonl": {"path": "/p.jsonl"}}, "agent": {"command": ["./agent"]},
+         "reward": {"type": "exact_match"}}),
+    ("rollout.source.generate", "agent-needs-text-prompts"): (
+        {"prompts": {"type": "reasoningGym", "reasoningGym": {"name": "chain_sum"}}, "agent": {"command": ["./a"]}},
+        {"agent": {"command": ["./agent"]}}),
+    ("", "agent-needs-hf"): (
+        {"model": {"hf": "/models/agent"}, "trainer": {"maxTokensPerGPU": 64},
+         "rollout": {"source": {"type": "generate", "generate": {
+             "prompts": {"type": "jsonl", "jsonl": {"path": "/p.jsonl"}}, "agent": {"command": ["./agent"]}}}}},
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64},
+         "rollout": {"source": {"type": "generate", "generate": {
+             "prompts": {"type": "jsonl", "jsonl": {"path": "/p.jsonl"}}, "agent": {"command": ["./agent"]}}}}},
+    ),
     ("", "ppo-needs-generate"): (
         {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64, "lossType": "ppo"},
          "rollout": {"source": {"type": "generate", "generate": {}}}},
@@ -333,6 +355,10 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
     ("rollout", "over-sampling-single-turn"): (
         {"overSampling": 0.25, "source": {"type": "generate", "generate": {}}},
         {"overSampling": 0.25, "source": {"type": "generate", "generate": {"environment": {"type": "calculator"}}}}),
+    ("rollout", "over-sampling-not-for-agents"): (
+        {"overSampling": 0.25, "source": {"type": "generate", "generate": {}}},
+        {"overSampling": 0.25, "source": {"type": "generate", "generate": {
+            "prompts": {"type": "jsonl", "jsonl": {"path": "/p.jsonl"}}, "agent": {"command": ["./agent"]}}}}),
     ("rollout", "zero-variance-needs-groups"): ({"samplesPerRollout": 8, "groupSize": 1, "filters": {"zeroVariance": False}},
                                                 {"samplesPerRollout": 8, "groupSize": 1}),
     ("rollout.engine", "replicas-of-own-servers"): ({"type": "vllm", "url": "http://a:8000,http://b:8000"},
@@ -389,6 +415,7 @@ MODEL_OF = {
     "trainer.policyLoss.rolloutCorrection": RolloutCorrectionSpec,
     "rollout.source.generate": GenerateSource,
     "rollout.source.generate.environment": EnvironmentSpec,
+    "rollout.source.generate.agent": AgentSpec,
     "failurePolicy.rules[items]": FailureRule, "placement.trainer.kueue": KueueTopology,
     "placement.rollout.kueue": KueueTopology, "placement.trainer.volcano": VolcanoTopology,
     "placement.rollout.volcano": VolcanoTopology,

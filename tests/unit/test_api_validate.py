@@ -218,3 +218,19 @@ def test_validate_refuses_a_head_dim_the_run_s_own_cpu_engines_cannot_run(tmp_pa
         return
     (line,) = lines
     assert ": spec.model.hf: head dimension 16" in line and "32, 64, 80" in line and "rollout.engine.vllm.gpus" in line
+
+
+def test_an_agent_run_evaluates_only_with_its_own_eval_reward():
+    """An agent run has no reward of its own (source.generate.reward is none): rollout.eval needs eval.reward there
+    (rule eval-needs-generate), else the evaluation would have nothing to score with."""
+    import yaml
+
+    from trainingrun.api.models import parse_trainingrun
+
+    doc = yaml.safe_load((ROOT / "examples" / "agent-gateway.yaml").read_text())
+    doc["spec"]["rollout"]["eval"] = {"intervalRollouts": 4, "prompts": doc["spec"]["rollout"]["source"]["generate"]
+                                      ["prompts"]}
+    with pytest.raises(ValueError, match="with an agent its own eval.reward"):
+        parse_trainingrun(doc)
+    doc["spec"]["rollout"]["eval"]["reward"] = {"type": "exact_match"}
+    assert parse_trainingrun(doc).spec.rollout.eval.reward.type == "exact_match"

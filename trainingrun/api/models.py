@@ -148,6 +148,14 @@ class TrainingRunSpec(ApiModel):
             "(in a cluster on a volume of podTemplate, which the engine pod mounts too)",
             fieldPath=".model.hf",
         ),
+        Rule(
+            name="agent-needs-hf",
+            rule=f"!({_GENERATED}) || !has(self.rollout.source.generate) || !has(self.rollout.source.generate.agent) "
+            "|| has(self.model.hf)",
+            message="rollout.source.generate.agent: the gateway renders the agent's chat messages with the model's "
+            "chat template: set model.hf to a Hugging Face directory whose tokenizer has one",
+            fieldPath=".model.hf",
+        ),
         # A transition rule (oldSelf: the stored object on an update): the controller that owns a run is chosen when
         # it is created. No Python twin: a single object has no old version.
         Rule(
@@ -236,6 +244,9 @@ class TrainingRunSpec(ApiModel):
             raise ValueError(self.cel_rule("routing-replay-without-partial-rollouts").message)
         if generated and vllm and self.model.hf is None:
             raise ValueError(self.cel_rule("vllm-needs-hf").message)
+        agent = self.rollout.source.generate is not None and self.rollout.source.generate.agent is not None
+        if generated and agent and self.model.hf is None:
+            raise ValueError(self.cel_rule("agent-needs-hf").message)
         placed = {(role, kind) for role in ("rollout", "trainer") for kind in ("kueue", "volcano")
                   if getattr(getattr(self.placement, role), kind) is not None}
         if placed & {("rollout", "kueue"), ("trainer", "kueue")} and self.queue_name is None:

@@ -42,10 +42,17 @@ class StepPlan:
     policy_lag_mean: float | None = None  # mean over its trained tokens of (rollout − the token's weight version)
 
 
+# why an agent's episode failed (rollout/agents.py; docs/rl.md "Agents"): its process exited non-zero (exit), ran past
+# timeoutSeconds (timeout), reported no reward (no_reward), sent a malformed request (invalid) or one past the caps
+# (limit), the engine refused its request (engine), or its service could not be reached or answered an error (error)
+AGENT_FAILURE_REASONS = ("exit", "timeout", "no_reward", "invalid", "limit", "engine", "error")
+
+
 @dataclass(frozen=True)
 class EpisodeCounts:
-    """Multi-turn episodes of a source rollout (`rollout.source.generate.environment`): counts that add up across
-    rollouts and ranks, so each mean below is a weighted (sum, count) pair (`record` names them)."""
+    """Multi-turn episodes of a source rollout (`rollout.source.generate.environment`, or `agent`: then `agent` is
+    True and the gateway's counts are filled): counts that add up across rollouts and ranks, so each mean below is a
+    weighted (sum, count) pair (`record` names them)."""
 
     episodes: int = 0
     turns: int = 0  # model turns
@@ -53,12 +60,29 @@ class EpisodeCounts:
     tool_errors: int = 0
     truncated: int = 0  # episodes
     response_tokens: int = 0  # tokens of the model's turns
-    failures: dict[str, int] = field(default_factory=dict)  # failed episodes by reason (environments.base)
+    failures: dict[str, int] = field(default_factory=dict)  # failed episodes by reason (environments.base, or
+    # AGENT_FAILURE_REASONS)
     reward: float = 0.0  # sum of the episodes' rewards (with per-turn samples reward_mean is over samples)
+    # agents: the gateway's chat requests of the episodes' keys and their latency (seconds, summed), requests with a
+    # key of no running episode (answered 401), token sequences started by a request that rewrote its history
+    agent: bool = False
+    requests: int = 0
+    request_seconds: float = 0.0
+    unauthorized: int = 0
+    rewrites: int = 0
 
     # record field -> (sum, count)
     def pairs(self) -> dict[str, tuple[int, int]]:
         failed = sum(self.failures.values())
+        if self.agent:
+            return {
+                "turns_per_episode": (self.turns, self.episodes),
+                "agent_failure_rate": (failed, self.episodes),
+                "rewrites_per_episode": (self.rewrites, self.episodes),
+                "response_tokens_per_turn": (self.response_tokens, self.turns),
+                "episode_reward_mean": (self.reward, self.episodes),
+                "gateway_request_seconds": (self.request_seconds, self.requests),
+            }
         return {
             "turns_per_episode": (self.turns, self.episodes),
             "tool_calls_per_episode": (self.tool_calls, self.episodes),
@@ -73,6 +97,11 @@ class EpisodeCounts:
     def record(self) -> dict[str, float | int]:
         """The per-step record's episode fields: the means (0 with nothing counted) and the counts."""
         out: dict[str, float | int] = {name: s / c if c else 0.0 for name, (s, c) in self.pairs().items()}
+        if self.agent:
+            out.update({"episodes": self.episodes, "agent_failures": sum(self.failures.values()),
+                        **{f"agent_failures_{r}": self.failures.get(r, 0) for r in AGENT_FAILURE_REASONS},
+                        "gateway_requests": self.requests, "gateway_unauthorized": self.unauthorized})
+            return out
         out.update({"episodes": self.episodes, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
                     "env_failures": sum(self.failures.values()), "env_timeouts": self.failures.get("timeout", 0),
                     "truncated_episodes": self.truncated})
@@ -81,14 +110,23 @@ class EpisodeCounts:
     def summary(self) -> str:
         """One line for the rollout's log."""
         r = self.record()
+        if self.agent:
+            return (f"{self.episodes} episodes, {r['turns_per_episode']:.2f} turns each, {self.rewrites} rewritten "
+                    f"histories, {self.requests} requests ({r['gateway_request_seconds']:.3f}s each, "
+                    f"{self.unauthorized} unauthorized), {r['agent_failures']} failed {self.failures or ''}".rstrip())
         return (f"{self.episodes} episodes, {r['turns_per_episode']:.2f} turns and {r['tool_calls_per_episode']:.2f} "
                 f"tool calls each ({self.tool_errors} tool errors), {self.truncated} truncated, "
                 f"{r['env_failures']} failed {self.failures or ''}".rstrip())
 
     def to_json(self) -> dict[str, Any]:
-        return {"episodes": self.episodes, "turns": self.turns, "tool_calls": self.tool_calls,
-                "tool_errors": self.tool_errors, "truncated": self.truncated,
-                "response_tokens": self.response_tokens, "failures": dict(self.failures), "reward": self.reward}
+        out: dict[str, Any] = {"episodes": self.episodes, "turns": self.turns, "tool_calls": self.tool_calls,
+                               "tool_errors": self.tool_errors, "truncated": self.truncated,
+                               "response_tokens": self.response_tokens, "failures": dict(self.failures),
+                               "reward": self.reward}
+        if self.agent:
+            out.update({"agent": True, "requests": self.requests, "request_seconds": self.request_seconds,
+                        "unauthorized": self.unauthorized, "rewrites": self.rewrites})
+        return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> EpisodeCounts:
@@ -96,9 +134,14 @@ class EpisodeCounts:
         if not isinstance(d, dict):
             raise ValueError(f"episodes: must be an object, got {type(d).__name__}")
         try:
+            agent = d.get("agent", False)
+            if not isinstance(agent, bool):
+                raise TypeError(f"agent: {agent!r} is not a bool")
             return cls(**{k: int(d[k]) for k in ("episodes", "turns", "tool_calls", "tool_errors", "truncated",
                                                   "response_tokens")},
-                       failures={str(k): int(v) for k, v in d["failures"].items()}, reward=float(d["reward"]))
+                       failures={str(k): int(v) for k, v in d["failures"].items()}, reward=float(d["reward"]),
+                       agent=agent, **({k: int(d[k]) for k in ("requests", "unauthorized", "rewrites")}
+                                       | {"request_seconds": float(d["request_seconds"])} if agent else {}))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"episodes: malformed ({type(exc).__name__}: {exc})") from None
 

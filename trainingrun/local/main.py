@@ -99,9 +99,10 @@ def load_effective_run(path: str, trainers: int | None, overrides: list[str] | N
 
 
 def resolve_input_paths(run, base: Path):
-    """`run` with a relative `rollout.source.jsonl.path` and `model.hf` made absolute against `base` (the directory
-    the user ran `trainingrun run` in). Children run in the output directory, where a relative input path would not
-    be found; output paths (`trainer.checkpoint.path`) stay relative to the output directory on purpose."""
+    """`run` with a relative `rollout.source.jsonl.path`, `model.hf` and the agent command's arguments that name a
+    file there made absolute against `base` (the directory the user ran `trainingrun run` in). Children run in the
+    output directory, where a relative input path would not be found; output paths (`trainer.checkpoint.path`) stay
+    relative to the output directory on purpose."""
     spec = run.spec
     source = spec.rollout.source
     if source.type == "jsonl" and source.jsonl is not None and not Path(source.jsonl.path).is_absolute():
@@ -111,6 +112,15 @@ def resolve_input_paths(run, base: Path):
     if spec.model.hf is not None and not Path(spec.model.hf).is_absolute():
         spec = spec.model_copy(update={"model": spec.model.model_copy(
             update={"hf": str((base / spec.model.hf).resolve())})})
+    g = spec.rollout.source.generate
+    if g is not None and g.agent is not None and g.agent.command is not None:
+        # the agent's command: arguments naming a file or directory relative to `base` (its script) made absolute
+        argv = [str((base / a).resolve()) if not Path(a).is_absolute() and (base / a).exists() else a
+                for a in g.agent.command]
+        if argv != g.agent.command:
+            agent = g.agent.model_copy(update={"command": argv})
+            source = spec.rollout.source.model_copy(update={"generate": g.model_copy(update={"agent": agent})})
+            spec = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"source": source})})
     return run.model_copy(update={"spec": spec})
 
 

@@ -105,6 +105,13 @@ ROLLOUT = {
     "trainingrun_rollout_truncated_episodes": "Episodes truncated by maxTurns or the token cap (counter).",
     "trainingrun_rollout_environment_failures": "Episodes whose environment failed (counter), label reason: error, "
                                                 "timeout, invalid, oversized, exit, memory.",
+    # agents through the gateway (rollout.source.generate.agent)
+    "trainingrun_rollout_agent_failures": "Agent episodes that failed (counter), label reason: exit, timeout, "
+                                          "no_reward, invalid, limit, engine, error.",
+    "trainingrun_rollout_gateway_request_seconds": "Seconds from a chat request's arrival at the gateway to its answer "
+                                                   "(histogram).",
+    "trainingrun_rollout_gateway_unauthorized": "Gateway requests refused with 401: a key of no running episode "
+                                                "(counter).",
 }
 
 # --- rollout: weighted (sum, count) pairs of multi-turn episodes, as the two counters f"{base}_sum" / f"{base}_count"
@@ -115,6 +122,9 @@ ROLLOUT_WEIGHTED = {
     "trainingrun_rollout_truncated_rate": "Episodes truncated (1) or not (0); sum and count of episodes.",
     "trainingrun_rollout_env_failure_rate": "Episodes whose environment failed (1) or not (0); sum and count.",
     "trainingrun_rollout_response_tokens_per_turn": "Tokens per model turn; sum over turns and their count.",
+    "trainingrun_rollout_agent_failure_rate": "Agent episodes that failed (1) or not (0); sum and count of episodes.",
+    "trainingrun_rollout_rewrites_per_episode": "Token sequences an agent's episode started by rewriting its history "
+                                                "(segments beyond the first); sum over episodes and their count.",
 }
 
 # --- evaluation on held-out prompts (rollout.eval), exported by the rollout process

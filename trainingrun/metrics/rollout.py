@@ -3,12 +3,12 @@
 The `trainingrun_rollout_*` families (names and help: `names.ROLLOUT`, `names.ROLLOUT_WEIGHTED`), label `run` on
 every one: what the source produced and the filters dropped, generated rollouts' rewards, tokens and waits, groups
 aborted and each engine's last weight-sync seconds, prefix-cache queries and hits, requests in flight and in-flight
-limit (label engine), multi-turn episodes (weighted (sum, count) pairs: turns and tool
-calls per episode, tool error rate, ...; failures by reason), what was published, the schedule's imbalance and the
-publish latency, the rollouts pending; and the `trainingrun_eval_*` families of the evaluations on held-out prompts
-(`names.EVAL`: the last evaluation's gauges, evaluations and failed rewards counted). Served on
-`TRAININGRUN_METRICS_PORT` by `trainingrun rollout` (`trainingrun.rollout.main`); the trainer's counterpart is
-`exporter.TrainerExporter`.
+limit (label engine), multi-turn episodes (weighted (sum, count) pairs: turns and tool calls per episode, tool error
+rate, ...; failures by reason; agents: failures by reason, the gateway's request latency and its refused keys), what
+was published, the schedule's imbalance and the publish latency, the rollouts pending; and the `trainingrun_eval_*`
+families of the evaluations on held-out prompts (`names.EVAL`: the last evaluation's gauges, evaluations and failed
+rewards counted). Served on `TRAININGRUN_METRICS_PORT` by `trainingrun rollout` (`trainingrun.rollout.main`); the
+trainer's counterpart is `exporter.TrainerExporter`.
 """
 
 from __future__ import annotations
@@ -52,6 +52,13 @@ class RolloutMetrics:
         self.registry.register(self.episodes)
         self.truncated_episodes = mk(Counter, "trainingrun_rollout_truncated_episodes").labels(run)
         self._env_failures = mk(Counter, "trainingrun_rollout_environment_failures", ["reason"])
+        # agents through the gateway: failures by reason, request latency, requests with a wrong key
+        self._agent_failures = mk(Counter, "trainingrun_rollout_agent_failures", ["reason"])
+        self.gateway_seconds = mk(
+            Histogram, "trainingrun_rollout_gateway_request_seconds",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        ).labels(run)
+        self.gateway_unauthorized = mk(Counter, "trainingrun_rollout_gateway_unauthorized").labels(run)
         self.published = mk(Counter, "trainingrun_rollout_samples_published").labels(run)
         self.rollouts = mk(Counter, "trainingrun_rollout_rollouts_published").labels(run)
         self.imbalance = mk(Gauge, "trainingrun_rollout_schedule_imbalance").labels(run)
@@ -89,6 +96,8 @@ class RolloutMetrics:
             self.groups.labels(self.run, "aborted").inc(gen.groups_aborted)
         if gen.episodes is not None:
             self.observe_episodes(gen.episodes)
+        for seconds in gen.gateway_latencies:
+            self.gateway_seconds.observe(seconds)
 
     def observe_episodes(self, ep) -> None:
         """A source rollout's episodes (`contract.published.EpisodeCounts`): its (sum, count) pairs and failures."""
@@ -97,8 +106,10 @@ class RolloutMetrics:
             if metric in ROLLOUT_WEIGHTED:
                 self.episodes.add(metric, total, count)
         self.truncated_episodes.inc(ep.truncated)
+        failures = self._agent_failures if ep.agent else self._env_failures
         for reason, n in ep.failures.items():
-            self._env_failures.labels(self.run, reason).inc(n)
+            failures.labels(self.run, reason).inc(n)
+        self.gateway_unauthorized.inc(ep.unauthorized)
 
     def observe_eval(self, rec) -> None:
         """One evaluation (`contract.evaluation.EvalRecord`)."""

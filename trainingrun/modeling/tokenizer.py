@@ -90,7 +90,10 @@ class RunTokenizer:
         mask[len(p):] = 1
         return tokens, mask
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+               tools: list[Any] | None = None) -> str:
+        """The chat template's text of `messages` (with `tools`, for templates that render them, as transformers
+        passes them)."""
         if not self.chat_template:
             raise TokenizerError(f"messages: the tokenizer in {self.source} has no chat template "
                                  "(tokenizer_config.json chat_template or chat_template.jinja)")
@@ -109,7 +112,8 @@ class RunTokenizer:
         env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
         try:
             template = env.from_string(self.chat_template)
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                   **self.special)
         except jinja2.TemplateError as exc:
             raise TokenizerError(f"messages: the chat template failed: {exc}") from None
 

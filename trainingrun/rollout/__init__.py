@@ -20,6 +20,11 @@ Module map:
                       pool, timeouts, retries with backoff, failures by reason, Secret headers from the environment
   evaluate.py         `rollout.eval`: periodic evaluation of the weights on held-out prompts between training
                       rollouts (pass@k), without changing the training; eval.jsonl
+  agents.py           `generate.agent`: episodes of an agent program (a process per episode) or service, their
+                      rewards and failures; over the gateway
+  gateway.py          the OpenAI-compatible HTTP gateway agents call (/v1/chat/completions, /v1/models), by key
+  sessions.py         an agent's episode at the gateway: chat requests → token ids, token in/token out (new segments
+                      when the history was rewritten), the caps; the engine gate that batches its requests
   groups.py           `SampleGroup`, the samples of one prompt: the unit every stage passes on
   pipeline.py         the pure stages: filters, advantages (a table of estimators), steps, flat samples
   recovery.py         re-creating the stream after the store lost it (the trainers' resume point is ahead)

@@ -84,14 +84,22 @@ def turn_text(tokens: np.ndarray, tokenizer, stop_ids: Sequence[int], stops: Seq
 
 
 # ------------------------------------------------------------------------------------------------------ tokens
+class Reordered(ValueError):
+    """The chat template renders a conversation's earlier messages differently once later ones follow."""
+
+
 class TurnCodec:
-    """Environment text → token ids, once: the first observation as a prompt (chat: one user message with the
-    generation prompt), later observations as the template renders a message after an assistant turn."""
+    """Text → token ids, once: the first observation as a prompt (chat: one user message with the generation
+    prompt), later observations as the template renders a message after an assistant turn. For agents
+    (`rollout/gateway.py`) also a whole conversation (`conversation`) and several messages after an assistant turn
+    (`messages`); those raise ValueError for messages the template refuses (the agent's error, not the run's).
+    `field` names the spec field in configuration errors; `probe_roles`: refuse at once a template that cannot
+    render user and tool messages after an assistant turn without changing the earlier text (environments)."""
 
     _USER, _ASSISTANT = "\x00u\x00", "\x00a\x00"
 
-    def __init__(self, tokenizer, *, chat: bool, eos_id: int | None):
-        self.tokenizer, self.chat, self.eos_id = tokenizer, chat, eos_id
+    def __init__(self, tokenizer, *, chat: bool, eos_id: int | None, field: str = FIELD, probe_roles: bool = True):
+        self.tokenizer, self.chat, self.eos_id, self.field = tokenizer, chat, eos_id, field
         self._parts: dict[str, tuple[str, str] | None] = {}
         if chat:
             probe = [{"role": "user", "content": self._USER}, {"role": "assistant", "content": self._ASSISTANT}]
@@ -99,15 +107,15 @@ class TurnCodec:
             try:
                 self._closed = tokenizer.render(probe)
             except ValueError as exc:
-                raise ConfigError(f"{FIELD}: the chat template cannot render a conversation: {exc}") from None
+                raise ConfigError(f"{field}: the chat template cannot render a conversation: {exc}") from None
             at = self._closed.rfind(self._ASSISTANT)
             if at < 0:
-                raise ConfigError(f"{FIELD}: the chat template drops the assistant's message; cannot place turns")
+                raise ConfigError(f"{field}: the chat template drops the assistant's message; cannot place turns")
             self.closing = self._closed[at + len(self._ASSISTANT):]  # after an assistant message's content
             eos_text = tokenizer.decode([eos_id]) if eos_id is not None else ""
             rest = self.closing.lstrip()
             self.closing_after_eos = rest[len(eos_text):] if eos_text and rest.startswith(eos_text) else self.closing
-            for role in ("user", "tool"):
+            for role in ("user", "tool") if probe_roles else ():
                 self._delta(" probe \n", role)  # the template renders these roles after an assistant turn
 
     def first(self, text: str) -> np.ndarray:
@@ -116,24 +124,58 @@ class TurnCodec:
     def observation(self, text: str, role: str, *, after_eos: bool) -> np.ndarray:
         if not self.chat:
             return np.asarray(self.tokenizer.encode(text), np.int32)
+        return self._after_turn_ids(self._delta(text, role), after_eos)
+
+    def messages(self, messages: Sequence[dict[str, Any]], *, after_eos: bool) -> np.ndarray:
+        """`messages` (chat) as the template renders them after an assistant turn: the end of the assistant's turn
+        (less the end-of-text token when the model emitted it), the messages, the next generation prompt.
+        ValueError when the template refuses them or renders the earlier conversation differently after them."""
+        if len(messages) == 1 and set(messages[0]) == {"role", "content"} and isinstance(messages[0]["content"], str):
+            return self._after_turn_ids(self._single(messages[0]["content"], messages[0]["role"]), after_eos)
+        return self._after_turn_ids(self._render_after(messages), after_eos)
+
+    def conversation(self, messages: Sequence[dict[str, Any]], tools: Sequence[Any] | None = None) -> np.ndarray:
+        """A whole conversation as a prompt: the template's rendering with the generation prompt (and `tools`, for
+        templates that render them), tokenised. ValueError when the template refuses it."""
+        text = self.tokenizer.render(list(messages), add_generation_prompt=True, tools=tools)
+        ids = np.asarray(self.tokenizer.encode(text), np.int32)
+        if not len(ids):
+            raise ValueError("messages: the conversation renders to no tokens")
+        return ids
+
+    def _after_turn_ids(self, delta: str, after_eos: bool) -> np.ndarray:
         closing = self.closing_after_eos if after_eos else self.closing
-        return np.asarray(self.tokenizer.encode(closing + self._delta(text, role)), np.int32)
+        return np.asarray(self.tokenizer.encode(closing + delta), np.int32)
+
+    def _render_after(self, messages: Sequence[dict[str, Any]]) -> str:
+        """What the template renders for `messages` after the probe's assistant turn, with the generation prompt
+        (ValueError: the template refused them; `Reordered`: it renders the probe differently before them)."""
+        full = self.tokenizer.render(self._probe + list(messages), add_generation_prompt=True)
+        if not full.startswith(self._closed):
+            raise Reordered("the chat template renders a conversation's earlier messages differently when "
+                            f"{[m.get('role') for m in messages]} messages follow")
+        return full[len(self._closed):]
 
     def _delta(self, text: str, role: str) -> str:
+        """`_single`, for environments: a template that cannot do it is a configuration error."""
+        try:
+            return self._single(text, role)
+        except Reordered:
+            raise ConfigError(f"{self.field}: the chat template renders a conversation's earlier messages "
+                              f"differently when a {role!r} message follows; cannot tokenise observations "
+                              "once") from None
+        except ValueError as exc:
+            raise ConfigError(f"{self.field}: the chat template cannot render a {role!r} message after an assistant "
+                              f"turn: {exc}") from None
+
+    def _single(self, text: str, role: str) -> str:
         """What the template renders for a `role` message after the probe's assistant turn, with the generation
-        prompt (cached as the text around the content when the template inserts content as it is)."""
+        prompt (cached as the text around the content when the template inserts content as it is); ValueError as
+        `_render_after`."""
         parts = self._parts.get(role, False)
         if parts:
             return parts[0] + text + parts[1]
-        try:
-            full = self.tokenizer.render(self._probe + [{"role": role, "content": text}], add_generation_prompt=True)
-        except ValueError as exc:
-            raise ConfigError(f"{FIELD}: the chat template cannot render a {role!r} message after an assistant "
-                              f"turn: {exc}") from None
-        if not full.startswith(self._closed):
-            raise ConfigError(f"{FIELD}: the chat template renders a conversation's earlier messages differently "
-                              f"when a {role!r} message follows; cannot tokenise observations once")
-        delta = full[len(self._closed):]
+        delta = self._render_after([{"role": role, "content": text}])
         if parts is False:  # first use of the role: is the content inserted verbatim?
             at = delta.find(text)
             verbatim = at >= 0 and delta.count(text) == 1
@@ -142,10 +184,35 @@ class TurnCodec:
 
 
 # ------------------------------------------------------------------------------------------------------ episodes
+@dataclass(frozen=True)
+class EpisodeRules:
+    """How an episode's reward and samples are made: the environment's settings (`of(EnvironmentSpec)`) or an
+    agent's (`rollout/agents.py`). `sequence_ids`: sample ids per token sequence (an agent's episode may hold
+    several: module docstring)."""
+
+    samples: str  # episode | turn
+    max_turns: int
+    failed_reward: float
+    episode_reward: str = "sum"  # sum | final
+    truncation: str = "mask"  # mask | penalize
+    truncation_reward: float = 0.0
+    sequence_ids: bool = False
+
+    @classmethod
+    def of(cls, spec) -> EpisodeRules:
+        """The rules of an EnvironmentSpec (or the rules themselves)."""
+        if isinstance(spec, EpisodeRules):
+            return spec
+        return cls(samples=spec.samples, max_turns=spec.max_turns, failed_reward=spec.failed_reward,
+                   episode_reward=spec.episode_reward, truncation=spec.truncation,
+                   truncation_reward=spec.truncation_reward)
+
+
 @dataclass
 class Episode:
     """One episode: its token segments in order (the environment's: logprobs None; the model's turns: the engine's
-    log-probabilities) and how it went."""
+    log-probabilities), where each token sequence starts (one for environments; an agent that rewrote its history
+    starts another), and how it went."""
 
     key: int  # unique within one `run` call (the pool's episode id)
     group: int  # position of its prompt in the call
@@ -157,37 +224,47 @@ class Episode:
     message: str = ""
     tool_calls: int = 0
     tool_errors: int = 0
+    starts: list[int] = field(default_factory=lambda: [0])  # the segment each token sequence starts at
 
     @property
     def length(self) -> int:
-        return sum(len(t) for t, _ in self.segments)
+        """Tokens of the current sequence."""
+        return sum(len(t) for t, _ in self.segments[self.starts[-1]:])
 
     @property
     def turns(self) -> list[np.ndarray]:
         return [t for t, lp in self.segments if lp is not None]
 
     def context(self) -> list[int]:
-        return [int(x) for t, _ in self.segments for x in t]
+        """The token ids of the current sequence."""
+        return [int(x) for t, _ in self.segments[self.starts[-1]:] for x in t]
+
+    def sequences(self) -> list[range]:
+        """The segments of each token sequence (none empty)."""
+        bounds = [*self.starts, len(self.segments)]
+        return [range(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
     def finish(self, end: str, failure: str | None = None, message: str = "") -> None:
         self.end, self.failure, self.message = end, failure, message
 
     def reward(self, env) -> float:
+        rules = EpisodeRules.of(env)
         if self.end == "failed":
-            return env.failed_reward
-        if self.end == "truncated" and env.truncation == "penalize":
-            return env.truncation_reward
-        if env.episode_reward == "final":
+            return rules.failed_reward
+        if self.end == "truncated" and rules.truncation == "penalize":
+            return rules.truncation_reward
+        if rules.episode_reward == "final":
             return self.rewards[-1] if self.rewards else 0.0
         return float(sum(self.rewards))
 
     def masked(self, env) -> bool:
-        return self.end == "truncated" and env.truncation == "mask"
+        return self.end == "truncated" and EpisodeRules.of(env).truncation == "mask"
 
-    def arrays(self, upto: int | None = None, *, only_last: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(tokens, loss mask, logprobs) of segments[:upto]; `only_last`: the mask (and the logprobs: 0 where the mask
-        is) on the last segment only."""
-        segs = self.segments[:upto]
+    def arrays(self, upto: int | None = None, *, start: int = 0,
+               only_last: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens, loss mask, logprobs) of segments[start:upto]; `only_last`: the mask (and the logprobs: 0 where
+        the mask is) on the last segment only."""
+        segs = self.segments[start:upto]
         trained = [lp is not None and (not only_last or k == len(segs) - 1) for k, (_, lp) in enumerate(segs)]
         tokens = np.concatenate([t for t, _ in segs]).astype(np.int32)
         mask = np.concatenate([np.full(len(t), int(on), np.uint8) for (t, _), on in zip(segs, trained)])
@@ -196,7 +273,8 @@ class Episode:
         return tokens, mask, logps
 
 
-def counts(episodes: Sequence[Episode], env) -> EpisodeCounts:
+def counts(episodes: Sequence[Episode], env, **extra: Any) -> EpisodeCounts:
+    """The episodes' counts (`extra`: further fields of EpisodeCounts, e.g. an agent gateway's)."""
     failures: dict[str, int] = {}
     for e in episodes:
         if e.failure:
@@ -206,21 +284,28 @@ def counts(episodes: Sequence[Episode], env) -> EpisodeCounts:
         tool_calls=sum(e.tool_calls for e in episodes), tool_errors=sum(e.tool_errors for e in episodes),
         truncated=sum(e.end == "truncated" for e in episodes),
         response_tokens=sum(len(t) for e in episodes for t in e.turns), failures=failures,
-        reward=float(sum(e.reward(env) for e in episodes)))
+        reward=float(sum(e.reward(env) for e in episodes)), **extra)
 
 
 def build_group(group_id: int, episodes: Sequence[Episode], env, *, version: int, group_size: int) -> SampleGroup | None:
-    """The samples of one prompt's episodes (see the module docstring); None when there are none (per-turn samples
-    of episodes that all failed before their first turn)."""
+    """The samples of one prompt's episodes (see the module docstring; `env`: the EnvironmentSpec or the
+    `EpisodeRules`); None when there are none (per-turn samples of episodes that all failed before their first
+    turn, agents' episodes without a turn)."""
+    rules = EpisodeRules.of(env)
     toks, masks, logps, rewards, ids = [], [], [], [], []
     for e in episodes:
-        reward, masked = e.reward(env), e.masked(env)
-        if env.samples == "episode":
-            pieces = [(e.arrays(), group_id * group_size + e.member)]
+        reward, masked = e.reward(rules), e.masked(rules)
+        key = group_id * group_size + e.member
+        pieces = []
+        if rules.samples == "episode":
+            for s, seq in enumerate(e.sequences()):
+                pieces.append((e.arrays(seq.stop, start=seq.start), key * rules.max_turns + s if rules.sequence_ids
+                               else key))
         else:
-            turn_ends = [k + 1 for k, (_, lp) in enumerate(e.segments) if lp is not None]
-            base = (group_id * group_size + e.member) * env.max_turns
-            pieces = [(e.arrays(end, only_last=True), base + t) for t, end in enumerate(turn_ends)]
+            turn_ends = [(seq.start, k + 1) for seq in e.sequences() for k in seq if e.segments[k][1] is not None]
+            base = key * rules.max_turns
+            pieces = [(e.arrays(end, start=start, only_last=True), base + t)
+                      for t, (start, end) in enumerate(turn_ends)]
         for (t, m, lp), sid in pieces:
             toks.append(t)
             masks.append(np.zeros_like(m) if masked else m)

@@ -15,7 +15,8 @@ The three first stages of the rollout loop for generated rollouts:
 
 With `environment` the generate stage runs groupSize multi-turn episodes per prompt instead (`rollout/episodes.py`:
 one engine call per turn, the environment's observations between turns, its rewards), and score has nothing left
-to do.
+to do; with `agent` it runs groupSize episodes of the agent per prompt, which call the policy through the rollout's
+OpenAI-compatible gateway and report their rewards (`rollout/agents.py`), their samples built as an environment's.
 
 Pinning the version to exactly k − maxPolicyLag (not "the newest available") makes a run a function of its spec:
 the same seed gives the same rollouts whatever the timing, so DP invariance and restarts are exact, and the lag the
@@ -53,7 +54,8 @@ from trainingrun.contract.errors import ConfigError
 from trainingrun.contract.published import EpisodeCounts
 from trainingrun.engines.table import make_engine
 from trainingrun.modeling.architecture import Architecture
-from trainingrun.rollout.episodes import EpisodeRunner, build_group, counts, cut_at_stop, turn_text
+from trainingrun.rollout.agents import AgentRunner, model_name
+from trainingrun.rollout.episodes import EpisodeRules, EpisodeRunner, build_group, counts, cut_at_stop, turn_text
 from trainingrun.rollout.groups import SampleGroup
 from trainingrun.rollout.prompts import Prompt, load_tokenizer, make_prompts
 from trainingrun.rollout.rewards import AnswerLog, RewardConfig, RewardSample, RewardScorer
@@ -85,7 +87,8 @@ class GenerateStats:
     partials_dropped: int = 0  # carried cut groups dropped: older than the staleness bound (staleTokens drop)
     sync_seconds: dict[str, float] = field(default_factory=dict)  # each engine's last weight load
     engines: dict[str, EngineCounts] = field(default_factory=dict)  # each engine's share of this generation
-    episodes: EpisodeCounts | None = None  # with an environment
+    episodes: EpisodeCounts | None = None  # with an environment or an agent
+    gateway_latencies: list[float] = field(default_factory=list)  # with an agent: each request's seconds
 
 
 def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: float) -> float:
@@ -130,8 +133,8 @@ class GenerateSource:
         self.max_wait, self.poll_interval = max_wait, poll_interval
         self.group_size = spec.rollout.group_size
         self.prompts_per_rollout = spec.rollout.samples_per_rollout // spec.rollout.group_size
-        self.environment = g.environment
-        text = g.prompts.type != "synthetic" or self.environment is not None
+        self.environment, self.agent = g.environment, g.agent
+        text = g.prompts.type != "synthetic" or self.environment is not None or self.agent is not None
         self.tokenizer = load_tokenizer(arch) if text else None
         self.prompts = make_prompts(spec, arch, tokenizer=self.tokenizer)
         eos = self.tokenizer.eos_id if self.tokenizer is not None else EOS
@@ -142,16 +145,30 @@ class GenerateSource:
             raise ConfigError(f"rollout.source.generate.sampling.maxNewTokens: {g.sampling.max_new_tokens} leaves no "
                               f"room for a prompt within model seqLength {seq_length}")
         self.dataset = dataset = getattr(self.prompts, "params", None)
-        if g.reward.type == "reasoning_gym" and dataset is None and self.environment is None:
+        if (g.reward is not None and g.reward.type == "reasoning_gym" and dataset is None
+                and self.environment is None):
             raise ConfigError("rollout.source.generate.reward.type: reasoning_gym scores reasoning-gym prompts only "
                               "(prompts.type reasoningGym)")
         self.scorer = self.episodes = self.answers = None
+        self.rules: EpisodeRules | None = None  # how episodes become samples (environment or agent)
         if self.environment is not None:
             self.episodes = EpisodeRunner(self.environment, tokenizer=self.tokenizer, chat=g.prompts.chat,
                                           stop_ids=self.stop_ids, stops=g.sampling.stop,
                                           max_new_tokens=g.sampling.max_new_tokens, seq_length=seq_length,
                                           prompt_type=g.prompts.type, say=self.say)
+            self.rules = EpisodeRules.of(self.environment)
+        elif self.agent is not None:
+            lines = getattr(self.prompts, "lines", None) or []
+            tokens_only = next((k for k, line in enumerate(lines, 1) if "prompt_tokens" in line), None)
+            if tokens_only is not None:
+                raise ConfigError(f"rollout.source.generate.prompts.jsonl: line {tokens_only} gives prompt_tokens; an "
+                                  "agent is given its task as text (prompt)")
+            self.episodes = AgentRunner(self.agent, tokenizer=self.tokenizer, stop_ids=self.stop_ids,
+                                        stops=g.sampling.stop, max_new_tokens=g.sampling.max_new_tokens,
+                                        seq_length=seq_length, model=model_name(arch.hf), say=self.say)
+            self.rules = self.episodes.rules
         else:
+            assert g.reward is not None
             self.scorer = RewardScorer(RewardConfig.of(g.reward, dataset=dataset), timeout=g.reward.timeout_seconds,
                                        failed_reward=g.reward.failed_reward, workers=g.reward.workers)
             if g.reward.judge is not None:  # its raw answers, kept for inspection (out_dir: the run's output)
@@ -317,25 +334,30 @@ class GenerateSource:
         return group
 
     def _run_episodes(self, prompts: list[Prompt], version: int, sampling: Sampling) -> list[SampleGroup]:
-        """groupSize multi-turn episodes per prompt (`rollout/episodes.py`); their rewards are the environment's."""
+        """groupSize multi-turn episodes per prompt (`rollout/episodes.py`, or an agent's: `rollout/agents.py`);
+        their rewards are the environment's or the agent's."""
         t0 = time.perf_counter()
         by_prompt = self.episodes.run(self.engine, prompts, self.group_size, sampling, seed=sampling.seed,
                                       dataset=self.dataset)
         self.stats.generate_seconds = time.perf_counter() - t0
         groups = []
         for j, episodes in enumerate(by_prompt):
-            group = build_group(self._index * self.prompts_per_rollout + j, episodes, self.environment,
+            group = build_group(self._index * self.prompts_per_rollout + j, episodes, self.rules,
                                 version=version, group_size=self.group_size)
             if group is not None:
                 groups.append(group)
         flat = [e for episodes in by_prompt for e in episodes]
-        self.stats.episodes = counts(flat, self.environment)
+        agent = isinstance(self.episodes, AgentRunner)
+        self.stats.episodes = counts(flat, self.rules, **(self.episodes.counts_extra() if agent else {}))
+        if agent:
+            self.stats.gateway_latencies = self.episodes.latencies()
         self.stats.generated_tokens = self.stats.episodes.response_tokens
         self.stats.samples = sum(len(g) for g in groups)
         self.stats.failure_messages = list(self.episodes.messages)
         failures = self.stats.episodes.failures
         if failures:
-            self.say(f"rollout: {sum(failures.values())} of {len(flat)} episodes failed in their environment "
+            where = "(the agent's)" if agent else "in their environment"
+            self.say(f"rollout: {sum(failures.values())} of {len(flat)} episodes failed {where} "
                      f"({failures}); e.g. " + "; ".join(self.episodes.messages[:2]))
         return groups
 
@@ -356,7 +378,7 @@ class GenerateSource:
         scored = self.scorer.score(items)
         if self.answers is not None:
             self.answers.add(f"rollout-{self._rollout}", items, scored)
-        overlong = self.g.reward.overlong
+        overlong = self.g.reward.overlong if self.g.reward is not None else None
         for (g, i), reward in zip(where, scored.rewards):
             if overlong is not None:  # the completion's tokens are the loss-masked ones
                 reward += overlong_penalty(int(g.loss_masks[i].sum()), self.sampling.max_new_tokens,

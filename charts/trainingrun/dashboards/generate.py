@@ -370,6 +370,30 @@ def overview() -> dict:
                      "All TrainingRuns: phases, restarts, operator health and per-run progress.", items, True)
 
 
+def agent_panels(sel: str) -> list[dict]:
+    """The "Agents (gateway)" row of the run detail (rollout.source.generate.agent; 0 without an agent)."""
+    seconds = "trainingrun_rollout_gateway_request_seconds"
+    return [
+        row("Agents (gateway)"),
+        panel("Agent failures by reason", "Agent episodes that failed, per second, by reason (exit, timeout, "
+              "no_reward, invalid, limit, engine, error; 0 when none ever failed).",
+              [("sum by (reason) (rate(" + counter("trainingrun_rollout_agent_failures") + f"{{{sel}}}"
+                "[$__rate_interval])) or on() vector(0)", "{{reason}}")], unit="ops"),
+        panel("Gateway request latency", "Seconds from a chat request's arrival at the gateway to its answer: the "
+              "mean and the 95th percentile (0 without requests).",
+              [(sparse_weighted_mean(seconds), "mean"),
+               (f"(histogram_quantile(0.95, sum by (le) (rate({seconds}_bucket{{{sel}}}[$__rate_interval]))) >= 0)"
+                " or on() vector(0)", "p95")], unit="s"),
+        panel("Failed, rewritten and refused", "Share of agent episodes that failed, token sequences an episode "
+              "started by rewriting its history (per episode), and requests refused for a key of no running "
+              "episode (per second).",
+              [(sparse_weighted_mean("trainingrun_rollout_agent_failure_rate"), "failed / episode"),
+               (sparse_weighted_mean("trainingrun_rollout_rewrites_per_episode"), "rewrites / episode"),
+               (f"sum(rate({counter('trainingrun_rollout_gateway_unauthorized')}{{{sel}}}[$__rate_interval]))",
+                "401 / s")]),
+    ]
+
+
 def run_detail() -> dict:
     sel = RUN_SEL
     items = [
@@ -494,6 +518,7 @@ def run_detail() -> dict:
                 "[$__rate_interval])) or on() vector(0)", "{{reason}}")], unit="ops"),
         panel("Response tokens per turn", "Tokens the model generated per turn: Σ rate(sum) / Σ rate(count).",
               [(sparse_weighted_mean("trainingrun_rollout_response_tokens_per_turn"), "tokens / turn")]),
+        *agent_panels(sel),
         gpu_row(),
     ]
     return dashboard("trainingrun-run", "TrainingRun run detail",
