@@ -29,5 +29,7 @@ def test_each_module_runs_on_one_worker():
 
 def test_the_vllm_modules_share_one_scope_and_others_are_their_module():
     assert {scope_of(f"{m}::test_x[a]") for m in SHARED_SCOPES} == {"vllm"}
-    assert len(SHARED_SCOPES) == 4
+    # every module that starts a real vLLM server shares the one scope (two CPU servers at once are slow here)
+    vllm_modules = {str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "integration").glob("test_vllm*.py")}
+    assert set(SHARED_SCOPES) == vllm_modules
     assert scope_of("tests/unit/test_wire.py::test_y") == "tests/unit/test_wire.py"
