@@ -26,6 +26,10 @@ An engine that keeps state between calls which could change what a later call ge
 the keys and values of its last call, to continue a multi-turn episode from them) has `drop_cache()` (optional): the
 rollout's evaluation calls it after its own generation, so that the training's calls are as if it never ran.
 
+An engine serves one call at a time: its caller does not call it again before a call returned (the engine pool
+refuses a second concurrent call with `RuntimeError`; the agent gateway batches its sessions' requests into one call,
+`rollout/sessions.py`).
+
 Grouped generation with abort and continuation (optional; `GroupedEngine`, both engines of this package implement
 it; over-sampling and partial rollouts need it, single-call `generate` stays as it is):
 

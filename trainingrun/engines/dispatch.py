@@ -9,6 +9,17 @@ moved every CONTROL_SECONDS from the engine's own signals, `trainingrun.engines.
 every request, which replica it was sent to under which ticket: an answer counts only if its ticket is still the
 request's, so a prompt is answered exactly once even when it was re-sent.
 
+Slots: a request sent takes one slot of its replica (`Replica.outstanding`, which the limit, the least-loaded
+choice, the requests-in-flight figure and the adaptive limit read) and holds it until its answer or failure comes
+back: the thread that sent it releases it then (`Call._send`), once, whatever became of the request meanwhile —
+re-sent elsewhere after a stall, a death or a restart, given up after an abort (ABORT_WAIT), or its call over
+(returned or raised). Such a late answer (or failure) is dropped: beyond its slot and its server's last-seen time it
+counts for nothing (answered requests, results, the engine's last error, recovery). So `outstanding` is exactly our
+requests the server has not answered yet, across calls; a request's wait is bounded by its adapter (vLLM: the
+client's timeout). The pool runs one call at a time (`EnginePool.generate_groups` refuses a second): the abort (a
+server-wide `/pause?mode=abort`), the stall watch, the requeue of a replica taken out and the requests-in-flight
+figure are one call's.
+
 Sticky routing: a request with an affinity (`GroupRequest.affinity`: an episode, a conversation) goes to the replica
 that served the affinity's previous request while that replica is live (not stalled, not out of the pool), whose
 prefix cache holds the conversation so far; at its limit the request waits up to the pool's `sticky_wait` seconds
@@ -282,15 +293,22 @@ class Call:
                              daemon=True).start()
 
     def _send(self, job_index: int, r: Replica, ticket: int) -> None:
+        """One request, in a thread of its own. Its slot at `r` (taken by `_dispatch`) is released here, once, when
+        the answer or the failure comes back — whether or not this call still waits for it (module docstring)."""
         job = self.jobs[job_index]
         s = self.sampling
+        result: Any = None
         try:
-            out = r.adapter.generate(job.prompt, n=len(job.samples), max_tokens=job.max_tokens, sampling=s,
-                                     seed=job.seed if self.pool.seeded else None)
-            result: Any = out
+            result = r.adapter.generate(job.prompt, n=len(job.samples), max_tokens=job.max_tokens, sampling=s,
+                                        seed=job.seed if self.pool.seeded else None)
         except BaseException as exc:  # noqa: BLE001 - handled by the loop
             result = exc
-        self.events.put(("answer", job_index, r, ticket, result))
+        finally:
+            with self.pool._lock:
+                r.outstanding -= 1
+                if not isinstance(result, BaseException):
+                    r.last_seen = time.monotonic()
+        self.events.put(("answer", job_index, r, ticket, result))  # read only while the call runs
 
     def _handle(self, kind: str, *args) -> None:
         if kind == "signals":
@@ -327,14 +345,10 @@ class Call:
             if r.live and any(at > sent for _j, _res, at in self.held.get(r.name, [])):
                 self._probe(r)  # answers that came after this probe was sent
             return
-        job_index, r, ticket, result = args
-        with self.pool._lock:
-            r.outstanding -= 1
-            if not isinstance(result, BaseException):
-                r.last_seen = time.monotonic()
+        job_index, r, ticket, result = args  # its slot was released by `_send`
         current = self.inflight.get(job_index)
         if current is None or current[1] != ticket:
-            return  # a late answer to a request that was re-sent (stalled or aborted replica): dropped
+            return  # a late answer to a request that was re-sent or given up on: dropped, counted nowhere
         if isinstance(result, EngineUnavailable):
             del self.inflight[job_index]
             self._requeue(job_index)

@@ -25,6 +25,11 @@ counters, requests in flight over time, its limit), and the engine errors it ans
 error from every replica, or from one each time it came back — FAULT_REPEATS returns — while no other serves, is a
 `DeterministicEngineError`; with others serving that one is left out of the pool for good, `Replica.broken`).
 
+One generate call at a time: a second call while one runs raises `RuntimeError` naming the rule — the abort
+(server-wide), the stall watch, the requeue of a replica taken out and the requests-in-flight figure belong to the
+one call that runs; a caller with requests from several threads batches them into one call (`rollout/sessions.py`'s
+`EngineGate`).
+
 Weights (`load_weights(version)`): `fetch(version)` says where the version is (an HF directory for `disk`, trainer
 rank 0's address for `broadcast`: the version's meta); every replica loads it in parallel (`ReplicaAdapter.load`;
 broadcast: one transfer per replica, served one after another by the sender: a fan-out), and the seconds each took
@@ -119,6 +124,7 @@ class EnginePool:
         self.say = say or (lambda msg: print(f"rollout: {name}: {msg}", file=sys.stderr, flush=True))
         self._version = -1
         self._lock = threading.RLock()
+        self._calling = threading.Lock()  # held by the one generate call that runs
         self._closed = threading.Event()
         self._tickets = itertools.count()
         self.stats = {"generated_tokens": 0, "generate_seconds": 0.0, "load_seconds": 0.0, "loaded_bytes": 0,
@@ -343,6 +349,19 @@ class EnginePool:
 
     def generate_groups(self, requests: Sequence[GroupRequest], sampling: Sampling, *,
                         on_group: OnGroup | None = None) -> list[list[Completion]]:
+        """One call (dispatch.py). One generate call at a time: a second one while a call runs raises
+        `RuntimeError` (module docstring)."""
+        if not self._calling.acquire(blocking=False):
+            raise RuntimeError(f"{self.name}: another generate call is running on this engine pool; the pool serves "
+                               "one generate call at a time (callers with requests from several threads batch them "
+                               "into one call, as rollout/sessions.py's EngineGate does)")
+        try:
+            return self._call(requests, sampling, on_group)
+        finally:
+            self._calling.release()
+
+    def _call(self, requests: Sequence[GroupRequest], sampling: Sampling,
+              on_group: OnGroup | None) -> list[list[Completion]]:
         if self._version < 0:
             raise EngineError("generate before load_weights: the engine holds no weight version yet")
         t0 = time.perf_counter()

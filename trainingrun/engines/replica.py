@@ -37,7 +37,8 @@ class ReplicaAdapter(Protocol):
 
     def generate(self, prompt: list[int], *, n: int, max_tokens: int, sampling: Sampling,
                  seed: int | None) -> Sequence[Answer]:
-        """n samples of one prompt (token ids) with at most `max_tokens` new tokens; `seed` None: unseeded."""
+        """n samples of one prompt (token ids) with at most `max_tokens` new tokens; `seed` None: unseeded. Returns
+        or raises within a bound of the adapter's own (a client timeout): until then the request holds its slot."""
 
     def abort(self) -> None:
         """Every request in flight answers now with its tokens so far; errors are swallowed (best effort)."""
@@ -80,7 +81,7 @@ class Replica:
     version: int = -1  # the weight version it holds (loaded and labelled)
     live: bool = False  # takes requests
     recovering: bool = False
-    outstanding: int = 0  # our requests in flight
+    outstanding: int = 0  # our requests sent and not yet answered (any call's; dispatch.py "Slots")
     answered: int = 0  # requests it answered (counted once each)
     last_seen: float = field(default_factory=time.monotonic)  # its last answer or probe
     last_error: str = ""
