@@ -217,12 +217,12 @@ def test_runtime_invalid_spec_fails_with_event(cluster):
 def test_a_run_whose_memory_plan_does_not_fit_fails_before_any_pod(cluster):
     # a llama-8b in fp32 on one 24 GiB GPU per trainer: admitted by the API server, refused by the memory plan
     trainer = dict(TINY["spec"]["trainer"], replicas=1, gpusPerReplica=1, maxTokensPerGPU=4096, gpuMemoryGiB=24)
-    make_run(cluster, "zeta", model={"preset": "llama-8b"}, trainer=trainer)
-    st = cluster.wait_phase("zeta", "Failed")
+    make_run(cluster, "toobig", model={"preset": "llama-8b"}, trainer=trainer)
+    st = cluster.wait_phase("toobig", "Failed")
     assert "spec.trainer.gpuMemoryGiB: the trainer does not fit" in st["message"]
     assert "optimizer states" in st["message"] and "trainer.optimizer.distributed" in st["message"]
-    wait_for(lambda: "InvalidSpec" in cluster.reasons("zeta"), 10, "InvalidSpec event")
-    assert cluster.pods("zeta") == []
+    wait_for(lambda: "InvalidSpec" in cluster.reasons("toobig"), 10, "InvalidSpec event")
+    assert cluster.pods("toobig") == []
 
 
 def test_suspend_resume_and_ignored_spec_change(cluster):
