@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trainingrun.contract.engine import ABORTED, EngineError, EngineUnavailable, GroupRequest, Sampling
+from trainingrun.contract.engine import ABORTED, EngineError, EngineTimeout, EngineUnavailable, GroupRequest, Sampling
 from trainingrun.engines import dispatch
 from trainingrun.engines import pool as pool_mod
 from trainingrun.engines.pool import EnginePool
@@ -90,6 +90,8 @@ class TimedReplica:
         self.script = script if script is not None else collections.deque()
         self.thaw_after = thaw_after
         self.label_now = "initial"
+        self.slow_probes_after_answer = 0  # after each answer, that many probes time out (a busy server)
+        self.slow_probes = 0
         self.load_fails = False
         self.frozen = False
         self.cond = threading.Condition()
@@ -119,6 +121,8 @@ class TimedReplica:
             raise EngineError(f"{self.url}: 400 the request was refused")
         if kind.outcome == "abort":
             return [Answer(completion(prompt, i)[:1], [-0.5], "abort") for i in range(n)]
+        with self.cond:
+            self.slow_probes = self.slow_probes_after_answer
         return [Answer(t, [-0.25] * len(t), "stop") for t in (completion(prompt, i) for i in range(n))]
 
     def abort(self) -> None:
@@ -132,6 +136,10 @@ class TimedReplica:
 
     def label(self, timeout: float | None = None) -> str:
         with self.cond:
+            if self.slow_probes > 0:
+                self.slow_probes -= 1
+                self.cond.wait(60.0 if timeout is None else timeout)
+                raise EngineTimeout(f"{self.url}: did not answer in time")
             end = time.monotonic() + (60.0 if timeout is None else timeout)
             while self.frozen:
                 if time.monotonic() >= end:
@@ -182,9 +190,10 @@ def fast(monkeypatch):
     monkeypatch.setattr(pool_mod, "PROBE_TIMEOUT", 0.2)
 
 
-def make_pool(adapters, concurrency: int, said: list[str] | None = None) -> EnginePool:
+def make_pool(adapters, concurrency: int, said: list[str] | None = None, stall_seconds: float = STALL_SECONDS
+              ) -> EnginePool:
     pool = EnginePool(adapters, fetch=lambda v: {"version": v}, concurrency=concurrency,
-                      stall_seconds=STALL_SECONDS, restart_timeout=30,
+                      stall_seconds=stall_seconds, restart_timeout=30,
                       say=said.append if said is not None else (lambda m: None))
     pool.load_weights(0)
     return pool
@@ -320,6 +329,42 @@ def test_a_late_answer_of_a_call_that_raised_frees_its_slot(fast):
         assert pool.served() == {"engine-0": 0, "engine-1": 0}
     finally:
         b.release()
+        pool.close()
+
+
+# ------------------------------------------------------------------------------------------------ a busy server
+def test_a_probe_that_times_out_is_asked_again_and_the_answers_count(fast):
+    """Regression (CI, test_vllm's large chunked-prefill batch on 2 cores): the probe that confirms an answer timed
+    out while the CPU server was busy, and the engine was taken out of the pool (2 recoveries) and its answers sent
+    again elsewhere. A probe that times out is asked again; the answers count once a probe finds the call's label."""
+    said: list[str] = []
+    a = TimedReplica("a")
+    pool = make_pool([a], concurrency=2, said=said, stall_seconds=5.0)
+    try:
+        a.slow_probes_after_answer = 1  # the first probe after each answer times out (PROBE_TIMEOUT 0.2 s)
+        t, box = call_in_thread(pool, requests(4))
+        t.join(20)  # before the fix: taken out at every answer, its answers sent again to itself, for good
+        assert not t.is_alive() and pool.stats["recoveries"] == 0, said
+        assert "error" not in box and finished(box["out"]), box
+        assert pool.served() == {"engine-0": 4} and a.received == 4, said
+    finally:
+        a.slow_probes, a.slow_probes_after_answer = 0, 0
+        pool.close()
+
+
+def test_probes_that_time_out_for_the_stall_time_take_the_engine_out_and_the_answers_go_elsewhere(fast):
+    said: list[str] = []
+    a, b = TimedReplica("a"), TimedReplica("b")
+    pool = make_pool([a, b], concurrency=1, said=said)
+    try:
+        a.slow_probes_after_answer = 10**6  # engine-0 answers, then never answers a probe in time
+        out = pool.generate_groups(requests(3), SAMPLING)
+        assert finished(out)
+        assert any("engine-0" in m and "a probe failed with answers unconfirmed" in m and "in time" in m
+                   for m in said), said
+        assert pool.served()["engine-0"] == 0 and pool.served()["engine-1"] == 3, (pool.served(), said)
+    finally:
+        a.slow_probes, a.slow_probes_after_answer = 0, 0
         pool.close()
 
 

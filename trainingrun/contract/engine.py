@@ -59,6 +59,8 @@ Errors an engine raises (the rollout's exit status depends on them: `trainingrun
     not this model's): a committed version never changes, so no retry or restart can help (exit 78).
   * `EngineFault`, a kind of `EngineUnavailable`: the server answered a request with an error of its engine (an HTTP
     5xx with the engine's message, `cause`); retried like any `EngineUnavailable`, and compared by the pool.
+  * `EngineTimeout`, a kind of `EngineUnavailable`: the server took a request and did not answer in time (busy, or
+    hung: not proof either way); a probe that times out is asked again for up to the pool's stall time.
   * `DeterministicEngineError`: every engine of a pool failed with the same `EngineFault`, or one failed the same way
     again after it was restarted: a restart cannot help (exit 78, naming the engines and the error).
   * `EngineError`, their base: a request the engine refused (bad arguments, unknown method), not retried (exit 78:
@@ -79,6 +81,11 @@ class EngineError(RuntimeError):
 
 class EngineUnavailable(EngineError):
     """The server is down, restarting, or its engine died: retry after it is healthy again."""
+
+
+class EngineTimeout(EngineUnavailable):
+    """The server took the request but did not answer in time: busy (a CPU server in a long batch) or hung — not
+    proof either way. The pool's dispatch asks again for up to its stall time before it takes the engine out."""
 
 
 class EngineFault(EngineUnavailable):

@@ -53,7 +53,9 @@ An answer counts only once a probe of its replica sent after the answer came bac
 is sent at once): a server that restarted unnoticed — no failed request, no failed probe, back on its port with its
 initial weights between two probes, as a simulated server can be in milliseconds — has every answer it gave since
 its last good probe sent again to the others, rather than kept with the wrong weights. A replica whose probe fails
-while it holds unconfirmed answers is taken out the same way.
+while it holds unconfirmed answers is taken out the same way — unless the probe timed out (`EngineTimeout`: a CPU
+server deep in a large batch can take longer than PROBE_TIMEOUT to answer): it is asked again, the answers held,
+until its probes have timed out for `stall_seconds`.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ from trainingrun.contract.engine import (
     Completion,
     DeterministicEngineError,
     EngineError,
+    EngineTimeout,
     EngineUnavailable,
     GroupRequest,
     OnGroup,
@@ -195,6 +198,7 @@ class Call:
         self.new_tokens = 0
         self.stall_said: dict[str, float] = {}
         self.probing: set[str] = set()
+        self.probe_timeouts: dict[str, float] = {}  # replica -> when its first probe that timed out was sent
         self.reading: set[str] = set()  # replicas whose signals are being read
         self.resends: dict[int, int] = {}
         self.last_abort: float | None = None
@@ -326,6 +330,7 @@ class Call:
             self.probing.discard(r.name)
             held = self.held.get(r.name)
             if isinstance(label, str):
+                self.probe_timeouts.pop(r.name, None)
                 with self.pool._lock:
                     r.last_seen = time.monotonic()
                 if label == self.pool.label(self.version):
@@ -339,6 +344,9 @@ class Call:
                     self._requeue_of(r)
                 elif held and not r.live:
                     self._requeue_of(r)
+            elif held and isinstance(label, EngineTimeout) and self._still_patient(r, sent):
+                self._probe(r)  # busy, not gone: asked again (the answers stay held, unconfirmed)
+                return
             elif held:
                 self.pool._recover(r, f"a probe failed with answers unconfirmed ({label})")
                 self._requeue_of(r)
@@ -372,6 +380,12 @@ class Call:
         del self.inflight[job_index]
         self.held.setdefault(r.name, []).append((job_index, result, time.monotonic()))
         self._probe(r)
+
+    def _still_patient(self, r: Replica, sent: float) -> bool:
+        """Whether a probe of `r` that timed out (sent at `sent`) is asked again: until its probes have timed out
+        for the pool's stall time since the first of them."""
+        first = self.probe_timeouts.setdefault(r.name, sent)
+        return time.monotonic() - first < self.pool.stall_seconds
 
     def _accept(self, job_index: int, r: Replica, result: list[Any]) -> None:
         """An answer whose replica a later probe found holding the call's weights: it counts."""

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import time
 import urllib.error
 import urllib.parse
@@ -40,7 +39,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from trainingrun.contract.engine import EngineError, EngineFault, EngineUnavailable, WeightsRefused
+from trainingrun.contract.engine import EngineError, EngineFault, EngineTimeout, EngineUnavailable, WeightsRefused
 
 
 # The server refused a request (4xx: bad arguments, unknown method), not retried: the contract's `EngineError`,
@@ -74,8 +73,9 @@ class VLLMClient:
             if exc.code >= 500:  # the engine's own error (vLLM: its engine died, or the request broke it)
                 raise EngineFault(f"{method} {path}: HTTP {exc.code}: {detail}", error_message(detail)) from None
             raise VLLMError(f"{method} {path}: HTTP {exc.code}: {detail}") from None
-        except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError,
-                http.client.HTTPException) as exc:
+        except (urllib.error.URLError, ConnectionError, TimeoutError, http.client.HTTPException) as exc:
+            if isinstance(exc, TimeoutError) or isinstance(getattr(exc, "reason", None), TimeoutError):
+                raise EngineTimeout(f"{method} {path}: {self.url} did not answer in time: {exc}") from None
             raise EngineUnavailable(f"{method} {path}: {self.url} unreachable: {exc}") from None
         if not raw:
             return None
