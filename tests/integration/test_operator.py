@@ -90,6 +90,23 @@ def test_create_renders_children_with_contract(cluster):
     assert cluster.get("/api/v1/namespaces/default/configmaps/alpha-config") is None
 
 
+def test_dra_claims_reach_every_trainer_pod_and_its_container(cluster):
+    """Issue 32's acceptance: a run with trainer.resourceClaims; every trainer pod the operator creates carries them,
+    its container claims each, and asks for no device-plugin GPUs; the run gets going."""
+    claims = [{"name": "gpus", "resourceClaimTemplateName": "h100x4"}]
+    make_run(cluster, "claims", trainer={**TINY["spec"]["trainer"], "replicas": 3, "gpusPerReplica": 4,
+                                         "resourceClaims": claims})
+    pods = cluster.wait_group("claims", 0, n=4)
+    trainers = [p for p in pods if p["metadata"]["labels"]["trainingrun.dev/role"] == "trainer"]
+    assert len(trainers) == 3
+    for pod in trainers:
+        c = pod["spec"]["containers"][0]
+        assert pod["spec"]["resourceClaims"] == claims
+        assert c["resources"]["claims"] == [{"name": "gpus"}] and "nvidia.com/gpu" not in str(c["resources"])
+    assert cluster.status("claims").get("phase") in ("Pending", "Running")
+    cluster.delete(cluster.tr_path("claims"))
+
+
 def test_gpu_example_pods_volumes_store_and_scheduling_message(cluster):
     """examples/gpu-8x.yaml as shipped (namespace ml, managed store, 8 x 1 GPU, shared claim, GPU node placement)."""
     doc = yaml.safe_load((ROOT / "examples" / "gpu-8x.yaml").read_text())

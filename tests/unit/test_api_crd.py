@@ -171,6 +171,18 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
          "trainer": {"maxTokensPerGPU": 64, "performance": {"gradReduceDtype": "bf16"}}},
         {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64, "performance": {"gradReduceDtype": "bf16"}}},
     ),
+    # DRA claims (issue 32): a name of its own, exactly one source
+    ("trainer", "resource-claims-named-once-with-one-source"): (
+        {"maxTokensPerGPU": 64, "resourceClaims": [{"name": "gpus", "resourceClaimTemplateName": "h100x8"},
+                                                    {"name": "nic", "resourceClaimName": "rdma-0"}]},
+        {"maxTokensPerGPU": 64, "resourceClaims": [{"name": "gpus", "resourceClaimTemplateName": "h100x8"},
+                                                    {"name": "gpus", "resourceClaimName": "rdma-0"}]},
+    ),
+    ("rollout.engine.vllm", "resource-claims-named-once-with-one-source"): (
+        {"gpus": 2, "resourceClaims": [{"name": "gpus", "resourceClaimTemplateName": "h100x2"}]},
+        {"gpus": 2, "resourceClaims": [{"name": "gpus", "resourceClaimTemplateName": "h100x2",
+                                        "resourceClaimName": "shared"}]},
+    ),
     ("trainer.optimizer", "min-lr-at-most-lr"): ({"lr": 0.01, "minLr": 0.001}, {"lr": 0.001, "minLr": 0.01}),
     ("trainer.optimizer", "warmup-within-decay"): ({"warmupSamples": 10, "decaySamples": 100}, {"warmupSamples": 100, "decaySamples": 10}),
     ("trainer", "one-micro-batching"): ({"replicas": 1, "maxTokensPerGPU": 64}, {"replicas": 1, "maxTokensPerGPU": 64, "microBatchSize": 2}),

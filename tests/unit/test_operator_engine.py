@@ -151,3 +151,28 @@ def test_vllm_without_hf_weights_is_refused_naming_the_field():
         load_document(parse_yaml(dump_yaml(run_doc({"type": "vllm"}, hf=None)), "rl.yaml")[0])
     assert any(": spec.model.hf: rollout.engine.type vllm loads Hugging Face weights" in line
                for line in err.value.lines), err.value.lines
+
+
+def test_engine_pods_claim_their_devices_by_dra():
+    """Issue 32: rollout.engine.vllm.resourceClaims on every engine pod and its container; the GPUs come from the
+    claims (no nvidia.com/gpu, none in the engines' pod group); vLLM's tensor-parallel size is still vllm.gpus."""
+    import kubernetes_validate
+
+    from trainingrun.operator import gang
+
+    claims = [{"name": "gpus", "resourceClaimTemplateName": "h200x2"}]
+    doc = run_doc({"type": "vllm", "replicas": 2,
+                   "vllm": {"gpus": 2, "resourceClaims": claims, "resources": {"requests": {"cpu": "4"}}}})
+    doc["spec"]["gangScheduling"] = {"enabled": True, "provider": "volcano"}
+    run = parse_trainingrun(doc)
+    assert checks.cluster_errors(run) == []
+    pods = [c for c in render.render_children(run, OWNER, attempt=0)
+            if c["kind"] == "Pod" and c["metadata"]["labels"][LABEL_ROLE] == "engine"]
+    assert len(pods) == 2
+    for pod in pods:
+        c = pod["spec"]["containers"][0]
+        assert pod["spec"]["resourceClaims"] == claims
+        assert c["resources"] == {"requests": {"cpu": "4"}, "claims": [{"name": "gpus"}]}
+        assert c["args"][c["args"].index("--tensor-parallel-size") + 1] == "2"
+        kubernetes_validate.validate(pod, "1.37.0", strict=True)
+    assert "nvidia.com/gpu" not in gang.engine_min_resources(run)

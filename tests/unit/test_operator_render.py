@@ -329,3 +329,49 @@ def test_topology_placement_per_role_kueue_annotations_and_volcano_sub_groups():
                                              "subGroupSize": 1, "labelSelector": {"matchLabels": {LABEL_ROLE:
                                                                                                   "trainer"}}}]
     assert "subGroupPolicy" not in render.render_podgroup(run_of(gangScheduling={"enabled": True}), OWNER, 0)["spec"]
+
+
+def test_dra_claims_reach_every_trainer_pod_and_its_container_and_no_device_plugin_gpus():
+    """Issue 32: trainer.resourceClaims (core/v1 PodResourceClaim) on every trainer pod, claimed by its container;
+    the GPUs come from the claims (no nvidia.com/gpu request, none in the pod group's minResources); the rollout pod
+    claims nothing. Valid for the real Kubernetes 1.37 schemas."""
+    import kubernetes_validate
+
+    from trainingrun.operator import gang
+
+    claims = [{"name": "gpus", "resourceClaimTemplateName": "h100x8"}, {"name": "nic", "resourceClaimName": "rdma"}]
+    run = run_of(trainer={**TINY["spec"]["trainer"], "replicas": 3, "gpusPerReplica": 8, "resourceClaims": claims,
+                          "resources": {"limits": {"memory": "64Gi"}}},
+                 gangScheduling={"enabled": True, "provider": "volcano"})
+    pods = render.render_pods(run, OWNER, 0)
+    trainers = [p for p in pods if p["metadata"]["labels"][LABEL_ROLE] == "trainer"]
+    assert len(trainers) == 3
+    for pod in trainers:
+        assert pod["spec"]["resourceClaims"] == claims
+        resources = pod["spec"]["containers"][0]["resources"]
+        assert resources["claims"] == [{"name": "gpus"}, {"name": "nic"}]
+        assert resources["limits"] == {"memory": "64Gi"} and "requests" not in resources  # no nvidia.com/gpu
+        kubernetes_validate.validate(pod, "1.37.0", strict=True)
+    rollout = next(p for p in pods if p["metadata"]["labels"][LABEL_ROLE] == "rollout")
+    assert "resourceClaims" not in rollout["spec"]
+    assert "claims" not in rollout["spec"]["containers"][0].get("resources", {})
+    assert "nvidia.com/gpu" not in gang.min_resources(run)
+    # without claims: the device plugin's GPUs, as before
+    plain = run_of(trainer={**TINY["spec"]["trainer"], "gpusPerReplica": 8})
+    pod = next(p for p in render.render_pods(plain, OWNER, 0) if p["metadata"]["labels"][LABEL_ROLE] == "trainer")
+    assert pod["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 8}
+    assert "resourceClaims" not in pod["spec"]
+
+
+def test_a_bad_claim_is_refused_naming_the_field_and_the_claim():
+    import pytest
+    from pydantic import ValidationError
+
+    for claims, why in (([{"name": "gpus"}], "'gpus' has neither"),
+                        ([{"name": "gpus", "resourceClaimName": "a", "resourceClaimTemplateName": "b"}], "'gpus' has both"),
+                        ([{"name": "gpus", "resourceClaimName": "a"}, {"name": "gpus", "resourceClaimName": "b"}],
+                         "'gpus' is named twice"),
+                        ([{"name": "GPUs", "resourceClaimName": "a"}], "pattern")):
+        with pytest.raises(ValidationError) as err:
+            run_of(trainer={**TINY["spec"]["trainer"], "resourceClaims": claims})
+        assert "resourceClaims" in str(err.value) and why in str(err.value), str(err.value)

@@ -227,6 +227,22 @@ def test_group_exit_disruptions_do_not_use_the_budget():
     assert d.status["phase"] == "Restarting" and d.status["disruptions"] == 1
 
 
+def test_a_device_taint_eviction_is_a_disruption():
+    """Issue 32: DRA device taints (Kubernetes 1.37 GA) evict the pods of a failing device with the condition
+    DisruptionTarget, reason DeviceTaintManagerEviction: a disruption (restart, no budget used), not a failure."""
+    run = run_of(failurePolicy={"maxRestarts": 0, "backoffSeconds": 7})
+    st = _running(run)
+    tainted = observe_pod({"metadata": {"name": "tiny-trainer-1-a0", "labels": {LABEL_ROLE: "trainer", LABEL_RANK: "1",
+                                                                               LABEL_ATTEMPT: "0"}},
+                           "status": {"phase": "Failed", "conditions": [
+                               {"type": "DisruptionTarget", "status": "True", "reason": "DeviceTaintManagerEviction",
+                                "message": "Device Taint manager: deleting due to NoExecute taint"}]}})
+    assert tainted.disruption and "DeviceTaintManagerEviction" in tainted.disruption
+    pods = [p for p in pods_of(run, 0) if p.name != tainted.name] + [tainted]
+    d = decide(run, st, pods)
+    assert d.status["phase"] == "Restarting" and d.status["restarts"] == 0 and d.status["disruptions"] == 1
+
+
 def test_group_exit_a_deleted_pod_is_a_failure():
     run = run_of(failurePolicy={"maxRestarts": 0, "backoffSeconds": 7})
     # a deleted pod without a disruption is a failure (budget 0: Failed)

@@ -66,6 +66,7 @@ class ServerPods:
     volumes: Callable[[str], list[dict[str, Any]]]  # (the ConfigMap's name) -> the pod's own volumes
     resources: Callable[[Any], tuple[dict[str, Any], dict[str, Any], int]]  # spec -> (requests, limits, GPUs)
     container: Callable[..., dict[str, Any]]  # (spec, *, volume_mounts, resources) -> the server's container
+    claims: Callable[[Any], list[Any]] = lambda spec: []  # spec -> the pod's DRA claims (api.spec.base.PodResourceClaim)
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,8 @@ ENGINES: dict[str, EngineType] = {
             pods=ServerPods(port=vllm_k8s.ENGINE_PORT, urls=vllm_k8s.engine_url,
                             config_map_data=vllm_k8s.extension_config_map_data,
                             volumes=lambda config_map: [vllm_k8s.extension_volume(config_map)],
-                            resources=vllm_k8s.server_resources, container=vllm_k8s.engine_container),
+                            resources=vllm_k8s.server_resources, container=vllm_k8s.engine_container,
+                            claims=lambda spec: list(spec.rollout.engine.vllm.resource_claims)),
             local=vllm_server.local_server,
         ),
         logprob_dtype=lambda spec: spec.rollout.engine.vllm.dtype,

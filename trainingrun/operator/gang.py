@@ -213,7 +213,7 @@ def min_resources(run: TrainingRun) -> dict[str, str]:
     t, r = run.spec.trainer, run.spec.rollout
     pods = [({**t.resources.limits, **t.resources.requests}, t.replicas), ({**r.resources.limits,
                                                                            **r.resources.requests}, 1)]
-    if t.gpus_per_replica > 0:
+    if t.gpus_per_replica > 0 and not t.resource_claims:  # DRA claims: the scheduler counts the claimed devices
         pods[0][0][GPU_RESOURCE] = t.gpus_per_replica
     return _sum_requests(pods)
 

@@ -192,6 +192,16 @@ def _resources(requests: dict, limits: dict, gpus: int) -> dict[str, Any]:
     return out
 
 
+def _claimed(resources: dict[str, Any], claims: list) -> dict[str, Any]:
+    """A container's resources with its claims of every DRA claim of its pod (`resources.claims`)."""
+    return {**resources, "claims": [{"name": c.name} for c in claims]} if claims else resources
+
+
+def _pod_claims(claims: list) -> dict[str, Any]:
+    """The pod's `resourceClaims` (core/v1 PodResourceClaim) for the spec's claims; {} without any."""
+    return {"resourceClaims": [c.as_pod_claim() for c in claims]} if claims else {}
+
+
 def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, attempt: int, generation: int = 0,
                        gang_version: str | None = None) -> dict[str, Any]:
     """The pod of one process of the plan (rollout or trainer rank); `generation`: the rollout's generation (its
@@ -216,9 +226,11 @@ def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, att
     ):
         labels.update(extra_labels)
         annotations.update(extra_annotations)
+    claims: list = []
     if process.role == ROLE_TRAINER:
-        res = spec.trainer.resources
-        resources = _resources(res.requests, res.limits, spec.trainer.gpus_per_replica)
+        res, claims = spec.trainer.resources, spec.trainer.resource_claims
+        # with DRA claims the GPUs come from them: no device-plugin GPUs besides
+        resources = _resources(res.requests, res.limits, 0 if claims else spec.trainer.gpus_per_replica)
     else:
         res = spec.rollout.resources
         resources = _resources(res.requests, res.limits, 0)
@@ -251,6 +263,7 @@ def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, att
         # the request headers of rewards served over HTTP: from their Secrets (never in the spec or the ConfigMap)
         container["env"].extend({"name": var, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
                                 for var, ref in spec.rollout.header_secrets())
+    resources = _claimed(resources, claims)
     if resources:
         container["resources"] = resources
     pod_spec = {
@@ -262,6 +275,7 @@ def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, att
             {"name": CONFIG_VOLUME, "configMap": {"name": names.config, "items": [{"key": "run.yaml", "path": "run.yaml"}]}},
             *t.volumes,
         ],
+        **_pod_claims(claims),
     }
     if process.role == ROLE_TRAINER and process.workers > 1:
         # G workers in one pod talk through shared memory (NCCL, gloo); the runtime's default /dev/shm is 64 MiB.
@@ -372,8 +386,9 @@ def render_engine_pod(run: TrainingRun, owner: Owner, replica: int = 0, generati
         labels.update(extra_labels)
         annotations.update(extra_annotations)
     pods = server_pods(run)
+    claims = pods.claims(run.spec)
     container = pods.container(run.spec, volume_mounts=list(t.volume_mounts),
-                               resources=_resources(*pods.resources(run.spec)))
+                               resources=_claimed(_resources(*pods.resources(run.spec)), claims))
     container["securityContext"] = _container_security()
     return {
         "apiVersion": "v1",
@@ -387,6 +402,7 @@ def render_engine_pod(run: TrainingRun, owner: Owner, replica: int = 0, generati
             "subdomain": names.engine,
             "containers": [container],
             "volumes": [*pods.volumes(names.engine), *t.volumes],
+            **_pod_claims(claims),
         },
     }
 

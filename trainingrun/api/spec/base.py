@@ -66,3 +66,49 @@ class ResourceRequirements(ApiModel):
 
     requests: dict[str, Quantity] = Field(default_factory=dict, description="Minimum resources, e.g. cpu: 2.")
     limits: dict[str, Quantity] = Field(default_factory=dict, description="Maximum resources, e.g. memory: 8Gi.")
+
+
+MAX_RESOURCE_CLAIMS = 16
+
+
+class PodResourceClaim(ApiModel):
+    """A device a pod claims through dynamic resource allocation (core/v1 PodResourceClaim, Kubernetes 1.34+): a
+    ResourceClaim the pod shares (`resourceClaimName`) or one made for the pod from a template
+    (`resourceClaimTemplateName`). The pod's main container claims it (`resources.claims`)."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+                      description="The claim's name within the pod (a DNS label).")
+    resource_claim_name: str | None = Field(None, min_length=1, max_length=253,
+                                            description="An existing ResourceClaim in the run's namespace.")
+    resource_claim_template_name: str | None = Field(
+        None, min_length=1, max_length=253,
+        description="A ResourceClaimTemplate in the run's namespace: each pod gets its own claim made from it.")
+
+    def as_pod_claim(self) -> dict[str, str]:
+        source = ("resourceClaimName", self.resource_claim_name) if self.resource_claim_name is not None else \
+            ("resourceClaimTemplateName", self.resource_claim_template_name)
+        return {"name": self.name, source[0]: str(source[1])}
+
+
+# Attached to each object with a resourceClaims list (trainer, rollout.engine.vllm); `check_claims` is its twin.
+CLAIMS_RULE = Rule(
+    name="resource-claims-named-once-with-one-source",
+    rule="!has(self.resourceClaims) || self.resourceClaims.all(c, "
+         "has(c.resourceClaimName) != has(c.resourceClaimTemplateName) && "
+         "self.resourceClaims.filter(d, d.name == c.name).size() == 1)",
+    message="resourceClaims: every claim needs a name of its own and exactly one of resourceClaimName and "
+            "resourceClaimTemplateName",
+    fieldPath=".resourceClaims",
+)
+
+
+def check_claims(claims: list[PodResourceClaim]) -> None:
+    """The Python twin of CLAIMS_RULE, naming the claim that breaks it."""
+    seen: set[str] = set()
+    for c in claims:
+        if (c.resource_claim_name is None) == (c.resource_claim_template_name is None):
+            raise ValueError(f"{CLAIMS_RULE.message} (claim {c.name!r} has "
+                             f"{'both' if c.resource_claim_name is not None else 'neither'})")
+        if c.name in seen:
+            raise ValueError(f"{CLAIMS_RULE.message} (claim {c.name!r} is named twice)")
+        seen.add(c.name)

@@ -8,7 +8,15 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from trainingrun.api.spec.base import ApiModel, ResourceRequirements, Rule
+from trainingrun.api.spec.base import (
+    CLAIMS_RULE,
+    MAX_RESOURCE_CLAIMS,
+    ApiModel,
+    PodResourceClaim,
+    ResourceRequirements,
+    Rule,
+    check_claims,
+)
 
 EngineType = Literal["megatron", "vllm"]
 WeightSyncType = Literal["store", "disk", "broadcast"]
@@ -30,6 +38,7 @@ class VLLMSettings(ApiModel):
                   f"(self.concurrency >= 1 && self.concurrency <= {CONCURRENCY_MAX}))",
              message=f"engine.vllm.concurrency must be 'auto' or an integer from 1 to {CONCURRENCY_MAX}",
              fieldPath=".concurrency"),
+        CLAIMS_RULE,
     )
 
     image: str = Field("vllm/vllm-openai:v0.32.0", min_length=1,
@@ -37,6 +46,11 @@ class VLLMSettings(ApiModel):
     gpus: int = Field(0, ge=0, le=64, description="GPUs of the engine pod (cluster; its tensor-parallel size).")
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements,
                                             description="Resources of the engine container (cluster).")
+    resource_claims: list[PodResourceClaim] = Field(
+        default_factory=list, max_length=MAX_RESOURCE_CLAIMS,
+        description="Devices each engine pod claims by dynamic resource allocation (cluster; core/v1 "
+        "PodResourceClaim); with claims the GPUs come from them (no nvidia.com/gpu is requested) and gpus says how "
+        "many they give (vLLM's tensor-parallel size, the memory plan).")
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="Weights and compute dtype of the engine; published weights are converted to it.")
     max_model_len: int | None = Field(None, ge=16, le=1_048_576,
@@ -71,6 +85,7 @@ class VLLMSettings(ApiModel):
         c = self.concurrency
         if c != "auto" and (isinstance(c, bool) or not 1 <= c <= CONCURRENCY_MAX):
             raise ValueError(self.cel_rule("concurrency-auto-or-bounded").message)
+        check_claims(self.resource_claims)
         return self
 
 

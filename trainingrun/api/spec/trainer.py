@@ -11,13 +11,17 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from trainingrun.api.spec.base import (
+    CLAIMS_RULE,
+    MAX_RESOURCE_CLAIMS,
     MAX_SAMPLES,
     MAX_SAMPLES_PER_ROLLOUT,
     MAX_SECONDS,
     MAX_TOKENS,
     ApiModel,
+    PodResourceClaim,
     ResourceRequirements,
     Rule,
+    check_claims,
 )
 
 LossType = Literal["sft", "policy_gradient", "ppo"]
@@ -215,6 +219,7 @@ class TrainerSpec(ApiModel):
     """The trainer pods: data-parallel ranks, parallelism, micro-batching, loss and optimizer."""
 
     CEL_RULES = (
+        CLAIMS_RULE,
         Rule(
             name="one-micro-batching",
             rule="has(self.maxTokensPerGPU) != has(self.microBatchSize)",
@@ -325,6 +330,11 @@ class TrainerSpec(ApiModel):
     resources: ResourceRequirements = Field(
         default_factory=ResourceRequirements, description="Resources of each trainer container."
     )
+    resource_claims: list[PodResourceClaim] = Field(
+        default_factory=list, max_length=MAX_RESOURCE_CLAIMS,
+        description="Devices each trainer pod claims by dynamic resource allocation (core/v1 PodResourceClaim); "
+        "with claims the GPUs come from them (no nvidia.com/gpu is requested) and gpusPerReplica says how many GPUs "
+        "the claims give each pod (its processes and the memory plan count them).")
     gpu_memory_gib: float = Field(
         80.0, gt=0, le=65536, alias="gpuMemoryGiB",
         description="Memory of one trainer GPU in GiB, as nvidia-smi reports it (80 for an A100/H100 80GB, 140 for an "
@@ -358,6 +368,7 @@ class TrainerSpec(ApiModel):
             raise ValueError(self.cel_rule("trainer-old-logprobs-not-pipelined").message)
         if self.expert_parallel_size > 1 and pl.old_logprobs == "trainer":
             raise ValueError(self.cel_rule("trainer-old-logprobs-not-expert-parallel").message)
+        check_claims(self.resource_claims)
         return self
 
     @property

@@ -50,9 +50,10 @@ def replica_hostname(index: int) -> str:
 
 
 def server_resources(spec) -> tuple[dict[str, Any], dict[str, Any], int]:
-    """(requests, limits, GPUs) of one engine pod (`rollout.engine.vllm`)."""
+    """(requests, limits, device-plugin GPUs) of one engine pod (`rollout.engine.vllm`): no nvidia.com/gpu where the
+    pod claims its devices by DRA (`resourceClaims`: the GPUs come from the claims)."""
     v = spec.rollout.engine.vllm
-    return dict(v.resources.requests), dict(v.resources.limits), v.gpus
+    return dict(v.resources.requests), dict(v.resources.limits), 0 if v.resource_claims else v.gpus
 
 
 def engine_url(service: str, namespace: str, replicas: int = 1) -> str:
