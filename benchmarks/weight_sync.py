@@ -45,8 +45,8 @@ def make_model(params: int, device: str):
         shapes.append(shape)
         total += n
         i += 1
-    g = torch.Generator().manual_seed(0)
-    return {f"w{i}": torch.randn(s, generator=g).to(device) for i, s in enumerate(shapes)}
+    g = torch.Generator(device=device).manual_seed(0)
+    return {f"w{i}": torch.randn(s, generator=g, device=device) for i, s in enumerate(shapes)}
 
 
 def stream(model, limit: int, sinks) -> int:
