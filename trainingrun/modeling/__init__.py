@@ -4,6 +4,8 @@ Module map:
   architecture.py  the typed, frozen `Architecture`, presets and family defaults, spec fields → `resolve` (no torch)
   hf_config.py     Hugging Face config.json ↔ Architecture (no torch)
   memory.py        the memory plan: what each role holds per GPU (per process on a CPU), term by term (no torch)
+  sync_plan.py     the streamed weight sync's plan: tensors in order → buckets, the ranks owning each part (no torch)
+  stream.py        the streamed gather: a live model's full state bucket by bucket over TP ranks and PP stages
   convert.py       Megatron ↔ Hugging Face weight names and shapes, tensor-parallel split/gather rules
   pipeline.py      the layers of each pipeline stage; weight names between a stage and the whole model (no torch)
   hf_io.py         Hugging Face directories: safetensors in and out, tokenizer/config assets

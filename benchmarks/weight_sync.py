@@ -1,0 +1,172 @@
+"""Weight-sync figures with simulated engines (issue 28 item 10): one JSON object per line.
+
+The sender streams a model of `--params` parameters (fp32 master weights, a few tensors of llama-like shapes) bucket
+by bucket as `trainingrun/modeling/sync_plan.py` plans it (`--bucket-mib`): each bucket's tensors are cast to the
+engine dtype (bf16) and packed into one flat buffer, then copied into the buffer of every simulated engine (an
+engine = a preallocated flat bf16 copy of the model on the same device), and the bucket is freed. Lines:
+
+  {"kind": "sync", "engines": N, "seconds": ..., "gbps": ...}             N = 1, 2, 4, 8
+  {"kind": "memcpy", "gbps": ...}            one copy of the same bytes (the machine's memory bandwidth, for scale)
+  {"kind": "peak", "params": P, "model_bytes": ..., "peak_extra_bytes": ..., "bucket_bytes": ...}
+      at two model sizes (P and 2P), each in a fresh process: the sender's peak resident set during the streamed
+      sync (VmHWM, reset before it) minus its resident set after building the model (CPU; on CUDA the allocator's peak minus the model's).
+
+`--device cuda` runs the same on one GPU: gather/cast/pack on the GPU and the device-to-host copy of each bucket
+into pinned host memory (a "d2h" line). There is one GPU on the device machine, so no NCCL group of several ranks:
+what crosses GPUs is not measured (the output says so). Only torch, numpy and this package.
+
+Run: `OMP_NUM_THREADS=1 python benchmarks/weight_sync.py [--params 20000000] [--bucket-mib 8] [--device cpu]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainingrun.modeling.sync_plan import bucket_bytes, plan_buckets  # noqa: E402
+
+
+def make_model(params: int, device: str):
+    import torch
+
+    hidden = 1024 if params >= 50_000_000 else 256
+    shapes, total, i = [], 0, 0
+    while total < params:
+        shape = [(4 * hidden, hidden), (hidden, hidden), (hidden,)][i % 3]
+        n = 1
+        for d in shape:
+            n *= d
+        shapes.append(shape)
+        total += n
+        i += 1
+    g = torch.Generator(device=device).manual_seed(0)
+    return {f"w{i}": torch.randn(s, generator=g, device=device) for i, s in enumerate(shapes)}
+
+
+def stream(model, limit: int, sinks) -> int:
+    """Bucket by bucket: cast to bf16, pack, hand to every sink, free. Returns the bytes sent to one sink."""
+    import torch
+
+    sizes = [(n, t.numel() * 2) for n, t in model.items()]
+    sent = 0
+    for b in plan_buckets(sizes, limit):
+        flat = torch.empty(b.nbytes // 2, dtype=torch.bfloat16, device=next(iter(model.values())).device)
+        pos = 0
+        for n in b.names:
+            t = model[n]
+            flat[pos:pos + t.numel()].copy_(t.reshape(-1))
+            pos += t.numel()
+        for sink in sinks:
+            sink(flat, sent)
+        sent += b.nbytes
+        del flat
+    return sent
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def run_sync(model, limit: int, device: str) -> None:
+    import torch
+
+    total = sum(t.numel() for t in model.values())
+    for engines in (1, 2, 4, 8):
+        bufs = [torch.empty(total, dtype=torch.bfloat16, device=device) for _ in range(engines)]
+        sinks = [lambda flat, at, buf=buf: buf[at // 2:at // 2 + flat.numel()].copy_(flat) for buf in bufs]
+        _sync(device)
+        t0 = time.perf_counter()
+        nbytes = stream(model, limit, sinks)
+        _sync(device)
+        dt = time.perf_counter() - t0
+        print(json.dumps({"kind": "sync", "device": device, "engines": engines, "bytes": nbytes * engines,
+                          "seconds": round(dt, 6), "gbps": round(nbytes * engines / dt / 1e9, 3)}), flush=True)
+        del bufs, sinks
+    src = torch.empty(total, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    _sync(device)
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    _sync(device)
+    dt = time.perf_counter() - t0
+    print(json.dumps({"kind": "memcpy", "device": device, "bytes": total * 2, "seconds": round(dt, 6),
+                      "gbps": round(total * 2 / dt / 1e9, 3)}), flush=True)
+    if device == "cuda":
+        host = torch.empty(total, dtype=torch.bfloat16).pin_memory()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        nbytes = stream(model, limit, [lambda flat, at: host[at // 2:at // 2 + flat.numel()].copy_(flat)])
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        print(json.dumps({"kind": "d2h", "device": device, "bytes": nbytes, "seconds": round(dt, 6),
+                          "gbps": round(nbytes / dt / 1e9, 3),
+                          "note": "one GPU: bucket gather/cast/pack on the GPU + device-to-host copies; no "
+                                  "multi-GPU NCCL broadcast measured"}), flush=True)
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak_rss() -> int:
+    """Linux: reset the peak resident set (VmHWM) to the current one; return the current one in bytes."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_kib("VmRSS") * 1024
+
+
+def peak(params: int, limit: int, device: str) -> None:
+    """In this (fresh) process: the sender's peak extra memory of one streamed sync to one engine on the host."""
+    import torch
+
+    model = make_model(params, device)
+    model_bytes = sum(t.numel() * t.element_size() for t in model.values())
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.max_memory_allocated()
+    else:
+        base = _reset_peak_rss()
+    stream(model, limit, [lambda flat, at: None])
+    if device == "cuda":
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+    else:
+        extra = max(0, _status_kib("VmHWM") * 1024 - base)
+    print(json.dumps({"kind": "peak", "device": device, "params": params, "model_bytes": model_bytes,
+                      "peak_extra_bytes": extra, "bucket_bytes": limit,
+                      "peak_extra_buckets": round(extra / limit, 3)}), flush=True)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--params", type=int, default=20_000_000)
+    ap.add_argument("--bucket-mib", type=int, default=8)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--peak-only", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    limit = bucket_bytes(args.bucket_mib)
+    if args.peak_only:
+        peak(args.params, limit, args.device)
+        return
+    run_sync(make_model(args.params, args.device), limit, args.device)
+    for p in (args.params, 2 * args.params):
+        out = subprocess.run([sys.executable, __file__, "--peak-only", "--params", str(p), "--bucket-mib",
+                              str(args.bucket_mib), "--device", args.device], check=True, capture_output=True,
+                             text=True)
+        print(out.stdout.strip(), flush=True)
+
+
+if __name__ == "__main__":
+    main()

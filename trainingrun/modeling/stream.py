@@ -1,0 +1,68 @@
+"""The streamed gather of a live model's weights (issue 28 item 1): bucket by bucket, as `modeling/sync_plan.py`
+plans it, instead of the whole model at once (`state.gather_live_state`).
+
+`iter_live_buckets` yields, on TP rank 0 of pipeline stage 0, dicts of canonical Megatron names (the whole model's
+layer numbers) → full tensors, each at most one bucket (a single larger tensor alone), in the same tensors and values
+`gather_live_state` returns (bit-exact; tested at TP 2 and PP 2 in tests/integration/test_sync_stream.py); the other
+ranks yield nothing but must run the generator to its end (they take part in each bucket's collectives). Each
+bucket's memory is the consumer's to drop before the next: no process holds more than its shard plus the bucket being
+gathered and the one being consumed.
+
+Within a stage, the bucket's tensor-parallel tensors are all-gathered (one collective per tensor, in name order), the
+replicated ones read from TP rank 0. Later stages' TP rank 0 send their buckets to stage 0, one after another, an
+empty message closing each stage. Expert parallelism is not streamed yet: ValueError (use `gather_live_state`).
+Not wired into the publishers yet (docs/vllm.md, "Weight sync").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from trainingrun.modeling import convert, pipeline
+from trainingrun.modeling.architecture import Architecture
+from trainingrun.modeling.state import _recv_tensors, _send_tensors
+from trainingrun.modeling.sync_plan import plan_buckets
+
+
+def iter_live_buckets(module: torch.nn.Module, arch: Architecture, limit: int, *, tp_group=None, tp_size: int = 1,
+                      tp_rank: int = 0, pp_group=None, pp_size: int = 1, pp_rank: int = 0, ep_size: int = 1,
+                      **_ignored) -> Iterator[dict[str, torch.Tensor]]:
+    """Buckets of at most `limit` bytes of the full canonical state (see the module docstring)."""
+    if ep_size > 1:
+        raise ValueError("the streamed weight gather does not handle expert parallelism yet; use gather_live_state")
+    state = convert.canonical_names({k: v for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)})
+    split = {n: tp_size > 1 and convert.tp_layout(n, arch)[0] is not None for n in state}
+    sizes = [(n, state[n].numel() * state[n].element_size() * (tp_size if split[n] else 1)) for n in sorted(state)]
+    for names in (b.names for b in plan_buckets(sizes, limit)):
+        bucket: dict[str, torch.Tensor] = {}
+        for name in names:
+            local = state[name].detach().contiguous()
+            if split[name]:
+                parts = [torch.empty_like(local) for _ in range(tp_size)]
+                dist.all_gather(parts, local, group=tp_group)
+                if tp_rank == 0:
+                    bucket[name] = convert.gather_tp(name, parts, arch)
+                del parts
+            elif tp_rank == 0:
+                bucket[name] = local.clone()
+        if tp_rank != 0:
+            continue
+        bucket = pipeline.to_whole(bucket, arch, pp_rank, pp_size)
+        if pp_rank == 0:
+            if bucket:
+                yield bucket
+        elif bucket:
+            _send_tensors(bucket, dst=0, group=pp_group)
+        del bucket
+    if pp_size == 1 or tp_rank != 0:
+        return
+    if pp_rank != 0:
+        _send_tensors({}, dst=0, group=pp_group)  # this stage is done
+        return
+    device = next(module.parameters()).device
+    for src in range(1, pp_size):
+        while bucket := _recv_tensors(src=src, group=pp_group, device=device):
+            yield bucket
