@@ -93,6 +93,8 @@ class TimedReplica:
         self.slow_probes_after_answer = 0  # after each answer, that many probes time out (a busy server)
         self.slow_probes = 0
         self.load_fails = False
+        self.load_gate: threading.Semaphore | None = None  # set: each load waits for a permit the test releases
+        self.loads: list[int] = []  # the versions of the loads begun
         self.frozen = False
         self.cond = threading.Condition()
         self.active: list[_Request] = []
@@ -151,6 +153,9 @@ class TimedReplica:
         return 0.0
 
     def load(self, version, meta, *, label, timeout):
+        self.loads.append(version)
+        if self.load_gate is not None:
+            assert self.load_gate.acquire(timeout=30), "the test never let this load finish"
         if self.load_fails:
             raise EngineUnavailable(f"{self.url}: connection refused")
         with self.cond:
@@ -365,6 +370,35 @@ def test_probes_that_time_out_for_the_stall_time_take_the_engine_out_and_the_ans
         assert pool.served()["engine-0"] == 0 and pool.served()["engine-1"] == 3, (pool.served(), said)
     finally:
         a.slow_probes, a.slow_probes_after_answer = 0, 0
+        pool.close()
+
+
+# ------------------------------------------------------------------------------------------------ the version barrier
+def test_a_replica_recovered_while_the_pool_moved_on_serves_only_once_it_holds_the_new_version(fast):
+    """Regression (test_vllm_e2e's dying-engine run under load, logprob_abs_diff 1.15): the recovery loaded the
+    version current when it started, which marked the replica live at once; the pool had meanwhile moved to a newer
+    version, so the replica got that version's requests while it held the older one (and a later load of the newer
+    one confirmed their answers). It stays out until it holds the pool's version."""
+    said: list[str] = []
+    a, b = TimedReplica("a"), TimedReplica("b")
+    pool = make_pool([a, b], concurrency=2, said=said)
+    try:
+        b.label_now, b.load_gate, b.loads = "initial", threading.Semaphore(0), []  # engine-1 restarted; its loads wait
+        pool._recover(pool.replicas[1], "a request failed (test)")
+        wait_until(lambda: b.loads == [0], 5, f"the recovery's first load ({b.loads})")
+        pool.load_weights(1)  # the pool moves on meanwhile (engine-0 alone: engine-1 is being recovered)
+        b.load_gate.release()  # engine-1's load of version 0 ends: it must not serve version 1's requests
+        wait_until(lambda: b.loads == [0, 1], 5, f"the recovery loads the pool's new version ({b.loads})")
+        with pool._lock:
+            assert not pool.replicas[1].live, "engine-1 serves while it holds version 0 and the pool is at 1"
+        b.load_gate.release()
+        wait_until(lambda: live(pool, 1), 5, f"engine-1 back ({said})")
+        assert pool.replicas[1].version == 1 and b.label_now == pool.label(1)
+        out = pool.generate_groups(requests(8), SAMPLING)
+        assert finished(out) and pool.served()["engine-1"] > 0
+    finally:
+        if b.load_gate is not None:
+            b.load_gate.release(10)
         pool.close()
 
 

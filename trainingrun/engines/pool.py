@@ -233,11 +233,15 @@ class EnginePool:
                 waited = r.adapter.wait_healthy(self.restart_timeout)
                 self.say(f"{r.describe()}: healthy again after {waited:.1f}s; loading weight version {version} again")
 
-    def _load_once(self, r: Replica, version: int, meta: dict[str, Any]) -> None:
+    def _load_once(self, r: Replica, version: int, meta: dict[str, Any], *, go_live: bool = True) -> None:
+        """Load `version` into `r`; with `go_live` it serves at once. The recovery loads without: it puts `r` back
+        only after checking, under the lock, that `version` is still the pool's (else a replica holding an older
+        version got requests of the newer one, and a later load of that one confirmed their answers)."""
         t0 = time.perf_counter()
         result = r.adapter.load(version, meta, label=self.label, timeout=self.load_timeout)
         with self._lock:
-            r.version, r.live, r.stalled, r.failed = version, True, False, False
+            r.version, r.stalled, r.failed = version, False, False
+            r.live = r.live or go_live
             r.last_seen = time.monotonic()
             r.last_sync = time.perf_counter() - t0
         self.last_load = result
@@ -271,7 +275,7 @@ class EnginePool:
                 try:
                     label = r.adapter.label(timeout=PROBE_TIMEOUT)
                     if label != self.label(version):
-                        self._load_once(r, version, self.fetch(version))
+                        self._load_once(r, version, self.fetch(version), go_live=False)
                     elif version != self._version:
                         continue
                     with self._lock:
