@@ -156,11 +156,27 @@ def test_answers_of_an_engine_that_restarted_between_two_probes_are_sent_again(s
         reported = collections.Counter()
         engine1 = servers[1].engine
 
+        class RestartAtNextAdmission(collections.deque):
+            """engine-1's queue: once armed, the restart (initial label, initial weights) happens as the next request
+            is admitted, under the engine's lock, so that request is answered under the wrong weights whatever the
+            probes' timing (before, under load, a probe could see the restart before engine-1 admitted anything)."""
+            armed = False
+
+            def append(self, req):
+                if self.armed:
+                    self.armed = False
+                    engine1.label, engine1.version_loaded = "default", 0
+                    req.label = "default"
+                super().append(req)
+
+        with engine1.cond:
+            engine1.waiting = RestartAtNextAdmission(engine1.waiting)
+
         def on_group(i, comps):
             reported[i] += 1
-            if sum(reported.values()) == 4:  # a restart the pool does not see: initial label, initial weights
+            if sum(reported.values()) == 4:  # a restart the pool does not see, at engine-1's next admission
                 with engine1.cond:
-                    engine1.label, engine1.version_loaded = "default", 0
+                    engine1.waiting.armed = True
             return False
 
         out = pool.generate_groups(requests(40), SAMPLING, on_group=on_group)
