@@ -1,7 +1,7 @@
 """A child-command prefix that records each child's peak resident memory: `trainingrun run` with
 TRAININGRUN_CHILD_COMMAND="python tests/peak_rss.py" starts every child (rollout, trainers) as
 `python tests/peak_rss.py ROLE ARGS...`, which runs `python -m trainingrun ROLE ARGS...`, forwards SIGTERM/SIGINT,
-reaps it with wait4 and appends {"role", "pid", "peak_rss"} (bytes: the kernel's ru_maxrss of that child, its VmHWM at
+reaps it with wait4 and appends {"role", "pid", "rank", "peak_rss"} (rank: the child's $RANK, None unset; bytes: the kernel's ru_maxrss of that child, its VmHWM at
 exit) to the file named by $TRAININGRUN_PEAK_FILE, then exits with the child's status."""
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ def main() -> int:
             continue
     with open(os.environ["TRAININGRUN_PEAK_FILE"], "a") as out:
         out.write(json.dumps({"role": sys.argv[1] if len(sys.argv) > 1 else "", "pid": child.pid,
+                              "rank": os.environ.get("RANK"),
                               "peak_rss": usage.ru_maxrss * 1024}) + "\n")
     return os.waitstatus_to_exitcode(status)
 

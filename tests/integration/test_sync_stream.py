@@ -1,7 +1,9 @@
 """modeling/stream.py on real Megatron code (gloo, CPU): the streamed, bucketed gather gives exactly the tensors
 `gather_live_state` gives, at TP 2 and at PP 2, with buckets small enough that most hold one or a few tensors (and
-every bucket within the bound unless it is a single larger tensor). Megatron runs in subprocesses (this file as a
-script)."""
+every bucket within the bound unless it is a single larger tensor); and the two vLLM publishers that stream them
+(issue 28 items 1 and 4): the disk publisher's directory (one safetensors file per bucket, and the index) and the
+broadcast publisher's snapshot hold exactly the engine-dtype HF tensors of the whole gather. Megatron runs in
+subprocesses (this file as a script)."""
 
 from __future__ import annotations
 
@@ -38,6 +40,23 @@ def test_streamed_buckets_equal_the_whole_gather(tmp_path, tp, pp):
     for name, t in whole.items():
         assert streamed[name].dtype == t.dtype and torch.equal(streamed[name], t), name
 
+    from trainingrun.modeling import convert
+    from trainingrun.modeling.architecture import Architecture
+    from trainingrun.modeling.hf_io import HFWeights
+
+    want = {k: v.to(torch.bfloat16) for k, v in convert.megatron_to_hf(whole, Architecture.from_dict(ARCH)).items()}
+    (directory,) = (tmp_path / "weights").glob("v*")
+    files = sorted(p.name for p in directory.glob("*.safetensors"))
+    assert len(files) == len(buckets) and (directory / "model.safetensors.index.json").is_file(), files
+    with HFWeights(directory) as w:
+        assert sorted(w.names()) == sorted(want)
+        for name, t in want.items():
+            assert torch.equal(w.get(name), t), name
+    sent = torch.load(tmp_path / "snapshot.pt", weights_only=True)
+    assert sorted(sent) == sorted(want)
+    for name, t in want.items():
+        assert torch.equal(sent[name], t), name
+
 
 def _worker(tmp: str, tp: int, pp: int) -> None:
     from trainingrun.modeling.model import init_distributed, prepare_device
@@ -64,6 +83,28 @@ def _worker(tmp: str, tp: int, pp: int) -> None:
         torch.save(buckets, Path(tmp) / "buckets.pt")
     else:
         assert not buckets
+
+    from trainingrun.engines.vllm.publish import BroadcastPublisher, DiskPublisher
+    from trainingrun.engines.vllm.worker_ext import split_buckets
+    from trainingrun.store import open_store
+
+    store = open_store(f"file://{tmp}/store")
+    kw = dict(rank=dist.get_rank(), arch=arch, dtype="bfloat16", max_policy_lag=0, **live_layout())
+    disk = DiskPublisher(store, root=Path(tmp) / "weights", assets_dir=None, **kw)
+    disk.bucket_bytes = LIMIT  # below weightSync.bucketMiB's least (1 MiB): several files for this small model
+    disk.publish(0, model)
+    sender = BroadcastPublisher(open_store(f"file://{tmp}/store2"), host="127.0.0.1", **kw)
+    sender.bucket_bytes = LIMIT
+    if sender.sender is not None:
+        sender.sender.bucket_bytes = LIMIT  # the snapshot's buckets too
+    sender.publish(0, model)
+    if dist.get_rank() == 0:
+        snap = sender.sender._snapshots[0]
+        held = [sum(1 for t in snap.manifest["tensors"] if t[3] == i) for i in range(len(snap.buckets))]
+        assert len(snap.buckets) > 3
+        assert all(b.numel() * b.element_size() <= LIMIT or n == 1 for b, n in zip(snap.buckets, held))
+        torch.save({k: v.clone() for k, v in split_buckets(snap.manifest, snap.buckets)}, Path(tmp) / "snapshot.pt")
+    sender.close()
     dist.barrier()
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import json
 
 import pytest
@@ -256,3 +258,51 @@ def test_hf_spec_reads_config_and_bounds_seq_length(tmp_path):
 def test_hf_excludes_architecture_fields():
     with pytest.raises(ValueError, match="remove preset, hiddenSize"):
         ModelSpec(hf="/m", preset="tiny", hidden_size=64)
+
+
+def test_streamed_conversion_gives_the_whole_conversion_and_names_a_missing_or_repeated_tensor():
+    """`iter_megatron_to_hf` (the streamed sync, issue 28): buckets of a Megatron state convert one at a time to
+    exactly the whole state's HF tensors; a tensor no bucket held, or two buckets held, is named."""
+    arch = arch_of()
+    meg = convert.hf_to_megatron(random_hf_state(arch), arch)
+    names = sorted(meg)
+    buckets = [{n: meg[n] for n in names[i:i + 3]} for i in range(0, len(names), 3)]
+    out: dict = {}
+    for hf in convert.iter_megatron_to_hf(iter(buckets), arch):
+        assert not set(hf) & set(out)
+        out.update(hf)
+    whole = convert.megatron_to_hf(meg, arch)
+    assert sorted(out) == sorted(whole) and all(torch.equal(out[k], whole[k]) for k in whole)
+    with pytest.raises(convert.ConversionError, match=r"missing \['%s'\]" % re.escape(names[-1])):
+        list(convert.iter_megatron_to_hf(iter([*buckets[:-1], {n: meg[n] for n in names[-3:-1]}]), arch))
+    with pytest.raises(convert.ConversionError, match=r"sent twice \['%s'\]" % re.escape(names[0])):
+        list(convert.iter_megatron_to_hf(iter([*buckets, {names[0]: meg[names[0]]}]), arch))
+
+
+def test_shards_written_one_by_one_make_a_loadable_directory_or_none(tmp_path):
+    """`hf_io.write_hf_shards` (the disk sync's streamed writer): each shard is a file of its own, the index names
+    them, and the tensors read back equal; a stream that fails part-way leaves neither the directory nor its
+    temporary sibling (nothing half-written)."""
+    from trainingrun.modeling.hf_io import HFWeights, write_hf_shards
+
+    arch = arch_of()
+    hf = random_hf_state(arch)
+    names = sorted(hf)
+    shards = [{n: hf[n] for n in names[i:i + 4]} for i in range(0, len(names), 4)]
+    out = write_hf_shards(tmp_path / "v1", iter(shards), arch, dtype=torch.bfloat16)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == len(shards) == len(list(out.glob("*.safetensors")))
+    assert index["metadata"]["total_size"] == sum(t.numel() * 2 for t in hf.values())
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    with HFWeights(out) as w:
+        assert sorted(w.names()) == names
+        assert all(torch.equal(w.get(n), hf[n].to(torch.bfloat16)) for n in names)
+
+    def failing():
+        yield shards[0]
+        raise OSError("No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        write_hf_shards(tmp_path / "v2", failing(), arch)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v1"]
+

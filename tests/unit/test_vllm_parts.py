@@ -156,3 +156,51 @@ def test_gather_live_state_joins_tensor_parallel_shards(tmp_path: Path):
     mp.spawn(_gather_worker, args=(2, rendezvous_port(), str(out)), nprocs=2, join=True)
     result = json.loads(out.read_text())
     assert result["n"] > 5 and result["bad"] == []
+
+
+def test_pack_reads_a_stream_once_and_copies_each_bucket_as_soon_as_it_is_full():
+    """The streamed sync feeds `pack` a generator of tensors (issue 28): it is read once, in order, and a bucket is
+    copied as soon as the next tensor would overflow it, so the stream may drop (here: overwrite) a tensor once the
+    one after it was taken — at most one bucket per dtype is held as loose tensors. The snapshot equals the list's."""
+    named = [(n, t.clone()) for n, t in _named() if t.is_floating_point()]
+    taken: list[int] = []
+
+    def stream():
+        for i, (name, t) in enumerate(named):
+            if i >= 2:
+                named[i - 2][1].fill_(-7.0)  # bucket_bytes 1: every tensor alone, copied when the next came
+            taken.append(i)
+            yield name, t
+
+    want = pack(1, [(n, t.clone()) for n, t in named], dtype=None, device="cpu", bucket_bytes=1)
+    snap = pack(1, stream(), dtype=None, device="cpu", bucket_bytes=1)
+    assert taken == list(range(len(named)))
+    assert snap.manifest == want.manifest and all(torch.equal(a, b) for a, b in zip(snap.buckets, want.buckets))
+    mixed = pack(1, iter(_named()), dtype=None, device="cpu", bucket_bytes=48)
+    for i, b in enumerate(mixed.buckets):
+        held = [t for t in mixed.manifest["tensors"] if t[3] == i]
+        assert b.numel() * b.element_size() <= 48 or len(held) == 1
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_the_sender_lets_the_oldest_version_go_before_it_packs_the_next(keep):
+    """Issue 28: with keep_versions (maxPolicyLag + 1) snapshots held, the one a new version pushes out is let go
+    before the new one is packed — the sender holds at most keep_versions snapshots at any time, not one more."""
+    from trainingrun.engines.vllm.broadcast import BroadcastSender
+
+    sender = BroadcastSender(0, host="127.0.0.1", timeout=10, dtype=None, keep_versions=keep)
+    try:
+        seen: list[list[int]] = []
+
+        def stream(version):
+            seen.append(sender.versions)
+            yield "w", torch.full((4,), float(version))
+
+        for v in range(4):
+            sender.set_weights(v, stream(v))
+        assert seen == ([[], [0], [1], [2]] if keep == 2 else [[], [], [], []])
+        assert sender.versions == list(range(4 - keep, 4))
+        sender.set_weights(3, stream(3))  # the same version again replaces itself, keeps the others
+        assert sender.versions == list(range(4 - keep, 4))
+    finally:
+        sender.close()

@@ -35,7 +35,7 @@ Every conversion is a pure reshuffle of the same numbers (no arithmetic), so HF 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -299,12 +299,14 @@ def hf_to_megatron(hf_state: dict[str, torch.Tensor], arch: Architecture) -> dic
     return dict(iter_hf_to_megatron(hf_state.__getitem__, hf_state.keys(), arch))
 
 
-def megatron_to_hf(state: dict[str, torch.Tensor], arch: Architecture) -> dict[str, torch.Tensor]:
-    """HF state dict from a full (TP-gathered) canonical Megatron state dict."""
+def megatron_to_hf(state: dict[str, torch.Tensor], arch: Architecture, *, whole: bool = True
+                   ) -> dict[str, torch.Tensor]:
+    """HF state dict from a full (TP-gathered) canonical Megatron state dict; `whole=False`: from a part of one (a
+    bucket of the streamed sync: each tensor converts on its own), missing tensors allowed, unknown ones refused."""
     state = canonical_names(state)
     plan = export_plan(arch)
     wanted = {m for m, _, _ in plan}
-    missing = sorted(wanted - set(state))
+    missing = sorted(wanted - set(state)) if whole else []
     unexpected = sorted(set(state) - wanted)
     if missing or unexpected:
         raise ConversionError(f"Megatron weights do not match the architecture: missing {missing[:8]}, unexpected "
@@ -312,12 +314,29 @@ def megatron_to_hf(state: dict[str, torch.Tensor], arch: Architecture) -> dict[s
     shapes = expected_shapes(arch)
     out = {}
     for name, targets, split in plan:
+        if name not in state:
+            continue
         tensor = state[name]
         if tuple(tensor.shape) != shapes[name]:
             raise ConversionError(f"{name}: shape {tuple(tensor.shape)}, the architecture needs {shapes[name]}")
         for target, part in zip(targets, split(tensor, arch=arch), strict=True):
             out[target] = part
     return out
+
+
+def iter_megatron_to_hf(buckets: Iterable[dict[str, torch.Tensor]], arch: Architecture
+                        ) -> Iterator[dict[str, torch.Tensor]]:
+    """Each bucket of a full canonical Megatron state (the streamed gather's, `modeling.stream`) as HF tensors, in
+    turn; once the buckets end, ConversionError when they missed a tensor of `arch` or held one twice."""
+    seen: set[str] = set()
+    for bucket in buckets:
+        names = set(canonical_names(bucket))
+        if twice := sorted(names & seen):
+            raise ConversionError(f"Megatron weights: tensors sent twice {twice[:8]}")
+        seen |= names
+        yield megatron_to_hf(bucket, arch, whole=False)
+    if missing := sorted({m for m, _, _ in export_plan(arch)} - seen):
+        raise ConversionError(f"Megatron weights do not match the architecture: missing {missing[:8]}")
 
 
 # -------------------------------------------------------------------------------------------- TE ↔ canonical names

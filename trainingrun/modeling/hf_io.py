@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -115,39 +115,60 @@ def write_hf_dir(out_dir: str | Path, state: dict[str, torch.Tensor], arch: Arch
     """Write an HF directory from a full canonical Megatron state dict: config.json, model.safetensors (or shards +
     index), and the tokenizer/generation files found in `assets_dir` (the directory the run started from, or the
     copy a checkpoint keeps). Written into a temporary sibling and renamed, so `out_dir` is whole or absent."""
+    hf_state = convert.megatron_to_hf(state, arch)
+    if dtype is not None:  # shards of `shard_bytes` as written
+        hf_state = {k: v.to(dtype) for k, v in hf_state.items()}
+    return write_hf_shards(out_dir, _shards(hf_state, shard_bytes), arch, assets_dir=assets_dir, dtype=dtype)
+
+
+def write_hf_shards(out_dir: str | Path, shards: Iterable[dict[str, torch.Tensor]], arch: Architecture, *,
+                    assets_dir: str | Path | None = None, dtype: torch.dtype | None = None) -> Path:
+    """Write an HF directory from HF tensors that come in shards (a dict per safetensors file, e.g. the streamed
+    sync's buckets converted by `convert.iter_megatron_to_hf`): each shard is cast to `dtype`, written and dropped
+    before the next is taken, so no more than one shard is held here; one shard is `model.safetensors`, several are
+    `model-0000i-of-0000n.safetensors` with their index. config.json and the assets as `write_hf_dir`; written into
+    a temporary sibling and renamed, so `out_dir` is whole or absent (also when the shards' iterator raises)."""
     from safetensors.torch import save_file  # deferred: safetensors
 
     out = Path(out_dir)
-    hf_state = convert.megatron_to_hf(state, arch)
-    if dtype is not None:
-        hf_state = {k: v.to(dtype) for k, v in hf_state.items()}
-    # safetensors refuses tensors sharing memory and non-contiguous ones
-    hf_state = {k: v.detach().cpu().contiguous().clone() for k, v in hf_state.items()}
-    dtypes = {v.dtype for v in hf_state.values()}
-    dtype_name = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else "float32"
     base = None
     if assets_dir is not None and (Path(assets_dir) / "config.json").is_file():
         base = read_config(assets_dir)
-    config = hf_config_for(arch, base=base, dtype=dtype_name)
-
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        shards = _shards(hf_state, shard_bytes)
-        if len(shards) == 1:
-            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        files: list[tuple[str, list[str]]] = []  # (provisional file name, its tensors)
+        dtypes: set[torch.dtype] = set()
+        total = 0
+        for shard in shards:
+            if dtype is not None:
+                shard = {k: v.to(dtype) for k, v in shard.items()}
+            # safetensors refuses tensors sharing memory and non-contiguous ones
+            shard = {k: v.detach().cpu().contiguous().clone() for k, v in shard.items()}
+            if not shard:
+                continue
+            name = f"part-{len(files) + 1:05d}.safetensors"
+            save_file(shard, str(tmp / name), metadata={"format": "pt"})
+            files.append((name, list(shard)))
+            dtypes |= {v.dtype for v in shard.values()}
+            total += sum(v.numel() * v.element_size() for v in shard.values())
+            del shard
+        if not files:
+            raise ValueError(f"{out}: no weights to write")
+        if len(files) == 1:
+            (tmp / files[0][0]).rename(tmp / "model.safetensors")
         else:
-            weight_map, total = {}, 0
-            for i, shard in enumerate(shards, start=1):
-                fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-                for k, v in shard.items():
-                    weight_map[k] = fname
-                    total += v.numel() * v.element_size()
+            weight_map = {}
+            for i, (name, tensors) in enumerate(files, start=1):
+                final = f"model-{i:05d}-of-{len(files):05d}.safetensors"
+                (tmp / name).rename(tmp / final)
+                weight_map.update(dict.fromkeys(tensors, final))
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        dtype_name = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else "float32"
+        config = hf_config_for(arch, base=base, dtype=dtype_name)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if assets_dir is not None:
             for name in ASSET_FILES:

@@ -2,10 +2,12 @@
 
 `BroadcastSender(port=...)` hosts a TCPStore that the engine's workers connect to (see `worker_ext.py` for the
 protocol). `set_weights(version, named_tensors)` takes a snapshot of the weights in the engine's dtype, packed into
-flat buckets per dtype (one copy, made at once, so training may go on changing the model), and keeps the newest
-`keep_versions` (maxPolicyLag + 1). A background thread (`start()`) or `serve_next()` serves each transfer request
-with the version it asks for. A transfer that fails (engine died, timeout) is logged and dropped; the engine keeps
-its old weights whole and the rollout asks again.
+flat buckets per dtype (a copy, so training may go on changing the model), and keeps the newest
+`keep_versions` (maxPolicyLag + 1; the oldest is let go before the next is made, so the sender never holds one more).
+The tensors may come as a stream (the streamed sync's buckets): each bucket is packed as it fills. A background
+thread (`start()`) or `serve_next()` serves each transfer request with the version it asks for. A transfer that
+fails (engine died, timeout) is logged and dropped; the engine keeps its old weights whole and the rollout asks
+again.
 
 Backends: gloo (CPU tensors) or NCCL (tensors on this rank's GPU); the engine side uses the same.
 """
@@ -37,32 +39,38 @@ class Snapshot:
 
 def pack(version: int, named: Iterable[tuple[str, Any]], *, dtype: str | None, device: Any,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Snapshot:
-    """Copy `named` tensors (cast to `dtype` when given; floating point only) into flat per-dtype buckets."""
+    """Copy `named` tensors (cast to `dtype` when given; floating point only) into flat per-dtype buckets of at most
+    `bucket_bytes` (a larger tensor alone). `named` is read once, in order, and each bucket is made as soon as it is
+    full, so a stream of tensors (the streamed sync's buckets) costs the snapshot plus one open bucket per dtype."""
     import torch  # deferred: torch
 
-    groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    tensors, buckets, bucket_meta = [], [], []
+    open_: dict[str, list[tuple[str, torch.Tensor]]] = {}  # dtype -> the tensors of its bucket being filled
+    sizes: dict[str, int] = {}
+    nbytes = 0
+
+    def close(key: str) -> None:
+        chunk = open_.pop(key)
+        flat = torch.cat([t.reshape(-1) for _, t in chunk]).to(device)  # a copy, also for one tensor
+        b = len(buckets)
+        buckets.append(flat)
+        bucket_meta.append([key, int(flat.numel())])
+        tensors.extend([name, key, list(t.shape), b] for name, t in chunk)
+        sizes[key] = 0
+
     for name, t in named:
         t = t.detach()
         if dtype is not None and t.is_floating_point():
             t = t.to(getattr(torch, dtype))
         key = str(t.dtype).removeprefix("torch.")
-        groups.setdefault(key, []).append((name, t))
-    tensors, buckets, bucket_meta = [], [], []
-    nbytes = 0
-    for key, items in groups.items():
-        i = 0
-        while i < len(items):
-            chunk, size = [], 0
-            while i < len(items) and (not chunk or size + items[i][1].numel() * items[i][1].element_size() <= bucket_bytes):
-                chunk.append(items[i])
-                size += items[i][1].numel() * items[i][1].element_size()
-                i += 1
-            flat = torch.cat([t.reshape(-1) for _, t in chunk]).to(device)  # a copy, also for one tensor
-            b = len(buckets)
-            buckets.append(flat)
-            bucket_meta.append([key, int(flat.numel())])
-            tensors += [[name, key, list(t.shape), b] for name, t in chunk]
-            nbytes += size
+        size = t.numel() * t.element_size()
+        if open_.get(key) and sizes[key] + size > bucket_bytes:
+            close(key)
+        open_.setdefault(key, []).append((name, t))
+        sizes[key] = sizes.get(key, 0) + size
+        nbytes += size
+    for key in list(open_):
+        close(key)
     manifest = {"version": int(version), "tensors": tensors, "buckets": bucket_meta, "bytes": nbytes}
     return Snapshot(int(version), manifest, buckets, nbytes)
 
@@ -96,6 +104,10 @@ class BroadcastSender:
     def set_weights(self, version: int, named: Iterable[tuple[str, Any]]) -> Snapshot:
         """Snapshot `named` as `version`; keep the newest `keep_versions` versions (maxPolicyLag + 1: a rollout may
         still ask for version − maxPolicyLag)."""
+        with self._lock:  # the versions this one pushes out go first: never keep_versions + 1 snapshots at once
+            others = sorted(v for v in self._snapshots if v != version)
+            for v in others[: max(0, len(others) - (self.keep_versions - 1))]:
+                del self._snapshots[v]  # a transfer of it under way keeps its buffers until it ends
         snap = pack(version, named, dtype=self.dtype, device=self.device, bucket_bytes=self.bucket_bytes)
         with self._lock:
             self._snapshots[snap.version] = snap

@@ -29,11 +29,13 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
 from trainingrun.modeling.architecture import Architecture
+from trainingrun.modeling.sync_plan import DEFAULT_BUCKET_MIB, bucket_bytes
 from trainingrun.engines.vllm.broadcast import BroadcastSender
 from trainingrun.engines.vllm.worker_ext import file_digests
 
@@ -65,9 +67,10 @@ def make_vllm_publisher(spec, store, *, arch: Architecture, rank: int, attempt: 
     from trainingrun.modeling.state import live_layout  # deferred: torch, megatron (after the trainer's CPU shim)
 
     # the ranks gathering one whole copy: expert-data-parallel replica 0 (= data-parallel replica 0 when dense)
-    kw = dict(rank=rank, arch=arch, dtype=spec.rollout.engine.vllm.dtype,
-              max_policy_lag=spec.rollout.max_policy_lag, attempt=attempt, **live_layout())
     ws = spec.weight_sync
+    kw = dict(rank=rank, arch=arch, dtype=spec.rollout.engine.vllm.dtype,
+              max_policy_lag=spec.rollout.max_policy_lag, attempt=attempt, bucket_mib=ws.bucket_mib,
+              **live_layout())
     if ws.type == "disk":
         root = ws.path or str(Path(spec.trainer.checkpoint.path) / "weights")
         return DiskPublisher(store, root=root, assets_dir=spec.model.hf, **kw)
@@ -79,21 +82,35 @@ def make_vllm_publisher(spec, store, *, arch: Architecture, rank: int, attempt: 
 
 class _Base:
     def __init__(self, store, *, rank: int, arch: Architecture, dtype: str, max_policy_lag: int, dp_rank: int = 0,
-                 attempt: int = 0, **layout):
+                 attempt: int = 0, bucket_mib: int = DEFAULT_BUCKET_MIB, **layout):
         self.store, self.rank, self.arch, self.dtype, self.lag = store, rank, arch, dtype, max_policy_lag
         self.attempt, self.dp_rank = attempt, dp_rank
+        self.bucket_bytes = bucket_bytes(bucket_mib)  # ValueError naming weightSync.bucketMiB
         self.layout = layout  # `gather_live_state`'s keywords (`modeling.state.live_layout`); none: one process
         self.last_seconds = 0.0
         self.last_bytes = 0
 
-    def _gather(self, module) -> dict | None:
-        """Full canonical Megatron state on rank 0; None elsewhere (replica 0's TP and PP ranks take part)."""
+    def _hf_buckets(self, module) -> Iterator[dict]:
+        """The weights as HF tensors (engine names, trainer dtype), a bucket of weightSync.bucketMiB at a time, on
+        rank 0; nothing elsewhere. Every rank of replica 0 must run it to its end (each bucket is a collective of
+        its TP and PP ranks); other replicas return at once. Expert parallelism is gathered whole (not streamed yet:
+        `modeling.stream`), then converted."""
         if self.dp_rank != 0:
-            return None
+            return
+        from trainingrun.modeling import convert  # deferred: torch
         from trainingrun.modeling.state import gather_live_state  # deferred: torch
+        from trainingrun.modeling.stream import iter_live_buckets  # deferred: torch
 
-        state = gather_live_state(module, self.arch, **self.layout)
-        return state if self.rank == 0 else None
+        if self.layout.get("ep_size", 1) > 1:
+            state = gather_live_state(module, self.arch, **self.layout)
+            buckets: Iterable[dict] = [state] if state is not None else []
+        else:
+            buckets = iter_live_buckets(module, self.arch, self.bucket_bytes, **self.layout)
+        if self.rank != 0:
+            for _ in buckets:  # not rank 0: nothing is yielded here, the generator runs the collectives
+                pass
+            return
+        yield from convert.iter_megatron_to_hf(buckets, self.arch)
 
     def _committed(self, version: int) -> bool:
         latest = self.store.latest_weights()
@@ -113,20 +130,23 @@ class DiskPublisher(_Base):
         self.assets_dir = assets_dir
 
     def publish(self, version: int, module: Any) -> None:
-        state = self._gather(module)  # a collective: every TP rank of replica 0 takes part, even for a republish
+        buckets = self._hf_buckets(module)  # collectives: every TP/PP rank of replica 0 takes part, even to skip
         if self.rank != 0 or self._committed(version):
+            for _ in buckets:
+                pass
             return
         import torch  # deferred: torch
 
-        from trainingrun.modeling.hf_io import write_hf_dir  # deferred: torch
+        from trainingrun.modeling.hf_io import write_hf_shards  # deferred: torch
 
         t0 = time.perf_counter()
         self.root.mkdir(parents=True, exist_ok=True)
         target = version_dir(self.root, version, self.attempt)
         if target.exists():  # this attempt's own, never committed (a crash before the commit): write it again
             shutil.rmtree(target)
-        path = write_hf_dir(target, state, self.arch, assets_dir=self.assets_dir,
-                            dtype=getattr(torch, self.dtype))
+        # one safetensors file per bucket, written as it arrives: rank 0 holds a bucket or two, never the model
+        path = write_hf_shards(target, buckets, self.arch, assets_dir=self.assets_dir,
+                               dtype=getattr(torch, self.dtype))
         files = file_digests(path)  # the engine checks them before it loads (a damaged version is refused)
         nbytes = sum(size for size, _ in files.values())
         commit_version(self.store, version, {"method": "disk", "path": str(path), "bytes": nbytes,
@@ -160,21 +180,20 @@ class BroadcastPublisher(_Base):
 
                 device = torch.device("cuda", torch.cuda.current_device())
             self.sender = BroadcastSender(port, backend=backend, timeout=timeout, dtype=self.dtype,
-                                          keep_versions=self.lag + 1, device=device,
+                                          keep_versions=self.lag + 1, device=device, bucket_bytes=self.bucket_bytes,
                                           log=lambda msg: print(f"[trainer 0] weights: {msg}", file=sys.stderr,
                                                                 flush=True)).start()
 
     def publish(self, version: int, module: Any) -> None:
-        state = self._gather(module)
-        if self.rank != 0:
-            return
-        from trainingrun.modeling import convert  # deferred: torch
-
-        if self._committed(version) and version in self.sender.versions:
+        buckets = self._hf_buckets(module)  # collectives: every TP/PP rank of replica 0 takes part, even to skip
+        if self.rank != 0 or (self._committed(version) and version in self.sender.versions):
+            for _ in buckets:
+                pass
             return
 
         t0 = time.perf_counter()
-        snap = self.sender.set_weights(version, convert.megatron_to_hf(state, self.arch).items())
+        # packed bucket by bucket as they arrive: the snapshot plus a bucket or two, never a second whole copy
+        snap = self.sender.set_weights(version, (item for hf in buckets for item in hf.items()))
         commit_version(self.store, version, {"method": "broadcast", "host": self.host, "port": self.sender.port,
                                              "backend": self.backend, "bytes": snap.nbytes, "dtype": self.dtype})
         self.store.release_weights_below(max(0, version - self.lag))
