@@ -192,6 +192,20 @@ def test_sync_buffers_are_two_buckets_of_generated_runs_and_at_most_the_model():
     assert terms(trainer_plan(tiny, t, SyncSettings(synced=True)))["sync"] == parameter_count(tiny) * 4
 
 
+@pytest.mark.parametrize("lag,dtype", [(0, "bfloat16"), (2, "float32")])
+def test_broadcast_counts_rank_zeros_snapshots_in_the_engines_dtype_and_only_on_stage_zero(lag, dtype):
+    """The broadcast sender keeps maxPolicyLag + 1 whole snapshots on trainer rank 0 (not sharded yet, issue 28
+    item 3): the plan counts them there — on pipeline stage 0 — and not for disk."""
+    arch = resolve("llama-1b", precision="bf16")
+    t = TrainerSettings(gpus_per_replica=2, pipeline_parallel=2)
+    kw = dict(synced=True, versions_kept=lag + 1, engine_dtype=dtype)
+    plan = trainer_plan(arch, t, SyncSettings(type="broadcast", **kw))
+    want = (lag + 1) * parameter_count(arch) * {"bfloat16": 2, "float32": 4}[dtype]
+    assert terms(plan)["snapshots"] == want
+    assert "snapshots" not in terms(trainer_plan(arch, t, SyncSettings(type="disk", **kw)))
+    assert plan.total - trainer_plan(arch, t, SyncSettings(type="disk", **kw)).total in (0, want)
+
+
 def test_core_attention_is_linear_and_loses_output_and_lse_with_selective_recompute():
     arch = resolve("llama-1b", precision="bf16")  # 32 heads, 8 KV heads of 64
     assert core_attention_bytes(arch, 1000) == 1000 * ((32 + 8 + 48) * 64 * 2 + 32 * 64 * 2 + 32 * 4)

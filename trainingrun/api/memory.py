@@ -96,7 +96,8 @@ def plan_settings(spec: TrainingRunSpec, arch: Architecture
             max_num_batched_tokens=_vllm_arg(v.args, "--max-num-batched-tokens", int, VLLM_MAX_NUM_BATCHED_TOKENS),
             max_num_seqs=_vllm_arg(v.args, "--max-num-seqs", int, VLLM_MAX_NUM_SEQS),
             gpu_memory_gib=v.gpu_memory_gib)
-    sync = SyncSettings(synced=generated, type=spec.weight_sync.type, bucket_mib=spec.weight_sync.bucket_mib)
+    sync = SyncSettings(synced=generated, type=spec.weight_sync.type, bucket_mib=spec.weight_sync.bucket_mib,
+                        versions_kept=spec.rollout.max_policy_lag + 1, engine_dtype=e.vllm.dtype)
     return trainer, engine, sync
 
 

@@ -26,6 +26,8 @@ tensor-, pipeline- and expert-parallel shard, `trainer_parameters`), b = bytes o
   reference      ppo with klCoef > 0: the initial policy's weights (P · b) and its logits
   sync buffers   generated rollouts: two buckets of weightSync.bucketMiB (the streamed weight sync's bound), or
                  the whole model where it is smaller
+  snapshots      broadcast, pipeline stage 0 (trainer rank 0): maxPolicyLag + 1 whole models in engine.vllm.dtype
+                 (the sender's snapshots: not sharded over the ranks yet, issue 28 item 3)
   runtime        what the process holds before the model: on a CPU torch, megatron-core, gloo and the trainer's
                  modules (CPU_TRAINER_RUNTIME, measured); on a GPU the CUDA context, NCCL and the allocator's slack
                  (GPU_TRAINER_RUNTIME, an estimate)
@@ -140,6 +142,8 @@ class SyncSettings:
     synced: bool = False
     type: str = "store"
     bucket_mib: int = 512
+    versions_kept: int = 1  # broadcast: snapshots trainer rank 0 keeps (rollout.maxPolicyLag + 1)
+    engine_dtype: str = "bfloat16"  # the snapshots' dtype (rollout.engine.vllm.dtype)
 
     @property
     def buffers(self) -> int:
@@ -479,6 +483,11 @@ def _stage_terms(arch: Architecture, t: TrainerSettings, sync: SyncSettings, sta
                       (f"2 buckets of {sync.bucket_mib} MiB" if buffers == sync.buffers else "the whole model (less "
                        f"than 2 buckets of {sync.bucket_mib} MiB)") if sync.synced else
                       "no weight sync (replayed rollouts)", ("weightSync.bucketMiB",) if sync.synced else ()))
+    if sync.synced and sync.type == "broadcast" and stage == 0:  # trainer rank 0 keeps whole snapshots
+        eb = ENGINE_DTYPE_BYTES[sync.engine_dtype]
+        terms.append(Term("snapshots", "broadcast snapshots", sync.versions_kept * whole * eb,
+                          f"trainer rank 0: {sync.versions_kept} × the whole model × {eb} B ({sync.engine_dtype}), "
+                          f"rollout.maxPolicyLag + 1 versions", ("rollout.maxPolicyLag", "weightSync.type")))
     runtime = GPU_TRAINER_RUNTIME if t.on_gpu else CPU_TRAINER_RUNTIME
     terms.append(Term("runtime", "runtime", runtime, "CUDA context, NCCL, allocator (estimate)" if t.on_gpu else
                       "torch, megatron-core, gloo (measured)"))

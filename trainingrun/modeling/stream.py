@@ -11,7 +11,7 @@ gathered and the one being consumed.
 Within a stage, the bucket's tensor-parallel tensors are all-gathered (one collective per tensor, in name order), the
 replicated ones read from TP rank 0. Later stages' TP rank 0 send their buckets to stage 0, one after another, an
 empty message closing each stage. Expert parallelism is not streamed yet: ValueError (use `gather_live_state`).
-Not wired into the publishers yet (docs/vllm.md, "Weight sync").
+The disk and broadcast publishers (`engines/vllm/publish.py`) consume it; the store publisher still gathers whole.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Ownership (`owners`): a tensor of pipeline stage s lives on the ranks of that st
 parallelism (or over expert parallelism) has one part on each TP (EP) rank of the stage, a replicated one is whole on
 each and is read from the stage's first rank. Ranks are given as (pp_rank, tp_rank, ep_rank) triples.
 
-This module is the plan only; `modeling/stream.py` gathers by it (not wired into the publishers yet: docs/vllm.md).
+This module is the plan only; `modeling/stream.py` gathers by it for the disk and broadcast publishers (docs/vllm.md).
 """
 
 from __future__ import annotations

@@ -2,22 +2,23 @@
 
 They implement `trainingrun.trainer.weights.WeightPublisher`: `publish(version, module)` is called on every trainer
 rank after every trained rollout (and once at the start, version 0). The tensor- and pipeline-parallel ranks of
-data-parallel replica 0 gather the full weights (`modeling.state.gather_live_state`, of the run's `Architecture` the trainer
-resolved); trainer rank 0 converts them to Hugging Face names (`modeling.convert`) in the engine's dtype and makes
-them loadable:
+data-parallel replica 0 gather the weights bucket by bucket (`modeling.stream.iter_live_buckets`, buckets of
+`weightSync.bucketMiB`, of the run's `Architecture` the trainer resolved; with expert parallelism the whole model at
+once, `modeling.state.gather_live_state`); trainer rank 0 converts each bucket to Hugging Face names
+(`modeling.convert.iter_megatron_to_hf`) in the engine's dtype and makes them loadable, holding a bucket or two:
 
-  disk       an HF directory `<weightSync.path>/v<version>-a<attempt>` written beside its name and renamed into
-             place (`modeling.hf_io.write_hf_dir`; config.json and tokenizer from `model.hf`); the meta carries every
-             weight file's size and SHA-256 (`files`), which the engine checks before loading. The attempt in the
-             name keeps a fenced-off trainer of an older attempt (a zombie) from ever touching a directory the live
-             attempt committed; its own commit is refused by the store's attempt fencing.
-  broadcast  a snapshot held by a `BroadcastSender` on rank 0 (a TCPStore + one process group per transfer), which
-             the engine's workers fetch when the rollout asks
+  disk       an HF directory `<weightSync.path>/v<version>-a<attempt>`, one safetensors file per bucket, written beside
+             its name and renamed into place (`modeling.hf_io.write_hf_shards`; config.json and tokenizer from
+             `model.hf`); the meta carries every weight file's size and SHA-256 (`files`), which the engine checks
+             before loading. The attempt in the name keeps a fenced-off trainer of an older attempt (a zombie) from
+             ever touching a directory the live attempt committed; its own commit is refused by the store's attempt
+             fencing.
+  broadcast  a snapshot held by a `BroadcastSender` on rank 0 (a TCPStore + one process group per transfer), packed
+             as the buckets arrive, which the engine's workers fetch when the rollout asks
 
 and only then commits the version in the run's store (`Store.publish_weights(version, {"version": [version]}, meta)`:
-no weights in the store, the
-meta says where the weights are; `commit_version`), so `Store.latest_weights()` never names a version that is not complete. Versions
-below version − maxPolicyLag are released (store entries, directories, snapshots): the rollout asks for exactly
+no weights in the store, the meta says where the weights are; `commit_version`), so `Store.latest_weights()` never
+names a version that is not complete. Versions below version − maxPolicyLag are released (store entries, directories, snapshots): the rollout asks for exactly
 k − maxPolicyLag. Publishing a version the store already holds is skipped (a restarted trainer group republishing its
 checkpoint's version changes nothing, and the engine may be reading it).
 """
