@@ -1,5 +1,5 @@
 """modeling/stream.py on real Megatron code (gloo, CPU): the streamed, bucketed gather gives exactly the tensors
-`gather_live_state` gives, at TP 2 and at PP 2, with buckets small enough that most hold one or a few tensors (and
+`gather_live_state` gives, at TP 2, at PP 2 and at EP 2 (a mixture of experts), with buckets small enough that most hold one or a few tensors (and
 every bucket within the bound unless it is a single larger tensor); and the two vLLM publishers that stream them
 (issue 28 items 1 and 4): the disk publisher's directory (one safetensors file per bucket, and the index) and the
 broadcast publisher's snapshot hold exactly the engine-dtype HF tensors of the whole gather. Megatron runs in
@@ -7,6 +7,7 @@ subprocesses (this file as a script)."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -19,12 +20,18 @@ ARCH = dict(architecture="llama", num_layers=4, hidden_size=32, num_attention_he
             activation="swiglu", rope_base=10000.0, rope_scaling_factor=None, tie_embeddings=False,
             add_bias_linear=False, add_qkv_bias=False, kv_channels=8, transformer_impl="local", hf=None,
             precision="fp32")
+MOE_ARCH = dict(ARCH, qk_norm=True, moe=dict(num_experts=4, top_k=2, ffn_hidden_size=24, dense_layers=(0,)))
 LIMIT = 6000  # bytes: a few tensors per bucket, the embedding (64 × 32 fp32 = 8 KiB) alone
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_streamed_buckets_equal_the_whole_gather(tmp_path, tp, pp):
-    rank_group([sys.executable, __file__, str(tmp_path), str(tp), str(pp)], tp * pp, timeout=300, what=f"tp{tp}pp{pp}")
+def _arch(ep: int) -> dict:
+    return MOE_ARCH if ep > 1 else ARCH
+
+
+@pytest.mark.parametrize("tp,pp,ep", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["tp2", "pp2", "ep2"])
+def test_streamed_buckets_equal_the_whole_gather(tmp_path, tp, pp, ep):
+    rank_group([sys.executable, __file__, str(tmp_path), str(tp), str(pp), str(ep)], tp * pp * ep, timeout=300,
+               what=f"tp{tp}pp{pp}ep{ep}")
     import torch
 
     whole = torch.load(tmp_path / "whole.pt", weights_only=True)
@@ -35,7 +42,8 @@ def test_streamed_buckets_equal_the_whole_gather(tmp_path, tp, pp):
         assert not set(b) & set(streamed), "a tensor in two buckets"
         streamed.update(b)
         nbytes = sum(t.numel() * t.element_size() for t in b.values())
-        assert nbytes <= LIMIT or len(b) == 1
+        # over the bound only for one tensor alone — at EP 2 one local expert tensor is two global experts
+        assert nbytes <= LIMIT or len({re.sub(r"\d+", "#", n) for n in b}) == 1, sorted(b)
     assert set(streamed) == set(whole)
     for name, t in whole.items():
         assert streamed[name].dtype == t.dtype and torch.equal(streamed[name], t), name
@@ -44,7 +52,7 @@ def test_streamed_buckets_equal_the_whole_gather(tmp_path, tp, pp):
     from trainingrun.modeling.architecture import Architecture
     from trainingrun.modeling.hf_io import HFWeights
 
-    want = {k: v.to(torch.bfloat16) for k, v in convert.megatron_to_hf(whole, Architecture.from_dict(ARCH)).items()}
+    want = {k: v.to(torch.bfloat16) for k, v in convert.megatron_to_hf(whole, Architecture.from_dict(_arch(ep))).items()}
     (directory,) = (tmp_path / "weights").glob("v*")
     files = sorted(p.name for p in directory.glob("*.safetensors"))
     assert len(files) == len(buckets) and (directory / "model.safetensors.index.json").is_file(), files
@@ -58,11 +66,11 @@ def test_streamed_buckets_equal_the_whole_gather(tmp_path, tp, pp):
         assert torch.equal(sent[name], t), name
 
 
-def _worker(tmp: str, tp: int, pp: int) -> None:
+def _worker(tmp: str, tp: int, pp: int, ep: int) -> None:
     from trainingrun.modeling.model import init_distributed, prepare_device
 
     device = prepare_device(0)
-    init_distributed(device, tp=tp, pp=pp)
+    init_distributed(device, tp=tp, pp=pp, ep=ep)
     import torch
     import torch.distributed as dist
 
@@ -71,7 +79,7 @@ def _worker(tmp: str, tp: int, pp: int) -> None:
     from trainingrun.modeling.state import gather_live_state, live_layout
     from trainingrun.modeling.stream import iter_live_buckets
 
-    arch = Architecture.from_dict(ARCH)
+    arch = Architecture.from_dict(_arch(ep))
     set_seed(7)
     model = build_model(arch, device)
     layout = live_layout()
@@ -109,4 +117,4 @@ def _worker(tmp: str, tp: int, pp: int) -> None:
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))

@@ -134,6 +134,8 @@ def write_hf_shards(out_dir: str | Path, shards: Iterable[dict[str, torch.Tensor
     base = None
     if assets_dir is not None and (Path(assets_dir) / "config.json").is_file():
         base = read_config(assets_dir)
+    if dtype is not None:  # a model that cannot be exported is refused before any shard is taken
+        config = hf_config_for(arch, base=base, dtype=str(dtype).removeprefix("torch."))
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -167,8 +169,9 @@ def write_hf_shards(out_dir: str | Path, shards: Iterable[dict[str, torch.Tensor
                 weight_map.update(dict.fromkeys(tensors, final))
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-        dtype_name = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else "float32"
-        config = hf_config_for(arch, base=base, dtype=dtype_name)
+        if dtype is None:
+            dtype_name = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else "float32"
+            config = hf_config_for(arch, base=base, dtype=dtype_name)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if assets_dir is not None:
             for name in ASSET_FILES:

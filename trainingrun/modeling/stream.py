@@ -1,17 +1,19 @@
 """The streamed gather of a live model's weights (issue 28 item 1): bucket by bucket, as `modeling/sync_plan.py`
 plans it, instead of the whole model at once (`state.gather_live_state`).
 
-`iter_live_buckets` yields, on TP rank 0 of pipeline stage 0, dicts of canonical Megatron names (the whole model's
-layer numbers) → full tensors, each at most one bucket (a single larger tensor alone), in the same tensors and values
-`gather_live_state` returns (bit-exact; tested at TP 2 and PP 2 in tests/integration/test_sync_stream.py); the other
-ranks yield nothing but must run the generator to its end (they take part in each bucket's collectives). Each
-bucket's memory is the consumer's to drop before the next: no process holds more than its shard plus the bucket being
-gathered and the one being consumed.
+`iter_live_buckets` yields, on TP rank 0 (EP rank 0) of pipeline stage 0, dicts of canonical Megatron names (the
+whole model's layer numbers) → full tensors, each at most one bucket (a single larger tensor alone), in the same
+tensors and values `gather_live_state` returns (bit-exact; tested at TP 2, PP 2 and EP 2 in
+tests/integration/test_sync_stream.py); the other ranks yield nothing but must run the generator to its end (they take
+part in each bucket's collectives). Each bucket's memory is the consumer's to drop before the next: no process holds
+more than its shard plus the bucket being gathered and the one being consumed.
 
 Within a stage, the bucket's tensor-parallel tensors are all-gathered (one collective per tensor, in name order), the
-replicated ones read from TP rank 0. Later stages' TP rank 0 send their buckets to stage 0, one after another, an
-empty message closing each stage. Expert parallelism is not streamed yet: ValueError (use `gather_live_state`).
-The disk and broadcast publishers (`engines/vllm/publish.py`) consume it; the store publisher still gathers whole.
+replicated ones read from TP rank 0. With expert parallelism (a mixture of experts runs at TP 1) the experts are
+all-gathered over the EP ranks instead, each rank's local experts renamed to their global numbers
+(`convert.ep_global_name`), as `gather_live_state` does. Later stages' first rank send their buckets to stage 0, one
+after another, an empty message closing each stage. The disk and broadcast publishers (`engines/vllm/publish.py`)
+consume it; the store publisher still gathers whole.
 """
 
 from __future__ import annotations
@@ -28,27 +30,37 @@ from trainingrun.modeling.sync_plan import plan_buckets
 
 
 def iter_live_buckets(module: torch.nn.Module, arch: Architecture, limit: int, *, tp_group=None, tp_size: int = 1,
-                      tp_rank: int = 0, pp_group=None, pp_size: int = 1, pp_rank: int = 0, ep_size: int = 1,
-                      **_ignored) -> Iterator[dict[str, torch.Tensor]]:
+                      tp_rank: int = 0, pp_group=None, pp_size: int = 1, pp_rank: int = 0, ep_group=None,
+                      ep_size: int = 1, ep_rank: int = 0, **_ignored) -> Iterator[dict[str, torch.Tensor]]:
     """Buckets of at most `limit` bytes of the full canonical state (see the module docstring)."""
-    if ep_size > 1:
-        raise ValueError("the streamed weight gather does not handle expert parallelism yet; use gather_live_state")
     state = convert.canonical_names({k: v for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)})
-    split = {n: tp_size > 1 and convert.tp_layout(n, arch)[0] is not None for n in state}
-    sizes = [(n, state[n].numel() * state[n].element_size() * (tp_size if split[n] else 1)) for n in sorted(state)]
+    if ep_size > 1:  # a mixture of experts runs at TP 1: the experts are split over the expert-parallel ranks
+        group, size, rank = ep_group, ep_size, ep_rank
+        split = {n: convert.ep_layout(n) is not None for n in state}
+
+        def merge(name: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {convert.ep_global_name(name, arch, r, ep_size): p for r, p in enumerate(parts)}
+    else:
+        group, size, rank = tp_group, tp_size, tp_rank
+        split = {n: tp_size > 1 and convert.tp_layout(n, arch)[0] is not None for n in state}
+
+        def merge(name: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {name: convert.gather_tp(name, parts, arch)}
+    lead = rank == 0  # the stage's rank that assembles the buckets (TP rank 0, or EP rank 0)
+    sizes = [(n, state[n].numel() * state[n].element_size() * (size if split[n] else 1)) for n in sorted(state)]
     for names in (b.names for b in plan_buckets(sizes, limit)):
         bucket: dict[str, torch.Tensor] = {}
         for name in names:
             local = state[name].detach().contiguous()
             if split[name]:
-                parts = [torch.empty_like(local) for _ in range(tp_size)]
-                dist.all_gather(parts, local, group=tp_group)
-                if tp_rank == 0:
-                    bucket[name] = convert.gather_tp(name, parts, arch)
+                parts = [torch.empty_like(local) for _ in range(size)]
+                dist.all_gather(parts, local, group=group)
+                if lead:
+                    bucket.update(merge(name, parts))
                 del parts
-            elif tp_rank == 0:
+            elif lead:
                 bucket[name] = local.clone()
-        if tp_rank != 0:
+        if not lead:
             continue
         bucket = pipeline.to_whole(bucket, arch, pp_rank, pp_size)
         if pp_rank == 0:
@@ -57,7 +69,7 @@ def iter_live_buckets(module: torch.nn.Module, arch: Architecture, limit: int, *
         elif bucket:
             _send_tensors(bucket, dst=0, group=pp_group)
         del bucket
-    if pp_size == 1 or tp_rank != 0:
+    if pp_size == 1 or not lead:
         return
     if pp_rank != 0:
         _send_tensors({}, dst=0, group=pp_group)  # this stage is done

@@ -1,11 +1,11 @@
 """Trainer-side weight publishers for the vLLM engine (`spec.weightSync.type: disk | broadcast`).
 
 They implement `trainingrun.trainer.weights.WeightPublisher`: `publish(version, module)` is called on every trainer
-rank after every trained rollout (and once at the start, version 0). The tensor- and pipeline-parallel ranks of
-data-parallel replica 0 gather the weights bucket by bucket (`modeling.stream.iter_live_buckets`, buckets of
-`weightSync.bucketMiB`, of the run's `Architecture` the trainer resolved; with expert parallelism the whole model at
-once, `modeling.state.gather_live_state`); trainer rank 0 converts each bucket to Hugging Face names
-(`modeling.convert.iter_megatron_to_hf`) in the engine's dtype and makes them loadable, holding a bucket or two:
+rank after every trained rollout (and once at the start, version 0). The tensor-, expert- and pipeline-parallel
+ranks of data-parallel replica 0 gather the weights bucket by bucket (`modeling.stream.iter_live_buckets`, buckets
+of `weightSync.bucketMiB`, of the run's `Architecture` the trainer resolved); trainer rank 0 converts each bucket to
+Hugging Face names (`modeling.convert.iter_megatron_to_hf`) in the engine's dtype and makes them loadable, holding a
+bucket or two:
 
   disk       an HF directory `<weightSync.path>/v<version>-a<attempt>`, one safetensors file per bucket, written beside
              its name and renamed into place (`modeling.hf_io.write_hf_shards`; config.json and tokenizer from
@@ -30,7 +30,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -94,19 +94,13 @@ class _Base:
     def _hf_buckets(self, module) -> Iterator[dict]:
         """The weights as HF tensors (engine names, trainer dtype), a bucket of weightSync.bucketMiB at a time, on
         rank 0; nothing elsewhere. Every rank of replica 0 must run it to its end (each bucket is a collective of
-        its TP and PP ranks); other replicas return at once. Expert parallelism is gathered whole (not streamed yet:
-        `modeling.stream`), then converted."""
+        its TP, EP and PP ranks); other replicas return at once."""
         if self.dp_rank != 0:
             return
         from trainingrun.modeling import convert  # deferred: torch
-        from trainingrun.modeling.state import gather_live_state  # deferred: torch
         from trainingrun.modeling.stream import iter_live_buckets  # deferred: torch
 
-        if self.layout.get("ep_size", 1) > 1:
-            state = gather_live_state(module, self.arch, **self.layout)
-            buckets: Iterable[dict] = [state] if state is not None else []
-        else:
-            buckets = iter_live_buckets(module, self.arch, self.bucket_bytes, **self.layout)
+        buckets = iter_live_buckets(module, self.arch, self.bucket_bytes, **self.layout)
         if self.rank != 0:
             for _ in buckets:  # not rank 0: nothing is yielded here, the generator runs the collectives
                 pass
