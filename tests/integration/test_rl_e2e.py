@@ -83,6 +83,12 @@ def test_lag_0_generator_and_trainer_hold_the_same_weights(demo):
         for field in ("reward_std", "entropy", "approx_kl", "response_length", "groups_kept", "groups_produced"):
             assert field in r, field
         assert r["groups_kept"] * 8 == r["global_batch_size"]  # one step per rollout: all kept groups
+    # the weight sync before each step (issue 28 item 7): the store publisher moved the whole fp32 model each time
+    sizes = {r["weight_sync_bytes"] for r in demo["records"]}
+    assert len(sizes) == 1 and sizes.pop() > 0
+    for r in demo["records"]:
+        assert r["weight_sync_gbps"] == pytest.approx(r["weight_sync_bytes"] / r["weight_sync_seconds"] / 1e9)
+        assert r["weight_sync_pause_seconds"] >= 0 and (r["rollout"] == 0 or r["weight_sync_pause_seconds"] > 0)
 
 
 @pytest.fixture(scope="module")

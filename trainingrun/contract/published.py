@@ -176,6 +176,7 @@ class SourceStats:
     partials_carried: int = 0  # partial rollouts: cut groups carried into the next source rollout
     partials_dropped: int = 0  # partial rollouts: carried cut groups dropped as older than the staleness bound
     tokens_masked: int = 0  # partial rollouts (staleTokens mask): old tokens masked out of the loss
+    sync_pause_seconds: float = 0.0  # generated rollouts: the load of the weight version into the engine(s)
     episodes: EpisodeCounts | None = None  # multi-turn episodes (generated rollouts with an environment)
     engines: dict[str, EngineCounts] = field(default_factory=dict)  # each engine replica's share (the engine pool)
 
@@ -199,6 +200,7 @@ class SourceStats:
                 "groups_produced": self.groups_produced, "groups_kept": self.groups_kept,
                 "groups_aborted": self.groups_aborted, "partials_carried": self.partials_carried,
                 "partials_dropped": self.partials_dropped, "tokens_masked": self.tokens_masked,
+                "sync_pause_seconds": self.sync_pause_seconds,
                 **({"episodes": self.episodes.to_json()} if self.episodes is not None else {}),
                 **({"engines": {k: c.to_json() for k, c in self.engines.items()}} if self.engines else {})}
 
@@ -229,6 +231,7 @@ class SourceStats:
                    groups_kept=int(d.get("groups_kept", 0)), groups_aborted=int(d.get("groups_aborted", 0)),
                    partials_carried=int(d.get("partials_carried", 0)),
                    partials_dropped=int(d.get("partials_dropped", 0)), tokens_masked=int(d.get("tokens_masked", 0)),
+                   sync_pause_seconds=float(d.get("sync_pause_seconds", 0.0)),
                    episodes=EpisodeCounts.from_json(d["episodes"]) if "episodes" in d else None,
                    engines=engine_counts_from_json(d.get("engines", {})))
 

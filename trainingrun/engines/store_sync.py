@@ -27,6 +27,7 @@ class StoreWeightPublisher:
         self.last_bytes = 0
 
     def publish(self, version: int, module: Any) -> None:
+        self.last_seconds, self.last_bytes = 0.0, 0  # what this publish moved
         if self.dp_rank != 0:
             return
         from trainingrun.modeling.state import gather_live_state, tensors_arrays  # deferred: torch

@@ -63,6 +63,12 @@ TRAINER_GAUGES = {
     "trainingrun_trainer_correction_weight_max": "Largest rollout-correction weight of the last step (all ranks).",
     "trainingrun_trainer_old_logprob_seconds": "Seconds of the forward-only pi_old pass of the last rollout "
                                                "(policyLoss.oldLogprobs trainer).",
+    "trainingrun_trainer_weight_sync_seconds": "Seconds the last weight sync took on trainer rank 0 (gather, write "
+                                               "or pack, commit).",
+    "trainingrun_trainer_weight_sync_bytes": "Bytes the last weight sync published (the engine's dtype).",
+    "trainingrun_trainer_weight_sync_gbps": "The last weight sync's rate, 1e9 bytes per second.",
+    "trainingrun_trainer_weight_sync_pause_seconds": "Seconds the last rollout's engines generated nothing while "
+                                                     "they loaded its weight version.",
 }
 
 # --- trainer: per-rank counters

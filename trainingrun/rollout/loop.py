@@ -373,6 +373,7 @@ class RolloutLoop:
             groups_produced=len(groups), groups_kept=len(kept),
             groups_aborted=getattr(gen, "groups_aborted", 0), partials_carried=getattr(gen, "partials_carried", 0),
             partials_dropped=getattr(gen, "partials_dropped", 0), tokens_masked=masked,
+            sync_pause_seconds=float(getattr(gen, "load_seconds", 0.0)),
             episodes=gen.episodes if gen is not None else None,
             engines=dict(getattr(gen, "engines", {}) or {}),
         )

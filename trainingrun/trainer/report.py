@@ -23,6 +23,14 @@ RL_MEANS = ("logprob_abs_diff", "importance_ratio", "clip_fraction", "dual_clip_
 RL_WEIGHTED = tuple(name for name in RL_MEANS if name not in ("kl_ref", "correction_weight_max"))
 
 
+def sync_record(seconds: float, nbytes: int) -> dict[str, Any]:
+    """The weight sync's fields of the step after it (issue 28 item 7; 0 where nothing was synced): its seconds on
+    this rank (the gather, the writing or packing, the commit), the bytes published in the engine's dtype (rank 0)
+    and their rate in GB/s (10⁹ bytes per second)."""
+    return {"weight_sync_seconds": seconds, "weight_sync_bytes": nbytes,
+            "weight_sync_gbps": nbytes / seconds / 1e9 if seconds > 0 and nbytes > 0 else 0.0}
+
+
 def step_record(*, res, step, rollout: int, global_step: int, samples_consumed: int, scheduler_consumed: int,
                 attempt: int, dp_size: int, published=None) -> dict[str, Any]:
     """The record of one trained step (`res`: step.StepResult, `step`: published.StepPlan). Generated rollouts add
@@ -72,6 +80,8 @@ def step_record(*, res, step, rollout: int, global_step: int, samples_consumed: 
             "groups_aborted": st.groups_aborted if st is not None else 0,
             "rewards_failed": st.reward_failed if st is not None else 0,
             "rewards_failed_by_reason": dict(st.reward_failures) if st is not None else {},
+            # the rollout's load of its weight version into the engine(s): nothing was generated meanwhile
+            "weight_sync_pause_seconds": st.sync_pause_seconds if st is not None else 0.0,
             # multi-turn episodes: turns_per_episode, tool calls, environment failures, ... (EpisodeCounts.record)
             **(st.episodes.record() if st is not None and st.episodes is not None else {}),
             # the engine pool: prefix_hit_rate, and by engine its hit rate, requests in flight and limit
@@ -147,6 +157,12 @@ class StepReporter:
                if "weight_version" in record else {}),
             **({"trainingrun_trainer_old_logprob_seconds": record["old_logprob_seconds"]}
                if record.get("old_logprob_seconds", 0) > 0 else {}),  # a rollout's first step
+            **({"trainingrun_trainer_weight_sync_seconds": record["weight_sync_seconds"],
+                "trainingrun_trainer_weight_sync_bytes": record["weight_sync_bytes"],
+                "trainingrun_trainer_weight_sync_gbps": record["weight_sync_gbps"]}
+               if record.get("weight_sync_bytes", 0) > 0 else {}),  # the step after a sync
+            **({"trainingrun_trainer_weight_sync_pause_seconds": record["weight_sync_pause_seconds"]}
+               if record.get("step_in_rollout") == 0 and "weight_sync_pause_seconds" in record else {}),
         })
 
     def write(self, record: dict[str, Any]) -> None:

@@ -78,6 +78,7 @@ class Trainer:
         self.progress = TrainingProgress()
         self.data_wait = 0.0  # seconds this rank waited for (and read) the rollout it trains now
         self.sync_seconds = 0.0  # seconds the last weight sync took (reported with the next step)
+        self.sync_bytes = 0  # bytes it published (rank 0; reported with the next step)
         self.old_logprob_seconds = 0.0  # the π_old pass of the rollout trained now (reported with its first step)
         self.last_saved = -1  # global step of the newest checkpoint on disk
         self.tracking = None  # rank 0: where TensorBoard / W&B / the cluster's metrics.jsonl go (trainingrun.tracking)
@@ -311,7 +312,7 @@ class Trainer:
     def train_step(self, published: PublishedRollout, payload: RankPayload, step: StepPlan) -> dict:
         # deferred: torch and megatron (imported after the device decision, see the module docstring)
         from trainingrun.trainer.batch import step_microbatches
-        from trainingrun.trainer.report import step_record  # deferred: torch
+        from trainingrun.trainer.report import step_record, sync_record  # deferred: torch
         from trainingrun.trainer.step import train_step  # deferred: megatron
 
         mbs = step_microbatches(payload, published.microbatch_positions(self.dp_rank, step), self.device)
@@ -335,7 +336,8 @@ class Trainer:
                              samples_consumed=p.samples_consumed, scheduler_consumed=int(self.scheduler.num_steps),
                              attempt=self.env.attempt, dp_size=self.dp_size, published=published)
         record["data_wait_seconds"], self.data_wait = self.data_wait, 0.0
-        record["weight_sync_seconds"], self.sync_seconds = self.sync_seconds, 0.0
+        record.update(sync_record(self.sync_seconds, self.sync_bytes))
+        self.sync_seconds, self.sync_bytes = 0.0, 0
         if self.loss.recomputes_old_logprobs:
             record["old_logprob_seconds"], self.old_logprob_seconds = self.old_logprob_seconds, 0.0
         self.reporter.report(res, record)
@@ -369,6 +371,7 @@ class Trainer:
             params_current(self.ddp)
             self.publisher.publish(self.progress.rollout, self.ddp.module)
             self.sync_seconds = time.perf_counter() - t0
+            self.sync_bytes = int(getattr(self.publisher, "last_bytes", 0) or 0)
             if self.rank == 0 and getattr(self.publisher, "last_bytes", 0):
                 log(self.rank, f"weights version {self.progress.rollout} published: "
                                f"{self.publisher.last_bytes / 1e6:.2f} MB in {self.publisher.last_seconds:.3f}s")

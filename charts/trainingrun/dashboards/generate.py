@@ -484,6 +484,13 @@ def run_detail() -> dict:
                 "{{engine}} in flight"),
                (f"max by (engine) (trainingrun_rollout_engine_concurrency{{{sel}}}) or on() vector(0)",
                 "{{engine}} limit")]),
+        panel("Weight sync", "The last weight sync (spec.weightSync): seconds on trainer rank 0 (gather, write or "
+              "pack, commit) and the longest time the engines generated nothing while they loaded the version, on "
+              "the left; its rate in GB/s (1e9 bytes per second of the published bytes) on the right.",
+              [(f"max(trainingrun_trainer_weight_sync_seconds{{{sel}}})", "sync seconds"),
+               (f"max(trainingrun_trainer_weight_sync_pause_seconds{{{sel}}})", "engine pause seconds"),
+               (f"max(trainingrun_trainer_weight_sync_gbps{{{sel}}})", "GB/s")],
+              unit="s", right_axis={"GB/s": "short"}),
         row("Evaluation (held-out prompts)"),
         per_step_panel("Held-out reward and pass@k", "rollout.eval: the last evaluation's mean reward, pass@1 and "
                        "pass@k (k = samplesPerPrompt) on the held-out prompts, at the step its weights were trained "

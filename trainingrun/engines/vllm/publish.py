@@ -125,6 +125,7 @@ class DiskPublisher(_Base):
         self.assets_dir = assets_dir
 
     def publish(self, version: int, module: Any) -> None:
+        self.last_seconds, self.last_bytes = 0.0, 0  # what this publish moved (nothing when skipped)
         buckets = self._hf_buckets(module)  # collectives: every TP/PP rank of replica 0 takes part, even to skip
         if self.rank != 0 or self._committed(version):
             for _ in buckets:
@@ -180,6 +181,7 @@ class BroadcastPublisher(_Base):
                                                                 flush=True)).start()
 
     def publish(self, version: int, module: Any) -> None:
+        self.last_seconds, self.last_bytes = 0.0, 0  # what this publish moved (nothing when skipped)
         buckets = self._hf_buckets(module)  # collectives: every TP/PP rank of replica 0 takes part, even to skip
         if self.rank != 0 or (self._committed(version) and version in self.sender.versions):
             for _ in buckets:
