@@ -309,8 +309,16 @@ def test_the_qwen3_30b_example_fits_its_h200s_with_its_config(tmp_path):
     out = run_cli("plan", "examples/qwen3-30b-a3b.yaml", "--hf-config", str(QWEN3_30B.relative_to(ROOT)))
     assert out.returncode == 0, out.stderr
     assert "of 140.00 (spec.trainer.gpuMemoryGiB): fits" in out.stdout
+    assert "of 140.00 (spec.rollout.engine.vllm.gpuMemoryGiB): fits" in out.stdout  # generated: the vLLM pool
     missing = run_cli("plan", "examples/qwen3-30b-a3b.yaml")
     assert missing.returncode == 1 and "--hf-config" in missing.stderr
+    # the same run with broadcast: trainer rank 0's two whole bf16 snapshots do not fit (issue 28 item 3)
+    doc = yaml.safe_load((ROOT / "examples" / "qwen3-30b-a3b.yaml").read_text())
+    assert doc["spec"]["rollout"]["source"]["type"] == "generate" and doc["spec"]["weightSync"]["type"] == "disk"
+    doc["spec"]["weightSync"]["type"] = "broadcast"
+    (tmp_path / "bcast.yaml").write_text(yaml.safe_dump(doc))
+    refused = run_cli("plan", str(tmp_path / "bcast.yaml"), "--hf-config", str(QWEN3_30B))
+    assert refused.returncode == 78 and "broadcast snapshots 113.74 GiB" in refused.stdout, refused.stdout
 
 
 def test_a_cpu_run_is_never_refused_and_the_plan_adds_up_its_processes():
