@@ -24,7 +24,15 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from trainingrun.engines.vllm.worker_ext import DONE_KEY, MANIFEST_KEY, PG_PREFIX, REQUEST_KEY, make_group
+from trainingrun.engines.vllm.worker_ext import (
+    DONE_KEY,
+    MANIFEST_KEY,
+    PG_PREFIX,
+    REQUEST_KEY,
+    bucket_checksum,
+    checksum_kind,
+    make_group,
+)
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 
@@ -71,7 +79,9 @@ def pack(version: int, named: Iterable[tuple[str, Any]], *, dtype: str | None, d
         nbytes += size
     for key in list(open_):
         close(key)
-    manifest = {"version": int(version), "tensors": tensors, "buckets": bucket_meta, "bytes": nbytes}
+    manifest = {"version": int(version), "tensors": tensors, "buckets": bucket_meta, "bytes": nbytes,
+                "checksum": checksum_kind(buckets[0]) if buckets else "crc32",
+                "checksums": [bucket_checksum(b) for b in buckets]}  # checked by every receiver (worker_ext)
     return Snapshot(int(version), manifest, buckets, nbytes)
 
 

@@ -14,7 +14,10 @@ Protocol (the sender is `trainingrun.engines.vllm.broadcast.BroadcastSender` on 
   3. The sender writes "<group>/manifest" (the names, dtypes and shapes, sent ahead; the buckets; the version) and
      joins the process group "<group>/pg" as rank 0; engine worker i joins as rank 1 + i. A version the sender no
      longer holds gets a manifest {"error": ...} instead, and the receivers raise at once.
-  4. Each bucket (a flat tensor per dtype, at most `bucket_bytes`) is broadcast from rank 0 into a buffer.
+  4. Each bucket (a flat tensor per dtype, at most `bucket_bytes`) is broadcast from rank 0 into a buffer; the
+     manifest carries each bucket's checksum (`bucket_checksum`, computed where the bucket lies), and a bucket that
+     arrives with another one raises, naming it: the engine keeps its weights and the load fails as a broken
+     transfer does (the rollout loads again).
   5. Only after EVERY bucket arrived (and the names and shapes match the model's checkpoint) are they handed to vLLM
      (`model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)`, which shards and repacks them
      for this worker): a transfer that breaks halfway (trainer died, timeout) raises before anything is applied, so
@@ -67,6 +70,55 @@ def make_group(store, rank: int, world_size: int, backend: str, timeout: float, 
         opts._timeout = timedelta(seconds=timeout)
         return dist.ProcessGroupNCCL(store, rank, world_size, opts)
     raise ValueError(f"backend: {backend!r} is not supported; allowed: gloo, nccl")
+
+
+CHECKSUM_MOD = 65521  # the largest prime below 2**16: position weights 1 … 65521
+CHECKSUM_CHUNK = 1 << 24  # words per step: the weights' temporary stays at 128 MiB
+
+
+def checksum_kind(buf) -> str:
+    """The checksum a bucket gets where it lies: "crc32" in host memory (zlib, about as fast as a copy), "wsum16" on
+    a GPU (computed there; the other side of a transfer holds its buffers on the same kind of device)."""
+    return "crc32" if buf.device.type == "cpu" else "wsum16"
+
+
+def bucket_checksum(buf, kind: str | None = None) -> int:
+    """A checksum of a flat bucket, computed where it lies: `kind` "crc32" (zlib's CRC-32 of its bytes) or
+    "wsum16" (the sum of its 16-bit words, each times its position modulo CHECKSUM_MOD plus 1, in int64 — wrapping,
+    so the same whatever the order of the sum); default `checksum_kind(buf)`. A flipped, dropped, zeroed or shifted
+    part changes either."""
+    import torch  # deferred: torch
+
+    kind = kind or checksum_kind(buf)
+    if kind == "crc32":
+        import zlib
+
+        return zlib.crc32(buf.detach().reshape(-1).cpu().view(torch.uint8).numpy())
+    if kind != "wsum16":
+        raise ValueError(f"manifest: checksum {kind!r} is not known; allowed: crc32, wsum16")
+    flat = buf.reshape(-1)
+    words = flat.view(torch.int16) if flat.element_size() % 2 == 0 else flat.view(torch.uint8)
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, words.numel(), CHECKSUM_CHUNK):
+        part = words[start:start + CHECKSUM_CHUNK].to(torch.int64)
+        weights = torch.arange(start, start + part.numel(), device=flat.device, dtype=torch.int64) % CHECKSUM_MOD + 1
+        total += (part * weights).sum()
+    return int(total.item())
+
+
+def check_checksums(manifest: dict, buffers: list) -> None:
+    """RuntimeError naming the first bucket whose checksum is not the sender's (`manifest["checksums"]`; a manifest
+    without them, from an older sender, is not checked) and its first tensors: a bucket corrupted in flight."""
+    sums = manifest.get("checksums")
+    if sums is None:
+        return
+    for i, (want, buf) in enumerate(zip(sums, buffers)):
+        got = bucket_checksum(buf, manifest.get("checksum"))
+        if got != int(want):
+            names = [t[0] for t in manifest["tensors"] if t[3] == i]
+            raise RuntimeError(f"weight version {manifest.get('version')}: bucket {i} of {len(buffers)} (tensors "
+                               f"{names[:3]}{'...' if len(names) > 3 else ''}) arrived corrupted: checksum {got}, "
+                               f"the sender's {want}; nothing was loaded")
 
 
 def split_buckets(manifest: dict, buffers: list) -> list:
@@ -151,6 +203,11 @@ def receive(request: dict, *, rank: int, device) -> tuple[dict, list, object]:
         buf = torch.empty(int(numel), dtype=getattr(torch, dtype), device=device)
         pg.broadcast(buf, 0).wait()
         buffers.append(buf)
+    try:
+        check_checksums(manifest, buffers)
+    except RuntimeError:
+        store.set(DONE_KEY.format(group=group, rank=rank), "corrupt")  # the sender's wait for this rank ends
+        raise
     named = split_buckets(manifest, buffers)
     return manifest, named, store
 
