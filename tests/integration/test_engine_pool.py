@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.simengine import SimProcess, publish_disk_version
+from tests.simengine import SimProcess, publish_disk_version, weights_file
 from trainingrun.contract.engine import ABORTED, GroupRequest, Sampling
 from trainingrun.store import open_store
 from trainingrun.contract.engine import WeightsRefused
@@ -305,6 +305,32 @@ def test_every_engine_loads_each_version_and_its_seconds_are_recorded(store, ver
             assert all(s.engine.loads[-1]["path"] == meta["path"] for s in servers)
             assert set(pool.last_sync) == {"engine-0", "engine-1", "engine-2"}
             assert all(x >= 0.05 for x in pool.last_sync.values()), pool.last_sync
+        pool.close()
+    finally:
+        for s in servers:
+            s.close()
+
+
+def test_a_version_that_does_not_fit_the_engine_is_refused_before_the_pause(store, versions, tmp_path):
+    """Issue 28 item 11: a committed version whose tensors are not the engine's model (here one shape differs) is
+    refused, naming the tensor, by the check of the files' headers the engine makes BEFORE it is labelled "loading"
+    and paused: the engines keep their version and generate on."""
+    versions(0)
+    meta = versions(1)
+    weights_file(Path(meta["path"]), seed=1, shapes=((8, 4), (5,)))  # a layer of another size, same names
+    servers = [SimulatedServer().start() for _ in range(2)]
+    try:
+        pool = make_pool([s.url for s in servers], store)
+        pool.load_weights(0)
+        labels = [VLLMClient(s.url).weight_version() for s in servers]
+        with pytest.raises(WeightsRefused) as err:
+            pool.load_weights(1)
+        assert meta["path"] in str(err.value) and "model.layers.1.weight" in err.value.reason, err.value.reason
+        assert [VLLMClient(s.url).weight_version() for s in servers] == labels  # never "loading:": never paused
+        assert all(len(s.engine.loads) == 1 for s in servers)
+        assert pool.weight_version == 0
+        out = pool.generate_groups(requests(4), SAMPLING)
+        assert all(c.finished for g in out for c in g)
         pool.close()
     finally:
         for s in servers:

@@ -250,11 +250,17 @@ def test_a_failed_disk_sync_keeps_the_old_weights_and_the_engine_alive(client: V
             tensors[name] = tensors[name][:-1].contiguous()
         save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
     before = client.prompt_logprobs(PROMPT)
+    label = client.weight_version()
     with pytest.raises(VLLMError):
         load_from_disk(client, str(bad), "v5")
-    assert client.weight_version() == LOADING + "v5", "a failed load must not carry the version's label"
+    # refused by the headers' check before the pause (issue 28 item 11): the label is never "loading"
+    assert client.weight_version() == label, "a version that does not fit is refused before the load begins"
     assert not client.is_paused()
     assert client.prompt_logprobs(PROMPT) == before, "the engine's weights changed although the load failed"
+    # the load's own checks refuse it too (the regression: vLLM's reload from a path half-replaced the model)
+    results = client.collective_rpc("trainingrun_load_dir", {"path": str(bad)}, timeout=120)
+    assert all("refused" in r for r in results), results
+    assert client.prompt_logprobs(PROMPT) == before
 
 
 # ---------------------------------------------------------------------------------------------------- the Engine

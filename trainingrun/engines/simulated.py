@@ -45,9 +45,9 @@ Endpoints: GET /health, /v1/models, /is_paused, /weight_info, /get_world_size, /
 label, most sequences at once, loads, prefix hits, preemptions); POST /v1/completions (n, max_tokens,
 stop_token_ids, seed, logprobs, return_token_ids), /pause?mode=wait|abort|keep (abort: every request in flight,
 running or queued, ends now with finish "abort" and the tokens so far, as vLLM 0.32 does), /resume,
-/update_weight_version, /reset_prefix_cache, /collective_rpc with `trainingrun_load_dir` (the published files' sizes
-and SHA-256 checked and every safetensors header read, as the worker extension does; refusals returned the same way;
-then `load_seconds`) and `trainingrun_receive_weights` (the worker extension's own receive over torch.distributed,
+/update_weight_version, /reset_prefix_cache, /collective_rpc with `trainingrun_check_dir` (names and shapes from the
+headers, before the pause), `trainingrun_load_dir` (the published files' sizes and SHA-256 checked and every
+safetensors header read, as the worker extension does; refusals returned the same way; then `load_seconds`) and `trainingrun_receive_weights` (the worker extension's own receive over torch.distributed,
 when torch is there). Standard library only (plus the worker extension's functions); torch only for a broadcast.
 """
 
@@ -355,6 +355,8 @@ class SimEngine:
             self.cond.notify_all()
 
     def rpc(self, method: str, kwargs: dict[str, Any]) -> list[Any]:
+        if method == "trainingrun_check_dir":
+            return [self._check_dir(str(kwargs["path"]))]
         if method == "trainingrun_load_dir":
             return [self._load_dir(str(kwargs["path"]), kwargs.get("files"))]
         if method == "trainingrun_receive_weights":
@@ -370,6 +372,17 @@ class SimEngine:
         print(f"ERROR [simulated] EngineCore encountered a fatal error.\nTraceback (most recent call last):\n"
               f"  File \"simulated.py\", in step\n{line}", file=sys.stderr, flush=True)
         return self.cfg.fail or ""
+
+    def _check_dir(self, path: str) -> dict[str, Any]:
+        """The worker extension's pre-load check: the directory's tensor names and shapes against the model's (the
+        first directory loaded), from the headers."""
+        try:
+            shapes = worker_ext.dir_shapes(Path(path))
+            if self.reference is not None:
+                worker_ext.check_shapes(shapes, self.reference, path)
+        except (OSError, ValueError) as exc:
+            return {"refused": f"{type(exc).__name__}: {exc}", "path": path}
+        return {"path": path, "tensors": len(shapes)}
 
     def _load_dir(self, path: str, files: str | None) -> dict[str, Any]:
         t0 = time.perf_counter()

@@ -8,10 +8,12 @@ checkable: it names a version only after that version loaded completely. A load 
 "loading:..." (or, when the server restarts, vLLM's "default"), and the rollout's engine refuses to generate until a
 load succeeds (the pool: `trainingrun.engines.pool`, its label `LOADING`).
 
-disk:      `collective_rpc("trainingrun_load_dir", path=DIR, files=...)` — the worker extension checks the published
-           files' sizes and SHA-256 (`files`, from the version's meta), reads the whole directory
-           (safetensors, HF checkpoint names), checks names and shapes, then calls vLLM's `reload_weights` with the
-           tensors, which shards and repacks them. Not vLLM's `reload_weights(weights_path=DIR)` directly: that one
+disk:      first `collective_rpc("trainingrun_check_dir", path=DIR)` — the files' headers against the model's tensor
+           names and shapes, before the label and the pause: a version that does not fit is refused while the engine
+           keeps generating; then `collective_rpc("trainingrun_load_dir", path=DIR, files=...)` — the worker
+           extension checks the published files' sizes and SHA-256 (`files`, from the version's meta), reads the
+           whole directory (safetensors, HF checkpoint names), checks names and shapes, then calls vLLM's
+           `reload_weights` with the tensors, which shards and repacks them. Not vLLM's `reload_weights(weights_path=DIR)` directly: that one
            replaces weights while reading, so a missing or unreadable directory leaves the model half-replaced and
            the engine dead (vLLM 0.32.0). The trainer writes the directory beside its final name and renames it
            into place, so a complete name is a complete directory.
@@ -66,6 +68,10 @@ def load_from_disk(client: VLLMClient, path: str, label: str, *, timeout: float 
     and label the engine `label`; raises (label left "loading:...") on failure, `WeightsRefused` when the engine
     refused the directory."""
     kwargs = {"path": path, **({"files": json.dumps(files)} if files else {})}
+    # names and shapes first, while the engine generates: a version that does not fit is refused before the pause
+    refused = _refusals(client.collective_rpc("trainingrun_check_dir", {"path": path}, timeout=timeout + HTTP_MARGIN))
+    if refused:
+        raise WeightsRefused(path, refused[0])
 
     def load() -> dict[str, Any]:
         results = client.collective_rpc("trainingrun_load_dir", kwargs, timeout=timeout + HTTP_MARGIN)

@@ -233,7 +233,22 @@ def read_header(path: Path) -> dict[str, list[int]]:
 def check_complete(named: list, reference: dict[str, list[int]], what: str) -> None:
     """The tensors must be exactly the model's checkpoint tensors, with their shapes: a load with a tensor missing,
     extra or misshapen would fail inside vLLM after it has started replacing weights (and kill the engine)."""
-    got = {name: list(t.shape) for name, t in named}
+    check_shapes({name: list(t.shape) for name, t in named}, reference, what)
+
+
+def dir_shapes(directory: Path) -> dict[str, list[int]]:
+    """{tensor name: shape} of an HF directory's weight files, from their headers (no tensor data is read)."""
+    files = safetensors_files(directory)
+    if not files:
+        raise FileNotFoundError(f"{directory}: no *.safetensors weights")
+    shapes: dict[str, list[int]] = {}
+    for f in files:
+        shapes.update(read_header(f))
+    return shapes
+
+
+def check_shapes(got: dict[str, list[int]], reference: dict[str, list[int]], what: str) -> None:
+    """ValueError naming what is missing, unexpected or misshapen when `got` is not the model's tensors."""
     missing = sorted(set(reference) - set(got))
     extra = sorted(set(got) - set(reference))
     bad = sorted(n for n in set(got) & set(reference) if got[n] != reference[n])
@@ -333,6 +348,17 @@ class WeightSyncExtension:
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         return {"version": manifest["version"], "bytes": nbytes, "tensors": len(named),
                 "receive_seconds": round(t1 - t0, 6), "load_seconds": round(load_seconds, 6)}
+
+    def trainingrun_check_dir(self, path: str) -> dict:
+        """Whether the HF directory `path` holds this model's tensors (names and shapes, from the files' headers):
+        asked before the engine pauses for the load, so a version that does not fit is refused while the engine
+        keeps generating ({"refused": reason}); the load checks everything again."""
+        try:
+            shapes = dir_shapes(Path(path))
+            check_shapes(shapes, self._trainingrun_reference(), path)
+        except (OSError, ValueError) as exc:
+            return {"refused": f"{type(exc).__name__}: {exc}", "path": path}
+        return {"path": path, "tensors": len(shapes)}
 
     def trainingrun_load_dir(self, path: str, files: str | None = None) -> dict:
         """Load the HF directory `path`; `files` (JSON {name: [bytes, sha256]}) is checked first. A damaged or
