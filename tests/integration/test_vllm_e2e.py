@@ -41,7 +41,7 @@ PROMPT = [5, 9, 17, 33, 65, 129]
 
 
 def write_spec(path: Path, model: Path, *, sync: str, dtype: str, url: str | None = None, rollouts: int = ROLLOUTS,
-               max_restarts: int = 0, replicas: int = 1) -> Path:
+               max_restarts: int = 0, replicas: int = 1, trainer: dict | None = None) -> Path:
     engine: dict = {"type": "vllm", "vllm": {"dtype": dtype, "kvCacheGib": 1, "concurrency": 8}}
     if url:
         engine["url"] = url
@@ -69,6 +69,7 @@ def write_spec(path: Path, model: Path, *, sync: str, dtype: str, url: str | Non
             "failurePolicy": {"maxRestarts": max_restarts, "backoffSeconds": 0, "progressDeadlineSeconds": 900},
         },
     }
+    doc["spec"]["trainer"].update(trainer or {})
     path.write_text(yaml.safe_dump(doc))
     return path
 
@@ -182,6 +183,33 @@ def test_broadcast_sync_with_a_user_server(tmp_path: Path, tiny_llama_dir: Path,
         assert client.weight_version() == f"v{ROLLOUTS - 1}"
         after = client.prompt_logprobs(PROMPT)
         assert max(abs(a - b) for a, b in zip(before, after)) > 1e-2, (before, after)
+    finally:
+        load_from_disk(client, str(tiny_llama_dir), "base")  # the session's server goes back to what it had
+
+
+@pytest.mark.parametrize("sync,layout", [("disk", {"tensorParallelSize": 2}), ("broadcast", {"pipelineParallelSize": 2})],
+                         ids=["disk-tp2", "broadcast-pp2"])
+def test_the_streamed_sync_is_exact_across_trainer_ranks(tmp_path: Path, tiny_llama_dir: Path, vllm, sync, layout):
+    """Issue 28: the weights stream bucket by bucket from two trainer ranks (TP 2: every bucket all-gathered; PP 2:
+    stage 1's buckets sent to stage 0) into the session's server, and the engine generates with exactly the trainer's
+    weights at lag 0 (logprob_abs_diff within the bf16 tolerance on every step, as at one rank)."""
+    from trainingrun.engines.vllm.client import VLLMClient
+    from trainingrun.engines.vllm.sync import load_from_disk
+
+    client = VLLMClient(vllm.url, timeout=120)
+    out = tmp_path / "run"
+    try:
+        spec = write_spec(tmp_path / "s.yaml", tiny_llama_dir, sync=sync, dtype="bfloat16", url=vllm.url,
+                          trainer={"replicas": 2, **layout})
+        doc = yaml.safe_load(spec.read_text())
+        doc["spec"]["weightSync"]["bucketMiB"] = 1  # several buckets even for the tiny model
+        spec.write_text(yaml.safe_dump(doc))
+        code, log = finish(start(spec, out), timeout=1200)
+        assert code == 0, log[-6000:]
+        recs = check_on_policy(out, log, BF16_TOL)
+        print(sync, layout, "logprob_abs_diff", [r["logprob_abs_diff"] for r in recs])
+        assert client.weight_version() == f"v{ROLLOUTS - 1}"
+        assert all(r["weight_sync_bytes"] > 0 for r in recs)
     finally:
         load_from_disk(client, str(tiny_llama_dir), "base")  # the session's server goes back to what it had
 
