@@ -308,7 +308,8 @@ class Condition(ApiModel):
                       r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$",
                       description="Running, Restarting, Suspended, Succeeded, Failed (lifecycle: one is True at a "
                       "time), PodsReady (False while Pending: why), ProgressUnknown (True while the store's progress "
-                      "cannot be read).")
+                      "cannot be read), EnginePoolResizing (True while the engine pool's size differs from "
+                      "spec.rollout.engine.replicas).")
     status: Literal["True", "False", "Unknown"] = Field(..., description="True, False or Unknown.")
     observed_generation: int | None = Field(None, ge=0, le=INT64_MAX,
                                             description="The spec generation the condition was set from.")

@@ -13,6 +13,9 @@
     server's last refusal) → `status.decide` → write the status with the observed resourceVersion as
     precondition → post events → act (delete, update, create children; pods only after what they need exists).
   - `spec_changed` (on.update of spec): mutable fields take effect; other changes are ignored with a Warning event.
+    spec.rollout.engine.replicas resizes the engine pool of a running run (`status._engine_pool`), except while Kueue
+    manages the run (spec.queueName): then the change is ignored with a ResizeRefused Warning (the CRD's transition
+    rule engine-replicas-fixed-under-kueue refuses it on a real API server).
 
 A run whose `spec.managedBy` names another controller (e.g. MultiKueue's `kueue.x-k8s.io/multikueue`) matches no
 handler (`managed_here`): the operator starts no daemon for it, adds no finalizer or annotation, creates nothing and
@@ -77,10 +80,12 @@ from trainingrun.operator.vocabulary import Child, Names, Owner, store_url
 
 log = logging.getLogger("trainingrun.operator")
 
+ENGINE_REPLICAS = ("rollout", "engine", "replicas")
 # Spec fields that take effect while a run exists (paths under spec); everything else is frozen at the first reconcile.
 MUTABLE_FIELDS: tuple[tuple[str, ...], ...] = (
     ("suspend",), ("activeDeadlineSeconds",), ("ttlSecondsAfterFinished",), ("failurePolicy",),
     ("trainer", "replicas"),  # elastic data parallelism: the group restarts at the new size
+    ENGINE_REPLICAS,  # the engine pool resized on a running run (the scale subresource); not under Kueue
 )
 RUN_SELECTOR = f"{LABEL_NAME}={APP},{LABEL_RUN}"  # server-side: the runs' children only
 CHILD_FILTER = {LABEL_NAME: APP, LABEL_RUN: kopf.PRESENT}
@@ -262,15 +267,21 @@ def effective_spec(body: kopf.Body) -> dict[str, Any]:
     except ValueError:
         return live
     for path in MUTABLE_FIELDS:
+        if path == ENGINE_REPLICAS and frozen.get("queueName"):
+            continue  # Kueue admitted the engines as one pod group of a fixed size (the CRD refuses it too)
         source: Any = live
         for part in path[:-1]:
             source = source.get(part) if isinstance(source, dict) else None
+        if isinstance(source, dict) and path[-1] in source:
+            target = frozen
+            for part in path[:-1]:
+                target = target.setdefault(part, {})
+            target[path[-1]] = source[path[-1]]
+            continue
         target = frozen
         for part in path[:-1]:
-            target = target.setdefault(part, {})
-        if isinstance(source, dict) and path[-1] in source:
-            target[path[-1]] = source[path[-1]]
-        else:
+            target = target.get(part) if isinstance(target, dict) else None
+        if isinstance(target, dict):
             target.pop(path[-1], None)
     return frozen
 
@@ -548,14 +559,23 @@ async def run_daemon(body: kopf.Body, namespace: str, name: str, uid: str, stopp
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", retries=5, backoff=2, timeout=60, when=managed_here)
 def spec_changed(diff: kopf.Diff, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Mutable fields take effect; other changes are ignored (the run keeps its frozen spec) with a Warning."""
-    applied, ignored = [], []
+    applied, ignored, kueue = [], [], []
+    queued = bool(effective_spec(body).get("queueName"))
     for _op, path, _old, _new in diff:
         parts = tuple(str(p) for p in path)
         if parts and parts[0] == "spec":
             parts = parts[1:]
         dotted = "spec." + ".".join(parts) if parts else "spec"
+        if queued and parts[:len(ENGINE_REPLICAS)] == ENGINE_REPLICAS:
+            kueue.append(dotted)
+            continue
         mutable = any(parts[:len(m)] == m for m in MUTABLE_FIELDS)
         (applied if mutable else ignored).append(dotted)
+    if kueue:
+        kopf.event(body, type="Warning", reason="ResizeRefused", message=(
+            "spec.rollout.engine.replicas cannot change while Kueue manages the run (spec.queueName): Kueue admitted "
+            "its engines as one pod group of that size; the pool keeps its size (create a new TrainingRun to change "
+            "it)"))
     if applied:
         kopf.event(body, type="Normal", reason="SpecUpdated", message=f"applied: {', '.join(sorted(set(applied)))}")
     if ignored:
