@@ -1,0 +1,75 @@
+"""The engine pool resized while the rollout runs (issue 32 item 3, the rollout's side): the pool re-reads its list
+of servers before each call (`EnginePool(members=..., adapter_for=...)`; in a cluster the file the operator keeps up
+to date, $TRAININGRUN_ENGINE_URL_FILE, read by `vllm.engine.read_urls`). Under the real `EnginePool` with the
+in-memory `TimedReplica`s of test_engine_slots.py: an added server loads the pool's current version before it gets
+a request; a removed one leaves between calls and gets nothing more; no prompt is lost or answered twice.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from tests.integration.test_engine_slots import (  # noqa: F401 - fast: the fixture
+    SAMPLING, TimedReplica, fast, finished, requests, wait_until,
+)
+from trainingrun.engines.pool import EnginePool
+from trainingrun.engines.vllm.engine import read_urls
+
+
+def resizable(names: list[str], said: list[str]) -> tuple[EnginePool, dict[str, TimedReplica], list[str]]:
+    """A pool over `names`, reading its list from a list the test edits; every adapter ever made, by URL."""
+    made = {f"timed://{n}": TimedReplica(n) for n in names}
+    listed = [f"timed://{n}" for n in names]
+
+    def adapter_for(url: str) -> TimedReplica:
+        made.setdefault(url, TimedReplica(url.removeprefix("timed://")))
+        return made[url]
+
+    pool = EnginePool([made[u] for u in listed], fetch=lambda v: {"version": v}, concurrency=4, stall_seconds=5,
+                      restart_timeout=30, say=said.append, members=lambda: list(listed), adapter_for=adapter_for)
+    pool.load_weights(0)
+    return pool, made, listed
+
+
+def test_an_added_server_loads_the_current_version_before_its_first_request(fast):
+    said: list[str] = []
+    pool, made, listed = resizable(["a", "b"], said)
+    pool.load_weights(1)
+    listed.append("timed://c")
+    gate = threading.Semaphore(0)
+    made.setdefault("timed://c", TimedReplica("c")).load_gate = gate  # its load waits for the test
+    out = pool.generate_groups(requests(12), SAMPLING)
+    c = made["timed://c"]
+    assert finished(out) and len(out) == 12
+    wait_until(lambda: c.loads == [1], 10, "engine-2 loading version 1")
+    assert [r.url for r in pool.replicas] == listed and c.received == 0  # still loading: no request
+    assert any("resized from 2 to 3" in m for m in said), said
+    gate.release()
+    wait_until(lambda: pool.replicas[2].live, 10, "engine-2 live once it holds version 1")
+    assert c.label_now == pool.label(1)
+    out = pool.generate_groups(requests(24, first=12), SAMPLING)
+    assert finished(out) and c.received > 0
+    assert pool.replicas[2].name == "engine-2"
+
+
+def test_a_removed_server_leaves_between_calls_and_gets_nothing_more(fast):
+    said: list[str] = []
+    pool, made, listed = resizable(["a", "b", "c"], said)
+    out = pool.generate_groups(requests(12), SAMPLING)
+    assert finished(out) and made["timed://c"].received > 0
+    del listed[1:]
+    before = {u: r.received for u, r in made.items()}
+    out = pool.generate_groups(requests(12, first=12), SAMPLING)
+    assert finished(out) and len(out) == 12  # every prompt answered once, by the server left
+    assert [r.url for r in pool.replicas] == ["timed://a"]
+    assert made["timed://b"].received == before["timed://b"] and made["timed://c"].received == before["timed://c"]
+    assert made["timed://a"].received == before["timed://a"] + 12
+    pool.load_weights(1)  # loads go to the servers of the pool only
+    assert made["timed://a"].loads == [0, 1] and made["timed://b"].loads == [0]
+
+
+def test_read_urls_follows_the_operators_file(tmp_path):
+    path = tmp_path / "engines"
+    assert read_urls(str(path)) is None  # not there (yet): the pool keeps its servers
+    path.write_text("http://engine-0.r-engine.ns.svc:8000\n\nhttp://engine-1.r-engine.ns.svc:8000/\n")
+    assert read_urls(str(path)) == ["http://engine-0.r-engine.ns.svc:8000", "http://engine-1.r-engine.ns.svc:8000"]
