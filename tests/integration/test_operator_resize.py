@@ -17,6 +17,7 @@ import yaml
 from tests.integration.test_operator_roles import ENGINE_RUN
 from tests.kube import ROOT, Cluster
 from tests.services import wait_for
+from trainingrun.operator import metrics
 
 POD = "/api/v1/namespaces/default/pods/"
 CM = "/api/v1/namespaces/default/configmaps/"
@@ -113,6 +114,9 @@ def test_engine_pool_resized_2_3_1_keeps_the_trainers_and_the_rollout(kube):
     assert reasons.count("ResizingEnginePool") == 2 and reasons.count("EnginePoolResized") == 2, reasons
     cm = kube.get(CM + "rs-config")
     assert yaml.safe_load(cm["data"]["run.yaml"])["spec"]["rollout"]["engine"]["replicas"] == 1
+    gauge = [s.value for fam in metrics.REGISTRY.collect() for s in fam.samples  # the run dashboard's pool size
+             if s.name == "trainingrun_operator_run_engine_replicas" and s.labels.get("run") == "rs"]
+    assert gauge == [1.0], gauge
 
 
 @pytest.mark.parametrize("value", [0, 257, "3"])

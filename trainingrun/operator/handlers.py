@@ -385,7 +385,7 @@ async def reconcile(state: OperatorState, run_state: RunState, body: kopf.Body,
         state.gone[(ns, name)] = {n: p for n, p in gone.items() if p.attempt is not None and p.attempt >= attempt}
     state.phases.set(uid, decision.status.get("phase"), namespace=ns, name=name,
                      restarts=decision.status.get("restarts"), step=decision.status.get("step"),
-                     progress=decision.status.get("progress"))
+                     progress=decision.status.get("progress"), engines=decision.status.get("engineReplicas"))
     hint = await act(state, run_state, decision, run, body)
     if hint is not None:
         decision.wake_in(hint)
