@@ -253,5 +253,9 @@ def config_data(run: TrainingRun, namespace: str) -> dict[str, str]:
 
 
 def config_hash(run: TrainingRun) -> str:
-    """A short hash of the run's manifest (the ConfigMap's content, whatever the namespace): a resize changes it."""
-    return hashlib.sha256(config_text(run, "").encode()).hexdigest()[:16]
+    """A short hash of the ConfigMap's content (whatever the namespace): a resize changes it, and so does a missing
+    `engines` key (a ConfigMap of an operator before it: updated, so a rollout pod that mounts the key can start).
+    Without engines of its own, the hash of run.yaml alone (as before)."""
+    data = config_data(run, "")
+    text = data["run.yaml"] + (f"\n{ENGINES_KEY}:\n{data[ENGINES_KEY]}" if ENGINES_KEY in data else "")
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
