@@ -552,7 +552,8 @@ def register_resources(emulator: FidelityEmulator, crd_path: Path = CRD_PATH) ->
         emulator.schemas[(spec["group"], version["name"], spec["names"]["plural"])] = (
             version["schema"]["openAPIV3Schema"])
         if (version.get("subresources") or {}).get("scale"):
-            emulator.scales[(spec["group"], version["name"], spec["names"]["plural"])] = version["subresources"]["scale"]
+            emulator.scales[(spec["group"], version["name"], spec["names"]["plural"])] = (
+                version["subresources"]["scale"])
         if version.get("additionalPrinterColumns"):
             emulator.printer_columns[(spec["group"], version["name"], spec["names"]["plural"])] = (
                 version["additionalPrinterColumns"])

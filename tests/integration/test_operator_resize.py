@@ -74,7 +74,8 @@ def test_engine_pool_resized_2_3_1_keeps_the_trainers_and_the_rollout(kube):
     group = running_pool(kube, "rs", 2)
     st = kube.status("rs")
     assert st["engineReplicas"] == 2, st
-    assert st["engineSelector"] == "app.kubernetes.io/name=trainingrun,trainingrun.dev/run=rs,trainingrun.dev/role=engine"
+    assert st["engineSelector"] == ("app.kubernetes.io/name=trainingrun,trainingrun.dev/run=rs,"
+                                    "trainingrun.dev/role=engine")
     assert engine_urls(kube, "rs") == [url("rs", 0), url("rs", 1)]
     rollout = next(p for p in group if p["metadata"]["labels"]["trainingrun.dev/role"] == "rollout")
     env = {e["name"]: e.get("value") for e in rollout["spec"]["containers"][0]["env"]}

@@ -487,4 +487,5 @@ def test_engine_pool_resize_updates_the_list_first_then_removes_and_counts_the_p
     d = status.decide(run2, dict(d.status), Observed(pods=(*group, engine(0), engine(1)), children=children,
                                                      config_hash=vocabulary.config_hash(run2)), now=T0)
     assert d.status["engineReplicas"] == 2
-    assert d.status["engineSelector"] == "app.kubernetes.io/name=trainingrun,trainingrun.dev/run=rl,trainingrun.dev/role=engine"
+    assert d.status["engineSelector"] == ("app.kubernetes.io/name=trainingrun,trainingrun.dev/run=rl,"
+                                         "trainingrun.dev/role=engine")
