@@ -73,3 +73,53 @@ def test_read_urls_follows_the_operators_file(tmp_path):
     assert read_urls(str(path)) is None  # not there (yet): the pool keeps its servers
     path.write_text("http://engine-0.r-engine.ns.svc:8000\n\nhttp://engine-1.r-engine.ns.svc:8000/\n")
     assert read_urls(str(path)) == ["http://engine-0.r-engine.ns.svc:8000", "http://engine-1.r-engine.ns.svc:8000"]
+
+
+def test_vllm_pool_follows_its_file_over_http(tmp_path):
+    """The vLLM engine over simulated vLLM servers (the same HTTP API and client path, no model), its list of
+    servers in a file as the operator keeps it: a server added gets requests only under the pool's current weight
+    version (never under its initial label); a server removed gets nothing more; every prompt answered once."""
+    from tests.simengine import publish_disk_version
+    from trainingrun.engines.simulated import SimConfig, SimulatedServer
+    from trainingrun.engines.vllm.client import VLLMClient
+    from trainingrun.engines.vllm.engine import VLLMEngine, VLLMReplica, make_clients
+    from trainingrun.contract.engine import GroupRequest, Sampling
+    from trainingrun.store import open_store
+
+    store = open_store(f"file://{tmp_path / 'store'}")
+    for v in (0, 1):
+        publish_disk_version(store, tmp_path / "weights", v)
+    servers = [SimulatedServer(SimConfig(token_seconds=0.001, median_tokens=20)).start() for _ in range(3)]
+    listed = tmp_path / "engines"
+    urls = [s.url.rstrip("/") for s in servers]
+    sampling = Sampling(temperature=1.0, max_new_tokens=50, stop_token_ids=(2,), seed=1)
+    reqs = [GroupRequest(prompt=[5, 6, 7, 3 + i], n=2, seed=1000 + i) for i in range(24)]
+    try:
+        listed.write_text("".join(f"{u}\n" for u in urls[:2]))
+        pool = VLLMEngine(make_clients(urls[:2], timeout=60), fetch=lambda v: store.read_weights(v)[1],
+                          concurrency=4, restart_timeout=60, say=lambda m: None,
+                          members=lambda: read_urls(str(listed)),
+                          adapter_for=lambda u: VLLMReplica(VLLMClient(u, timeout=60)))
+        pool.load_weights(0)
+        assert all(len(g) == 2 for g in pool.generate_groups(reqs, sampling))
+        pool.load_weights(1)
+        listed.write_text("".join(f"{u}\n" for u in urls))  # 2 -> 3
+        out = pool.generate_groups(reqs, sampling)
+        assert len(out) == 24 and all(len(g) == 2 and all(c.finished for c in g) for g in out)
+        wait_until(lambda: len(pool.replicas) == 3 and pool.replicas[2].live, 30, "engine-2 in the pool")
+        out = pool.generate_groups(reqs, sampling)
+        assert len(out) == 24 and all(len(g) == 2 and all(c.finished for c in g) for g in out)
+        added = servers[2].engine.served_by_label
+        assert set(added) == {"v1"} and sum(added.values()) > 0, added  # only ever under the current version
+        listed.write_text(f"{urls[0]}\n")  # 3 -> 1
+        before = [s.engine.served for s in servers]
+        out = pool.generate_groups(reqs, sampling)
+        assert len(out) == 24 and all(len(g) == 2 and all(c.finished for c in g) for g in out)
+        after = [s.engine.served for s in servers]
+        assert after[1:] == before[1:] and after[0] == before[0] + 24, (before, after)
+        assert [r.url for r in pool.replicas] == urls[:1]
+        pool.close()
+    finally:
+        for s in servers:
+            s.close()
+        store.close()
