@@ -167,3 +167,25 @@ def test_kubectl_scale_resizes_the_pool(kube):
     assert uids(kube.group_pods("ks", 0)) == uids(group)
     out = kubectl("scale", "tr/ks", "--replicas", "0")
     assert out.returncode != 0 and "spec.rollout.engine.replicas" in out.stderr.replace("/", "."), out.stderr
+
+
+def test_the_engines_gang_group_follows_a_resize(kube):
+    """With Volcano gang scheduling the engines' serving PodGroup R-engine is created with minMember = the pool's
+    size; a resize brings it to the new size (2 -> 3 -> 1), so a replacement pod of a smaller pool never waits for
+    members that are gone."""
+    import kmock
+
+    kube.emulator.resources["scheduling.volcano.sh/v1beta1/podgroups"] = kmock.ResourceInfo(
+        kind="PodGroup", namespaced=True, verbs={"get", "list", "watch", "create", "delete", "patch"})
+    pg = "/apis/scheduling.volcano.sh/v1beta1/namespaces/default/podgroups/vg-engine"
+    group = running_pool(kube, "vg", 2, gangScheduling={"enabled": True, "provider": "volcano"})
+    assert kube.get(pg)["spec"]["minMember"] == 2
+    resize(kube, "vg", 3)
+    wait_for(lambda: kube.get(pg)["spec"]["minMember"] == 3, 15, f"minMember 3 (now {kube.get(pg)['spec']})")
+    wait_for(lambda: kube.get(POD + "vg-engine-2"), 15, "engine pod 2")
+    kube.set_pod("vg-engine-2", "Running")
+    wait_for(lambda: kube.status("vg").get("engineReplicas") == 3, 10, "engineReplicas 3")
+    resize(kube, "vg", 1)
+    wait_for(lambda: kube.get(pg)["spec"]["minMember"] == 1, 15, f"minMember 1 (now {kube.get(pg)['spec']})")
+    wait_for(lambda: kube.status("vg").get("engineReplicas") == 1, 15, f"engineReplicas 1 (now {kube.status('vg')})")
+    assert uids(kube.group_pods("vg", 0)) == uids(group) and "EngineGangNotResized" not in kube.reasons("vg")

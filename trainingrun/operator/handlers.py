@@ -416,6 +416,8 @@ async def act(state: OperatorState, run_state: RunState, decision: Decision, run
         if provider is not None:
             await api.delete(provider.api_version, child.kind, ns, child.name)
         run_state.gang.discard(child.key)
+    if decision.resize_engine_gang and provider is not None:
+        await _resize_engine_gang(api, provider, run, body)
     if not decision.create and not decision.update:
         return None
     record = run_state.refusal
@@ -443,6 +445,21 @@ async def act(state: OperatorState, run_state: RunState, decision: Decision, run
         run_state.refusal = None  # the creates went through
         run_state.wakeup.set()
     return None
+
+
+async def _resize_engine_gang(api: KubeApi, provider: gang.GangProvider, run: TrainingRun, body: kopf.Body) -> None:
+    """The engines' serving gang object (R-engine: PodGroup minMember, Workload minCount) brought to the pool's new
+    size by a merge patch of its spec; a refusal (an immutable field, an object gone) is a Warning, not a failure:
+    the pool runs on."""
+    meta = body["metadata"]
+    group = Names(meta["name"]).engine
+    for kind in provider.kinds:
+        try:
+            await api.patch(provider.api_version, kind, meta["namespace"], group,
+                            {"spec": provider.spec(kind, run, group, engines=True)})
+        except ApiError as exc:
+            kopf.event(body, type="Warning", reason="EngineGangNotResized", message=bounded(
+                f"{kind} {group} keeps its size: {exc.detail}", EVENT_MESSAGE_MAX))
 
 
 async def _annotate(api: KubeApi, ns: str, pod: str, annotations: dict[str, str]) -> None:

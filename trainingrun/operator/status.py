@@ -519,7 +519,8 @@ def _engine_pool(ctx: Reconcile) -> None:
     """The engine pool resized (spec.rollout.engine.replicas changed; `pool`'s module docstring): an added replica's
     pod is created by `_ensure_children`; a removed one's is deleted once the run's ConfigMap holds the new list of
     URLs (the rollout stops sending to it first); status.engineReplicas follows the pool (`pool.reached_size`), and
-    the condition EnginePoolResizing is True while it differs from the spec."""
+    the condition EnginePoolResizing is True while it differs from the spec. When it starts and when it ends, the
+    engines' serving gang object (gang scheduling) is brought to the new size (`Decision.resize_engine_gang`)."""
     wanted = engine_replicas(ctx.run)
     if not wanted:
         return
@@ -537,12 +538,14 @@ def _engine_pool(ctx: Reconcile) -> None:
                       f"{', '.join(str(r) for r in range(size, wanted))} to be ready"))
         if resizing.get("status") != "True":
             ctx.d.events.append(("Normal", "ResizingEnginePool", bounded(message, EVENT_MESSAGE_MAX)))
+            ctx.d.resize_engine_gang = True
         ctx.set_condition("EnginePoolResizing", "True", "Resizing", message)
         ctx.d.wake_in(1.0)
     elif resizing.get("status") == "True":
         message = f"the engine pool runs {wanted} replica(s)"
         ctx.set_condition("EnginePoolResizing", "False", "Resized", message)
         ctx.d.events.append(("Normal", "EnginePoolResized", message))
+        ctx.d.resize_engine_gang = True  # again: the size may have changed once more meanwhile
 
 
 def _ensure_pod(ctx: Reconcile, child: Child, seen: PodObs | None, role: str, replica: int) -> None:
