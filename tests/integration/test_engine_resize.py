@@ -68,6 +68,29 @@ def test_a_removed_server_leaves_between_calls_and_gets_nothing_more(fast):
     assert made["timed://a"].loads == [0, 1] and made["timed://b"].loads == [0]
 
 
+def test_a_server_removed_then_added_again_keeps_its_name_and_counters(fast):
+    """3 -> 1 -> 3 with the same URLs (the operator's are stable per replica): the servers come back as the same
+    replicas, so a rollout's share of each one's counters (a difference of two readings) never goes negative."""
+    said: list[str] = []
+    pool, made, listed = resizable(["a", "b", "c"], said)
+    pool.generate_groups(requests(12), SAMPLING)
+    before = pool.engine_counts()
+    b = pool.replicas[1]
+    full = list(listed)
+    del listed[1:]
+    pool.generate_groups(requests(6, first=12), SAMPLING)
+    pool.load_weights(1)  # while b and c are out
+    listed[:] = full
+    pool.generate_groups(requests(6, first=18), SAMPLING)
+    wait_until(lambda: all(r.live for r in pool.replicas), 10, "every server back in the pool")
+    assert [r.name for r in pool.replicas] == ["engine-0", "engine-1", "engine-2"] and pool.replicas[1] is b
+    out = pool.generate_groups(requests(12, first=24), SAMPLING)
+    assert finished(out)
+    after = pool.engine_counts()
+    assert all(after[n].minus(before[n]).seconds >= 0 for n in before)
+    assert made["timed://b"].loads == [0, 1] and made["timed://a"].loads == [0, 1]  # the version moved on: loaded
+
+
 def test_read_urls_follows_the_operators_file(tmp_path):
     path = tmp_path / "engines"
     assert read_urls(str(path)) is None  # not there (yet): the pool keeps its servers

@@ -94,6 +94,7 @@ AUTO_LOW, AUTO_HIGH = 4, 4096  # bounds of an adaptive limit (AUTO_HIGH: the API
 STICKY_WAIT = 0.0  # seconds a request waits for room at its affinity's replica: none (benchmarks/engine_pool.py sticky-wait)
 FAULT_REPEATS = 2  # a replica that came back and failed with the same engine error this often: deterministic
 LOAD_REPORT_SECONDS = 30.0
+REMOVED = "removed from the pool"  # `Replica.broken` of a server a resize took out
 
 
 class EnginePool:
@@ -139,6 +140,7 @@ class EnginePool:
         if members is not None and adapter_for is None:
             raise ValueError("members: a pool that reads its list of servers needs adapter_for (URL -> adapter)")
         self.members, self.adapter_for = members, adapter_for
+        self._left: dict[str, Replica] = {}  # servers a resize removed, by URL: the same one back keeps its counters
         self.stats = {"generated_tokens": 0, "generate_seconds": 0.0, "load_seconds": 0.0, "loaded_bytes": 0,
                       "loads": 0, "recoveries": 0, "retried_prompts": 0, "stalls": 0, "aborted_requests": 0}
         self.last_load: dict[str, Any] = {}
@@ -310,6 +312,8 @@ class EnginePool:
                 except EngineError as exc:  # EngineUnavailable included
                     r.last_error = str(exc)
                 self._closed.wait(1.0)
+            if r.broken == REMOVED:
+                return  # a resize took it out of the pool: nothing to wait for
             with self._lock:
                 r.failed = not self._closed.is_set()
             if r.failed:
@@ -376,19 +380,24 @@ class EnginePool:
             gone = [r for u, r in have.items() if u not in wanted]
             kept = {r.name for r in self.replicas if r.url in wanted}
             for r in gone:
-                r.live, r.broken = False, r.broken or "removed from the pool"  # a recovery under way stops using it
+                r.live, r.broken = False, r.broken or REMOVED  # a recovery under way stops using it
                 self._prefix_base.pop(r.name, None)
                 self.adaptive.pop(r.name, None)
+                self._left[r.url] = r
             start = DEFAULT_CONCURRENCY if self.concurrency == "auto" else int(self.concurrency)
             replicas, added = [], []
             for i, url in enumerate(wanted):
                 if url in have:
                     replicas.append(have[url])
                     continue
-                name = f"engine-{i}" if f"engine-{i}" not in kept else f"engine-{i}-{url}"
-                r = Replica(name, self.adapter_for(url), limit=start)
+                r = self._left.pop(url, None)  # back: its counters go on (a rollout's share is a difference)
+                if r is not None and r.broken == REMOVED and r.name not in kept:
+                    r.broken, r.live, r.failed, r.stalled, r.limit = "", False, False, False, start
+                else:
+                    name = f"engine-{i}" if f"engine-{i}" not in kept else f"engine-{i}-{url}"
+                    r = Replica(name, self.adapter_for(url), limit=start)
                 if self.concurrency == "auto":
-                    self.adaptive[name] = AdaptiveLimit(start, AUTO_LOW, AUTO_HIGH)
+                    self.adaptive[r.name] = AdaptiveLimit(start, AUTO_LOW, AUTO_HIGH)
                 replicas.append(r)
                 added.append(r)
             self.replicas = replicas
@@ -398,6 +407,8 @@ class EnginePool:
         if self._version >= 0:
             for r in added:  # the current version first, then live (the recovery's steps)
                 with self._lock:
+                    if r.recovering:
+                        continue  # a recovery begun before it left goes on: it joins through that one
                     r.recovering = True
                 threading.Thread(target=self._recovery, args=(r,), name=f"join-{r.name}", daemon=True).start()
 
