@@ -43,7 +43,8 @@ Resize (`members`: where the pool's current list of servers is read, e.g. the fi
 $TRAININGRUN_ENGINE_URL_FILE; `adapter_for`: a server's adapter from its URL): before each call, and before a weight
 load when no call runs, the list is read again (`resize`). A server added joins through the recovery — its label,
 the pool's current version loaded, then live — so it gets no request before it holds the current version. A server
-removed leaves between calls, when the pool has no request in flight: nothing is cut. (A server that goes away
+removed leaves between calls, when the pool has no request in flight: nothing is cut; listed again, it comes back as
+the same replica (its counters go on) through the same recovery. (A server that goes away
 during a call, before the list said so, is a replica that died: its requests are re-sent to the others.)
 
 Before a call each replica's weight label is checked (a server restarted since the last call is loaded again);
