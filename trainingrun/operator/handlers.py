@@ -76,7 +76,7 @@ from trainingrun.operator.observe import Observed, PodObs, Refusal, is_permanent
 from trainingrun.operator.progress import ProgressReader
 from trainingrun.operator.reconcile import EVENT_MESSAGE_MAX, Decision, bounded, now_utc
 from trainingrun.operator.render import DEFAULT_REDIS_IMAGE, render_child
-from trainingrun.operator.vocabulary import Child, Names, Owner, store_url
+from trainingrun.operator.vocabulary import Child, Names, Owner, engine_replicas, store_url
 
 log = logging.getLogger("trainingrun.operator")
 
@@ -93,6 +93,35 @@ CREATE_RETRY_MAX = 60.0  # seconds between retries of a refused create, at most
 EXPECT_SECONDS = 30.0  # how long a created child counts as existing before a watch shows it
 DISCOVERY_SECONDS = 60.0  # how long a discovered scheduling.k8s.io version is trusted
 DISCOVERY_SECONDS_NONE = 5.0  # ... and that none is served (an API enabled meanwhile is found within seconds)
+
+
+def _changed_paths(diff: kopf.Diff) -> list[tuple[str, ...]]:
+    """The spec paths a diff changes, down to the leaves where a whole object was added or removed (adding
+    `rollout.engine: {replicas: 2}` changes rollout.engine.replicas, a mutable field)."""
+    out: list[tuple[str, ...]] = []
+
+    def walk(parts: tuple[str, ...], old: Any, new: Any) -> None:
+        if isinstance(old, dict) or isinstance(new, dict):
+            old, new = old if isinstance(old, dict) else {}, new if isinstance(new, dict) else {}
+            for key in sorted(set(old) | set(new)):
+                if old.get(key) != new.get(key):
+                    walk((*parts, str(key)), old.get(key), new.get(key))
+            return
+        out.append(parts)
+
+    for _op, path, old, new in diff:
+        parts = tuple(str(p) for p in path)
+        walk(parts[1:] if parts and parts[0] == "spec" else parts, old, new)
+    return out
+
+
+def _runs_engine_servers(body: kopf.Body) -> bool:
+    """Whether the run's (effective) spec has engine servers of its own (`vocabulary.engine_replicas`); an unparsable
+    spec counts as having them (its own failure says why)."""
+    try:
+        return engine_replicas(parse_run(body)) > 0
+    except ValidationError:
+        return True
 
 
 def managed_here(spec: Any, **_: Any) -> bool:
@@ -576,18 +605,19 @@ async def run_daemon(body: kopf.Body, namespace: str, name: str, uid: str, stopp
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", retries=5, backoff=2, timeout=60, when=managed_here)
 def spec_changed(diff: kopf.Diff, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Mutable fields take effect; other changes are ignored (the run keeps its frozen spec) with a Warning."""
-    applied, ignored, kueue = [], [], []
+    applied, ignored, kueue, serverless = [], [], [], []
     queued = bool(effective_spec(body).get("queueName"))
-    for _op, path, _old, _new in diff:
-        parts = tuple(str(p) for p in path)
-        if parts and parts[0] == "spec":
-            parts = parts[1:]
+    for parts in _changed_paths(diff):
         dotted = "spec." + ".".join(parts) if parts else "spec"
-        if queued and parts[:len(ENGINE_REPLICAS)] == ENGINE_REPLICAS:
-            kueue.append(dotted)
+        if parts[:len(ENGINE_REPLICAS)] == ENGINE_REPLICAS and (queued or not _runs_engine_servers(body)):
+            (kueue if queued else serverless).append(dotted)
             continue
         mutable = any(parts[:len(m)] == m for m in MUTABLE_FIELDS)
         (applied if mutable else ignored).append(dotted)
+    if serverless:
+        kopf.event(body, type="Warning", reason="ResizeRefused", message=(
+            "spec.rollout.engine.replicas counts the run's own engine servers, and this run has none (an engine in "
+            "the rollout process, replayed rollouts, or servers of its own at rollout.engine.url): nothing to resize"))
     if kueue:
         kopf.event(body, type="Warning", reason="ResizeRefused", message=(
             "spec.rollout.engine.replicas cannot change while Kueue manages the run (spec.queueName): Kueue admitted "
