@@ -15,7 +15,8 @@
   - `spec_changed` (on.update of spec): mutable fields take effect; other changes are ignored with a Warning event.
     spec.rollout.engine.replicas resizes the engine pool of a running run (`status._engine_pool`), except while Kueue
     manages the run (spec.queueName): then the change is ignored with a ResizeRefused Warning (the CRD's transition
-    rule engine-replicas-fixed-under-kueue refuses it on a real API server).
+    rule engine-replicas-fixed-under-kueue refuses it on a real API server), and in a run without engine servers
+    of its own. Changes are classified leaf by leaf (`_changed_paths`).
 
 A run whose `spec.managedBy` names another controller (e.g. MultiKueue's `kueue.x-k8s.io/multikueue`) matches no
 handler (`managed_here`): the operator starts no daemon for it, adds no finalizer or annotation, creates nothing and
