@@ -12,6 +12,8 @@ tests (tests/e2e), not here.
     `metadata.resourceVersion` precondition → 409 on mismatch, no-op patches change nothing;
   - status subresource: PATCH …/status changes only status, a main-resource PATCH never changes status; a created
     pod starts with status.phase Pending;
+  - scale subresource of a CRD (`kubectl scale`): GET/PATCH …/scale read and write the CRD's specReplicasPath as an
+    autoscaling/v1 Scale (status replicas and selector from its statusReplicasPath and labelSelectorPath);
   - custom resources validated against their CRD's openAPIV3Schema on every write (status too) → 422 Invalid;
   - deletion: finalizers → deletionTimestamp (a finalizer-held pod stays Terminating, like one on a lost node),
     removal when the last finalizer goes; garbage collection of objects whose ownerReferences point at a deleted uid;
@@ -120,6 +122,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
     # client (User-Agent product) -> the Authorization headers it sent
     authorization: dict = attrs.field(factory=lambda: collections.defaultdict(set), init=False)
     printer_columns: dict = attrs.field(factory=dict, init=False)  # (group, version, plural) -> CRD columns
+    scales: dict = attrs.field(factory=dict, init=False)  # (group, version, plural) -> the CRD's scale paths
     schemas: dict = attrs.field(factory=dict, init=False)  # (group, version, plural) -> CRD openAPIV3Schema
     # Admission: callables (request, object) run on every create, in order; they may change the object (a mutating
     # webhook) or raise kmock.KubernetesError (a refusal: ResourceQuota, a validating webhook, ...). `refuse` adds one.
@@ -311,6 +314,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         if req.subresource == "status":
             new = {**old, "status": new.get("status")} if new.get("status") is not None else {
                 k: v for k, v in old.items() if k != "status"}
+        elif req.subresource == "scale":
+            new = self._scaled(res, old, req.data)
         elif req.subresource:
             raise kmock.KubernetesError(405, "MethodNotAllowed", f"subresource {req.subresource} not emulated")
         elif self._has_status(res):
@@ -337,6 +342,44 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         if meta.get("deletionTimestamp") and not meta.get("finalizers"):
             events += self._remove(key)
         return events
+
+    def _scale_paths(self, res: Any) -> dict:
+        paths = self.scales.get((res.group, res.version, res.plural))
+        if paths is None:
+            raise kmock.KubernetesError(404, "NotFound", f"{res.plural} has no scale subresource")
+        return paths
+
+    def _scaled(self, res: Any, old: dict, patch: Any) -> dict:
+        """`old` with the replicas of a merge patch of its Scale (`{"spec": {"replicas": N}}`) at specReplicasPath."""
+        if not isinstance(patch, dict):
+            raise kmock.KubernetesError(415, "UnsupportedMediaType", "the scale subresource is emulated for merge "
+                                        "patches only")
+        replicas = (patch.get("spec") or {}).get("replicas")
+        new = copy.deepcopy(old)
+        if replicas is None:
+            return new
+        *parents, leaf = self._scale_paths(res)["specReplicasPath"].strip(".").split(".")
+        node = new
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = replicas
+        return new
+
+    def _scale_of(self, res: Any, obj: dict) -> dict:
+        """The autoscaling/v1 Scale of `obj` (the CRD's specReplicasPath, statusReplicasPath, labelSelectorPath)."""
+        paths = self._scale_paths(res)
+        meta = obj["metadata"]
+        status: dict[str, Any] = {"replicas": _json_path(obj, paths["statusReplicasPath"]) or 0}
+        if paths.get("labelSelectorPath") and _json_path(obj, paths["labelSelectorPath"]):
+            status["selector"] = _json_path(obj, paths["labelSelectorPath"])
+        return {"apiVersion": "autoscaling/v1", "kind": "Scale",
+                "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp")
+                             if k in meta},
+                "spec": {"replicas": _json_path(obj, paths["specReplicasPath"])}, "status": status}
+
+    async def _serve_update(self, request: kmock.Request) -> Any:
+        result = await super()._serve_update(request)
+        return self._scale_of(request.resource, result) if request.subresource == "scale" else result
 
     def _validate(self, res: Any, obj: dict) -> None:
         """A custom resource against its CRD's openAPIV3Schema (OpenAPI 3.0: draft-4 keywords such as a boolean
@@ -413,6 +456,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
     async def _serve_fetch(self, request: kmock.Request) -> Any:
         result = await super()._serve_fetch(request)
         res = request.resource
+        if request.subresource == "scale":
+            return self._scale_of(res, result)
         columns = self.printer_columns.get((res.group, res.version, res.plural))
         if columns and _wants_table(request) and isinstance(result, dict):
             return _table(columns, [result], result["metadata"]["resourceVersion"])
@@ -506,6 +551,9 @@ def register_resources(emulator: FidelityEmulator, crd_path: Path = CRD_PATH) ->
         )
         emulator.schemas[(spec["group"], version["name"], spec["names"]["plural"])] = (
             version["schema"]["openAPIV3Schema"])
+        if (version.get("subresources") or {}).get("scale"):
+            emulator.scales[(spec["group"], version["name"], spec["names"]["plural"])] = (
+                version["subresources"]["scale"])
         if version.get("additionalPrinterColumns"):
             emulator.printer_columns[(spec["group"], version["name"], spec["names"]["plural"])] = (
                 version["additionalPrinterColumns"])

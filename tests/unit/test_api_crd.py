@@ -114,10 +114,25 @@ def test_crd_names_and_columns():
     assert spec["names"]["plural"] == "trainingruns" and spec["names"]["shortNames"] == ["tr"]
     assert spec["names"]["categories"]
     version = spec["versions"][0]
-    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    assert version["name"] == "v1alpha1" and version["subresources"]["status"] == {}
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
     for wanted in ("Phase", "Step", "GBS", "Restarts", "Age"):
         assert wanted in columns
+
+
+def test_crd_scale_subresource_is_the_engine_pool():
+    """`kubectl scale tr/NAME --replicas N` and autoscalers resize the run's engine pool: the scale subresource's
+    paths exist in the schema, spec replicas is an integer with the engine's bounds, status replicas an integer the
+    operator writes, the selector a string."""
+    version = crd()["spec"]["versions"][0]
+    scale = version["subresources"]["scale"]
+    assert scale == {"specReplicasPath": ".spec.rollout.engine.replicas",
+                     "statusReplicasPath": ".status.engineReplicas", "labelSelectorPath": ".status.engineSelector"}
+    schema = version["schema"]["openAPIV3Schema"]
+    spec_node = node_at(schema, scale["specReplicasPath"])
+    assert spec_node["type"] == "integer" and spec_node["minimum"] == 1 and spec_node["maximum"] == 256
+    assert node_at(schema, scale["statusReplicasPath"])["type"] == "integer"
+    assert node_at(schema, scale["labelSelectorPath"])["type"] == "string"
 
 
 # ---------------------------------------------------------------------------------------------------- CEL rules
@@ -442,6 +457,14 @@ TRANSITION_CASES: dict[tuple[str, str], tuple[dict, dict, dict]] = {
          "managedBy": "kueue.x-k8s.io/multikueue"},
         {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64}, "managedBy": "trainingrun.dev/operator"},
     ),
+    ("", "engine-replicas-fixed-under-kueue"): (
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64}, "queueName": "team-a",
+         "rollout": {"engine": {"type": "vllm", "replicas": 2}}},
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64, "replicas": 4}, "queueName": "team-a",
+         "rollout": {"engine": {"type": "vllm", "replicas": 2}}},
+        {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64}, "queueName": "team-a",
+         "rollout": {"engine": {"type": "vllm", "replicas": 3}}},
+    ),
 }
 
 
@@ -476,15 +499,27 @@ def test_transition_rule_admits_and_refuses_updates(path, name):
     assert evaluate_rule(rule, good, schema, old=old) is True
     assert evaluate_rule(rule, bad, schema, old=old) is False
     assert evaluate_rule(rule, old, schema, old=bad) is False  # and back
-    # unset on both sides, or set to the same value: admitted; set or removed later: refused
-    bare = {k: v for k, v in old.items() if k != "managedBy"}
-    assert evaluate_rule(rule, bare, schema, old=bare) is True
-    assert evaluate_rule(rule, old, schema, old=bare) is False and evaluate_rule(rule, bare, schema, old=old) is False
+    if name == "managed-by-immutable":
+        # unset on both sides, or set to the same value: admitted; set or removed later: refused
+        bare = {k: v for k, v in old.items() if k != "managedBy"}
+        assert evaluate_rule(rule, bare, schema, old=bare) is True
+        assert evaluate_rule(rule, old, schema, old=bare) is False
+        assert evaluate_rule(rule, bare, schema, old=old) is False
+    if name == "engine-replicas-fixed-under-kueue":
+        # without a queue the pool resizes (2 -> 3 admitted); an engine left unset counts as its default, 1
+        free = {k: v for k, v in old.items() if k != "queueName"}
+        free_bad = {k: v for k, v in bad.items() if k != "queueName"}
+        assert evaluate_rule(rule, free_bad, schema, old=free) is True
+        bare = {k: v for k, v in old.items() if k != "rollout"}
+        one = {**bare, "rollout": {**bare.get("rollout", {}), "engine": {"type": "vllm", "replicas": 1}}}
+        assert evaluate_rule(rule, apply_defaults(one, schema), schema, old=bare) is True
+        assert evaluate_rule(rule, bad, schema, old=bare) is False
     # an object on its own (a create, `trainingrun validate`) is never checked against a transition rule
     from trainingrun.api.checks import is_transition_rule
 
-    assert is_transition_rule(rule) and not any(is_transition_rule(r.rule) for r in models.TrainingRunSpec.CEL_RULES
-                                                if r.name != name)
+    assert is_transition_rule(rule)
+    transitions = {r.name for r in models.TrainingRunSpec.CEL_RULES if is_transition_rule(r.rule)}
+    assert transitions == {n for p, n in TRANSITION_CASES if p == ""}
 
 
 @pytest.mark.parametrize("path,name", sorted(CASES))

@@ -35,7 +35,8 @@ _count = st.none() | st.integers(0, 2**63 - 1)
 _envs = st.builds(
     ProcessEnv, run=st.none() | _text, store_url=st.none() | _text, config=st.none() | _text, attempt=_count,
     run_epoch=_count, metrics_port=_count, metrics_jsonl=st.none() | _text, output_dir=st.none() | _text,
-    engine_url=st.none() | _text, node_rank=_count, num_nodes=_count, log_timestamps=st.booleans(),
+    engine_url=st.none() | _text, engine_url_file=st.none() | _text, node_rank=_count, num_nodes=_count,
+    log_timestamps=st.booleans(),
 )
 
 

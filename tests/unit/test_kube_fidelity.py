@@ -80,6 +80,26 @@ def test_ids_versions_generation_and_status_subresource(kube):
     assert out["metadata"]["finalizers"] == ["x"]
 
 
+def test_scale_subresource_reads_and_writes_the_crds_replicas_path(kube):
+    """GET/PATCH …/scale (what `kubectl scale` sends): an autoscaling/v1 Scale of the CRD's specReplicasPath (spec
+    .rollout.engine.replicas), statusReplicasPath and labelSelectorPath; a write bumps generation and is validated
+    against the schema (422 naming the field)."""
+    kube.create(kube.tr_path(), _tr("sc1"))
+    scale = kube.get(kube.tr_path("sc1") + "/scale")
+    assert scale["kind"] == "Scale" and scale["apiVersion"] == "autoscaling/v1" and scale["metadata"]["name"] == "sc1"
+    assert scale["spec"] == {"replicas": None} and scale["status"] == {"replicas": 0}  # unset in the spec
+    kube.patch(kube.tr_path("sc1") + "/status", {"status": {"engineReplicas": 1, "engineSelector": "a=b"}})
+    out = kube.patch(kube.tr_path("sc1") + "/scale", {"spec": {"replicas": 3}})
+    assert out["kind"] == "Scale" and out["spec"] == {"replicas": 3} and out["status"] == {"replicas": 1,
+                                                                                          "selector": "a=b"}
+    run = kube.run("sc1")
+    assert run["spec"]["rollout"]["engine"]["replicas"] == 3 and run["metadata"]["generation"] == 2
+    assert run["spec"]["trainer"] == TINY["spec"]["trainer"]  # nothing else changed
+    with pytest.raises(urllib.error.HTTPError) as err:
+        kube.patch(kube.tr_path("sc1") + "/scale", {"spec": {"replicas": 0}})
+    assert err.value.code == 422 and "spec.rollout.engine.replicas" in err.value.body.replace("/", ".")
+
+
 def test_finalizers_and_garbage_collection(kube):
     tr = kube.create(kube.tr_path(), _tr("f2", finalizers=["keep"]))
     owner = {"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun", "name": "f2",
@@ -248,6 +268,9 @@ def test_stock_kmock_still_lacks_each_piece_of_the_layer():
                 bad["spec"] = {**bad["spec"], "trainer": {**bad["spec"]["trainer"], "replicas": 0}}
                 seen["invalid_run"], _ = await call("POST", "/apis/trainingrun.dev/v1alpha1/namespaces/default/"
                                                             "trainingruns", bad)
+                await call("POST", "/apis/trainingrun.dev/v1alpha1/namespaces/default/trainingruns", _tr("sc"))
+                _, seen["scale"] = await call("GET", "/apis/trainingrun.dev/v1alpha1/namespaces/default/"
+                                                     "trainingruns/sc/scale")
         return seen
 
     seen = asyncio.run(probe())
@@ -263,3 +286,4 @@ def test_stock_kmock_still_lacks_each_piece_of_the_layer():
     assert seen["orphan"] == 200  # no garbage collection of dependents
     assert seen["api_v1"]["groupVersion"] == "/v1"
     assert seen["invalid_run"] == 200  # custom resources are not validated against their CRD
+    assert not isinstance(seen["scale"], dict) or seen["scale"].get("kind") != "Scale"  # no scale subresource

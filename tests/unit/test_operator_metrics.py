@@ -41,6 +41,9 @@ def test_one_series_per_phase_with_the_current_one_set_and_removed_with_the_run(
     assert series("r1")[("trainingrun_operator_run_eta_seconds", ())] == 90
     t.set("u1", "Running", restarts=2, step=18, progress={"percentage": 40})  # the pace unknown again
     assert ("trainingrun_operator_run_eta_seconds", ()) not in series("r1")
+    assert ("trainingrun_operator_run_engine_replicas", ()) not in series("r1")  # no engines of its own
+    t.set("u1", "Running", restarts=2, step=18, engines=3)  # status.engineReplicas: the pool's size
+    assert series("r1")[("trainingrun_operator_run_engine_replicas", ())] == 3
     assert runs_by_phase() == {p: float(p == "Running") for p in PHASES}  # the aggregate counts the run too
     t.set("u1", None)
     assert series("r1") == {}

@@ -1,5 +1,6 @@
 """The engine pool's rules (`trainingrun.operator.pool`), on their own: each replica's current pod, an engine restarted
-in place past its budget, each replica's failure, leaving the pool, its size, readiness and the pods it should have.
+in place past its budget, each replica's failure, leaving the pool, its size, readiness, the pods it should have, and a
+resize (the pods it removes, the size it reached).
 (How `status.decide` applies them: tests/unit/test_operator_status.py; against the emulator:
 tests/integration/test_engine_pool.py.)"""
 
@@ -10,6 +11,7 @@ from trainingrun.api import parse_trainingrun
 from trainingrun.operator.observe import Observed, PodObs
 from trainingrun.operator.pool import (
     current_engines, engine_failures, engine_not_ready, engine_pods, leave_pool, over_budget, pool_size,
+    reached_size, removed,
 )
 from trainingrun.operator.roles import RoleLedger
 from trainingrun.operator.vocabulary import Names
@@ -129,3 +131,34 @@ def test_each_replica_in_the_pool_has_a_pod_of_its_generation():
     pods = engine_pods(run, ledger)
     assert [(r, c.kind, c.name, c.generation) for r, c in pods] == [
         (0, "Pod", "rl-engine-0", 0), (2, "Pod", "rl-engine-2-r1", 1)]
+
+
+def test_a_replica_joining_the_pool_in_a_resize_is_not_missing_and_a_removed_one_is_not_judged():
+    """Resize 2 -> 3: replica 2 without a pod yet is joining (size 2), not deleted; replica 1 without a pod is
+    deleted. Resize 3 -> 1: the removed replicas' pods (failed or not) are not judged."""
+    ledger = RoleLedger([])
+    engines = {0: _engine(0)}
+    obs = Observed(pods=tuple(engines.values()))
+    got = list(engine_failures(obs, engines, ledger, replicas=3, phase="Running", names=NAMES, size=2))
+    assert [f.name for f in got] == ["rl-engine-1"] and got[0].reasons == frozenset({policy.DELETED})
+    failed = _engine(2, phase="Failed", failure="exit 1", exit_codes=(1,))
+    engines = {0: _engine(0), 1: _engine(1), 2: failed}
+    obs = Observed(pods=tuple(engines.values()))
+    assert list(engine_failures(obs, engines, ledger, replicas=1, phase="Running", names=NAMES, size=3)) == []
+
+
+def test_the_pool_reaches_its_new_size_once_added_replicas_are_ready_and_removed_ones_gone():
+    ledger = RoleLedger([])
+    up = {0: _engine(0), 1: _engine(1), 2: _engine(2, ready=False)}
+    live = list(up.values())
+    assert reached_size(up, live, ledger, size=2, wanted=3) == 2  # engine-2 not ready yet
+    up[2] = _engine(2, ready=True)
+    assert reached_size(up, list(up.values()), ledger, size=2, wanted=3) == 3
+    _down(ledger, 2)  # a replica out of the pool is not waited for
+    assert reached_size({0: _engine(0), 1: _engine(1)}, [_engine(0), _engine(1)], ledger, size=2, wanted=3) == 3
+    down = {0: _engine(0, ready=True), 1: _engine(1, ready=True), 2: _engine(2, ready=True)}
+    assert removed(down.values(), 1) == ["rl-engine-1", "rl-engine-2"]
+    assert reached_size(down, list(down.values()), RoleLedger([]), size=3, wanted=1) == 3  # still draining
+    terminating = [down[0], _engine(1, deleting=True)]
+    assert removed([p for p in terminating if not p.deleting], 1) == []
+    assert reached_size({0: down[0]}, [down[0]], RoleLedger([]), size=3, wanted=1) == 1

@@ -41,6 +41,8 @@ def _granted(rules, group, resource, verb):
         ("", "configmaps", "watch"),
         ("", "configmaps", "patch"),  # a resize updates the run's manifest
         ("scheduling.volcano.sh", "podgroups", "delete"),  # a PodGroup per attempt
+        ("scheduling.volcano.sh", "podgroups", "patch"),  # the engines' group resized with the pool
+        ("scheduling.k8s.io", "workloads", "patch"),
         ("", "events", "create"),
         ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
     ],

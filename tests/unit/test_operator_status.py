@@ -438,3 +438,54 @@ def test_read_progress_copies_the_stores_progress_and_says_when_it_cannot():
     d = decide(run, st, pods_of(run, 0), now=T0 + dt.timedelta(seconds=500), progress=unknown)
     cond = next(c for c in d.status["conditions"] if c["type"] == "ProgressUnknown")
     assert cond["status"] == "True" and "Authentication required" in cond["message"]
+
+
+def test_engine_pool_resize_updates_the_list_first_then_removes_and_counts_the_pool():
+    """spec.rollout.engine.replicas 3 -> 1 on a running run: the ConfigMap (the rollout's list of URLs) is updated
+    first; the removed replicas' pods are deleted only once it holds the new list, without ending any group; the
+    pool's size (status.engineReplicas) stays 3 until they are gone, EnginePoolResizing True meanwhile. 1 -> 2: the
+    added replica is created at once, its missing pod is no failure, the run stays whole until it is ready."""
+    run3, run1 = _engine_run(replicas=3), _engine_run(replicas=1)
+    children = frozenset(c.key for c in vocabulary.base_children(run1, 0) if c.kind != "Pod")
+    group = [PodObs(name=vocabulary.Names("rl").pod(role, rank, 0), role=role, rank=rank, attempt=0, phase="Running")
+             for role, rank in status.expected_group(run1)]
+    group.append(PodObs(name="rl-store", role="store", rank=None, attempt=None, phase="Running"))
+
+    def engine(i: int, ready: bool = True) -> PodObs:
+        return PodObs(name=vocabulary.Names("rl").engine_pod(i), role="engine", rank=i, attempt=None,
+                      phase="Running", ready=ready)
+
+    st = {"phase": "Running", "attempt": 0, "restarts": 0, "engineReplicas": 3}
+    old_hash = vocabulary.config_hash(run3)
+    assert old_hash != vocabulary.config_hash(run1)
+    d = status.decide(run1, dict(st), Observed(pods=(*group, engine(0), engine(1), engine(2)), children=children,
+                                               config_hash=old_hash), now=T0)
+    assert [c.key for c in d.update] == ["ConfigMap/rl-config"] and not d.replace_pods and not d.delete_pods
+    assert d.status["engineReplicas"] == 3 and d.status["phase"] == "Running"
+    resizing = next(c for c in d.status["conditions"] if c["type"] == "EnginePoolResizing")
+    assert resizing["status"] == "True" and "from 3 to 1" in resizing["message"]
+    assert ("Normal", "ResizingEnginePool") in [(t, r) for t, r, _ in d.events]
+    d = status.decide(run1, dict(d.status), Observed(pods=(*group, engine(0), engine(1), engine(2)),
+                                                     children=children, config_hash=vocabulary.config_hash(run1)),
+                      now=T0)
+    assert d.replace_pods == ["rl-engine-1", "rl-engine-2"] and not d.delete_pods and not d.update
+    assert d.status["engineReplicas"] == 3 and not d.status.get("roleRestarts")
+    d = status.decide(run1, dict(d.status), Observed(pods=(*group, engine(0)), children=children,
+                                                     config_hash=vocabulary.config_hash(run1)), now=T0)
+    assert d.status["engineReplicas"] == 1 and not d.create and d.status["phase"] == "Running"
+    assert ("Normal", "EnginePoolResized") in [(t, r) for t, r, _ in d.events]
+    run2 = _engine_run(replicas=2)
+    d = status.decide(run2, dict(d.status), Observed(pods=(*group, engine(0)), children=children,
+                                                     config_hash=vocabulary.config_hash(run2)), now=T0)
+    assert "Pod/rl-engine-1" in {c.key for c in d.create} and not d.status.get("roleRestarts")  # joins, not missing
+    assert d.status["engineReplicas"] == 1
+    d = status.decide(run2, dict(d.status), Observed(pods=(*group, engine(0), engine(1, ready=False)),
+                                                     children=children, config_hash=vocabulary.config_hash(run2)),
+                      now=T0)
+    ready = next(c for c in d.status["conditions"] if c["type"] == "PodsReady")
+    assert ready["status"] == "True" and d.status["engineReplicas"] == 1  # not waited for: the run is whole
+    d = status.decide(run2, dict(d.status), Observed(pods=(*group, engine(0), engine(1)), children=children,
+                                                     config_hash=vocabulary.config_hash(run2)), now=T0)
+    assert d.status["engineReplicas"] == 2
+    assert d.status["engineSelector"] == ("app.kubernetes.io/name=trainingrun,trainingrun.dev/run=rl,"
+                                         "trainingrun.dev/role=engine")

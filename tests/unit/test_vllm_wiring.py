@@ -82,6 +82,28 @@ def test_vllm_engine_needs_disk_or_broadcast_and_a_server(tmp_path: Path, store,
     engine.close()
 
 
+def test_the_run_s_own_servers_follow_the_operators_list(tmp_path: Path, store, monkeypatch):
+    """With $TRAININGRUN_ENGINE_URL_FILE (the operator's ConfigMap, docs/operator.md "Resizing the engine pool") the
+    pool starts from the file's servers and re-reads it (`members`), making a vLLM replica of a URL added later; the
+    user's own servers (engine.url) follow no file."""
+    from trainingrun.contract.env import ENGINE_URL_ENV, ENGINE_URL_FILE_ENV
+    from trainingrun.engines.table import make_engine
+
+    listed = tmp_path / "engines"
+    listed.write_text("http://127.0.0.1:9\nhttp://127.0.0.1:10\n")
+    monkeypatch.setenv(ENGINE_URL_ENV, "http://127.0.0.1:9")
+    monkeypatch.setenv(ENGINE_URL_FILE_ENV, str(listed))
+    engine = make_engine(make_run(tmp_path).spec, store, ARCH)
+    assert [r.url for r in engine.replicas] == ["http://127.0.0.1:9", "http://127.0.0.1:10"]
+    listed.write_text("http://127.0.0.1:9\nhttp://127.0.0.1:10\nhttp://127.0.0.1:11\n")
+    assert engine.members() == ["http://127.0.0.1:9", "http://127.0.0.1:10", "http://127.0.0.1:11"]
+    assert engine.adapter_for("http://127.0.0.1:11").url == "http://127.0.0.1:11"
+    engine.close()
+    engine = make_engine(make_run(tmp_path, engine={"type": "vllm", "url": "http://h:8000"}).spec, store, ARCH)
+    assert engine.members is None and [r.url for r in engine.replicas] == ["http://h:8000"]
+    engine.close()
+
+
 def test_engine_url_must_be_http():
     from pydantic import ValidationError
 

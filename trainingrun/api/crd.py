@@ -140,6 +140,11 @@ def openapi_schema() -> dict[str, Any]:
     }
 
 
+# The scale subresource (`kubectl scale tr/NAME --replicas N`, autoscalers): the run's engine pool.
+SCALE = {"specReplicasPath": ".spec.rollout.engine.replicas", "statusReplicasPath": ".status.engineReplicas",
+         "labelSelectorPath": ".status.engineSelector"}
+
+
 def crd() -> dict[str, Any]:
     """The whole CustomResourceDefinition object."""
     columns = [
@@ -181,7 +186,7 @@ def crd() -> dict[str, Any]:
                     "name": VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    "subresources": {"status": {}, "scale": SCALE},
                     "additionalPrinterColumns": columns,
                     "schema": {"openAPIV3Schema": openapi_schema()},
                 }

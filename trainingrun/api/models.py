@@ -40,6 +40,9 @@ __all__ = [
 _GENERATED = "has(self.rollout) && has(self.rollout.source) && self.rollout.source.type == 'generate'"
 _VLLM = "has(self.rollout.engine) && self.rollout.engine.type == 'vllm'"
 _SYNC = "(has(self.weightSync) ? self.weightSync.type : 'store')"
+# spec.rollout.engine.replicas of `obj` (self or oldSelf) with its default (1) where rollout or engine is unset
+_ENGINE_REPLICAS = ("((has({obj}.rollout) && has({obj}.rollout.engine) && has({obj}.rollout.engine.replicas)) ? "
+                    "{obj}.rollout.engine.replicas : 1)")
 _PLACED = "(has(self.placement) && has(self.placement.{role}) && has(self.placement.{role}.{kind}))"
 
 
@@ -164,6 +167,16 @@ class TrainingRunSpec(ApiModel):
             "oldSelf.managedBy)",
             message="spec.managedBy is immutable: it cannot be set, changed or removed after the run is created",
             fieldPath=".managedBy",
+        ),
+        # A transition rule: Kueue admitted the engines as one pod group of a fixed size (pod-group-total-count), so
+        # a run in a queue keeps its engine pool's size (docs/operator.md, "Resizing the engine pool").
+        Rule(
+            name="engine-replicas-fixed-under-kueue",
+            rule="!has(self.queueName) || !has(oldSelf.queueName) || "
+            f"{_ENGINE_REPLICAS.format(obj='self')} == {_ENGINE_REPLICAS.format(obj='oldSelf')}",
+            message="spec.rollout.engine.replicas cannot change while Kueue manages the run (spec.queueName): Kueue "
+            "admitted its engines as one pod group of that size; create a new TrainingRun to change it",
+            fieldPath=".rollout.engine.replicas",
         ),
         Rule(
             name="kueue-placement-needs-queue",
@@ -295,7 +308,8 @@ class Condition(ApiModel):
                       r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$",
                       description="Running, Restarting, Suspended, Succeeded, Failed (lifecycle: one is True at a "
                       "time), PodsReady (False while Pending: why), ProgressUnknown (True while the store's progress "
-                      "cannot be read).")
+                      "cannot be read), EnginePoolResizing (True while the engine pool's size differs from "
+                      "spec.rollout.engine.replicas).")
     status: Literal["True", "False", "Unknown"] = Field(..., description="True, False or Unknown.")
     observed_generation: int | None = Field(None, ge=0, le=INT64_MAX,
                                             description="The spec generation the condition was set from.")
@@ -373,6 +387,12 @@ class TrainingRunStatus(ApiModel):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["role", "replica"]})
     progress: ProgressStatus | None = Field(None, description="Percentage, rollouts done of the total and an "
                                             "estimate of the time left, from the trainers' progress record.")
+    engine_replicas: int | None = Field(None, ge=0, le=256, description="The engine pool's size as the operator "
+                                        "runs it (the scale subresource's status replicas): it reaches "
+                                        "spec.rollout.engine.replicas once every added replica's pod exists and every "
+                                        "removed one's pod is gone.")
+    engine_selector: str | None = Field(None, max_length=1024, description="The label selector of the run's engine "
+                                        "pods (the scale subresource's labelSelectorPath, for autoscalers).")
 
 
 class ObjectMeta(BaseModel):

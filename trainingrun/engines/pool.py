@@ -39,6 +39,14 @@ reported ("engine-0 busy loading weights since 12:00:03 (30s)"); no load outlive
 connect timeout): the worker bounds its own work. `WeightsRefused` (a damaged or foreign version) raises at once,
 naming the replica. The pool holds version v once at least one replica does.
 
+Resize (`members`: where the pool's current list of servers is read, e.g. the file the operator keeps up to date,
+$TRAININGRUN_ENGINE_URL_FILE; `adapter_for`: a server's adapter from its URL): before each call, and before a weight
+load when no call runs, the list is read again (`resize`). A server added joins through the recovery — its label,
+the pool's current version loaded, then live — so it gets no request before it holds the current version. A server
+removed leaves between calls, when the pool has no request in flight: nothing is cut; listed again, it comes back as
+the same replica (its counters go on) through the same recovery. (A server that goes away
+during a call, before the list said so, is a replica that died: its requests are re-sent to the others.)
+
 Before a call each replica's weight label is checked (a server restarted since the last call is loaded again);
 during it, answers count only once a probe of their replica finds the call's label (dispatch.py).
 """
@@ -87,6 +95,7 @@ AUTO_LOW, AUTO_HIGH = 4, 4096  # bounds of an adaptive limit (AUTO_HIGH: the API
 STICKY_WAIT = 0.0  # seconds a request waits for room at its affinity's replica: none (benchmarks/engine_pool.py sticky-wait)
 FAULT_REPEATS = 2  # a replica that came back and failed with the same engine error this often: deterministic
 LOAD_REPORT_SECONDS = 30.0
+REMOVED = "removed from the pool"  # `Replica.broken` of a server a resize took out
 
 
 class EnginePool:
@@ -97,7 +106,9 @@ class EnginePool:
                  name: str = "pool", label_prefix: str = "v", concurrency: int | str = DEFAULT_CONCURRENCY,
                  restart_timeout: float = 900.0, load_timeout: float = 600.0, stall_seconds: float = 60.0,
                  sticky_wait: float = STICKY_WAIT, seeded: bool = False, names: Sequence[str] | None = None,
-                 say: Callable[[str], None] | None = None):
+                 say: Callable[[str], None] | None = None,
+                 members: Callable[[], Sequence[str] | None] | None = None,
+                 adapter_for: Callable[[str], ReplicaAdapter] | None = None):
         adapters = list(adapters)
         if not adapters:
             raise ValueError("clients: a pool needs at least one server")
@@ -127,6 +138,10 @@ class EnginePool:
         self._calling = threading.Lock()  # held by the one generate call that runs
         self._closed = threading.Event()
         self._tickets = itertools.count()
+        if members is not None and adapter_for is None:
+            raise ValueError("members: a pool that reads its list of servers needs adapter_for (URL -> adapter)")
+        self.members, self.adapter_for = members, adapter_for
+        self._left: dict[str, Replica] = {}  # servers a resize removed, by URL: the same one back keeps its counters
         self.stats = {"generated_tokens": 0, "generate_seconds": 0.0, "load_seconds": 0.0, "loaded_bytes": 0,
                       "loads": 0, "recoveries": 0, "retried_prompts": 0, "stalls": 0, "aborted_requests": 0}
         self.last_load: dict[str, Any] = {}
@@ -148,6 +163,11 @@ class EnginePool:
         """Load `version` into every replica that is not being recovered (those load it when they are back). In a
         pool a replica that goes away during the load is not waited for: it is recovered in the background while
         the others serve; only when no replica loaded the version are the ones that went away waited for."""
+        if self._calling.acquire(blocking=False):  # no call runs: the list of servers may change now
+            try:
+                self._read_members()
+            finally:
+                self._calling.release()
         meta = self.fetch(version)
         t0 = time.perf_counter()
         with self._lock:
@@ -270,7 +290,7 @@ class EnginePool:
     def _recovery(self, r: Replica) -> None:
         t0 = time.monotonic()
         try:
-            while not self._closed.is_set() and time.monotonic() - t0 < self.restart_timeout:
+            while not self._closed.is_set() and not r.broken and time.monotonic() - t0 < self.restart_timeout:
                 version = self._version
                 try:
                     label = r.adapter.label(timeout=PROBE_TIMEOUT)
@@ -293,6 +313,8 @@ class EnginePool:
                 except EngineError as exc:  # EngineUnavailable included
                     r.last_error = str(exc)
                 self._closed.wait(1.0)
+            if r.broken == REMOVED:
+                return  # a resize took it out of the pool: nothing to wait for
             with self._lock:
                 r.failed = not self._closed.is_set()
             if r.failed:
@@ -334,6 +356,63 @@ class EnginePool:
                 self._recover(r, f"its weight label is {label!r}, not {want!r} (restarted, or a load was "
                                  "interrupted)")
 
+    # ------------------------------------------------------------------ resize
+    def _read_members(self) -> None:
+        """The pool's servers as `members` lists them now (nothing when it has no list, or none could be read)."""
+        if self.members is None:
+            return
+        try:
+            urls = self.members()
+        except (OSError, ValueError) as exc:
+            self.say(f"cannot read the list of servers ({exc}); the pool keeps its {len(self.replicas)}")
+            return
+        if urls:
+            self.resize(urls)
+
+    def resize(self, urls: Sequence[str]) -> None:
+        """The pool's servers become `urls` (module docstring, "Resize"); call it only when no call runs. Kept
+        servers keep their state; an added one is named engine-<i> after its place in `urls`."""
+        wanted = list(dict.fromkeys(urls))
+        assert self.adapter_for is not None, "resize needs adapter_for"
+        with self._lock:
+            have = {r.url: r for r in self.replicas}
+            if not wanted or set(wanted) == set(have):
+                return
+            gone = [r for u, r in have.items() if u not in wanted]
+            kept = {r.name for r in self.replicas if r.url in wanted}
+            for r in gone:
+                r.live, r.broken = False, r.broken or REMOVED  # a recovery under way stops using it
+                self._prefix_base.pop(r.name, None)
+                self.adaptive.pop(r.name, None)
+                self._left[r.url] = r
+            start = DEFAULT_CONCURRENCY if self.concurrency == "auto" else int(self.concurrency)
+            replicas, added = [], []
+            for i, url in enumerate(wanted):
+                if url in have:
+                    replicas.append(have[url])
+                    continue
+                r = self._left.pop(url, None)  # back: its counters go on (a rollout's share is a difference)
+                if r is not None and r.broken == REMOVED and r.name not in kept:
+                    r.broken, r.live, r.failed, r.stalled, r.limit = "", False, False, False, start
+                else:
+                    name = f"engine-{i}" if f"engine-{i}" not in kept else f"engine-{i}-{url}"
+                    r = Replica(name, self.adapter_for(url), limit=start)
+                if self.concurrency == "auto":
+                    self.adaptive[r.name] = AdaptiveLimit(start, AUTO_LOW, AUTO_HIGH)
+                replicas.append(r)
+                added.append(r)
+            self.replicas = replicas
+        self.say(f"resized from {len(have)} to {len(wanted)} server(s)"
+                 + (f"; removed {', '.join(r.describe() for r in gone)}" if gone else "")
+                 + (f"; added {', '.join(r.describe() for r in added)}" if added else ""))
+        if self._version >= 0:
+            for r in added:  # the current version first, then live (the recovery's steps)
+                with self._lock:
+                    if r.recovering:
+                        continue  # a recovery begun before it left goes on: it joins through that one
+                    r.recovering = True
+                threading.Thread(target=self._recovery, args=(r,), name=f"join-{r.name}", daemon=True).start()
+
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: Sampling, *,
                  affinities: Sequence[str | None] | None = None) -> list[list[Completion]]:
@@ -369,6 +448,7 @@ class EnginePool:
         if self._version < 0:
             raise EngineError("generate before load_weights: the engine holds no weight version yet")
         t0 = time.perf_counter()
+        self._read_members()
         self._check_replicas()
         self._read_all_signals(first=True)  # the counters' starting point of a replica not read yet
         call = Call(self, list(requests), sampling, on_group)

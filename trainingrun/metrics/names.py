@@ -164,6 +164,9 @@ OPERATOR = {
                                                  "the first progress.",
     "trainingrun_operator_run_eta_seconds": "The run's status.progress.estimatedRemainingSeconds (gauge), labels "
                                             "namespace, run; absent while the pace is not known.",
+    "trainingrun_operator_run_engine_replicas": "The run's status.engineReplicas: the engine pool's size as it runs "
+                                                "(gauge), labels namespace, run; absent for a run without engines "
+                                                "of its own.",
 }
 
 # Common labels: run (TrainingRun name), rank (trainers), role.

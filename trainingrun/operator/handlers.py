@@ -13,6 +13,10 @@
     server's last refusal) → `status.decide` → write the status with the observed resourceVersion as
     precondition → post events → act (delete, update, create children; pods only after what they need exists).
   - `spec_changed` (on.update of spec): mutable fields take effect; other changes are ignored with a Warning event.
+    spec.rollout.engine.replicas resizes the engine pool of a running run (`status._engine_pool`), except while Kueue
+    manages the run (spec.queueName): then the change is ignored with a ResizeRefused Warning (the CRD's transition
+    rule engine-replicas-fixed-under-kueue refuses it on a real API server), and in a run without engine servers
+    of its own. Changes are classified leaf by leaf (`_changed_paths`).
 
 A run whose `spec.managedBy` names another controller (e.g. MultiKueue's `kueue.x-k8s.io/multikueue`) matches no
 handler (`managed_here`): the operator starts no daemon for it, adds no finalizer or annotation, creates nothing and
@@ -73,14 +77,16 @@ from trainingrun.operator.observe import Observed, PodObs, Refusal, is_permanent
 from trainingrun.operator.progress import ProgressReader
 from trainingrun.operator.reconcile import EVENT_MESSAGE_MAX, Decision, bounded, now_utc
 from trainingrun.operator.render import DEFAULT_REDIS_IMAGE, render_child
-from trainingrun.operator.vocabulary import Child, Names, Owner, store_url
+from trainingrun.operator.vocabulary import Child, Names, Owner, engine_replicas, store_url
 
 log = logging.getLogger("trainingrun.operator")
 
+ENGINE_REPLICAS = ("rollout", "engine", "replicas")
 # Spec fields that take effect while a run exists (paths under spec); everything else is frozen at the first reconcile.
 MUTABLE_FIELDS: tuple[tuple[str, ...], ...] = (
     ("suspend",), ("activeDeadlineSeconds",), ("ttlSecondsAfterFinished",), ("failurePolicy",),
     ("trainer", "replicas"),  # elastic data parallelism: the group restarts at the new size
+    ENGINE_REPLICAS,  # the engine pool resized on a running run (the scale subresource); not under Kueue
 )
 RUN_SELECTOR = f"{LABEL_NAME}={APP},{LABEL_RUN}"  # server-side: the runs' children only
 CHILD_FILTER = {LABEL_NAME: APP, LABEL_RUN: kopf.PRESENT}
@@ -88,6 +94,35 @@ CREATE_RETRY_MAX = 60.0  # seconds between retries of a refused create, at most
 EXPECT_SECONDS = 30.0  # how long a created child counts as existing before a watch shows it
 DISCOVERY_SECONDS = 60.0  # how long a discovered scheduling.k8s.io version is trusted
 DISCOVERY_SECONDS_NONE = 5.0  # ... and that none is served (an API enabled meanwhile is found within seconds)
+
+
+def _changed_paths(diff: kopf.Diff) -> list[tuple[str, ...]]:
+    """The spec paths a diff changes, down to the leaves where a whole object was added or removed (adding
+    `rollout.engine: {replicas: 2}` changes rollout.engine.replicas, a mutable field)."""
+    out: list[tuple[str, ...]] = []
+
+    def walk(parts: tuple[str, ...], old: Any, new: Any) -> None:
+        if isinstance(old, dict) or isinstance(new, dict):
+            old, new = old if isinstance(old, dict) else {}, new if isinstance(new, dict) else {}
+            for key in sorted(set(old) | set(new)):
+                if old.get(key) != new.get(key):
+                    walk((*parts, str(key)), old.get(key), new.get(key))
+            return
+        out.append(parts)
+
+    for _op, path, old, new in diff:
+        parts = tuple(str(p) for p in path)
+        walk(parts[1:] if parts and parts[0] == "spec" else parts, old, new)
+    return out
+
+
+def _runs_engine_servers(body: kopf.Body) -> bool:
+    """Whether the run's (effective) spec has engine servers of its own (`vocabulary.engine_replicas`); an unparsable
+    spec counts as having them (its own failure says why)."""
+    try:
+        return engine_replicas(parse_run(body)) > 0
+    except ValidationError:
+        return True
 
 
 def managed_here(spec: Any, **_: Any) -> bool:
@@ -262,15 +297,21 @@ def effective_spec(body: kopf.Body) -> dict[str, Any]:
     except ValueError:
         return live
     for path in MUTABLE_FIELDS:
+        if path == ENGINE_REPLICAS and frozen.get("queueName"):
+            continue  # Kueue admitted the engines as one pod group of a fixed size (the CRD refuses it too)
         source: Any = live
         for part in path[:-1]:
             source = source.get(part) if isinstance(source, dict) else None
+        if isinstance(source, dict) and path[-1] in source:
+            target = frozen
+            for part in path[:-1]:
+                target = target.setdefault(part, {})
+            target[path[-1]] = source[path[-1]]
+            continue
         target = frozen
         for part in path[:-1]:
-            target = target.setdefault(part, {})
-        if isinstance(source, dict) and path[-1] in source:
-            target[path[-1]] = source[path[-1]]
-        else:
+            target = target.get(part) if isinstance(target, dict) else None
+        if isinstance(target, dict):
             target.pop(path[-1], None)
     return frozen
 
@@ -374,7 +415,7 @@ async def reconcile(state: OperatorState, run_state: RunState, body: kopf.Body,
         state.gone[(ns, name)] = {n: p for n, p in gone.items() if p.attempt is not None and p.attempt >= attempt}
     state.phases.set(uid, decision.status.get("phase"), namespace=ns, name=name,
                      restarts=decision.status.get("restarts"), step=decision.status.get("step"),
-                     progress=decision.status.get("progress"))
+                     progress=decision.status.get("progress"), engines=decision.status.get("engineReplicas"))
     hint = await act(state, run_state, decision, run, body)
     if hint is not None:
         decision.wake_in(hint)
@@ -405,6 +446,8 @@ async def act(state: OperatorState, run_state: RunState, decision: Decision, run
         if provider is not None:
             await api.delete(provider.api_version, child.kind, ns, child.name)
         run_state.gang.discard(child.key)
+    if decision.resize_engine_gang and provider is not None:
+        await _resize_engine_gang(api, provider, run, body)
     if not decision.create and not decision.update:
         return None
     record = run_state.refusal
@@ -432,6 +475,21 @@ async def act(state: OperatorState, run_state: RunState, decision: Decision, run
         run_state.refusal = None  # the creates went through
         run_state.wakeup.set()
     return None
+
+
+async def _resize_engine_gang(api: KubeApi, provider: gang.GangProvider, run: TrainingRun, body: kopf.Body) -> None:
+    """The engines' serving gang object (R-engine: PodGroup minMember, Workload minCount) brought to the pool's new
+    size by a merge patch of its spec; a refusal (an immutable field, an object gone) is a Warning, not a failure:
+    the pool runs on."""
+    meta = body["metadata"]
+    group = Names(meta["name"]).engine
+    for kind in provider.kinds:
+        try:
+            await api.patch(provider.api_version, kind, meta["namespace"], group,
+                            {"spec": provider.spec(kind, run, group, engines=True)})
+        except ApiError as exc:
+            kopf.event(body, type="Warning", reason="EngineGangNotResized", message=bounded(
+                f"{kind} {group} keeps its size: {exc.detail}", EVENT_MESSAGE_MAX))
 
 
 async def _annotate(api: KubeApi, ns: str, pod: str, annotations: dict[str, str]) -> None:
@@ -548,14 +606,24 @@ async def run_daemon(body: kopf.Body, namespace: str, name: str, uid: str, stopp
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", retries=5, backoff=2, timeout=60, when=managed_here)
 def spec_changed(diff: kopf.Diff, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Mutable fields take effect; other changes are ignored (the run keeps its frozen spec) with a Warning."""
-    applied, ignored = [], []
-    for _op, path, _old, _new in diff:
-        parts = tuple(str(p) for p in path)
-        if parts and parts[0] == "spec":
-            parts = parts[1:]
+    applied, ignored, kueue, serverless = [], [], [], []
+    queued = bool(effective_spec(body).get("queueName"))
+    for parts in _changed_paths(diff):
         dotted = "spec." + ".".join(parts) if parts else "spec"
+        if parts[:len(ENGINE_REPLICAS)] == ENGINE_REPLICAS and (queued or not _runs_engine_servers(body)):
+            (kueue if queued else serverless).append(dotted)
+            continue
         mutable = any(parts[:len(m)] == m for m in MUTABLE_FIELDS)
         (applied if mutable else ignored).append(dotted)
+    if serverless:
+        kopf.event(body, type="Warning", reason="ResizeRefused", message=(
+            "spec.rollout.engine.replicas counts the run's own engine servers, and this run has none (an engine in "
+            "the rollout process, replayed rollouts, or servers of its own at rollout.engine.url): nothing to resize"))
+    if kueue:
+        kopf.event(body, type="Warning", reason="ResizeRefused", message=(
+            "spec.rollout.engine.replicas cannot change while Kueue manages the run (spec.queueName): Kueue admitted "
+            "its engines as one pod group of that size; the pool keeps its size (create a new TrainingRun to change "
+            "it)"))
     if applied:
         kopf.event(body, type="Normal", reason="SpecUpdated", message=f"applied: {', '.join(sorted(set(applied)))}")
     if ignored:

@@ -7,7 +7,8 @@ Two kinds:
     `trainingrun_operator_run_phase{phase}` (1 for the current phase, 0 for every other phase),
     `trainingrun_operator_run_restarts` (status.restarts), `trainingrun_operator_run_step` (status.step, 0 before the
     trainers report progress), `trainingrun_operator_run_progress_percent` and `trainingrun_operator_run_eta_seconds`
-    (status.progress.percentage and .estimatedRemainingSeconds, absent while unset). A run's series are removed when the run goes away, so nothing stale is exported.
+    (status.progress.percentage and .estimatedRemainingSeconds, absent while unset),
+    `trainingrun_operator_run_engine_replicas` (status.engineReplicas: the engine pool's size). A run's series are removed when the run goes away, so nothing stale is exported.
     Because the run's namespace is a label of the exposition, scrape the operator with `honor_labels: true` (the
     chart's ServiceMonitor does), else Prometheus renames it to `exported_namespace`.
 """
@@ -46,8 +47,10 @@ RUN_PROGRESS = Gauge("trainingrun_operator_run_progress_percent", _help("trainin
                      ["namespace", "run"], registry=REGISTRY)
 RUN_ETA = Gauge("trainingrun_operator_run_eta_seconds", _help("trainingrun_operator_run_eta_seconds"),
                 ["namespace", "run"], registry=REGISTRY)
+RUN_ENGINES = Gauge("trainingrun_operator_run_engine_replicas", _help("trainingrun_operator_run_engine_replicas"),
+                    ["namespace", "run"], registry=REGISTRY)
 # per-run gauges that are absent while their status field is unset: (gauge, RunObs attribute)
-_OPTIONAL = ((RUN_STEP, "step"), (RUN_PROGRESS, "progress"), (RUN_ETA, "eta"))
+_OPTIONAL = ((RUN_STEP, "step"), (RUN_PROGRESS, "progress"), (RUN_ETA, "eta"), (RUN_ENGINES, "engines"))
 
 for _phase in PHASES:
     RUNS.labels(phase=_phase).set(0)
@@ -64,6 +67,7 @@ class RunObs:
     step: int | None = None
     progress: int | None = None  # status.progress.percentage
     eta: int | None = None  # status.progress.estimatedRemainingSeconds
+    engines: int | None = None  # status.engineReplicas
 
 
 class PhaseTracker:
@@ -76,7 +80,8 @@ class PhaseTracker:
         self.owner: dict[tuple[str, str], str] = {}
 
     def set(self, uid: str, phase: str | None, *, namespace: str | None = None, name: str | None = None,
-            restarts: int | None = None, step: int | None = None, progress: dict | None = None) -> None:
+            restarts: int | None = None, step: int | None = None, progress: dict | None = None,
+            engines: int | None = None) -> None:
         """Record the run's phase (None: the run is gone or unknown — its series are removed)."""
         if phase is None:
             self._forget(uid)
@@ -88,7 +93,8 @@ class PhaseTracker:
                 raise ValueError(f"run {uid}: namespace and name are needed the first time its phase is set")
             progress = progress or {}
             obs = RunObs(ns, nm, phase, int(restarts or 0), None if step is None else int(step),
-                         _int_or_none(progress.get("percentage")), _int_or_none(progress.get("estimatedRemainingSeconds")))
+                         _int_or_none(progress.get("percentage")), _int_or_none(progress.get("estimatedRemainingSeconds")),
+                         _int_or_none(engines))
             self.runs[uid] = obs
             self.owner[(ns, nm)] = uid
             self._export(obs)

@@ -5,14 +5,22 @@ applies them to the status it writes.
   current_engines        each replica's pod of its current generation
   over_budget            an engine pod the kubelet restarted in place more often than the engine role's budget
   engine_failures        each replica whose current pod failed, was disrupted or deleted (one missing from a running
-                         run counts as deleted, unless its replacement is not created yet); a replica out of the pool
-                         is never judged again
+                         run counts as deleted, unless its replacement is not created yet or it joins the pool in a
+                         resize); a replica out of the pool is never judged again
   leave_pool             an engine replica that failed with the role's budget spent leaves the pool (marked `down`,
                          never replaced) while another replica serves; the last one leaving fails the run, naming
                          every engine pod of the pool and its last failure
   pool_size              the replicas still in the pool
   engine_not_ready       the first replica in the pool whose pod is not ready (a running run is not whole meanwhile)
   engine_pods            the pod each replica in the pool should have (of its current generation)
+  removed                the live pods of replicas a resize took out of the pool (replica >= the wanted size)
+  reached_size           the pool's size as it runs (status.engineReplicas): the wanted size once every added
+                         replica's pod is ready and every removed one's pod is gone, else the size before
+
+A resize (spec.rollout.engine.replicas changed on a running run): the run's ConfigMap gets the new list of URLs
+first (the rollout re-reads it, $TRAININGRUN_ENGINE_URL_FILE); an added replica's pod is created at once (it joins the
+pool: not judged missing and not waited for until it was ready once); a removed replica's pod is deleted once the
+ConfigMap holds the new list, without touching the trainers, the rollout or the other replicas.
 """
 
 from __future__ import annotations
@@ -47,16 +55,18 @@ def over_budget(live: Iterable[PodObs], budget: int) -> str | None:
 
 
 def engine_failures(obs: Observed, engines: dict[int, PodObs], ledger: RoleLedger, *, replicas: int, phase: str,
-                    names: Names) -> Iterator[policy.Failure]:
+                    names: Names, size: int | None = None) -> Iterator[policy.Failure]:
     """Each engine replica's failure, in replica order (lazily: the caller may act on one before the next is
-    judged); see the module docstring."""
+    judged); see the module docstring. `size`: the pool's size as it ran (status.engineReplicas; default
+    `replicas`): a replica from `size` up joins the pool, its pod not created or seen yet."""
+    size = replicas if size is None else size
     for replica in range(replicas):
         p = engines.get(replica)
         if ledger.down(ROLE_ENGINE, replica):
             continue  # out of the pool
         if p is not None:
             failure = obs.failure_of(p, phase)
-        elif phase == "Running" and not ledger.replacing(ROLE_ENGINE, replica):
+        elif phase == "Running" and replica < size and not ledger.replacing(ROLE_ENGINE, replica):
             name = names.engine_pod(replica, ledger.generation(ROLE_ENGINE, replica))
             failure = policy.Failure(name=name, kind=policy.ExitKind.FAILURE, role=ROLE_ENGINE, rank=replica,
                                      reasons=frozenset({policy.DELETED}),
@@ -110,3 +120,21 @@ def engine_pods(run, ledger: RoleLedger) -> list[tuple[int, Child]]:
     never replaced again)."""
     return [(replica, engine_child(run, replica, ledger.generation(ROLE_ENGINE, replica)))
             for replica in range(engine_replicas(run)) if not ledger.down(ROLE_ENGINE, replica)]
+
+
+def removed(live: Iterable[PodObs], wanted: int) -> list[str]:
+    """The live engine pods of replicas a resize took out of the pool (replica >= `wanted`)."""
+    return sorted(p.name for p in live if p.role == ROLE_ENGINE and (p.rank or 0) >= wanted)
+
+
+def reached_size(engines: dict[int, PodObs], live: Iterable[PodObs], ledger: RoleLedger, *, size: int,
+                 wanted: int) -> int:
+    """The pool's size as it runs (status.engineReplicas): `wanted` once every replica added since `size` (and still
+    in the pool) has a ready pod and no pod of a removed replica is live; else still `size`."""
+    if removed(live, wanted):
+        return size
+    for replica in range(size, wanted):
+        p = engines.get(replica)
+        if not ledger.down(ROLE_ENGINE, replica) and (p is None or p.deleting or not p.ready):
+            return size
+    return wanted

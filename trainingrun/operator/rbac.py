@@ -18,7 +18,8 @@ Each rule is a plain dict as in a Kubernetes PolicyRule (apiGroups / resources /
 - customresourcedefinitions, namespaces: kopf's discovery of served resources and of the namespaces it watches.
 - podgroups (and, for Kubernetes' own gang scheduling, workloads of scheduling.k8s.io): only with
   `spec.gangScheduling.enabled` (Volcano, scheduler-plugins' coscheduling, or provider kubernetes): one per attempt,
-  created, and deleted when the attempt ends. Discovery of the served scheduling.k8s.io version needs no rule (every
+  created, and deleted when the attempt ends; the engines' serving group is patched to the pool's new size when
+  `spec.rollout.engine.replicas` changes (a resize). Discovery of the served scheduling.k8s.io version needs no rule (every
   authenticated client may read discovery).
 - kopf.dev peerings: only when the operator runs with `--peering` (HA, see docs/operator.md); the default is
   `--standalone` with one replica.
@@ -52,9 +53,9 @@ CLUSTER_RULES: tuple[Rule, ...] = (
 
 # Only with gang scheduling (spec.gangScheduling.enabled).
 GANG_RULES: tuple[Rule, ...] = (
-    {"apiGroups": ["scheduling.volcano.sh"], "resources": ["podgroups"], "verbs": ["get", "create", "delete"]},
-    {"apiGroups": ["scheduling.x-k8s.io"], "resources": ["podgroups"], "verbs": ["get", "create", "delete"]},
-    {"apiGroups": ["scheduling.k8s.io"], "resources": ["workloads", "podgroups"], "verbs": ["get", "create", "delete"]},
+    {"apiGroups": ["scheduling.volcano.sh"], "resources": ["podgroups"], "verbs": ["get", "create", "delete", "patch"]},
+    {"apiGroups": ["scheduling.x-k8s.io"], "resources": ["podgroups"], "verbs": ["get", "create", "delete", "patch"]},
+    {"apiGroups": ["scheduling.k8s.io"], "resources": ["workloads", "podgroups"], "verbs": ["get", "create", "delete", "patch"]},
 )
 
 # Only with --peering (several replicas; one active). ClusterKopfPeering is cluster-scoped.

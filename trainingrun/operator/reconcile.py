@@ -54,6 +54,7 @@ class Decision:
     replace_pods: list[str] = field(default_factory=list)  # live pods of an older generation of their role: their
     #                                                         replacement joins the same group
     delete_run: bool = False
+    resize_engine_gang: bool = False  # the engine pool is resized: bring its serving gang object to the new size
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
     restarted: bool = False  # a counted restart (the operator's restart counter)
     requeue_after: float | None = None  # wake-up hint for backoff/ttl/deadlines

@@ -5,7 +5,9 @@ owner reference to its TrainingRun (controller: true), so deleting the run garba
 
 Children of a run `R` in namespace `NS`:
   ConfigMap  R-config           the run manifest as YAML, mounted at `trainingrun.plan.CONFIG_MOUNT_PATH`; annotated
-                                with a hash of it (`config_hash`), so a changed spec (a resize) is noticed
+                                with a hash of it (`config_hash`), so a changed spec (a resize) is noticed; with the
+                                run's own engines also `engines`, the pool's URLs one a line, mounted beside it in the
+                                rollout pod ($TRAININGRUN_ENGINE_URL_FILE): updated in place when the pool is resized
   Service    R-trainers         headless; trainer pods of attempt k set hostname trainer-<rank>-a<k> + subdomain
                                 R-trainers, so MASTER_ADDR = trainer-0-a<k>.R-trainers.NS.svc is the current
                                 attempt's trainer 0 and never a pod of an older attempt still terminating
@@ -65,7 +67,8 @@ from trainingrun.operator.vocabulary import (
     Owner,
     base_children,
     config_hash,
-    config_text,
+    config_data,
+    ENGINES_KEY,
     engine_child,
     engine_is_managed,
     engine_replicas,
@@ -76,7 +79,7 @@ from trainingrun.operator.vocabulary import (
 )
 from trainingrun.plan import CONFIG_MOUNT_PATH, DEFAULT_MASTER_PORT, ProcessPlan, RunPlan, build_plan, engine_roles
 from trainingrun.engines.table import ServerPods, server_kind
-from trainingrun.contract.env import ENGINE_URL_ENV, ProcessEnv
+from trainingrun.contract.env import ENGINE_URL_ENV, ENGINE_URL_FILE_ENV, ProcessEnv
 
 DEFAULT_REDIS_IMAGE = "redis:7.2-alpine"
 GPU_RESOURCE = gang.GPU_RESOURCE
@@ -92,10 +95,16 @@ def plan_for(run: TrainingRun, namespace: str, attempt: int) -> RunPlan:
         attempt=attempt,
         epoch=run_epoch(run),
         extra_env={ENGINE_URL_ENV: server_pods(run).urls(Names(run.metadata.name).engine, namespace,
-                                                         run.spec.rollout.engine.replicas)}
+                                                         run.spec.rollout.engine.replicas),
+                   ENGINE_URL_FILE_ENV: engines_path()}
         if engine_is_managed(run) else None,
         engine_replicas=engine_replicas(run),
     )
+
+
+def engines_path() -> str:
+    """Where the rollout pod reads the engine pool's current URLs: the ConfigMap's ENGINES_KEY beside run.yaml."""
+    return f"{CONFIG_MOUNT_PATH.rsplit('/', 1)[0]}/{ENGINES_KEY}"
 
 
 def server_pods(run: TrainingRun) -> ServerPods:
@@ -127,7 +136,7 @@ def render_config_map(run: TrainingRun, owner: Owner) -> dict[str, Any]:
         "kind": "ConfigMap",
         "metadata": _meta(Names(owner.name).config, owner, {**base_labels(owner.name), LABEL_ROLE: ROLE_CONFIG},
                           {ANNOTATION_CONFIG_HASH: config_hash(run)}),
-        "data": {"run.yaml": config_text(run, owner.namespace)},
+        "data": config_data(run, owner.namespace),
     }
 
 
@@ -266,13 +275,16 @@ def render_process_pod(run: TrainingRun, owner: Owner, process: ProcessPlan, att
     resources = _claimed(resources, claims)
     if resources:
         container["resources"] = resources
+    items = [{"key": "run.yaml", "path": "run.yaml"}]
+    if process.role == ROLE_ROLLOUT and engine_is_managed(run):  # the pool's URLs, updated in place on a resize
+        items.append({"key": ENGINES_KEY, "path": ENGINES_KEY})
     pod_spec = {
         **_pod_spec_common(run, gang_version),
         **(provider.pod_spec(group) if provider is not None else {}),
         "restartPolicy": "Never",  # restarts are the operator's (the failure policy), with attempt/generation labels
         "containers": [container],
         "volumes": [
-            {"name": CONFIG_VOLUME, "configMap": {"name": names.config, "items": [{"key": "run.yaml", "path": "run.yaml"}]}},
+            {"name": CONFIG_VOLUME, "configMap": {"name": names.config, "items": items}},
             *t.volumes,
         ],
         **_pod_claims(claims),

@@ -56,7 +56,7 @@ from trainingrun.operator import pool, roles
 from trainingrun.operator.observe import KUEUE_GATE, Observed, PodObs, parse_time
 from trainingrun.operator.pace import progress_status
 from trainingrun.operator.reconcile import EVENT_MESSAGE_MAX, Decision, Reconcile, bounded
-from trainingrun.operator.vocabulary import Child, base_children, config_hash, engine_replicas
+from trainingrun.operator.vocabulary import Child, base_children, config_hash, engine_replicas, engine_selector
 
 def expected_group(run: TrainingRun) -> list[tuple[str, int | None]]:
     return [("rollout", None)] + [(ROLE_TRAINER, r) for r in range(run.spec.trainer.replicas)]
@@ -65,7 +65,7 @@ def expected_group(run: TrainingRun) -> list[tuple[str, int | None]]:
 _STATUS_KEYS = {
     "phase", "conditions", "restarts", "disruptions", "attempt", "trainerReplicas", "step", "samplesConsumed",
     "lastGlobalBatchSize", "rollout", "startTime", "completionTime", "observedGeneration", "message", "roleRestarts",
-    "progress",
+    "progress", "engineReplicas", "engineSelector",
 }
 
 
@@ -79,6 +79,9 @@ def decide(run: TrainingRun, status: Mapping[str, Any] | None, obs: Observed, *,
     if obs.generation is not None:
         st["observedGeneration"] = obs.generation
     ctx = Reconcile(run, st, obs, now, Decision(status=st))
+    if engine_replicas(run) and st["phase"] not in TERMINAL_PHASES:
+        st.setdefault("engineReplicas", engine_replicas(run))  # a new run (or one of an operator before 0.x)
+        st["engineSelector"] = ",".join(f"{k}={v}" for k, v in engine_selector(run.metadata.name).items())
     _read_progress(ctx)
     phase = st["phase"]
     if phase in TERMINAL_PHASES:
@@ -138,6 +141,7 @@ def _pending(ctx: Reconcile) -> None:
         return
     _delete_stale(ctx)
     _ensure_children(ctx, pods=True)
+    _engine_pool(ctx)
     _pods_ready(ctx)
 
 
@@ -149,6 +153,7 @@ def _running(ctx: Reconcile) -> None:
         return
     _delete_stale(ctx)
     _ensure_children(ctx, pods=False)
+    _engine_pool(ctx)
 
 
 def _restarting(ctx: Reconcile) -> None:
@@ -156,6 +161,7 @@ def _restarting(ctx: Reconcile) -> None:
         return
     _delete_stale(ctx)
     _ensure_children(ctx, pods=False)
+    _engine_pool(ctx)
     if _wait_backoff(ctx) or _wait_terminating(ctx):
         return
     restarts = ctx.st["restarts"]
@@ -271,7 +277,8 @@ def _engines_exit(ctx: Reconcile) -> bool:
     more than one replica a spent budget makes it leave the pool (`_leave_pool`) instead of failing the run."""
     ledger, replicas = ctx.ledger, engine_replicas(ctx.run)
     for failure in pool.engine_failures(ctx.obs, ctx.engines(), ledger, replicas=replicas,
-                                        phase=str(ctx.st["phase"]), names=ctx.names):
+                                        phase=str(ctx.st["phase"]), names=ctx.names,
+                                        size=ctx.st.get("engineReplicas")):
         verdict = ctx.policy.decide(failure, ledger.counts(ctx.st["restarts"]))
         if verdict.reason == "BackoffLimitExceeded" and replicas > 1:
             if _leave_pool(ctx, failure, verdict):
@@ -348,7 +355,9 @@ def _not_whole(ctx: Reconcile) -> tuple[str | None, str]:
                                         attempt=ctx.attempt)
     if rollout is not None:
         return "RestartingRole", rollout
-    engine = pool.engine_not_ready(ctx.engines(), ledger, replicas=engine_replicas(ctx.run), names=ctx.names)
+    wanted = engine_replicas(ctx.run)  # a replica joining the pool in a resize is not waited for
+    engine = pool.engine_not_ready(ctx.engines(), ledger, replicas=min(wanted, ctx.st.get("engineReplicas", wanted)),
+                                   names=ctx.names)
     return engine if engine is not None else (None, "")
 
 
@@ -490,8 +499,8 @@ def _ensure_children(ctx: Reconcile, *, pods: bool) -> None:
     base = base_children(run, ctx.attempt)
     ctx.d.create = [c for c in base if c.key not in obs.children and not _store_pod_exists(c, obs)]
     config = next(c for c in base if c.kind == "ConfigMap")
-    if pods and config.key in obs.children and obs.config_hash != config_hash(run):
-        ctx.d.update.append(config)
+    if config.key in obs.children and obs.config_hash != config_hash(run):
+        ctx.d.update.append(config)  # a resize: the attempt's next pods read it, the rollout its engines
     ledger = ctx.ledger
     engines = ctx.engines()
     for replica, child in pool.engine_pods(run, ledger):  # one out of the pool is never replaced again
@@ -504,6 +513,39 @@ def _ensure_children(ctx: Reconcile, *, pods: bool) -> None:
         child = Child("Pod", names.pod(role, rank, ctx.attempt, generation), role=role, rank=rank,
                       generation=generation)
         _ensure_pod(ctx, child, current.get((role, rank)), role, rank or 0)
+
+
+def _engine_pool(ctx: Reconcile) -> None:
+    """The engine pool resized (spec.rollout.engine.replicas changed; `pool`'s module docstring): an added replica's
+    pod is created by `_ensure_children`; a removed one's is deleted once the run's ConfigMap holds the new list of
+    URLs (the rollout stops sending to it first); status.engineReplicas follows the pool (`pool.reached_size`), and
+    the condition EnginePoolResizing is True while it differs from the spec. When it starts and when it ends, the
+    engines' serving gang object (gang scheduling) is brought to the new size (`Decision.resize_engine_gang`)."""
+    wanted = engine_replicas(ctx.run)
+    if not wanted:
+        return
+    size = int(ctx.st.get("engineReplicas", wanted))
+    live = ctx.obs.live()
+    leaving = pool.removed(live, wanted)
+    if leaving and ctx.obs.config_hash == config_hash(ctx.run):
+        ctx.d.replace_pods = sorted(set(ctx.d.replace_pods) | set(leaving))
+    reached = pool.reached_size(ctx.engines(), live, ctx.ledger, size=size, wanted=wanted)
+    ctx.st["engineReplicas"] = reached
+    resizing = ctx.condition("EnginePoolResizing") or {}
+    if reached != wanted:
+        message = (f"resizing the engine pool from {size} to {wanted} replica(s): "
+                   + (f"draining {', '.join(leaving)}" if leaving else f"waiting for replica(s) "
+                      f"{', '.join(str(r) for r in range(size, wanted))} to be ready"))
+        if resizing.get("status") != "True":
+            ctx.d.events.append(("Normal", "ResizingEnginePool", bounded(message, EVENT_MESSAGE_MAX)))
+            ctx.d.resize_engine_gang = True
+        ctx.set_condition("EnginePoolResizing", "True", "Resizing", message)
+        ctx.d.wake_in(1.0)
+    elif resizing.get("status") == "True":
+        message = f"the engine pool runs {wanted} replica(s)"
+        ctx.set_condition("EnginePoolResizing", "False", "Resized", message)
+        ctx.d.events.append(("Normal", "EnginePoolResized", message))
+        ctx.d.resize_engine_gang = True  # again: the size may have changed once more meanwhile
 
 
 def _ensure_pod(ctx: Reconcile, child: Child, seen: PodObs | None, role: str, replica: int) -> None:

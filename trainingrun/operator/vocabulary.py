@@ -13,6 +13,8 @@ I/O; `status` decides with it, `render` renders with it, `checks` checks with it
   base_children  what an attempt's pods need before they are created, in creation order
   engine_child   the engine pod of one replica in one generation (engine_replicas: how many the run has)
   store_url      the run's store as the pods see it; run_epoch its creation time; config_hash the ConfigMap's content
+  config_data    the ConfigMap's keys: run.yaml, and `engines` (the engine pool's URLs, one a line, that the rollout
+                 re-reads: a resize reaches it without a restart)
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from typing import Any
 
 from trainingrun.api.constants import (
     API_VERSION,
+    APP,
+    LABEL_NAME,
+    LABEL_ROLE,
+    LABEL_RUN,
     GROUP_ROLES,
     KIND,
     ROLE_CONFIG,
@@ -32,7 +38,7 @@ from trainingrun.api.constants import (
 )
 from trainingrun.api.models import TrainingRun
 from trainingrun.api.yamlcodec import dump_yaml
-from trainingrun.engines.table import own_servers
+from trainingrun.engines.table import own_servers, server_kind
 from trainingrun.operator import gang
 from trainingrun.operator.observe import parse_time
 from trainingrun.plan import engine_name
@@ -168,6 +174,11 @@ def engine_replicas(run: TrainingRun) -> int:
     return own_servers(run.spec)
 
 
+def engine_selector(run_name: str) -> dict[str, str]:
+    """The labels of the run's engine pods (status.engineSelector, the scale subresource's selector)."""
+    return {LABEL_NAME: APP, LABEL_RUN: run_name, LABEL_ROLE: ROLE_ENGINE}
+
+
 def engine_child(run: TrainingRun, replica: int, generation: int) -> Child:
     """The engine pod of `replica` in its `generation`."""
     return Child("Pod", Names(run.metadata.name).engine_pod(replica, generation), role=ROLE_ENGINE, rank=replica,
@@ -221,6 +232,30 @@ def config_text(run: TrainingRun, namespace: str) -> str:
     return dump_yaml(run_manifest(run, namespace), sort_keys=False)
 
 
+ENGINES_KEY = "engines"  # the ConfigMap key (and file beside run.yaml) of the engine pool's URLs
+
+
+def engine_urls(run: TrainingRun, namespace: str) -> list[str]:
+    """The URLs of the run's own engine replicas (spec.rollout.engine.replicas of them; [] when it runs none)."""
+    servers = server_kind(run.spec)
+    if not engine_is_managed(run) or servers is None:
+        return []
+    return servers.pods.urls(Names(run.metadata.name).engine, namespace, engine_replicas(run)).split(",")
+
+
+def config_data(run: TrainingRun, namespace: str) -> dict[str, str]:
+    """The run's ConfigMap: run.yaml, and with the run's own engines the pool's URLs (ENGINES_KEY), one a line."""
+    data = {"run.yaml": config_text(run, namespace)}
+    urls = engine_urls(run, namespace)
+    if urls:
+        data[ENGINES_KEY] = "".join(f"{u}\n" for u in urls)
+    return data
+
+
 def config_hash(run: TrainingRun) -> str:
-    """A short hash of the run's manifest (the ConfigMap's content, whatever the namespace): a resize changes it."""
-    return hashlib.sha256(config_text(run, "").encode()).hexdigest()[:16]
+    """A short hash of the ConfigMap's content (whatever the namespace): a resize changes it, and so does a missing
+    `engines` key (a ConfigMap of an operator before it: updated, so a rollout pod that mounts the key can start).
+    Without engines of its own, the hash of run.yaml alone (as before)."""
+    data = config_data(run, "")
+    text = data["run.yaml"] + (f"\n{ENGINES_KEY}:\n{data[ENGINES_KEY]}" if ENGINES_KEY in data else "")
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

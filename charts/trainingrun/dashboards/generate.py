@@ -463,6 +463,11 @@ def run_detail() -> dict:
               [(weighted_mean("trainingrun_trainer_entropy"), "entropy"),
                (weighted_mean("trainingrun_trainer_entropy_bonus"), "entropy bonus")]),
         row("Rollout"),
+        panel("Engine pool size", "The run's own engine replicas over time: the pool's size as the operator runs it "
+              "(status.engineReplicas; it follows spec.rollout.engine.replicas, e.g. `kubectl scale tr/NAME`); 0 for "
+              "a run without engine servers of its own.",
+              [(f"max(trainingrun_operator_run_engine_replicas{{{sel}}}) or on() vector(0)", "engines")],
+              decimals=0),
         panel("Samples produced, filtered, published", "Rollout sample flow per second.",
               [(f"sum(rate({counter('trainingrun_rollout_samples_produced')}{{{sel}}}[$__rate_interval]))",
                 "produced"),

@@ -7,7 +7,9 @@ broadcast (from trainer rank 0) through `sync.py`. Everything else —
 dispatch, the ledger, stalls, recovery, abort, the version barrier, the load fan-out — is the pool's.
 
 `build(spec, store, arch)` is the entry of the engine table (`trainingrun.engines.table`): the servers at
-`engine.url`, else the run's own (their URLs in $TRAININGRUN_ENGINE_URL, set by the launcher or the operator); weight
+`engine.url`, else the run's own (their URLs in $TRAININGRUN_ENGINE_URL, set by the launcher or the operator; with
+$TRAININGRUN_ENGINE_URL_FILE — the operator's ConfigMap, one URL a line — the pool re-reads that file before each call
+and follows a resize: `read_urls`, the pool's `resize`); weight
 versions are found through the store's weight meta (disk path or broadcast address, written by the trainers'
 publisher, `publish.py`).
 """
@@ -111,6 +113,15 @@ def meta_group(version: int) -> str:
     return f"{new_group_name()}-v{version}"
 
 
+def read_urls(path: str) -> list[str] | None:
+    """The pool's current servers from `path` (one URL a line; blank lines skipped); None while it does not exist."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [line.strip().rstrip("/") for line in f if line.strip()]
+    except FileNotFoundError:
+        return None
+
+
 def make_clients(urls: Sequence[str], *, timeout: float = 600.0) -> list[VLLMClient]:
     return [VLLMClient(u, timeout=timeout) for u in urls]
 
@@ -118,7 +129,11 @@ def make_clients(urls: Sequence[str], *, timeout: float = 600.0) -> list[VLLMCli
 def build(spec, store, arch) -> Engine:
     """The engine of `spec.rollout.engine` (type vllm) for the rollout (`arch` is the servers' business)."""
     e = spec.rollout.engine
-    urls = e.urls or [u for u in (ProcessEnv.from_environ().engine_url or "").split(",") if u]
+    env = ProcessEnv.from_environ()
+    urls = e.urls or [u for u in (env.engine_url or "").split(",") if u]
+    listed = env.engine_url_file if not e.urls else None  # the run's own servers: the list follows a resize
+    if listed:
+        urls = read_urls(listed) or urls
     if not urls:
         raise ConfigError(f"rollout.engine.type: vllm without rollout.engine.url needs the run's own server (the "
                           f"launcher or operator sets ${ENGINE_URL_ENV}); set rollout.engine.url")
@@ -127,4 +142,6 @@ def build(spec, store, arch) -> Engine:
     # a load never outlives the progress deadline: the rollout says which engine failed before the run is declared hung
     load_timeout = float(min(v.load_timeout_seconds, deadline / 2) if deadline else v.load_timeout_seconds)
     return VLLMEngine(make_clients(urls), fetch=lambda version: store.read_weights(version)[1],
-                      concurrency=v.concurrency, stall_seconds=v.stall_seconds, load_timeout=load_timeout)
+                      concurrency=v.concurrency, stall_seconds=v.stall_seconds, load_timeout=load_timeout,
+                      members=(lambda: read_urls(listed)) if listed else None,
+                      adapter_for=lambda url: VLLMReplica(VLLMClient(url, timeout=600.0)))
