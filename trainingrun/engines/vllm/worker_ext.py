@@ -45,6 +45,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import zlib
 from datetime import timedelta
 from pathlib import Path
 
@@ -91,8 +92,6 @@ def bucket_checksum(buf, kind: str | None = None) -> int:
 
     kind = kind or checksum_kind(buf)
     if kind == "crc32":
-        import zlib
-
         return zlib.crc32(buf.detach().reshape(-1).cpu().view(torch.uint8).numpy())
     if kind != "wsum16":
         raise ValueError(f"manifest: checksum {kind!r} is not known; allowed: crc32, wsum16")
