@@ -200,15 +200,15 @@ def test_the_streamed_sync_is_exact_across_trainer_ranks(tmp_path: Path, tiny_ll
     out = tmp_path / "run"
     try:
         spec = write_spec(tmp_path / "s.yaml", tiny_llama_dir, sync=sync, dtype="bfloat16", url=vllm.url,
-                          trainer={"replicas": 2, **layout})
+                          trainer={"replicas": 2, **layout}, rollouts=2)  # the vLLM scope is the suite's longest
         doc = yaml.safe_load(spec.read_text())
         doc["spec"]["weightSync"]["bucketMiB"] = 1  # several buckets even for the tiny model
         spec.write_text(yaml.safe_dump(doc))
         code, log = finish(start(spec, out), timeout=1200)
         assert code == 0, log[-6000:]
-        recs = check_on_policy(out, log, BF16_TOL)
+        recs = check_on_policy(out, log, BF16_TOL, rollouts=2)
         print(sync, layout, "logprob_abs_diff", [r["logprob_abs_diff"] for r in recs])
-        assert client.weight_version() == f"v{ROLLOUTS - 1}"
+        assert client.weight_version() == "v1"
         assert all(r["weight_sync_bytes"] > 0 for r in recs)
     finally:
         load_from_disk(client, str(tiny_llama_dir), "base")  # the session's server goes back to what it had
