@@ -74,8 +74,13 @@ TEMPLATE = "group"  # the one PodGroupTemplate of a run's Workload
 
 def group_size(run: TrainingRun, *, engines: bool = False) -> int:
     """The pods of one attempt's gang: the rollout and every trainer; with `engines` the engines' serving group:
-    every engine replica."""
-    return run.spec.rollout.engine.replicas if engines else run.spec.trainer.replicas + 1
+    every pod of every engine replica (replicas × pods per replica: rollout.engine.vllm.nodes)."""
+    return run.spec.rollout.engine.replicas * _pods_per_replica(run) if engines else run.spec.trainer.replicas + 1
+
+
+def _pods_per_replica(run: TrainingRun) -> int:
+    servers = server_kind(run.spec)
+    return servers.pods.nodes(run.spec) if servers is not None else 1
 
 
 @dataclass(frozen=True)
@@ -226,7 +231,7 @@ def engine_min_resources(run: TrainingRun) -> dict[str, str]:
     requests = {**limits, **requests}
     if gpus > 0:
         requests[GPU_RESOURCE] = gpus
-    return _sum_requests([(requests, run.spec.rollout.engine.replicas)])
+    return _sum_requests([(requests, run.spec.rollout.engine.replicas * servers.pods.nodes(run.spec))])
 
 
 def _sum_requests(pods: list[tuple[dict, int]]) -> dict[str, str]:

@@ -56,7 +56,14 @@ from trainingrun.operator import pool, roles
 from trainingrun.operator.observe import KUEUE_GATE, Observed, PodObs, parse_time
 from trainingrun.operator.pace import progress_status
 from trainingrun.operator.reconcile import EVENT_MESSAGE_MAX, Decision, Reconcile, bounded
-from trainingrun.operator.vocabulary import Child, base_children, config_hash, engine_replicas, engine_selector
+from trainingrun.operator.vocabulary import (
+    Child,
+    base_children,
+    config_hash,
+    engine_nodes,
+    engine_replicas,
+    engine_selector,
+)
 
 def expected_group(run: TrainingRun) -> list[tuple[str, int | None]]:
     return [("rollout", None)] + [(ROLE_TRAINER, r) for r in range(run.spec.trainer.replicas)]
@@ -278,7 +285,7 @@ def _engines_exit(ctx: Reconcile) -> bool:
     ledger, replicas = ctx.ledger, engine_replicas(ctx.run)
     for failure in pool.engine_failures(ctx.obs, ctx.engines(), ledger, replicas=replicas,
                                         phase=str(ctx.st["phase"]), names=ctx.names,
-                                        size=ctx.st.get("engineReplicas")):
+                                        size=ctx.st.get("engineReplicas"), nodes=engine_nodes(ctx.run)):
         verdict = ctx.policy.decide(failure, ledger.counts(ctx.st["restarts"]))
         if verdict.reason == "BackoffLimitExceeded" and replicas > 1:
             if _leave_pool(ctx, failure, verdict):
@@ -357,7 +364,7 @@ def _not_whole(ctx: Reconcile) -> tuple[str | None, str]:
         return "RestartingRole", rollout
     wanted = engine_replicas(ctx.run)  # a replica joining the pool in a resize is not waited for
     engine = pool.engine_not_ready(ctx.engines(), ledger, replicas=min(wanted, ctx.st.get("engineReplicas", wanted)),
-                                   names=ctx.names)
+                                   names=ctx.names, nodes=engine_nodes(ctx.run))
     return engine if engine is not None else (None, "")
 
 
@@ -504,7 +511,7 @@ def _ensure_children(ctx: Reconcile, *, pods: bool) -> None:
     ledger = ctx.ledger
     engines = ctx.engines()
     for replica, child in pool.engine_pods(run, ledger):  # one out of the pool is never replaced again
-        _ensure_pod(ctx, child, engines.get(replica), ROLE_ENGINE, replica)
+        _ensure_pod(ctx, child, engines.get((replica, child.node)), ROLE_ENGINE, replica)
     current = ctx.current()
     for role, rank in expected_group(run):
         if not pods and not (role == ROLE_ROLLOUT and ledger.replacing(ROLE_ROLLOUT)):
@@ -529,7 +536,7 @@ def _engine_pool(ctx: Reconcile) -> None:
     leaving = pool.removed(live, wanted)
     if leaving and ctx.obs.config_hash == config_hash(ctx.run):
         ctx.d.replace_pods = sorted(set(ctx.d.replace_pods) | set(leaving))
-    reached = pool.reached_size(ctx.engines(), live, ctx.ledger, size=size, wanted=wanted)
+    reached = pool.reached_size(ctx.engines(), live, ctx.ledger, size=size, wanted=wanted, nodes=engine_nodes(ctx.run))
     ctx.st["engineReplicas"] = reached
     resizing = ctx.condition("EnginePoolResizing") or {}
     if reached != wanted:
