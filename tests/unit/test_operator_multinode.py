@@ -1,0 +1,114 @@
+"""Multi-node engine replicas (`rollout.engine.vllm.nodes`, issue 32 item 2), rendered: each replica is a leader pod
+and nodes - 1 worker pods labelled trainingrun.dev/engine-replica and trainingrun.dev/engine-node, started by vLLM's
+own multi-node launch (no Ray) meeting at the leader's stable name; only leaders' URLs reach the rollout; every pod is
+a strictly valid core/v1 Pod. The API's refusals name the field. (The lifecycle against the emulator:
+tests/integration/test_operator_multinode.py.)"""
+
+from __future__ import annotations
+
+import kubernetes_validate
+import pytest
+from pydantic import ValidationError
+
+from trainingrun.api import parse_trainingrun
+from trainingrun.api.constants import LABEL_ENGINE_NODE, LABEL_ENGINE_REPLICA, LABEL_ROLE
+from trainingrun.engines.vllm import k8s
+from trainingrun.local.main import local_refusals
+from trainingrun.operator import checks, gang, render, vocabulary
+
+OWNER = vocabulary.Owner(name="rl", namespace="ns1", uid="u-1")
+LEADER = "engine-{i}.rl-engine.ns1.svc"
+
+
+def run_doc(vllm: dict, replicas: int = 2, **engine) -> dict:
+    return {
+        "apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun", "metadata": {"name": "rl"},
+        "spec": {"model": {"hf": "/models/smol", "seqLength": 512},
+                 "trainer": {"replicas": 1, "maxTokensPerGPU": 256},
+                 "rollout": {"source": {"type": "generate", "generate": {}},
+                             "engine": {"type": "vllm", "replicas": replicas, "vllm": vllm, **engine}},
+                 "weightSync": {"type": "broadcast"}, "store": {"managed": True},
+                 "gangScheduling": {"enabled": True, "provider": "volcano"},
+                 "podTemplate": {"volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}],
+                                 "volumeMounts": [{"name": "models", "mountPath": "/models"}]}}}
+
+
+def _arg(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_two_replicas_of_two_nodes_are_four_pods_a_leader_and_a_worker_each():
+    run = parse_trainingrun(run_doc({"gpus": 4, "nodes": 2, "resources": {"requests": {"cpu": "8"}}}))
+    assert checks.cluster_errors(run) == []
+    children = render.render_children(run, OWNER, attempt=0)
+    pods = [c for c in children if c["kind"] == "Pod" and c["metadata"]["labels"][LABEL_ROLE] == "engine"]
+    assert [(p["metadata"]["name"], p["metadata"]["labels"][LABEL_ENGINE_REPLICA],
+             p["metadata"]["labels"][LABEL_ENGINE_NODE]) for p in pods] == [
+        ("rl-engine-0", "0", "0"), ("rl-engine-0-n1", "0", "1"), ("rl-engine-1", "1", "0"), ("rl-engine-1-n1", "1", "1")]
+    for pod in pods:
+        kubernetes_validate.validate(pod, "1.37.0", strict=True)
+        labels = pod["metadata"]["labels"]
+        i, node = int(labels[LABEL_ENGINE_REPLICA]), int(labels[LABEL_ENGINE_NODE])
+        c = pod["spec"]["containers"][0]
+        args = c["args"]
+        # vLLM's own multi-node launch over its multiprocessing executor, no Ray; TP = gpus × nodes
+        assert (_arg(args, "--nnodes"), _arg(args, "--node-rank")) == ("2", str(node))
+        assert _arg(args, "--master-addr") == LEADER.format(i=i)
+        assert _arg(args, "--master-port") == str(k8s.MASTER_PORT)
+        assert _arg(args, "--distributed-executor-backend") == "mp" and "ray" not in " ".join(args)
+        assert _arg(args, "--tensor-parallel-size") == "8"
+        assert _arg(args, "--worker-extension-cls").startswith("trainingrun.engines.vllm.worker_ext")
+        assert c["resources"] == {"requests": {"cpu": "8", "nvidia.com/gpu": 4}, "limits": {"nvidia.com/gpu": 4}}
+        env = {e["name"]: e["value"] for e in c["env"]}
+        assert env["PYTHONPATH"].startswith(k8s.EXTENSION_DIR)  # the worker extension on every node
+        assert pod["spec"]["restartPolicy"] == "Never" and pod["spec"]["subdomain"] == "rl-engine"
+        if node == 0:  # the leader: the API server, probed, serving the replica's URL
+            assert args[:2] == ["-m", "vllm.entrypoints.openai.api_server"] and "--headless" not in args
+            assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+            assert {"name": "rendezvous", "containerPort": k8s.MASTER_PORT} in c["ports"]
+            assert pod["spec"]["hostname"] == f"engine-{i}"
+        else:  # a worker: `vllm serve --headless`, no API server to probe
+            assert args[:3] == ["-m", "vllm.entrypoints.cli.main", "serve"] and args[-1] == "--headless"
+            assert "readinessProbe" not in c and "ports" not in c
+            assert pod["spec"]["hostname"] == f"engine-{i}-n1"
+    # only the leaders' URLs go into the pool's list
+    config = next(c for c in children if c["metadata"]["name"] == "rl-config")
+    assert config["data"]["engines"] == "".join(f"http://{LEADER.format(i=i)}:{k8s.ENGINE_PORT}\n" for i in (0, 1))
+    svc = next(c for c in children if c["kind"] == "Service" and c["metadata"]["name"] == "rl-engine")
+    assert svc["spec"]["publishNotReadyAddresses"] is True  # workers resolve a leader that is not ready yet
+    # the engines' serving gang holds every pod of every replica
+    group = next(c for c in children if c["kind"] == "PodGroup" and c["metadata"]["name"] == "rl-engine")
+    assert group["spec"]["minMember"] == 4 and gang.engine_min_resources(run)["nvidia.com/gpu"] == "16"
+
+
+def test_one_node_replicas_render_as_before():
+    run = parse_trainingrun(run_doc({"gpus": 2}))
+    children = render.render_children(run, OWNER, attempt=0)
+    pods = [c for c in children if c["kind"] == "Pod" and c["metadata"]["labels"][LABEL_ROLE] == "engine"]
+    assert [p["metadata"]["name"] for p in pods] == ["rl-engine-0", "rl-engine-1"]
+    for pod in pods:
+        args = pod["spec"]["containers"][0]["args"]
+        assert "--nnodes" not in args and _arg(args, "--tensor-parallel-size") == "2"
+        assert pod["metadata"]["labels"][LABEL_ENGINE_NODE] == "0"
+    svc = next(c for c in children if c["kind"] == "Service" and c["metadata"]["name"] == "rl-engine")
+    assert "publishNotReadyAddresses" not in svc["spec"]
+
+
+@pytest.mark.parametrize("settings,engine,message", [
+    ({"nodes": 2}, {}, "engine.vllm.nodes > 1 needs engine.vllm.gpus >= 1"),
+    ({"nodes": 2, "gpus": 1}, {"url": "http://mine:8000"}, "with engine.url the servers are yours"),
+    ({"nodes": 65, "gpus": 1}, {}, "less than or equal to 64"),
+    ({"nodes": 0, "gpus": 1}, {}, "greater than or equal to 1"),
+])
+def test_the_api_refuses_nodes_it_cannot_run(settings, engine, message):
+    doc = run_doc(settings, replicas=1, **engine)
+    with pytest.raises(ValidationError) as err:
+        parse_trainingrun(doc)
+    assert message in str(err.value) and "nodes" in str(err.value)
+
+
+def test_a_local_run_refuses_multi_node_replicas_naming_the_field():
+    run = parse_trainingrun(run_doc({"gpus": 1, "nodes": 2}))
+    [line] = local_refusals(run)
+    assert line.startswith("spec.rollout.engine.vllm.nodes: 2 pods per engine replica cannot run locally")
+    assert local_refusals(parse_trainingrun(run_doc({"gpus": 1}))) == []
