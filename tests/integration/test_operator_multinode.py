@@ -82,3 +82,46 @@ def test_a_failed_worker_replaces_its_replica_only_and_the_run_goes_on(kube):
             if p["metadata"]["labels"].get("trainingrun.dev/role") == "engine" and not p["metadata"].get(
                 "deletionTimestamp") and p.get("status", {}).get("phase") != "Failed"} == {
         "mn-engine-0", "mn-engine-0-n1", "mn-engine-1-r1", "mn-engine-1-n1-r1"}
+
+
+PARSE = """
+import json, sys
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+out = []
+for argv in json.loads(sys.argv[1]):
+    ns = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    out.append([ns.nnodes, ns.node_rank, ns.master_addr, ns.master_port, ns.tensor_parallel_size,
+                ns.distributed_executor_backend, bool(getattr(ns, "headless", False)), ns.worker_extension_cls])
+print(json.dumps(out))
+"""
+
+
+def test_vllms_own_parser_reads_the_leaders_and_the_workers_command_lines():
+    """The rendered command lines (after the entrypoint) parsed by the installed vLLM's own `vllm serve` parser: the
+    multi-node flags exist in this vLLM (no Ray needed) and mean what the operator intends."""
+    import json
+    import subprocess
+
+    from tests.integration.test_operator_roles import ENGINE_RUN as BASE
+    from tests.services import require_vllm
+    from trainingrun.api import parse_trainingrun
+    from trainingrun.operator import render, vocabulary
+
+    python = require_vllm()
+    spec = {**BASE, "rollout": {**BASE["rollout"], "engine": {"type": "vllm", "vllm": {"gpus": 4, "nodes": 2}}}}
+    run = parse_trainingrun({"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun",
+                             "metadata": {"name": "mn"}, "spec": spec})
+    owner = vocabulary.Owner(name="mn", namespace="default", uid="u")
+    argvs = []
+    for node, skip in ((0, 2), (1, 3)):  # "-m MODULE" of the API server; "-m vllm.entrypoints.cli.main serve"
+        args = render.render_engine_pod(run, owner, 0, node=node)["spec"]["containers"][0]["args"]
+        argvs.append(args[skip:])
+    out = subprocess.run([python, "-c", PARSE, json.dumps(argvs)], capture_output=True, text=True, timeout=300,
+                         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    leader, worker = json.loads(out.stdout.strip().splitlines()[-1])
+    addr = "engine-0.mn-engine.default.svc"
+    assert leader[:7] == [2, 0, addr, 29501, 8, "mp", False]
+    assert worker[:7] == [2, 1, addr, 29501, 8, "mp", True]
+    assert leader[7] == worker[7] == "trainingrun.engines.vllm.worker_ext.WeightSyncExtension"  # every node
