@@ -112,3 +112,49 @@ def test_a_local_run_refuses_multi_node_replicas_naming_the_field():
     [line] = local_refusals(run)
     assert line.startswith("spec.rollout.engine.vllm.nodes: 2 pods per engine replica cannot run locally")
     assert local_refusals(parse_trainingrun(run_doc({"gpus": 1}))) == []
+
+
+def test_a_multi_node_replica_beyond_the_budget_leaves_the_pool_with_all_its_pods():
+    """status.decide: replica 1's worker fails → replica 1 (leader and worker) is replaced as generation 1, its old
+    leader superseded; its new worker fails with failurePolicy.roles.engine's budget spent → the replica leaves the pool
+    and its leader, still running, is deleted (it would hold its GPUs for nothing); replica 0 is never touched and
+    the run goes on."""
+    import datetime as dt
+
+    from trainingrun.api.constants import LABEL_REPLICA, LABEL_ROLE_ATTEMPT
+    from trainingrun.operator import status
+    from trainingrun.operator.observe import Observed, PodObs, observe_pod
+
+    t0 = dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc)
+    doc = run_doc({"gpus": 1, "nodes": 2})
+    doc["spec"]["failurePolicy"] = {"backoffSeconds": 0, "maxRestarts": 0, "roles": {"engine": {"maxRestarts": 1}}}
+    del doc["spec"]["gangScheduling"]
+    run = parse_trainingrun(doc)
+    names = vocabulary.Names("rl")
+    children = frozenset(c.key for c in vocabulary.base_children(run, 0) if c.kind != "Pod")
+    group = tuple(PodObs(name=names.pod(role, rank, 0), role=role, rank=rank, attempt=0, phase="Running")
+                  for role, rank in status.expected_group(run))
+
+    def engine(i: int, node: int, generation: int = 0, phase: str = "Running"):
+        state = {"running": {}} if phase == "Running" else {"terminated": {"exitCode": 1, "reason": "Error"}}
+        return observe_pod({"metadata": {"name": names.engine_pod(i, generation, node), "labels": {
+            LABEL_ROLE: "engine", LABEL_REPLICA: str(i), LABEL_ENGINE_REPLICA: str(i), LABEL_ENGINE_NODE: str(node),
+            LABEL_ROLE_ATTEMPT: str(generation)}}, "status": {"phase": phase, "containerStatuses": [
+                {"name": "vllm", "restartCount": 0, "state": state, "ready": phase == "Running"}]}})
+
+    def decide(st, *engines):
+        return status.decide(run, dict(st), Observed(pods=(*engines, *group), children=children), now=t0)
+
+    st = {"phase": "Running", "attempt": 0, "restarts": 0}
+    zero = (engine(0, 0), engine(0, 1))
+    d = decide(st, *zero, engine(1, 0), engine(1, 1, phase="Failed"))
+    assert d.status["phase"] == "Running" and d.replace_pods == ["rl-engine-1"]  # the old leader goes
+    [entry] = d.status["roleRestarts"]
+    assert (entry["replica"], entry["restarts"]) == (1, 1) and "rl-engine-1-n1" in entry["lastFailure"]
+    d = decide(d.status, *zero, engine(1, 1, phase="Failed"))  # the old leader gone: its replacement, both pods
+    assert {c.name for c in d.create if c.role == "engine"} == {"rl-engine-1-r1", "rl-engine-1-n1-r1"}
+    d = decide(d.status, *zero, engine(1, 0, 1), engine(1, 1, 1, phase="Failed"))  # budget spent
+    assert d.status["phase"] == "Running", d.status
+    assert next(e for e in d.status["roleRestarts"] if e["replica"] == 1)["down"] is True
+    assert d.replace_pods == ["rl-engine-1-r1"] and not d.delete_pods  # its leader goes; replica 0 untouched
+    assert any(reason == "EngineDown" for _, reason, _ in d.events)

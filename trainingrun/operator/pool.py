@@ -11,6 +11,8 @@ applies them to the status it writes.
                          never replaced) while another replica serves; the last one leaving fails the run, naming
                          every engine pod of the pool and its last failure
   pool_size              the replicas still in the pool
+  out_of_pool            the live pods of replicas out of the pool (a multi-node replica's pods that did not fail
+                         with it): deleted, they would hold their GPUs for nothing
   engine_not_ready       the first replica in the pool whose pod is not ready (a running run is not whole meanwhile)
   engine_pods            the pod each replica in the pool should have (of its current generation)
   removed                the live pods of replicas a resize took out of the pool (replica >= the wanted size)
@@ -106,6 +108,12 @@ def leave_pool(ledger: RoleLedger, failure: policy.Failure, verdict: policy.Verd
     why = "; ".join(f"pod {names.engine_pod(r, ledger.generation(ROLE_ENGINE, r))}: "
                     f"{(ledger.entry(ROLE_ENGINE, r) or {}).get('lastFailure') or 'down'}" for r in range(replicas))
     return False, f"no engine of the pool is left ({verdict.why}): {why}"
+
+
+def out_of_pool(live: Iterable[PodObs], ledger: RoleLedger) -> list[str]:
+    """The live engine pods of replicas that left the pool (the other pods of a multi-node replica whose pod failed
+    with the engine role's budget spent)."""
+    return sorted(p.name for p in live if p.role == ROLE_ENGINE and ledger.down(ROLE_ENGINE, p.rank or 0))
 
 
 def pool_size(ledger: RoleLedger, replicas: int) -> int:

@@ -527,7 +527,8 @@ def _engine_pool(ctx: Reconcile) -> None:
     pod is created by `_ensure_children`; a removed one's is deleted once the run's ConfigMap holds the new list of
     URLs (the rollout stops sending to it first); status.engineReplicas follows the pool (`pool.reached_size`), and
     the condition EnginePoolResizing is True while it differs from the spec. When it starts and when it ends, the
-    engines' serving gang object (gang scheduling) is brought to the new size (`Decision.resize_engine_gang`)."""
+    engines' serving gang object (gang scheduling) is brought to the new size (`Decision.resize_engine_gang`). The
+    live pods of a replica out of the pool (a multi-node replica's other pods) are deleted (`pool.out_of_pool`)."""
     wanted = engine_replicas(ctx.run)
     if not wanted:
         return
@@ -536,6 +537,7 @@ def _engine_pool(ctx: Reconcile) -> None:
     leaving = pool.removed(live, wanted)
     if leaving and ctx.obs.config_hash == config_hash(ctx.run):
         ctx.d.replace_pods = sorted(set(ctx.d.replace_pods) | set(leaving))
+    ctx.d.replace_pods = sorted(set(ctx.d.replace_pods) | set(pool.out_of_pool(live, ctx.ledger)))
     reached = pool.reached_size(ctx.engines(), live, ctx.ledger, size=size, wanted=wanted, nodes=engine_nodes(ctx.run))
     ctx.st["engineReplicas"] = reached
     resizing = ctx.condition("EnginePoolResizing") or {}
