@@ -1,6 +1,7 @@
 """Multi-node engine replicas (issue 32 item 2, the operator's side), against the KMock emulator with the fidelity
 layer (tests/kube.py), the operator in-process: `engine.replicas: 2` with `engine.vllm.nodes: 2` gives 4 engine
-pods labelled by replica and node (leaders R-engine-<i>, workers R-engine-<i>-n1); a failed worker of replica 1
+pods labelled by replica and node (leaders R-engine-<i>, workers R-engine-<i>-n1), a Volcano PodGroup per replica;
+a failed worker of replica 1
 replaces replica 1's pods only (its leader too, in the next generation), the other replica, the rollout and the
 trainers keep their pods (same uids), and the run does not fail. (The rendering itself:
 tests/unit/test_operator_multinode.py.)"""
@@ -15,6 +16,7 @@ from tests.services import wait_for
 
 POD = "/api/v1/namespaces/default/pods/"
 CM = "/api/v1/namespaces/default/configmaps/"
+PG = "/apis/scheduling.volcano.sh/v1beta1/namespaces/default/podgroups/"
 ENGINE_PODS = ["mn-engine-0", "mn-engine-0-n1", "mn-engine-1", "mn-engine-1-n1"]
 
 
@@ -35,10 +37,15 @@ def live(kube: Cluster, name: str) -> dict | None:
 
 
 def test_a_failed_worker_replaces_its_replica_only_and_the_run_goes_on(kube):
+    """With Volcano gang scheduling: one PodGroup per replica (R-engine-<i>, minMember 2), kept by its replacement."""
+    import kmock
+
+    kube.emulator.resources["scheduling.volcano.sh/v1beta1/podgroups"] = kmock.ResourceInfo(
+        kind="PodGroup", namespaced=True, verbs={"get", "list", "watch", "create", "delete", "patch"})
     body = {**ENGINE_RUN, "rollout": {**ENGINE_RUN["rollout"],
                                       "engine": {"type": "vllm", "replicas": 2, "vllm": {"gpus": 1, "nodes": 2}}}}
     kube.new_run("mn", failurePolicy={"backoffSeconds": 0, "maxRestarts": 0, "roles": {"engine": {"maxRestarts": 2}}},
-                 **body)
+                 gangScheduling={"enabled": True, "provider": "volcano"}, **body)
     engines = [wait_for(lambda n=n: kube.get(POD + n), 15, f"engine pod {n} (now {kube.status('mn')})")
                for n in ENGINE_PODS]
     assert [(p["metadata"]["labels"]["trainingrun.dev/engine-replica"],
@@ -49,6 +56,10 @@ def test_a_failed_worker_replaces_its_replica_only_and_the_run_goes_on(kube):
     # the rollout is given the leaders only
     urls = kube.get(CM + "mn-config")["data"]["engines"].splitlines()
     assert urls == [f"http://engine-{i}.mn-engine.default.svc:8000" for i in (0, 1)]
+    gangs = [kube.get(PG + f"mn-engine-{i}") for i in (0, 1)]
+    assert [g["spec"]["minMember"] for g in gangs] == [2, 2] and kube.get(PG + "mn-engine") is None
+    assert [p["metadata"]["annotations"]["scheduling.k8s.io/group-name"] for p in engines] == [
+        "mn-engine-0", "mn-engine-0", "mn-engine-1", "mn-engine-1"]
     group = kube.wait_group("mn", 0)
     kube.set_pod("mn-store", "Running")
     for name in ENGINE_PODS:
@@ -66,6 +77,8 @@ def test_a_failed_worker_replaces_its_replica_only_and_the_run_goes_on(kube):
         assert (labels["trainingrun.dev/engine-replica"], labels["trainingrun.dev/engine-node"],
                 labels["trainingrun.dev/role-attempt"]) == ("1", str(node), "1")
     assert uids([*kube.group_pods("mn", 0), kube.get(POD + "mn-engine-0"), kube.get(POD + "mn-engine-0-n1")]) == kept
+    assert uids([kube.get(PG + f"mn-engine-{i}") for i in (0, 1)]) == uids(gangs)  # the replica's gang stays
+    assert all(p["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "mn-engine-1" for p in new)
     st = kube.status("mn")
     assert st["phase"] == "Running" and st["attempt"] == 0 and st["restarts"] == 0, st
     [entry] = [e for e in st["roleRestarts"] if e["role"] == "engine"]

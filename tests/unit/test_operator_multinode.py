@@ -76,9 +76,44 @@ def test_two_replicas_of_two_nodes_are_four_pods_a_leader_and_a_worker_each():
     assert config["data"]["engines"] == "".join(f"http://{LEADER.format(i=i)}:{k8s.ENGINE_PORT}\n" for i in (0, 1))
     svc = next(c for c in children if c["kind"] == "Service" and c["metadata"]["name"] == "rl-engine")
     assert svc["spec"]["publishNotReadyAddresses"] is True  # workers resolve a leader that is not ready yet
-    # the engines' serving gang holds every pod of every replica
-    group = next(c for c in children if c["kind"] == "PodGroup" and c["metadata"]["name"] == "rl-engine")
-    assert group["spec"]["minMember"] == 4 and gang.engine_min_resources(run)["nvidia.com/gpu"] == "16"
+    # one gang per replica: R-engine-<i> holds its leader and its worker (volcano: minMember 2, 2 pods' GPUs)
+    groups = [c for c in children if c["kind"] == "PodGroup" and c["metadata"]["name"].startswith("rl-engine")]
+    assert [(g["metadata"]["name"], g["spec"]["minMember"], g["spec"]["minResources"]["nvidia.com/gpu"])
+            for g in groups] == [("rl-engine-0", 2, "8"), ("rl-engine-1", 2, "8")]
+    assert [p["metadata"]["annotations"]["scheduling.k8s.io/group-name"] for p in pods] == [
+        "rl-engine-0", "rl-engine-0", "rl-engine-1", "rl-engine-1"]
+    assert vocabulary.Names("rl").is_podgroup("rl-engine-1") and not vocabulary.Names("rl").is_podgroup("rl-engine-x")
+
+
+@pytest.mark.parametrize("provider", ["kubernetes", "coscheduling", "kueue"])
+def test_each_multi_node_replica_is_a_gang_of_its_own_with_every_provider(provider):
+    doc = run_doc({"gpus": 2, "nodes": 3})
+    if provider == "kueue":
+        del doc["spec"]["gangScheduling"]
+        doc["spec"]["queueName"] = "team-a"
+    else:
+        doc["spec"]["gangScheduling"]["provider"] = provider
+    run = parse_trainingrun(doc)
+    children = render.render_children(run, OWNER, attempt=0)
+    pods = [c for c in children if c["kind"] == "Pod" and c["metadata"]["labels"][LABEL_ROLE] == "engine"]
+    assert len(pods) == 6
+    for pod in pods:
+        kubernetes_validate.validate(pod, "1.37.0", strict=True)
+        group = f"rl-engine-{pod['metadata']['labels'][LABEL_ENGINE_REPLICA]}"
+        if provider == "kubernetes":
+            assert pod["spec"]["schedulingGroup"] == {"podGroupName": group}
+        elif provider == "coscheduling":
+            assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == group
+        else:  # Kueue's plain-pod group: one workload per replica, 3 pods
+            assert pod["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] == group
+            assert pod["metadata"]["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "3"
+    gangs = sorted((c["kind"], c["metadata"]["name"]) for c in children
+                   if c["kind"] in ("PodGroup", "Workload") and c["metadata"]["name"].startswith("rl-engine"))
+    kinds = {"kubernetes": ["PodGroup", "Workload"], "coscheduling": ["PodGroup"], "kueue": []}[provider]
+    assert gangs == sorted((k, f"rl-engine-{i}") for k in kinds for i in (0, 1))
+    for c in children:
+        if c["kind"] == "Workload" and c["metadata"]["name"].startswith("rl-engine"):
+            assert c["spec"]["podGroupTemplates"][0]["schedulingPolicy"]["gang"]["minCount"] == 3
 
 
 def test_one_node_replicas_render_as_before():

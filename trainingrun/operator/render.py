@@ -397,9 +397,10 @@ def render_engine_pod(run: TrainingRun, owner: Owner, replica: int = 0, generati
               LABEL_ENGINE_REPLICA: str(replica), LABEL_ENGINE_NODE: str(node), LABEL_ROLE_ATTEMPT: str(generation)}
     annotations = dict(t.annotations)
     provider = gang.provider(run, gang_version)
+    group = gang.engine_group(run, names.engine, replica)  # the pool's, or the multi-node replica's own
     for extra_labels, extra_annotations in (
-        provider.pod_metadata(names.engine) if provider is not None else ({}, {}),
-        gang.kueue_metadata(run, names.engine, engines=True),
+        provider.pod_metadata(group) if provider is not None else ({}, {}),
+        gang.kueue_metadata(run, group, engines=True),
     ):
         labels.update(extra_labels)
         annotations.update(extra_annotations)
@@ -416,7 +417,7 @@ def render_engine_pod(run: TrainingRun, owner: Owner, replica: int = 0, generati
         "metadata": _meta(names.engine_pod(replica, generation, node), owner, labels, annotations or None),
         "spec": {
             **_pod_spec_common(run, gang_version),
-            **(provider.pod_spec(names.engine) if provider is not None else {}),
+            **(provider.pod_spec(group) if provider is not None else {}),
             "restartPolicy": "Never",
             "hostname": Names.engine_hostname(replica, node),
             "subdomain": names.engine,
@@ -445,13 +446,16 @@ def render_engine_service(run: TrainingRun, owner: Owner) -> dict[str, Any]:
     }
 
 
-def render_engine_gang(run: TrainingRun, owner: Owner, kind: str, gang_version: str | None = None) -> dict[str, Any]:
+def render_engine_gang(run: TrainingRun, owner: Owner, kind: str, gang_version: str | None = None,
+                       replica: int | None = None) -> dict[str, Any]:
     """The engines' serving `kind` object of the run's gang provider (a PodGroup; with provider kubernetes also a
-    Workload), named R-engine: every replica or none, for the run's whole life."""
+    Workload), named R-engine: every replica or none, for the run's whole life; with multi-node replicas the one of
+    `replica`, R-engine-<i>: its leader and workers or none."""
     provider = gang.provider(run, gang_version)
     assert provider is not None, "an engine gang object without gang scheduling"
     assert kind in provider.kinds, f"{provider.name} creates {provider.kinds}, not {kind}"
-    name = Names(owner.name).engine
+    names = Names(owner.name)
+    name = names.engine if replica is None else gang.engine_group(run, names.engine, replica)
     return {
         "apiVersion": provider.api_version,
         "kind": kind,
@@ -468,7 +472,9 @@ def render_engine(run: TrainingRun, owner: Owner) -> list[dict[str, Any]]:
     out = [render_engine_config_map(run, owner), render_engine_service(run, owner)]
     provider = gang.provider(run)
     if provider is not None:
-        out += [render_engine_gang(run, owner, kind) for kind in provider.kinds]
+        out += [render_engine_gang(run, owner, kind, replica=replica)
+                for replica, _ in gang.engine_groups(run, Names(owner.name).engine, engine_replicas(run))
+                for kind in provider.kinds]
     return out + [render_engine_pod(run, owner, role.replica, node=node)
                   for role in engine_roles(run, engine_replicas(run)) for node in range(engine_nodes(run))]
 
@@ -517,7 +523,7 @@ def _process_pod(t: Target) -> dict[str, Any]:
 
 
 def _engine_gang(t: Target) -> dict[str, Any]:
-    return render_engine_gang(t.run, t.owner, t.child.kind, t.gang_version)
+    return render_engine_gang(t.run, t.owner, t.child.kind, t.gang_version, t.child.rank)
 
 
 def _gang(t: Target) -> dict[str, Any]:

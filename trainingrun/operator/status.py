@@ -490,7 +490,7 @@ def _delete_podgroups(ctx: Reconcile, keep: str | None, *, engines: bool = False
     (R-engine) too only with `engines` (the run ended: the engines outlive attempts and a suspension)."""
     for key in sorted(ctx.obs.children):
         kind, _, name = key.partition("/")
-        if name == ctx.names.engine and not engines:
+        if ctx.names.is_engine_group(name) and not engines:
             continue
         if kind in ("PodGroup", "Workload") and name != keep:
             ctx.d.delete.append(Child(kind, name))

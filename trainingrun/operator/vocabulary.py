@@ -96,8 +96,13 @@ class Names:
         return f"{self.run}-a{attempt}"
 
     def is_podgroup(self, name: str) -> bool:
-        """Whether `name` is one of this run's gang objects (of any attempt, or the engines' serving group)."""
+        """Whether `name` is one of this run's gang objects (of any attempt, or the engines' serving groups)."""
         prefix = f"{self.run}-a"
+        return self.is_engine_group(name) or (name.startswith(prefix) and name[len(prefix):].isdigit())
+
+    def is_engine_group(self, name: str) -> bool:
+        """Whether `name` is an engines' serving group: R-engine, or R-engine-<i> (one per multi-node replica)."""
+        prefix = f"{self.engine}-"
         return name == self.engine or (name.startswith(prefix) and name[len(prefix):].isdigit())
 
     def pod(self, role: str, rank: int | None, attempt: int, generation: int = 0) -> str:
@@ -167,8 +172,10 @@ def base_children(run: TrainingRun, attempt: int) -> list[Child]:
     provider = gang.provider(run)
     if engine_is_managed(run):
         out += [Child("ConfigMap", names.engine, role=ROLE_ENGINE), Child("Service", names.engine, role=ROLE_ENGINE)]
-        if provider is not None:  # the engines' own (serving) group: they outlive attempts
-            out += [Child(kind, names.engine, role=ROLE_ENGINE) for kind in provider.kinds]
+        if provider is not None:  # the engines' own (serving) groups: they outlive attempts
+            out += [Child(kind, name, role=ROLE_ENGINE, rank=replica)
+                    for replica, name in gang.engine_groups(run, names.engine, engine_replicas(run))
+                    for kind in provider.kinds]
     if provider is not None:
         out += [Child(kind, names.podgroup(attempt)) for kind in provider.kinds]
     return out
