@@ -26,7 +26,8 @@ Children of a run `R` in namespace `NS`:
                                 Never: the operator replaces a failed engine pod alone (R-engine-<i>-r<g>, the failure
                                 policy). With rollout.engine.vllm.nodes N > 1 a replica is N pods: its leader
                                 R-engine-<i> (labels engine-replica i, engine-node 0) and workers R-engine-<i>-n<j>
-                                (engine-node j), meeting at the leader; a failed pod replaces the whole replica
+                                (engine-node j), meeting at the leader; a failed pod replaces the whole replica;
+                                with gang scheduling (or Kueue) one group per replica, R-engine-<i> (`gang`)
 Pod names carry the attempt so a restarted group never collides with pods of the previous attempt still terminating;
 every pod's TRAININGRUN_ATTEMPT is its attempt, which the store and checkpoints use to refuse an older attempt's
 writes. A rollout or engine pod restarted alone carries its generation in its name, its label

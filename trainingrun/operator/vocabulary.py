@@ -4,7 +4,7 @@ I/O; `status` decides with it, `render` renders with it, `checks` checks with it
 
   Owner          the TrainingRun that owns the children (the ownerReference every child carries)
   Names          the children's names: R-config, R-trainers, R-store, R-engine (the engines' ConfigMap, headless
-                 Service and serving gang objects), R-a<k> (PodGroup, Workload), pods R-rollout-a<k>,
+                 Service and serving gang objects; R-engine-<i> the gang of multi-node replica i), R-a<k> (PodGroup, Workload), pods R-rollout-a<k>,
                  R-trainer-<i>-a<k> and R-engine-<i> (engine replica i), trainer hostnames trainer-<i>-a<k>, engine
                  hostnames engine-<i>; a worker pod j of a multi-node engine replica (rollout.engine.vllm.nodes)
                  R-engine-<i>-n<j>, hostname engine-<i>-n<j>; a rollout or engine pod restarted alone carries its
