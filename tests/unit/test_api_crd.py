@@ -391,6 +391,8 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
     ("rollout.engine", "replicas-of-own-servers"): ({"type": "vllm", "url": "http://a:8000,http://b:8000"},
                                                     {"type": "vllm", "url": "http://a:8000", "replicas": 2}),
     ("rollout.engine.vllm", "concurrency-auto-or-bounded"): ({"concurrency": 8}, {"concurrency": 0}),
+    ("rollout.engine", "nodes-of-own-servers"): ({"type": "vllm", "vllm": {"nodes": 2, "gpus": 1}},
+                                                 {"type": "vllm", "url": "http://a:8000", "vllm": {"nodes": 2, "gpus": 1}}),
     ("store", "url-or-managed"): ({"url": "redis://r:6379/0"}, {"url": "redis://r:6379/0", "managed": True}),
     ("failurePolicy.rules[items]", "restart-role-names-a-role"): (
         {"roles": ["rollout", "engine"], "action": "RestartRole"}, {"roles": ["trainer"], "action": "RestartRole"}),

@@ -358,6 +358,26 @@ def test_vllm_arguments_set_the_engines_share():
     assert terms(plan.role("trainer"))["sync"] == 512 * MIB
 
 
+def test_a_multi_node_engine_replica_splits_its_weights_over_gpus_times_nodes(tmp_path):
+    """engine.vllm.nodes: vLLM's multi-node launch runs tensor parallelism over gpus × nodes GPUs."""
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_for(resolve("llama-8b"))))
+
+    def doc(nodes):
+        return {"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun", "metadata": {"name": "rl"},
+                "spec": {"model": {"hf": str(tmp_path), "precision": "bf16"},
+                         "trainer": {"gpusPerReplica": 8, "maxTokensPerGPU": 2048, "gpuMemoryGiB": 140,
+                                     "lossType": "policy_gradient"},
+                         "rollout": {"source": {"type": "generate", "generate": {}},
+                                     "engine": {"type": "vllm", "replicas": 2,
+                                                "vllm": {"gpus": 2, "nodes": nodes, "maxModelLen": 8192,
+                                                         "gpuMemoryGiB": 10}}},
+                         "weightSync": {"type": "broadcast", "bucketMiB": 256}}}
+    one, two = (spec_plan(parse_trainingrun(doc(n))).role("engine") for n in (1, 2))
+    assert one.count == 4 and two.count == 8  # replicas × gpus × nodes GPUs
+    assert terms(two)["weights"] == pytest.approx(terms(one)["weights"] / 2, rel=0.01)
+    assert one.fits is False and two.fits is True  # 8B in bf16 fits 10 GiB GPUs only split four ways
+
+
 def test_the_operator_refuses_a_new_run_that_does_not_fit_before_any_pod_but_never_a_running_one():
     from trainingrun.operator import checks, status
     from trainingrun.operator.observe import Observed

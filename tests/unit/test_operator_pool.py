@@ -22,9 +22,9 @@ SPENT = policy.Verdict(policy.Action.FAIL_RUN, "BackoffLimitExceeded", "all 1 re
                        "failurePolicy.roles.engine.maxRestarts used", "rule")
 
 
-def _engine(replica: int, generation: int = 0, phase: str = "Running", **kw) -> PodObs:
-    return PodObs(name=NAMES.engine_pod(replica, generation), role="engine", rank=replica, attempt=None,
-                  phase=phase, generation=generation, **kw)
+def _engine(replica: int, generation: int = 0, phase: str = "Running", node: int = 0, **kw) -> PodObs:
+    return PodObs(name=NAMES.engine_pod(replica, generation, node), role="engine", rank=replica, attempt=None,
+                  phase=phase, generation=generation, node=node, **kw)
 
 
 def _down(ledger: RoleLedger, *replicas: int) -> None:
@@ -39,8 +39,9 @@ def test_each_replicas_current_pod_is_of_its_generation_live_first():
     deleting = _engine(0, 0, deleting=True)
     obs = Observed(pods=(old, new, deleting, _engine(2, 0)), gone=(_engine(2, 0, phase="Failed"),))
     got = current_engines(obs, ledger)
-    assert got == {0: deleting, 1: new, 2: obs.pods[3]}  # generation 1 for replica 1; the live pod over the gone one
-    assert current_engines(Observed(gone=(_engine(3, 0, phase="Failed"),)), ledger)[3].phase == "Failed"
+    # generation 1 for replica 1; the live pod over the gone one
+    assert got == {(0, 0): deleting, (1, 0): new, (2, 0): obs.pods[3]}
+    assert current_engines(Observed(gone=(_engine(3, 0, phase="Failed"),)), ledger)[(3, 0)].phase == "Failed"
 
 
 def test_an_engine_restarted_in_place_past_the_budget_fails_the_run_naming_it():
@@ -56,7 +57,7 @@ def test_engine_failures_judge_each_replica_in_the_pool():
     ledger = RoleLedger([])
     failed = _engine(0, phase="Failed", failure="pod rl-engine-0 container vllm exited with code 1",
                      exit_codes=(1,))
-    engines = {0: failed, 2: _engine(2), 3: _engine(3, deleting=True)}
+    engines = {(0, 0): failed, (2, 0): _engine(2), (3, 0): _engine(3, deleting=True)}
     _down(ledger, 4)
     ledger.restart("engine", 5, counted=True, failure="f", now=NOW, backoff=5)  # replacement not created yet
     obs = Observed(pods=tuple(engines.values()))
@@ -74,7 +75,7 @@ def test_engine_failures_are_judged_one_at_a_time():
     """The caller acts on a failure before the next replica is judged: a replica that left the pool meanwhile is not
     judged again."""
     ledger = RoleLedger([])
-    engines = {0: _engine(0, phase="Failed"), 1: _engine(1, phase="Failed")}
+    engines = {(0, 0): _engine(0, phase="Failed"), (1, 0): _engine(1, phase="Failed")}
     failures = engine_failures(Observed(pods=tuple(engines.values())), engines, ledger, replicas=2, phase="Running",
                                names=NAMES)
     assert next(failures).rank == 0
@@ -105,16 +106,17 @@ def test_a_replica_with_its_budget_spent_leaves_the_pool_and_the_last_one_fails_
 
 def test_the_pool_is_ready_when_every_replica_in_it_is():
     ledger = RoleLedger([])
-    assert engine_not_ready({0: _engine(0, ready=True)}, ledger, replicas=1, names=NAMES) is None
-    reason, message = engine_not_ready({0: _engine(0, ready=True), 1: _engine(1, phase="Pending",
+    assert engine_not_ready({(0, 0): _engine(0, ready=True)}, ledger, replicas=1, names=NAMES) is None
+    reason, message = engine_not_ready({(0, 0): _engine(0, ready=True), (1, 0): _engine(1, phase="Pending",
                                                                             waiting="ImagePullBackOff")},
                                        ledger, replicas=2, names=NAMES)
     assert reason == "WaitingForEngine" and "pod rl-engine-1 is not ready yet (ImagePullBackOff)" in message
     ledger.restart("engine", 1, counted=True, failure="f", now=NOW, backoff=0)
-    reason, message = engine_not_ready({0: _engine(0, ready=True)}, ledger, replicas=2, names=NAMES)
+    reason, message = engine_not_ready({(0, 0): _engine(0, ready=True)}, ledger, replicas=2, names=NAMES)
     assert reason == "RestartingRole" and "pod rl-engine-1-r1 is not ready yet (the rollout" in message
     _down(ledger, 1)
-    assert engine_not_ready({0: _engine(0, ready=True)}, ledger, replicas=2, names=NAMES) is None  # the others serve
+    # the others serve
+    assert engine_not_ready({(0, 0): _engine(0, ready=True)}, ledger, replicas=2, names=NAMES) is None
 
 
 def test_each_replica_in_the_pool_has_a_pod_of_its_generation():
@@ -137,28 +139,55 @@ def test_a_replica_joining_the_pool_in_a_resize_is_not_missing_and_a_removed_one
     """Resize 2 -> 3: replica 2 without a pod yet is joining (size 2), not deleted; replica 1 without a pod is
     deleted. Resize 3 -> 1: the removed replicas' pods (failed or not) are not judged."""
     ledger = RoleLedger([])
-    engines = {0: _engine(0)}
+    engines = {(0, 0): _engine(0)}
     obs = Observed(pods=tuple(engines.values()))
     got = list(engine_failures(obs, engines, ledger, replicas=3, phase="Running", names=NAMES, size=2))
     assert [f.name for f in got] == ["rl-engine-1"] and got[0].reasons == frozenset({policy.DELETED})
     failed = _engine(2, phase="Failed", failure="exit 1", exit_codes=(1,))
-    engines = {0: _engine(0), 1: _engine(1), 2: failed}
+    engines = {(0, 0): _engine(0), (1, 0): _engine(1), (2, 0): failed}
     obs = Observed(pods=tuple(engines.values()))
     assert list(engine_failures(obs, engines, ledger, replicas=1, phase="Running", names=NAMES, size=3)) == []
 
 
 def test_the_pool_reaches_its_new_size_once_added_replicas_are_ready_and_removed_ones_gone():
     ledger = RoleLedger([])
-    up = {0: _engine(0), 1: _engine(1), 2: _engine(2, ready=False)}
+    up = {(0, 0): _engine(0), (1, 0): _engine(1), (2, 0): _engine(2, ready=False)}
     live = list(up.values())
     assert reached_size(up, live, ledger, size=2, wanted=3) == 2  # engine-2 not ready yet
-    up[2] = _engine(2, ready=True)
+    up[(2, 0)] = _engine(2, ready=True)
     assert reached_size(up, list(up.values()), ledger, size=2, wanted=3) == 3
     _down(ledger, 2)  # a replica out of the pool is not waited for
-    assert reached_size({0: _engine(0), 1: _engine(1)}, [_engine(0), _engine(1)], ledger, size=2, wanted=3) == 3
-    down = {0: _engine(0, ready=True), 1: _engine(1, ready=True), 2: _engine(2, ready=True)}
+    assert reached_size({(0, 0): _engine(0), (1, 0): _engine(1)}, [_engine(0), _engine(1)], ledger, size=2,
+                        wanted=3) == 3
+    down = {(0, 0): _engine(0, ready=True), (1, 0): _engine(1, ready=True), (2, 0): _engine(2, ready=True)}
     assert removed(down.values(), 1) == ["rl-engine-1", "rl-engine-2"]
     assert reached_size(down, list(down.values()), RoleLedger([]), size=3, wanted=1) == 3  # still draining
-    terminating = [down[0], _engine(1, deleting=True)]
+    terminating = [down[(0, 0)], _engine(1, deleting=True)]
     assert removed([p for p in terminating if not p.deleting], 1) == []
-    assert reached_size({0: down[0]}, [down[0]], RoleLedger([]), size=3, wanted=1) == 1
+    assert reached_size({(0, 0): down[(0, 0)]}, [down[(0, 0)]], RoleLedger([]), size=3, wanted=1) == 1
+
+
+def test_a_multi_node_replica_is_judged_as_one_engine_by_all_its_pods():
+    """rollout.engine.vllm.nodes 2: replica i is a leader (node 0) and a worker (node 1). A failed or missing worker is
+    its replica's failure (one per replica, naming the pod); the replica is ready only when both pods are; its
+    replacement is both pods in the next generation."""
+    ledger = RoleLedger([])
+    pods = [_engine(r, node=n, ready=True) for r in range(2) for n in range(2)]
+    engines = {(p.rank, p.node): p for p in pods}
+    obs = Observed(pods=tuple(pods))
+    assert list(engine_failures(obs, engines, ledger, replicas=2, phase="Running", names=NAMES, nodes=2)) == []
+    assert engine_not_ready(engines, ledger, replicas=2, names=NAMES, nodes=2) is None
+    worker = _engine(1, node=1, phase="Failed", failure="pod rl-engine-1-n1 container vllm exited with code 1",
+                     exit_codes=(1,))
+    engines[(1, 1)] = worker
+    obs = Observed(pods=tuple(engines.values()))
+    [failure] = engine_failures(obs, engines, ledger, replicas=2, phase="Running", names=NAMES, nodes=2)
+    assert (failure.rank, failure.name, failure.code) == (1, "rl-engine-1-n1", 1)
+    assert "engine replica 1, node 1 of 2: the whole replica is replaced" in failure.description
+    del engines[(1, 1)]  # a worker gone from a running run
+    obs = Observed(pods=tuple(engines.values()))
+    [failure] = engine_failures(obs, engines, ledger, replicas=2, phase="Running", names=NAMES, nodes=2)
+    assert failure.name == "rl-engine-1-n1" and policy.DELETED in failure.reasons
+    reason, message = engine_not_ready(engines, ledger, replicas=2, names=NAMES, nodes=2)
+    assert reason == "WaitingForEngine" and "pod rl-engine-1-n1 is not ready yet" in message
+    assert reached_size(engines, list(engines.values()), ledger, size=1, wanted=2, nodes=2) == 1

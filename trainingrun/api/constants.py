@@ -19,6 +19,9 @@ Labels of every child object (pods also carry LABEL_ROLE; trainers LABEL_RANK; r
   LABEL_ROLE_ATTEMPT "trainingrun.dev/role-attempt"  rollout and engine pods: their generation within the role (one
                                                   more for each restart of the role alone; 0 when absent)
   LABEL_REPLICA "trainingrun.dev/replica"         engine pods: the replica index
+  LABEL_ENGINE_REPLICA "trainingrun.dev/engine-replica"  (contract) engine pods: the replica index (as LABEL_REPLICA)
+  LABEL_ENGINE_NODE "trainingrun.dev/engine-node"  (contract) engine pods: the pod's node within its replica (0 = the
+                                                  leader, serving the replica's URL; rollout.engine.vllm.nodes)
 
 Annotations and other names the operator writes on a TrainingRun:
   ANNOTATION_SPEC  the spec frozen at the first reconcile
@@ -51,6 +54,8 @@ LABEL_RANK: Final = f"{GROUP}/rank"
 LABEL_ATTEMPT: Final = f"{GROUP}/attempt"
 LABEL_ROLE_ATTEMPT: Final = f"{GROUP}/role-attempt"  # a pod's generation within its role (restarts of the role alone)
 LABEL_REPLICA: Final = f"{GROUP}/replica"  # an engine pod's replica index
+LABEL_ENGINE_REPLICA: Final = f"{GROUP}/engine-replica"  # an engine pod's replica index (contract)
+LABEL_ENGINE_NODE: Final = f"{GROUP}/engine-node"  # an engine pod's node within its replica, 0 = leader (contract)
 
 ROLE_ROLLOUT: Final = "rollout"
 ROLE_TRAINER: Final = "trainer"

@@ -90,7 +90,8 @@ def plan_settings(spec: TrainingRunSpec, arch: Architecture
     if generated and e.type == "vllm" and e.url is None:
         v = e.vllm
         engine = EngineSettings(
-            replicas=e.replicas, gpus=v.gpus, dtype=v.dtype, max_model_len=v.max_model_len or arch.seq_length,
+            replicas=e.replicas, gpus=v.gpus * v.nodes, dtype=v.dtype,  # TP over all nodes of a replica
+            max_model_len=v.max_model_len or arch.seq_length,
             kv_cache_gib=v.kv_cache_gib,
             gpu_memory_utilization=_vllm_arg(v.args, "--gpu-memory-utilization", float, VLLM_GPU_MEMORY_UTILIZATION),
             max_num_batched_tokens=_vllm_arg(v.args, "--max-num-batched-tokens", int, VLLM_MAX_NUM_BATCHED_TOKENS),

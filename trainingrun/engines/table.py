@@ -67,6 +67,9 @@ class ServerPods:
     resources: Callable[[Any], tuple[dict[str, Any], dict[str, Any], int]]  # spec -> (requests, limits, GPUs)
     container: Callable[..., dict[str, Any]]  # (spec, *, volume_mounts, resources) -> the server's container
     claims: Callable[[Any], list[Any]] = lambda spec: []  # spec -> the pod's DRA claims (api.spec.base.PodResourceClaim)
+    # spec -> pods per replica: a leader (node 0, the replica's URL) and workers; `container` then also takes
+    # node=j and leader=<the leader's hostname> (vllm: `rollout.engine.vllm.nodes`)
+    nodes: Callable[[Any], int] = lambda spec: 1
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,8 @@ ENGINES: dict[str, EngineType] = {
                             config_map_data=vllm_k8s.extension_config_map_data,
                             volumes=lambda config_map: [vllm_k8s.extension_volume(config_map)],
                             resources=vllm_k8s.server_resources, container=vllm_k8s.engine_container,
-                            claims=lambda spec: list(spec.rollout.engine.vllm.resource_claims)),
+                            claims=lambda spec: list(spec.rollout.engine.vllm.resource_claims),
+                            nodes=vllm_k8s.pods_per_replica),
             local=vllm_server.local_server,
         ),
         logprob_dtype=lambda spec: spec.rollout.engine.vllm.dtype,

@@ -31,7 +31,7 @@ tensor-, pipeline- and expert-parallel shard, `trainer_parameters`), b = bytes o
   runtime        what the process holds before the model: on a CPU torch, megatron-core, gloo and the trainer's
                  modules (CPU_TRAINER_RUNTIME, measured); on a GPU the CUDA context, NCCL and the allocator's slack
                  (GPU_TRAINER_RUNTIME, an estimate)
-Engine (the run's own vLLM servers), per GPU of each (engine.vllm.gpus is its tensor-parallel size):
+Engine (the run's own vLLM servers), per GPU of each (gpus: its tensor-parallel size, engine.vllm.gpus × nodes):
   weights        parameters / gpus · bytes of engine.vllm.dtype (norms replicated)
   runtime        CUDA context and graphs (ENGINE_GPU_CONTEXT) and the activations of vLLM's profile run
                  (--max-num-batched-tokens tokens, the sampler's float32 logits for --max-num-seqs sequences)

@@ -23,7 +23,10 @@ RBAC rule in `rbac.GANG_RULES`).
 
 The run's own engine servers (`rollout.engine.replicas` pods, rendered by the engine table's `ServerPods`) are a
 serving group of their own: the provider's objects named `R-engine` (PodGroup minMember / Workload minCount =
-replicas, minResources = their requests) and, with Kueue, the pod group `R-engine` in the same LocalQueue. Not the
+replicas, minResources = their requests) and, with Kueue, the pod group `R-engine` in the same LocalQueue. With
+multi-node replicas (rollout.engine.vllm.nodes N > 1) one gang per replica instead, `R-engine-<i>` (`engine_group`):
+its leader and workers, minMember / minCount / Kueue total count = N, minResources = N pods' requests — a replica
+is placed whole or not at all, and one replaced or added never waits for the others. Not the
 attempt's group: the engines outlive attempts (a restarted trainer group keeps them, and their minutes of model
 loading), while an attempt's PodGroup and Kueue workload end with it. So the engines' GPUs are inside the run's Kueue
 quota and gang-scheduled, without tying their lifetime to an attempt's.
@@ -74,8 +77,29 @@ TEMPLATE = "group"  # the one PodGroupTemplate of a run's Workload
 
 def group_size(run: TrainingRun, *, engines: bool = False) -> int:
     """The pods of one attempt's gang: the rollout and every trainer; with `engines` the engines' serving group:
-    every engine replica."""
-    return run.spec.rollout.engine.replicas if engines else run.spec.trainer.replicas + 1
+    every engine replica, or with multi-node replicas one replica's pods (rollout.engine.vllm.nodes)."""
+    if not engines:
+        return run.spec.trainer.replicas + 1
+    nodes = _pods_per_replica(run)
+    return nodes if nodes > 1 else run.spec.rollout.engine.replicas
+
+
+def engine_group(run: TrainingRun, engine: str, replica: int) -> str:
+    """The name of the engines' serving group that holds `replica` (`engine`: the R-engine name): R-engine for the
+    whole pool, R-engine-<i> per multi-node replica."""
+    return f"{engine}-{replica}" if _pods_per_replica(run) > 1 else engine
+
+
+def engine_groups(run: TrainingRun, engine: str, replicas: int) -> list[tuple[int | None, str]]:
+    """(replica or None for the whole pool, name) of every engines' serving group of a run with `replicas`."""
+    if _pods_per_replica(run) > 1:
+        return [(i, f"{engine}-{i}") for i in range(replicas)]
+    return [(None, engine)]
+
+
+def _pods_per_replica(run: TrainingRun) -> int:
+    servers = server_kind(run.spec)
+    return servers.pods.nodes(run.spec) if servers is not None else 1
 
 
 @dataclass(frozen=True)
@@ -226,7 +250,7 @@ def engine_min_resources(run: TrainingRun) -> dict[str, str]:
     requests = {**limits, **requests}
     if gpus > 0:
         requests[GPU_RESOURCE] = gpus
-    return _sum_requests([(requests, run.spec.rollout.engine.replicas)])
+    return _sum_requests([(requests, group_size(run, engines=True))])
 
 
 def _sum_requests(pods: list[tuple[dict, int]]) -> dict[str, str]:

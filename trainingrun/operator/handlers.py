@@ -480,9 +480,13 @@ async def act(state: OperatorState, run_state: RunState, decision: Decision, run
 async def _resize_engine_gang(api: KubeApi, provider: gang.GangProvider, run: TrainingRun, body: kopf.Body) -> None:
     """The engines' serving gang object (R-engine: PodGroup minMember, Workload minCount) brought to the pool's new
     size by a merge patch of its spec; a refusal (an immutable field, an object gone) is a Warning, not a failure:
-    the pool runs on."""
+    the pool runs on. Multi-node replicas have a gang each (R-engine-<i>, of a fixed size): nothing to resize (an
+    added replica's is created with the base children; a removed one's stays until the run ends, reused if the pool
+    grows again)."""
     meta = body["metadata"]
     group = Names(meta["name"]).engine
+    if gang.engine_groups(run, group, 1) != [(None, group)]:
+        return
     for kind in provider.kinds:
         try:
             await api.patch(provider.api_version, kind, meta["namespace"], group,

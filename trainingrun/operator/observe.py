@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainingrun import failure_policy as policy
-from trainingrun.api.constants import LABEL_ATTEMPT, LABEL_RANK, LABEL_REPLICA, LABEL_ROLE, LABEL_ROLE_ATTEMPT
+from trainingrun.api.constants import (
+    LABEL_ATTEMPT,
+    LABEL_ENGINE_NODE,
+    LABEL_RANK,
+    LABEL_REPLICA,
+    LABEL_ROLE,
+    LABEL_ROLE_ATTEMPT,
+)
 from trainingrun.contract.progress import ProgressRecord
 
 # Pod status reasons of a pod ended by the platform, not by its program: the kubelet's node-pressure eviction,
@@ -55,6 +62,7 @@ class PodObs:
     disruption: str | None = None  # e.g. "pod P was evicted (DisruptionTarget EvictionByEvictionAPI: ...)"
     gated: tuple[str, ...] = ()  # spec.schedulingGates (Kueue holds the pods of a workload until it is admitted)
     restarts: int = 0  # containers restarted in place by the kubelet (restartPolicy Always: store, engine)
+    node: int = 0  # an engine pod's node within its replica (label engine-node; 0: the leader, or absent)
 
     def as_failure(self) -> policy.Failure:
         """This pod, which failed or was disrupted, as the failure policy sees it."""
@@ -86,6 +94,7 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObs:
     rank = labels.get(LABEL_RANK, labels.get(LABEL_REPLICA))
     attempt = labels.get(LABEL_ATTEMPT)
     generation = labels.get(LABEL_ROLE_ATTEMPT)
+    node = labels.get(LABEL_ENGINE_NODE)
     phase = status.get("phase") or "Pending"
     codes: list[int] = []
     failure = finished = waiting = waiting_reason = None
@@ -139,6 +148,7 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObs:
         role=labels.get(LABEL_ROLE, "?"),
         rank=int(rank) if rank is not None and str(rank).isdigit() else None,
         attempt=int(attempt) if attempt is not None and str(attempt).isdigit() else None,
+        node=int(node) if node is not None and str(node).isdigit() else 0,
         phase=phase,
         deleting=bool(meta.get("deletionTimestamp")),
         deleted_at=_unix(meta.get("deletionTimestamp")),

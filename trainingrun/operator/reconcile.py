@@ -155,6 +155,6 @@ class Reconcile:
         return self.obs.pick(lambda p: p.role in GROUP_ROLES and p.attempt == self.attempt and
                              (p.role != ROLE_ROLLOUT or p.generation == rollout), lambda p: (p.role, p.rank))
 
-    def engines(self) -> dict[int, PodObs]:
-        """Each engine replica's pod of its current generation (`pool.current_engines`)."""
+    def engines(self) -> pool.Engines:
+        """Each engine replica's pods of its current generation, by (replica, node) (`pool.current_engines`)."""
         return pool.current_engines(self.obs, self.ledger)

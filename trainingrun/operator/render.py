@@ -24,7 +24,10 @@ Children of a run `R` in namespace `NS`:
                                 they outlive attempts. In Kueue's accounting (the run's queue, pod group R-engine) and,
                                 with gang scheduling, in a serving group R-engine of their own (`gang`). restartPolicy
                                 Never: the operator replaces a failed engine pod alone (R-engine-<i>-r<g>, the failure
-                                policy)
+                                policy). With rollout.engine.vllm.nodes N > 1 a replica is N pods: its leader
+                                R-engine-<i> (labels engine-replica i, engine-node 0) and workers R-engine-<i>-n<j>
+                                (engine-node j), meeting at the leader; a failed pod replaces the whole replica;
+                                with gang scheduling (or Kueue) one group per replica, R-engine-<i> (`gang`)
 Pod names carry the attempt so a restarted group never collides with pods of the previous attempt still terminating;
 every pod's TRAININGRUN_ATTEMPT is its attempt, which the store and checkpoints use to refuse an older attempt's
 writes. A rollout or engine pod restarted alone carries its generation in its name, its label
@@ -44,6 +47,8 @@ from trainingrun.api.constants import (
     ANNOTATION_CONFIG_HASH,
     APP,
     LABEL_ATTEMPT,
+    LABEL_ENGINE_NODE,
+    LABEL_ENGINE_REPLICA,
     LABEL_NAME,
     LABEL_RANK,
     LABEL_REPLICA,
@@ -71,6 +76,7 @@ from trainingrun.operator.vocabulary import (
     ENGINES_KEY,
     engine_child,
     engine_is_managed,
+    engine_nodes,
     engine_replicas,
     master_addr,
     run_epoch,
@@ -380,37 +386,41 @@ def render_engine_config_map(run: TrainingRun, owner: Owner) -> dict[str, Any]:
 
 
 def render_engine_pod(run: TrainingRun, owner: Owner, replica: int = 0, generation: int = 0,
-                      gang_version: str | None = None) -> dict[str, Any]:
+                      gang_version: str | None = None, node: int = 0) -> dict[str, Any]:
     """The run's engine server `replica` in its `generation` (its engine type's `ServerPods`): restartPolicy Never
     (the operator replaces a failed one: the failure policy, its budget in the run's status), the run's podTemplate
     volumes (model.hf and weightSync.path live there), hostname engine-<i> under the headless Service (the same in
-    every generation), in the engines' Kueue pod group and serving gang group."""
+    every generation), in the engines' Kueue pod group and serving gang group. `node`: the pod's node within a
+    multi-node replica (0: the leader; its workers get hostname engine-<i>-n<j> and meet at the leader's name)."""
     names = Names(owner.name)
     t = run.spec.pod_template
     labels = {**t.labels, **base_labels(owner.name), LABEL_ROLE: ROLE_ENGINE, LABEL_REPLICA: str(replica),
-              LABEL_ROLE_ATTEMPT: str(generation)}
+              LABEL_ENGINE_REPLICA: str(replica), LABEL_ENGINE_NODE: str(node), LABEL_ROLE_ATTEMPT: str(generation)}
     annotations = dict(t.annotations)
     provider = gang.provider(run, gang_version)
+    group = gang.engine_group(run, names.engine, replica)  # the pool's, or the multi-node replica's own
     for extra_labels, extra_annotations in (
-        provider.pod_metadata(names.engine) if provider is not None else ({}, {}),
-        gang.kueue_metadata(run, names.engine, engines=True),
+        provider.pod_metadata(group) if provider is not None else ({}, {}),
+        gang.kueue_metadata(run, group, engines=True),
     ):
         labels.update(extra_labels)
         annotations.update(extra_annotations)
     pods = server_pods(run)
     claims = pods.claims(run.spec)
+    multi = {} if pods.nodes(run.spec) == 1 else {  # the replica's pods meet at its leader's stable name
+        "node": node, "leader": f"{Names.engine_hostname(replica)}.{names.engine}.{owner.namespace}.svc"}
     container = pods.container(run.spec, volume_mounts=list(t.volume_mounts),
-                               resources=_claimed(_resources(*pods.resources(run.spec)), claims))
+                               resources=_claimed(_resources(*pods.resources(run.spec)), claims), **multi)
     container["securityContext"] = _container_security()
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": _meta(names.engine_pod(replica, generation), owner, labels, annotations or None),
+        "metadata": _meta(names.engine_pod(replica, generation, node), owner, labels, annotations or None),
         "spec": {
             **_pod_spec_common(run, gang_version),
-            **(provider.pod_spec(names.engine) if provider is not None else {}),
+            **(provider.pod_spec(group) if provider is not None else {}),
             "restartPolicy": "Never",
-            "hostname": Names.engine_hostname(replica),
+            "hostname": Names.engine_hostname(replica, node),
             "subdomain": names.engine,
             "containers": [container],
             "volumes": [*pods.volumes(names.engine), *t.volumes],
@@ -420,25 +430,33 @@ def render_engine_pod(run: TrainingRun, owner: Owner, replica: int = 0, generati
 
 
 def render_engine_service(run: TrainingRun, owner: Owner) -> dict[str, Any]:
-    """The engines' headless Service: a stable name per replica (engine-<i>.R-engine.NS.svc), ready pods only."""
+    """The engines' headless Service: a stable name per replica (engine-<i>.R-engine.NS.svc), ready pods only —
+    but for multi-node replicas, whose workers resolve their leader before it is ready (it becomes ready only once
+    they joined), every pod's name is published at once."""
     labels = {**base_labels(owner.name), LABEL_ROLE: ROLE_ENGINE}
     port = server_pods(run).port
+    spec: dict[str, Any] = {"clusterIP": "None", "selector": labels,
+                            "ports": [{"name": "http", "port": port, "targetPort": port}]}
+    if engine_nodes(run) > 1:
+        spec["publishNotReadyAddresses"] = True
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _meta(Names(owner.name).engine, owner, labels),
-        "spec": {"clusterIP": "None", "selector": labels,
-                 "ports": [{"name": "http", "port": port, "targetPort": port}]},
+        "spec": spec,
     }
 
 
-def render_engine_gang(run: TrainingRun, owner: Owner, kind: str, gang_version: str | None = None) -> dict[str, Any]:
+def render_engine_gang(run: TrainingRun, owner: Owner, kind: str, gang_version: str | None = None,
+                       replica: int | None = None) -> dict[str, Any]:
     """The engines' serving `kind` object of the run's gang provider (a PodGroup; with provider kubernetes also a
-    Workload), named R-engine: every replica or none, for the run's whole life."""
+    Workload), named R-engine: every replica or none, for the run's whole life; with multi-node replicas the one of
+    `replica`, R-engine-<i>: its leader and workers or none."""
     provider = gang.provider(run, gang_version)
     assert provider is not None, "an engine gang object without gang scheduling"
     assert kind in provider.kinds, f"{provider.name} creates {provider.kinds}, not {kind}"
-    name = Names(owner.name).engine
+    names = Names(owner.name)
+    name = names.engine if replica is None else gang.engine_group(run, names.engine, replica)
     return {
         "apiVersion": provider.api_version,
         "kind": kind,
@@ -455,8 +473,11 @@ def render_engine(run: TrainingRun, owner: Owner) -> list[dict[str, Any]]:
     out = [render_engine_config_map(run, owner), render_engine_service(run, owner)]
     provider = gang.provider(run)
     if provider is not None:
-        out += [render_engine_gang(run, owner, kind) for kind in provider.kinds]
-    return out + [render_engine_pod(run, owner, role.replica) for role in engine_roles(run, engine_replicas(run))]
+        out += [render_engine_gang(run, owner, kind, replica=replica)
+                for replica, _ in gang.engine_groups(run, Names(owner.name).engine, engine_replicas(run))
+                for kind in provider.kinds]
+    return out + [render_engine_pod(run, owner, role.replica, node=node)
+                  for role in engine_roles(run, engine_replicas(run)) for node in range(engine_nodes(run))]
 
 
 def render_gang(run: TrainingRun, owner: Owner, kind: str, attempt: int,
@@ -503,7 +524,7 @@ def _process_pod(t: Target) -> dict[str, Any]:
 
 
 def _engine_gang(t: Target) -> dict[str, Any]:
-    return render_engine_gang(t.run, t.owner, t.child.kind, t.gang_version)
+    return render_engine_gang(t.run, t.owner, t.child.kind, t.gang_version, t.child.rank)
 
 
 def _gang(t: Target) -> dict[str, Any]:
@@ -521,7 +542,7 @@ RENDERERS: dict[tuple[str, str | None], Callable[[Target], dict[str, Any]]] = {
     ("ConfigMap", ROLE_ENGINE): lambda t: render_engine_config_map(t.run, t.owner),
     ("Service", ROLE_ENGINE): lambda t: render_engine_service(t.run, t.owner),
     ("Pod", ROLE_ENGINE): lambda t: render_engine_pod(t.run, t.owner, t.child.rank or 0, t.child.generation,
-                                                      t.gang_version),
+                                                      t.gang_version, t.child.node),
     ("PodGroup", ROLE_ENGINE): _engine_gang,
     ("Workload", ROLE_ENGINE): _engine_gang,
     ("PodGroup", None): _gang,
@@ -546,7 +567,7 @@ def render_children(run: TrainingRun, owner: Owner, attempt: int, *, redis_image
     pods."""
     plan = plan_for(run, owner.namespace, attempt)
     children = base_children(run, attempt)
-    children += [engine_child(run, role.replica, 0) for role in plan.engines]
+    children += [engine_child(run, role.replica, 0, node) for role in plan.engines for node in range(engine_nodes(run))]
     children += [Child("Pod", Names(owner.name).pod(p.role, p.rank, attempt), role=p.role, rank=p.rank)
                  for p in plan.processes]
     return [render_child(run, owner, c, attempt, redis_image=redis_image, gang_version=gang_version)

@@ -162,6 +162,8 @@ def replacement_hold(ledger: RoleLedger, pods: Iterable[PodObs], role: str, repl
             continue
         if (role == ROLE_ROLLOUT and p.attempt != attempt) or (role == ROLE_ENGINE and (p.rank or 0) != replica):
             continue
+        if role == ROLE_ENGINE and p.generation == ledger.generation(role, replica):
+            continue  # a pod of the replacement itself (another node of a multi-node replica)
         left = policy.seconds_left(p.deleted_at, timeout, now)
         if left is not None and left <= 0:
             continue  # on a lost node: fenced by its older generation (the store's writer claim)

@@ -56,7 +56,14 @@ from trainingrun.operator import pool, roles
 from trainingrun.operator.observe import KUEUE_GATE, Observed, PodObs, parse_time
 from trainingrun.operator.pace import progress_status
 from trainingrun.operator.reconcile import EVENT_MESSAGE_MAX, Decision, Reconcile, bounded
-from trainingrun.operator.vocabulary import Child, base_children, config_hash, engine_replicas, engine_selector
+from trainingrun.operator.vocabulary import (
+    Child,
+    base_children,
+    config_hash,
+    engine_nodes,
+    engine_replicas,
+    engine_selector,
+)
 
 def expected_group(run: TrainingRun) -> list[tuple[str, int | None]]:
     return [("rollout", None)] + [(ROLE_TRAINER, r) for r in range(run.spec.trainer.replicas)]
@@ -278,7 +285,7 @@ def _engines_exit(ctx: Reconcile) -> bool:
     ledger, replicas = ctx.ledger, engine_replicas(ctx.run)
     for failure in pool.engine_failures(ctx.obs, ctx.engines(), ledger, replicas=replicas,
                                         phase=str(ctx.st["phase"]), names=ctx.names,
-                                        size=ctx.st.get("engineReplicas")):
+                                        size=ctx.st.get("engineReplicas"), nodes=engine_nodes(ctx.run)):
         verdict = ctx.policy.decide(failure, ledger.counts(ctx.st["restarts"]))
         if verdict.reason == "BackoffLimitExceeded" and replicas > 1:
             if _leave_pool(ctx, failure, verdict):
@@ -357,7 +364,7 @@ def _not_whole(ctx: Reconcile) -> tuple[str | None, str]:
         return "RestartingRole", rollout
     wanted = engine_replicas(ctx.run)  # a replica joining the pool in a resize is not waited for
     engine = pool.engine_not_ready(ctx.engines(), ledger, replicas=min(wanted, ctx.st.get("engineReplicas", wanted)),
-                                   names=ctx.names)
+                                   names=ctx.names, nodes=engine_nodes(ctx.run))
     return engine if engine is not None else (None, "")
 
 
@@ -483,7 +490,7 @@ def _delete_podgroups(ctx: Reconcile, keep: str | None, *, engines: bool = False
     (R-engine) too only with `engines` (the run ended: the engines outlive attempts and a suspension)."""
     for key in sorted(ctx.obs.children):
         kind, _, name = key.partition("/")
-        if name == ctx.names.engine and not engines:
+        if ctx.names.is_engine_group(name) and not engines:
             continue
         if kind in ("PodGroup", "Workload") and name != keep:
             ctx.d.delete.append(Child(kind, name))
@@ -504,7 +511,7 @@ def _ensure_children(ctx: Reconcile, *, pods: bool) -> None:
     ledger = ctx.ledger
     engines = ctx.engines()
     for replica, child in pool.engine_pods(run, ledger):  # one out of the pool is never replaced again
-        _ensure_pod(ctx, child, engines.get(replica), ROLE_ENGINE, replica)
+        _ensure_pod(ctx, child, engines.get((replica, child.node)), ROLE_ENGINE, replica)
     current = ctx.current()
     for role, rank in expected_group(run):
         if not pods and not (role == ROLE_ROLLOUT and ledger.replacing(ROLE_ROLLOUT)):
@@ -520,7 +527,8 @@ def _engine_pool(ctx: Reconcile) -> None:
     pod is created by `_ensure_children`; a removed one's is deleted once the run's ConfigMap holds the new list of
     URLs (the rollout stops sending to it first); status.engineReplicas follows the pool (`pool.reached_size`), and
     the condition EnginePoolResizing is True while it differs from the spec. When it starts and when it ends, the
-    engines' serving gang object (gang scheduling) is brought to the new size (`Decision.resize_engine_gang`)."""
+    engines' serving gang object (gang scheduling) is brought to the new size (`Decision.resize_engine_gang`). The
+    live pods of a replica out of the pool (a multi-node replica's other pods) are deleted (`pool.out_of_pool`)."""
     wanted = engine_replicas(ctx.run)
     if not wanted:
         return
@@ -529,7 +537,8 @@ def _engine_pool(ctx: Reconcile) -> None:
     leaving = pool.removed(live, wanted)
     if leaving and ctx.obs.config_hash == config_hash(ctx.run):
         ctx.d.replace_pods = sorted(set(ctx.d.replace_pods) | set(leaving))
-    reached = pool.reached_size(ctx.engines(), live, ctx.ledger, size=size, wanted=wanted)
+    ctx.d.replace_pods = sorted(set(ctx.d.replace_pods) | set(pool.out_of_pool(live, ctx.ledger)))
+    reached = pool.reached_size(ctx.engines(), live, ctx.ledger, size=size, wanted=wanted, nodes=engine_nodes(ctx.run))
     ctx.st["engineReplicas"] = reached
     resizing = ctx.condition("EnginePoolResizing") or {}
     if reached != wanted:

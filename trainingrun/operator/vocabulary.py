@@ -4,14 +4,16 @@ I/O; `status` decides with it, `render` renders with it, `checks` checks with it
 
   Owner          the TrainingRun that owns the children (the ownerReference every child carries)
   Names          the children's names: R-config, R-trainers, R-store, R-engine (the engines' ConfigMap, headless
-                 Service and serving gang objects), R-a<k> (PodGroup, Workload), pods R-rollout-a<k>,
+                 Service and serving gang objects; R-engine-<i> the gang of multi-node replica i), R-a<k> (PodGroup, Workload), pods R-rollout-a<k>,
                  R-trainer-<i>-a<k> and R-engine-<i> (engine replica i), trainer hostnames trainer-<i>-a<k>, engine
-                 hostnames engine-<i>; a rollout or engine pod restarted alone carries its generation:
-                 R-rollout-a<k>-r<g>, R-engine-<i>-r<g>
+                 hostnames engine-<i>; a worker pod j of a multi-node engine replica (rollout.engine.vllm.nodes)
+                 R-engine-<i>-n<j>, hostname engine-<i>-n<j>; a rollout or engine pod restarted alone carries its
+                 generation: R-rollout-a<k>-r<g>, R-engine-<i>-r<g>, R-engine-<i>-n<j>-r<g>
   Child          one child by kind, name and role (the role label of the object: config, trainer, store, engine,
                  rollout; a PodGroup has none), rank (trainer pods; an engine's replica) and generation
   base_children  what an attempt's pods need before they are created, in creation order
-  engine_child   the engine pod of one replica in one generation (engine_replicas: how many the run has)
+  engine_child   the engine pod of one replica's node in one generation (engine_replicas: how many replicas the run
+                 has; engine_nodes: pods per replica, a leader and its workers)
   store_url      the run's store as the pods see it; run_epoch its creation time; config_hash the ConfigMap's content
   config_data    the ConfigMap's keys: run.yaml, and `engines` (the engine pool's URLs, one a line, that the rollout
                  re-reads: a resize reaches it without a restart)
@@ -94,8 +96,13 @@ class Names:
         return f"{self.run}-a{attempt}"
 
     def is_podgroup(self, name: str) -> bool:
-        """Whether `name` is one of this run's gang objects (of any attempt, or the engines' serving group)."""
+        """Whether `name` is one of this run's gang objects (of any attempt, or the engines' serving groups)."""
         prefix = f"{self.run}-a"
+        return self.is_engine_group(name) or (name.startswith(prefix) and name[len(prefix):].isdigit())
+
+    def is_engine_group(self, name: str) -> bool:
+        """Whether `name` is an engines' serving group: R-engine, or R-engine-<i> (one per multi-node replica)."""
+        prefix = f"{self.engine}-"
         return name == self.engine or (name.startswith(prefix) and name[len(prefix):].isdigit())
 
     def pod(self, role: str, rank: int | None, attempt: int, generation: int = 0) -> str:
@@ -103,17 +110,19 @@ class Names:
         base = f"{self.run}-{role}-a{attempt}" if rank is None else f"{self.run}-{role}-{rank}-a{attempt}"
         return base if generation == 0 else f"{base}-r{generation}"
 
-    def engine_pod(self, replica: int, generation: int = 0) -> str:
-        """Engine replica `replica`: R-engine-<i> (as the local launcher's engine-<i>), `-r<generation>` once it was
-        restarted alone (a replacement never waits for its predecessor's name)."""
-        base = f"{self.engine}-{replica}"
+    def engine_pod(self, replica: int, generation: int = 0, node: int = 0) -> str:
+        """Engine replica `replica`: R-engine-<i> (as the local launcher's engine-<i>; its leader), R-engine-<i>-n<j>
+        its worker j, `-r<generation>` once it was restarted alone (a replacement never waits for its predecessor's
+        name)."""
+        base = f"{self.engine}-{replica}" + (f"-n{node}" if node else "")
         return base if generation == 0 else f"{base}-r{generation}"
 
     @staticmethod
-    def engine_hostname(replica: int) -> str:
-        """Engine replica i's hostname under the headless Service: engine-<i>.R-engine.NS.svc, the same in every
-        generation (the rollout's URL of it never changes): the plan's name of the replica."""
-        return engine_name(replica)
+    def engine_hostname(replica: int, node: int = 0) -> str:
+        """Engine replica i's hostname under the headless Service: engine-<i>.R-engine.NS.svc (its leader), the same
+        in every generation (the rollout's URL of it never changes): the plan's name of the replica; its worker j:
+        engine-<i>-n<j>."""
+        return engine_name(replica) + (f"-n{node}" if node else "")
 
     @staticmethod
     def hostname(rank: int, attempt: int) -> str:
@@ -131,6 +140,7 @@ class Child:
     role: str | None = None
     rank: int | None = None  # a trainer's rank; an engine's replica
     generation: int = 0  # rollout and engine pods: the role's generation (restarts of the role alone)
+    node: int = 0  # engine pods: the node within the replica (0: the leader)
 
     @property
     def key(self) -> str:
@@ -162,8 +172,10 @@ def base_children(run: TrainingRun, attempt: int) -> list[Child]:
     provider = gang.provider(run)
     if engine_is_managed(run):
         out += [Child("ConfigMap", names.engine, role=ROLE_ENGINE), Child("Service", names.engine, role=ROLE_ENGINE)]
-        if provider is not None:  # the engines' own (serving) group: they outlive attempts
-            out += [Child(kind, names.engine, role=ROLE_ENGINE) for kind in provider.kinds]
+        if provider is not None:  # the engines' own (serving) groups: they outlive attempts
+            out += [Child(kind, name, role=ROLE_ENGINE, rank=replica)
+                    for replica, name in gang.engine_groups(run, names.engine, engine_replicas(run))
+                    for kind in provider.kinds]
     if provider is not None:
         out += [Child(kind, names.podgroup(attempt)) for kind in provider.kinds]
     return out
@@ -179,10 +191,17 @@ def engine_selector(run_name: str) -> dict[str, str]:
     return {LABEL_NAME: APP, LABEL_RUN: run_name, LABEL_ROLE: ROLE_ENGINE}
 
 
-def engine_child(run: TrainingRun, replica: int, generation: int) -> Child:
-    """The engine pod of `replica` in its `generation`."""
-    return Child("Pod", Names(run.metadata.name).engine_pod(replica, generation), role=ROLE_ENGINE, rank=replica,
-                 generation=generation)
+def engine_nodes(run: TrainingRun) -> int:
+    """The pods of one engine replica: a leader (node 0) and its workers (rollout.engine.vllm.nodes; 1 when the run
+    runs no engine of its own)."""
+    servers = server_kind(run.spec)
+    return servers.pods.nodes(run.spec) if servers is not None and engine_is_managed(run) else 1
+
+
+def engine_child(run: TrainingRun, replica: int, generation: int, node: int = 0) -> Child:
+    """The engine pod of `replica`'s `node` in its `generation`."""
+    return Child("Pod", Names(run.metadata.name).engine_pod(replica, generation, node), role=ROLE_ENGINE,
+                 rank=replica, generation=generation, node=node)
 
 
 def store_url(run: TrainingRun, namespace: str) -> str:

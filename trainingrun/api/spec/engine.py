@@ -44,6 +44,12 @@ class VLLMSettings(ApiModel):
     image: str = Field("vllm/vllm-openai:v0.32.0", min_length=1,
                        description="Image of the engine pod (cluster): the official vLLM image.")
     gpus: int = Field(0, ge=0, le=64, description="GPUs of the engine pod (cluster; its tensor-parallel size).")
+    nodes: int = Field(
+        1, ge=1, le=64,
+        description="Pods (nodes) of one engine replica (cluster): a leader pod, serving the replica's URL, and "
+        "nodes - 1 headless worker pods, started by vLLM's own multi-node launch (--nnodes/--node-rank/"
+        "--master-addr, no Ray); the replica's tensor-parallel size is max(gpus, 1) × nodes. A failed pod replaces "
+        "its whole replica. Needs the run's own servers (not engine.url); not started by the local launcher.")
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements,
                                             description="Resources of the engine container (cluster).")
     resource_claims: list[PodResourceClaim] = Field(
@@ -96,6 +102,9 @@ class EngineSpec(ApiModel):
         Rule(name="replicas-of-own-servers", rule="!has(self.url) || !has(self.replicas) || self.replicas == 1",
              message="engine.replicas counts the run's own vLLM servers; with engine.url list your servers there "
              "(comma-separated URLs)", fieldPath=".replicas"),
+        Rule(name="nodes-of-own-servers", rule="!has(self.url) || !has(self.vllm) || !has(self.vllm.nodes) || self.vllm.nodes == 1",
+             message="engine.vllm.nodes spreads the run's own vLLM servers over several pods; with engine.url the "
+             "servers are yours (set nodes 1, or drop engine.url)", fieldPath=".vllm.nodes"),
     )
 
     type: EngineType = Field(
@@ -113,6 +122,8 @@ class EngineSpec(ApiModel):
     def _rules(self) -> EngineSpec:
         if self.url is not None and self.replicas != 1:
             raise ValueError(self.cel_rule("replicas-of-own-servers").message)
+        if self.url is not None and self.vllm.nodes != 1:
+            raise ValueError(self.cel_rule("nodes-of-own-servers").message)
         return self
 
     @property
