@@ -28,6 +28,7 @@ from trainingrun.api.models import parse_trainingrun
 from trainingrun.api.spec.engine import VLLM_CPU_HEAD_DIMS
 from trainingrun.api.yamlcodec import dotted
 from trainingrun.modeling.architecture import check_parallel
+from trainingrun.modeling.lora_targets import LoRASettings, check_lora
 
 
 @dataclass(frozen=True)
@@ -333,7 +334,25 @@ def _architecture_problems(run: Any) -> list[Problem]:
     except ValueError as exc:
         field, _, message = str(exc).partition(": ")
         return [Problem(("spec", *field.split(".")), message)]
-    return engine_problems(run.spec, arch)
+    return lora_problems(ts, arch) + engine_problems(run.spec, arch)
+
+
+def lora_problems(trainer: Any, arch: Any) -> list[Problem]:
+    """`spec.trainer.lora` against the model (`modeling.lora_targets.check_lora`, which the trainer applies at
+    start-up too): the rank within every targeted projection, `experts` only on a mixture of experts."""
+    if trainer.lora is None:
+        return []
+    try:
+        check_lora(lora_settings(trainer.lora), arch)
+    except ValueError as exc:
+        field, _, message = str(exc).partition(": ")
+        return [Problem(("spec", *field.split(".")), message)]
+    return []
+
+
+def lora_settings(lora: Any) -> LoRASettings:
+    """`spec.trainer.lora` (api.spec.trainer.LoRASpec) as `modeling.lora_targets.LoRASettings`."""
+    return LoRASettings(rank=lora.rank, alpha=lora.resolved_alpha, dropout=lora.dropout, targets=tuple(lora.targets))
 
 
 def engine_problems(spec: Any, arch: Any) -> list[Problem]:

@@ -1,0 +1,83 @@
+"""`spec.trainer.lora` (issue 29 item 1): the API's bounds and defaults, and the checks that need the resolved model
+(`modeling.lora_targets.check_lora`, run by `trainingrun validate` and by the trainer at start-up), each naming the
+field and what is allowed."""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainingrun.api.spec.trainer import LoRASpec, LoRATarget, TrainerSpec
+from trainingrun.api.validate import validate_text
+from trainingrun.modeling.architecture import resolve
+from trainingrun.modeling.lora_targets import DEFAULT_TARGETS, TARGETS, LoRASettings, check_lora, parts
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_LLAMA = {"preset": "tiny-llama"}  # hidden 64, 4 heads of 16, 2 query groups (k/v: 32), ffn 192
+MOE = {"architecture": "llama", "numLayers": 2, "hiddenSize": 32, "numAttentionHeads": 4, "vocabSize": 64,
+       "seqLength": 64, "moe": {"numExperts": 4, "topK": 2, "ffnHiddenSize": 16}}
+
+
+def run_with(model: dict, lora: dict, tmp_path: Path) -> list[str]:
+    doc = yaml.safe_load((ROOT / "examples/tiny.yaml").read_text())
+    doc["spec"]["model"] = model
+    doc["spec"]["trainer"]["lora"] = lora
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return validate_text(path.read_text(), str(path))
+
+
+def test_defaults_and_the_target_names_agree_with_the_plan():
+    spec = TrainerSpec.model_validate({"maxTokensPerGPU": 64, "lora": {"rank": 8}})
+    assert spec.lora is not None and spec.lora.resolved_alpha == 16.0 and spec.lora.dropout == 0.0
+    assert tuple(spec.lora.targets) == DEFAULT_TARGETS
+    assert LoRASpec(rank=4, alpha=4).resolved_alpha == 4.0
+    assert typing.get_args(LoRATarget) == TARGETS
+    assert TrainerSpec.model_validate({"maxTokensPerGPU": 64}).lora is None
+
+
+@pytest.mark.parametrize("lora,field", [
+    ({"rank": 0}, "rank"), ({"rank": 1025}, "rank"), ({"rank": 8, "dropout": 1.0}, "dropout"),
+    ({"rank": 8, "dropout": -0.1}, "dropout"), ({"rank": 8, "alpha": 0}, "alpha"),
+    ({"rank": 8, "targets": ["attention"]}, "targets"), ({"rank": 8, "targets": []}, "targets"),
+    ({"rank": 8, "targets": ["mlp_in", "mlp_in"]}, "targets"),
+])
+def test_the_api_refuses_bad_values_naming_the_field(lora, field, tmp_path):
+    lines = run_with(TINY_LLAMA, lora, tmp_path)
+    assert lines and all(f"spec.trainer.lora.{field}" in line for line in lines), lines
+
+
+def test_validate_admits_a_fitting_lora(tmp_path):
+    assert run_with(TINY_LLAMA, {"rank": 32, "alpha": 16, "dropout": 0.1}, tmp_path) == []
+
+
+@pytest.mark.parametrize("lora,message", [
+    # the k/v projections of tiny-llama are 64 -> 32: rank 33 is above them
+    ({"rank": 33}, "rank: 33 is above the smaller dimension of attention_qkv's k projection (64 -> 32); "
+                   "allowed: 1 to 32"),
+    ({"rank": 65, "targets": ["mlp_out"]}, "rank: 65 is above the smaller dimension of mlp_out's down projection "
+                                           "(192 -> 64); allowed: 1 to 64"),
+    ({"rank": 4, "targets": ["experts"]}, "targets: experts needs a mixture-of-experts model"),
+])
+def test_validate_checks_lora_against_the_model(lora, message, tmp_path):
+    (line,) = run_with(TINY_LLAMA, lora, tmp_path)
+    assert f"spec.trainer.lora.{message}" in line, line
+
+
+def test_experts_on_a_mixture_of_experts_is_refused_as_not_built(tmp_path):
+    (line,) = run_with(MOE, {"rank": 4, "targets": ["attention_qkv", "experts"]}, tmp_path)
+    assert "spec.trainer.lora.targets: experts (an adapter per expert) is not built yet" in line, line
+    assert run_with(MOE, {"rank": 4, "targets": ["attention_qkv"]}, tmp_path) == []
+
+
+def test_check_lora_names_an_unknown_target_and_parts_follow_the_architecture():
+    arch = resolve(preset="tiny-llama")
+    with pytest.raises(ValueError, match=r"^trainer\.lora\.targets: unknown target 'mlp'"):
+        check_lora(LoRASettings(rank=4, alpha=8, targets=("mlp",)), arch)
+    assert parts("attention_qkv", arch) == (("q", 64, 64), ("k", 64, 32), ("v", 64, 32))
+    assert parts("mlp_in", arch) == (("gate", 64, 192), ("up", 64, 192))
+    assert parts("mlp_out", arch) == (("down", 192, 64),)
+    check_lora(LoRASettings(rank=32, alpha=8), arch)
