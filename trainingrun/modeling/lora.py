@@ -75,6 +75,8 @@ class LoRAAdapter(torch.nn.Module):
         super().__init__()
         self.kind, self.scale, self.dropout, self.combine, self.tp_size = kind, scale, dropout, combine, tp_size
         self.part_names = [name for name, _, _ in shapes]
+        # alpha / r, kept with the adapters so that a checkpoint merges them without its spec (`merge_full_state`)
+        self.register_buffer("scale_", torch.tensor([scale], dtype=torch.float32, device=device))
         for name, a_shape, b_shape in shapes:
             self.register_parameter(f"{name}_A", torch.nn.Parameter(torch.zeros(a_shape, dtype=dtype, device=device)))
             self.register_parameter(f"{name}_B", torch.nn.Parameter(torch.zeros(b_shape, dtype=dtype, device=device)))
@@ -214,6 +216,29 @@ def live_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             key = name.removesuffix(f".{ADAPTER}") + ".weight"
             base = out[key]
             out[key] = (base.float() + adapter.delta().to(base.device)).to(base.dtype)
+    return out
+
+
+def merge_full_state(state: dict[str, torch.Tensor], arch: Architecture) -> dict[str, torch.Tensor]:
+    """A full canonical state (whole shapes, `trainer.full_state`: a checkpoint) with every layer's adapters merged
+    into its weight (W + scale·B·A, in fp32, cast back) and the adapter tensors left out; unchanged without them."""
+    marker = f".{ADAPTER}."
+    layers = sorted({k.split(marker)[0] for k in state if marker in k})
+    if not layers:
+        return state
+    out = {k: v for k, v in state.items() if marker not in k}
+    suffixes = {layer: target for target, (layer, _) in LAYERS.items()}
+    for layer in layers:
+        target = suffixes.get(layer.split(".", 3)[3] if layer.count(".") >= 3 else "")
+        if target is None:
+            raise ValueError(f"{layer}: adapters on a layer LoRA does not target")
+        pre = f"{layer}{marker}"
+        names = [name for name, _, _ in parts(target, arch)]
+        cols = [(state[f"{pre}{n}_B"].float() @ state[f"{pre}{n}_A"].float()).t() for n in names]
+        combine = _interleave_qkv(arch.num_query_groups) if target == "attention_qkv" else _concat
+        scale = float(state[f"{pre}scale_"].reshape(-1)[0])
+        weight = out[f"{layer}.weight"]
+        out[f"{layer}.weight"] = (weight.float() + combine(cols).t() * scale).to(weight.dtype)
     return out
 
 

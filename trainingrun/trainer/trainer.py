@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from trainingrun.api import load_trainingrun
+from trainingrun.api.checks import lora_settings
 from trainingrun.contract.errors import ConfigError
 from trainingrun.contract.payload import RankPayload
 from trainingrun.contract.published import PublishedRollout, StepPlan, read
@@ -129,6 +130,7 @@ class Trainer:
 
         # Import order: the device decision installs the CPU shim before megatron is imported.
         from trainingrun.modeling.model import attention_choice, build_model, init_distributed, prepare_device, set_seed
+        from trainingrun.modeling.lora import adapter_parameters, apply_lora, live_state_dict  # deferred: megatron
         from trainingrun.trainer.optim import (  # deferred: megatron
             build_optimizer,
             optim_settings,
@@ -162,12 +164,22 @@ class Trainer:
             model = build_model(arch, device, options=options, seed=spec.seed)
         except (ValueError, AssertionError, TypeError, OSError) as exc:
             raise ConfigError(f"model: cannot build the model from {arch.to_dict()}: {exc}") from None
+        if ts.lora is not None:  # frozen base + adapters, before DDP: its buckets hold only what trains
+            try:
+                adapted = apply_lora(model, arch, lora_settings(ts.lora), seed=spec.seed,
+                                     tp=(parallel_state.get_tensor_model_parallel_rank(), tp),
+                                     pp=(parallel_state.get_pipeline_model_parallel_rank(), pp))
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            log(env.rank, f"lora: rank {ts.lora.rank}, alpha {ts.lora.resolved_alpha:g}, dropout {ts.lora.dropout:g}, "
+                          f"{len(adapted)} layers ({', '.join(ts.lora.targets)}); {adapter_parameters(model) / 1e6:.3f}M "
+                          "trainable parameters on this rank, the base frozen")
         ddp = wrap_ddp(model, ddp_settings)
         moe = MoETraining.build(model, arch, replay=ts.moe.routing_replay, device=device)
         ref_model = None
         if loss.kind.reference and ts.policy_loss.kl_coef > 0:  # a copy of the initial weights, before any resume
             ref_model = build_model(arch, device, seed=spec.seed)
-            ref_model.load_state_dict(model.state_dict())
+            ref_model.load_state_dict(live_state_dict(model))  # with LoRA: the base (B is 0)
             ref_model.eval()
             for prm in ref_model.parameters():
                 prm.requires_grad_(False)
