@@ -1,8 +1,8 @@
 """A `trainingrun run` with `spec.trainer.lora` (issue 29 items 1 and 3) from a Hugging Face Llama directory, on real
 Megatron code (CPU, gloo):
 
-* TP 1 and TP 2 train the same adapters (per-step losses within 1e-5 relative; the adapters are initialised the same
-  at both layouts) and the loss falls;
+* TP 1, TP 2 and PP 2 train the same adapters (per-step losses within 1e-5 relative; the adapters are initialised
+  the same at every layout) and the loss falls;
 * the end-of-run checkpoint holds Adam moments for the adapters only (none for the frozen base) and every adapter at
   its whole shape (stored once, whatever the TP size);
 * `export-hf` of the checkpoint writes the merged model (base + scale·B·A), which `transformers` scores like
@@ -24,17 +24,18 @@ from tests.localrun import ROOT, finish, records, start
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
 
-def _spec(path: Path, hf: Path, tp: int, extra: str = "") -> Path:
+def _spec(path: Path, hf: Path, tp: int, pp: int = 1, extra: str = "") -> Path:
     path.write_text(f"""
 apiVersion: trainingrun.dev/v1alpha1
 kind: TrainingRun
-metadata: {{name: lora-tp{tp}}}
+metadata: {{name: lora-tp{tp}-pp{pp}}}
 spec:
   seed: 5
   model: {{hf: {hf}, seqLength: 64}}
   trainer:
-    replicas: {tp}
+    replicas: {tp * pp}
     tensorParallelSize: {tp}
+    pipelineParallelSize: {pp}
     maxTokensPerGPU: 512
     lora: {{rank: 4, alpha: 8}}
     optimizer: {{lr: 0.01, clipGrad: 0.0}}
@@ -50,7 +51,7 @@ spec:
 
 
 @pytest.mark.megatron
-def test_lora_run_trains_alike_at_tp1_and_tp2_checkpoints_adapters_only_and_exports_merged(tmp_path: Path) -> None:
+def test_lora_run_trains_alike_at_tp1_tp2_pp2_checkpoints_adapters_only_and_exports_merged(tmp_path: Path) -> None:
     import torch
     from safetensors.torch import load_file
 
@@ -58,17 +59,18 @@ def test_lora_run_trains_alike_at_tp1_and_tp2_checkpoints_adapters_only_and_expo
 
     hf = make_hf_model(tmp_path / "hf")
     losses = {}
-    for tp in (1, 2):
-        out = tmp_path / f"run-tp{tp}"
-        code, log = finish(start(_spec(tmp_path / f"tp{tp}.yaml", hf, tp), out))
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        out = tmp_path / f"run-tp{tp}-pp{pp}"
+        code, log = finish(start(_spec(tmp_path / f"tp{tp}-pp{pp}.yaml", hf, tp, pp), out))
         assert code == 0, log[-4000:]
-        losses[tp] = [r["loss"] for r in records(out)]
-    assert len(losses[1]) == 3
-    for a, b in zip(losses[2], losses[1], strict=True):
-        assert abs(a - b) <= 1e-5 * abs(b), losses
-    assert losses[1][-1] < losses[1][0], losses
+        losses[tp, pp] = [r["loss"] for r in records(out)]
+    assert len(losses[1, 1]) == 3
+    for layout in ((2, 1), (1, 2)):
+        for a, b in zip(losses[layout], losses[1, 1], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), losses
+    assert losses[1, 1][-1] < losses[1, 1][0], losses
 
-    ckpt = latest_checkpoint(tmp_path / "run-tp2" / "checkpoints")
+    ckpt = latest_checkpoint(tmp_path / "run-tp2-pp1" / "checkpoints")
     assert ckpt is not None
     tensors = read_tensors(ckpt)
     moments = [k for k in tensors if k.startswith("optimizer.state.exp_avg.")]
@@ -88,7 +90,7 @@ def test_lora_run_trains_alike_at_tp1_and_tp2_checkpoints_adapters_only_and_expo
     assert not torch.equal(merged["model.layers.0.self_attn.k_proj.weight"], base["model.layers.0.self_attn.k_proj.weight"])
     assert torch.equal(merged["model.embed_tokens.weight"], base["model.embed_tokens.weight"])  # not targeted
     diff = max_diff(score(ckpt, LINES, tmp_path), hf_logprobs(export, LINES))
-    print(f"LoRA TP2 losses {losses[2]}; score(checkpoint) vs transformers(export-hf): max |Δ logprob| {diff:.2e}")
+    print(f"LoRA losses {losses}; score(checkpoint) vs transformers(export-hf): max |Δ logprob| {diff:.2e}")
     assert diff <= TOL
 
 
@@ -132,7 +134,8 @@ def test_lora_resume_is_exact(tmp_path: Path) -> None:
 def test_lora_rl_run_syncs_the_merged_model_to_the_engine(tmp_path: Path) -> None:
     """examples/rl.yaml (ppo, TP 2, the in-process megatron engine, store weight sync, lag 0) with lora, 5 rollouts:
     every step's engine log-probabilities equal the trainer's (logprob_abs_diff ≤ 1e-5): the publisher sends the
-    merged model (base + adapters) each version — the base alone would differ from the second step on."""
+    merged model (base + adapters) each version — the base alone would differ from the second step on. The same
+    run at TP 1 (2 data-parallel ranks) gives the same global batches and losses (≤ 1e-5 relative)."""
     import yaml
 
     doc = yaml.safe_load((ROOT / "examples/rl.yaml").read_text())
@@ -140,14 +143,23 @@ def test_lora_rl_run_syncs_the_merged_model_to_the_engine(tmp_path: Path) -> Non
     doc["spec"]["trainer"]["checkpoint"]["interval"] = 0
     doc["spec"]["rollout"]["numRollouts"] = 5
     doc["spec"]["metrics"] = {"enabled": False}
-    spec = tmp_path / "rl-lora.yaml"
-    spec.write_text(yaml.safe_dump(doc, sort_keys=False))
-    out = tmp_path / "run"
-    code, log = finish(start(spec, out))
-    assert code == 0, log[-4000:]
-    rec = records(out)
+    runs = {}
+    for tp in (2, 1):  # 2 ranks: data-parallel 1, then 2
+        doc["spec"]["trainer"]["tensorParallelSize"] = tp
+        spec = tmp_path / f"rl-lora-tp{tp}.yaml"
+        spec.write_text(yaml.safe_dump(doc, sort_keys=False))
+        out = tmp_path / f"run-tp{tp}"
+        code, log = finish(start(spec, out))
+        assert code == 0, log[-4000:]
+        runs[tp] = records(out)
+    rec = runs[2]
     assert len(rec) == 5 and all(r["policy_lag"] == 0 for r in rec)
     diffs = [r["logprob_abs_diff"] for r in rec]
-    print(f"LoRA RL: logprob_abs_diff per step {diffs}, losses {[r['loss'] for r in rec]}")
+    print(f"LoRA RL: logprob_abs_diff per step {diffs}, losses DP 1 {[r['loss'] for r in rec]}, DP 2 "
+          f"{[r['loss'] for r in runs[1]]}")
     assert max(diffs) <= 1e-5, diffs
     assert len({r["weight_version"] for r in rec}) == 5
+    # the RL loss with LoRA is data-parallel invariant: 2 data-parallel ranks train DP 1's steps
+    for a, b in zip(runs[1], rec, strict=True):
+        assert a["global_batch_size"] == b["global_batch_size"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(abs(b["loss"]), 1e-3), (a["loss"], b["loss"])

@@ -129,7 +129,14 @@ class Trainer:
         loss = dataclasses.replace(loss_settings(spec), moe_aux_coeff=aux_loss_coeff(spec, arch))
 
         # Import order: the device decision installs the CPU shim before megatron is imported.
-        from trainingrun.modeling.model import attention_choice, build_model, init_distributed, prepare_device, set_seed
+        from trainingrun.modeling.model import (  # deferred: megatron
+            AttentionChoice,
+            attention_choice,
+            build_model,
+            init_distributed,
+            prepare_device,
+            set_seed,
+        )
         from trainingrun.modeling.lora import adapter_parameters, apply_lora, live_state_dict  # deferred: megatron
         from trainingrun.trainer.optim import (  # deferred: megatron
             build_optimizer,
@@ -155,6 +162,11 @@ class Trainer:
 
         try:  # what this device runs: the attention backend and the performance options (refused by name)
             attention = attention_choice(arch, device)
+            if ts.lora is not None and attention.backend == "te" and arch.attention_backend == "auto" \
+                    and arch.transformer_impl == "auto":  # LoRA adapts the local spec's linears (modeling.lora)
+                local = attention_choice(arch.replace(transformer_impl="local"), device)
+                attention = AttentionChoice(local.backend, f"auto under trainer.lora (its adapters need the local "
+                                            f"layer spec): {local.reason}")
             options, ddp_settings = performance_settings(ts, arch, device, attention)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
