@@ -7,8 +7,9 @@ The Megatron side runs as a process pair (this file is the worker script): rank 
 and of its gradient; the test joins the shards by the split rules (column-parallel B by rows, row-parallel A by
 columns), loads them into PEFT's `lora_A` / `lora_B` of the matching projections, and compares. B is drawn non-zero
 (a fresh adapter's B is 0, which would leave A's gradient 0 and test nothing). Also: the base is frozen (no gradient),
-a fresh adapter (B = 0) leaves the model's log-probabilities exactly the base's, and the merged weights
-(`live_state_dict`) score like the adapters.
+a fresh adapter (B = 0) leaves the model's log-probabilities exactly the base's, the merged weights
+(`live_state_dict`) score like the adapters, and with dropout the replicated adapters (A of a column-, B of a
+row-parallel layer) get the same gradient on both tensor-parallel ranks.
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ def test_lora_logprobs_and_gradients_match_peft(runs: dict, kind: str, tp: int) 
     summary = json.loads((root / f"{kind}-tp{tp}.json").read_text())
     assert summary["frozen_base_grads"] == 0 and summary["base_trainable"] == 0, summary
     assert summary["fresh_equals_base"], summary  # B = 0: the base model's log-probabilities, bit for bit
+    assert summary["dropout_tp_same"], summary  # with dropout, the replicated adapters stay replicas
     assert len(adapters) == 2 * 7 * 2  # 2 layers x 7 projections x (A, B)
     ref_logp, ref_grads = _peft_reference(runs[f"{kind}-model"], adapters)
     logp_rel = _rel(summary["logprobs"], ref_logp)
@@ -191,6 +193,18 @@ def _worker(out: str, models: list[str]) -> None:
             load_canonical_state(merged, canonical_names(live_state_dict(model)))
             with torch.no_grad():
                 merged_logp = _forward_logprobs(merged, device)
+            tp_same = True
+            if tp > 1:  # dropout: the replicated A of a column-parallel layer gets the same gradient on both TP ranks
+                for module in model.modules():
+                    if isinstance(module, LoRAAdapter):
+                        module.dropout = 0.5
+                model.zero_grad(set_to_none=True)
+                _forward_logprobs(model, device).sum().backward()
+                for name, p in model.named_parameters():
+                    if ".adapter." in name and not getattr(p, "tensor_model_parallel", False):
+                        both = [torch.empty_like(p.grad) for _ in range(tp)]
+                        dist.all_gather(both, p.grad.contiguous(), group=ps.get_tensor_model_parallel_group())
+                        tp_same = tp_same and torch.equal(both[0], both[1])
             rank = dist.get_rank()
             if rank < tp:
                 torch.save({"params": params, "grads": grads}, Path(out) / f"{kind}-tp{tp}-rank{rank}.pt")
@@ -198,7 +212,7 @@ def _worker(out: str, models: list[str]) -> None:
                 (Path(out) / f"{kind}-tp{tp}.json").write_text(json.dumps({
                     "logprobs": logp.detach().tolist(), "base_logprobs": base_logp.tolist(),
                     "merged_logprobs": merged_logp.tolist(), "fresh_equals_base": bool(torch.equal(fresh, base_logp)),
-                    "frozen_base_grads": base_grads, "base_trainable": trainable}))
+                    "frozen_base_grads": base_grads, "base_trainable": trainable, "dropout_tp_same": tp_same}))
             dist.barrier()
 
 

@@ -35,6 +35,7 @@ from trainingrun.engines.table import logprob_dtype
 from trainingrun.modeling.architecture import Architecture
 from trainingrun.modeling.convert import check_tp
 from trainingrun.modeling.hf_io import copy_assets
+from trainingrun.modeling.lora_targets import LAYERS
 from trainingrun.modeling.pipeline import check_pp
 from trainingrun.store import RolloutReleased, StoreTimeout, open_store
 from trainingrun.tracking import TrackingConfigError, open_tracker, tracking_paths
@@ -183,9 +184,12 @@ class Trainer:
                                      pp=(parallel_state.get_pipeline_model_parallel_rank(), pp))
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
+            unmatched = [t for t in ts.lora.targets if not any(a.endswith(LAYERS[t][0]) for a in adapted)]
             log(env.rank, f"lora: rank {ts.lora.rank}, alpha {ts.lora.resolved_alpha:g}, dropout {ts.lora.dropout:g}, "
                           f"{len(adapted)} layers ({', '.join(ts.lora.targets)}); {adapter_parameters(model) / 1e6:.3f}M "
-                          "trainable parameters on this rank, the base frozen")
+                          "trainable parameters on this rank, the base frozen"
+                          + (f"; no layer of this stage for {', '.join(unmatched)} (a mixture of experts' MLPs are "
+                             "its experts)" if unmatched else ""))
         ddp = wrap_ddp(model, ddp_settings)
         moe = MoETraining.build(model, arch, replay=ts.moe.routing_replay, device=device)
         ref_model = None
