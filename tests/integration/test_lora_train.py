@@ -6,7 +6,8 @@ Megatron code (CPU, gloo):
 * the end-of-run checkpoint holds Adam moments for the adapters only (none for the frozen base) and every adapter at
   its whole shape (stored once, whatever the TP size);
 * `export-hf` of the checkpoint writes the merged model (base + scale·B·A), which `transformers` scores like
-  `trainingrun score` of the checkpoint, and which differs from the base (the adapters trained).
+  `trainingrun score` of the checkpoint, and which differs from the base (the adapters trained); `export-hf --adapter`
+  writes a PEFT adapter directory that `peft.PeftModel.from_pretrained` loads onto the base, scoring the same.
 """
 
 from __future__ import annotations
@@ -89,9 +90,36 @@ def test_lora_run_trains_alike_at_tp1_tp2_pp2_checkpoints_adapters_only_and_expo
     assert set(merged) == set(base)
     assert not torch.equal(merged["model.layers.0.self_attn.k_proj.weight"], base["model.layers.0.self_attn.k_proj.weight"])
     assert torch.equal(merged["model.embed_tokens.weight"], base["model.embed_tokens.weight"])  # not targeted
-    diff = max_diff(score(ckpt, LINES, tmp_path), hf_logprobs(export, LINES))
+    scored = score(ckpt, LINES, tmp_path)
+    diff = max_diff(scored, hf_logprobs(export, LINES))
     print(f"LoRA losses {losses}; score(checkpoint) vs transformers(export-hf): max |Δ logprob| {diff:.2e}")
     assert diff <= TOL
+
+    # --adapter: a PEFT directory that PeftModel loads onto the base, scoring like the checkpoint
+    adapter = tmp_path / "adapter"
+    proc = subprocess.run([sys.executable, "-m", "trainingrun", "export-hf", str(ckpt), "--out", str(adapter),
+                           "--adapter"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert {p.name for p in adapter.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    peft_diff = max_diff(scored, _peft_logprobs(hf, adapter, LINES))
+    print(f"score(checkpoint) vs PEFT(base + export-hf --adapter): max |Δ logprob| {peft_diff:.2e}")
+    assert peft_diff <= TOL
+    assert max_diff(scored, hf_logprobs(hf, LINES)) > 10 * TOL  # the adapters matter: the base alone scores otherwise
+
+
+def _peft_logprobs(base: Path, adapter: Path, lines: list[list[int]]) -> list[list[float]]:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter).eval()
+    out = []
+    for toks in lines:
+        ids = torch.tensor(toks)[None]
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0]
+        out.append(logp[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1).tolist())
+    return out
 
 
 LORA_CONFIG = CONFIG.replace("    checkpoint: {interval: 2, path: ckpt, keep: 2}\n",

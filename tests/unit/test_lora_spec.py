@@ -81,3 +81,13 @@ def test_check_lora_names_an_unknown_target_and_parts_follow_the_architecture():
     assert parts("mlp_in", arch) == (("gate", 64, 192), ("up", 64, 192))
     assert parts("mlp_out", arch) == (("down", 192, 64),)
     check_lora(LoRASettings(rank=32, alpha=8), arch)
+
+
+def test_an_adapter_export_of_a_state_without_adapters_is_refused():
+    import torch
+
+    from trainingrun.modeling.lora import peft_adapter
+
+    arch = resolve(preset="tiny-llama")
+    with pytest.raises(ValueError, match="holds no LoRA adapters .its run had no spec.trainer.lora."):
+        peft_adapter({"embedding.word_embeddings.weight": torch.zeros(256, 64)}, arch)

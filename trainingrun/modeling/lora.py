@@ -242,6 +242,43 @@ def merge_full_state(state: dict[str, torch.Tensor], arch: Architecture) -> dict
     return out
 
 
+# our part -> the Hugging Face module it adapts, under model.layers.<i>
+HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+              "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+
+
+def peft_adapter(state: dict[str, torch.Tensor], arch: Architecture, *, base: str | None = None
+                 ) -> tuple[dict[str, torch.Tensor], dict]:
+    """A PEFT LoRA adapter (`adapter_model.safetensors` tensors, `adapter_config.json`) from a full canonical state
+    that holds adapters (`trainer.full_state.load_full_state(..., merge=False)`). ValueError when it holds none, or
+    the model has no PEFT names for them (a GELU `gpt` model's MLP)."""
+    marker = f".{ADAPTER}."
+    keys = sorted(k for k in state if marker in k and not k.endswith("scale_"))
+    if not keys:
+        raise ValueError("holds no LoRA adapters (its run had no spec.trainer.lora)")
+    if not arch.gated and any(".mlp." in k for k in keys):
+        raise ValueError("a GELU (gpt) model's MLP adapters have no PEFT module names; --adapter exports "
+                         "llama-family models")
+    ranks, scales, tensors, modules = set(), set(), {}, set()
+    for key in keys:
+        layer_path, param = key.split(marker)
+        part, ab = param.rsplit("_", 1)
+        layer = int(layer_path.split(".")[2])
+        module = HF_MODULES[part]
+        modules.add(module.rsplit(".", 1)[1])
+        tensors[f"base_model.model.model.layers.{layer}.{module}.lora_{ab}.weight"] = state[key].contiguous()
+        ranks.add(int(state[key].shape[0 if ab == "A" else 1]))
+        scales.add(float(state[f"{layer_path}{marker}scale_"].reshape(-1)[0]))
+    if len(ranks) != 1 or len(scales) != 1:
+        raise ValueError(f"adapters of several ranks {sorted(ranks)} or scales {sorted(scales)}")
+    (rank,), (scale,) = ranks, scales
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": scale * rank,
+              "lora_dropout": 0.0, "target_modules": sorted(modules), "bias": "none", "fan_in_fan_out": False,
+              "inference_mode": True, "use_rslora": False, "init_lora_weights": True,
+              "base_model_name_or_path": base}
+    return tensors, config
+
+
 def adapter_parameters(module: torch.nn.Module) -> int:
     """How many adapter numbers this rank holds."""
     return sum(p.numel() for m in module.modules() if isinstance(m, LoRAAdapter) for p in m.parameters())

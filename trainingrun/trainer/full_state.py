@@ -57,7 +57,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
-def load_full_state(path: str | Path) -> FullState:
+def load_full_state(path: str | Path, *, merge: bool = True) -> FullState:
+    """The checkpoint's full state (module docstring); `merge=False` keeps a LoRA run's adapters as they are."""
     path = resolve_checkpoint(path)
     progress = json.loads((path / "progress.json").read_text())
     if (path / ckpt.DIST_DIR).is_dir():
@@ -69,7 +70,8 @@ def load_full_state(path: str | Path) -> FullState:
         if not isinstance(record, dict):
             raise ValueError(f"checkpoint {path}: meta.json has no model spec; cannot tell its architecture")
         arch = _architecture(path, "meta.json", record)
-        state = merge_full_state(state, arch)  # a LoRA run's adapters (spec.trainer.lora) merged into the base
+        if merge:  # a LoRA run's adapters (spec.trainer.lora) merged into the base
+            state = merge_full_state(state, arch)
     else:
         record = progress.get("model")
         if not isinstance(record, dict):
