@@ -7,7 +7,8 @@ Megatron code (CPU, gloo):
   its whole shape (stored once, whatever the TP size);
 * `export-hf` of the checkpoint writes the merged model (base + scale·B·A), which `transformers` scores like
   `trainingrun score` of the checkpoint, and which differs from the base (the adapters trained); `export-hf --adapter`
-  writes a PEFT adapter directory that `peft.PeftModel.from_pretrained` loads onto the base, scoring the same.
+  writes a PEFT adapter directory that `peft.PeftModel.from_pretrained` loads onto the base, scoring the same; a run
+  with `model.adapter` set to it (TP 2) starts from those adapters.
 """
 
 from __future__ import annotations
@@ -105,6 +106,18 @@ def test_lora_run_trains_alike_at_tp1_tp2_pp2_checkpoints_adapters_only_and_expo
     print(f"score(checkpoint) vs PEFT(base + export-hf --adapter): max |Δ logprob| {peft_diff:.2e}")
     assert peft_diff <= TOL
     assert max_diff(scored, hf_logprobs(hf, LINES)) > 10 * TOL  # the adapters matter: the base alone scores otherwise
+
+    # model.adapter: a TP 2 run that starts from the exported adapter (and barely moves: lr 1e-12) scores like it
+    start_spec = _spec(tmp_path / "from-adapter.yaml", hf, 2, extra="")
+    start_spec.write_text(start_spec.read_text().replace("seqLength: 64}", f"seqLength: 64, adapter: {adapter}}}")
+                          .replace("lr: 0.01", "lr: 1.0e-12").replace("numRollouts: 3", "numRollouts: 1"))
+    out = tmp_path / "run-from-adapter"
+    code, log = finish(start(start_spec, out))
+    assert code == 0, log[-4000:]
+    again = latest_checkpoint(out / "checkpoints")
+    from_adapter = max_diff(score(again, LINES, tmp_path), scored)
+    print(f"score(run from model.adapter) vs score(the checkpoint exported): max |Δ logprob| {from_adapter:.2e}")
+    assert from_adapter <= TOL
 
 
 def _peft_logprobs(base: Path, adapter: Path, lines: list[list[int]]) -> list[list[float]]:

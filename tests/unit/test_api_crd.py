@@ -168,6 +168,11 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
         {"maxTokensPerGPU": 64, "optimizer": {"distributed": True}, "performance": {"overlapParamGather": True}},
         {"maxTokensPerGPU": 64, "performance": {"overlapParamGather": True}},
     ),
+    ("", "adapter-needs-lora"): (
+        {"model": {"preset": "tiny", "adapter": "/adapters/sft"},
+         "trainer": {"maxTokensPerGPU": 64, "lora": {"rank": 8}}},
+        {"model": {"preset": "tiny", "adapter": "/adapters/sft"}, "trainer": {"maxTokensPerGPU": 64}},
+    ),
     ("", "bf16-grad-reduce-needs-bf16"): (
         {"model": {"preset": "tiny", "precision": "bf16"},
          "trainer": {"maxTokensPerGPU": 64, "performance": {"gradReduceDtype": "bf16"}}},

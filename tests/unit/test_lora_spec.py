@@ -91,3 +91,52 @@ def test_an_adapter_export_of_a_state_without_adapters_is_refused():
     arch = resolve(preset="tiny-llama")
     with pytest.raises(ValueError, match="holds no LoRA adapters .its run had no spec.trainer.lora."):
         peft_adapter({"embedding.word_embeddings.weight": torch.zeros(256, 64)}, arch)
+
+
+def _adapter_dir(tmp_path: Path, *, r: int = 4, alpha: float = 8.0, modules=None, shapes=None) -> Path:
+    import json
+    import struct
+
+    arch = resolve(preset="tiny-llama")
+    modules = modules or ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    sizes = {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64), "gate_proj": (64, 192),
+             "up_proj": (64, 192), "down_proj": (192, 64)}
+    header = {}
+    for layer in range(arch.num_layers):
+        for m in modules:
+            group = "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            n_in, n_out = sizes[m]
+            pre = f"base_model.model.model.layers.{layer}.{group}.{m}"
+            header[f"{pre}.lora_A.weight"] = {"dtype": "F32", "shape": [r, n_in], "data_offsets": [0, 0]}
+            header[f"{pre}.lora_B.weight"] = {"dtype": "F32", "shape": [n_out, r], "data_offsets": [0, 0]}
+    header.update(shapes or {})
+    d = tmp_path / "adapter"
+    d.mkdir(exist_ok=True)
+    blob = json.dumps(header).encode()
+    (d / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob)
+    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": alpha,
+                                                        "target_modules": modules}))
+    return d
+
+
+@pytest.mark.parametrize("change,message", [
+    ({}, None),
+    ({"r": 8}, "rank 8, trainer.lora.rank 4"),
+    ({"alpha": 16.0}, "lora_alpha 16.0, trainer.lora.alpha 8"),
+    ({"modules": ["q_proj", "v_proj"]}, "target_modules ['q_proj', 'v_proj']"),
+    ({"shapes": {"base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight":
+                 {"dtype": "F32", "shape": [16, 4], "data_offsets": [0, 0]}}}, "misshapen"),
+])
+def test_validate_checks_model_adapter_against_lora_and_the_model(change, message, tmp_path):
+    adapter = _adapter_dir(tmp_path, **change)
+    doc = yaml.safe_load((ROOT / "examples/tiny.yaml").read_text())
+    doc["spec"]["model"] = {**TINY_LLAMA, "adapter": str(adapter)}
+    doc["spec"]["trainer"]["lora"] = {"rank": 4, "alpha": 8}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    lines = validate_text(path.read_text(), str(path))
+    if message is None:
+        assert lines == []
+    else:
+        (line,) = lines
+        assert f"spec.model.adapter: {adapter} does not match: " in line and message in line, line

@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 import types
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -47,7 +48,7 @@ import torch.nn.functional as F  # noqa: N812
 from trainingrun.modeling.architecture import Architecture
 from trainingrun.modeling.convert import canonical_name
 from trainingrun.modeling.initialise import tensor_seed
-from trainingrun.modeling.lora_targets import LAYERS, LoRASettings, check_lora, parts
+from trainingrun.modeling.lora_targets import LAYERS, LoRASettings, check_adapter, check_lora, parts
 from trainingrun.modeling.pipeline import whole_name
 
 ADAPTER = "adapter"  # the submodule's name in its linear layer
@@ -277,6 +278,34 @@ def peft_adapter(state: dict[str, torch.Tensor], arch: Architecture, *, base: st
               "inference_mode": True, "use_rslora": False, "init_lora_weights": True,
               "base_model_name_or_path": base}
     return tensors, config
+
+
+def load_peft_adapter(model, arch: Architecture, lora: LoRASettings, path: str, *, tp: tuple[int, int] = (0, 1),
+                      pp: tuple[int, int] = (0, 1)) -> int:
+    """Copy a PEFT adapter directory's adapters (`spec.model.adapter`, checked by `lora_targets.check_adapter`) into
+    the adapters `apply_lora` gave `model`, this rank's shard of each; the number of tensors copied."""
+    from safetensors.torch import load_file  # deferred: safetensors
+
+    check_adapter(path, lora, arch)
+    tensors = load_file(str(Path(path) / "adapter_model.safetensors"))
+    tp_rank, tp_size = tp
+    copied = 0
+    with torch.no_grad():
+        for local, module in model.named_modules():
+            if not isinstance(module, LoRAAdapter):
+                continue
+            layer = int(whole_name(canonical_name(f"{local}.x"), arch, *pp).split(".")[2])
+            for part in module.part_names:
+                pre = f"base_model.model.model.layers.{layer}.{HF_MODULES[part]}"
+                a, b = tensors[f"{pre}.lora_A.weight"], tensors[f"{pre}.lora_B.weight"]
+                if module.kind == "row":
+                    a = torch.chunk(a, tp_size, dim=1)[tp_rank]
+                else:
+                    b = torch.chunk(b, tp_size, dim=0)[tp_rank]
+                getattr(module, f"{part}_A").copy_(a)
+                getattr(module, f"{part}_B").copy_(b)
+                copied += 2
+    return copied
 
 
 def adapter_parameters(module: torch.nn.Module) -> int:

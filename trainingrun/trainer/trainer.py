@@ -138,7 +138,12 @@ class Trainer:
             prepare_device,
             set_seed,
         )
-        from trainingrun.modeling.lora import adapter_parameters, apply_lora, live_state_dict  # deferred: megatron
+        from trainingrun.modeling.lora import (  # deferred: megatron
+            adapter_parameters,
+            apply_lora,
+            live_state_dict,
+            load_peft_adapter,
+        )
         from trainingrun.trainer.optim import (  # deferred: megatron
             build_optimizer,
             optim_settings,
@@ -182,7 +187,12 @@ class Trainer:
                 adapted = apply_lora(model, arch, lora_settings(ts.lora), seed=spec.seed,
                                      tp=(parallel_state.get_tensor_model_parallel_rank(), tp),
                                      pp=(parallel_state.get_pipeline_model_parallel_rank(), pp))
-            except ValueError as exc:
+                if spec.model.adapter is not None:  # start from a PEFT adapter (checked against trainer.lora)
+                    load_peft_adapter(model, arch, lora_settings(ts.lora), spec.model.adapter,
+                                      tp=(parallel_state.get_tensor_model_parallel_rank(), tp),
+                                      pp=(parallel_state.get_pipeline_model_parallel_rank(), pp))
+                    log(env.rank, f"lora: adapters from {spec.model.adapter}")
+            except (ValueError, OSError) as exc:
                 raise ConfigError(str(exc)) from None
             unmatched = [t for t in ts.lora.targets if not any(a.endswith(LAYERS[t][0]) for a in adapted)]
             log(env.rank, f"lora: rank {ts.lora.rank}, alpha {ts.lora.resolved_alpha:g}, dropout {ts.lora.dropout:g}, "
