@@ -140,3 +140,24 @@ def test_validate_checks_model_adapter_against_lora_and_the_model(change, messag
     else:
         (line,) = lines
         assert f"spec.model.adapter: {adapter} does not match: " in line and message in line, line
+
+
+def test_the_memory_plan_counts_a_frozen_base_and_trained_adapters():
+    """`trainingrun plan` under trainer.lora: weights grow by the adapters, gradients and optimizer states hold the
+    adapters only (here llama-8b at TP 2, rank 16, default targets, bf16: 4 x 32 layers of adapters)."""
+    from trainingrun.modeling.memory import TrainerSettings, lora_parameters, memory_plan
+
+    arch = resolve(preset="llama-8b", precision="bf16")
+    full = TrainerSettings(gpus_per_replica=8, tensor_parallel=2, data_parallel=4)
+    lora = TrainerSettings(gpus_per_replica=8, tensor_parallel=2, data_parallel=4, lora_rank=16,
+                           lora_targets=DEFAULT_TARGETS)
+    terms = {name: {t.key: t.bytes for t in memory_plan(arch, s).roles[0].terms} for name, s in
+             (("full", full), ("lora", lora))}
+    n, largest = lora_parameters(arch, 16, DEFAULT_TARGETS, tp=2)
+    # per layer: q 16*(4096 + 4096/2), k, v 16*(4096 + 1024/2), o 16*(4096/2 + 4096), gate, up 16*(4096 + 14336/2),
+    # down 16*(14336/2 + 4096)
+    per_layer = 16 * ((4096 + 2048) + 2 * (4096 + 512) + (2048 + 4096) + 2 * (4096 + 7168) + (7168 + 4096))
+    assert n == 32 * per_layer and largest == 7168 * 16  # gate/up B: 14336/2 rows
+    assert terms["lora"]["weights"] == terms["full"]["weights"] + n * 2
+    assert terms["lora"]["gradients"] == n * 4 and terms["lora"]["optimizer"] == n * 12
+    assert terms["full"]["optimizer"] > 100 * terms["lora"]["optimizer"]  # 48.2 GB vs 0.34 GB per GPU
