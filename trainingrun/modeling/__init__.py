@@ -14,7 +14,7 @@ Module map:
   lora_targets.py  LoRA's plan: the targeted layers, the adapters' parts and shapes, the checks against the model
                    (no torch)
   lora.py          LoRA adapters on Megatron's linear layers: frozen base, seeded layout-independent A, merged
-                   weights for the publishers
+                   weights for the publishers and checkpoints, PEFT adapters in and out
   attention.py     core attentions of packed (THD) sequences: sdpa (one causal SDPA call per document), flash
   cpu_compat.py    the CPU shim that lets megatron-core run on a CPU-only torch (CPU mode only)
   moe.py           mixture-of-experts hooks at run time: routing record/replay, the per-sample balance loss, router

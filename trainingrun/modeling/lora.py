@@ -30,9 +30,11 @@ mixed-precision optimizer keeps their fp32 master copies, as for any trained par
 
 `live_state_dict(module)`: the module's state dict with every adapter merged into its layer's weight
 (W + (alpha/r)·B·A, this rank's shard, computed in fp32) and the adapters left out — what the weight publishers send
-and the canonical model (`trainingrun export-hf`, the engines) holds. Experts get no adapters yet (refused by
-`lora_targets.check_lora`); the TransformerEngine layer spec is refused (its `linear_qkv` fuses the input norm, so
-the adapter would see the un-normed input).
+and the canonical model (the engines) holds. Of a checkpoint's full state, `merge_full_state` does the same
+(`trainingrun export-hf`, `score`; each adapter keeps its scale as the buffer `scale_`), `peft_adapter` gives a PEFT
+adapter directory's tensors and config (`export-hf --adapter`), and `load_peft_adapter` starts a run's adapters from
+one (`spec.model.adapter`). Experts get no adapters yet (refused by `lora_targets.check_lora`); the TransformerEngine
+layer spec is refused (its `linear_qkv` fuses the input norm, so the adapter would see the un-normed input).
 """
 
 from __future__ import annotations
@@ -197,10 +199,6 @@ def apply_lora(model, arch: Architecture, lora: LoRASettings, *, seed: int, tp: 
     if not adapted:
         raise ValueError(f"trainer.lora.targets: {', '.join(lora.targets)} name no layer of this model")
     return adapted
-
-
-def has_adapters(module: torch.nn.Module) -> bool:
-    return any(isinstance(m, LoRAAdapter) for m in module.modules())
 
 
 def live_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
