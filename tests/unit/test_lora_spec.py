@@ -161,3 +161,14 @@ def test_the_memory_plan_counts_a_frozen_base_and_trained_adapters():
     assert terms["lora"]["weights"] == terms["full"]["weights"] + n * 2
     assert terms["lora"]["gradients"] == n * 4 and terms["lora"]["optimizer"] == n * 12
     assert terms["full"]["optimizer"] > 100 * terms["lora"]["optimizer"]  # 48.2 GB vs 0.34 GB per GPU
+
+
+def test_a_relative_model_adapter_is_resolved_against_the_launch_directory(tmp_path):
+    from trainingrun.api import parse_trainingrun
+    from trainingrun.local.main import resolve_input_paths
+
+    doc = yaml.safe_load((ROOT / "examples/tiny.yaml").read_text())
+    doc["spec"]["model"] = {**TINY_LLAMA, "adapter": "adapters/sft"}
+    doc["spec"]["trainer"]["lora"] = {"rank": 4}
+    run = resolve_input_paths(parse_trainingrun(doc), tmp_path)
+    assert run.spec.model.adapter == str((tmp_path / "adapters/sft").resolve())
