@@ -204,3 +204,26 @@ def test_lora_rl_run_syncs_the_merged_model_to_the_engine(tmp_path: Path) -> Non
     for a, b in zip(runs[1], rec, strict=True):
         assert a["global_batch_size"] == b["global_batch_size"]
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(abs(b["loss"]), 1e-3), (a["loss"], b["loss"])
+
+
+@pytest.mark.megatron
+def test_lora_in_bf16_keeps_fp32_master_weights_for_the_adapters_only(tmp_path: Path) -> None:
+    """model.precision bf16 at TP 2: the base and the adapters are bf16 in the model, Megatron's mixed-precision
+    optimizer keeps fp32 main weights and Adam moments for the adapters and nothing for the frozen base."""
+    from trainingrun.trainer.checkpoint import latest_checkpoint, read_tensors
+
+    hf = make_hf_model(tmp_path / "hf")
+    spec = _spec(tmp_path / "bf16.yaml", hf, 2)
+    spec.write_text(spec.read_text().replace("seqLength: 64}", "seqLength: 64, precision: bf16}"))
+    out = tmp_path / "run"
+    code, log = finish(start(spec, out))
+    assert code == 0, log[-4000:]
+    losses = [r["loss"] for r in records(out)]
+    assert losses[-1] < losses[0], losses
+    tensors = read_tensors(latest_checkpoint(out / "checkpoints"))
+    masters = {k: v for k, v in tensors.items() if k.startswith("optimizer.state.fp32_param.")}
+    assert len(masters) == 14 and all(".adapter." in k and v.dtype.is_floating_point and v.dtype.itemsize == 4
+                                      for k, v in masters.items()), sorted(masters)
+    assert {str(v.dtype) for k, v in tensors.items() if k.startswith("optimizer.state.exp_avg")} == {"torch.float32"}
+    assert str(tensors["decoder.layers.self_attention.linear_qkv.adapter.q_B"].dtype) == "torch.bfloat16"
+    assert str(tensors["decoder.layers.self_attention.linear_qkv.weight"].dtype) == "torch.bfloat16"
