@@ -34,7 +34,7 @@ from trainingrun.api.spec.rollout import (
     SyntheticSource,
 )
 from trainingrun.api.spec.services import StoreSpec
-from trainingrun.api.spec.trainer import OptimizerSpec, RecomputeSpec, RolloutCorrectionSpec, TrainerSpec
+from trainingrun.api.spec.trainer import LoRASpec, OptimizerSpec, RecomputeSpec, RolloutCorrectionSpec, TrainerSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -177,9 +177,16 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
         {"granularity": "full", "numLayers": 2}, {"granularity": "selective", "numLayers": 2}),
     ("trainer.performance.recompute", "block-needs-layers"): (
         {"granularity": "full", "method": "block", "numLayers": 1}, {"granularity": "full", "method": "block"}),
+    ("trainer.lora", "targets-unique"): ({"rank": 8, "targets": ["mlp_in", "mlp_out"]},
+                                         {"rank": 8, "targets": ["mlp_in", "mlp_in"]}),
     ("trainer", "param-gather-overlap-needs-distributed-optimizer"): (
         {"maxTokensPerGPU": 64, "optimizer": {"distributed": True}, "performance": {"overlapParamGather": True}},
         {"maxTokensPerGPU": 64, "performance": {"overlapParamGather": True}},
+    ),
+    ("", "adapter-needs-lora"): (
+        {"model": {"preset": "tiny", "adapter": "/adapters/sft"},
+         "trainer": {"maxTokensPerGPU": 64, "lora": {"rank": 8}}},
+        {"model": {"preset": "tiny", "adapter": "/adapters/sft"}, "trainer": {"maxTokensPerGPU": 64}},
     ),
     ("", "bf16-grad-reduce-needs-bf16"): (
         {"model": {"preset": "tiny", "precision": "bf16"},
@@ -430,7 +437,7 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
 
 MODEL_OF = {
     "model": ModelSpec, "model.moe": MoESpec, "trainer.optimizer": OptimizerSpec, "trainer": TrainerSpec,
-    "trainer.performance.recompute": RecomputeSpec,
+    "trainer.performance.recompute": RecomputeSpec, "trainer.lora": LoRASpec,
     "rollout.source.synthetic": SyntheticSource, "rollout.source": SourceSpec,
     "rollout.steps": StepPolicy, "rollout": RolloutSpec, "store": StoreSpec,
     "rollout.engine": EngineSpec, "rollout.engine.vllm": VLLMSettings,

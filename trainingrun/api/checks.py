@@ -28,6 +28,7 @@ from trainingrun.api.models import parse_trainingrun
 from trainingrun.api.spec.engine import VLLM_CPU_HEAD_DIMS
 from trainingrun.api.yamlcodec import dotted
 from trainingrun.modeling.architecture import check_parallel
+from trainingrun.modeling.lora_targets import LoRASettings, check_adapter, check_lora
 
 
 @dataclass(frozen=True)
@@ -333,7 +334,30 @@ def _architecture_problems(run: Any) -> list[Problem]:
     except ValueError as exc:
         field, _, message = str(exc).partition(": ")
         return [Problem(("spec", *field.split(".")), message)]
-    return engine_problems(run.spec, arch)
+    return lora_problems(run.spec, arch) + engine_problems(run.spec, arch)
+
+
+def lora_problems(run_spec: Any, arch: Any) -> list[Problem]:
+    """`spec.trainer.lora` against the model (`modeling.lora_targets.check_lora`, which the trainer applies at
+    start-up too): the rank within every targeted projection, `experts` only on a mixture of experts; and
+    `spec.model.adapter` against them where the directory is readable (`check_adapter`)."""
+    trainer = run_spec.trainer
+    if trainer.lora is None:
+        return []
+    adapter = run_spec.model.adapter
+    try:
+        check_lora(lora_settings(trainer.lora), arch)
+        if adapter is not None and Path(adapter).is_dir():  # where the directory is (validate, the launcher)
+            check_adapter(adapter, lora_settings(trainer.lora), arch)
+    except ValueError as exc:
+        field, _, message = str(exc).partition(": ")
+        return [Problem(("spec", *field.split(".")), message)]
+    return []
+
+
+def lora_settings(lora: Any) -> LoRASettings:
+    """`spec.trainer.lora` (api.spec.trainer.LoRASpec) as `modeling.lora_targets.LoRASettings`."""
+    return LoRASettings(rank=lora.rank, alpha=lora.resolved_alpha, dropout=lora.dropout, targets=tuple(lora.targets))
 
 
 def engine_problems(spec: Any, arch: Any) -> list[Problem]:

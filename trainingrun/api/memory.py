@@ -84,7 +84,9 @@ def plan_settings(spec: TrainingRunSpec, arch: Architecture
         gradient_accumulation_fusion=perf.gradient_accumulation_fusion,
         reference_model=ts.loss_type == "ppo" and pl.kl_coef > 0,
         entropy=generated or (ts.loss_type != "sft" and pl.entropy_coef > 0),
-        gpu_memory_gib=ts.gpu_memory_gib)
+        gpu_memory_gib=ts.gpu_memory_gib,
+        lora_rank=ts.lora.rank if ts.lora is not None else 0,
+        lora_targets=tuple(ts.lora.targets) if ts.lora is not None else ())
     engine = None
     e = spec.rollout.engine
     if generated and e.type == "vllm" and e.url is None:

@@ -112,6 +112,13 @@ class TrainingRunSpec(ApiModel):
             fieldPath=".trainer.moe.routingReplay",
         ),
         Rule(
+            name="adapter-needs-lora",
+            rule="!has(self.model.adapter) || has(self.trainer.lora)",
+            message="model.adapter starts LoRA adapters from a PEFT directory: set trainer.lora (its rank, alpha and "
+            "targets as the adapter's), or remove model.adapter",
+            fieldPath=".model.adapter",
+        ),
+        Rule(
             name="bf16-grad-reduce-needs-bf16",
             rule="!has(self.trainer.performance) || !has(self.trainer.performance.gradReduceDtype)"
             " || self.trainer.performance.gradReduceDtype != 'bf16'"
@@ -279,6 +286,8 @@ class TrainingRunSpec(ApiModel):
         if generated and gen is not None and gen.sampling.temperature <= 0 and self.rollout.group_size >= 2 \
                 and self.rollout.filters.zero_variance:
             raise ValueError(self.cel_rule("greedy-groups-never-vary").message)
+        if self.model.adapter is not None and self.trainer.lora is None:
+            raise ValueError(self.cel_rule("adapter-needs-lora").message)
         if self.trainer.performance.grad_reduce_dtype == "bf16" and self.model.precision != "bf16":
             raise ValueError(self.cel_rule("bf16-grad-reduce-needs-bf16").message)
         if generated and self.weight_sync.type == "store" and self.trainer.pipeline_parallel_size > 1:

@@ -99,19 +99,21 @@ def load_effective_run(path: str, trainers: int | None, overrides: list[str] | N
 
 
 def resolve_input_paths(run, base: Path):
-    """`run` with a relative `rollout.source.jsonl.path`, `model.hf` and the agent command's arguments that name a
-    file there made absolute against `base` (the directory the user ran `trainingrun run` in). Children run in the
-    output directory, where a relative input path would not be found; output paths (`trainer.checkpoint.path`) stay
-    relative to the output directory on purpose."""
+    """`run` with a relative `rollout.source.jsonl.path`, `model.hf`, `model.adapter` and the agent command's arguments
+    that name a file there made absolute against `base` (the directory the user ran `trainingrun run` in). Children
+    run in the output directory, where a relative input path would not be found; output paths
+    (`trainer.checkpoint.path`) stay relative to the output directory on purpose."""
     spec = run.spec
     source = spec.rollout.source
     if source.type == "jsonl" and source.jsonl is not None and not Path(source.jsonl.path).is_absolute():
         jsonl = source.jsonl.model_copy(update={"path": str((base / source.jsonl.path).resolve())})
         rollout = spec.rollout.model_copy(update={"source": source.model_copy(update={"jsonl": jsonl})})
         spec = spec.model_copy(update={"rollout": rollout})
-    if spec.model.hf is not None and not Path(spec.model.hf).is_absolute():
-        spec = spec.model_copy(update={"model": spec.model.model_copy(
-            update={"hf": str((base / spec.model.hf).resolve())})})
+    for name in ("hf", "adapter"):  # model.hf, model.adapter (a PEFT directory, trainer.lora)
+        value = getattr(spec.model, name)
+        if value is not None and not Path(value).is_absolute():
+            spec = spec.model_copy(update={"model": spec.model.model_copy(
+                update={name: str((base / value).resolve())})})
     g = spec.rollout.source.generate
     if g is not None and g.agent is not None and g.agent.command is not None:
         # the agent's command: arguments naming a file or directory relative to `base` (its script) made absolute

@@ -11,6 +11,10 @@ Module map:
   hf_io.py         Hugging Face directories: safetensors in and out, tokenizer/config assets
   model.py         device + process groups + seed, `build_model` (the one Megatron GPT builder), canonical weights in
   initialise.py    the seeded initialisation, the same at every tensor-, pipeline- and expert-parallel layout
+  lora_targets.py  LoRA's plan: the targeted layers, the adapters' parts and shapes, the checks against the model
+                   (no torch)
+  lora.py          LoRA adapters on Megatron's linear layers: frozen base, seeded layout-independent A, merged
+                   weights for the publishers and checkpoints, PEFT adapters in and out
   attention.py     core attentions of packed (THD) sequences: sdpa (one causal SDPA call per document), flash
   cpu_compat.py    the CPU shim that lets megatron-core run on a CPU-only torch (CPU mode only)
   moe.py           mixture-of-experts hooks at run time: routing record/replay, the per-sample balance loss, router

@@ -50,9 +50,9 @@ What it does not count: the rollout process (its in-process megatron engine incl
 (engine.url), host memory of versions kept for lagging engines, checkpoint writing, and the optimizer step's own
 temporaries (torch's AdamW on a CPU works tensor by tensor; the GPU images' fused Adam has none).
 
-Growing it: LoRA adapters are one more set of parameters — `trainer_parameters` returns what a rank holds and what
-it trains; with adapters the base becomes frozen (held, not trained) and the adapters are held and trained, so the
-gradient and optimizer terms follow by themselves.
+LoRA (`spec.trainer.lora`, `lora_parameters`): the base is held, frozen (no gradient buffer, no optimizer state,
+no weight gradient in the backward), and the adapters are held and trained, so the weights term grows by the
+adapters and the gradient and optimizer terms count the adapters alone.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainingrun.modeling.architecture import Architecture
+from trainingrun.modeling.lora_targets import LAYERS, parts
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -109,6 +110,8 @@ class TrainerSettings:
     reference_model: bool = False  # ppo with klCoef > 0: the initial policy beside the trained one
     entropy: bool = False  # the loss computes per-token entropies (generated rollouts)
     gpu_memory_gib: float = 80.0
+    lora_rank: int = 0  # spec.trainer.lora.rank; 0: no LoRA (every parameter trains)
+    lora_targets: tuple[str, ...] = ()  # spec.trainer.lora.targets
 
     @property
     def on_gpu(self) -> bool:
@@ -280,7 +283,7 @@ def _fields(terms: list[Term], extra: tuple[str, ...] = ()) -> list[str]:
 class Parameters:
     """Parameters one trainer rank holds: `dense` (replicated over the data-parallel group) and `experts` (over the
     expert-data-parallel group), `largest` (the largest tensor: its gradient is a temporary of the backward), and
-    which of them it trains (today all of them; LoRA: the adapters only)."""
+    which of them it trains (all of them; under LoRA the adapters only)."""
 
     dense: int
     experts: int
@@ -345,6 +348,26 @@ def trainer_parameters(arch: Architecture, tp: int = 1, pp: int = 1, ep: int = 1
             dense += vocab
         largest = max(largest, vocab)
     return Parameters(dense=dense, experts=experts, largest=largest, trainable_dense=dense, trainable_experts=experts)
+
+
+def lora_parameters(arch: Architecture, rank: int, targets: tuple[str, ...], tp: int = 1, pp: int = 1,
+                    stage: int = 0) -> tuple[int, int]:
+    """(adapter parameters, the largest adapter) one trainer rank of pipeline stage `stage` holds under LoRA
+    (`modeling.lora`): per part A (r × in, split over TP in a row-parallel layer) and B (out × r, split in a
+    column-parallel one); a mixture-of-experts layer has no dense MLP to adapt."""
+    per_stage = arch.num_layers // pp
+    total = largest = 0
+    for layer in range(stage * per_stage, (stage + 1) * per_stage):
+        moe_layer = arch.moe is not None and arch.moe.is_moe_layer(layer)
+        for target in targets:
+            if target not in LAYERS or (moe_layer and target.startswith("mlp")):
+                continue
+            row = LAYERS[target][1] == "row"
+            for _, n_in, n_out in parts(target, arch):
+                a, b = rank * (n_in // tp if row else n_in), (n_out if row else n_out // tp) * rank
+                total += a + b
+                largest = max(largest, a, b)
+    return total, largest
 
 
 def parameter_count(arch: Architecture) -> int:
@@ -413,6 +436,10 @@ def _stage_terms(arch: Architecture, t: TrainerSettings, sync: SyncSettings, sta
     pp, tp = t.pipeline_parallel, t.tensor_parallel
     b = PRECISION_BYTES[arch.precision]
     params = trainer_parameters(arch, tp, pp, t.expert_parallel, stage)
+    if t.lora_rank:  # LoRA: the base frozen (no gradient, no optimizer state), the adapters train
+        adapters, biggest = lora_parameters(arch, t.lora_rank, t.lora_targets, tp, pp, stage)
+        params = Parameters(dense=params.dense + adapters, experts=params.experts, largest=biggest,
+                            trainable_dense=adapters, trainable_experts=0)
     split = (_PP, _EP) if arch.moe is not None else (_TP, _PP)  # a mixture of experts runs at TP 1
     terms = [Term("weights", "weights", params.held * b, f"{params.held:,} parameters × {b} B ({arch.precision})",
                   ("model.precision", *split))]

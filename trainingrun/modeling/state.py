@@ -6,7 +6,8 @@
 * `gather_live_state`: the full canonical Megatron state dict of a live model — tensor-parallel shards gathered,
   experts gathered over the expert-parallel group, pipeline stages joined — on the first rank of one whole copy of
   the model: what every publisher sends (the store publisher as arrays, the vLLM disk/broadcast publishers converted
-  to Hugging Face names). The ranks taking part are the TP × EP × PP ranks of (expert-)data-parallel replica 0;
+  to Hugging Face names). With LoRA adapters they are merged into their layers' weights first
+  (`modeling.lora.live_state_dict`): the publishers send the whole merged model. The ranks taking part are the TP × EP × PP ranks of (expert-)data-parallel replica 0;
   `live_layout` says where this rank sits.
 """
 
@@ -21,11 +22,12 @@ import torch.distributed as dist
 
 from trainingrun.modeling import convert, pipeline
 from trainingrun.modeling.architecture import Architecture
+from trainingrun.modeling.lora import live_state_dict
 
 
 def state_dict_arrays(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """`tensors_arrays` of a module's own state dict."""
-    return tensors_arrays(module.state_dict())
+    return tensors_arrays(live_state_dict(module))
 
 
 def tensors_arrays(state: dict[str, torch.Tensor]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -84,7 +86,7 @@ def gather_live_state(module: torch.nn.Module, arch: Architecture, *, tp_group=N
     position). Experts: each EP rank holds `local_experts` 0 … E/R − 1; gathered, they get their global numbers
     (`convert.ep_global_name`); stages are joined under the whole model's layer numbers (`modeling.pipeline.to_whole`).
     The tensors are detached copies on the model's device (CPU copies are the caller's choice)."""
-    state = convert.canonical_names({k: v for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)})
+    state = convert.canonical_names({k: v for k, v in live_state_dict(module).items() if isinstance(v, torch.Tensor)})
     if ep_size > 1:  # the experts: all-gathered, renamed to their global numbers
         stage = _gather(state, ep_group, ep_size, ep_rank, lambda n: convert.ep_layout(n) is not None,
                         lambda n, parts: {convert.ep_global_name(n, arch, r, ep_size): p for r, p in enumerate(parts)})

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from trainingrun.modeling import convert, pipeline
 from trainingrun.modeling.architecture import Architecture
+from trainingrun.modeling.lora import live_state_dict
 from trainingrun.modeling.state import _recv_tensors, _send_tensors
 from trainingrun.modeling.sync_plan import plan_buckets
 
@@ -33,7 +34,7 @@ def iter_live_buckets(module: torch.nn.Module, arch: Architecture, limit: int, *
                       tp_rank: int = 0, pp_group=None, pp_size: int = 1, pp_rank: int = 0, ep_group=None,
                       ep_size: int = 1, ep_rank: int = 0, **_ignored) -> Iterator[dict[str, torch.Tensor]]:
     """Buckets of at most `limit` bytes of the full canonical state (see the module docstring)."""
-    state = convert.canonical_names({k: v for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)})
+    state = convert.canonical_names({k: v for k, v in live_state_dict(module).items() if isinstance(v, torch.Tensor)})
     if ep_size > 1:  # a mixture of experts runs at TP 1: the experts are split over the expert-parallel ranks
         group, size, rank = ep_group, ep_size, ep_rank
         split = {n: convert.ep_layout(n) is not None for n in state}

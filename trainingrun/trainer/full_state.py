@@ -3,7 +3,8 @@ process and without Megatron or torch.distributed: what `trainingrun export-hf` 
 model's weights are gathered by `trainingrun.modeling.state.gather_live_state`).
 
 `load_full_state(path)` accepts a checkpoint (`…/step_00000010`) or a checkpoint root (its newest complete
-checkpoint is taken). A checkpoint in the current format (`dist/`, Megatron distributed checkpointing) is verified
+checkpoint is taken). A LoRA run's checkpoint (`spec.trainer.lora`) has its adapters merged into the base weights
+(`modeling.lora.merge_full_state`): export-hf and score see the merged model. A checkpoint in the current format (`dist/`, Megatron distributed checkpointing) is verified
 (`checkpoint.verify`: sizes and SHA-256 of every file) and its model tensors are read at full shape with torch's
 distributed-checkpoint reader in this process (`checkpoint.model_tensors`: dist_checkpointing stores every tensor
 under its global, TP-1 layout, so there is nothing to gather), then mapped to the canonical local-spec names. An
@@ -28,6 +29,7 @@ import torch
 
 from trainingrun.modeling import convert
 from trainingrun.modeling.architecture import Architecture
+from trainingrun.modeling.lora import merge_full_state
 from trainingrun.trainer import checkpoint as ckpt
 
 _SHARD = re.compile(r"^model_tp(\d+)_pp(\d+)\.pt$")
@@ -55,7 +57,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
-def load_full_state(path: str | Path) -> FullState:
+def load_full_state(path: str | Path, *, merge: bool = True) -> FullState:
+    """The checkpoint's full state (module docstring); `merge=False` keeps a LoRA run's adapters as they are."""
     path = resolve_checkpoint(path)
     progress = json.loads((path / "progress.json").read_text())
     if (path / ckpt.DIST_DIR).is_dir():
@@ -67,6 +70,8 @@ def load_full_state(path: str | Path) -> FullState:
         if not isinstance(record, dict):
             raise ValueError(f"checkpoint {path}: meta.json has no model spec; cannot tell its architecture")
         arch = _architecture(path, "meta.json", record)
+        if merge:  # a LoRA run's adapters (spec.trainer.lora) merged into the base
+            state = merge_full_state(state, arch)
     else:
         record = progress.get("model")
         if not isinstance(record, dict):

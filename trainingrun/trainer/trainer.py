@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from trainingrun.api import load_trainingrun
+from trainingrun.api.checks import lora_settings
 from trainingrun.contract.errors import ConfigError
 from trainingrun.contract.payload import RankPayload
 from trainingrun.contract.published import PublishedRollout, StepPlan, read
@@ -34,6 +35,7 @@ from trainingrun.engines.table import logprob_dtype
 from trainingrun.modeling.architecture import Architecture
 from trainingrun.modeling.convert import check_tp
 from trainingrun.modeling.hf_io import copy_assets
+from trainingrun.modeling.lora_targets import LAYERS
 from trainingrun.modeling.pipeline import check_pp
 from trainingrun.store import RolloutReleased, StoreTimeout, open_store
 from trainingrun.tracking import TrackingConfigError, open_tracker, tracking_paths
@@ -128,7 +130,20 @@ class Trainer:
         loss = dataclasses.replace(loss_settings(spec), moe_aux_coeff=aux_loss_coeff(spec, arch))
 
         # Import order: the device decision installs the CPU shim before megatron is imported.
-        from trainingrun.modeling.model import attention_choice, build_model, init_distributed, prepare_device, set_seed
+        from trainingrun.modeling.model import (  # deferred: megatron
+            AttentionChoice,
+            attention_choice,
+            build_model,
+            init_distributed,
+            prepare_device,
+            set_seed,
+        )
+        from trainingrun.modeling.lora import (  # deferred: megatron
+            adapter_parameters,
+            apply_lora,
+            live_state_dict,
+            load_peft_adapter,
+        )
         from trainingrun.trainer.optim import (  # deferred: megatron
             build_optimizer,
             optim_settings,
@@ -153,6 +168,11 @@ class Trainer:
 
         try:  # what this device runs: the attention backend and the performance options (refused by name)
             attention = attention_choice(arch, device)
+            if ts.lora is not None and attention.backend == "te" and arch.attention_backend == "auto" \
+                    and arch.transformer_impl == "auto":  # LoRA adapts the local spec's linears (modeling.lora)
+                local = attention_choice(arch.replace(transformer_impl="local"), device)
+                attention = AttentionChoice(local.backend, f"auto under trainer.lora (its adapters need the local "
+                                            f"layer spec): {local.reason}")
             options, ddp_settings = performance_settings(ts, arch, device, attention)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
@@ -162,12 +182,30 @@ class Trainer:
             model = build_model(arch, device, options=options, seed=spec.seed)
         except (ValueError, AssertionError, TypeError, OSError) as exc:
             raise ConfigError(f"model: cannot build the model from {arch.to_dict()}: {exc}") from None
+        if ts.lora is not None:  # frozen base + adapters, before DDP: its buckets hold only what trains
+            try:
+                adapted = apply_lora(model, arch, lora_settings(ts.lora), seed=spec.seed,
+                                     tp=(parallel_state.get_tensor_model_parallel_rank(), tp),
+                                     pp=(parallel_state.get_pipeline_model_parallel_rank(), pp))
+                if spec.model.adapter is not None:  # start from a PEFT adapter (checked against trainer.lora)
+                    load_peft_adapter(model, arch, lora_settings(ts.lora), spec.model.adapter,
+                                      tp=(parallel_state.get_tensor_model_parallel_rank(), tp),
+                                      pp=(parallel_state.get_pipeline_model_parallel_rank(), pp))
+                    log(env.rank, f"lora: adapters from {spec.model.adapter}")
+            except (ValueError, OSError) as exc:
+                raise ConfigError(str(exc)) from None
+            unmatched = [t for t in ts.lora.targets if not any(a.endswith(LAYERS[t][0]) for a in adapted)]
+            log(env.rank, f"lora: rank {ts.lora.rank}, alpha {ts.lora.resolved_alpha:g}, dropout {ts.lora.dropout:g}, "
+                          f"{len(adapted)} layers ({', '.join(ts.lora.targets)}); {adapter_parameters(model) / 1e6:.3f}M "
+                          "trainable parameters on this rank, the base frozen"
+                          + (f"; no layer of this stage for {', '.join(unmatched)} (a mixture of experts' MLPs are "
+                             "its experts)" if unmatched else ""))
         ddp = wrap_ddp(model, ddp_settings)
         moe = MoETraining.build(model, arch, replay=ts.moe.routing_replay, device=device)
         ref_model = None
         if loss.kind.reference and ts.policy_loss.kl_coef > 0:  # a copy of the initial weights, before any resume
             ref_model = build_model(arch, device, seed=spec.seed)
-            ref_model.load_state_dict(model.state_dict())
+            ref_model.load_state_dict(live_state_dict(model))  # with LoRA: the base (B is 0)
             ref_model.eval()
             for prm in ref_model.parameters():
                 prm.requires_grad_(False)

@@ -122,6 +122,11 @@ class ModelSpec(ApiModel):
         "path on a mounted volume): architecture, sizes, initial weights and the run's tokenizer. Nothing is "
         "downloaded.",
     )
+    adapter: str | None = Field(
+        None, min_length=1, max_length=4096,
+        description="A PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors; e.g. `trainingrun "
+        "export-hf --adapter` of an SFT run) whose adapters the run starts from instead of fresh ones; needs "
+        "trainer.lora with the adapter's rank, alpha and targets.")
     preset: PresetName | None = Field(
         None, description="Named model; explicit fields below override its values."
     )

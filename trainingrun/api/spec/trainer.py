@@ -31,6 +31,7 @@ CorrectionType = Literal["none", "tis", "mask"]  # policyLoss.rolloutCorrection.
 Level = Literal["token", "sequence"]  # per token or per sequence: rolloutCorrection.level, policyLoss.ratioLevel
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
 StdNormalization = Literal["population", "unbiased"]
+LoRATarget = Literal["attention_qkv", "attention_out", "mlp_in", "mlp_out", "experts"]  # = modeling.lora_targets
 
 
 class OptimizerSpec(ApiModel):
@@ -215,6 +216,38 @@ class PerformanceSpec(ApiModel):
         "own output layer uses it under either layer spec); refused without them.")
 
 
+class LoRASpec(ApiModel):
+    """Low-rank adapters (docs/trainer.md, "LoRA"): the base weights are frozen (no gradients, no optimizer state),
+    each targeted linear layer gains (alpha / rank) · B · A · dropout(x), one adapter per Hugging Face projection (as
+    PEFT's), A drawn from the run's seed, B zero. The rank is checked against the resolved model (at most the smaller
+    dimension of every targeted projection) where the model is known."""
+
+    CEL_RULES = (
+        Rule(name="targets-unique", rule="!has(self.targets) || self.targets.all(t, self.targets.exists_one(u, u == t))",
+             message="lora.targets must not repeat a target", fieldPath=".targets"),
+    )
+
+    rank: int = Field(..., ge=1, le=1024, description="Rank r of every adapter (A: r x in, B: out x r).")
+    alpha: float | None = Field(None, gt=0, le=1e6, description="The adapters' output is scaled by alpha / rank; "
+                                "unset: 2 x rank (a scale of 2).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input (not the base's) while "
+                           "training; 0: off.")
+    targets: list[LoRATarget] = Field(
+        default_factory=lambda: ["attention_qkv", "attention_out", "mlp_in", "mlp_out"], min_length=1, max_length=5,
+        description="Linear layers that get adapters: attention_qkv (q, k, v projections), attention_out (o), mlp_in "
+        "(gate and up), mlp_out (down) — of a mixture of experts its dense MLP layers —, experts (not built yet).")
+
+    @model_validator(mode="after")
+    def _rules(self) -> LoRASpec:
+        if len(set(self.targets)) != len(self.targets):
+            raise ValueError(self.cel_rule("targets-unique").message)
+        return self
+
+    @property
+    def resolved_alpha(self) -> float:
+        return float(self.alpha) if self.alpha is not None else 2.0 * self.rank
+
+
 class TrainerSpec(ApiModel):
     """The trainer pods: data-parallel ranks, parallelism, micro-batching, loss and optimizer."""
 
@@ -306,6 +339,8 @@ class TrainerSpec(ApiModel):
         1, ge=1, le=1024, description="Expert-parallel size (mixtures of experts): each group of this many "
         "data-parallel ranks splits the experts between them; it must divide the data-parallel size and the experts.")
     moe: TrainerMoESpec = Field(default_factory=TrainerMoESpec, description="Mixture-of-experts training settings.")
+    lora: LoRASpec | None = Field(None, description="Train low-rank adapters on the frozen base instead of every "
+                                  "weight; unset: full training.")
     max_tokens_per_gpu: int | None = Field(
         None, ge=1, le=MAX_TOKENS, alias="maxTokensPerGPU", description="Dynamic micro-batches: token cap per micro-batch."
     )

@@ -1,0 +1,229 @@
+"""A `trainingrun run` with `spec.trainer.lora` (issue 29 items 1 and 3) from a Hugging Face Llama directory, on real
+Megatron code (CPU, gloo):
+
+* TP 1, TP 2 and PP 2 train the same adapters (per-step losses within 1e-5 relative; the adapters are initialised
+  the same at every layout) and the loss falls;
+* the end-of-run checkpoint holds Adam moments for the adapters only (none for the frozen base) and every adapter at
+  its whole shape (stored once, whatever the TP size);
+* `export-hf` of the checkpoint writes the merged model (base + scale·B·A), which `transformers` scores like
+  `trainingrun score` of the checkpoint, and which differs from the base (the adapters trained); `export-hf --adapter`
+  writes a PEFT adapter directory that `peft.PeftModel.from_pretrained` loads onto the base, scoring the same; a run
+  with `model.adapter` set to it (TP 2) starts from those adapters.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_hf_models import LINES, TOL, hf_logprobs, make_hf_model, max_diff, score
+from tests.integration.test_trainer_e2e import CONFIG, _launch, _publish, _records
+from tests.localrun import ROOT, finish, records, start
+
+pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+
+
+def _spec(path: Path, hf: Path, tp: int, pp: int = 1, extra: str = "") -> Path:
+    path.write_text(f"""
+apiVersion: trainingrun.dev/v1alpha1
+kind: TrainingRun
+metadata: {{name: lora-tp{tp}-pp{pp}}}
+spec:
+  seed: 5
+  model: {{hf: {hf}, seqLength: 64}}
+  trainer:
+    replicas: {tp * pp}
+    tensorParallelSize: {tp}
+    pipelineParallelSize: {pp}
+    maxTokensPerGPU: 512
+    lora: {{rank: 4, alpha: 8}}
+    optimizer: {{lr: 0.01, clipGrad: 0.0}}
+    checkpoint: {{interval: 0, path: checkpoints}}{extra}
+  rollout:
+    source: {{type: synthetic, synthetic: {{task: reverse, minLength: 4, maxLength: 12, vocabSize: 16}}}}
+    samplesPerRollout: 32
+    groupSize: 4
+    numRollouts: 3
+  metrics: {{enabled: false}}
+""")
+    return path
+
+
+@pytest.mark.megatron
+def test_lora_run_trains_alike_at_tp1_tp2_pp2_checkpoints_adapters_only_and_exports_merged(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from trainingrun.trainer.checkpoint import latest_checkpoint, read_tensors
+
+    hf = make_hf_model(tmp_path / "hf")
+    losses = {}
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        out = tmp_path / f"run-tp{tp}-pp{pp}"
+        code, log = finish(start(_spec(tmp_path / f"tp{tp}-pp{pp}.yaml", hf, tp, pp), out))
+        assert code == 0, log[-4000:]
+        losses[tp, pp] = [r["loss"] for r in records(out)]
+    assert len(losses[1, 1]) == 3
+    for layout in ((2, 1), (1, 2)):
+        for a, b in zip(losses[layout], losses[1, 1], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), losses
+    assert losses[1, 1][-1] < losses[1, 1][0], losses
+
+    ckpt = latest_checkpoint(tmp_path / "run-tp2-pp1" / "checkpoints")
+    assert ckpt is not None
+    tensors = read_tensors(ckpt)
+    moments = [k for k in tensors if k.startswith("optimizer.state.exp_avg.")]
+    assert moments and all(".adapter." in k for k in moments), moments  # no optimizer state for the base
+    assert len(moments) == 7 * 2  # q k v o gate up down, A and B (layers stacked)
+    assert tuple(tensors["decoder.layers.self_attention.linear_qkv.adapter.k_B"].shape) == (2, 16, 4)  # whole
+    assert tuple(tensors["decoder.layers.self_attention.linear_proj.adapter.o_A"].shape) == (2, 4, 32)
+    assert float(tensors["decoder.layers.self_attention.linear_qkv.adapter.q_B"].abs().max()) > 0  # trained
+    assert "decoder.layers.self_attention.linear_qkv.weight" in tensors  # the (frozen) base is kept too
+
+    export = tmp_path / "export"
+    proc = subprocess.run([sys.executable, "-m", "trainingrun", "export-hf", str(ckpt), "--out", str(export)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    merged, base = load_file(str(export / "model.safetensors")), load_file(str(hf / "model.safetensors"))
+    assert set(merged) == set(base)
+    assert not torch.equal(merged["model.layers.0.self_attn.k_proj.weight"], base["model.layers.0.self_attn.k_proj.weight"])
+    assert torch.equal(merged["model.embed_tokens.weight"], base["model.embed_tokens.weight"])  # not targeted
+    scored = score(ckpt, LINES, tmp_path)
+    diff = max_diff(scored, hf_logprobs(export, LINES))
+    print(f"LoRA losses {losses}; score(checkpoint) vs transformers(export-hf): max |Δ logprob| {diff:.2e}")
+    assert diff <= TOL
+
+    # --adapter: a PEFT directory that PeftModel loads onto the base, scoring like the checkpoint
+    adapter = tmp_path / "adapter"
+    proc = subprocess.run([sys.executable, "-m", "trainingrun", "export-hf", str(ckpt), "--out", str(adapter),
+                           "--adapter"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert {p.name for p in adapter.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    peft_diff = max_diff(scored, _peft_logprobs(hf, adapter, LINES))
+    print(f"score(checkpoint) vs PEFT(base + export-hf --adapter): max |Δ logprob| {peft_diff:.2e}")
+    assert peft_diff <= TOL
+    assert max_diff(scored, hf_logprobs(hf, LINES)) > 10 * TOL  # the adapters matter: the base alone scores otherwise
+
+    # model.adapter: a TP 2 run that starts from the exported adapter (and barely moves: lr 1e-12) scores like it
+    start_spec = _spec(tmp_path / "from-adapter.yaml", hf, 2, extra="")
+    start_spec.write_text(start_spec.read_text().replace("seqLength: 64}", f"seqLength: 64, adapter: {adapter}}}")
+                          .replace("lr: 0.01", "lr: 1.0e-12").replace("numRollouts: 3", "numRollouts: 1"))
+    out = tmp_path / "run-from-adapter"
+    code, log = finish(start(start_spec, out))
+    assert code == 0, log[-4000:]
+    again = latest_checkpoint(out / "checkpoints")
+    from_adapter = max_diff(score(again, LINES, tmp_path), scored)
+    print(f"score(run from model.adapter) vs score(the checkpoint exported): max |Δ logprob| {from_adapter:.2e}")
+    assert from_adapter <= TOL
+
+
+def _peft_logprobs(base: Path, adapter: Path, lines: list[list[int]]) -> list[list[float]]:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter).eval()
+    out = []
+    for toks in lines:
+        ids = torch.tensor(toks)[None]
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0]
+        out.append(logp[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1).tolist())
+    return out
+
+
+LORA_CONFIG = CONFIG.replace("    checkpoint: {interval: 2, path: ckpt, keep: 2}\n",
+                             "    checkpoint: {interval: 2, path: ckpt, keep: 2}\n    lora: {rank: 4}\n")
+
+
+@pytest.mark.megatron
+def test_lora_resume_is_exact(tmp_path: Path) -> None:
+    """trainer end to end on a file store (test_trainer_e2e's scenario, with lora): a group that
+    stops after step 5 resumes from its step-4 checkpoint (adapters, their Adam moments) and
+    trains steps 5..9 with the uninterrupted run's losses (≤ 1e-5 relative)."""
+    assert "lora:" in LORA_CONFIG
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        (d / "run.yaml").write_text(LORA_CONFIG)
+    _publish(f"file://{a}/store", range(3), finish=True)
+    for rc, out in _launch(a, f"file://{a}/store", attempt=0):
+        assert rc == 0, out[-3000:]
+    rec_a = _records(a)
+    _publish(f"file://{b}/store", range(2), finish=False)
+    results = _launch(b, f"file://{b}/store", attempt=0, extra_args=["--wait-timeout", "2"])
+    assert all(rc != 0 for rc, _ in results)
+    assert "lora: rank 4" in results[0][1]
+    _publish(f"file://{b}/store", range(2, 3), finish=True)
+    results = _launch(b, f"file://{b}/store", attempt=1)
+    for rc, out in results:
+        assert rc == 0, out[-3000:]
+    assert "resumed from ckpt/step_00000004" in results[0][1], results[0][1][-3000:]
+    resumed = [r for r in _records(b) if r["attempt"] == 1]
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8, 9]
+    by_step = {r["step"]: r["loss"] for r in rec_a}
+    for r in resumed:
+        assert abs(r["loss"] - by_step[r["step"]]) <= 1e-5 * abs(by_step[r["step"]]), (r["step"], r["loss"], by_step)
+    assert rec_a[-1]["loss"] != rec_a[0]["loss"]
+    # with lora.dropout > 0 a resumed run draws other dropout masks (docs/trainer.md, "LoRA"): not checked here
+
+
+@pytest.mark.megatron
+def test_lora_rl_run_syncs_the_merged_model_to_the_engine(tmp_path: Path) -> None:
+    """examples/rl.yaml (ppo, TP 2, the in-process megatron engine, store weight sync, lag 0) with lora, 5 rollouts:
+    every step's engine log-probabilities equal the trainer's (logprob_abs_diff ≤ 1e-5): the publisher sends the
+    merged model (base + adapters) each version — the base alone would differ from the second step on. The same
+    run at TP 1 (2 data-parallel ranks) gives the same global batches and losses (≤ 1e-5 relative)."""
+    import yaml
+
+    doc = yaml.safe_load((ROOT / "examples/rl.yaml").read_text())
+    doc["spec"]["trainer"]["lora"] = {"rank": 8}
+    doc["spec"]["trainer"]["checkpoint"]["interval"] = 0
+    doc["spec"]["rollout"]["numRollouts"] = 5
+    doc["spec"]["metrics"] = {"enabled": False}
+    runs = {}
+    for tp in (2, 1):  # 2 ranks: data-parallel 1, then 2
+        doc["spec"]["trainer"]["tensorParallelSize"] = tp
+        spec = tmp_path / f"rl-lora-tp{tp}.yaml"
+        spec.write_text(yaml.safe_dump(doc, sort_keys=False))
+        out = tmp_path / f"run-tp{tp}"
+        code, log = finish(start(spec, out))
+        assert code == 0, log[-4000:]
+        runs[tp] = records(out)
+    rec = runs[2]
+    assert len(rec) == 5 and all(r["policy_lag"] == 0 for r in rec)
+    diffs = [r["logprob_abs_diff"] for r in rec]
+    print(f"LoRA RL: logprob_abs_diff per step {diffs}, losses DP 1 {[r['loss'] for r in rec]}, DP 2 "
+          f"{[r['loss'] for r in runs[1]]}")
+    assert max(diffs) <= 1e-5, diffs
+    assert len({r["weight_version"] for r in rec}) == 5
+    # the RL loss with LoRA is data-parallel invariant: 2 data-parallel ranks train DP 1's steps
+    for a, b in zip(runs[1], rec, strict=True):
+        assert a["global_batch_size"] == b["global_batch_size"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(abs(b["loss"]), 1e-3), (a["loss"], b["loss"])
+
+
+@pytest.mark.megatron
+def test_lora_in_bf16_keeps_fp32_master_weights_for_the_adapters_only(tmp_path: Path) -> None:
+    """model.precision bf16 at TP 2: the base and the adapters are bf16 in the model, Megatron's mixed-precision
+    optimizer keeps fp32 main weights and Adam moments for the adapters and nothing for the frozen base."""
+    from trainingrun.trainer.checkpoint import latest_checkpoint, read_tensors
+
+    hf = make_hf_model(tmp_path / "hf")
+    spec = _spec(tmp_path / "bf16.yaml", hf, 2)
+    spec.write_text(spec.read_text().replace("seqLength: 64}", "seqLength: 64, precision: bf16}"))
+    out = tmp_path / "run"
+    code, log = finish(start(spec, out))
+    assert code == 0, log[-4000:]
+    losses = [r["loss"] for r in records(out)]
+    assert losses[-1] < losses[0], losses
+    tensors = read_tensors(latest_checkpoint(out / "checkpoints"))
+    masters = {k: v for k, v in tensors.items() if k.startswith("optimizer.state.fp32_param.")}
+    assert len(masters) == 14 and all(".adapter." in k and v.dtype.is_floating_point and v.dtype.itemsize == 4
+                                      for k, v in masters.items()), sorted(masters)
+    assert {str(v.dtype) for k, v in tensors.items() if k.startswith("optimizer.state.exp_avg")} == {"torch.float32"}
+    assert str(tensors["decoder.layers.self_attention.linear_qkv.adapter.q_B"].dtype) == "torch.bfloat16"
+    assert str(tensors["decoder.layers.self_attention.linear_qkv.weight"].dtype) == "torch.bfloat16"
