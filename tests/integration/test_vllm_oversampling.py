@@ -85,12 +85,19 @@ def test_vllm_partial_rollouts_continue_cut_completions_under_newer_versions(tmp
     # k+1, so every continuation runs under a newer version than its cut (with rollouts pending, a loaded machine
     # let the loop run ahead under the same version and no completion held two)
     spec = spec_of(partialRollout=True, maxPolicyLag=2, numRollouts=5, overSampling=1.0, maxPendingRollouts=1)
-    store, result = run_with_stand_in_trainer(f"file://{tmp_path / 'store'}",
-                                              lambda st, v: publish(st, tiny_llama_dir, v),
-                                              lambda st: loop(spec, st, server.url).run(), 5, timeout=300)
-    assert result.rollouts == 5
-    mixed = check_token_versions(store, 5, 2)
-    carried = sum(read(store, k).stats.partials_carried for k in range(5))
-    print(f"vLLM partial rollouts: {carried} cut completions carried, {mixed} completions of two versions")
+    # A cut needs a request still decoding when enough groups finished; the random model's completions all run to
+    # maxNewTokens, so on a loaded machine the requests can finish in lockstep and nothing is cut (the last CI-like
+    # run here: 0 carried). Every run is checked in full; up to 3 runs for the cut to happen at all.
+    for attempt in range(3):
+        store, result = run_with_stand_in_trainer(f"file://{tmp_path / f'store{attempt}'}",
+                                                  lambda st, v: publish(st, tiny_llama_dir, v),
+                                                  lambda st: loop(spec, st, server.url).run(), 5, timeout=300)
+        assert result.rollouts == 5
+        mixed = check_token_versions(store, 5, 2)
+        carried = sum(read(store, k).stats.partials_carried for k in range(5))
+        assert_no_prompt_lost_or_repeated(store, 5)
+        print(f"vLLM partial rollouts, run {attempt + 1}: {carried} cut completions carried, {mixed} completions "
+              "of two versions")
+        if carried > 0 and mixed > 0:
+            break
     assert carried > 0 and mixed > 0
-    assert_no_prompt_lost_or_repeated(store, 5)
