@@ -1,6 +1,6 @@
 """The CPU shim's import of Megatron (trainingrun.modeling.cpu_compat, item 6): Megatron's fused element-wise
-kernels are left eager and neither TorchDynamo nor Inductor is imported into a CPU trainer — about 3.6 s of CPU time in
-every trainer process — while `torch.compile` itself stays the real one for everything else."""
+kernels are left eager and neither TorchDynamo nor Inductor is imported into a CPU trainer (about 3.6 s of CPU time
+in every trainer process), while `torch.compile` itself stays the real one for everything else."""
 
 from __future__ import annotations
 

@@ -22,14 +22,12 @@ megatron-core assumes CUDA in a handful of places that have nothing to do with t
      tensors out; there is no device to wait for).
   6. Megatron's fused element-wise kernels (``megatron.core.jit.jit_fuser``: bias-GeLU/SwiGLU, the MoE dispatcher's
      preprocessing, ...) run eagerly: Megatron wraps them in ``torch.compile`` as it is imported, which imports
-     TorchDynamo and Inductor — about 3.6 s of CPU time in every trainer process here (median 9.7 → 6.1 s of CPU for the import of
-     megatron.core and its GPT model), for kernels whose compiled form buys nothing on a CPU. `install()` therefore
-     imports Megatron itself, with ``torch.compile`` an eager decorator for the length of that import, and switches
-     Megatron's fuser off for the modules imported later; ``torch.compile`` is the real one again afterwards.
+     TorchDynamo and Inductor — about 3.6 s of CPU time in every trainer process here (median 9.7 → 6.1 s of CPU for
+     importing megatron.core and its GPT model) — for kernels whose compiled form buys nothing on a CPU (and whose
+     compilation fails on this machine's CPU build). `install()` therefore imports Megatron itself, with
+     ``torch.compile`` an eager decorator for the length of that import, and switches Megatron's fuser off for the
+     modules imported later; ``torch.compile`` is the real one again afterwards.
 
-Nothing here runs on a GPU machine: `install()` refuses when CUDA is available. It touches no stream or event API
-(tracing the trainer showed none are hit on the code paths we use). Never install it in the pytest
-process; the trainer and the Megatron tests run in subprocesses.
 """
 
 from __future__ import annotations
