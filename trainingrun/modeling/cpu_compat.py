@@ -28,6 +28,9 @@ megatron-core assumes CUDA in a handful of places that have nothing to do with t
      ``torch.compile`` an eager decorator for the length of that import, and switches Megatron's fuser off for the
      modules imported later; ``torch.compile`` is the real one again afterwards.
 
+Nothing here runs on a GPU machine: `install()` refuses when CUDA is available. It touches no stream or event API
+(tracing the trainer showed none are hit on the code paths we use). Never install it in the pytest
+process; the trainer and the Megatron tests run in subprocesses.
 """
 
 from __future__ import annotations
