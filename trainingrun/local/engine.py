@@ -1,7 +1,8 @@
 """The engine servers of a local run (the plan's engine roles: `trainingrun.plan.engine_roles`, as many as
 `trainingrun.engines.table.own_servers` says — e.g. `rollout.engine.type: vllm` without `engine.url`): a pool of
 `rollout.engine.replicas` servers, supervised by the launcher, each started by its engine type's entry in the engine
-table (`Servers.local`; for vllm `trainingrun.engines.vllm.server.local_server`).
+table (`Servers.local`; for vllm `trainingrun.engines.vllm.multinode.local_replica`: one server, or a multi-node
+replica of several processes).
 
 The servers are a service of the run, not part of an attempt: they start before the first attempt, keep running when
 the trainer/rollout group restarts (they hold nothing the group needs: the rollout loads its weight version into
@@ -24,6 +25,15 @@ root cause first). A replica that fails with the same error again within AGAIN_S
 (`failed_again`) has a deterministic error that no restart fixes: the launcher ends the run (exit 78) naming it.
 (Every replica failing with one error is the rollout's to see: its engine pool compares the errors of the requests,
 `EnginePool._fault`.)
+
+Resize (`trainingrun scale`, read by the launcher: `trainingrun.local.scale`): the rollout is also given the file
+RUN_DIR/engine-urls (URL_FILE, $TRAININGRUN_ENGINE_URL_FILE), the servers listed for it, which its pool re-reads before
+each call. `resize_to(n)` starts servers engine-<i> for the new indices (listed by `step` once healthy, so the pool
+loads its current weight version into them before their first request) and takes the servers from n on off the list
+at once; `step` stops such a server once the rollout's pool has let it go — the list the pool took on last
+(APPLIED_FILE, $TRAININGRUN_ENGINE_URL_APPLIED_FILE, written by the pool after each re-read) is newer than the
+launcher's rewrite and leaves it out — or at once if it was never listed. Servers leave from the highest index down, so
+replica i stays `replicas[i]`; a server leaving is not judged by the failure policy.
 """
 
 from __future__ import annotations
