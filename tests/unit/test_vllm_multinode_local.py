@@ -1,7 +1,7 @@
 """A multi-node vLLM replica as local processes (`trainingrun.engines.vllm.multinode`, issue 32 item 2, the local
 launcher's side) with a stand-in for vLLM's Python: the leader and worker command lines (vLLM's own multi-node launch,
 one rendezvous port), the replica seen as one process that exits when any of its processes does, and stopped whole.
-The real 2-node replica: tests/integration/test_vllm_scale.py."""
+The real 2-node replica: tests/integration/test_vllm_nodes.py."""
 
 from __future__ import annotations
 

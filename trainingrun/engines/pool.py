@@ -298,7 +298,14 @@ class EnginePool:
                 try:
                     label = r.adapter.label(timeout=PROBE_TIMEOUT)
                     if label != self.label(version):
-                        self._load_once(r, version, self.fetch(version), go_live=False)
+                        try:
+                            meta = self.fetch(version)
+                        except Exception as exc:  # noqa: BLE001 - the fetch is the caller's (a store, a file)
+                            # e.g. a server added by a resize at the start of load_weights(v + 1): the pool's
+                            # version v may be released already (lag 0 keeps the newest); v + 1 comes next
+                            raise EngineUnavailable(f"weight version {version} cannot be fetched: "
+                                                    f"{type(exc).__name__}: {exc}") from None
+                        self._load_once(r, version, meta, go_live=False)
                     elif version != self._version:
                         continue
                     with self._lock:

@@ -176,10 +176,10 @@ class LocalEngine:
         self.server.close()
 
     def process(self) -> dict:
-        """Its entry in pids.json's `processes`."""
+        """Its entry in pids.json's `processes` (`pids`: every process of the replica, the leader's first)."""
         return {"pid": self.server.pid, "role": "engine", "rank": self.index, "url": self.url,
                 "log": str(self.server.log_path), "restarts": self.restarts, "down": self.down,
-                "listed": self.joined}
+                "listed": self.joined, "pids": list(getattr(self.server, "pids", [self.server.pid]))}
 
 
 class LocalEnginePool:

@@ -93,6 +93,11 @@ class MultiNodeServer:
         return self.servers[0].pid
 
     @property
+    def pids(self) -> list[int | None]:
+        """Every node's process, the leader's first."""
+        return [s.pid for s in self.servers]
+
+    @property
     def proc(self) -> ReplicaProcs | None:
         return self._proc
 
