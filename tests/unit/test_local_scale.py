@@ -175,3 +175,47 @@ def test_scale_writes_the_request_the_launcher_reads_once(tmp_path):
     n, problem = requests.poll()
     assert n is None and "replicas: '3'; allowed: an integer 1..256; ignored" in problem
     assert scale.ScaleRequests(d).poll() == (None, "")  # a new launcher clears an earlier request
+
+
+def test_the_launcher_applies_a_scale_request_to_its_pool(tmp_path, monkeypatch):
+    """The launcher's side end to end with stand-in server processes (tests/unit/test_vllm_wiring.py's FAKE_SERVER):
+    `trainingrun scale` → the launcher's `_resize` starts engine-1, lists it once healthy (pids.json, engine-urls),
+    then stops it once the rollout's list leaves it out; summary's `engine_resizes` says how long each took."""
+    import sys
+    from types import SimpleNamespace
+
+    from tests.unit.test_vllm_wiring import FAKE_SERVER, _wait, make_run
+    from trainingrun.engines.vllm.server import PYTHON_ENV
+    from trainingrun.local.launcher import Launcher
+
+    fake = tmp_path / "fake-vllm-python"
+    fake.write_text(FAKE_SERVER.format(python=sys.executable))
+    fake.chmod(0o755)
+    monkeypatch.setenv(PYTHON_ENV, str(fake))
+    out = tmp_path / "out"
+    launcher = Launcher(make_run(tmp_path, engine={"type": "vllm", "vllm": {"maxModelLen": 64}}), out, progress=None)
+    launcher.prepare()
+    with RunDirLock(out):
+        try:
+            assert launcher.start_engine() is None
+            pool = launcher.engine
+            launcher._pids_of = (SimpleNamespace(children=[]), 0, "file://store")
+            args = scale.argparse.Namespace(run_dir=str(out), replicas=2, wait=False, timeout=1.0)
+            assert scale.run(args) == 0
+            _wait(lambda: launcher._resize() or scale.reached(out, 2))
+            engine1 = pool.replicas[1].server
+            pid1 = engine1.pid
+            assert read_urls(str(pool.url_file)) == [r.url for r in pool.replicas] and engine1.proc.poll() is None
+            assert scale.run(scale.argparse.Namespace(run_dir=str(out), replicas=1, wait=False, timeout=1.0)) == 0
+            launcher._resize()
+            assert read_urls(str(pool.url_file)) == [pool.replicas[0].url] and engine1.proc.poll() is None  # in use
+            applied(pool, [pool.replicas[0].url])  # the rollout's pool let it go
+            _wait(lambda: launcher._resize() or scale.reached(out, 1))
+            assert engine1.proc is None and len(pool.replicas) == 1
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid1, 0)  # stopped and reaped
+            assert [(r["from"], r["to"]) for r in launcher.engine_resizes] == [(1, 2), (2, 1)]
+            assert all(r["reached_after"] is not None for r in launcher.engine_resizes)
+        finally:
+            if launcher.engine is not None:
+                launcher.engine.stop()

@@ -149,7 +149,7 @@ class Launcher:
         self.role_events: list[dict[str, Any]] = []  # this attempt's restarts of a role alone (summary: attempts)
         self._pids_of: tuple[ProcessGroup, int, str] | None = None  # pids.json: the attempt's group, attempt, store
         self._engine_starts = 0
-        self.scale_requests: ScaleRequests | None = None  # `trainingrun scale` (once the engine servers run)
+        self.scale_requests: ScaleRequests | None = None  # `trainingrun scale` (read once the engine servers run)
         self.engine_resizes: list[dict[str, Any]] = []  # summary.json: each resize, when asked and how long it took
 
     def volumes(self) -> list[Path]:
@@ -456,6 +456,7 @@ class Launcher:
         the Outcome that ends the run."""
         if not needs_local_engine(self.spec):
             return None
+        self.scale_requests = ScaleRequests(self.out_dir)  # before the servers start: a request meanwhile counts
         try:
             self.engine = LocalEnginePool(self.run, self.out_dir)
         except ValueError as exc:
@@ -483,7 +484,6 @@ class Launcher:
         self.progress.event(f"engine: {len(self.engine.replicas)} {self.engine.title} server(s) healthy after "
                             f"{time.monotonic() - t0:.0f}s")
         self.engine.join_all()
-        self.scale_requests = ScaleRequests(self.out_dir)
         return None
 
     def _check_fields(self, rec: dict[str, Any]) -> None:
