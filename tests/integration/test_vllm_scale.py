@@ -94,3 +94,7 @@ def test_a_local_pool_resized_1_to_2_to_1_while_the_run_goes_on(tmp_path: Path, 
     assert text.count("/v1/completions") == served_when_stopped
     rollout_log = (out / "logs" / "rollout.log").read_text()
     assert "resized from 1 to 2 server(s)" in rollout_log and "resized from 2 to 1 server(s)" in rollout_log
+    assert "Traceback" not in rollout_log, rollout_log[-4000:]  # the join of engine-1 ran clean (regression)
+    # once let go, engine-1 was never probed, loaded, taken out or retried by the rollout's pool
+    after = rollout_log.split("resized from 2 to 1 server(s)", 1)[1].split("\n", 1)[1]
+    assert "engine-1" not in after, after[-3000:]
