@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
              "its budget"),
     "crd": ("trainingrun.api.crd", "print the TrainingRun CustomResourceDefinition YAML"),
     "status": ("trainingrun.local.status", "show a local run's phase, step, samples and restarts (RUN_DIR)"),
+    "scale": ("trainingrun.local.scale", "resize the engine pool of a running local run (RUN_DIR --replicas N)"),
     "logs": ("trainingrun.local.logs", "print or follow a local run's process logs (RUN_DIR [PROCESS])"),
     "plot": ("trainingrun.local.plot", "write a PNG of a run's per-step history (loss, batch size, lr, ...)"),
     "schedule": ("trainingrun.schedule.cli", "print data-parallel schedule statistics for a list of lengths"),

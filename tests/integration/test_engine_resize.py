@@ -146,3 +146,28 @@ def test_vllm_pool_follows_its_file_over_http(tmp_path):
         for s in servers:
             s.close()
         store.close()
+
+
+def test_a_server_added_while_the_pool_version_is_released_joins_with_the_next(fast, monkeypatch):
+    """Regression (seen in the local 1 -> 2 -> 1 run on vLLM): the list is re-read at the start of load_weights(v + 1),
+    so an added server's join began loading the pool's version v, which the trainers had already released (lag 0
+    keeps the newest): the fetch raised StoreError, the join thread died with a traceback and the server joined only
+    at the next call. Now a failed fetch is retried like an unavailable server, and it joins holding v + 1."""
+    crashed: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: crashed.append(args.exc_value))
+    said: list[str] = []
+    pool, made, listed = resizable(["a"], said)
+    released = {0}
+
+    def fetch(v):
+        if v in released:
+            raise KeyError(f"weight version {v} is not committed")
+        return {"version": v}
+
+    pool.fetch = fetch
+    listed.append("timed://b")
+    pool.load_weights(1)
+    wait_until(lambda: len(pool.replicas) == 2 and pool.replicas[1].live, 10, "engine-1 live holding version 1")
+    assert crashed == [] and made["timed://b"].loads == [1] and made["timed://b"].label_now == pool.label(1)
+    out = pool.generate_groups(requests(12), SAMPLING)
+    assert finished(out) and made["timed://b"].received > 0

@@ -13,7 +13,8 @@ from pydantic import ValidationError
 from trainingrun.api import parse_trainingrun
 from trainingrun.api.constants import LABEL_ENGINE_NODE, LABEL_ENGINE_REPLICA, LABEL_ROLE
 from trainingrun.engines.vllm import k8s
-from trainingrun.local.main import local_refusals
+from trainingrun.engines.vllm.multinode import MultiNodeServer, local_replica
+from trainingrun.engines.vllm.server import PYTHON_ENV
 from trainingrun.operator import checks, gang, render, vocabulary
 
 OWNER = vocabulary.Owner(name="rl", namespace="ns1", uid="u-1")
@@ -141,12 +142,15 @@ def test_the_api_refuses_nodes_it_cannot_run(settings, engine, message):
     assert message in str(err.value) and "nodes" in str(err.value)
 
 
-def test_a_local_run_refuses_multi_node_replicas_naming_the_field():
-    run = parse_trainingrun(run_doc({"gpus": 1, "nodes": 2}))
-    [line] = local_refusals(run)
-    assert line.startswith("spec.rollout.engine.vllm.nodes: 2 pods per engine replica are not started by the local "
-                           "launcher")
-    assert local_refusals(parse_trainingrun(run_doc({"gpus": 1}))) == []
+def test_a_local_run_starts_a_multi_node_replica_as_processes(monkeypatch, tmp_path):
+    """`trainingrun run` no longer refuses nodes > 1: the engine table's local server is a leader and its headless
+    workers (`trainingrun.engines.vllm.multinode`; the real run: tests/integration/test_vllm_nodes.py)."""
+    monkeypatch.setenv(PYTHON_ENV, "/nowhere/python")  # found, never started here
+    run = parse_trainingrun(run_doc({"gpus": 0, "nodes": 2, "maxModelLen": 512}))
+    server = local_replica(run.spec, log_path=tmp_path / "engine-0.log", port=18000)
+    assert isinstance(server, MultiNodeServer) and len(server.servers) == 2 and server.url == "http://127.0.0.1:18000"
+    assert not isinstance(local_replica(parse_trainingrun(run_doc({"gpus": 0, "maxModelLen": 512})).spec, log_path=tmp_path / "e.log",
+                                        port=18001), MultiNodeServer)
 
 
 def test_a_multi_node_replica_beyond_the_budget_leaves_the_pool_with_all_its_pods():

@@ -17,6 +17,9 @@ writers and the child log read them with `ProcessEnv.from_environ()`. Nobody els
   TRAININGRUN_ENGINE_URL      engine_url    the run's own vLLM server (set by the launcher / operator)
   TRAININGRUN_ENGINE_URL_FILE engine_url_file  a file holding the pool's current URLs, one a line (a cluster: the
                                             run's ConfigMap, updated when spec.rollout.engine.replicas changes)
+  TRAININGRUN_ENGINE_URL_APPLIED_FILE engine_url_applied_file  where the rollout writes the list of URLs its pool
+                                            took on from engine_url_file (local runs: the launcher stops a server
+                                            removed by `trainingrun scale` once it is left out there)
   TRAININGRUN_NODE_RANK       node_rank     a trainer worker: its pod's RANK (the node rank)
   TRAININGRUN_NUM_NODES       num_nodes     a trainer worker: its pod's WORLD_SIZE (the node count)
   TRAININGRUN_LOG_TIMESTAMPS  log_timestamps  "1": every line of stdout/stderr starts with the time
@@ -47,6 +50,7 @@ METRICS_JSONL_ENV = "TRAININGRUN_METRICS_JSONL"
 OUTPUT_DIR_ENV = "TRAININGRUN_OUTPUT_DIR"
 ENGINE_URL_ENV = "TRAININGRUN_ENGINE_URL"
 ENGINE_URL_FILE_ENV = "TRAININGRUN_ENGINE_URL_FILE"
+ENGINE_URL_APPLIED_FILE_ENV = "TRAININGRUN_ENGINE_URL_APPLIED_FILE"
 NODE_RANK_ENV = "TRAININGRUN_NODE_RANK"
 NUM_NODES_ENV = "TRAININGRUN_NUM_NODES"
 LOG_TIMESTAMPS_ENV = "TRAININGRUN_LOG_TIMESTAMPS"
@@ -71,6 +75,7 @@ class ProcessEnv:
     output_dir: str | None = _var(OUTPUT_DIR_ENV)
     engine_url: str | None = _var(ENGINE_URL_ENV)
     engine_url_file: str | None = _var(ENGINE_URL_FILE_ENV)
+    engine_url_applied_file: str | None = _var(ENGINE_URL_APPLIED_FILE_ENV)
     node_rank: int | None = _var(NODE_RANK_ENV, int)
     num_nodes: int | None = _var(NUM_NODES_ENV, int)
     log_timestamps: bool = dataclasses.field(default=False, metadata={"env": LOG_TIMESTAMPS_ENV, "kind": bool})

@@ -44,7 +44,9 @@ $TRAININGRUN_ENGINE_URL_FILE; `adapter_for`: a server's adapter from its URL): b
 load when no call runs, the list is read again (`resize`). A server added joins through the recovery — its label,
 the pool's current version loaded, then live — so it gets no request before it holds the current version. A server
 removed leaves between calls, when the pool has no request in flight: nothing is cut; listed again, it comes back as
-the same replica (its counters go on) through the same recovery. (A server that goes away
+the same replica (its counters go on) through the same recovery. `applied` (optional) is told each list
+the pool has just taken on (a local run's launcher stops a removed server only once the rollout's pool applied a list
+without it). (A server that goes away
 during a call, before the list said so, is a replica that died: its requests are re-sent to the others.)
 
 Before a call each replica's weight label is checked (a server restarted since the last call is loaded again);
@@ -108,7 +110,8 @@ class EnginePool:
                  sticky_wait: float = STICKY_WAIT, seeded: bool = False, names: Sequence[str] | None = None,
                  say: Callable[[str], None] | None = None,
                  members: Callable[[], Sequence[str] | None] | None = None,
-                 adapter_for: Callable[[str], ReplicaAdapter] | None = None):
+                 adapter_for: Callable[[str], ReplicaAdapter] | None = None,
+                 applied: Callable[[Sequence[str]], None] | None = None):
         adapters = list(adapters)
         if not adapters:
             raise ValueError("clients: a pool needs at least one server")
@@ -140,7 +143,7 @@ class EnginePool:
         self._tickets = itertools.count()
         if members is not None and adapter_for is None:
             raise ValueError("members: a pool that reads its list of servers needs adapter_for (URL -> adapter)")
-        self.members, self.adapter_for = members, adapter_for
+        self.members, self.adapter_for, self.applied = members, adapter_for, applied
         self._left: dict[str, Replica] = {}  # servers a resize removed, by URL: the same one back keeps its counters
         self.stats = {"generated_tokens": 0, "generate_seconds": 0.0, "load_seconds": 0.0, "loaded_bytes": 0,
                       "loads": 0, "recoveries": 0, "retried_prompts": 0, "stalls": 0, "aborted_requests": 0}
@@ -295,7 +298,14 @@ class EnginePool:
                 try:
                     label = r.adapter.label(timeout=PROBE_TIMEOUT)
                     if label != self.label(version):
-                        self._load_once(r, version, self.fetch(version), go_live=False)
+                        try:
+                            meta = self.fetch(version)
+                        except Exception as exc:  # noqa: BLE001 - the fetch is the caller's (a store, a file)
+                            # e.g. a server added by a resize at the start of load_weights(v + 1): the pool's
+                            # version v may be released already (lag 0 keeps the newest); v + 1 comes next
+                            raise EngineUnavailable(f"weight version {version} cannot be fetched: "
+                                                    f"{type(exc).__name__}: {exc}") from None
+                        self._load_once(r, version, meta, go_live=False)
                     elif version != self._version:
                         continue
                     with self._lock:
@@ -368,6 +378,8 @@ class EnginePool:
             return
         if urls:
             self.resize(urls)
+            if self.applied is not None:  # the removed servers are let go: no call or load will reach them
+                self.applied(list(dict.fromkeys(urls)))
 
     def resize(self, urls: Sequence[str]) -> None:
         """The pool's servers become `urls` (module docstring, "Resize"); call it only when no call runs. Kept

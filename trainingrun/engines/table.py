@@ -31,8 +31,8 @@ from trainingrun.contract.errors import ConfigError
 from trainingrun.engines import store_sync
 from trainingrun.engines.vllm import engine as vllm_engine
 from trainingrun.engines.vllm import k8s as vllm_k8s
+from trainingrun.engines.vllm import multinode as vllm_multinode
 from trainingrun.engines.vllm import publish as vllm_publish
-from trainingrun.engines.vllm import server as vllm_server
 from trainingrun.modeling.architecture import Architecture
 
 Builder = Callable[[Any, Any, Architecture], Engine]  # (spec, store, arch) -> the rollout's engine
@@ -117,7 +117,7 @@ ENGINES: dict[str, EngineType] = {
                             resources=vllm_k8s.server_resources, container=vllm_k8s.engine_container,
                             claims=lambda spec: list(spec.rollout.engine.vllm.resource_claims),
                             nodes=vllm_k8s.pods_per_replica),
-            local=vllm_server.local_server,
+            local=vllm_multinode.local_replica,
         ),
         logprob_dtype=lambda spec: spec.rollout.engine.vllm.dtype,
     ),

@@ -10,7 +10,8 @@ Module map:
   report.py    merged per-step metrics, live progress, summary.json and the summary table
   progress.py  the live progress line and timestamped events
   rundir.py    the run directory's lock and safety rules (--resume, --fresh, changed specs)
-  engine.py    the run's own engine servers (the plan's engine roles) under the launcher
+  engine.py    the run's own engine servers (the plan's engine roles) under the launcher, resized while it runs
+  scale.py     `trainingrun scale RUN_DIR --replicas N`: the request to resize them, and the launcher's reader
   history.py   a run's per-step records (last attempt wins), local or a cluster's output directory
   status.py    `trainingrun status RUN_DIR`
   logs.py      `trainingrun logs RUN_DIR [PROCESS]`

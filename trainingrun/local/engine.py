@@ -1,7 +1,8 @@
 """The engine servers of a local run (the plan's engine roles: `trainingrun.plan.engine_roles`, as many as
 `trainingrun.engines.table.own_servers` says — e.g. `rollout.engine.type: vllm` without `engine.url`): a pool of
 `rollout.engine.replicas` servers, supervised by the launcher, each started by its engine type's entry in the engine
-table (`Servers.local`; for vllm `trainingrun.engines.vllm.server.local_server`).
+table (`Servers.local`; for vllm `trainingrun.engines.vllm.multinode.local_replica`: one server, or a multi-node
+replica of several processes).
 
 The servers are a service of the run, not part of an attempt: they start before the first attempt, keep running when
 the trainer/rollout group restarts (they hold nothing the group needs: the rollout loads its weight version into
@@ -24,6 +25,15 @@ root cause first). A replica that fails with the same error again within AGAIN_S
 (`failed_again`) has a deterministic error that no restart fixes: the launcher ends the run (exit 78) naming it.
 (Every replica failing with one error is the rollout's to see: its engine pool compares the errors of the requests,
 `EnginePool._fault`.)
+
+Resize (`trainingrun scale`, read by the launcher: `trainingrun.local.scale`): the rollout is also given the file
+RUN_DIR/engine-urls (URL_FILE, $TRAININGRUN_ENGINE_URL_FILE), the servers listed for it, which its pool re-reads before
+each call. `resize_to(n)` starts servers engine-<i> for the new indices (listed by `step` once healthy, so the pool
+loads its current weight version into them before their first request) and takes the servers from n on off the list
+at once; `step` stops such a server once the rollout's pool has let it go — the list the pool took on last
+(APPLIED_FILE, $TRAININGRUN_ENGINE_URL_APPLIED_FILE, written by the pool after each re-read) is newer than the
+launcher's rewrite and leaves it out — or at once if it was never listed. Servers leave from the highest index down, so
+replica i stays `replicas[i]`; a server leaving is not judged by the failure policy.
 """
 
 from __future__ import annotations
@@ -34,12 +44,16 @@ from typing import Any
 
 from trainingrun import failure_policy as policy
 from trainingrun.engines.table import Servers, own_servers, server_kind
+from trainingrun.engines.vllm.engine import read_urls, write_urls
 from trainingrun.local.procs import describe_exit, free_port
 from trainingrun.plan import EngineRole, engine_roles
 
 LIVENESS_PERIOD = 5.0  # seconds between two /health probes of a running server
 LIVENESS_SECONDS = 30.0  # /health failing this long (after it answered once since the start): no longer serving
 AGAIN_SECONDS = 900.0  # the same error again this soon after a restart: deterministic
+MAX_REPLICAS = 256  # spec.rollout.engine.replicas' maximum
+URL_FILE = "engine-urls"  # in the run directory: the servers the rollout's pool uses ($TRAININGRUN_ENGINE_URL_FILE)
+APPLIED_FILE = "engine-urls.applied"  # the list the rollout's pool took on ($TRAININGRUN_ENGINE_URL_APPLIED_FILE)
 
 
 def needs_local_engine(spec) -> bool:
@@ -61,6 +75,7 @@ class LocalEngine:
         self.started = time.monotonic()  # its last start
         self.failed_at = 0.0  # its last failure
         self.server = servers.local(spec, log_path=out_dir / "logs" / f"{self.name}.log", port=free_port())
+        self.joined = False  # listed for the rollout (healthy once since the run or the resize started it)
         self._restart_at: float | None = None
         self._probed = 0.0  # when /health was last asked (liveness)
         self._served = False  # /health answered since the last start
@@ -115,6 +130,13 @@ class LocalEngine:
                               description=f"{self.title} server {self.name} {why}"
                                           + (f": {error}" if error else "") + f" (log {self.server.log_path})")
 
+    def probe_due(self, now: float) -> bool:
+        """Whether a new server's /health may be asked again (once per LIVENESS_PERIOD / 5 while it starts)."""
+        if now - self._probed < LIVENESS_PERIOD / 5:
+            return False
+        self._probed = now
+        return True
+
     def _stopped_serving(self) -> bool:
         """Its /health has failed for LIVENESS_SECONDS after answering since it started (probed every
         LIVENESS_PERIOD)."""
@@ -154,27 +176,34 @@ class LocalEngine:
         self.server.close()
 
     def process(self) -> dict:
-        """Its entry in pids.json's `processes`."""
+        """Its entry in pids.json's `processes` (`pids`: every process of the replica, the leader's first)."""
         return {"pid": self.server.pid, "role": "engine", "rank": self.index, "url": self.url,
-                "log": str(self.server.log_path), "restarts": self.restarts, "down": self.down}
+                "log": str(self.server.log_path), "restarts": self.restarts, "down": self.down,
+                "listed": self.joined, "pids": list(getattr(self.server, "pids", [self.server.pid]))}
 
 
 class LocalEnginePool:
     """The run's engine servers (the plan's engine roles). ValueError when they cannot be run here (vLLM's
-    environment missing, ...)."""
+    environment missing, ...). Its size may change while the run runs (`resize_to`, `step`: module docstring,
+    "Resize")."""
 
     def __init__(self, run, out_dir: Path):
         servers = server_kind(run.spec)
         assert servers is not None, "an engine in the rollout process has no servers"
+        self.run, self.out_dir, self.servers = run, out_dir, servers
         self.title = servers.title
         self.replicas = [LocalEngine(run.spec, out_dir, role, servers)
                          for role in engine_roles(run, own_servers(run.spec))]
+        self.wanted = len(self.replicas)  # the pool's size asked for: replicas from here on leave
+        self.url_file = out_dir / URL_FILE
+        self.applied_file = out_dir / APPLIED_FILE
+        self._listed_at = 0.0  # when url_file was last written (time.time())
         (out_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     @property
     def url(self) -> str:
         """Every replica's URL, comma-separated (what the rollout is given)."""
-        return ",".join(r.url for r in self.replicas)
+        return ",".join(r.url for r in self.listed())
 
     def start(self) -> None:
         for r in self.replicas:
@@ -184,8 +213,8 @@ class LocalEnginePool:
         return all(r.healthy() for r in self.replicas)
 
     def check(self) -> list[policy.Failure]:
-        """The replicas that exited since the last check."""
-        return [f for f in (r.check() for r in self.replicas) if f is not None]
+        """The replicas that exited since the last check (a replica leaving the pool is not judged)."""
+        return [f for f in (r.check() for r in self.replicas[:self.wanted]) if f is not None]
 
     def replica(self, name: str) -> LocalEngine:
         return next(r for r in self.replicas if r.name == name)
@@ -195,7 +224,7 @@ class LocalEnginePool:
         return sum(r.server.starts for r in self.replicas)
 
     def live(self) -> list[LocalEngine]:
-        return [r for r in self.replicas if not r.down]
+        return [r for r in self.replicas[:self.wanted] if not r.down]
 
     def errors(self) -> str:
         """The replicas' own errors since they last started, where their logs name one: 'engine-0, engine-1:
@@ -213,3 +242,69 @@ class LocalEnginePool:
 
     def processes(self) -> dict[str, dict]:
         return {r.name: r.process() for r in self.replicas}
+
+    # -- resize (module docstring, "Resize")
+    def listed(self) -> list[LocalEngine]:
+        """The replicas the rollout's pool is given: those of the wanted size that joined."""
+        return [r for r in self.replicas[:self.wanted] if r.joined]
+
+    def publish(self) -> None:
+        """Write the list of servers the rollout's pool re-reads ($TRAININGRUN_ENGINE_URL_FILE)."""
+        self._listed_at = time.time()
+        write_urls(self.url_file, [r.url for r in self.listed()])
+
+    def join_all(self) -> None:
+        """The servers started with the run are healthy: all listed."""
+        for r in self.replicas:
+            r.joined = True
+        self.publish()
+
+    def size(self) -> dict[str, int]:
+        """pids.json's `engine_replicas`: the size asked for, the servers listed, those still leaving."""
+        return {"wanted": self.wanted, "listed": len(self.listed()), "leaving": len(self.replicas) - self.wanted}
+
+    def resize_to(self, n: int) -> None:
+        """Ask for `n` servers: new ones start now (listed once healthy, `step`); the ones from `n` on leave the
+        list at once and are stopped once the rollout's pool applied a list without them."""
+        if not 1 <= n <= MAX_REPLICAS:
+            raise ValueError(f"replicas: {n}; allowed: 1..{MAX_REPLICAS} (spec.rollout.engine.replicas)")
+        self.wanted = n
+        for i in range(len(self.replicas), n):
+            r = LocalEngine(self.run.spec, self.out_dir, EngineRole(type=self.run.spec.rollout.engine.type,
+                                                                   replica=i), self.servers)
+            self.replicas.append(r)
+            r.start()
+        self.publish()
+
+    def step(self) -> list[str]:
+        """One look at a resize under way: a new server that became healthy is listed; a server leaving that the
+        rollout's pool let go (or that never was listed) is stopped. What happened, one line each."""
+        events: list[str] = []
+        now = time.monotonic()
+        joined = [r for r in self.replicas[:self.wanted] if not r.joined and r.server.proc is not None
+                  and r.server.proc.poll() is None and r.probe_due(now) and r.healthy()]
+        for r in joined:
+            r.joined = True
+            events.append(f"{r.name} healthy after {time.monotonic() - r.started:.0f}s at {r.url}: listed for the "
+                          "rollout, which loads the current weight version into it before its first request")
+        if joined:
+            self.publish()
+        applied = self._applied()
+        while len(self.replicas) > self.wanted:
+            r = self.replicas[-1]
+            if r.joined and (applied is None or r.url in applied):
+                break  # the rollout's pool may still send it requests
+            r.stop()
+            self.replicas.pop()
+            events.append(f"{r.name} stopped: the rollout's pool let it go" if r.joined
+                          else f"{r.name} stopped before it joined")
+        return events
+
+    def _applied(self) -> list[str] | None:
+        """The list the rollout's pool took on since url_file was last written (None: none yet)."""
+        try:
+            if self.applied_file.stat().st_mtime < self._listed_at:
+                return None
+        except FileNotFoundError:
+            return None
+        return read_urls(str(self.applied_file))

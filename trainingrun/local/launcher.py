@@ -11,7 +11,8 @@ Every failure goes through `Policy.decide` (the run's rules, then the defaults) 
 one process alone while the others run on — the rollout (`_restart_rollout`: the same attempt, its next generation in
 TRAININGRUN_ROLE_ATTEMPT, resuming from its state in the store; the trainers keep waiting for its next rollout) or the
 run's engine servers (`_engine_failed`: the engine replica, `trainingrun.local.engine`); FailRun ends the run. Counted
-restarts of a role use that role's budget (failurePolicy.roles.<role>).
+restarts of a role use that role's budget (failurePolicy.roles.<role>). While it watches, `_resize` applies a
+`trainingrun scale` request to the engine pool (`trainingrun.local.scale`, `LocalEnginePool.resize_to`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from trainingrun.contract.env import ProcessEnv
 from trainingrun.contract.rollout_state import DataAccount, data_account
 from trainingrun.local.engine import LocalEnginePool, needs_local_engine
 from trainingrun.local.progress import ProgressLine
+from trainingrun.local.scale import ScaleRequests
 from trainingrun.plan import build_plan
 from trainingrun.store import StoreError, open_store
 
@@ -147,6 +149,8 @@ class Launcher:
         self.role_events: list[dict[str, Any]] = []  # this attempt's restarts of a role alone (summary: attempts)
         self._pids_of: tuple[ProcessGroup, int, str] | None = None  # pids.json: the attempt's group, attempt, store
         self._engine_starts = 0
+        self.scale_requests: ScaleRequests | None = None  # `trainingrun scale` (read once the engine servers run)
+        self.engine_resizes: list[dict[str, Any]] = []  # summary.json: each resize, when asked and how long it took
 
     def volumes(self) -> list[Path]:
         """Where the run writes: the run directory, the checkpoints (relative to it) and a file store."""
@@ -224,6 +228,9 @@ class Launcher:
                 output_dir=str(self.out_dir.resolve()),  # TensorBoard / W&B files go into the run directory
                 log_timestamps=True,  # children start every line with the time (trainingrun.childlog)
                 engine_url=self.engine.url if self.engine is not None else None,
+                # the list follows `trainingrun scale` (engine.py, "Resize")
+                engine_url_file=str(self.engine.url_file.resolve()) if self.engine is not None else None,
+                engine_url_applied_file=str(self.engine.applied_file.resolve()) if self.engine is not None else None,
             ).to_env(),
             engine_replicas=len(self.engine.replicas) if self.engine is not None else 0,
         )
@@ -259,7 +266,9 @@ class Launcher:
         }
         if self.engine is not None:
             processes.update(self.engine.processes())
+        size = self.engine.size() if self.engine is not None else None
         self.try_write("pids.json", lambda: write_json_atomic(self.out_dir / "pids.json", {
+            "engine_replicas": size,  # the pool's size: wanted, listed for the rollout, leaving
             "launcher": os.getpid(),
             "attempt": attempt,
             "first_attempt": self.first_attempt,  # this invocation's first (attempt - first_attempt = its restarts)
@@ -297,6 +306,7 @@ class Launcher:
         while True:
             if self.signals.received:
                 return Outcome("interrupted", reason=f"{signal.Signals(self.signals.received).name} received")
+            self._resize()
             records = follower.poll()
             if records:
                 last_progress = time.monotonic()
@@ -416,11 +426,37 @@ class Launcher:
         replica.restart_after(verdict.backoff)
         return None
 
+    def _resize(self) -> None:
+        """A `trainingrun scale` request (`trainingrun.local.scale`) started, and a resize under way advanced
+        (`LocalEnginePool.step`); pids.json rewritten when the pool changed."""
+        if self.engine is None or self.scale_requests is None:
+            return
+        n, problem = self.scale_requests.poll()
+        if problem:
+            self.progress.event(f"warning: trainingrun scale: {problem}")
+        if n is not None and n != self.engine.wanted:
+            self.progress.event(f"engine: resizing the pool from {self.engine.wanted} to {n} server(s) "
+                                "(trainingrun scale); the trainers and the rollout keep running")
+            self.engine_resizes.append({"from": self.engine.wanted, "to": n, "at": time.time(), "reached_after": None})
+            self.engine.resize_to(n)
+            self.write_pids()
+        events = self.engine.step()
+        for line in events:
+            self.progress.event(f"engine: {line}")
+        if events:
+            self.write_pids()
+        last = self.engine_resizes[-1] if self.engine_resizes else None
+        if last is not None and last["reached_after"] is None and self.engine.size() == {
+                "wanted": last["to"], "listed": last["to"], "leaving": 0}:
+            last["reached_after"] = round(time.time() - last["at"], 1)
+            self.progress.event(f"engine: the pool has {last['to']} server(s) ({last['reached_after']:g}s)")
+
     def start_engine(self) -> Outcome | None:
         """Start the run's own engine servers (the plan's engine roles) and wait until they are healthy (None), or
         the Outcome that ends the run."""
         if not needs_local_engine(self.spec):
             return None
+        self.scale_requests = ScaleRequests(self.out_dir)  # before the servers start: a request meanwhile counts
         try:
             self.engine = LocalEnginePool(self.run, self.out_dir)
         except ValueError as exc:
@@ -447,6 +483,7 @@ class Launcher:
             time.sleep(1.0)
         self.progress.event(f"engine: {len(self.engine.replicas)} {self.engine.title} server(s) healthy after "
                             f"{time.monotonic() - t0:.0f}s")
+        self.engine.join_all()
         return None
 
     def _check_fields(self, rec: dict[str, Any]) -> None:
@@ -555,6 +592,8 @@ class Launcher:
                             name=self.name, out_dir=self.out_dir, data=data)
         summary["first_attempt"] = first_attempt
         summary["role_restarts"] = dict(self.role_restarts)
+        if self.engine_resizes:
+            summary["engine_resizes"] = self.engine_resizes
         if data is not None and data.left_over:
             self.progress.event(
                 f"note: {data.leftover_groups} group(s) / {data.leftover_samples} sample(s) were left over at "

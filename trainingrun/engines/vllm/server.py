@@ -244,10 +244,15 @@ def local_server(spec, *, log_path: Path, port: int) -> VLLMServer:
         raise ValueError(f"rollout.engine.type: vllm needs vLLM's environment: run `make vllm` (builds "
                          f".venv-vllm) or set {PYTHON_ENV} to a Python that has vLLM, or give "
                          "rollout.engine.url")
+    return VLLMServer(str(Path(spec.model.hf).resolve()), port=port, python=python, log_path=log_path,
+                      **local_settings(spec))
+
+
+def local_settings(spec) -> dict:
+    """`VLLMServer`'s keywords from `rollout.engine.vllm` (model, port, python and log aside)."""
     v = spec.rollout.engine.vllm
-    return VLLMServer(str(Path(spec.model.hf).resolve()), port=port, python=python, log_path=log_path, dtype=v.dtype,
-                      max_model_len=v.max_model_len or spec.model.resolved().seq_length,
-                      kv_cache_gib=v.kv_cache_gib, prefix_caching=v.prefix_caching, extra_args=tuple(v.args))
+    return {"dtype": v.dtype, "max_model_len": v.max_model_len or spec.model.resolved().seq_length,
+            "kv_cache_gib": v.kv_cache_gib, "prefix_caching": v.prefix_caching, "extra_args": tuple(v.args)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - manual use
