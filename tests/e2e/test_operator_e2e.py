@@ -135,3 +135,49 @@ def test_pod_stuck_terminating_blocks_only_for_the_timeout(cluster, tmp_path):
     finally:
         kubectl("patch", "pod", held, "--type=merge", "-p", '{"metadata":{"finalizers":null}}', check=False)
         kubectl("delete", "tr", "e2e-zombie", "--ignore-not-found", check=False)
+
+
+# ------------------------------------------------------------------ issue 32: what only a real API server does
+ENGINE_SPEC = {  # a run with vLLM servers of its own; its pods need not start for what these tests check
+    "model": {"hf": "/models/smol", "seqLength": 64},
+    "rollout": {"source": {"type": "generate", "generate": {
+        "prompts": {"type": "synthetic", "synthetic": {"task": "copy", "minLength": 2, "maxLength": 2}},
+        "sampling": {"maxNewTokens": 4}, "reward": {"type": "token_match"}}},
+        "engine": {"type": "vllm", "replicas": 1}, "samplesPerRollout": 8, "groupSize": 4, "numRollouts": 3},
+    "weightSync": {"type": "disk", "path": "/models/weights"},
+}
+
+
+def _spec_replicas(name: str) -> int:
+    return json.loads(kubectl("get", "tr", name, "-o", "json"))["spec"]["rollout"]["engine"]["replicas"]
+
+
+def test_kubectl_scale_goes_through_the_scale_subresource_and_its_bounds(cluster, tmp_path):
+    """`kubectl scale tr/NAME` on a real API server: the CRD's scale subresource sets spec.rollout.engine.replicas;
+    a value outside 1..256 is refused by the schema naming the field, and the run keeps its size. (The emulator runs
+    no OpenAPI bounds on the scale subresource's body; tests/integration/test_operator_resize.py checks the rest.)"""
+    _apply(tmp_path, "e2e-scale", **ENGINE_SPEC)
+    try:
+        kubectl("scale", "tr/e2e-scale", "--replicas", "2")
+        assert _spec_replicas("e2e-scale") == 2
+        refused = subprocess.run([str(KUBECTL), "-n", NAMESPACE, "scale", "tr/e2e-scale", "--replicas", "0"],
+                                 capture_output=True, text=True, timeout=120)
+        assert refused.returncode != 0 and "replicas" in refused.stderr, refused.stderr
+        assert _spec_replicas("e2e-scale") == 2
+        _wait_status("e2e-scale", lambda s: s.get("engineReplicas") == 2, 120, "status.engineReplicas 2")
+    finally:
+        kubectl("delete", "tr", "e2e-scale", "--ignore-not-found", check=False)
+
+
+def test_a_kueue_run_is_not_resized_by_the_api_server(cluster, tmp_path):
+    """The CRD's transition rule: spec.rollout.engine.replicas cannot change while spec.queueName is set (Kueue
+    admitted the engines as one pod group of a fixed count) — refused by the API server's CEL, naming the field."""
+    _apply(tmp_path, "e2e-kueue", queueName="e2e-queue", **ENGINE_SPEC)
+    try:
+        refused = subprocess.run([str(KUBECTL), "-n", NAMESPACE, "scale", "tr/e2e-kueue", "--replicas", "2"],
+                                 capture_output=True, text=True, timeout=120)
+        assert refused.returncode != 0 and "spec.rollout.engine.replicas cannot change" in refused.stderr, \
+            refused.stderr
+        assert _spec_replicas("e2e-kueue") == 1
+    finally:
+        kubectl("delete", "tr", "e2e-kueue", "--ignore-not-found", check=False)
