@@ -22,7 +22,11 @@ def start(spec: Path, out: Path, *extra: str, cwd: Path = ROOT, progress_interva
           env: dict[str, str] | None = None, plot: bool = False) -> subprocess.Popen:
     """`trainingrun run SPEC --out OUT ...` in the background, stdout and stderr together (`env`: the launcher's
     environment, which its children inherit; default this process's). Without `plot` the run draws no plot.png
-    (`--no-plot`: matplotlib's 2 s per run, in a suite of a hundred runs); the tests of the plot ask for it."""
+    (`--no-plot`: matplotlib's 2 s per run, in a suite of a hundred runs); the tests of the plot ask for it.
+    PYTHONPATH leads with this checkout, so that the launcher's children (rollout, trainers, engines) run this
+    checkout's code even where the virtual environment's editable install points at another one (a git worktree)."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     return subprocess.Popen(
         [sys.executable, "-m", "trainingrun", "run", str(spec), "--out", str(out),
          "--progress-interval", str(progress_interval), *([] if plot else ["--no-plot"]), *extra],
