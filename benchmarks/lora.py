@@ -12,8 +12,9 @@ synthetic SFT micro-batches and writes one checkpoint through the trainer's own 
   peak_rss_mb                    the process's peak resident memory (ru_maxrss: torch, Megatron and everything)
   checkpoint_mb                  the checkpoint's size on disk (a LoRA one holds the adapters and their state only)
 
-Run: `.venv/bin/python benchmarks/lora.py [--hidden 512 --layers 4 --vocab 8192 --rank 16 --steps 6]`; the figures
-of docs/trainer.md ("LoRA") come from the defaults. `--mode full|lora` runs one mode in this process.
+Run: `.venv/bin/python benchmarks/lora.py [--hidden 512 --layers 4 --vocab 8192 --rank 16 --steps 6 --rounds 2]`
+(the modes alternate, one process each, `--rounds` times); the figures of docs/trainer.md ("LoRA") come from the
+defaults. `--mode full|lora` runs one mode in this process.
 """
 
 from __future__ import annotations
@@ -134,14 +135,16 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=512, help="maxTokensPerGPU of the micro-batches")
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="full, lora, full, lora, ...: on a shared machine compare the rounds, not one pair")
     args = ap.parse_args()
     if args.mode is not None:
         print(json.dumps(run_mode(args)), flush=True)
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    for mode in ("full", "lora"):  # each in its own process: its peak memory is its own
+    for mode in ("full", "lora") * args.rounds:  # each in its own process: its peak memory is its own
         argv = [sys.executable, __file__, "--mode", mode] + [f"--{k.replace('_', '-')}={v}" for k, v in
-                                                             vars(args).items() if k != "mode"]
+                                                             vars(args).items() if k not in ("mode", "rounds")]
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         if proc.returncode or not lines:

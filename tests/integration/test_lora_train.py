@@ -248,8 +248,12 @@ def test_lora_rl_run_syncs_the_merged_model_to_the_engine(tmp_path: Path) -> Non
 @pytest.mark.megatron
 def test_lora_in_bf16_keeps_fp32_master_weights_for_the_adapters_only(tmp_path: Path) -> None:
     """model.precision bf16 at TP 2: the base and the adapters are bf16 in the model, Megatron's mixed-precision
-    optimizer keeps fp32 main weights and Adam moments for the adapters and nothing for the frozen base."""
+    optimizer keeps fp32 main weights and Adam moments for the adapters and nothing for the frozen base; the
+    checkpoint holds no base tensor, and the merged model read from it (the base from model.hf) is bf16."""
+    import torch
+
     from trainingrun.trainer.checkpoint import latest_checkpoint, read_tensors
+    from trainingrun.trainer.full_state import load_full_state
 
     hf = make_hf_model(tmp_path / "hf")
     spec = _spec(tmp_path / "bf16.yaml", hf, 2)
@@ -265,4 +269,6 @@ def test_lora_in_bf16_keeps_fp32_master_weights_for_the_adapters_only(tmp_path: 
                                       for k, v in masters.items()), sorted(masters)
     assert {str(v.dtype) for k, v in tensors.items() if k.startswith("optimizer.state.exp_avg")} == {"torch.float32"}
     assert str(tensors["decoder.layers.self_attention.linear_qkv.adapter.q_B"].dtype) == "torch.bfloat16"
-    assert str(tensors["decoder.layers.self_attention.linear_qkv.weight"].dtype) == "torch.bfloat16"
+    assert not [k for k in tensors if not k.startswith("optimizer.") and ".adapter." not in k]  # the base: not saved
+    merged = load_full_state(latest_checkpoint(out / "checkpoints")).state  # the base rebuilt from model.hf, in bf16
+    assert merged["decoder.layers.0.self_attention.linear_qkv.weight"].dtype == torch.bfloat16
