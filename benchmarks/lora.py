@@ -8,9 +8,9 @@ synthetic SFT micro-batches and writes one checkpoint through the trainer's own 
 
   mode, params, trainable        parameter counts (all / with a gradient)
   step_seconds                   median wall time of one optimizer step (after one warm-up step)
-  state_mb                       bytes of parameters + gradients + optimizer state (Adam moments, fp32 masters)
-  peak_rss_mb                    the process's peak resident memory (ru_maxrss: torch, Megatron and everything)
-  checkpoint_mb                  the checkpoint's size on disk (a LoRA one holds the adapters and their state only)
+  state_mb                       MiB of parameters + gradients + optimizer state (Adam moments, fp32 masters)
+  peak_rss_mb                    MiB, the process's peak resident memory (ru_maxrss: torch, Megatron and everything)
+  checkpoint_mb                  MiB, the checkpoint's size on disk (a LoRA one: the adapters and their state only)
 
 Run: `.venv/bin/python benchmarks/lora.py [--hidden 512 --layers 4 --vocab 8192 --rank 16 --steps 6 --rounds 2]`
 (the modes alternate, one process each, `--rounds` times); the figures of docs/trainer.md ("LoRA") come from the
