@@ -3,9 +3,10 @@ Megatron code (CPU, gloo):
 
 * TP 1, TP 2 and PP 2 train the same adapters (per-step losses within 1e-5 relative; the adapters are initialised
   the same at every layout) and the loss falls;
-* the end-of-run checkpoint holds Adam moments for the adapters only (none for the frozen base) and every adapter at
-  its whole shape (stored once, whatever the TP size);
-* `export-hf` of the checkpoint writes the merged model (base + scale·B·A), which `transformers` scores like
+* the end-of-run checkpoint holds the adapters and their Adam moments only (no base tensor, no state for the frozen
+  base: meta.json names model.hf and the SHA-256 of its weight files), every adapter at its whole shape (stored once,
+  whatever the TP size);
+* `export-hf` of the checkpoint (the base read from model.hf) writes the merged model (base + scale·B·A), which `transformers` scores like
   `trainingrun score` of the checkpoint, and which differs from the base (the adapters trained); `export-hf --adapter`
   writes a PEFT adapter directory that `peft.PeftModel.from_pretrained` loads onto the base, scoring the same; a run
   with `model.adapter` set to it (TP 2) starts from those adapters.
@@ -13,6 +14,7 @@ Megatron code (CPU, gloo):
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -57,7 +59,8 @@ def test_lora_run_trains_alike_at_tp1_tp2_pp2_checkpoints_adapters_only_and_expo
     import torch
     from safetensors.torch import load_file
 
-    from trainingrun.trainer.checkpoint import latest_checkpoint, read_tensors
+    from trainingrun.modeling.lora_base import hf_digest
+    from trainingrun.trainer.checkpoint import latest_checkpoint, read_meta, read_tensors
 
     hf = make_hf_model(tmp_path / "hf")
     losses = {}
@@ -81,7 +84,10 @@ def test_lora_run_trains_alike_at_tp1_tp2_pp2_checkpoints_adapters_only_and_expo
     assert tuple(tensors["decoder.layers.self_attention.linear_qkv.adapter.k_B"].shape) == (2, 16, 4)  # whole
     assert tuple(tensors["decoder.layers.self_attention.linear_proj.adapter.o_A"].shape) == (2, 4, 32)
     assert float(tensors["decoder.layers.self_attention.linear_qkv.adapter.q_B"].abs().max()) > 0  # trained
-    assert "decoder.layers.self_attention.linear_qkv.weight" in tensors  # the (frozen) base is kept too
+    model_keys = [k for k in tensors if not k.startswith("optimizer.")]
+    assert all(".adapter." in k for k in model_keys), model_keys  # no base tensor: the base is named by its digest
+    base = read_meta(ckpt)["base"]
+    assert base == {"source": "model.hf", "hf": str(hf), "digest": hf_digest(hf)}, base
 
     export = tmp_path / "export"
     proc = subprocess.run([sys.executable, "-m", "trainingrun", "export-hf", str(ckpt), "--out", str(export)],
@@ -143,7 +149,9 @@ LORA_CONFIG = CONFIG.replace("    checkpoint: {interval: 2, path: ckpt, keep: 2}
 def test_lora_resume_is_exact(tmp_path: Path) -> None:
     """trainer end to end on a file store (test_trainer_e2e's scenario, with lora): a group that
     stops after step 5 resumes from its step-4 checkpoint (adapters, their Adam moments) and
-    trains steps 5..9 with the uninterrupted run's losses (≤ 1e-5 relative)."""
+    trains steps 5..9 with the uninterrupted run's losses (≤ 1e-5 relative). The checkpoints hold no base tensor
+    and name the seeded base by its digest; a resume with another seed (another base) is refused naming the field
+    and both digests; step 8's checkpoint (DP 2) resumes at TP 2 and trains step 9 with the same loss."""
     assert "lora:" in LORA_CONFIG
     a, b = tmp_path / "a", tmp_path / "b"
     for d in (a, b):
@@ -169,6 +177,37 @@ def test_lora_resume_is_exact(tmp_path: Path) -> None:
         assert abs(r["loss"] - by_step[r["step"]]) <= 1e-5 * abs(by_step[r["step"]]), (r["step"], r["loss"], by_step)
     assert rec_a[-1]["loss"] != rec_a[0]["loss"]
     # with lora.dropout > 0 a resumed run draws other dropout masks (docs/trainer.md, "LoRA"): not checked here
+
+    # the checkpoints hold the adapters and their Adam moments only, naming the base by its digest
+    from trainingrun.trainer.checkpoint import complete_checkpoints, read_meta, read_tensors
+
+    kept = complete_checkpoints(b / "ckpt")
+    assert [p.name for p in kept] == ["step_00000008", "step_00000009"]
+    tensors = read_tensors(kept[-1])
+    model_keys = [k for k in tensors if not k.startswith("optimizer.")]
+    assert model_keys and all(".adapter." in k for k in model_keys), model_keys  # no base tensor
+    assert all(".adapter." in k for k in tensors if k.startswith("optimizer.state."))
+    base = read_meta(kept[-1])["base"]
+    assert base["source"] == "seed" and base["seed"] == 7 and base["digest"].startswith("sha256:"), base
+
+    # another base (seed 8 draws other weights): refused on every rank, naming the field and both digests
+    (b / "run.yaml").write_text(LORA_CONFIG.replace("seed: 7", "seed: 8"))
+    results = _launch(b, f"file://{b}/store", attempt=2)
+    for rc, out in results:
+        assert rc == 78, out[-3000:]
+        assert "spec.seed / spec.model" in out and base["digest"] in out, out[-3000:]
+    assert [p.name for p in complete_checkpoints(b / "ckpt")] == [p.name for p in kept]  # nothing set aside
+
+    # resharded: step 8's checkpoint (2 data-parallel ranks) loads at tensor parallelism 2 and trains step 9 as the
+    # uninterrupted run did
+    shutil.rmtree(kept[-1])
+    (b / "run.yaml").write_text(LORA_CONFIG.replace("    replicas: 2\n", "    replicas: 2\n    tensorParallelSize: 2\n"))
+    results = _launch(b, f"file://{b}/store", attempt=3)
+    for rc, out in results:
+        assert rc == 0, out[-3000:]
+    assert "resumed from ckpt/step_00000008" in results[0][1] and "resharded" in results[0][1], results[0][1][-3000:]
+    (again,) = [r for r in _records(b) if r["attempt"] == 3]
+    assert again["step"] == 9 and abs(again["loss"] - by_step[9]) <= 1e-5 * abs(by_step[9]), (again, by_step[9])
 
 
 @pytest.mark.megatron
@@ -209,8 +248,12 @@ def test_lora_rl_run_syncs_the_merged_model_to_the_engine(tmp_path: Path) -> Non
 @pytest.mark.megatron
 def test_lora_in_bf16_keeps_fp32_master_weights_for_the_adapters_only(tmp_path: Path) -> None:
     """model.precision bf16 at TP 2: the base and the adapters are bf16 in the model, Megatron's mixed-precision
-    optimizer keeps fp32 main weights and Adam moments for the adapters and nothing for the frozen base."""
+    optimizer keeps fp32 main weights and Adam moments for the adapters and nothing for the frozen base; the
+    checkpoint holds no base tensor, and the merged model read from it (the base from model.hf) is bf16."""
+    import torch
+
     from trainingrun.trainer.checkpoint import latest_checkpoint, read_tensors
+    from trainingrun.trainer.full_state import load_full_state
 
     hf = make_hf_model(tmp_path / "hf")
     spec = _spec(tmp_path / "bf16.yaml", hf, 2)
@@ -226,4 +269,6 @@ def test_lora_in_bf16_keeps_fp32_master_weights_for_the_adapters_only(tmp_path: 
                                       for k, v in masters.items()), sorted(masters)
     assert {str(v.dtype) for k, v in tensors.items() if k.startswith("optimizer.state.exp_avg")} == {"torch.float32"}
     assert str(tensors["decoder.layers.self_attention.linear_qkv.adapter.q_B"].dtype) == "torch.bfloat16"
-    assert str(tensors["decoder.layers.self_attention.linear_qkv.weight"].dtype) == "torch.bfloat16"
+    assert not [k for k in tensors if not k.startswith("optimizer.") and ".adapter." not in k]  # the base: not saved
+    merged = load_full_state(latest_checkpoint(out / "checkpoints")).state  # the base rebuilt from model.hf, in bf16
+    assert merged["decoder.layers.0.self_attention.linear_qkv.weight"].dtype == torch.bfloat16

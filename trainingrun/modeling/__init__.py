@@ -15,6 +15,8 @@ Module map:
                    (no torch)
   lora.py          LoRA adapters on Megatron's linear layers: frozen base, seeded layout-independent A, merged
                    weights for the publishers and checkpoints, PEFT adapters in and out
+  lora_base.py     the base a LoRA run's adapters belong to: its reference and digest in checkpoints, the base
+                   rebuilt from them (export-hf, score)
   attention.py     core attentions of packed (THD) sequences: sdpa (one causal SDPA call per document), flash
   cpu_compat.py    the CPU shim that lets megatron-core run on a CPU-only torch (CPU mode only)
   moe.py           mixture-of-experts hooks at run time: routing record/replay, the per-sample balance loss, router

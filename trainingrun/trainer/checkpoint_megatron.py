@@ -12,6 +12,12 @@ loading reads each tensor once per data-parallel group and exchanges it (`FullyP
 TransformerEngine's `_extra_state` objects (FP8 metadata we do not use, pickled BytesIO) are left out, so every
 file loads with `torch.load(weights_only=True)`.
 
+A LoRA run (`spec.trainer.lora`: the model has adapters) writes the adapters only — their tensors, their scale
+buffers and their optimizer state — not the frozen base, which does not change: meta.json names the base and its
+digest instead (`modeling.lora_base`; `TrainerCheckpoints.base`), loading takes the base from the model as built
+(model.hf or the seed) and refuses a checkpoint whose base digest is not this run's, naming the field. A LoRA
+checkpoint written before this (with the base) loads too: only its adapters are read.
+
 The distributed optimizer (`trainer.optimizer.distributed`) writes its state in Megatron's `dp_reshardable` format
 (each rank's shards of the main parameters and Adam moments, no gather): it loads at any data-parallel size, not at
 another tensor-parallel size (`resume` refuses that, and a switch between the plain and the distributed optimizer,
@@ -41,6 +47,8 @@ from typing import Any, Callable
 import torch
 
 from trainingrun.diskspace import no_space
+from trainingrun.modeling.lora import ADAPTER, LoRAAdapter
+from trainingrun.modeling.lora_base import base_problem
 from trainingrun.trainer import checkpoint as ckpt
 
 _REASON_BYTES = 1024
@@ -100,9 +108,22 @@ def is_distributed(optimizer) -> bool:
     return any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+def has_adapters(module) -> bool:
+    """Whether `module` carries LoRA adapters (its base frozen: `modeling.lora.apply_lora`)."""
+    return any(isinstance(m, LoRAAdapter) for m in module.modules())
+
+
+def _adapters_only(sharded: dict[str, Any]) -> dict[str, Any]:
+    marker = f".{ADAPTER}."
+    return {k: v for k, v in sharded.items() if marker in k}
+
+
 def sharded_state(module, optimizer=None, *, is_loading: bool = False) -> dict[str, Any]:
-    """The state dist_checkpointing writes/reads: the model's sharded state dict (+ the optimizer's)."""
+    """The state dist_checkpointing writes/reads: the model's sharded state dict (+ the optimizer's); of a LoRA
+    model its adapters only (module docstring)."""
     model_sd = _without_extra_state(module.sharded_state_dict())
+    if has_adapters(module):
+        model_sd = _adapters_only(model_sd)
     state = {"model": model_sd}
     if optimizer is not None:
         extra = {"metadata": DISTRIBUTED_OPTIMIZER_FORMAT} if is_distributed(optimizer) else {}
@@ -213,6 +234,8 @@ def load_shards(module, optimizer, directory: Path) -> None:
         raise ShardsFailed("reading the checkpoint shards", directory, exc) from exc
     missing, unexpected = module.load_state_dict(loaded["model"], strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
+    if has_adapters(module):  # the frozen base is the model's own (model.hf or the seed), checked by its digest
+        missing = [k for k in missing if f".{ADAPTER}." in k]
     if missing or unexpected:
         raise ValueError(f"the model does not match the checkpoint (missing {missing[:5]}, unexpected {unexpected[:5]})")
     with torch.no_grad():  # the distributed optimizer copies into views of the (leaf) parameters
@@ -261,6 +284,7 @@ class TrainerCheckpoints:
     log: Callable[[str], None] = print
     assets: Callable[[Path], None] | None = None  # rank 0 adds files to each checkpoint (checkpoint.save)
     epoch: int = 0  # the run's creation time (TRAININGRUN_RUN_EPOCH): orders attempts across re-created runs
+    base: Callable[[], dict[str, Any]] | None = None  # LoRA: the base's reference and digest (`modeling.lora_base`)
 
     def __post_init__(self) -> None:
         try:  # Megatron's checkpoint writer needs it (and megatron-core does not declare it): say so before training
@@ -270,6 +294,28 @@ class TrainerCheckpoints:
                                        "needs it (pip install psutil; it is in trainingrun's train extra)") from None
         self.group = DistGroup()
         self.meta = {**self.meta, "optimizer": "distributed" if is_distributed(self.optimizer) else "plain"}
+        self._base: dict[str, Any] | None = None
+
+    def base_reference(self) -> dict[str, Any] | None:
+        """The base's reference and digest (rank 0 computes it once; None on the others and without LoRA)."""
+        if self.base is None or self.group.rank != 0:
+            return None
+        if self._base is None:
+            t0 = time.perf_counter()
+            self._base = self.base()
+            self.log(f"lora: base {self._base['digest']} ({self._base['source']}) in {time.perf_counter() - t0:.2f}s")
+        return self._base
+
+    def base_check(self) -> str | None:
+        """Rank 0: why the newest checkpoint's adapters do not belong to this run's base (`lora_base.base_problem`)."""
+        complete = ckpt.complete_checkpoints(self.root)
+        if self.base is None or self.group.rank != 0 or not complete:
+            return None
+        try:
+            was = ckpt.read_meta(complete[-1]).get("base")
+        except (OSError, ValueError):
+            return None  # a damaged record: the checkpoint's verification says so
+        return base_problem(was if isinstance(was, dict) else None, self.base_reference(), str(complete[-1]))
 
     def resume(self) -> ckpt.Resumed | None:
         """Restore from the newest loadable checkpoint (None: there is none). CheckpointError: none loads, or its
@@ -278,6 +324,10 @@ class TrainerCheckpoints:
         problem = optimizer_format_problem(self.root, self.meta)
         if problem:
             raise ckpt.CheckpointError(problem)
+        if self.base is not None:  # LoRA: the adapters must belong to this run's base; every rank refuses alike
+            for reason in self.group.gather_reasons(self.base_check()):
+                if reason is not None:
+                    raise ckpt.CheckpointError(reason)
         resumed = ckpt.resume(
             self.root, group=self.group, attempt=self.attempt, log=self.log, epoch=self.epoch,
             load_shards=lambda d: load_shards(self.module, self.optimizer, d),
@@ -297,8 +347,10 @@ class TrainerCheckpoints:
         return resumed
 
     def save(self, progress: ckpt.TrainingProgress) -> ckpt.SaveResult:
+        base = self.base_reference()
         return ckpt.save(
-            self.root, progress, group=self.group, attempt=self.attempt, keep=self.keep, meta=self.meta,
+            self.root, progress, group=self.group, attempt=self.attempt, keep=self.keep,
+            meta=self.meta if base is None else {**self.meta, "base": base},
             assets=self.assets, epoch=self.epoch,
             write_shards=lambda d: write_shards(self.module, self.optimizer, d),
             state=lambda: {"scheduler": self.scheduler.state_dict(), "rng": ckpt.rng_state()},

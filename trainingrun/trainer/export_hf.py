@@ -69,7 +69,7 @@ def export_adapter(checkpoint: str | Path, out: str | Path, *, log=lambda msg: N
     into place), which `peft.PeftModel.from_pretrained(base, out)` loads onto the base model."""
     from safetensors.torch import save_file  # deferred: safetensors
 
-    full = load_full_state(checkpoint, merge=False)
+    full = load_full_state(checkpoint, merge=False, base=False)
     try:
         tensors, config = peft_adapter(full.state, full.arch, base=str(full.arch.hf) if full.arch.hf else None)
     except ValueError as exc:

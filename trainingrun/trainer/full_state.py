@@ -3,8 +3,9 @@ process and without Megatron or torch.distributed: what `trainingrun export-hf` 
 model's weights are gathered by `trainingrun.modeling.state.gather_live_state`).
 
 `load_full_state(path)` accepts a checkpoint (`…/step_00000010`) or a checkpoint root (its newest complete
-checkpoint is taken). A LoRA run's checkpoint (`spec.trainer.lora`) has its adapters merged into the base weights
-(`modeling.lora.merge_full_state`): export-hf and score see the merged model. A checkpoint in the current format (`dist/`, Megatron distributed checkpointing) is verified
+checkpoint is taken). A LoRA run's checkpoint (`spec.trainer.lora`) holds its adapters only: the base is rebuilt
+from the reference meta.json records (model.hf or the seed) and checked against its digest (`modeling.lora_base`);
+the adapters are merged into it (`modeling.lora.merge_full_state`): export-hf and score see the merged model. A checkpoint in the current format (`dist/`, Megatron distributed checkpointing) is verified
 (`checkpoint.verify`: sizes and SHA-256 of every file) and its model tensors are read at full shape with torch's
 distributed-checkpoint reader in this process (`checkpoint.model_tensors`: dist_checkpointing stores every tensor
 under its global, TP-1 layout, so there is nothing to gather), then mapped to the canonical local-spec names. An
@@ -29,7 +30,8 @@ import torch
 
 from trainingrun.modeling import convert
 from trainingrun.modeling.architecture import Architecture
-from trainingrun.modeling.lora import merge_full_state
+from trainingrun.modeling.lora import ADAPTER, merge_full_state
+from trainingrun.modeling.lora_base import base_state
 from trainingrun.trainer import checkpoint as ckpt
 
 _SHARD = re.compile(r"^model_tp(\d+)_pp(\d+)\.pt$")
@@ -57,19 +59,27 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
-def load_full_state(path: str | Path, *, merge: bool = True) -> FullState:
-    """The checkpoint's full state (module docstring); `merge=False` keeps a LoRA run's adapters as they are."""
+def load_full_state(path: str | Path, *, merge: bool = True, base: bool = True) -> FullState:
+    """The checkpoint's full state (module docstring); `merge=False` keeps a LoRA run's adapters as they are, and
+    `base=False` leaves the base out of an adapters-only checkpoint (`export-hf --adapter` needs none)."""
     path = resolve_checkpoint(path)
     progress = json.loads((path / "progress.json").read_text())
     if (path / ckpt.DIST_DIR).is_dir():
         try:
-            record = ckpt.read_meta(path).get("model")
+            meta = ckpt.read_meta(path)
+            record = meta.get("model")
             state = convert.canonical_names(ckpt.model_tensors(path))  # verifies the checkpoint first
         except ckpt.CheckpointError as exc:
             raise ValueError(str(exc)) from None
         if not isinstance(record, dict):
             raise ValueError(f"checkpoint {path}: meta.json has no model spec; cannot tell its architecture")
         arch = _architecture(path, "meta.json", record)
+        marker = f".{ADAPTER}."
+        if base and state and all(marker in k for k in state):  # adapters only: the base from its reference
+            ref = meta.get("base")
+            if not isinstance(ref, dict):
+                raise ValueError(f"checkpoint {path} holds LoRA adapters only and meta.json names no base")
+            state = {**base_state(ref, arch, str(path)), **state}
         if merge:  # a LoRA run's adapters (spec.trainer.lora) merged into the base
             state = merge_full_state(state, arch)
     else:
