@@ -78,15 +78,17 @@ def live_layout() -> dict:
 
 def gather_live_state(module: torch.nn.Module, arch: Architecture, *, tp_group=None, tp_size: int = 1,
                       tp_rank: int = 0, pp_group=None, pp_size: int = 1, pp_rank: int = 0, ep_group=None,
-                      ep_size: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor] | None:
+                      ep_size: int = 1, ep_rank: int = 0, merge: bool = True) -> dict[str, torch.Tensor] | None:
     """The full canonical Megatron state dict of a live model, on TP rank 0 / EP rank 0 of pipeline stage 0, None on
     the other ranks. Every rank of the tensor × expert × pipeline group must call it: within each stage an
     all-gather per tensor-parallel tensor (or, for a mixture of experts, which runs at TP 1, per expert tensor) in name
     order; then the first rank of every later stage sends its part to stage 0 (`pp_group`: the stages of this rank's
     position). Experts: each EP rank holds `local_experts` 0 … E/R − 1; gathered, they get their global numbers
     (`convert.ep_global_name`); stages are joined under the whole model's layer numbers (`modeling.pipeline.to_whole`).
-    The tensors are detached copies on the model's device (CPU copies are the caller's choice)."""
-    state = convert.canonical_names({k: v for k, v in live_state_dict(module).items() if isinstance(v, torch.Tensor)})
+    The tensors are detached copies on the model's device (CPU copies are the caller's choice). `merge=False`: a LoRA
+    model's frozen base, its adapters left out (`lora.live_state_dict`)."""
+    state = convert.canonical_names({k: v for k, v in live_state_dict(module, merge=merge).items()
+                                     if isinstance(v, torch.Tensor)})
     if ep_size > 1:  # the experts: all-gathered, renamed to their global numbers
         stage = _gather(state, ep_group, ep_size, ep_rank, lambda n: convert.ep_layout(n) is not None,
                         lambda n, parts: {convert.ep_global_name(n, arch, r, ep_size): p for r, p in enumerate(parts)})
