@@ -3,9 +3,9 @@
 directory (`publish.AdapterPublisher`), loaded with `/v1/load_lora_adapter` and named by the requests.
 
   run        `trainingrun run` with `trainer.lora` (rank 4), real Megatron trainer, fp32 engine, maxPolicyLag 0, two
-             rollouts: every version a rollout asked for loads as an adapter (the server's log names each), the older
-             one is unloaded, the engine's label names the last one, logprob_abs_diff ≤ 1e-3 (fp32, as for full weights) and
-             every sync moves ≤ 5 % of the model's bytes; the last version's directory is a PEFT adapter that
+             rollouts: every version a rollout asked for loads as an adapter (the server's log names each), the
+             older one is unloaded, the engine's label names the last one, logprob_abs_diff ≤ 1e-3 (fp32, as for
+             full weights) and every sync moves ≤ 5 % of the model's bytes; the last version's directory is a PEFT adapter that
              `peft.PeftModel` loads onto the base and that scores like vLLM serving it, and its tensors equal the
              trainer's adapters (the run's final checkpoint, `export-hf --adapter`) exactly
   refused    an adapter directory whose file changed after it was published is refused by its digest before vLLM
@@ -127,8 +127,9 @@ def test_lora_rl_run_loads_every_version_as_an_adapter(lora_server, tiny_llama_d
     assert gap <= FP32_TOL
     assert max(abs(a - b) for a, b in zip(served, base)) > 10 * FP32_TOL  # the adapter is applied
     export = tmp_path / "export"
-    proc = subprocess.run([sys.executable, "-m", "trainingrun", "export-hf", str(latest_checkpoint(out / "checkpoints")),
-                           "--out", str(export), "--adapter"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    ckpt = latest_checkpoint(out / "checkpoints")
+    proc = subprocess.run([sys.executable, "-m", "trainingrun", "export-hf", str(ckpt), "--out", str(export),
+                           "--adapter"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     mine, theirs = load_file(str(published / "adapter_model.safetensors")), load_file(
         str(export / "adapter_model.safetensors"))

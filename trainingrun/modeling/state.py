@@ -7,8 +7,9 @@
   experts gathered over the expert-parallel group, pipeline stages joined — on the first rank of one whole copy of
   the model: what every publisher sends (the store publisher as arrays, the vLLM disk/broadcast publishers converted
   to Hugging Face names). With LoRA adapters they are merged into their layers' weights first
-  (`modeling.lora.live_state_dict`): the publishers send the whole merged model. The ranks taking part are the TP × EP × PP ranks of (expert-)data-parallel replica 0;
-  `live_layout` says where this rank sits.
+  (`modeling.lora.live_state_dict`); `merge=False` gives the frozen base alone (a LoRA run's store publisher sends
+  it once, then adapters only). The ranks taking part are the TP × EP × PP ranks of (expert-)data-parallel replica
+  0; `live_layout` says where this rank sits.
 """
 
 from __future__ import annotations

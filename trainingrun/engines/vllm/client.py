@@ -147,8 +147,8 @@ class VLLMClient:
     def prompt_logprobs(self, token_ids: list[int], *, timeout: float | None = None,
                         model: str | None = None) -> list[float]:
         """log p(token i | tokens < i) for i >= 1 under the engine's current weights, or LoRA adapter `model`."""
-        body = {"model": model or self.model, "prompt": [int(t) for t in token_ids], "max_tokens": 1, "temperature": 0.0,
-                "prompt_logprobs": 0, "return_token_ids": True}
+        body = {"model": model or self.model, "prompt": [int(t) for t in token_ids], "max_tokens": 1,
+                "temperature": 0.0, "prompt_logprobs": 0, "return_token_ids": True}
         out = self._request("POST", "/v1/completions", body, timeout=timeout)
         entries = out["choices"][0]["prompt_logprobs"]
         result = []

@@ -4,8 +4,8 @@ What depends on vLLM is the replica adapter, `VLLMReplica`: a request is one `/v
 (`client.py`), an abort is `/pause?mode=abort` then `/resume`, the weight label is the server's `/weight_info`, the
 load signals are its Prometheus `/metrics` (METRICS), and a weight version loads by disk (an HF directory),
 broadcast (from trainer rank 0) or, in a LoRA run, as a LoRA adapter (a PEFT directory) through `sync.py`; then the
-replica's requests name that version's adapter (`served`) and it unloads those older than the version's `keep`. Everything else —
-dispatch, the ledger, stalls, recovery, abort, the version barrier, the load fan-out — is the pool's.
+replica's requests name that version's adapter (`served`) and it unloads those older than the version's `keep`.
+Everything else — dispatch, the ledger, stalls, recovery, abort, the version barrier, the load fan-out — is the pool's.
 
 `build(spec, store, arch)` is the entry of the engine table (`trainingrun.engines.table`): the servers at
 `engine.url`, else the run's own (their URLs in $TRAININGRUN_ENGINE_URL, set by the launcher or the operator; with
