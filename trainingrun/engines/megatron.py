@@ -50,7 +50,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainingrun.api.checks import lora_settings
 from trainingrun.contract.engine import ABORTED, Completion, GroupRequest, OnGroup, Sampling, empty_cut
 from trainingrun.contract.errors import ConfigError
 from trainingrun.modeling.architecture import Architecture
@@ -391,4 +390,4 @@ def build(spec, store, arch: Architecture) -> MegatronEngine:
     e = spec.rollout.engine
     return MegatronEngine(arch, fetch=store.read_weights, max_batch=e.max_batch, seed=spec.seed,
                           record_routing=spec.trainer.moe.routing_replay and arch.moe is not None,
-                          lora=None if spec.trainer.lora is None else lora_settings(spec.trainer.lora))
+                          lora=None if spec.trainer.lora is None else LoRASettings.from_spec(spec.trainer.lora))
