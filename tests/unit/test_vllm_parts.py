@@ -139,8 +139,8 @@ def test_worker_extension_imports_with_torch_alone(tmp_path: Path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0] == str(tmp_path / "trainingrun" / "engines" / "vllm" / "worker_ext.py")
-    assert ("trainingrun.engines.vllm.worker_ext ['trainingrun_check_dir', 'trainingrun_load_dir', "
-            "'trainingrun_receive_weights']") in out.stdout
+    assert ("trainingrun.engines.vllm.worker_ext ['trainingrun_check_dir', 'trainingrun_check_files', "
+            "'trainingrun_load_dir', 'trainingrun_receive_weights']") in out.stdout
 
 
 # ------------------------------------------------------------------------------------- live state gather (TP 2)
