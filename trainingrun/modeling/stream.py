@@ -32,16 +32,25 @@ from trainingrun.modeling.state import _recv_tensors, _send_tensors
 from trainingrun.modeling.sync_plan import plan_buckets
 
 
+def _local_state(module: torch.nn.Module, adapters: bool) -> tuple[dict[str, torch.Tensor], dict[str, int | None]]:
+    """(this rank's canonical state — the merged weights, or with `adapters` the adapters alone —, each adapter's
+    tensor-parallel split dimension: `lora.adapter_state`; empty for the weights)."""
+    if not adapters:
+        live = live_state_dict(module)
+        return convert.canonical_names({k: v for k, v in live.items() if isinstance(v, torch.Tensor)}), {}
+    local = adapter_state(module)
+    return (convert.canonical_names({k: v for k, (v, _) in local.items()}),
+            {convert.canonical_name(k): d for k, (_, d) in local.items()})
+
+
 def iter_live_buckets(module: torch.nn.Module, arch: Architecture, limit: int, *, tp_group=None, tp_size: int = 1,
                       tp_rank: int = 0, pp_group=None, pp_size: int = 1, pp_rank: int = 0, ep_group=None,
                       ep_size: int = 1, ep_rank: int = 0, adapters: bool = False,
                       **_ignored) -> Iterator[dict[str, torch.Tensor]]:
     """Buckets of at most `limit` bytes of the full canonical state (see the module docstring); with `adapters`,
     of the LoRA adapters alone (`lora.adapter_state`), unmerged."""
+    state, dims = _local_state(module, adapters)
     if adapters:  # experts have no adapters: every adapter is replicated over EP, split (or not) over TP
-        local = adapter_state(module)
-        state = convert.canonical_names({k: v for k, (v, _) in local.items()})
-        dims = {convert.canonical_name(k): d for k, (_, d) in local.items()}
         group, size, rank = tp_group, tp_size, tp_rank
         split = {n: tp_size > 1 and dims[n] is not None for n in state}
 
