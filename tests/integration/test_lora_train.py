@@ -211,17 +211,19 @@ def test_lora_resume_is_exact(tmp_path: Path) -> None:
 
 
 @pytest.mark.megatron
-def test_lora_rl_run_syncs_the_merged_model_to_the_engine(tmp_path: Path) -> None:
-    """examples/rl.yaml (ppo, TP 2, the in-process megatron engine, store weight sync, lag 0) with lora, 5 rollouts:
-    every step's engine log-probabilities equal the trainer's (logprob_abs_diff ≤ 1e-5): the publisher sends the
-    merged model (base + adapters) each version — the base alone would differ from the second step on. The same
-    run at TP 1 (2 data-parallel ranks) gives the same global batches and losses (≤ 1e-5 relative)."""
+def test_lora_rl_run_syncs_adapters_to_the_engine(tmp_path: Path) -> None:
+    """examples/rl.yaml (ppo, TP 2, the in-process megatron engine, store weight sync, lag 0) with lora (rank 2),
+    4 rollouts: the engine applies the trainer's adapters on the base it got once (`store_sync.py`): every step's
+    engine log-probabilities equal the trainer's (logprob_abs_diff ≤ 1e-5; the base alone would differ from the
+    second step on), the first sync carries the base and the adapters, every later one the adapters alone, ≤ 5 % of
+    the model's bytes. The same run at TP 1 (2 data-parallel ranks) gives the same global batches and losses (≤ 1e-5
+    relative)."""
     import yaml
 
     doc = yaml.safe_load((ROOT / "examples/rl.yaml").read_text())
-    doc["spec"]["trainer"]["lora"] = {"rank": 8}
+    doc["spec"]["trainer"]["lora"] = {"rank": 2}
     doc["spec"]["trainer"]["checkpoint"]["interval"] = 0
-    doc["spec"]["rollout"]["numRollouts"] = 5
+    doc["spec"]["rollout"]["numRollouts"] = 4
     doc["spec"]["metrics"] = {"enabled": False}
     runs = {}
     for tp in (2, 1):  # 2 ranks: data-parallel 1, then 2
@@ -233,12 +235,17 @@ def test_lora_rl_run_syncs_the_merged_model_to_the_engine(tmp_path: Path) -> Non
         assert code == 0, log[-4000:]
         runs[tp] = records(out)
     rec = runs[2]
-    assert len(rec) == 5 and all(r["policy_lag"] == 0 for r in rec)
+    assert len(rec) == 4 and all(r["policy_lag"] == 0 for r in rec)
     diffs = [r["logprob_abs_diff"] for r in rec]
-    print(f"LoRA RL: logprob_abs_diff per step {diffs}, losses DP 1 {[r['loss'] for r in rec]}, DP 2 "
+    synced = [r["weight_sync_bytes"] for r in rec]
+    adapters = synced[1]
+    model = synced[0] - adapters  # the first sync: the frozen base (the model's weights) and the adapters
+    print(f"LoRA RL (in-process engine): logprob_abs_diff per step {diffs}, bytes per sync {synced} "
+          f"(adapters {adapters / model:.2%} of the model's {model}), losses DP 1 {[r['loss'] for r in rec]}, DP 2 "
           f"{[r['loss'] for r in runs[1]]}")
     assert max(diffs) <= 1e-5, diffs
-    assert len({r["weight_version"] for r in rec}) == 5
+    assert len({r["weight_version"] for r in rec}) == 4
+    assert all(b == adapters for b in synced[1:]) and 0 < adapters <= 0.05 * model, synced
     # the RL loss with LoRA is data-parallel invariant: 2 data-parallel ranks train DP 1's steps
     for a, b in zip(runs[1], rec, strict=True):
         assert a["global_batch_size"] == b["global_batch_size"]

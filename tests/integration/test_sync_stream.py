@@ -2,8 +2,8 @@
 `gather_live_state` gives, at TP 2, at PP 2 and at EP 2 (a mixture of experts), with buckets small enough that most hold one or a few tensors (and
 every bucket within the bound unless it is a single larger tensor); and the two vLLM publishers that stream them
 (issue 28 items 1 and 4): the disk publisher's directory (one safetensors file per bucket, and the index) and the
-broadcast publisher's snapshot hold exactly the engine-dtype HF tensors of the whole gather. Megatron runs in
-subprocesses (this file as a script)."""
+broadcast publisher's snapshot hold exactly the engine-dtype HF tensors of the whole gather; and the LoRA sync's
+adapter publisher (issue 29 item 5) at TP 2 and PP 2. Megatron runs in subprocesses (this file as a script)."""
 
 from __future__ import annotations
 
@@ -66,6 +66,124 @@ def test_streamed_buckets_equal_the_whole_gather(tmp_path, tp, pp, ep):
         assert torch.equal(sent[name], t), name
 
 
+LORA_RANK = 4
+
+
+def _lora_whole(name: str, shape: tuple[int, int], seed: int = 11):
+    """The whole adapter tensor `name` of the LoRA tests: A as `apply_lora` draws it, B seeded by its name."""
+    import torch
+
+    from trainingrun.modeling.initialise import tensor_seed
+    from trainingrun.modeling.lora import _draw_a
+
+    if name.endswith("_A"):
+        return _draw_a(name, shape, seed)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(tensor_seed(seed, name))) * 0.1
+
+
+def _lora_expected(arch) -> dict:
+    """{PEFT name: whole tensor} of every adapter of `arch` (the default four targets)."""
+    from trainingrun.modeling.lora import ADAPTER, peft_name
+    from trainingrun.modeling.lora_targets import DEFAULT_TARGETS, LAYERS, parts
+
+    out = {}
+    for layer in range(arch.num_layers):
+        for target in DEFAULT_TARGETS:
+            for part, n_in, n_out in parts(target, arch):
+                pre = f"decoder.layers.{layer}.{LAYERS[target][0]}.{ADAPTER}.{part}"
+                for name, shape in ((f"{pre}_A", (LORA_RANK, n_in)), (f"{pre}_B", (n_out, LORA_RANK))):
+                    out[peft_name(name)] = _lora_whole(name, shape)
+    return out
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_adapter_publisher_writes_the_whole_adapters_as_a_peft_directory(tmp_path, tp, pp):
+    """The LoRA sync's publisher (`AdapterPublisher`, issue 29 item 5) at TP 2 and PP 2: the streamed gather with
+    `adapters=True` joins each adapter's shards (B of column-, A of row-parallel layers) and stages; the directory
+    holds exactly the whole adapters (in the engine's dtype, under PEFT's names), a PEFT config of their rank and
+    alpha, and the meta its bytes and digests, and `peft.PeftModel` loads it onto the base."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    rank_group([sys.executable, __file__, str(tmp_path), str(tp), str(pp), "1", "lora"], tp * pp, timeout=300,
+               what=f"lora tp{tp}pp{pp}")
+    from trainingrun.modeling.architecture import Architecture
+
+    want = _lora_expected(Architecture.from_dict(ARCH))
+    (directory,) = (tmp_path / "weights").glob("v*")
+    got = load_file(str(directory / "adapter_model.safetensors"))
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], t.to(torch.bfloat16)), name
+    config = json.loads((directory / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", LORA_RANK, 2.0 * LORA_RANK)
+    assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+                                                "v_proj"]
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    size = (directory / "adapter_model.safetensors").stat().st_size
+    assert meta["method"] == "lora" and meta["bytes"] == size and meta["adapter_name"] == "trainingrun-v0"
+    assert meta["files"]["adapter_model.safetensors"][0] == size
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from trainingrun.modeling.hf_config import hf_config_for
+
+    cfg = transformers.LlamaConfig(**hf_config_for(Architecture.from_dict(ARCH), dtype="float32"))
+    model = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM(cfg), directory)
+    loaded = model.get_parameter("base_model.model.model.layers.1.self_attn.v_proj.lora_B.default.weight")
+    assert torch.equal(loaded, want["base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"]
+                       .to(torch.bfloat16).float())
+
+
+def _lora_worker(tmp: str, tp: int, pp: int) -> None:
+    from trainingrun.modeling.model import init_distributed, prepare_device
+
+    device = prepare_device(0)
+    init_distributed(device, tp=tp, pp=pp)
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from trainingrun.engines.vllm.publish import AdapterPublisher
+    from trainingrun.modeling.architecture import Architecture
+    from trainingrun.modeling.convert import canonical_name
+    from trainingrun.modeling.lora import LoRAAdapter, apply_lora
+    from trainingrun.modeling.lora_targets import LoRASettings
+    from trainingrun.modeling.model import build_model, set_seed
+    from trainingrun.modeling.pipeline import whole_name
+    from trainingrun.modeling.state import live_layout
+    from trainingrun.store import open_store
+
+    arch = Architecture.from_dict(ARCH)
+    set_seed(7)
+    model = build_model(arch, device)
+    tp_at = (ps.get_tensor_model_parallel_rank(), tp)
+    pp_at = (ps.get_pipeline_model_parallel_rank(), pp)
+    apply_lora(model, arch, LoRASettings(rank=LORA_RANK, alpha=2.0 * LORA_RANK), seed=11, tp=tp_at, pp=pp_at)
+    with torch.no_grad():  # B seeded by its whole name (apply_lora leaves it 0), this rank's shard
+        for local, m in model.named_modules():
+            if not isinstance(m, LoRAAdapter):
+                continue
+            for part in m.part_names:
+                b = getattr(m, f"{part}_B")
+                name = whole_name(canonical_name(f"{local}.{part}_B"), arch, *pp_at)
+                size = tp if m.kind == "column" else 1
+                whole = _lora_whole(name, (b.shape[0] * size, b.shape[1]))
+                b.copy_(torch.chunk(whole, size, dim=0)[tp_at[0]] if size > 1 else whole)
+    store = open_store(f"file://{tmp}/store")
+    pub = AdapterPublisher(store, root=Path(tmp) / "weights", base=None, rank=dist.get_rank(), arch=arch,
+                           dtype="bfloat16", max_policy_lag=0, **live_layout())
+    pub.bucket_bytes = LIMIT  # several buckets
+    pub.publish(0, model)
+    if dist.get_rank() == 0:
+        assert pub.last_bytes > 0
+        (Path(tmp) / "meta.json").write_text(json.dumps(store.read_weights(0)[1]))
+    dist.barrier()
+
+
 def _worker(tmp: str, tp: int, pp: int, ep: int) -> None:
     from trainingrun.modeling.model import init_distributed, prepare_device
 
@@ -117,4 +235,7 @@ def _worker(tmp: str, tp: int, pp: int, ep: int) -> None:
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    if sys.argv[5:] == ["lora"]:
+        _lora_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))

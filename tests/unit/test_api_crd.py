@@ -336,6 +336,22 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
         {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64},
          "rollout": {"source": {"type": "generate", "generate": {}}}, "weightSync": {"type": "disk"}},
     ),
+    ("", "lora-sync-not-broadcast"): (
+        {"model": {"hf": "/models/smollm2"}, "trainer": {"maxTokensPerGPU": 64, "lora": {"rank": 8}},
+         "rollout": {"source": {"type": "generate", "generate": {}}, "engine": {"type": "vllm"}},
+         "weightSync": {"type": "disk"}},
+        {"model": {"hf": "/models/smollm2"}, "trainer": {"maxTokensPerGPU": 64, "lora": {"rank": 8}},
+         "rollout": {"source": {"type": "generate", "generate": {}}, "engine": {"type": "vllm"}},
+         "weightSync": {"type": "broadcast"}},
+    ),
+    ("", "lora-rank-fits-vllm"): (
+        {"model": {"hf": "/models/smollm2"}, "trainer": {"maxTokensPerGPU": 64, "lora": {"rank": 512}},
+         "rollout": {"source": {"type": "generate", "generate": {}}, "engine": {"type": "vllm"}},
+         "weightSync": {"type": "disk"}},
+        {"model": {"hf": "/models/smollm2"}, "trainer": {"maxTokensPerGPU": 64, "lora": {"rank": 1024}},
+         "rollout": {"source": {"type": "generate", "generate": {}}, "engine": {"type": "vllm"}},
+         "weightSync": {"type": "disk"}},
+    ),
     ("", "routing-replay-needs-megatron-engine"): (
         {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64, "moe": {"routingReplay": True}},
          "rollout": {"source": {"type": "generate", "generate": {}}}},

@@ -92,6 +92,31 @@ def test_server_command_and_environment():
     assert env["PYTHONPATH"] == "/ext:/other"
 
 
+def _lora_spec(rank: int | None, lag: int = 0, engine: str = "vllm"):
+    from trainingrun.api.models import TrainingRunSpec
+
+    return TrainingRunSpec.model_validate({
+        "model": {"hf": "/models/m"}, "trainer": {"maxTokensPerGPU": 64, **({"lora": {"rank": rank}} if rank else {})},
+        "rollout": {"source": {"type": "generate", "generate": {}}, "engine": {"type": engine}, "maxPolicyLag": lag},
+        "weightSync": {"type": "disk" if engine == "vllm" else "store"}})
+
+
+def test_lora_server_flags_hold_the_rank_and_the_versions_kept():
+    from trainingrun.engines.vllm.server import lora_args
+
+    assert lora_args(_lora_spec(None)) == []
+    assert lora_args(_lora_spec(4)) == ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
+                                        "--max-cpu-loras", "2"]
+    assert lora_args(_lora_spec(16, lag=2))[1:5] == ["--max-lora-rank", "16", "--max-loras", "4"]
+    assert lora_args(_lora_spec(300))[2] == "320"
+    with pytest.raises(ValueError, match=r"^trainer\.lora\.rank: 600 is above"):  # megatron's spec allows it
+        lora_args(_lora_spec(600, engine="megatron"))
+    with pytest.raises(Exception, match="lora-rank|vLLM serves LoRA adapters of rank"):
+        _lora_spec(600)
+    env = server_env(None, base={})
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+
+
 def test_worker_extension_imports_with_torch_alone(tmp_path: Path):
     """The extension runs in vLLM's environment, which lacks trainingrun's dependencies: its files must import with
     the standard library and torch only (pydantic, numpy, yaml blocked here)."""
@@ -114,8 +139,8 @@ def test_worker_extension_imports_with_torch_alone(tmp_path: Path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0] == str(tmp_path / "trainingrun" / "engines" / "vllm" / "worker_ext.py")
-    assert ("trainingrun.engines.vllm.worker_ext ['trainingrun_check_dir', 'trainingrun_load_dir', "
-            "'trainingrun_receive_weights']") in out.stdout
+    assert ("trainingrun.engines.vllm.worker_ext ['trainingrun_check_dir', 'trainingrun_check_files', "
+            "'trainingrun_load_dir', 'trainingrun_receive_weights']") in out.stdout
 
 
 # ------------------------------------------------------------------------------------- live state gather (TP 2)

@@ -357,7 +357,7 @@ def lora_problems(run_spec: Any, arch: Any) -> list[Problem]:
 
 def lora_settings(lora: Any) -> LoRASettings:
     """`spec.trainer.lora` (api.spec.trainer.LoRASpec) as `modeling.lora_targets.LoRASettings`."""
-    return LoRASettings(rank=lora.rank, alpha=lora.resolved_alpha, dropout=lora.dropout, targets=tuple(lora.targets))
+    return LoRASettings.from_spec(lora)
 
 
 def engine_problems(spec: Any, arch: Any) -> list[Problem]:

@@ -118,6 +118,22 @@ class TrainingRunSpec(ApiModel):
             "targets as the adapter's), or remove model.adapter",
             fieldPath=".model.adapter",
         ),
+        # A LoRA run's weight sync sends the adapters only (`engines/vllm/publish.py`, AdapterPublisher): to the
+        # vllm engine as a PEFT directory per version (disk), which vLLM serves as a LoRA adapter.
+        Rule(
+            name="lora-sync-not-broadcast",
+            rule=f"!has(self.trainer.lora) || !({_GENERATED}) || {_SYNC} != 'broadcast'",
+            message="weightSync.type broadcast with trainer.lora: a LoRA run syncs its adapters only, as a PEFT "
+            "directory vLLM loads as a LoRA adapter; set weightSync.type disk",
+            fieldPath=".weightSync.type",
+        ),
+        Rule(
+            name="lora-rank-fits-vllm",
+            rule=f"!has(self.trainer.lora) || !({_GENERATED}) || !({_VLLM}) || self.trainer.lora.rank <= 512",
+            message="trainer.lora.rank above 512 with rollout.engine.type vllm: vLLM serves LoRA adapters of rank "
+            "≤ 512 (--max-lora-rank); allowed: a rank ≤ 512, or rollout.engine.type megatron",
+            fieldPath=".trainer.lora.rank",
+        ),
         Rule(
             name="bf16-grad-reduce-needs-bf16",
             rule="!has(self.trainer.performance) || !has(self.trainer.performance.gradReduceDtype)"
@@ -288,6 +304,10 @@ class TrainingRunSpec(ApiModel):
             raise ValueError(self.cel_rule("greedy-groups-never-vary").message)
         if self.model.adapter is not None and self.trainer.lora is None:
             raise ValueError(self.cel_rule("adapter-needs-lora").message)
+        if self.trainer.lora is not None and generated and sync == "broadcast":
+            raise ValueError(self.cel_rule("lora-sync-not-broadcast").message)
+        if self.trainer.lora is not None and generated and vllm and self.trainer.lora.rank > 512:
+            raise ValueError(self.cel_rule("lora-rank-fits-vllm").message)
         if self.trainer.performance.grad_reduce_dtype == "bf16" and self.model.precision != "bf16":
             raise ValueError(self.cel_rule("bf16-grad-reduce-needs-bf16").message)
         if generated and self.weight_sync.type == "store" and self.trainer.pipeline_parallel_size > 1:

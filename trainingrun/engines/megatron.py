@@ -23,7 +23,10 @@ Weights: `load_weights(version)` reads the version's tensors through the store (
 trainers' `StoreWeightPublisher`, `store_sync.py`: the full, tensor-parallel-gathered canonical state of
 `modeling.state`), and loads them with `modeling.model.load_canonical_state` after every tensor was decoded and
 checked against the model's names and shapes: a failed read leaves the previous version in place (never
-half-applied). The trainers may run at any tensor-parallel size; the engine is one rank.
+half-applied). The trainers may run at any tensor-parallel size; the engine is one rank. A LoRA run
+(`trainer.lora`): the engine's model gets the trainers' adapters (`modeling.lora.apply_lora`) and applies them in its
+forward, unmerged, as the trainers do; the first version brings the frozen base and the adapters, every later one the
+adapters alone (`store_sync.py`).
 
 Device and attention: the first visible GPU, else the CPU (`engine_device`); the attention backend is the
 trainers' rule for this device (`modeling.model.attention_choice` with `generation=True`: te in TE's layer spec, else
@@ -50,6 +53,7 @@ import torch.distributed as dist
 from trainingrun.contract.engine import ABORTED, Completion, GroupRequest, OnGroup, Sampling, empty_cut
 from trainingrun.contract.errors import ConfigError
 from trainingrun.modeling.architecture import Architecture
+from trainingrun.modeling.lora_targets import LoRASettings
 from trainingrun.modeling.model import (ModelOptions, attention_choice, build_model, load_canonical_state,
                                        prepare_device, set_seed)
 from trainingrun.modeling.moe import RoutingHooks
@@ -93,7 +97,8 @@ class MegatronEngine:
     name = "megatron"
 
     def __init__(self, arch: Architecture, *, fetch: Callable[[int], tuple[dict[str, np.ndarray], dict]],
-                 max_batch: int = 256, seed: int = 0, reuse_cache: bool = True, record_routing: bool = False):
+                 max_batch: int = 256, seed: int = 0, reuse_cache: bool = True, record_routing: bool = False,
+                 lora: LoRASettings | None = None):
         self.device = engine_device()
         _init_single_process()
         set_seed(seed)
@@ -105,6 +110,11 @@ class MegatronEngine:
               file=sys.stderr, flush=True)
         # weights: version 0 from the trainers
         self.model = build_model(arch, self.device, load_weights=False, options=ModelOptions(attention=self.attention))
+        if lora is not None:  # the trainers' adapters on the frozen base (their values come with the weights)
+            from trainingrun.modeling.lora import apply_lora  # deferred: megatron after prepare_device
+
+            apply_lora(self.model, arch, lora, seed=seed)
+        self.lora = lora
         self.model.eval()
         self.routing = RoutingHooks.install(self.model, arch) if record_routing else None
         self.arch = arch
@@ -127,13 +137,35 @@ class MegatronEngine:
         arrays, meta = self.fetch(version)
         state = arrays_state_dict(arrays, meta.get("dtypes", {}))
         try:  # names and shapes are checked before anything is copied
-            load_canonical_state(self.model, state)
+            if self.lora is None:
+                load_canonical_state(self.model, state)
+            else:
+                self._load_lora(state, meta.get("lora"))
         except ValueError as exc:
             raise ValueError(f"weight version {version} does not match the model: {exc}") from None
         self._cache = None  # its keys and values were computed with the old weights
         self._version = version
         self.stats["load_seconds"] += time.perf_counter() - t0
         self.stats["loaded_bytes"] += sum(a.nbytes for a in arrays.values())
+
+    def _load_lora(self, state: dict[str, torch.Tensor], mode: str | None) -> None:
+        """A LoRA run's version (`store_sync.py`): the base and the adapters ("base+adapters") or the adapters alone
+        ("adapters", onto the base loaded before); ValueError before anything is copied when it does not fit."""
+        own = {k: v for k, v in self.model.state_dict().items() if not k.endswith(("_extra_state", ".scale_"))}
+        if mode == "base+adapters":
+            need = set(own)
+        elif mode == "adapters" and self._version >= 0:
+            need = {k for k in own if ".adapter." in k}
+        else:
+            raise ValueError(f"trainer.lora: the engine needs the base and adapters first, got {mode or 'a full model'}"
+                             " (a trainer without trainer.lora, or a rollout restarted alone)")
+        missing, unexpected = sorted(need - set(state)), sorted(set(state) - need)
+        bad = [k for k in need & set(state) if tuple(state[k].shape) != tuple(own[k].shape)]
+        if missing or unexpected or bad:
+            raise ValueError(f"missing {missing[:6]}, unexpected {unexpected[:6]}, misshapen {bad[:6]}")
+        with torch.no_grad():
+            for key, value in state.items():
+                own[key].copy_(value.to(device=own[key].device, dtype=own[key].dtype))
 
     def drop_cache(self) -> None:
         """Forget the keys and values kept for continuing the last call (the rollout's evaluation calls it, so that
@@ -357,4 +389,5 @@ def build(spec, store, arch: Architecture) -> MegatronEngine:
     read from the store (`store_sync.py` publishes them)."""
     e = spec.rollout.engine
     return MegatronEngine(arch, fetch=store.read_weights, max_batch=e.max_batch, seed=spec.seed,
-                          record_routing=spec.trainer.moe.routing_replay and arch.moe is not None)
+                          record_routing=spec.trainer.moe.routing_replay and arch.moe is not None,
+                          lora=None if spec.trainer.lora is None else LoRASettings.from_spec(spec.trainer.lora))

@@ -29,12 +29,14 @@ kaiming-uniform), and this rank keeps its shard. Adapters are created in the mod
 mixed-precision optimizer keeps their fp32 master copies, as for any trained parameter.
 
 `live_state_dict(module)`: the module's state dict with every adapter merged into its layer's weight
-(W + (alpha/r)·B·A, this rank's shard, computed in fp32) and the adapters left out — what the weight publishers send
-and the canonical model (the engines) holds. Of a checkpoint's full state, `merge_full_state` does the same
-(`trainingrun export-hf`, `score`; each adapter keeps its scale as the buffer `scale_`), `peft_adapter` gives a PEFT
-adapter directory's tensors and config (`export-hf --adapter`), and `load_peft_adapter` starts a run's adapters from
-one (`spec.model.adapter`). Experts get no adapters yet (refused by `lora_targets.check_lora`); the TransformerEngine
-layer spec is refused (its `linear_qkv` fuses the input norm, so the adapter would see the un-normed input).
+(W + (alpha/r)·B·A, this rank's shard, computed in fp32) and the adapters left out — what the full-weight publishers
+send; `adapter_state(module)`: the adapters alone with their tensor-parallel split axes — what the adapters-only
+weight sync gathers (`modeling.stream`), named as PEFT names them by `peft_name` and `peft_config`. Of a checkpoint's
+full state, `merge_full_state` merges likewise (`trainingrun export-hf`, `score`; each adapter keeps its scale as
+the buffer `scale_`), `peft_adapter` gives a PEFT adapter directory's tensors and config (`export-hf --adapter`),
+and `load_peft_adapter` starts a run's adapters from one (`spec.model.adapter`). Experts get no adapters yet
+(refused by `lora_targets.check_lora`); the TransformerEngine layer spec is refused (its `linear_qkv` fuses the input
+norm, so the adapter would see the un-normed input).
 """
 
 from __future__ import annotations
@@ -201,15 +203,17 @@ def apply_lora(model, arch: Architecture, lora: LoRASettings, *, seed: int, tp: 
     return adapted
 
 
-def live_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def live_state_dict(module: torch.nn.Module, *, merge: bool = True) -> dict[str, torch.Tensor]:
     """`module.state_dict()` with every adapter merged into its layer's weight and left out (module docstring); the
-    plain state dict of a module without adapters."""
+    plain state dict of a module without adapters. `merge=False`: the frozen base alone (adapters left out)."""
     state = module.state_dict()
     adapters = {name: m for name, m in module.named_modules() if isinstance(m, LoRAAdapter)}
     if not adapters:
         return state
     prefixes = tuple(f"{name}." for name in adapters)
     out = {k: v for k, v in state.items() if not k.startswith(prefixes)}
+    if not merge:
+        return out
     with torch.no_grad():
         for name, adapter in adapters.items():
             key = name.removesuffix(f".{ADAPTER}") + ".weight"
@@ -241,9 +245,39 @@ def merge_full_state(state: dict[str, torch.Tensor], arch: Architecture) -> dict
     return out
 
 
+def adapter_state(module: torch.nn.Module) -> dict[str, tuple[torch.Tensor, int | None]]:
+    """This rank's adapter tensors (local names, `scale_` left out), each with the dimension it is split along over
+    the tensor-parallel ranks (B of a column-, A of a row-parallel layer), None when replicated: what the adapters-only
+    weight sync gathers (`modeling.stream.iter_live_buckets(adapters=True)`)."""
+    out: dict[str, tuple[torch.Tensor, int | None]] = {}
+    for name, m in module.named_modules():
+        if not isinstance(m, LoRAAdapter):
+            continue
+        split = set(m.split_params()) if m.tp_size > 1 else set()
+        for pname, param in m.named_parameters(recurse=False):
+            out[f"{name}.{pname}"] = (param.detach(), (0 if m.kind == "column" else 1) if pname in split else None)
+    return out
+
+
 # our part -> the Hugging Face module it adapts, under model.layers.<i>
 HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
               "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+
+
+def peft_name(key: str) -> str:
+    """The PEFT tensor name (`adapter_model.safetensors`) of a canonical adapter tensor
+    `decoder.layers.<i>.<layer>.adapter.<part>_<A|B>` (whole-model layer number)."""
+    layer_path, param = key.split(f".{ADAPTER}.")
+    part, ab = param.rsplit("_", 1)
+    return f"base_model.model.model.layers.{int(layer_path.split('.')[2])}.{HF_MODULES[part]}.lora_{ab}.weight"
+
+
+def peft_config(rank: int, scale: float, modules: list[str], base: str | None) -> dict:
+    """A PEFT `adapter_config.json` for adapters of `rank` scaled by `scale` (= alpha / rank) on `modules`."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": scale * rank,
+            "lora_dropout": 0.0, "target_modules": sorted(modules), "bias": "none", "fan_in_fan_out": False,
+            "inference_mode": True, "use_rslora": False, "init_lora_weights": True,
+            "base_model_name_or_path": base}
 
 
 def peft_adapter(state: dict[str, torch.Tensor], arch: Architecture, *, base: str | None = None
@@ -261,21 +295,16 @@ def peft_adapter(state: dict[str, torch.Tensor], arch: Architecture, *, base: st
     ranks, scales, tensors, modules = set(), set(), {}, set()
     for key in keys:
         layer_path, param = key.split(marker)
-        part, ab = param.rsplit("_", 1)
-        layer = int(layer_path.split(".")[2])
-        module = HF_MODULES[part]
-        modules.add(module.rsplit(".", 1)[1])
-        tensors[f"base_model.model.model.layers.{layer}.{module}.lora_{ab}.weight"] = state[key].contiguous()
+        ab = param.rsplit("_", 1)[1]
+        name = peft_name(key)
+        modules.add(name.split(".")[-3])
+        tensors[name] = state[key].contiguous()
         ranks.add(int(state[key].shape[0 if ab == "A" else 1]))
         scales.add(float(state[f"{layer_path}{marker}scale_"].reshape(-1)[0]))
     if len(ranks) != 1 or len(scales) != 1:
         raise ValueError(f"adapters of several ranks {sorted(ranks)} or scales {sorted(scales)}")
     (rank,), (scale,) = ranks, scales
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": scale * rank,
-              "lora_dropout": 0.0, "target_modules": sorted(modules), "bias": "none", "fan_in_fan_out": False,
-              "inference_mode": True, "use_rslora": False, "init_lora_weights": True,
-              "base_model_name_or_path": base}
-    return tensors, config
+    return tensors, peft_config(rank, scale, sorted(modules), base)
 
 
 def load_peft_adapter(model, arch: Architecture, lora: LoRASettings, path: str, *, tp: tuple[int, int] = (0, 1),
@@ -309,3 +338,11 @@ def load_peft_adapter(model, arch: Architecture, lora: LoRASettings, path: str, 
 def adapter_parameters(module: torch.nn.Module) -> int:
     """How many adapter numbers this rank holds."""
     return sum(p.numel() for m in module.modules() if isinstance(m, LoRAAdapter) for p in m.parameters())
+
+
+def adapter_settings(module: torch.nn.Module) -> tuple[int, float]:
+    """(rank, scale = alpha / rank) of the module's adapters; ValueError when it has none."""
+    for m in module.modules():
+        if isinstance(m, LoRAAdapter):
+            return int(getattr(m, f"{m.part_names[0]}_A").shape[0]), float(m.scale)
+    raise ValueError("trainer.lora: the model holds no LoRA adapters")

@@ -53,6 +53,11 @@ class LoRASettings:
     def scale(self) -> float:
         return self.alpha / self.rank
 
+    @classmethod
+    def from_spec(cls, lora) -> LoRASettings:
+        """Of `spec.trainer.lora` (api.spec.trainer.LoRASpec: rank, resolved_alpha, dropout, targets)."""
+        return cls(rank=lora.rank, alpha=lora.resolved_alpha, dropout=lora.dropout, targets=tuple(lora.targets))
+
 
 def parts(target: str, arch: Architecture) -> tuple[tuple[str, int, int], ...]:
     """The adapter parts of `target` on `arch`: (HF projection name, in features, out features), whole-model sizes,

@@ -7,8 +7,9 @@
   experts gathered over the expert-parallel group, pipeline stages joined — on the first rank of one whole copy of
   the model: what every publisher sends (the store publisher as arrays, the vLLM disk/broadcast publishers converted
   to Hugging Face names). With LoRA adapters they are merged into their layers' weights first
-  (`modeling.lora.live_state_dict`): the publishers send the whole merged model. The ranks taking part are the TP × EP × PP ranks of (expert-)data-parallel replica 0;
-  `live_layout` says where this rank sits.
+  (`modeling.lora.live_state_dict`); `merge=False` gives the frozen base alone (a LoRA run's store publisher sends
+  it once, then adapters only). The ranks taking part are the TP × EP × PP ranks of (expert-)data-parallel replica
+  0; `live_layout` says where this rank sits.
 """
 
 from __future__ import annotations
@@ -78,15 +79,17 @@ def live_layout() -> dict:
 
 def gather_live_state(module: torch.nn.Module, arch: Architecture, *, tp_group=None, tp_size: int = 1,
                       tp_rank: int = 0, pp_group=None, pp_size: int = 1, pp_rank: int = 0, ep_group=None,
-                      ep_size: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor] | None:
+                      ep_size: int = 1, ep_rank: int = 0, merge: bool = True) -> dict[str, torch.Tensor] | None:
     """The full canonical Megatron state dict of a live model, on TP rank 0 / EP rank 0 of pipeline stage 0, None on
     the other ranks. Every rank of the tensor × expert × pipeline group must call it: within each stage an
     all-gather per tensor-parallel tensor (or, for a mixture of experts, which runs at TP 1, per expert tensor) in name
     order; then the first rank of every later stage sends its part to stage 0 (`pp_group`: the stages of this rank's
     position). Experts: each EP rank holds `local_experts` 0 … E/R − 1; gathered, they get their global numbers
     (`convert.ep_global_name`); stages are joined under the whole model's layer numbers (`modeling.pipeline.to_whole`).
-    The tensors are detached copies on the model's device (CPU copies are the caller's choice)."""
-    state = convert.canonical_names({k: v for k, v in live_state_dict(module).items() if isinstance(v, torch.Tensor)})
+    The tensors are detached copies on the model's device (CPU copies are the caller's choice). `merge=False`: a LoRA
+    model's frozen base, its adapters left out (`lora.live_state_dict`)."""
+    state = convert.canonical_names({k: v for k, v in live_state_dict(module, merge=merge).items()
+                                     if isinstance(v, torch.Tensor)})
     if ep_size > 1:  # the experts: all-gathered, renamed to their global numbers
         stage = _gather(state, ep_group, ep_size, ep_rank, lambda n: convert.ep_layout(n) is not None,
                         lambda n, parts: {convert.ep_global_name(n, arch, r, ep_size): p for r, p in enumerate(parts)})

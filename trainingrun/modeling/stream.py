@@ -13,7 +13,9 @@ replicated ones read from TP rank 0. With expert parallelism (a mixture of exper
 all-gathered over the EP ranks instead, each rank's local experts renamed to their global numbers
 (`convert.ep_global_name`), as `gather_live_state` does. Later stages' first rank send their buckets to stage 0, one
 after another, an empty message closing each stage. The disk and broadcast publishers (`engines/vllm/publish.py`)
-consume it; the store publisher still gathers whole.
+consume it; the store publisher still gathers whole. With `adapters=True` the same loop gathers the LoRA adapters
+alone (B of a column-parallel layer concatenated over the TP ranks along its rows, A of a row-parallel one along its
+columns; the rest replicated): the adapters-only sync of a LoRA run (`AdapterPublisher`).
 """
 
 from __future__ import annotations
@@ -25,17 +27,36 @@ import torch.distributed as dist
 
 from trainingrun.modeling import convert, pipeline
 from trainingrun.modeling.architecture import Architecture
-from trainingrun.modeling.lora import live_state_dict
+from trainingrun.modeling.lora import adapter_state, live_state_dict
 from trainingrun.modeling.state import _recv_tensors, _send_tensors
 from trainingrun.modeling.sync_plan import plan_buckets
 
 
+def _local_state(module: torch.nn.Module, adapters: bool) -> tuple[dict[str, torch.Tensor], dict[str, int | None]]:
+    """(this rank's canonical state — the merged weights, or with `adapters` the adapters alone —, each adapter's
+    tensor-parallel split dimension: `lora.adapter_state`; empty for the weights)."""
+    if not adapters:
+        live = live_state_dict(module)
+        return convert.canonical_names({k: v for k, v in live.items() if isinstance(v, torch.Tensor)}), {}
+    local = adapter_state(module)
+    return (convert.canonical_names({k: v for k, (v, _) in local.items()}),
+            {convert.canonical_name(k): d for k, (_, d) in local.items()})
+
+
 def iter_live_buckets(module: torch.nn.Module, arch: Architecture, limit: int, *, tp_group=None, tp_size: int = 1,
                       tp_rank: int = 0, pp_group=None, pp_size: int = 1, pp_rank: int = 0, ep_group=None,
-                      ep_size: int = 1, ep_rank: int = 0, **_ignored) -> Iterator[dict[str, torch.Tensor]]:
-    """Buckets of at most `limit` bytes of the full canonical state (see the module docstring)."""
-    state = convert.canonical_names({k: v for k, v in live_state_dict(module).items() if isinstance(v, torch.Tensor)})
-    if ep_size > 1:  # a mixture of experts runs at TP 1: the experts are split over the expert-parallel ranks
+                      ep_size: int = 1, ep_rank: int = 0, adapters: bool = False,
+                      **_ignored) -> Iterator[dict[str, torch.Tensor]]:
+    """Buckets of at most `limit` bytes of the full canonical state (see the module docstring); with `adapters`,
+    of the LoRA adapters alone (`lora.adapter_state`), unmerged."""
+    state, dims = _local_state(module, adapters)
+    if adapters:  # experts have no adapters: every adapter is replicated over EP, split (or not) over TP
+        group, size, rank = tp_group, tp_size, tp_rank
+        split = {n: tp_size > 1 and dims[n] is not None for n in state}
+
+        def merge(name: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {name: torch.cat(parts, dim=dims[name])}
+    elif ep_size > 1:  # a mixture of experts runs at TP 1: the experts are split over the expert-parallel ranks
         group, size, rank = ep_group, ep_size, ep_rank
         split = {n: convert.ep_layout(n) is not None for n in state}
 

@@ -9,7 +9,10 @@ trainer computes.
 
 Weight updates use the development endpoints (the server runs with VLLM_SERVER_DEV_MODE=1): `pause` (mode "wait":
 in-flight requests finish first), `collective_rpc`, `reset_prefix_cache`, `resume`, and the engine's weight-version
-label (`set_weight_version` / `weight_version`) which vLLM resets to "default" when the server restarts.
+label (`set_weight_version` / `weight_version`) which vLLM resets to "default" when the server restarts. A server
+started with `--enable-lora` serves LoRA adapters by name: `load_lora_adapter` / `unload_lora_adapter` (vLLM's
+`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`; `VLLM_ALLOW_RUNTIME_LORA_UPDATING`), and `complete(model=name)`
+generates with one.
 
 Abort (over-sampling): `pause("abort")` then `resume()`. vLLM 0.32 answers every request in flight at once with
 finish_reason "abort" and the tokens and log-probabilities generated so far (what partial rollouts continue);
@@ -61,7 +64,8 @@ class VLLMClient:
         self._model = model
 
     # ------------------------------------------------------------------ plumbing
-    def _request(self, method: str, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
+    def _request(self, method: str, path: str, body: Any = None, *, timeout: float | None = None,
+                 text: bool = False) -> Any:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method,
                                      headers={"Content-Type": "application/json"} if data is not None else {})
@@ -77,6 +81,8 @@ class VLLMClient:
             if isinstance(exc, TimeoutError) or isinstance(getattr(exc, "reason", None), TimeoutError):
                 raise EngineTimeout(f"{method} {path}: {self.url} did not answer in time: {exc}") from None
             raise EngineUnavailable(f"{method} {path}: {self.url} unreachable: {exc}") from None
+        if text:  # vLLM's LoRA endpoints answer a line of text
+            return raw.decode(errors="replace")
         if not raw:
             return None
         try:
@@ -112,9 +118,11 @@ class VLLMClient:
     # ------------------------------------------------------------------ generation
     def complete(self, prompt_ids: list[int], *, n: int = 1, max_tokens: int = 16, temperature: float = 1.0,
                  top_p: float = 1.0, stop_token_ids: list[int] | None = None, seed: int | None = None,
-                 timeout: float | None = None, request_id: str | None = None) -> list[Completion]:
+                 timeout: float | None = None, request_id: str | None = None,
+                 model: str | None = None) -> list[Completion]:
+        """`model`: the served model or LoRA adapter to generate with (default: the server's first model)."""
         body: dict[str, Any] = {
-            "model": self.model, "prompt": [int(t) for t in prompt_ids], "n": n, "max_tokens": max_tokens,
+            "model": model or self.model, "prompt": [int(t) for t in prompt_ids], "n": n, "max_tokens": max_tokens,
             "temperature": temperature, "top_p": top_p, "logprobs": 0, "return_token_ids": True,
         }
         if stop_token_ids:
@@ -136,10 +144,11 @@ class VLLMClient:
             result.append(Completion(ids, lps, c.get("finish_reason") or "length"))
         return result
 
-    def prompt_logprobs(self, token_ids: list[int], *, timeout: float | None = None) -> list[float]:
-        """log p(token i | tokens < i) for i >= 1 under the engine's current weights (a scoring call)."""
-        body = {"model": self.model, "prompt": [int(t) for t in token_ids], "max_tokens": 1, "temperature": 0.0,
-                "prompt_logprobs": 0, "return_token_ids": True}
+    def prompt_logprobs(self, token_ids: list[int], *, timeout: float | None = None,
+                        model: str | None = None) -> list[float]:
+        """log p(token i | tokens < i) for i >= 1 under the engine's current weights, or LoRA adapter `model`."""
+        body = {"model": model or self.model, "prompt": [int(t) for t in token_ids], "max_tokens": 1,
+                "temperature": 0.0, "prompt_logprobs": 0, "return_token_ids": True}
         out = self._request("POST", "/v1/completions", body, timeout=timeout)
         entries = out["choices"][0]["prompt_logprobs"]
         result = []
@@ -179,6 +188,15 @@ class VLLMClient:
 
     def weight_version(self, *, timeout: float | None = None) -> str:
         return str(self._request("GET", "/weight_info", timeout=timeout)["weight_version"])
+
+    def load_lora_adapter(self, name: str, path: str, *, timeout: float | None = None) -> str:
+        """vLLM's `/v1/load_lora_adapter`: serve the PEFT directory `path` (as the server sees it) as model `name`."""
+        return self._request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path},
+                             timeout=timeout, text=True)
+
+    def unload_lora_adapter(self, name: str, *, timeout: float | None = None) -> str:
+        """vLLM's `/v1/unload_lora_adapter`: stop serving adapter `name`."""
+        return self._request("POST", "/v1/unload_lora_adapter", {"lora_name": name}, timeout=timeout, text=True)
 
     def set_weight_version(self, version: str) -> None:
         self._request("POST", "/update_weight_version", {"new_version": version})

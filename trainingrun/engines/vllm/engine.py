@@ -2,9 +2,10 @@
 
 What depends on vLLM is the replica adapter, `VLLMReplica`: a request is one `/v1/completions` call of the client
 (`client.py`), an abort is `/pause?mode=abort` then `/resume`, the weight label is the server's `/weight_info`, the
-load signals are its Prometheus `/metrics` (METRICS), and a weight version loads by disk (an HF directory) or
-broadcast (from trainer rank 0) through `sync.py`. Everything else —
-dispatch, the ledger, stalls, recovery, abort, the version barrier, the load fan-out — is the pool's.
+load signals are its Prometheus `/metrics` (METRICS), and a weight version loads by disk (an HF directory),
+broadcast (from trainer rank 0) or, in a LoRA run, as a LoRA adapter (a PEFT directory) through `sync.py`; then the
+replica's requests name that version's adapter (`served`) and it unloads those older than the version's `keep`.
+Everything else — dispatch, the ledger, stalls, recovery, abort, the version barrier, the load fan-out — is the pool's.
 
 `build(spec, store, arch)` is the entry of the engine table (`trainingrun.engines.table`): the servers at
 `engine.url`, else the run's own (their URLs in $TRAININGRUN_ENGINE_URL, set by the launcher or the operator; with
@@ -48,6 +49,8 @@ class VLLMReplica:
 
     def __init__(self, client):
         self.client = client
+        self.served: str | None = None  # the LoRA adapter requests name (a LoRA run), else the server's model
+        self.adapters: list[tuple[int, str]] = []  # (version, name) of the adapters this server holds, oldest first
 
     @property
     def url(self) -> str:
@@ -57,7 +60,7 @@ class VLLMReplica:
                  seed: int | None) -> list[Completion]:
         return self.client.complete(prompt, n=n, max_tokens=max_tokens, temperature=sampling.temperature,
                                     top_p=sampling.top_p, stop_token_ids=list(sampling.stop_token_ids) or None,
-                                    seed=seed)
+                                    seed=seed, **({"model": self.served} if self.served else {}))
 
     def abort(self) -> None:
         """Pause with mode abort, then resume (vLLM answers every request in flight with the tokens so far)."""
@@ -89,6 +92,15 @@ class VLLMReplica:
         if method == "disk":
             kw = {"files": meta["files"]} if meta.get("files") else {}
             return sync.load_from_disk(self.client, str(meta["path"]), label(version), timeout=timeout, **kw)
+        if method == "lora":  # the version is an adapter: served by name, the oldest beyond `keep` unloaded
+            name, keep = str(meta["adapter_name"]), max(1, int(meta.get("keep", 1)))
+            held = [a for a in self.adapters if a[0] != version]
+            stale = held[:max(0, len(held) + 1 - keep)]
+            result = sync.load_adapter(self.client, str(meta["path"]), name, label(version), timeout=timeout,
+                                       files=meta.get("files"), unload=[n for _, n in stale])
+            self.adapters = [*held[len(stale):], (version, name)]
+            self.served = name
+            return result
         if method == "broadcast":
             result = sync.load_from_broadcast(
                 self.client, host=str(meta["host"]), port=int(meta["port"]), group=meta_group(version), label=label,

@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainingrun.engines.vllm.server import ENTRYPOINT as _ENTRYPOINT
-from trainingrun.engines.vllm.server import extension_files, server_args, server_env
+from trainingrun.engines.vllm.server import extension_files, lora_args, server_args, server_env
 from trainingrun.plan import engine_name
 
 ENGINE_PORT = 8000
@@ -95,7 +95,7 @@ def engine_container(spec, *, volume_mounts: list[dict[str, Any]], resources: di
     max_len = v.max_model_len or spec.model.seq_length  # None: the model's own (config.json, read by vLLM)
     args = server_args(model, port=ENGINE_PORT, host="0.0.0.0", dtype=v.dtype, max_model_len=int(max_len or 0),
                        enforce_eager=v.gpus == 0, tensor_parallel_size=max(v.gpus, 1) * v.nodes,
-                       prefix_caching=v.prefix_caching, extra=v.args)
+                       prefix_caching=v.prefix_caching, extra=[*lora_args(spec), *v.args])
     if not max_len:
         i = args.index("--max-model-len")
         del args[i:i + 2]

@@ -13,6 +13,15 @@ bucket or two:
              before loading. The attempt in the name keeps a fenced-off trainer of an older attempt (a zombie) from
              ever touching a directory the live attempt committed; its own commit is refused by the store's attempt
              fencing.
+  lora       (a run with `trainer.lora`, `weightSync.type: disk`) the adapters only: a PEFT adapter directory
+             `<weightSync.path>/v<version>-a<attempt>` (`adapter_model.safetensors` in the engine's dtype,
+             `adapter_config.json`), gathered by the same streamed loop (`iter_live_buckets(adapters=True)`: B of a
+             column-parallel layer and A of a row-parallel one concatenated over the TP ranks) and renamed to PEFT's
+             names as each bucket arrives; PEFT and vLLM read one tensor file, so rank 0 holds the adapters whole
+             (megabytes) before writing it, beside its name and renamed into place. The meta carries the file's size
+             and SHA-256, the adapter's name (`adapter_name`: the engine serves the version under it) and how many
+             versions the engine keeps loaded (`keep`: maxPolicyLag + 1); the engine loads it with vLLM's
+             `/v1/load_lora_adapter` (`sync.load_adapter`).
   broadcast  a snapshot held by a `BroadcastSender` on rank 0 (a TCPStore + one process group per transfer), packed
              as the buckets arrive, which the engine's workers fetch when the rollout asks
 
@@ -25,6 +34,7 @@ checkpoint's version changes nothing, and the engine may be reading it).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -74,7 +84,11 @@ def make_vllm_publisher(spec, store, *, arch: Architecture, rank: int, attempt: 
               **live_layout())
     if ws.type == "disk":
         root = ws.path or str(Path(spec.trainer.checkpoint.path) / "weights")
+        if spec.trainer.lora is not None:  # the engine serves the base with LoRA: each version is an adapter
+            return AdapterPublisher(store, root=root, base=spec.model.hf, **kw)
         return DiskPublisher(store, root=root, assets_dir=spec.model.hf, **kw)
+    if spec.trainer.lora is not None:  # refused by the spec's validation (rule lora-sync-not-broadcast)
+        raise ValueError("weightSync.type: broadcast with trainer.lora: set weightSync.type disk (adapters only)")
     # the engine reaches trainer 0 where the other trainers do (locally 127.0.0.1; in a cluster trainer-0's DNS name)
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     backend = "nccl" if spec.trainer.gpus_per_replica > 0 else "gloo"
@@ -90,6 +104,17 @@ class _Base:
         self.layout = layout  # `gather_live_state`'s keywords (`modeling.state.live_layout`); none: one process
         self.last_seconds = 0.0
         self.last_bytes = 0
+
+    def _adapter_buckets(self, module) -> Iterator[dict]:
+        """The LoRA adapters under PEFT's names (`lora.peft_name`), a bucket at a time, on rank 0; nothing elsewhere
+        (every rank of replica 0 runs it to its end, as `_hf_buckets`)."""
+        if self.dp_rank != 0:
+            return
+        from trainingrun.modeling.lora import peft_name  # deferred: torch
+        from trainingrun.modeling.stream import iter_live_buckets  # deferred: torch
+
+        for bucket in iter_live_buckets(module, self.arch, self.bucket_bytes, adapters=True, **self.layout):
+            yield {peft_name(name): tensor for name, tensor in bucket.items()}
 
     def _hf_buckets(self, module) -> Iterator[dict]:
         """The weights as HF tensors (engine names, trainer dtype), a bucket of weightSync.bucketMiB at a time, on
@@ -161,6 +186,62 @@ class DiskPublisher(_Base):
 
     def close(self) -> None:
         pass
+
+
+ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+
+
+def adapter_name(version: int) -> str:
+    """The name a LoRA-serving engine serves weight `version` under (the `model` of its requests)."""
+    return f"trainingrun-v{version}"
+
+
+class AdapterPublisher(DiskPublisher):
+    """`disk` for a LoRA run: each version a PEFT adapter directory (the module docstring, "lora")."""
+
+    def __init__(self, store, *, root: str | Path, base: str | Path | None, **kw):
+        super().__init__(store, root=root, assets_dir=base, **kw)
+        self.base = None if base is None else str(Path(base).resolve())
+
+    def publish(self, version: int, module: Any) -> None:
+        self.last_seconds, self.last_bytes = 0.0, 0
+        buckets = self._adapter_buckets(module)  # collectives: every TP/PP rank of replica 0 takes part
+        if self.rank != 0 or self._committed(version):
+            for _ in buckets:
+                pass
+            return
+        import torch  # deferred: torch
+        from safetensors.torch import save_file  # deferred: safetensors
+
+        from trainingrun.modeling.lora import adapter_settings, peft_config  # deferred: torch
+
+        t0 = time.perf_counter()
+        dtype = getattr(torch, self.dtype)
+        tensors: dict[str, torch.Tensor] = {}
+        for bucket in buckets:  # the adapters are megabytes: held whole, in the engine's dtype
+            tensors.update({k: v.to(dtype).contiguous() for k, v in bucket.items()})
+        if not tensors:
+            raise ValueError("trainer.lora: the model holds no adapters to publish")
+        rank, scale = adapter_settings(module)
+        modules = sorted({k.split(".")[-3] for k in tensors})
+        self.root.mkdir(parents=True, exist_ok=True)
+        target = version_dir(self.root, version, self.attempt)
+        tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+        for d in (target, tmp):  # this attempt's own, never committed (a crash before the commit): write it again
+            if d.exists():
+                shutil.rmtree(d)
+        tmp.mkdir()
+        save_file(tensors, str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(rank, scale, modules, self.base), indent=1))
+        tmp.rename(target)
+        files = file_digests(target)  # the engine checks them before it loads
+        nbytes = sum(size for size, _ in files.values())
+        commit_version(self.store, version, {"method": "lora", "path": str(target), "bytes": nbytes,
+                                             "dtype": self.dtype, "files": files, "adapter_name": adapter_name(version),
+                                             "rank": rank, "keep": self.lag + 1})
+        self._release(version)
+        self.last_seconds = time.perf_counter() - t0
+        self.last_bytes = nbytes
 
 
 class BroadcastPublisher(_Base):

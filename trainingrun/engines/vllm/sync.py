@@ -19,6 +19,13 @@ disk:      first `collective_rpc("trainingrun_check_dir", path=DIR)` — the fil
            into place, so a complete name is a complete directory.
 broadcast: `collective_rpc("trainingrun_receive_weights", request=...)` — the worker extension joins a process group
            with trainer rank 0, receives every bucket, and only then applies them (`worker_ext.py`).
+lora:      (a LoRA run; the server was started with --enable-lora) the version is a PEFT adapter directory:
+           `collective_rpc("trainingrun_check_files", path=DIR, files=...)` checks its files' sizes and SHA-256
+           first (refused while the engine keeps generating), then label "loading:<label>" → `/v1/load_lora_adapter`
+           (name: the version's `adapter_name`) → label "<label>" → `/v1/unload_lora_adapter` of the versions no
+           longer kept. No pause and no prefix-cache reset: a request names the adapter it generates with (its
+           `model`), so a request in flight keeps its version's adapter and nothing is ever half-applied; vLLM's
+           prefix cache is kept per adapter.
 
 A refusal by the extension (damaged or foreign weights) raises `WeightsRefused` naming the directory (or version)
 and the reason. The HTTP wait of a load is bounded a little above the worker's own bound (connect + transfer), so a
@@ -32,12 +39,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from trainingrun.contract.engine import WeightsRefused
+from trainingrun.contract.engine import EngineError, WeightsRefused
 from trainingrun.engines.pool import LOADING
 from trainingrun.engines.vllm.client import VLLMClient
 from trainingrun.engines.vllm.worker_ext import CONNECT_TIMEOUT
 
-__all__ = ["HTTP_MARGIN", "LOADING", "load_from_broadcast", "load_from_disk"]
+__all__ = ["HTTP_MARGIN", "LOADING", "load_adapter", "load_from_broadcast", "load_from_disk"]
 HTTP_MARGIN = 30.0  # the rollout waits this much longer than the worker's own bound before it gives up
 
 
@@ -107,3 +114,35 @@ def load_from_broadcast(client: VLLMClient, *, host: str, port: int, group: str,
         return {"version": int(versions.pop()), "results": results}
 
     return _apply(client, group, load, lambda r: label(r["version"]))
+
+
+def load_adapter(client: VLLMClient, path: str, name: str, label: str, *, timeout: float = 600,
+                 files: dict[str, list] | None = None, unload: list[str] = ()) -> dict[str, Any]:
+    """Serve the PEFT adapter directory `path` (its files checked against `files` when given) as model `name`, label
+    the engine `label`, then unload the adapters named in `unload` (an adapter already gone is no error); raises
+    (label left "loading:...") on failure, `WeightsRefused` when the engine refused the directory (module
+    docstring, "lora")."""
+    if files:
+        results = client.collective_rpc("trainingrun_check_files", {"path": path, "files": json.dumps(files)},
+                                         timeout=timeout + HTTP_MARGIN)
+        refused = _refusals(results)
+        if refused:
+            raise WeightsRefused(path, refused[0])
+    t0 = time.perf_counter()
+    client.set_weight_version(LOADING + label)
+    try:
+        client.load_lora_adapter(name, path, timeout=timeout + HTTP_MARGIN)
+    except EngineError as exc:
+        if "already been loaded" not in str(exc):  # loaded before (a retried load): serve it
+            raise
+    t1 = time.perf_counter()
+    client.set_weight_version(label)
+    unloaded = []
+    for old in unload:
+        try:
+            client.unload_lora_adapter(old, timeout=timeout + HTTP_MARGIN)
+            unloaded.append(old)
+        except EngineError:  # not loaded there (a restarted server): nothing to free
+            pass
+    return {"path": path, "adapter": name, "label": label, "unloaded": unloaded, "load_seconds": t1 - t0,
+            "total_seconds": time.perf_counter() - t0}

@@ -35,6 +35,9 @@ engine).
 it. `files` ({file name: [bytes, sha256]}, written by the trainer's publisher: `file_digests`) is checked first, so a
 truncated or same-size-corrupted published version is refused before a byte of it is read as weights.
 
+`trainingrun_check_files(path, files)` checks the digests alone: the LoRA sync's adapter directory, which vLLM's
+`/v1/load_lora_adapter` then reads.
+
 Refusals (damaged or foreign weights) are returned, not raised: {"refused": reason, "path": ...}; the rollout turns
 them into `WeightsRefused` naming the directory and the reason (a committed version never changes: retrying cannot
 help). Transfer failures (the sender went away) raise: the load may succeed once the trainers are back.
@@ -358,6 +361,15 @@ class WeightSyncExtension:
         except (OSError, ValueError) as exc:
             return {"refused": f"{type(exc).__name__}: {exc}", "path": path}
         return {"path": path, "tensors": len(shapes)}
+
+    def trainingrun_check_files(self, path: str, files: str) -> dict:
+        """Whether the directory `path` holds exactly the published weight files (`files`: JSON {name: [bytes,
+        sha256]}), as this worker sees them: asked before a LoRA adapter directory is loaded (vLLM reads it itself)."""
+        try:
+            check_digests(Path(path), json.loads(files))
+        except (OSError, ValueError) as exc:
+            return {"refused": f"{type(exc).__name__}: {exc}", "path": path}
+        return {"path": path}
 
     def trainingrun_load_dir(self, path: str, files: str | None = None) -> dict:
         """Load the HF directory `path`; `files` (JSON {name: [bytes, sha256]}) is checked first. A damaged or
