@@ -29,10 +29,15 @@ from trainingrun.engines.vllm.worker_ext import (
     MANIFEST_KEY,
     PG_PREFIX,
     REQUEST_KEY,
+    CHUNK_BYTES,
+    ChainCounter,
     bucket_checksum,
     checksum_kind,
     make_group,
+    transfer_buckets,
 )
+
+JOIN_WINDOW = 5.0  # seconds the sender waits for the other engines of a pool sync before it starts the transfer
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 
@@ -88,7 +93,8 @@ def pack(version: int, named: Iterable[tuple[str, Any]], *, dtype: str | None, d
 class BroadcastSender:
     def __init__(self, port: int = 0, *, host: str = "0.0.0.0", backend: str = "gloo", timeout: float = 300.0,
                  dtype: str | None = "bfloat16", device: Any = "cpu", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 keep_versions: int = 1, log: Callable[[str], None] | None = None):
+                 keep_versions: int = 1, log: Callable[[str], None] | None = None, join_window: float = JOIN_WINDOW,
+                 chunk_bytes: int = CHUNK_BYTES):
         import torch.distributed as dist  # deferred: torch
 
         self.backend = backend
@@ -103,6 +109,12 @@ class BroadcastSender:
         self.keep_versions = keep_versions
         self.transfers = 0  # served successfully
         self.failures = 0
+        self.dropped = 0  # engines dropped from a transfer of the pool (they loaded again alone, or were taken out)
+        self.sending: ChainCounter | None = None
+        self.bytes_sent = 0  # bytes this rank put on the wire, all transfers (flat in the pool's size: one chain)
+        self.join_window = join_window
+        self.chunk_bytes = chunk_bytes
+        self._later: list[dict[str, Any]] = []  # requests taken while gathering another sync's, served next
         self.last: dict[str, Any] | None = None  # stats of the last successful transfer
         self._next_request = 0
         self._snapshots: dict[int, Snapshot] = {}
@@ -137,55 +149,134 @@ class BroadcastSender:
             return sorted(self._snapshots)
 
     # ------------------------------------------------------------------ serving
-    def serve_next(self, timeout: float) -> dict[str, Any] | None:
-        """Serve the next queued request; None when none came within `timeout` seconds (or no weights yet)."""
+    def _poll(self) -> dict[str, Any] | None:
+        """The next request queued in the store, if one is there now (requests are taken in order)."""
         key = REQUEST_KEY.format(n=self._next_request)
+        if not self.store.check([key]):  # check(), not wait(): a timed-out wait logs a warning each time
+            return None
+        self._next_request += 1
+        return json.loads(self.store.get(key))
+
+    def _take(self, timeout: float) -> dict[str, Any] | None:
+        if self._later:
+            return self._later.pop(0)
         deadline = time.monotonic() + timeout
-        while not self.store.check([key]):  # check(), not wait(): a timed-out wait logs a warning each time
+        while (req := self._poll()) is None:
             if time.monotonic() >= deadline or self._stop.is_set():
                 return None
             time.sleep(0.02)
-        req = json.loads(self.store.get(key))
-        self._next_request += 1
-        wanted = req.get("version")
+        return req
+
+    def _gather(self, first: dict[str, Any]) -> list[dict[str, Any]]:
+        """The requests served together with `first`: those of the same pool sync (`joint` id, same version) that
+        come within `join_window` seconds, up to the members the pool announced. Others are kept for later; an
+        engine that asks after the window (restarted, late) gets a transfer of its own, after this one."""
+        joint = first.get("joint") or {}
+        members = int(joint.get("members") or 1)
+        if not joint.get("id") or members <= 1:
+            return [first]
+        reqs = [first]
+        same = lambda r: (r.get("joint") or {}).get("id") == joint["id"] and r.get("version") == first.get("version")
+        for r in [r for r in self._later if same(r)]:
+            self._later.remove(r)
+            reqs.append(r)
+        end = time.monotonic() + self.join_window
+        while len(reqs) < members and time.monotonic() < end and not self._stop.is_set():
+            req = self._poll()
+            if req is None:
+                time.sleep(0.01)
+            elif same(req):
+                reqs.append(req)
+            else:
+                self._later.append(req)
+        self._later.extend(reqs[members:])
+        return reqs[:members]
+
+    def serve_next(self, timeout: float) -> dict[str, Any] | None:
+        """Serve the next queued request (with the requests of the same pool sync: one transfer); None when none
+        came within `timeout` seconds."""
+        first = self._take(timeout)
+        if first is None:
+            return None
+        reqs = self._gather(first)
+        wanted = first.get("version")
+        groups = [r.get("group") for r in reqs]
         with self._lock:
             held = sorted(self._snapshots)
             snap = self._snapshots.get(held[-1] if wanted is None and held else wanted)
         if snap is None:
             self.failures += 1
             error = f"weight version {wanted} is not held here (held: {held})"
-            self.store.set(MANIFEST_KEY.format(group=req["group"]), json.dumps({"error": error}))
-            self.log(f"transfer {req.get('group')}: {error}")
-            return {"error": error, "version": wanted, "group": req.get("group")}
+            for r in reqs:
+                self.store.set(MANIFEST_KEY.format(group=r["group"]), json.dumps({"error": error}))
+            self.log(f"transfer {groups}: {error}")
+            return {"error": error, "version": wanted, "groups": groups}
         try:
-            stats = self._send(snap, req)
-        except Exception as exc:  # noqa: BLE001 - the engine keeps its old weights; the rollout retries
+            stats = self._send(snap, reqs)
+        except Exception as exc:  # noqa: BLE001 - the engines keep their old weights; the rollout retries
             self.failures += 1
-            self.log(f"transfer {req.get('group')} of version {snap.version} failed: {exc}")
-            return {"error": str(exc), "version": snap.version, "group": req.get("group")}
+            self.dropped += len(reqs) if len(reqs) > 1 else 0
+            self.log(f"transfer {groups} of version {snap.version} failed: {exc}")
+            return {"error": str(exc), "version": snap.version, "groups": groups}
         self.transfers += 1
         self.last = stats
         return stats
 
-    def _send(self, snap: Snapshot, req: dict[str, Any]) -> dict[str, Any]:
+    def _send(self, snap: Snapshot, reqs: list[dict[str, Any]]) -> dict[str, Any]:
+        """One transfer of `snap` to every engine of `reqs`: one group, rank 0 this sender, each engine's workers at
+        their offset; every bucket sent once (`worker_ext.transfer_buckets`). An engine whose workers do not all say
+        "ok" is dropped (its load failed: it transfers again alone), the others count."""
         import torch.distributed as dist  # deferred: torch
 
-        group, world = str(req["group"]), int(req["world_size"])
+        name = str(reqs[0]["group"]) if len(reqs) == 1 else f"{reqs[0]['group']}-pool{len(reqs)}"
+        members, offset = [], 1
+        for r in reqs:
+            members.append({"group": str(r["group"]), "offset": offset, "workers": int(r["world_size"]) - 1})
+            offset += int(r["world_size"]) - 1
+        world = offset
+        chain = list(range(1, world))
         t0 = time.perf_counter()
-        self.store.set(MANIFEST_KEY.format(group=group), json.dumps(snap.manifest))
-        pg = make_group(dist.PrefixStore(PG_PREFIX.format(group=group), self.store), 0, world, self.backend,
-                        self.timeout)
-        for buf in snap.buckets:
-            pg.broadcast(buf, 0).wait()
-        t1 = time.perf_counter()
-        self.store.wait([DONE_KEY.format(group=group, rank=r) for r in range(1, world)],
-                        timedelta(seconds=self.timeout))
+        for m in members:
+            transfer = {"group": name, "offset": m["offset"], "world_size": world, "chain": chain,
+                        "chunk_bytes": self.chunk_bytes}
+            self.store.set(MANIFEST_KEY.format(group=m["group"]), json.dumps({**snap.manifest, "transfer": transfer}))
+        counter = self.sending = ChainCounter()  # live: what this transfer sent so far
+        try:
+            pg = make_group(dist.PrefixStore(PG_PREFIX.format(group=name), self.store), 0, world, self.backend,
+                            self.timeout)
+            transfer_buckets(pg, list(snap.buckets), snap.manifest["buckets"], me=0,
+                             chain=None if self.backend == "nccl" else chain, chunk_bytes=self.chunk_bytes,
+                             counter=counter)
+            t1 = time.perf_counter()
+            done = self._wait_done(name, world)
+        finally:
+            self.bytes_sent += counter.bytes
+            for m in members:
+                self.store.delete_key(MANIFEST_KEY.format(group=m["group"]))
         t2 = time.perf_counter()
-        for r in range(1, world):
-            self.store.delete_key(DONE_KEY.format(group=group, rank=r))
-        self.store.delete_key(MANIFEST_KEY.format(group=group))
-        return {"version": snap.version, "group": group, "bytes": snap.nbytes, "send_seconds": t1 - t0,
+        loaded = [m["group"] for m in members
+                  if all(done.get(r) == "ok" for r in range(m["offset"], m["offset"] + m["workers"]))]
+        dropped = [m["group"] for m in members if m["group"] not in loaded]
+        self.dropped += len(dropped)
+        if dropped:
+            self.log(f"transfer {name} of version {snap.version}: dropped {dropped} (answers {done}; they load again "
+                     f"in transfers of their own), loaded {len(loaded)} of {len(members)}")
+        return {"version": snap.version, "group": name, "engines": len(members), "loaded": loaded,
+                "dropped": dropped, "bytes": snap.nbytes, "bytes_sent": counter.bytes, "send_seconds": t1 - t0,
                 "total_seconds": t2 - t0}
+
+    def _wait_done(self, name: str, world: int) -> dict[int, str]:
+        """{rank: its answer} of the receivers that answered within the timeout (keys deleted)."""
+        keys = {r: DONE_KEY.format(group=name, rank=r) for r in range(1, world)}
+        deadline = time.monotonic() + self.timeout
+        while not all(self.store.check([k]) for k in keys.values()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        done = {}
+        for r, k in keys.items():
+            if self.store.check([k]):
+                done[r] = self.store.get(k).decode()
+                self.store.delete_key(k)
+        return done
 
     def start(self) -> BroadcastSender:
         """Serve requests in a background thread until close()."""
