@@ -81,13 +81,10 @@ def test_one_transfer_for_the_pool_sends_each_bucket_once(store, engines):
 def test_a_member_killed_mid_transfer_is_dropped_and_the_others_load_the_version(store):
     sender = BroadcastSender(0, host="127.0.0.1", timeout=60, dtype=None, bucket_bytes=8 << 20,
                              chunk_bytes=32 << 10).start()
-    procs = [SimProcess(load_seconds=0.0, log=Path(f"/tmp/h28/sim{i}.log")) for i in range(3)]
+    procs = [SimProcess(load_seconds=0.0) for _ in range(3)]
     said: list[str] = []
-    T = time.monotonic()
     try:
-        print("procs up", time.monotonic() - T)
-        _publish(store, sender, 0, _named(12 << 20))
-        print("published", time.monotonic() - T)  # 48 MiB: ~1,500 chunks through the chain
+        _publish(store, sender, 0, _named(12 << 20))  # 48 MiB: ~1,500 chunks through the chain
         pool = _pool([p.url for p in procs], store, said)
         done = threading.Event()
         loader = threading.Thread(target=lambda: (pool.load_weights(0), done.set()), daemon=True)
@@ -96,29 +93,23 @@ def test_a_member_killed_mid_transfer_is_dropped_and_the_others_load_the_version
         while (sender.sending is None or sender.sending.bytes < (4 << 20)) and time.monotonic() - t0 < 60:
             time.sleep(0.002)
         assert sender.sending is not None and sender.sending.bytes < 48 << 20, "the transfer never started"
-        print("kill at", time.monotonic() - T)
         procs[1].kill()  # mid-transfer
-        t_kill = time.monotonic()
         loader.join(120)
-        print("load_weights returned", time.monotonic() - t_kill, "s after the kill")
         assert done.is_set(), "load_weights did not return"
         assert pool.weight_version == 0
-        _served(sender, 2)
+        _served(sender, 1)
         for i in (0, 2):
             assert VLLMClient(procs[i].url).weight_version() == "v0"
             loads = procs[i].stats()["loads"]
             assert loads[-1]["version"] == 0
         # the pool's transfer lost a member: it was dropped (and the members after it loaded in transfers of their own)
         assert sender.dropped >= 1, (sender.dropped, said)
-        print("\n".join(said))
         assert any("engine-1" in m for m in said), said  # taken out of the pool, recovered in the background
         pool.close()
     finally:
         for p in procs:
             p.close()
-        print("procs closed", time.monotonic() - T)
         sender.close()
-        print("sender closed", time.monotonic() - T)
 
 
 def _request(sender: BroadcastSender, joint: dict) -> dict:
