@@ -14,6 +14,7 @@ Backends: gloo (CPU tensors) or NCCL (tensors on this rank's GPU); the engine si
 
 from __future__ import annotations
 
+import collections
 import json
 import sys
 import threading
@@ -116,6 +117,7 @@ class BroadcastSender:
         self.chunk_bytes = chunk_bytes
         self._later: list[dict[str, Any]] = []  # requests taken while gathering another sync's, served next
         self.last: dict[str, Any] | None = None  # stats of the last successful transfer
+        self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=64)  # of the last transfers
         self._next_request = 0
         self._snapshots: dict[int, Snapshot] = {}
         self._lock = threading.Lock()
@@ -218,8 +220,9 @@ class BroadcastSender:
             self.dropped += len(reqs) if len(reqs) > 1 else 0
             self.log(f"transfer {groups} of version {snap.version} failed: {exc}")
             return {"error": str(exc), "version": snap.version, "groups": groups}
-        self.transfers += 1
         self.last = stats
+        self.history.append(stats)
+        self.transfers += 1
         return stats
 
     def _send(self, snap: Snapshot, reqs: list[dict[str, Any]]) -> dict[str, Any]:
