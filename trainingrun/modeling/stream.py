@@ -30,10 +30,23 @@ from trainingrun.modeling.state import _recv_tensors, _send_tensors
 from trainingrun.modeling.sync_plan import plan_buckets
 
 
+def shard_owner(*, tp_size: int = 1, tp_rank: int = 0, pp_size: int = 1, pp_rank: int = 0, ep_size: int = 1,
+                ep_rank: int = 0, **_ignored) -> tuple[int, int]:
+    """(this rank's owner index, the number of owners) of `iter_live_buckets(shard=True)`: every (stage, TP or EP
+    rank) of a replica owns part of the buckets; owner 0 is TP/EP rank 0 of stage 0."""
+    size, rank = (ep_size, ep_rank) if ep_size > 1 else (tp_size, tp_rank)
+    return pp_rank * size + rank, pp_size * size
+
+
 def iter_live_buckets(module: torch.nn.Module, arch: Architecture, limit: int, *, tp_group=None, tp_size: int = 1,
                       tp_rank: int = 0, pp_group=None, pp_size: int = 1, pp_rank: int = 0, ep_group=None,
-                      ep_size: int = 1, ep_rank: int = 0, **_ignored) -> Iterator[dict[str, torch.Tensor]]:
-    """Buckets of at most `limit` bytes of the full canonical state (see the module docstring)."""
+                      ep_size: int = 1, ep_rank: int = 0, shard: bool = False,
+                      **_ignored) -> Iterator[dict[str, torch.Tensor]]:
+    """Buckets of at most `limit` bytes of the full canonical state (see the module docstring). With `shard`, every
+    rank yields the buckets it owns instead (`shard_owner`): bucket k of a stage is assembled on the stage's TP (EP)
+    rank k mod size — the all-gather gave every rank the parts — and each stage keeps its own (nothing is sent to
+    stage 0); the owners' buckets together are the whole state, each tensor once (the broadcast's sharded
+    snapshots, `engines/vllm/broadcast.py`)."""
     state = convert.canonical_names({k: v for k, v in live_state_dict(module).items() if isinstance(v, torch.Tensor)})
     if ep_size > 1:  # a mixture of experts runs at TP 1: the experts are split over the expert-parallel ranks
         group, size, rank = ep_group, ep_size, ep_rank
@@ -49,28 +62,29 @@ def iter_live_buckets(module: torch.nn.Module, arch: Architecture, limit: int, *
             return {name: convert.gather_tp(name, parts, arch)}
     lead = rank == 0  # the stage's rank that assembles the buckets (TP rank 0, or EP rank 0)
     sizes = [(n, state[n].numel() * state[n].element_size() * (size if split[n] else 1)) for n in sorted(state)]
-    for names in (b.names for b in plan_buckets(sizes, limit)):
+    for k, names in enumerate(b.names for b in plan_buckets(sizes, limit)):
+        mine = k % size == rank if shard else lead
         bucket: dict[str, torch.Tensor] = {}
         for name in names:
             local = state[name].detach().contiguous()
             if split[name]:
                 parts = [torch.empty_like(local) for _ in range(size)]
                 dist.all_gather(parts, local, group=group)
-                if lead:
+                if mine:
                     bucket.update(merge(name, parts))
                 del parts
-            elif lead:
+            elif mine:
                 bucket[name] = local.clone()
-        if not lead:
+        if not mine:
             continue
         bucket = pipeline.to_whole(bucket, arch, pp_rank, pp_size)
-        if pp_rank == 0:
+        if pp_rank == 0 or shard:
             if bucket:
                 yield bucket
         elif bucket:
             _send_tensors(bucket, dst=0, group=pp_group)
         del bucket
-    if pp_size == 1 or not lead:
+    if pp_size == 1 or not lead or shard:
         return
     if pp_rank != 0:
         _send_tensors({}, dst=0, group=pp_group)  # this stage is done

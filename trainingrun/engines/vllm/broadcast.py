@@ -34,9 +34,13 @@ from trainingrun.engines.vllm.worker_ext import (
     ChainCounter,
     bucket_checksum,
     checksum_kind,
+    connect,
     make_group,
     transfer_buckets,
 )
+
+PART_KEY = "trainingrun/part/{version}/{owner}"  # an owner's part manifest of a version (JSON)
+TRANSFER_KEY = "trainingrun/transfer/{n}"  # rank 0 → the other owners: join transfer n (JSON)
 
 JOIN_WINDOW = 5.0  # seconds the sender waits for the other engines of a pool sync before it starts the transfer
 
@@ -95,7 +99,8 @@ class BroadcastSender:
     def __init__(self, port: int = 0, *, host: str = "0.0.0.0", backend: str = "gloo", timeout: float = 300.0,
                  dtype: str | None = "bfloat16", device: Any = "cpu", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  keep_versions: int = 1, log: Callable[[str], None] | None = None, join_window: float = JOIN_WINDOW,
-                 chunk_bytes: int = CHUNK_BYTES):
+                 chunk_bytes: int = CHUNK_BYTES, owners: int = 1, owner: int = 0, transfer_device: Any = None,
+                 store: Any = None):
         import torch.distributed as dist  # deferred: torch
 
         self.backend = backend
@@ -104,9 +109,12 @@ class BroadcastSender:
         self.device = device
         self.bucket_bytes = bucket_bytes
         self.log = log or (lambda msg: print(f"[weights] {msg}", file=sys.stderr, flush=True))
-        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=timeout))
-        self.port = self.store.port
+        self.owners, self.owner = owners, owner
+        self.transfer_device = transfer_device if transfer_device is not None else device  # NCCL: the GPU
+        self.store = store if store is not None else dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                                                   timeout=timedelta(seconds=timeout))
+        self.port = port if store is not None else self.store.port
+        self._next_transfer = 0
         self.keep_versions = keep_versions
         self.transfers = 0  # served successfully
         self.failures = 0
@@ -132,11 +140,18 @@ class BroadcastSender:
             others = sorted(v for v in self._snapshots if v != version)
             for v in others[: max(0, len(others) - (self.keep_versions - 1))]:
                 del self._snapshots[v]  # a transfer of it under way keeps its buffers until it ends
+                if self.owners > 1:
+                    self.store.delete_key(PART_KEY.format(version=v, owner=self.owner))
         snap = pack(version, named, dtype=self.dtype, device=self.device, bucket_bytes=self.bucket_bytes)
         with self._lock:
             self._snapshots[snap.version] = snap
-            for v in sorted(self._snapshots)[: -self.keep_versions]:
+            gone = sorted(self._snapshots)[: -self.keep_versions]
+            for v in gone:
                 del self._snapshots[v]
+        if self.owners > 1:  # rank 0 assembles the transfer's manifest from every owner's part
+            self.store.set(PART_KEY.format(version=snap.version, owner=self.owner), json.dumps(snap.manifest))
+            for v in gone:
+                self.store.delete_key(PART_KEY.format(version=v, owner=self.owner))
         return snap
 
     @property
@@ -206,9 +221,16 @@ class BroadcastSender:
         with self._lock:
             held = sorted(self._snapshots)
             snap = self._snapshots.get(held[-1] if wanted is None and held else wanted)
+        error = None
         if snap is None:
-            self.failures += 1
             error = f"weight version {wanted} is not held here (held: {held})"
+        elif self.owners > 1:
+            try:
+                snap = self.assemble(snap)
+            except (RuntimeError, ValueError) as exc:
+                error = str(exc)
+        if error is not None:
+            self.failures += 1
             for r in reqs:
                 self.store.set(MANIFEST_KEY.format(group=r["group"]), json.dumps({"error": error}))
             self.log(f"transfer {groups}: {error}")
@@ -232,24 +254,29 @@ class BroadcastSender:
         import torch.distributed as dist  # deferred: torch
 
         name = str(reqs[0]["group"]) if len(reqs) == 1 else f"{reqs[0]['group']}-pool{len(reqs)}"
-        members, offset = [], 1
+        members, offset = [], self.owners
         for r in reqs:
             members.append({"group": str(r["group"]), "offset": offset, "workers": int(r["world_size"]) - 1})
             offset += int(r["world_size"]) - 1
         world = offset
-        chain = list(range(1, world))
+        chain = list(range(self.owners, world))
         t0 = time.perf_counter()
         for m in members:
             transfer = {"group": name, "offset": m["offset"], "world_size": world, "chain": chain,
                         "chunk_bytes": self.chunk_bytes}
             self.store.set(MANIFEST_KEY.format(group=m["group"]), json.dumps({**snap.manifest, "transfer": transfer}))
         counter = self.sending = ChainCounter()  # live: what this transfer sent so far
+        if self.owners > 1:  # the other owners join as ranks 1 … owners − 1 and send their own buckets
+            self.store.set(TRANSFER_KEY.format(n=self._next_transfer), json.dumps(
+                {"group": name, "version": snap.version, "world_size": world, "chain": chain,
+                 "chunk_bytes": self.chunk_bytes, "buckets": snap.manifest["buckets"]}))
+            self._next_transfer += 1
         try:
             pg = make_group(dist.PrefixStore(PG_PREFIX.format(group=name), self.store), 0, world, self.backend,
                             self.timeout)
             transfer_buckets(pg, list(snap.buckets), snap.manifest["buckets"], me=0,
                              chain=None if self.backend == "nccl" else chain, chunk_bytes=self.chunk_bytes,
-                             counter=counter)
+                             counter=counter, device=self.transfer_device)
             t1 = time.perf_counter()
             done = self._wait_done(name, world)
         finally:
@@ -269,7 +296,8 @@ class BroadcastSender:
                 "total_seconds": t2 - t0}
 
     def _wait_done(self, name: str, world: int) -> dict[int, str]:
-        """{rank: its answer} of the receivers that answered within the timeout (keys deleted)."""
+        """{rank: its answer} of the other owners and the receivers that answered within the timeout (keys
+        deleted)."""
         keys = {r: DONE_KEY.format(group=name, rank=r) for r in range(1, world)}
         deadline = time.monotonic() + self.timeout
         while not all(self.store.check([k]) for k in keys.values()) and time.monotonic() < deadline:
@@ -280,6 +308,39 @@ class BroadcastSender:
                 done[r] = self.store.get(k).decode()
                 self.store.delete_key(k)
         return done
+
+    def parts(self, version: int, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Every owner's part manifest of `version` (waiting up to `timeout` for them: the owners pack in step with
+        this rank); RuntimeError naming the owners whose part is not there."""
+        keys = [PART_KEY.format(version=version, owner=g) for g in range(self.owners)]
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while not all(self.store.check([k]) for k in keys):
+            if time.monotonic() >= deadline:
+                missing = [g for g, k in enumerate(keys) if not self.store.check([k])]
+                raise RuntimeError(f"weight version {version} is not held by trainer owners {missing} (of "
+                                   f"{self.owners}): released or never packed")
+            time.sleep(0.02)
+        return [json.loads(self.store.get(k)) for k in keys]
+
+    def assemble(self, snap: Snapshot) -> Snapshot:
+        """The transfer's view of a sharded version: the manifest of every owner's buckets (owner g's after owner
+        g − 1's, each bucket's entry naming its owner as the root that sends it) and this rank's buffers at its
+        own buckets' places (None at the others')."""
+        parts = self.parts(snap.version, timeout=min(self.timeout, 60.0))
+        tensors, entries, sums, buffers, nbytes = [], [], [], [], 0
+        for g, part in enumerate(parts):
+            base = len(entries)
+            tensors += [[n, d, shape, b + base] for n, d, shape, b in part["tensors"]]
+            entries += [[d, n, g] for d, n in part["buckets"]]
+            sums += part["checksums"]
+            buffers += list(snap.buckets) if g == self.owner else [None] * len(part["buckets"])
+            nbytes += int(part["bytes"])
+        kinds = {p["checksum"] for p in parts}
+        if len(kinds) != 1:
+            raise ValueError(f"weight version {snap.version}: owners' checksums differ in kind {sorted(kinds)}")
+        manifest = {"version": snap.version, "tensors": tensors, "buckets": entries, "bytes": nbytes,
+                    "checksum": kinds.pop(), "checksums": sums}
+        return Snapshot(snap.version, manifest, buffers, nbytes)
 
     def start(self) -> BroadcastSender:
         """Serve requests in a background thread until close()."""
@@ -296,6 +357,59 @@ class BroadcastSender:
         if self._thread is not None:
             self._thread.join(timeout=self.timeout + 5)
             self._thread = None
+
+
+class ShardServer(BroadcastSender):
+    """An owner of part of the weights other than trainer rank 0 (`owner` ≥ 1 of `owners`): keeps its own buckets of
+    each version in host memory (`set_weights`: its part of the sharded stream; the part's manifest goes into rank
+    0's store) and, from a thread, joins every transfer rank 0 announces (TRANSFER_KEY, in order) as rank `owner`,
+    sending its own buckets down the chain of the engines' workers. Its wait for rank 0's store is bounded
+    (`worker_ext.connect`); a transfer of a version it does not hold is answered "missing" (the others' group then
+    fails within its timeout and the engines transfer again)."""
+
+    def __init__(self, host: str, port: int, *, owner: int, owners: int, timeout: float = 300.0,
+                 connect_timeout: float = 60.0, **kw):
+        store = connect(host, port, connect_timeout, timeout)
+        super().__init__(port, timeout=timeout, owners=owners, owner=owner, store=store, **kw)
+
+    def serve_next(self, timeout: float) -> dict[str, Any] | None:
+        key = TRANSFER_KEY.format(n=self._next_transfer)
+        deadline = time.monotonic() + timeout
+        while not self.store.check([key]):
+            if time.monotonic() >= deadline or self._stop.is_set():
+                return None
+            time.sleep(0.02)
+        self._next_transfer += 1
+        t = json.loads(self.store.get(key))
+        name, done = str(t["group"]), DONE_KEY.format(group=t["group"], rank=self.owner)
+        with self._lock:
+            snap = self._snapshots.get(int(t["version"]))
+        if snap is None:
+            self.store.set(done, "missing")
+            self.failures += 1
+            self.log(f"transfer {name}: version {t['version']} is not held here (held: {self.versions})")
+            return {"error": "missing", "group": name}
+        import torch.distributed as dist  # deferred: torch
+
+        own = iter(snap.buckets)
+        buffers = [next(own) if int(e[2]) == self.owner else None for e in t["buckets"]]
+        counter = self.sending = ChainCounter()
+        try:
+            pg = make_group(dist.PrefixStore(PG_PREFIX.format(group=name), self.store), self.owner,
+                            int(t["world_size"]), self.backend, self.timeout)
+            transfer_buckets(pg, buffers, t["buckets"], me=self.owner,
+                             chain=None if self.backend == "nccl" else [int(r) for r in t["chain"]],
+                             chunk_bytes=int(t["chunk_bytes"]), counter=counter, device=self.transfer_device)
+        except Exception as exc:  # noqa: BLE001 - the engines keep their weights and transfer again
+            self.store.set(done, "failed")
+            self.failures += 1
+            self.log(f"transfer {name} of version {snap.version} failed here: {exc}")
+            return {"error": str(exc), "group": name}
+        finally:
+            self.bytes_sent += counter.bytes
+        self.store.set(done, "ok")
+        self.transfers += 1
+        return {"group": name, "version": snap.version, "bytes_sent": counter.bytes}
 
 
 def new_group_name() -> str:

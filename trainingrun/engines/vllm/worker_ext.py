@@ -200,7 +200,8 @@ def _chunks(buf, step: int):
 
 
 def transfer_buckets(pg, buffers: list, entries: list, *, me: int, chain: list[int] | None,
-                     chunk_bytes: int = CHUNK_BYTES, counter: ChainCounter | None = None, window: int = 4) -> bool:
+                     chunk_bytes: int = CHUNK_BYTES, counter: ChainCounter | None = None, window: int = 4,
+                     device=None) -> set[int]:
     """Move every bucket of one transfer through the group `pg`, in manifest order, as rank `me`. `buffers[i]` is
     bucket i (the data on its root, a buffer to fill elsewhere; None where this rank takes no part in bucket i).
 
@@ -210,16 +211,27 @@ def transfer_buckets(pg, buffers: list, entries: list, *, me: int, chain: list[i
     times. A forward that fails (the next member died) is dropped: this rank still receives its own copy (the members
     after it fail and fall back to transfers of their own). Returns the ranks this one could not forward to.
     `chain` None (NCCL): `pg.broadcast` from the root, which NCCL pipelines over its ring in chunks (the root sends
-    each byte once); every member of the group takes part in every bucket."""
+    each byte once); every member of the group takes part in every bucket: a bucket held in host memory (an owner's
+    sharded snapshot) is copied to `device` for its broadcast, and a member without it receives into a scratch
+    buffer there (one bucket at a time)."""
     tag = 0
     forwarded = True
     unreachable: set[int] = set()
     for entry, buf in zip(entries, buffers):
         root = bucket_root(entry)
         if chain is None:
-            pg.broadcast(buf, root).wait()
+            import torch  # deferred: torch
+
+            wire = buf
+            if buf is None or (device is not None and buf.device != torch.device(device)):
+                wire = torch.empty(int(entry[1]), dtype=getattr(torch, entry[0]), device=device)
+                if buf is not None and me == root:
+                    wire.copy_(buf)
+            pg.broadcast(wire, root).wait()
             if me == root and counter is not None:
-                counter.bytes += buf.numel() * buf.element_size()
+                counter.bytes += wire.numel() * wire.element_size()
+            if buf is not None and wire is not buf and me != root:
+                buf.copy_(wire)
             continue
         order = [root] + [r for r in chain if r != root]
         at = order.index(me) if me in order else -1
