@@ -17,7 +17,7 @@ import torch
 
 from tests.simengine import SimProcess
 from trainingrun.engines.simulated import SimConfig, SimulatedServer
-from trainingrun.engines.vllm.broadcast import BroadcastSender, new_group_name
+from trainingrun.engines.vllm.broadcast import BroadcastSender, ShardServer, new_group_name
 from trainingrun.engines.vllm.client import VLLMClient
 from trainingrun.engines.vllm.engine import VLLMEngine, make_clients
 from trainingrun.engines.vllm.publish import commit_version
@@ -147,4 +147,43 @@ def test_an_engine_that_asks_late_catches_up_alone_without_stalling_the_others()
         assert sender.transfers == 2 and sender.bytes_sent == 2 * nbytes
         assert json.dumps(sender.last["engines"]) == "1"
     finally:
+        sender.close()
+
+
+def test_a_sharded_version_is_sent_by_its_owners_and_arrives_whole():
+    """Item 3: two owner ranks each hold half of the buckets in host memory (rank 0's `BroadcastSender`, owner 1's
+    `ShardServer`, as the TP ranks of replica 0 do); one transfer to two engines: each owner sends only its own
+    buckets, every engine gets the whole model bit-exact."""
+    named = _named(1 << 20, parts=8)  # 4 MiB of fp32, 8 tensors of 512 KiB: a bucket each
+    halves = [named[0::2], named[1::2]]
+    sender = BroadcastSender(0, host="127.0.0.1", timeout=60, dtype=None, bucket_bytes=512 << 10, owners=2).start()
+    owner = ShardServer("127.0.0.1", sender.port, owner=1, owners=2, timeout=60, dtype=None,
+                        bucket_bytes=512 << 10).start()
+    try:
+        parts = [sender.set_weights(4, halves[0]), owner.set_weights(4, halves[1])]
+        assert all(p.nbytes == (2 << 20) for p in parts)  # each owner holds half, not the whole model
+        assert sum(p["bytes"] for p in sender.parts(4)) == 4 << 20
+        joint = {"id": "sync-4", "members": 2}
+        got: dict[str, list] = {}
+
+        def engine(name: str) -> None:
+            req = dict(_request(sender, joint), version=4)
+            manifest, tensors, st = receive(req, rank=1, device="cpu")
+            st.set(manifest["done_key"], "ok")
+            got[name] = tensors
+
+        threads = [threading.Thread(target=engine, args=(f"e{i}",)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        _served(sender, 1)
+        want = dict(named)
+        for tensors in got.values():
+            assert sorted(n for n, _ in tensors) == sorted(want)
+            assert all(torch.equal(t, want[n]) for n, t in tensors)
+        assert len(got) == 2 and sender.transfers == 1 and sender.last["engines"] == 2
+        assert sender.bytes_sent == 2 << 20 and owner.bytes_sent == 2 << 20  # each its own half, once
+    finally:
+        owner.close()
         sender.close()

@@ -1,15 +1,29 @@
-"""Trainer rank 0's side of the `broadcast` weight sync: a TCPStore, the latest weights, and one transfer per request.
+"""The trainers' side of the `broadcast` weight sync: a TCPStore on rank 0, the kept versions sharded over the owner
+ranks in host memory, and one transfer per pool sync.
 
-`BroadcastSender(port=...)` hosts a TCPStore that the engine's workers connect to (see `worker_ext.py` for the
-protocol). `set_weights(version, named_tensors)` takes a snapshot of the weights in the engine's dtype, packed into
-flat buckets per dtype (a copy, so training may go on changing the model), and keeps the newest
-`keep_versions` (maxPolicyLag + 1; the oldest is let go before the next is made, so the sender never holds one more).
-The tensors may come as a stream (the streamed sync's buckets): each bucket is packed as it fills. A background
-thread (`start()`) or `serve_next()` serves each transfer request with the version it asks for. A transfer that
-fails (engine died, timeout) is logged and dropped; the engine keeps its old weights whole and the rollout asks
-again.
+`BroadcastSender(port=...)` (trainer rank 0) hosts a TCPStore that the engines' workers connect to (see
+`worker_ext.py` for the protocol). `set_weights(version, named_tensors)` takes a snapshot of this rank's weights in
+the engine's dtype, packed into flat buckets per dtype (a copy, so training may go on changing the model), and keeps
+the newest `keep_versions` (maxPolicyLag + 1; the oldest is let go before the next is made, so no rank ever holds one
+more). The tensors may come as a stream (the streamed sync's buckets): each bucket is packed as it fills.
 
-Backends: gloo (CPU tensors) or NCCL (tensors on this rank's GPU); the engine side uses the same.
+Sharded (`owners` > 1, issue 28 item 3): each owner rank of replica 0 (TP/EP ranks of every stage) snapshots only the
+buckets it owns, in host memory; its part's manifest goes into rank 0's store (PART_KEY). Rank 0 is owner 0; the
+others run a `ShardServer`, a thread that joins each transfer rank 0 announces (TRANSFER_KEY) and sends its own
+buckets. A transfer's manifest is assembled from the parts (`assemble`: each bucket names its owner, the root that
+sends it).
+
+Serving (`start()`: a thread; or `serve_next()`): requests are taken in order; the requests of one pool sync (the
+same `joint` id and version, up to its `members`, within `join_window` seconds of the first) are served in one
+transfer (issue 28 item 2): one group — the owners as ranks 0 … owners − 1, then every engine's workers at their
+offsets — through which each bucket goes once from its owner (`worker_ext.transfer_buckets`: a pipelined chain on
+gloo, NCCL's ring broadcast on GPUs). An engine whose workers do not all answer "ok" is dropped from it (it loads
+again alone; a dead one is taken out by the pool); a request that comes late gets a transfer of its own, after. A
+transfer that fails (engine died, timeout) is logged; the engines keep their old weights whole and load again.
+`bytes_sent` counts what this rank put on the wire.
+
+Backends: gloo (CPU tensors) or NCCL (each bucket copied to this rank's GPU for its broadcast; the snapshots stay
+in host memory); the engine side uses the same.
 """
 
 from __future__ import annotations
