@@ -27,7 +27,7 @@ from trainingrun.modeling import convert, pipeline
 from trainingrun.modeling.architecture import Architecture
 from trainingrun.modeling.lora import live_state_dict
 from trainingrun.modeling.state import _recv_tensors, _send_tensors
-from trainingrun.modeling.sync_plan import plan_buckets
+from trainingrun.modeling.sync_plan import assign_owners, plan_buckets
 
 
 def shard_owner(*, tp_size: int = 1, tp_rank: int = 0, pp_size: int = 1, pp_rank: int = 0, ep_size: int = 1,
@@ -43,8 +43,8 @@ def iter_live_buckets(module: torch.nn.Module, arch: Architecture, limit: int, *
                       ep_size: int = 1, ep_rank: int = 0, shard: bool = False,
                       **_ignored) -> Iterator[dict[str, torch.Tensor]]:
     """Buckets of at most `limit` bytes of the full canonical state (see the module docstring). With `shard`, every
-    rank yields the buckets it owns instead (`shard_owner`): bucket k of a stage is assembled on the stage's TP (EP)
-    rank k mod size — the all-gather gave every rank the parts — and each stage keeps its own (nothing is sent to
+    rank yields the buckets it owns instead (`shard_owner`): each bucket of a stage is assembled on one TP (EP) rank
+    of the stage (`sync_plan.assign_owners`, balanced by bytes) — the all-gather gave every rank the parts — and each stage keeps its own (nothing is sent to
     stage 0); the owners' buckets together are the whole state, each tensor once (the broadcast's sharded
     snapshots, `engines/vllm/broadcast.py`)."""
     state = convert.canonical_names({k: v for k, v in live_state_dict(module).items() if isinstance(v, torch.Tensor)})
@@ -62,8 +62,10 @@ def iter_live_buckets(module: torch.nn.Module, arch: Architecture, limit: int, *
             return {name: convert.gather_tp(name, parts, arch)}
     lead = rank == 0  # the stage's rank that assembles the buckets (TP rank 0, or EP rank 0)
     sizes = [(n, state[n].numel() * state[n].element_size() * (size if split[n] else 1)) for n in sorted(state)]
-    for k, names in enumerate(b.names for b in plan_buckets(sizes, limit)):
-        mine = k % size == rank if shard else lead
+    plan = plan_buckets(sizes, limit)
+    owner = assign_owners([b.nbytes for b in plan], size) if shard else None  # the same on every rank
+    for k, names in enumerate(b.names for b in plan):
+        mine = owner[k] == rank if owner is not None else lead
         bucket: dict[str, torch.Tensor] = {}
         for name in names:
             local = state[name].detach().contiguous()
