@@ -7,21 +7,27 @@ directory on PYTHONPATH (a temporary directory locally, a ConfigMap in a cluster
 
 Protocol (the sender is `trainingrun.engines.vllm.broadcast.BroadcastSender` on trainer rank 0, which hosts a TCPStore):
   1. The rollout asks the engine over HTTP: `POST /collective_rpc {"method": "trainingrun_receive_weights",
-     "kwargs": {"request": JSON}}`, JSON = {host, port, group, world_size, backend, timeout, version}; `group` is a
+     "kwargs": {"request": JSON}}`, JSON = {host, port, group, world_size, backend, timeout, version, joint}; `group` is a
      fresh name for this transfer, `world_size` = 1 + the engine's workers, `version` the weight version wanted.
   2. Engine worker 0 queues the request in the trainer's store: n = add("trainingrun/requests", 1) - 1,
-     set("trainingrun/request/<n>", {group, world_size, version}). The sender takes requests in order.
-  3. The sender writes "<group>/manifest" (the names, dtypes and shapes, sent ahead; the buckets; the version) and
-     joins the process group "<group>/pg" as rank 0; engine worker i joins as rank 1 + i. A version the sender no
-     longer holds gets a manifest {"error": ...} instead, and the receivers raise at once.
-  4. Each bucket (a flat tensor per dtype, at most `bucket_bytes`) is broadcast from rank 0 into a buffer; the
-     manifest carries each bucket's checksum (`bucket_checksum`, computed where the bucket lies), and a bucket that
-     arrives with another one raises, naming it: the engine keeps its weights and the load fails as a broken
-     transfer does (the rollout loads again).
+     set("trainingrun/request/<n>", {group, world_size, version, joint}). The sender takes requests in order; those
+     of one pool sync (`joint`: {id, members}, from the engine pool) it serves together, in one transfer.
+  3. The sender writes "<group>/manifest" (the names, dtypes and shapes, sent ahead; the buckets, each with the
+     owner rank that sends it; the version; `transfer`: the transfer's group name T, this engine's rank `offset`,
+     the `world_size` and the `chain` of receiver ranks) and joins the process group "<T>/pg" — the trainer owner
+     ranks 0 … owners − 1 (rank 0 alone unless the snapshots are sharded), then every engine's workers; engine
+     worker i joins as rank offset + i. A version the sender no longer holds gets a manifest {"error": ...}
+     instead, and the receivers raise at once.
+  4. Each bucket (a flat tensor per dtype, at most `bucket_bytes`) goes once from its owner through the group
+     (`transfer_buckets`: on gloo a pipelined chain of chunks, owner → first receiver → next …; on NCCL a
+     broadcast) into a buffer; the manifest carries each bucket's checksum (`bucket_checksum`, computed where the
+     bucket lies), and a bucket that arrives with another one raises, naming it: the engine keeps its weights and
+     the load fails as a broken transfer does (the rollout loads again). A receiver whose receive fails answers
+     "failed", one that cannot forward to the next answers "unreachable" for it: the sender's wait ends at once.
   5. Only after EVERY bucket arrived (and the names and shapes match the model's checkpoint) are they handed to vLLM
      (`model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)`, which shards and repacks them
      for this worker): a transfer that breaks halfway (trainer died, timeout) raises before anything is applied, so
-     the engine keeps its previous weights whole. Then "<group>/done/<rank>" tells the sender the version is loaded.
+     the engine keeps its previous weights whole. Then "<T>/done/<rank>" tells the sender the version is loaded.
 The group is created for one transfer and dropped: an engine or trainer restart never leaves a stale group behind.
 
 Bounds (a sender that dies before or during a transfer must never wedge the engine): the worker connects to the
