@@ -89,8 +89,8 @@ from trainingrun.engines.replica import (
     ReplicaAdapter,
 )
 
-__all__ = ["DEFAULT_CONCURRENCY", "JOINT", "LOADING", "MAX_RECOVERIES", "Answer", "EnginePool", "EngineSignals", "Replica",
-           "ReplicaAdapter"]
+__all__ = ["DEFAULT_CONCURRENCY", "JOINT", "LOADING", "MAX_RECOVERIES", "Answer", "EnginePool", "EngineSignals",
+           "Replica", "ReplicaAdapter"]
 
 DEFAULT_CONCURRENCY = 64  # a fixed limit's default, and where an adaptive one starts
 AUTO_LOW, AUTO_HIGH = 4, 4096  # bounds of an adaptive limit (AUTO_HIGH: the API's largest fixed number)

@@ -44,8 +44,8 @@ def iter_live_buckets(module: torch.nn.Module, arch: Architecture, limit: int, *
                       **_ignored) -> Iterator[dict[str, torch.Tensor]]:
     """Buckets of at most `limit` bytes of the full canonical state (see the module docstring). With `shard`, every
     rank yields the buckets it owns instead (`shard_owner`): each bucket of a stage is assembled on one TP (EP) rank
-    of the stage (`sync_plan.assign_owners`, balanced by bytes) — the all-gather gave every rank the parts — and each stage keeps its own (nothing is sent to
-    stage 0); the owners' buckets together are the whole state, each tensor once (the broadcast's sharded
+    of the stage (`sync_plan.assign_owners`, balanced by bytes) — the all-gather gave every rank the parts — and
+    each stage keeps its own (nothing is sent to stage 0); the owners' buckets together are the whole state, each tensor once (the broadcast's sharded
     snapshots, `engines/vllm/broadcast.py`)."""
     state = convert.canonical_names({k: v for k, v in live_state_dict(module).items() if isinstance(v, torch.Tensor)})
     if ep_size > 1:  # a mixture of experts runs at TP 1: the experts are split over the expert-parallel ranks

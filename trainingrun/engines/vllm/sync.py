@@ -85,7 +85,8 @@ def load_from_disk(client: VLLMClient, path: str, label: str, *, timeout: float 
 
 def load_from_broadcast(client: VLLMClient, *, host: str, port: int, group: str, label: Callable[[int], str],
                         backend: str = "gloo", timeout: float = 300, version: int | None = None,
-                        connect_timeout: float = CONNECT_TIMEOUT, joint: dict[str, Any] | None = None) -> dict[str, Any]:
+                        connect_timeout: float = CONNECT_TIMEOUT,
+                        joint: dict[str, Any] | None = None) -> dict[str, Any]:
     """Receive weight `version` (None: the newest the sender holds) from trainer rank 0 at host:port
     (`BroadcastSender`); the engine is labelled `label(version received)`. The worker gives up on a sender it
     cannot reach within `connect_timeout` seconds and on a transfer not done `timeout` seconds after that.
