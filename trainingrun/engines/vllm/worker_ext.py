@@ -214,8 +214,8 @@ def transfer_buckets(pg, buffers: list, entries: list, *, me: int, chain: list[i
     `chain` (gloo): the receivers' ranks in order; bucket i goes root(i) → chain[0] → chain[1] → …, cut into
     chunks of `chunk_bytes`, each rank forwarding a chunk as soon as it has it (up to `window` sends in flight), so
     the root sends each byte once whatever the chain's length, and the chain's time is about (chunks + members − 1)
-    chunk times. A forward that fails (the next member died) is dropped: this rank still receives its own copy (the members
-    after it fail and fall back to transfers of their own). Returns the ranks this one could not forward to.
+    chunk times. A forward that fails (the next member died) is dropped: this rank still receives its own copy (the
+    members after it fail and fall back to transfers of their own). Returns the ranks this one could not forward to.
     `chain` None (NCCL): `pg.broadcast` from the root, which NCCL pipelines over its ring in chunks (the root sends
     each byte once); every member of the group takes part in every bucket: a bucket held in host memory (an owner's
     sharded snapshot) is copied to `device` for its broadcast, and a member without it receives into a scratch
