@@ -8,7 +8,8 @@ directory on PYTHONPATH (a temporary directory locally, a ConfigMap in a cluster
 Protocol (the sender is `trainingrun.engines.vllm.broadcast.BroadcastSender` on trainer rank 0, which hosts a TCPStore):
   1. The rollout asks the engine over HTTP: `POST /collective_rpc {"method": "trainingrun_receive_weights",
      "kwargs": {"request": JSON}}`, JSON = {host, port, group, world_size, backend, timeout, version, joint};
-     `group` is a fresh name for this request, `world_size` = 1 + the engine's workers, `version` the weight version wanted.
+     `group` is a fresh name for this request, `world_size` = 1 + the engine's workers, `version` the weight
+     version wanted, `joint` the pool's sync it belongs to (or null).
   2. Engine worker 0 queues the request in the trainer's store: n = add("trainingrun/requests", 1) - 1,
      set("trainingrun/request/<n>", {group, world_size, version, joint}). The sender takes requests in order; those
      of one pool sync (`joint`: {id, members}, from the engine pool) it serves together, in one transfer.
