@@ -13,8 +13,9 @@ bucket or two:
              before loading. The attempt in the name keeps a fenced-off trainer of an older attempt (a zombie) from
              ever touching a directory the live attempt committed; its own commit is refused by the store's attempt
              fencing.
-  broadcast  snapshots in host memory sharded over the owner ranks of replica 0 (each TP/EP rank of each stage
-             keeps the buckets it assembles: `stream.iter_live_buckets(shard=True)`), packed as the buckets arrive;
+  broadcast  snapshots in host memory sharded over the owner ranks of replica 0 (each TP/EP rank keeps the
+             buckets it assembles: `stream.iter_live_buckets(shard=True)`; with PP > 1 rank 0 holds them whole,
+             `stream.shard_owner`), packed as the buckets arrive;
              rank 0's `BroadcastSender` (a TCPStore, the requests) and the others' `ShardServer`s send their own
              buckets in one transfer to the engines' workers when the rollout asks
 
@@ -167,8 +168,8 @@ class DiskPublisher(_Base):
 
 class BroadcastPublisher(_Base):
     """The snapshots kept for the engines (maxPolicyLag + 1 versions) live in host memory, sharded over the ranks
-    of replica 0 that own their parts (`stream.shard_owner`: every TP or EP rank of every stage; none holds the
-    whole model, none a GPU copy): rank 0 a `BroadcastSender` (the TCPStore, the requests, its own buckets), each
+    of replica 0 that own their parts (`stream.shard_owner`: every TP or EP rank; with PP > 1 rank 0 alone; no GPU
+    copy): rank 0 a `BroadcastSender` (the TCPStore, the requests, its own buckets), each
     other owner a `ShardServer` that joins every transfer and sends its own buckets. Rank 0 commits a version only
     once every owner's part of it is there."""
 
