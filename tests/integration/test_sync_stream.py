@@ -115,19 +115,16 @@ def _worker(tmp: str, tp: int, pp: int, ep: int) -> None:
     if sender.sender is not None:
         sender.sender.bucket_bytes = LIMIT  # the snapshot's buckets too
     sender.publish(0, model)
-    if sender.sender is None:  # a later pipeline stage: not an owner (stream.shard_owner)
-        sender.close()
-        dist.barrier()
-        return
-    snap = sender.sender._snapshots[0]  # every TP / EP rank of this one replica owns part of the buckets
-    held = [sum(1 for t in snap.manifest["tensors"] if t[3] == i) for i in range(len(snap.buckets))]
-    assert len(snap.buckets) >= 2
-    assert all(b.numel() * b.element_size() <= LIMIT or n == 1 for b, n in zip(snap.buckets, held))
-    torch.save({k: v.clone() for k, v in split_buckets(snap.manifest, snap.buckets)},
-               Path(tmp) / f"snapshot-{dist.get_rank()}.pt")
-    if dist.get_rank() == 0:  # the transfer's manifest names every owner's tensors
-        whole_view = sender.sender.assemble(snap) if sender.sender.owners > 1 else snap
-        torch.save({t[0]: torch.zeros(1) for t in whole_view.manifest["tensors"]}, Path(tmp) / "assembled.pt")
+    if sender.sender is not None:  # an owner (a later pipeline stage is not one yet: stream.shard_owner)
+        snap = sender.sender._snapshots[0]  # every TP / EP rank of this one replica owns part of the buckets
+        held = [sum(1 for t in snap.manifest["tensors"] if t[3] == i) for i in range(len(snap.buckets))]
+        assert len(snap.buckets) >= 2
+        assert all(b.numel() * b.element_size() <= LIMIT or n == 1 for b, n in zip(snap.buckets, held))
+        torch.save({k: v.clone() for k, v in split_buckets(snap.manifest, snap.buckets)},
+                   Path(tmp) / f"snapshot-{dist.get_rank()}.pt")
+        if dist.get_rank() == 0:  # the transfer's manifest names every owner's tensors
+            whole_view = sender.sender.assemble(snap) if sender.sender.owners > 1 else snap
+            torch.save({t[0]: torch.zeros(1) for t in whole_view.manifest["tensors"]}, Path(tmp) / "assembled.pt")
     dist.barrier()
     sender.close()
     dist.barrier()
