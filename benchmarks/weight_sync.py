@@ -15,6 +15,14 @@ engine = a preallocated flat bf16 copy of the model on the same device), and the
 into pinned host memory (a "d2h" line). There is one GPU on the device machine, so no NCCL group of several ranks:
 what crosses GPUs is not measured (the output says so). Only torch, numpy and this package.
 
+  {"kind": "broadcast", "mode": "pool"|"per_engine", "engines": N, "bytes_sent_rank0": ..., "seconds": ...}
+      the real broadcast sync (`BroadcastSender`, gloo on 127.0.0.1) of the same model in bf16 to N = 1, 2, 4, 8
+      simulated engines, each a process running the worker extension's own `receive` (one worker each): "pool"
+      serves them as the pool does, in one transfer (a chain through the engines, each bucket sent once by rank 0);
+      "per_engine" as before issue 28 item 2, one transfer per engine, one after another. `seconds` is the sender's,
+      from the manifest to the last engine's answer (the receivers' torch import excluded). `--broadcast-only` skips
+      the other lines.
+
 Run: `OMP_NUM_THREADS=1 python benchmarks/weight_sync.py [--params 20000000] [--bucket-mib 8] [--device cpu]`.
 """
 
@@ -149,18 +157,74 @@ def peak(params: int, limit: int, device: str) -> None:
                       "peak_extra_buckets": round(extra / limit, 3)}), flush=True)
 
 
+def receiver(request: str) -> None:
+    """One simulated engine (a process): the worker extension's receive, then "ok" for the sender."""
+    from trainingrun.engines.vllm.worker_ext import receive
+
+    manifest, named, store = receive(json.loads(request), rank=1, device="cpu")
+    store.set(manifest["done_key"], "ok")
+
+
+def run_broadcast(model, limit: int) -> None:
+    """The real broadcast sync to N engine processes, as one transfer of the pool and one transfer per engine."""
+    import os
+    import uuid
+
+    from trainingrun.engines.vllm.broadcast import BroadcastSender, new_group_name
+
+    sender = BroadcastSender(0, host="127.0.0.1", timeout=600, dtype="bfloat16", bucket_bytes=limit,
+                             join_window=120, log=lambda m: print(f"# {m}", file=sys.stderr)).start()
+    try:
+        sender.set_weights(0, model.items())
+        for mode in ("pool", "per_engine"):
+            for engines in (1, 2, 4, 8):
+                joint = {"id": uuid.uuid4().hex[:12], "members": engines} if mode == "pool" else None
+                before, served = sender.bytes_sent, sender.transfers
+                procs = []
+                for _ in range(engines):
+                    req = {"host": "127.0.0.1", "port": sender.port, "group": new_group_name(), "world_size": 2,
+                           "backend": "gloo", "timeout": 600, "connect_timeout": 60, "version": 0, "joint": joint}
+                    procs.append(subprocess.Popen([sys.executable, __file__, "--receiver", json.dumps(req)],
+                                                  env={**os.environ, "OMP_NUM_THREADS": "1"}))
+                want = served + (1 if mode == "pool" else engines)
+                while sender.transfers < want:
+                    if any(p.poll() not in (None, 0) for p in procs):
+                        raise RuntimeError("a receiver failed")
+                    time.sleep(0.05)
+                for p in procs:
+                    p.wait(timeout=600)
+                seconds = sum(t["total_seconds"] for t in list(sender.history)[served - want:])
+                sent = sender.bytes_sent - before
+                print(json.dumps({"kind": "broadcast", "mode": mode, "engines": engines, "backend": "gloo",
+                                  "model_bytes": sender._snapshots[0].nbytes, "bytes_sent_rank0": sent,
+                                  "bytes_sent_over_model": round(sent / sender._snapshots[0].nbytes, 3),
+                                  "seconds": round(seconds, 3)}), flush=True)
+    finally:
+        sender.close()
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=int, default=20_000_000)
     ap.add_argument("--bucket-mib", type=int, default=8)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--peak-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--broadcast-only", action="store_true", help="only the broadcast lines (gloo, CPU)")
+    ap.add_argument("--receiver", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.receiver:
+        receiver(args.receiver)
+        return
     limit = bucket_bytes(args.bucket_mib)
+    if args.broadcast_only:
+        run_broadcast(make_model(args.params, "cpu"), limit)
+        return
     if args.peak_only:
         peak(args.params, limit, args.device)
         return
     run_sync(make_model(args.params, args.device), limit, args.device)
+    if args.device == "cpu":
+        run_broadcast(make_model(args.params, "cpu"), limit)
     for p in (args.params, 2 * args.params):
         out = subprocess.run([sys.executable, __file__, "--peak-only", "--params", str(p), "--bucket-mib",
                               str(args.bucket_mib), "--device", args.device], check=True, capture_output=True,

@@ -24,10 +24,10 @@ def _named() -> list[tuple[str, torch.Tensor]]:
 class CorruptsBucketOne(BroadcastSender):
     """Sends bucket 1 with one element changed (what a damaged link or a bad NIC does), the manifest unchanged."""
 
-    def _send(self, snap: Snapshot, req: dict):
+    def _send(self, snap: Snapshot, reqs: list[dict]):
         damaged = [b.clone() for b in snap.buckets]
         damaged[1][3] += 1.0
-        return super()._send(dataclasses.replace(snap, buckets=damaged), req)
+        return super()._send(dataclasses.replace(snap, buckets=damaged), reqs)
 
 
 def _request(sender: BroadcastSender, version: int) -> dict:

@@ -60,10 +60,19 @@ def test_streamed_buckets_equal_the_whole_gather(tmp_path, tp, pp, ep):
         assert sorted(w.names()) == sorted(want)
         for name, t in want.items():
             assert torch.equal(w.get(name), t), name
-    sent = torch.load(tmp_path / "snapshot.pt", weights_only=True)
+    # the broadcast's snapshot is sharded over the owner ranks (issue 28 item 3): each holds only its part, the
+    # parts are disjoint, and together they are the whole model, bit-exact
+    parts = [torch.load(f, weights_only=True) for f in sorted(tmp_path.glob("snapshot-*.pt"))]
+    assert len(parts) == tp * ep, len(parts)  # pipeline stages are not owners yet: stage 0 holds it whole
+    sent: dict = {}
+    for part in parts:
+        assert part and (len(part) < len(want) or len(parts) == 1), len(part)  # a part, never the whole model
+        assert not set(part) & set(sent), "a tensor in two owners' snapshots"
+        sent.update(part)
     assert sorted(sent) == sorted(want)
     for name, t in want.items():
         assert torch.equal(sent[name], t), name
+    assert sorted(torch.load(tmp_path / "assembled.pt", weights_only=True)) == sorted(want)
 
 
 LORA_RANK = 4
@@ -224,12 +233,17 @@ def _worker(tmp: str, tp: int, pp: int, ep: int) -> None:
     if sender.sender is not None:
         sender.sender.bucket_bytes = LIMIT  # the snapshot's buckets too
     sender.publish(0, model)
-    if dist.get_rank() == 0:
-        snap = sender.sender._snapshots[0]
+    if sender.sender is not None:  # an owner (a later pipeline stage is not one yet: stream.shard_owner)
+        snap = sender.sender._snapshots[0]  # every TP / EP rank of this one replica owns part of the buckets
         held = [sum(1 for t in snap.manifest["tensors"] if t[3] == i) for i in range(len(snap.buckets))]
-        assert len(snap.buckets) > 3
+        assert len(snap.buckets) >= 2
         assert all(b.numel() * b.element_size() <= LIMIT or n == 1 for b, n in zip(snap.buckets, held))
-        torch.save({k: v.clone() for k, v in split_buckets(snap.manifest, snap.buckets)}, Path(tmp) / "snapshot.pt")
+        torch.save({k: v.clone() for k, v in split_buckets(snap.manifest, snap.buckets)},
+                   Path(tmp) / f"snapshot-{dist.get_rank()}.pt")
+        if dist.get_rank() == 0:  # the transfer's manifest names every owner's tensors
+            whole_view = sender.sender.assemble(snap) if sender.sender.owners > 1 else snap
+            torch.save({t[0]: torch.zeros(1) for t in whole_view.manifest["tensors"]}, Path(tmp) / "assembled.pt")
+    dist.barrier()
     sender.close()
     dist.barrier()
 

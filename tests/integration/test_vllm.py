@@ -186,15 +186,17 @@ SENDER_DIES = textwrap.dedent("""
     from trainingrun.engines.vllm.broadcast import BroadcastSender
 
     class DiesAfterFirstBucket(BroadcastSender):
-        def _send(self, snap, req):
+        def _send(self, snap, reqs):
             import json
             import torch.distributed as dist
-            from trainingrun.engines.vllm.worker_ext import MANIFEST_KEY, PG_PREFIX, make_group
-            group = req["group"]
-            self.store.set(MANIFEST_KEY.format(group=group), json.dumps(snap.manifest))
-            pg = make_group(dist.PrefixStore(PG_PREFIX.format(group=group), self.store), 0,
-                            int(req["world_size"]), "gloo", self.timeout)
-            pg.broadcast(snap.buckets[0], 0).wait()
+            from trainingrun.engines.vllm.worker_ext import MANIFEST_KEY, PG_PREFIX, make_group, transfer_buckets
+            group, world = reqs[0]["group"], int(reqs[0]["world_size"])
+            transfer = {"group": group, "offset": 1, "world_size": world, "chain": list(range(1, world)),
+                        "chunk_bytes": self.chunk_bytes}
+            self.store.set(MANIFEST_KEY.format(group=group), json.dumps({**snap.manifest, "transfer": transfer}))
+            pg = make_group(dist.PrefixStore(PG_PREFIX.format(group=group), self.store), 0, world, "gloo",
+                            self.timeout)
+            transfer_buckets(pg, snap.buckets[:1], snap.manifest["buckets"][:1], me=0, chain=transfer["chain"])
             print("sent one bucket", flush=True)
             os._exit(3)  # the trainer dies halfway through the transfer
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from trainingrun.api.spec.engine import WeightSyncSpec
 from trainingrun.modeling import sync_plan
-from trainingrun.modeling.sync_plan import Layout, bucket_bytes, owners, peak_bytes, plan_buckets
+from trainingrun.modeling.sync_plan import Layout, assign_owners, bucket_bytes, owners, peak_bytes, plan_buckets
 
 sizes_st = st.lists(st.integers(min_value=0, max_value=5000), max_size=60).map(
     lambda xs: [(f"t{i}", n) for i, n in enumerate(xs)])
@@ -88,3 +90,21 @@ def test_owners_bad_split_and_layout():
         owners(0, "dp", Layout())
     with pytest.raises(ValueError, match="tp"):
         Layout(tp=0)
+
+
+@pytest.mark.parametrize("owners", [1, 2, 3, 4])
+def test_sharded_owners_are_balanced_by_bytes_and_the_same_everywhere(owners):
+    rng = random.Random(owners)
+    sizes = [rng.choice([1, 5, 56, 28, 32]) * 1000 for _ in range(40)]
+    got = assign_owners(sizes, owners)
+    assert got == assign_owners(list(sizes), owners)  # deterministic: every rank computes the same
+    assert set(got) == set(range(owners))
+    held = [sum(s for s, g in zip(sizes, got) if g == o) for o in range(owners)]
+    assert max(held) <= sum(sizes) / owners + max(sizes)
+    # bucket k mod owners (the first cut) is not balanced on a plan whose large buckets fall on one owner
+    alternating = [56_000, 1_000] * 10
+    held_mod = [sum(s for k, s in enumerate(alternating) if k % 2 == o) for o in range(2)]
+    held_bal = [sum(s for s, g in zip(alternating, assign_owners(alternating, 2)) if g == o) for o in range(2)]
+    assert max(held_mod) - min(held_mod) == 550_000 and max(held_bal) - min(held_bal) <= 56_000
+    with pytest.raises(ValueError, match="owners"):
+        assign_owners(sizes, 0)

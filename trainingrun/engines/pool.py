@@ -31,8 +31,9 @@ one call that runs; a caller with requests from several threads batches them int
 `EngineGate`).
 
 Weights (`load_weights(version)`): `fetch(version)` says where the version is (an HF directory for `disk`, trainer
-rank 0's address for `broadcast`: the version's meta); every replica loads it in parallel (`ReplicaAdapter.load`;
-broadcast: one transfer per replica, served one after another by the sender: a fan-out), and the seconds each took
+rank 0's address for `broadcast`: the version's meta); every replica loads it in parallel (`ReplicaAdapter.load`,
+the meta with JOINT = {id, members} when several load it together: broadcast serves them in one transfer, and a
+replica whose part failed transfers again alone; a recovery or a late replica loads alone), and the seconds each took
 are recorded (`last_sync`). A replica found down is waited for and loaded again (up to MAX_RECOVERIES tries); a live
 replica whose load fails is left out (recovered in the background). A load taking longer than LOAD_REPORT_SECONDS is
 reported ("engine-0 busy loading weights since 12:00:03 (30s)"); no load outlives `load_timeout` (+ the worker's
@@ -60,6 +61,7 @@ import re
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -89,14 +91,15 @@ from trainingrun.engines.replica import (
     ReplicaAdapter,
 )
 
-__all__ = ["DEFAULT_CONCURRENCY", "LOADING", "MAX_RECOVERIES", "Answer", "EnginePool", "EngineSignals", "Replica",
-           "ReplicaAdapter"]
+__all__ = ["DEFAULT_CONCURRENCY", "JOINT", "LOADING", "MAX_RECOVERIES", "Answer", "EnginePool", "EngineSignals",
+           "Replica", "ReplicaAdapter"]
 
 DEFAULT_CONCURRENCY = 64  # a fixed limit's default, and where an adaptive one starts
 AUTO_LOW, AUTO_HIGH = 4, 4096  # bounds of an adaptive limit (AUTO_HIGH: the API's largest fixed number)
 STICKY_WAIT = 0.0  # seconds a request waits for room at its affinity's replica: none (benchmarks/engine_pool.py sticky-wait)
 FAULT_REPEATS = 2  # a replica that came back and failed with the same engine error this often: deterministic
 LOAD_REPORT_SECONDS = 30.0
+JOINT = "joint"  # meta key of one sync of the pool: {"id", "members"}; an adapter may serve the members together
 REMOVED = "removed from the pool"  # `Replica.broken` of a server a resize took out
 
 
@@ -176,7 +179,9 @@ class EnginePool:
         with self._lock:
             targets = [r for r in self.replicas if not r.recovering and not r.broken]
         outcome: dict[str, BaseException | None] = {}
-        self._load_all(targets, version, meta, outcome, wait=len(targets) == 1)
+        # one sync of the pool: the adapters may serve its replicas together (broadcast: one transfer for all)
+        together = {**meta, JOINT: {"id": uuid.uuid4().hex[:12], "members": len(targets)}} if len(targets) > 1 else meta
+        self._load_all(targets, version, together, outcome, wait=len(targets) == 1)
         if len(targets) > 1 and not any(outcome.get(r.name, 1) is None for r in targets):
             gone = [r for r in targets if isinstance(outcome.get(r.name), EngineUnavailable)
                     and not isinstance(outcome.get(r.name), WeightsRefused)]

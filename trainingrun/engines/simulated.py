@@ -412,9 +412,10 @@ class SimEngine:
         t0 = time.perf_counter()
         manifest, named, store = worker_ext.receive(req, rank=1, device="cpu")
         time.sleep(self.cfg.load_seconds)
-        store.set(worker_ext.DONE_KEY.format(group=req["group"], rank=1), "ok")
+        store.set(manifest["done_key"], "ok")
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
-        self.loads.append({"version": manifest["version"], "bytes": nbytes})
+        self.loads.append({"version": manifest["version"], "bytes": nbytes,
+                           "transfer": (manifest.get("transfer") or {}).get("group", req["group"])})
         return {"version": manifest["version"], "bytes": nbytes, "tensors": len(named),
                 "receive_seconds": time.perf_counter() - t0, "load_seconds": self.cfg.load_seconds}
 

@@ -324,10 +324,11 @@ def megatron_to_hf(state: dict[str, torch.Tensor], arch: Architecture, *, whole:
     return out
 
 
-def iter_megatron_to_hf(buckets: Iterable[dict[str, torch.Tensor]], arch: Architecture
+def iter_megatron_to_hf(buckets: Iterable[dict[str, torch.Tensor]], arch: Architecture, *, complete: bool = True
                         ) -> Iterator[dict[str, torch.Tensor]]:
     """Each bucket of a full canonical Megatron state (the streamed gather's, `modeling.stream`) as HF tensors, in
-    turn; once the buckets end, ConversionError when they missed a tensor of `arch` or held one twice."""
+    turn; ConversionError when they held a tensor twice and (`complete`) once the buckets end, when they missed a
+    tensor of `arch` (not `complete`: one owner's part of a sharded stream; the receiver checks the whole)."""
     seen: set[str] = set()
     for bucket in buckets:
         names = set(canonical_names(bucket))
@@ -335,7 +336,7 @@ def iter_megatron_to_hf(buckets: Iterable[dict[str, torch.Tensor]], arch: Archit
             raise ConversionError(f"Megatron weights: tensors sent twice {twice[:8]}")
         seen |= names
         yield megatron_to_hf(bucket, arch, whole=False)
-    if missing := sorted({m for m, _, _ in export_plan(arch)} - seen):
+    if complete and (missing := sorted({m for m, _, _ in export_plan(arch)} - seen)):
         raise ConversionError(f"Megatron weights do not match the architecture: missing {missing[:8]}")
 
 

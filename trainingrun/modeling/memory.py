@@ -26,8 +26,8 @@ tensor-, pipeline- and expert-parallel shard, `trainer_parameters`), b = bytes o
   reference      ppo with klCoef > 0: the initial policy's weights (P · b) and its logits
   sync buffers   generated rollouts: two buckets of weightSync.bucketMiB (the streamed weight sync's bound), or
                  the whole model where it is smaller
-  snapshots      broadcast, pipeline stage 0 (trainer rank 0): maxPolicyLag + 1 whole models in engine.vllm.dtype
-                 (the sender's snapshots: not sharded over the ranks yet, issue 28 item 3)
+  snapshots      broadcast, on a CPU process: its share of maxPolicyLag + 1 models in engine.vllm.dtype, sharded
+                 over the owner ranks in host memory (+ a bucket); none on a GPU (issue 28 item 3)
   runtime        what the process holds before the model: on a CPU torch, megatron-core, gloo and the trainer's
                  modules (CPU_TRAINER_RUNTIME, measured); on a GPU the CUDA context, NCCL and the allocator's slack
                  (GPU_TRAINER_RUNTIME, an estimate)
@@ -510,11 +510,20 @@ def _stage_terms(arch: Architecture, t: TrainerSettings, sync: SyncSettings, sta
                       (f"2 buckets of {sync.bucket_mib} MiB" if buffers == sync.buffers else "the whole model (less "
                        f"than 2 buckets of {sync.bucket_mib} MiB)") if sync.synced else
                       "no weight sync (replayed rollouts)", ("weightSync.bucketMiB",) if sync.synced else ()))
-    if sync.synced and sync.type == "broadcast" and stage == 0:  # trainer rank 0 keeps whole snapshots
+    if sync.synced and sync.type == "broadcast" and not t.on_gpu:
+        # the kept versions live in host memory, sharded over the owner ranks of replica 0 (every TP or EP rank of
+        # every stage, issue 28 item 3): a GPU holds none; a CPU process its share, plus one bucket of imbalance
         eb = ENGINE_DTYPE_BYTES[sync.engine_dtype]
-        terms.append(Term("snapshots", "broadcast snapshots", sync.versions_kept * whole * eb,
-                          f"trainer rank 0: {sync.versions_kept} × the whole model × {eb} B ({sync.engine_dtype}), "
-                          f"rollout.maxPolicyLag + 1 versions", ("rollout.maxPolicyLag", "weightSync.type")))
+        # (pipeline stages are not owners yet: with PP > 1 stage 0's first rank holds them whole, stream.shard_owner)
+        owners = 1 if t.pipeline_parallel > 1 else (t.expert_parallel if t.expert_parallel > 1 else t.tensor_parallel)
+        if owners == 1 and stage != 0:
+            owners = 0
+        share = 0 if owners == 0 else min(sync.versions_kept * whole * eb,
+                                          -(-sync.versions_kept * whole * eb // owners) + sync.buffers // 2)
+        terms.append(Term("snapshots", "broadcast snapshots", share,
+                          f"{sync.versions_kept} × the whole model × {eb} B ({sync.engine_dtype}) / {max(owners, 1)} "
+                          f"owner ranks (+ a bucket), rollout.maxPolicyLag + 1 versions, in host memory",
+                          ("rollout.maxPolicyLag", "weightSync.type")))
     runtime = GPU_TRAINER_RUNTIME if t.on_gpu else CPU_TRAINER_RUNTIME
     terms.append(Term("runtime", "runtime", runtime, "CUDA context, NCCL, allocator (estimate)" if t.on_gpu else
                       "torch, megatron-core, gloo (measured)"))

@@ -12,6 +12,8 @@ Ownership (`owners`): a tensor of pipeline stage s lives on the ranks of that st
 parallelism (or over expert parallelism) has one part on each TP (EP) rank of the stage, a replicated one is whole on
 each and is read from the stage's first rank. Ranks are given as (pp_rank, tp_rank, ep_rank) triples.
 
+Sharded snapshots (`assign_owners`): the buckets of a stage are spread over its TP (EP) ranks, balanced by bytes.
+
 This module is the plan only; `modeling/stream.py` gathers by it for the disk and broadcast publishers (docs/vllm.md).
 """
 
@@ -93,6 +95,21 @@ def owners(stage: int, split: str | None, layout: Layout) -> tuple[tuple[int, in
     if split is None:
         return ((stage, 0, 0),)
     raise ValueError(f"split must be 'tp', 'ep' or None, got {split!r}")
+
+
+def assign_owners(sizes: Sequence[int], owners: int) -> list[int]:
+    """The owner (0 … owners − 1) of each bucket of a sharded snapshot, balancing bytes: largest bucket first, each to
+    the owner holding the fewest bytes so far (ties: the lower owner, then the earlier bucket) — deterministic, so
+    every rank of a stage computes the same. No owner holds more than 1/owners of the bytes plus one bucket."""
+    if owners < 1:
+        raise ValueError(f"owners must be at least 1, got {owners}")
+    held = [0] * owners
+    out = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        g = min(range(owners), key=lambda g: (held[g], g))
+        out[i] = g
+        held[g] += sizes[i]
+    return out
 
 
 def peak_bytes(buckets: Sequence[Bucket]) -> int:

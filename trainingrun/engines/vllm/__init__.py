@@ -17,7 +17,9 @@ Module map:
                  (`broadcast`), never half-applied
   worker_ext.py  runs INSIDE the vLLM server (its own virtual environment / image): receives broadcast weights.
                  Imports only the standard library and torch; keep it that way.
-  broadcast.py   the trainer-side sender of the broadcast weight sync (torch.distributed, gloo on CPU / NCCL on GPU)
+  broadcast.py   the trainer side of the broadcast weight sync (torch.distributed, gloo on CPU / NCCL on GPU):
+                 rank 0's `BroadcastSender`, the other owner ranks' `ShardServer` (snapshots sharded in host
+                 memory), one transfer per pool sync
   publish.py     the trainer-side publishers (`disk`: an HF directory written atomically; `broadcast`), committed
                  through the store's fencing
   k8s.py         the engine pod's container, its worker-extension ConfigMap and the URL the rollout is given

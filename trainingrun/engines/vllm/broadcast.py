@@ -1,19 +1,34 @@
-"""Trainer rank 0's side of the `broadcast` weight sync: a TCPStore, the latest weights, and one transfer per request.
+"""The trainers' side of the `broadcast` weight sync: a TCPStore on rank 0, the kept versions sharded over the owner
+ranks in host memory, and one transfer per pool sync.
 
-`BroadcastSender(port=...)` hosts a TCPStore that the engine's workers connect to (see `worker_ext.py` for the
-protocol). `set_weights(version, named_tensors)` takes a snapshot of the weights in the engine's dtype, packed into
-flat buckets per dtype (a copy, so training may go on changing the model), and keeps the newest
-`keep_versions` (maxPolicyLag + 1; the oldest is let go before the next is made, so the sender never holds one more).
-The tensors may come as a stream (the streamed sync's buckets): each bucket is packed as it fills. A background
-thread (`start()`) or `serve_next()` serves each transfer request with the version it asks for. A transfer that
-fails (engine died, timeout) is logged and dropped; the engine keeps its old weights whole and the rollout asks
-again.
+`BroadcastSender(port=...)` (trainer rank 0) hosts a TCPStore that the engines' workers connect to (see
+`worker_ext.py` for the protocol). `set_weights(version, named_tensors)` takes a snapshot of this rank's weights in
+the engine's dtype, packed into flat buckets per dtype (a copy, so training may go on changing the model), and keeps
+the newest `keep_versions` (maxPolicyLag + 1; the oldest is let go before the next is made, so no rank ever holds one
+more). The tensors may come as a stream (the streamed sync's buckets): each bucket is packed as it fills.
 
-Backends: gloo (CPU tensors) or NCCL (tensors on this rank's GPU); the engine side uses the same.
+Sharded (`owners` > 1, issue 28 item 3): each owner rank of replica 0 (its TP/EP ranks) snapshots only the
+buckets it owns, in host memory; its part's manifest goes into rank 0's store (PART_KEY). Rank 0 is owner 0; the
+others run a `ShardServer`, a thread that joins each transfer rank 0 announces (TRANSFER_KEY) and sends its own
+buckets. A transfer's manifest is assembled from the parts (`assemble`: each bucket names its owner, the root that
+sends it).
+
+Serving (`start()`: a thread; or `serve_next()`): requests are taken in order; the requests of one pool sync (the
+same `joint` id and version, up to its `members`, within `join_window` seconds of the first) are served in one
+transfer (issue 28 item 2): one group — the owners as ranks 0 … owners − 1, then every engine's workers at their
+offsets — through which each bucket goes once from its owner (`worker_ext.transfer_buckets`: a pipelined chain on
+gloo, NCCL's ring broadcast on GPUs). An engine whose workers do not all answer "ok" is dropped from it (it loads
+again alone; a dead one is taken out by the pool); a request that comes late gets a transfer of its own, after. A
+transfer that fails (engine died, timeout) is logged; the engines keep their old weights whole and load again.
+`bytes_sent` counts what this rank put on the wire.
+
+Backends: gloo (CPU tensors) or NCCL (each bucket copied to this rank's GPU for its broadcast; the snapshots stay
+in host memory); the engine side uses the same.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import sys
 import threading
@@ -29,10 +44,19 @@ from trainingrun.engines.vllm.worker_ext import (
     MANIFEST_KEY,
     PG_PREFIX,
     REQUEST_KEY,
+    CHUNK_BYTES,
+    ChainCounter,
     bucket_checksum,
     checksum_kind,
+    connect,
     make_group,
+    transfer_buckets,
 )
+
+PART_KEY = "trainingrun/part/{version}/{owner}"  # an owner's part manifest of a version (JSON)
+TRANSFER_KEY = "trainingrun/transfer/{n}"  # rank 0 → the other owners: join transfer n (JSON)
+
+JOIN_WINDOW = 5.0  # seconds the sender waits for the other engines of a pool sync before it starts the transfer
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 
@@ -88,7 +112,9 @@ def pack(version: int, named: Iterable[tuple[str, Any]], *, dtype: str | None, d
 class BroadcastSender:
     def __init__(self, port: int = 0, *, host: str = "0.0.0.0", backend: str = "gloo", timeout: float = 300.0,
                  dtype: str | None = "bfloat16", device: Any = "cpu", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 keep_versions: int = 1, log: Callable[[str], None] | None = None):
+                 keep_versions: int = 1, log: Callable[[str], None] | None = None, join_window: float = JOIN_WINDOW,
+                 chunk_bytes: int = CHUNK_BYTES, owners: int = 1, owner: int = 0, transfer_device: Any = None,
+                 store: Any = None):
         import torch.distributed as dist  # deferred: torch
 
         self.backend = backend
@@ -97,13 +123,23 @@ class BroadcastSender:
         self.device = device
         self.bucket_bytes = bucket_bytes
         self.log = log or (lambda msg: print(f"[weights] {msg}", file=sys.stderr, flush=True))
-        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=timeout))
-        self.port = self.store.port
+        self.owners, self.owner = owners, owner
+        self.transfer_device = transfer_device if transfer_device is not None else device  # NCCL: the GPU
+        self.store = store if store is not None else dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                                                   timeout=timedelta(seconds=timeout))
+        self.port = port if store is not None else self.store.port
+        self._next_transfer = 0
         self.keep_versions = keep_versions
         self.transfers = 0  # served successfully
         self.failures = 0
+        self.dropped = 0  # engines dropped from a transfer of the pool (they loaded again alone, or were taken out)
+        self.sending: ChainCounter | None = None
+        self.bytes_sent = 0  # bytes this rank put on the wire, all transfers (flat in the pool's size: one chain)
+        self.join_window = join_window
+        self.chunk_bytes = chunk_bytes
+        self._later: list[dict[str, Any]] = []  # requests taken while gathering another sync's, served next
         self.last: dict[str, Any] | None = None  # stats of the last successful transfer
+        self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=64)  # of the last transfers
         self._next_request = 0
         self._snapshots: dict[int, Snapshot] = {}
         self._lock = threading.Lock()
@@ -118,11 +154,18 @@ class BroadcastSender:
             others = sorted(v for v in self._snapshots if v != version)
             for v in others[: max(0, len(others) - (self.keep_versions - 1))]:
                 del self._snapshots[v]  # a transfer of it under way keeps its buffers until it ends
+                if self.owners > 1:
+                    self.store.delete_key(PART_KEY.format(version=v, owner=self.owner))
         snap = pack(version, named, dtype=self.dtype, device=self.device, bucket_bytes=self.bucket_bytes)
         with self._lock:
             self._snapshots[snap.version] = snap
-            for v in sorted(self._snapshots)[: -self.keep_versions]:
+            gone = sorted(self._snapshots)[: -self.keep_versions]
+            for v in gone:
                 del self._snapshots[v]
+        if self.owners > 1:  # rank 0 assembles the transfer's manifest from every owner's part
+            self.store.set(PART_KEY.format(version=snap.version, owner=self.owner), json.dumps(snap.manifest))
+            for v in gone:
+                self.store.delete_key(PART_KEY.format(version=v, owner=self.owner))
         return snap
 
     @property
@@ -137,55 +180,181 @@ class BroadcastSender:
             return sorted(self._snapshots)
 
     # ------------------------------------------------------------------ serving
-    def serve_next(self, timeout: float) -> dict[str, Any] | None:
-        """Serve the next queued request; None when none came within `timeout` seconds (or no weights yet)."""
+    def _poll(self) -> dict[str, Any] | None:
+        """The next request queued in the store, if one is there now (requests are taken in order)."""
         key = REQUEST_KEY.format(n=self._next_request)
+        if not self.store.check([key]):  # check(), not wait(): a timed-out wait logs a warning each time
+            return None
+        self._next_request += 1
+        return json.loads(self.store.get(key))
+
+    def _take(self, timeout: float) -> dict[str, Any] | None:
+        if self._later:
+            return self._later.pop(0)
         deadline = time.monotonic() + timeout
-        while not self.store.check([key]):  # check(), not wait(): a timed-out wait logs a warning each time
+        while (req := self._poll()) is None:
             if time.monotonic() >= deadline or self._stop.is_set():
                 return None
             time.sleep(0.02)
-        req = json.loads(self.store.get(key))
-        self._next_request += 1
-        wanted = req.get("version")
+        return req
+
+    def _gather(self, first: dict[str, Any]) -> list[dict[str, Any]]:
+        """The requests served together with `first`: those of the same pool sync (`joint` id, same version) that
+        come within `join_window` seconds, up to the members the pool announced. Others are kept for later; an
+        engine that asks after the window (restarted, late) gets a transfer of its own, after this one."""
+        joint = first.get("joint") or {}
+        members = int(joint.get("members") or 1)
+        if not joint.get("id") or members <= 1:
+            return [first]
+        reqs = [first]
+        same = lambda r: (r.get("joint") or {}).get("id") == joint["id"] and r.get("version") == first.get("version")
+        for r in [r for r in self._later if same(r)]:
+            self._later.remove(r)
+            reqs.append(r)
+        end = time.monotonic() + self.join_window
+        while len(reqs) < members and time.monotonic() < end and not self._stop.is_set():
+            req = self._poll()
+            if req is None:
+                time.sleep(0.01)
+            elif same(req):
+                reqs.append(req)
+            else:
+                self._later.append(req)
+        self._later.extend(reqs[members:])
+        return reqs[:members]
+
+    def serve_next(self, timeout: float) -> dict[str, Any] | None:
+        """Serve the next queued request (with the requests of the same pool sync: one transfer); None when none
+        came within `timeout` seconds."""
+        first = self._take(timeout)
+        if first is None:
+            return None
+        reqs = self._gather(first)
+        wanted = first.get("version")
+        groups = [r.get("group") for r in reqs]
         with self._lock:
             held = sorted(self._snapshots)
             snap = self._snapshots.get(held[-1] if wanted is None and held else wanted)
+        error = None
         if snap is None:
-            self.failures += 1
             error = f"weight version {wanted} is not held here (held: {held})"
-            self.store.set(MANIFEST_KEY.format(group=req["group"]), json.dumps({"error": error}))
-            self.log(f"transfer {req.get('group')}: {error}")
-            return {"error": error, "version": wanted, "group": req.get("group")}
-        try:
-            stats = self._send(snap, req)
-        except Exception as exc:  # noqa: BLE001 - the engine keeps its old weights; the rollout retries
+        elif self.owners > 1:
+            try:
+                snap = self.assemble(snap)
+            except (RuntimeError, ValueError) as exc:
+                error = str(exc)
+        if error is not None:
             self.failures += 1
-            self.log(f"transfer {req.get('group')} of version {snap.version} failed: {exc}")
-            return {"error": str(exc), "version": snap.version, "group": req.get("group")}
-        self.transfers += 1
+            for r in reqs:
+                self.store.set(MANIFEST_KEY.format(group=r["group"]), json.dumps({"error": error}))
+            self.log(f"transfer {groups}: {error}")
+            return {"error": error, "version": wanted, "groups": groups}
+        try:
+            stats = self._send(snap, reqs)
+        except Exception as exc:  # noqa: BLE001 - the engines keep their old weights; the rollout retries
+            self.failures += 1
+            self.dropped += len(reqs) if len(reqs) > 1 else 0
+            self.log(f"transfer {groups} of version {snap.version} failed: {exc}")
+            return {"error": str(exc), "version": snap.version, "groups": groups}
         self.last = stats
+        self.history.append(stats)
+        self.transfers += 1
         return stats
 
-    def _send(self, snap: Snapshot, req: dict[str, Any]) -> dict[str, Any]:
+    def _send(self, snap: Snapshot, reqs: list[dict[str, Any]]) -> dict[str, Any]:
+        """One transfer of `snap` to every engine of `reqs`: one group, rank 0 this sender, each engine's workers at
+        their offset; every bucket sent once (`worker_ext.transfer_buckets`). An engine whose workers do not all say
+        "ok" is dropped (its load failed: it transfers again alone), the others count."""
         import torch.distributed as dist  # deferred: torch
 
-        group, world = str(req["group"]), int(req["world_size"])
+        name = str(reqs[0]["group"]) if len(reqs) == 1 else f"{reqs[0]['group']}-pool{len(reqs)}"
+        members, offset = [], self.owners
+        for r in reqs:
+            members.append({"group": str(r["group"]), "offset": offset, "workers": int(r["world_size"]) - 1})
+            offset += int(r["world_size"]) - 1
+        world = offset
+        chain = list(range(self.owners, world))
         t0 = time.perf_counter()
-        self.store.set(MANIFEST_KEY.format(group=group), json.dumps(snap.manifest))
-        pg = make_group(dist.PrefixStore(PG_PREFIX.format(group=group), self.store), 0, world, self.backend,
-                        self.timeout)
-        for buf in snap.buckets:
-            pg.broadcast(buf, 0).wait()
-        t1 = time.perf_counter()
-        self.store.wait([DONE_KEY.format(group=group, rank=r) for r in range(1, world)],
-                        timedelta(seconds=self.timeout))
+        for m in members:
+            transfer = {"group": name, "offset": m["offset"], "world_size": world, "chain": chain,
+                        "chunk_bytes": self.chunk_bytes}
+            self.store.set(MANIFEST_KEY.format(group=m["group"]), json.dumps({**snap.manifest, "transfer": transfer}))
+        counter = self.sending = ChainCounter()  # live: what this transfer sent so far
+        if self.owners > 1:  # the other owners join as ranks 1 … owners − 1 and send their own buckets
+            self.store.set(TRANSFER_KEY.format(n=self._next_transfer), json.dumps(
+                {"group": name, "version": snap.version, "world_size": world, "chain": chain,
+                 "chunk_bytes": self.chunk_bytes, "buckets": snap.manifest["buckets"]}))
+            self._next_transfer += 1
+        try:
+            pg = make_group(dist.PrefixStore(PG_PREFIX.format(group=name), self.store), 0, world, self.backend,
+                            self.timeout)
+            transfer_buckets(pg, list(snap.buckets), snap.manifest["buckets"], me=0,
+                             chain=None if self.backend == "nccl" else chain, chunk_bytes=self.chunk_bytes,
+                             counter=counter, device=self.transfer_device)
+            t1 = time.perf_counter()
+            done = self._wait_done(name, world)
+        finally:
+            self.bytes_sent += counter.bytes
+            for m in members:
+                self.store.delete_key(MANIFEST_KEY.format(group=m["group"]))
         t2 = time.perf_counter()
-        for r in range(1, world):
-            self.store.delete_key(DONE_KEY.format(group=group, rank=r))
-        self.store.delete_key(MANIFEST_KEY.format(group=group))
-        return {"version": snap.version, "group": group, "bytes": snap.nbytes, "send_seconds": t1 - t0,
+        loaded = [m["group"] for m in members
+                  if all(done.get(r) == "ok" for r in range(m["offset"], m["offset"] + m["workers"]))]
+        dropped = [m["group"] for m in members if m["group"] not in loaded]
+        self.dropped += len(dropped)
+        if dropped:
+            self.log(f"transfer {name} of version {snap.version}: dropped {dropped} (answers {done}; they load again "
+                     f"in transfers of their own), loaded {len(loaded)} of {len(members)}")
+        return {"version": snap.version, "group": name, "engines": len(members), "loaded": loaded,
+                "dropped": dropped, "bytes": snap.nbytes, "bytes_sent": counter.bytes, "send_seconds": t1 - t0,
                 "total_seconds": t2 - t0}
+
+    def _wait_done(self, name: str, world: int) -> dict[int, str]:
+        """{rank: its answer} of the other owners and the receivers that answered within the timeout (keys
+        deleted)."""
+        keys = {r: DONE_KEY.format(group=name, rank=r) for r in range(1, world)}
+        deadline = time.monotonic() + self.timeout
+        while not all(self.store.check([k]) for k in keys.values()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        done = {}
+        for r, k in keys.items():
+            if self.store.check([k]):
+                done[r] = self.store.get(k).decode()
+                self.store.delete_key(k)
+        return done
+
+    def parts(self, version: int, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Every owner's part manifest of `version` (waiting up to `timeout` for them: the owners pack in step with
+        this rank); RuntimeError naming the owners whose part is not there."""
+        keys = [PART_KEY.format(version=version, owner=g) for g in range(self.owners)]
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while not all(self.store.check([k]) for k in keys):
+            if time.monotonic() >= deadline:
+                missing = [g for g, k in enumerate(keys) if not self.store.check([k])]
+                raise RuntimeError(f"weight version {version} is not held by trainer owners {missing} (of "
+                                   f"{self.owners}): released or never packed")
+            time.sleep(0.02)
+        return [json.loads(self.store.get(k)) for k in keys]
+
+    def assemble(self, snap: Snapshot) -> Snapshot:
+        """The transfer's view of a sharded version: the manifest of every owner's buckets (owner g's after owner
+        g − 1's, each bucket's entry naming its owner as the root that sends it) and this rank's buffers at its
+        own buckets' places (None at the others')."""
+        parts = self.parts(snap.version, timeout=min(self.timeout, 60.0))
+        tensors, entries, sums, buffers, nbytes = [], [], [], [], 0
+        for g, part in enumerate(parts):
+            base = len(entries)
+            tensors += [[n, d, shape, b + base] for n, d, shape, b in part["tensors"]]
+            entries += [[d, n, g] for d, n in part["buckets"]]
+            sums += part["checksums"]
+            buffers += list(snap.buckets) if g == self.owner else [None] * len(part["buckets"])
+            nbytes += int(part["bytes"])
+        kinds = {p["checksum"] for p in parts}
+        if len(kinds) != 1:
+            raise ValueError(f"weight version {snap.version}: owners' checksums differ in kind {sorted(kinds)}")
+        manifest = {"version": snap.version, "tensors": tensors, "buckets": entries, "bytes": nbytes,
+                    "checksum": kinds.pop(), "checksums": sums}
+        return Snapshot(snap.version, manifest, buffers, nbytes)
 
     def start(self) -> BroadcastSender:
         """Serve requests in a background thread until close()."""
@@ -202,6 +371,59 @@ class BroadcastSender:
         if self._thread is not None:
             self._thread.join(timeout=self.timeout + 5)
             self._thread = None
+
+
+class ShardServer(BroadcastSender):
+    """An owner of part of the weights other than trainer rank 0 (`owner` ≥ 1 of `owners`): keeps its own buckets of
+    each version in host memory (`set_weights`: its part of the sharded stream; the part's manifest goes into rank
+    0's store) and, from a thread, joins every transfer rank 0 announces (TRANSFER_KEY, in order) as rank `owner`,
+    sending its own buckets down the chain of the engines' workers. Its wait for rank 0's store is bounded
+    (`worker_ext.connect`); a transfer of a version it does not hold is answered "missing" (the others' group then
+    fails within its timeout and the engines transfer again)."""
+
+    def __init__(self, host: str, port: int, *, owner: int, owners: int, timeout: float = 300.0,
+                 connect_timeout: float = 60.0, **kw):
+        store = connect(host, port, connect_timeout, timeout)
+        super().__init__(port, timeout=timeout, owners=owners, owner=owner, store=store, **kw)
+
+    def serve_next(self, timeout: float) -> dict[str, Any] | None:
+        key = TRANSFER_KEY.format(n=self._next_transfer)
+        deadline = time.monotonic() + timeout
+        while not self.store.check([key]):
+            if time.monotonic() >= deadline or self._stop.is_set():
+                return None
+            time.sleep(0.02)
+        self._next_transfer += 1
+        t = json.loads(self.store.get(key))
+        name, done = str(t["group"]), DONE_KEY.format(group=t["group"], rank=self.owner)
+        with self._lock:
+            snap = self._snapshots.get(int(t["version"]))
+        if snap is None:
+            self.store.set(done, "missing")
+            self.failures += 1
+            self.log(f"transfer {name}: version {t['version']} is not held here (held: {self.versions})")
+            return {"error": "missing", "group": name}
+        import torch.distributed as dist  # deferred: torch
+
+        own = iter(snap.buckets)
+        buffers = [next(own) if int(e[2]) == self.owner else None for e in t["buckets"]]
+        counter = self.sending = ChainCounter()
+        try:
+            pg = make_group(dist.PrefixStore(PG_PREFIX.format(group=name), self.store), self.owner,
+                            int(t["world_size"]), self.backend, self.timeout)
+            transfer_buckets(pg, buffers, t["buckets"], me=self.owner,
+                             chain=None if self.backend == "nccl" else [int(r) for r in t["chain"]],
+                             chunk_bytes=int(t["chunk_bytes"]), counter=counter, device=self.transfer_device)
+        except Exception as exc:  # noqa: BLE001 - the engines keep their weights and transfer again
+            self.store.set(done, "failed")
+            self.failures += 1
+            self.log(f"transfer {name} of version {snap.version} failed here: {exc}")
+            return {"error": str(exc), "group": name}
+        finally:
+            self.bytes_sent += counter.bytes
+        self.store.set(done, "ok")
+        self.transfers += 1
+        return {"group": name, "version": snap.version, "bytes_sent": counter.bytes}
 
 
 def new_group_name() -> str:

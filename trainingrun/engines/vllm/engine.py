@@ -4,8 +4,10 @@ What depends on vLLM is the replica adapter, `VLLMReplica`: a request is one `/v
 (`client.py`), an abort is `/pause?mode=abort` then `/resume`, the weight label is the server's `/weight_info`, the
 load signals are its Prometheus `/metrics` (METRICS), and a weight version loads by disk (an HF directory),
 broadcast (from trainer rank 0) or, in a LoRA run, as a LoRA adapter (a PEFT directory) through `sync.py`; then the
-replica's requests name that version's adapter (`served`) and it unloads those older than the version's `keep`.
-Everything else — dispatch, the ledger, stalls, recovery, abort, the version barrier, the load fan-out — is the pool's.
+replica's requests name that version's adapter (`served`) and it unloads those older than the version's `keep`. By
+broadcast the engines of one pool sync (the pool's meta[JOINT]) are served in one transfer; an engine whose part of
+it failed loads the version again in a transfer of its own. Everything else — dispatch, the ledger, stalls, recovery,
+abort, the version barrier, the load fan-out — is the pool's.
 
 `build(spec, store, arch)` is the entry of the engine table (`trainingrun.engines.table`): the servers at
 `engine.url`, else the run's own (their URLs in $TRAININGRUN_ENGINE_URL, set by the launcher or the operator; with
@@ -23,10 +25,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from trainingrun.contract.engine import Engine, EngineError, Sampling
+from trainingrun.contract.engine import Engine, EngineError, Sampling, WeightsRefused
 from trainingrun.contract.env import ENGINE_URL_ENV, ProcessEnv
 from trainingrun.contract.errors import ConfigError
-from trainingrun.engines.pool import EnginePool, EngineSignals
+from trainingrun.engines.pool import JOINT, EnginePool, EngineSignals
 from trainingrun.engines.vllm import sync
 from trainingrun.engines.vllm.broadcast import new_group_name
 from trainingrun.engines.vllm.client import Completion, VLLMClient
@@ -102,9 +104,23 @@ class VLLMReplica:
             self.served = name
             return result
         if method == "broadcast":
-            result = sync.load_from_broadcast(
-                self.client, host=str(meta["host"]), port=int(meta["port"]), group=meta_group(version), label=label,
-                backend=str(meta.get("backend", "gloo")), timeout=timeout, version=version)
+            def receive(joint: dict[str, Any] | None) -> dict[str, Any]:
+                return sync.load_from_broadcast(
+                    self.client, host=str(meta["host"]), port=int(meta["port"]), group=meta_group(version),
+                    label=label, backend=str(meta.get("backend", "gloo")), timeout=timeout, version=version,
+                    joint=joint)
+
+            joint = meta.get(JOINT)
+            try:
+                result = receive(joint)
+            except WeightsRefused:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the pool's transfer failed here: this engine's own next
+                if not joint:
+                    raise
+                print(f"[rollout] {self.url}: the pool's transfer of weight version {version} failed ({exc}); "
+                      "loading it in a transfer of its own", file=sys.stderr, flush=True)
+                result = receive(None)
             if result["version"] != version:
                 raise EngineError(f"broadcast served weight version {result['version']}, asked for {version}")
             return result

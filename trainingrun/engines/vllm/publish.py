@@ -22,8 +22,11 @@ bucket or two:
              and SHA-256, the adapter's name (`adapter_name`: the engine serves the version under it) and how many
              versions the engine keeps loaded (`keep`: maxPolicyLag + 1); the engine loads it with vLLM's
              `/v1/load_lora_adapter` (`sync.load_adapter`).
-  broadcast  a snapshot held by a `BroadcastSender` on rank 0 (a TCPStore + one process group per transfer), packed
-             as the buckets arrive, which the engine's workers fetch when the rollout asks
+  broadcast  snapshots in host memory sharded over the owner ranks of replica 0 (each TP/EP rank keeps the
+             buckets it assembles: `stream.iter_live_buckets(shard=True)`; with PP > 1 rank 0 holds them whole,
+             `stream.shard_owner`), packed as the buckets arrive;
+             rank 0's `BroadcastSender` (a TCPStore, the requests) and the others' `ShardServer`s send their own
+             buckets in one transfer to the engines' workers when the rollout asks
 
 and only then commits the version in the run's store (`Store.publish_weights(version, {"version": [version]}, meta)`:
 no weights in the store, the meta says where the weights are; `commit_version`), so `Store.latest_weights()` never
@@ -47,7 +50,7 @@ import numpy as np
 
 from trainingrun.modeling.architecture import Architecture
 from trainingrun.modeling.sync_plan import DEFAULT_BUCKET_MIB, bucket_bytes
-from trainingrun.engines.vllm.broadcast import BroadcastSender
+from trainingrun.engines.vllm.broadcast import BroadcastSender, ShardServer
 from trainingrun.engines.vllm.worker_ext import file_digests
 
 DIR_PREFIX = "v"
@@ -245,38 +248,83 @@ class AdapterPublisher(DiskPublisher):
 
 
 class BroadcastPublisher(_Base):
+    """The snapshots kept for the engines (maxPolicyLag + 1 versions) live in host memory, sharded over the ranks
+    of replica 0 that own their parts (`stream.shard_owner`: every TP or EP rank; with PP > 1 rank 0 alone; no GPU
+    copy): rank 0 a `BroadcastSender` (the TCPStore, the requests, its own buckets), each
+    other owner a `ShardServer` that joins every transfer and sends its own buckets. Rank 0 commits a version only
+    once every owner's part of it is there."""
+
     def __init__(self, store, *, host: str, port: int = 0, timeout: float = 300.0, backend: str = "gloo", **kw):
         super().__init__(store, **kw)
         self.host, self.backend = host, backend
         self.sender = None
-        if self.rank == 0:
-            if backend == "gloo":
-                device: Any = "cpu"
-            else:  # NCCL: snapshots stay on this rank's GPU
-                import torch  # deferred: torch
+        from trainingrun.modeling.stream import shard_owner  # deferred: torch
 
-                device = torch.device("cuda", torch.cuda.current_device())
-            self.sender = BroadcastSender(port, backend=backend, timeout=timeout, dtype=self.dtype,
-                                          keep_versions=self.lag + 1, device=device, bucket_bytes=self.bucket_bytes,
-                                          log=lambda msg: print(f"[trainer 0] weights: {msg}", file=sys.stderr,
-                                                                flush=True)).start()
+        self.owner, self.owners = shard_owner(**self.layout) if self.layout else (0, 1)
+        if self.owners > 1:  # every rank: the other owners learn rank 0's store port (0 = a free one)
+            port = self._share_port(port, timeout)
+        else:
+            self._start(port, timeout)
+
+    def _holder_kw(self, timeout: float) -> dict[str, Any]:
+        if self.backend == "gloo":
+            device: Any = "cpu"
+        else:  # NCCL: the snapshot stays in host memory; each bucket goes to this rank's GPU for its broadcast
+            import torch  # deferred: torch
+
+            device = torch.device("cuda", torch.cuda.current_device())
+        return dict(backend=self.backend, timeout=timeout, dtype=self.dtype, keep_versions=self.lag + 1,
+                    device="cpu", transfer_device=device, bucket_bytes=self.bucket_bytes, owners=self.owners,
+                    log=lambda msg: print(f"[trainer {self.rank}] weights: {msg}", file=sys.stderr, flush=True))
+
+    def _start(self, port: int, timeout: float) -> int:
+        if self.rank == 0:
+            self.sender = BroadcastSender(port, **self._holder_kw(timeout)).start()
+            return self.sender.port
+        return port
+
+    def _share_port(self, port: int, timeout: float) -> int:
+        import torch.distributed as dist  # deferred: torch
+
+        box = [self._start(port, timeout) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)  # every trainer rank constructs its publisher here
+        if self.rank != 0 and self.dp_rank == 0:
+            self.sender = ShardServer(self.host, int(box[0]), owner=self.owner,
+                                      **self._holder_kw(timeout)).start()
+        return int(box[0])
+
+    def _owned_buckets(self, module) -> Iterator[dict]:
+        """This owner's HF buckets of the sharded stream (every rank of replica 0 runs it to its end)."""
+        if self.dp_rank != 0:
+            return
+        from trainingrun.modeling import convert  # deferred: torch
+        from trainingrun.modeling.stream import iter_live_buckets  # deferred: torch
+
+        buckets = iter_live_buckets(module, self.arch, self.bucket_bytes, shard=True, **self.layout)
+        yield from convert.iter_megatron_to_hf(buckets, self.arch, complete=False)
 
     def publish(self, version: int, module: Any) -> None:
         self.last_seconds, self.last_bytes = 0.0, 0  # what this publish moved (nothing when skipped)
-        buckets = self._hf_buckets(module)  # collectives: every TP/PP rank of replica 0 takes part, even to skip
-        if self.rank != 0 or (self._committed(version) and version in self.sender.versions):
+        # collectives: every TP/PP rank of replica 0 takes part, even to skip
+        buckets = self._owned_buckets(module) if self.owners > 1 else self._hf_buckets(module)
+        held = self.sender is not None and version in self.sender.versions
+        if self.sender is None or held and (self.rank != 0 or self._committed(version)):
             for _ in buckets:
                 pass
             return
 
         t0 = time.perf_counter()
-        # packed bucket by bucket as they arrive: the snapshot plus a bucket or two, never a second whole copy
+        # packed bucket by bucket as they arrive: this rank's part plus a bucket or two, never a second whole copy
         snap = self.sender.set_weights(version, (item for hf in buckets for item in hf.items()))
+        if self.rank != 0:
+            self.last_seconds, self.last_bytes = time.perf_counter() - t0, snap.nbytes
+            return
+        nbytes = sum(int(p["bytes"]) for p in self.sender.parts(version)) if self.owners > 1 else snap.nbytes
         commit_version(self.store, version, {"method": "broadcast", "host": self.host, "port": self.sender.port,
-                                             "backend": self.backend, "bytes": snap.nbytes, "dtype": self.dtype})
+                                             "backend": self.backend, "bytes": nbytes, "dtype": self.dtype})
         self.store.release_weights_below(max(0, version - self.lag))
         self.last_seconds = time.perf_counter() - t0
-        self.last_bytes = snap.nbytes
+        self.last_bytes = nbytes
 
     def close(self) -> None:
         if self.sender is not None:

@@ -92,15 +92,18 @@ def load_from_disk(client: VLLMClient, path: str, label: str, *, timeout: float 
 
 def load_from_broadcast(client: VLLMClient, *, host: str, port: int, group: str, label: Callable[[int], str],
                         backend: str = "gloo", timeout: float = 300, version: int | None = None,
-                        connect_timeout: float = CONNECT_TIMEOUT) -> dict[str, Any]:
+                        connect_timeout: float = CONNECT_TIMEOUT,
+                        joint: dict[str, Any] | None = None) -> dict[str, Any]:
     """Receive weight `version` (None: the newest the sender holds) from trainer rank 0 at host:port
     (`BroadcastSender`); the engine is labelled `label(version received)`. The worker gives up on a sender it
-    cannot reach within `connect_timeout` seconds and on a transfer not done `timeout` seconds after that."""
+    cannot reach within `connect_timeout` seconds and on a transfer not done `timeout` seconds after that.
+    `joint` ({"id", "members"}: the pool's sync of this version to `members` engines) lets the sender serve the
+    engines of one sync in one transfer (`BroadcastSender._gather`)."""
     world = 1 + client.world_size()
     connect_timeout = min(connect_timeout, timeout)
     request = json.dumps({"host": host, "port": int(port), "group": group, "world_size": world,
                           "backend": backend, "timeout": timeout, "connect_timeout": connect_timeout,
-                          "version": version})
+                          "version": version, "joint": joint})
 
     def load() -> dict[str, Any]:
         results = client.collective_rpc("trainingrun_receive_weights", {"request": request},
