@@ -560,6 +560,11 @@ def register_resources(emulator: FidelityEmulator, crd_path: Path = CRD_PATH) ->
     return crd
 
 
+def pod_uids(pods: list[dict]) -> dict[str, str]:
+    """{name: uid} of `pods` — what a test compares to say that pods were kept (not replaced)."""
+    return {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods}
+
+
 class Cluster:
     """The emulator served on 127.0.0.1 from a background thread, with a synchronous HTTP client for tests."""
 
@@ -640,6 +645,11 @@ class Cluster:
             if exc.code == 404:
                 return None
             raise
+
+    def live_pod(self, name: str, namespace: str = "default") -> dict | None:
+        """The pod `name`, None when it is absent or being deleted."""
+        pod = self.get(f"/api/v1/namespaces/{namespace}/pods/{name}")
+        return None if pod is None or pod["metadata"].get("deletionTimestamp") else pod
 
     def create(self, path: str, obj: dict) -> Any:
         return self.request("POST", path, obj)

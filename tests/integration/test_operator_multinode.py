@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.integration.test_operator_roles import ENGINE_RUN
-from tests.kube import Cluster
+from tests.kube import Cluster, pod_uids
 from tests.services import wait_for
 
 POD = "/api/v1/namespaces/default/pods/"
@@ -25,15 +25,6 @@ def kube():
     with Cluster() as c, c.operator(interval=0.5) as op:
         c.op = op
         yield c
-
-
-def uids(pods: list[dict]) -> dict[str, str]:
-    return {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods}
-
-
-def live(kube: Cluster, name: str) -> dict | None:
-    pod = kube.get(POD + name)
-    return None if pod is None or pod["metadata"].get("deletionTimestamp") else pod
 
 
 def test_a_failed_worker_replaces_its_replica_only_and_the_run_goes_on(kube):
@@ -66,18 +57,18 @@ def test_a_failed_worker_replaces_its_replica_only_and_the_run_goes_on(kube):
         kube.set_pod(name, "Running")
     kube.run_all("mn", 0)
     assert kube.condition("mn", "PodsReady")["status"] == "True"
-    kept = uids([*group, engines[0], engines[1]])
+    kept = pod_uids([*group, engines[0], engines[1]])
 
     kube.set_pod("mn-engine-1-n1", "Failed", exit_code=1)  # replica 1's worker dies
-    wait_for(lambda: live(kube, "mn-engine-1") is None, 15, f"replica 1's leader replaced (now {kube.status('mn')})")
+    wait_for(lambda: kube.live_pod("mn-engine-1") is None, 15, f"replica 1's leader replaced (now {kube.status('mn')})")
     new = [wait_for(lambda n=n: kube.get(POD + n), 15, f"replacement {n} (now {kube.status('mn')})")
            for n in ("mn-engine-1-r1", "mn-engine-1-n1-r1")]
     for node, pod in enumerate(new):
         labels = pod["metadata"]["labels"]
         assert (labels["trainingrun.dev/engine-replica"], labels["trainingrun.dev/engine-node"],
                 labels["trainingrun.dev/role-attempt"]) == ("1", str(node), "1")
-    assert uids([*kube.group_pods("mn", 0), kube.get(POD + "mn-engine-0"), kube.get(POD + "mn-engine-0-n1")]) == kept
-    assert uids([kube.get(PG + f"mn-engine-{i}") for i in (0, 1)]) == uids(gangs)  # the replica's gang stays
+    assert pod_uids([*kube.group_pods("mn", 0), kube.get(POD + "mn-engine-0"), kube.get(POD + "mn-engine-0-n1")]) == kept
+    assert pod_uids([kube.get(PG + f"mn-engine-{i}") for i in (0, 1)]) == pod_uids(gangs)  # the replica's gang stays
     assert all(p["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "mn-engine-1" for p in new)
     st = kube.status("mn")
     assert st["phase"] == "Running" and st["attempt"] == 0 and st["restarts"] == 0, st

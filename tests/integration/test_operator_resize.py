@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.integration.test_operator_roles import ENGINE_RUN
-from tests.kube import ROOT, Cluster
+from tests.kube import ROOT, Cluster, pod_uids
 from tests.services import wait_for
 from trainingrun.operator import metrics
 
@@ -30,15 +30,6 @@ def kube():
     with Cluster() as c, c.operator(interval=0.5) as op:
         c.op = op
         yield c
-
-
-def uids(pods: list[dict]) -> dict[str, str]:
-    return {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods}
-
-
-def live(kube: Cluster, name: str) -> dict | None:
-    pod = kube.get(POD + name)
-    return None if pod is None or pod["metadata"].get("deletionTimestamp") else pod
 
 
 def engine_urls(kube: Cluster, run: str) -> list[str]:
@@ -82,7 +73,7 @@ def test_engine_pool_resized_2_3_1_keeps_the_trainers_and_the_rollout(kube):
     assert env["TRAININGRUN_ENGINE_URL_FILE"] == "/etc/trainingrun/engines"
     config = next(v for v in rollout["spec"]["volumes"] if v["name"] == "config")
     assert {"key": "engines", "path": "engines"} in config["configMap"]["items"]
-    kept = uids([*group, kube.get(POD + "rs-engine-0"), kube.get(POD + "rs-engine-1")])
+    kept = pod_uids([*group, kube.get(POD + "rs-engine-0"), kube.get(POD + "rs-engine-1")])
 
     resize(kube, "rs", 3)
     added = wait_for(lambda: kube.get(POD + "rs-engine-2"), 15, f"engine pod 2 (now {kube.status('rs')})")
@@ -97,10 +88,10 @@ def test_engine_pool_resized_2_3_1_keeps_the_trainers_and_the_rollout(kube):
     kube.set_pod("rs-engine-2", "Running")
     wait_for(lambda: kube.status("rs").get("engineReplicas") == 3, 10, f"engineReplicas 3 (now {kube.status('rs')})")
     assert kube.condition("rs", "EnginePoolResizing")["status"] == "False"
-    assert uids([*kube.group_pods("rs", 0), kube.get(POD + "rs-engine-0"), kube.get(POD + "rs-engine-1")]) == kept
+    assert pod_uids([*kube.group_pods("rs", 0), kube.get(POD + "rs-engine-0"), kube.get(POD + "rs-engine-1")]) == kept
 
     resize(kube, "rs", 1)
-    wait_for(lambda: live(kube, "rs-engine-1") is None and live(kube, "rs-engine-2") is None, 15,
+    wait_for(lambda: kube.live_pod("rs-engine-1") is None and kube.live_pod("rs-engine-2") is None, 15,
              f"engine pods 1 and 2 removed (now {kube.status('rs')})")
     assert engine_urls(kube, "rs") == [url("rs", 0)]
     wait_for(lambda: kube.status("rs").get("engineReplicas") == 1, 10, f"engineReplicas 1 (now {kube.status('rs')})")
@@ -108,7 +99,7 @@ def test_engine_pool_resized_2_3_1_keeps_the_trainers_and_the_rollout(kube):
     st = kube.status("rs")
     assert st["phase"] == "Running" and st["attempt"] == 0 and st["restarts"] == 0, st
     assert not st.get("roleRestarts"), st  # a removed replica is no failure
-    assert uids([*kube.group_pods("rs", 0), kube.get(POD + "rs-engine-0")]) == {
+    assert pod_uids([*kube.group_pods("rs", 0), kube.get(POD + "rs-engine-0")]) == {
         k: v for k, v in kept.items() if k != "rs-engine-1"}
     assert kube.get(POD + "rs-engine-1-r1") is None and kube.get(POD + "rs-engine-2-r1") is None
     reasons = kube.reasons("rs")
@@ -179,7 +170,7 @@ def test_kubectl_scale_resizes_the_pool(kube):
     kube.set_pod("ks-engine-1", "Running")
     wait_for(lambda: kube.status("ks").get("engineReplicas") == 2, 10, "engineReplicas 2")
     assert kubectl("get", "tr", "ks", "-o", "jsonpath={.status.engineReplicas}").stdout == "2"
-    assert uids(kube.group_pods("ks", 0)) == uids(group)
+    assert pod_uids(kube.group_pods("ks", 0)) == pod_uids(group)
     out = kubectl("scale", "tr/ks", "--replicas", "0")
     assert out.returncode != 0 and "spec.rollout.engine.replicas" in out.stderr.replace("/", "."), out.stderr
 
@@ -203,4 +194,4 @@ def test_the_engines_gang_group_follows_a_resize(kube):
     resize(kube, "vg", 1)
     wait_for(lambda: kube.get(pg)["spec"]["minMember"] == 1, 15, f"minMember 1 (now {kube.get(pg)['spec']})")
     wait_for(lambda: kube.status("vg").get("engineReplicas") == 1, 15, f"engineReplicas 1 (now {kube.status('vg')})")
-    assert uids(kube.group_pods("vg", 0)) == uids(group) and "EngineGangNotResized" not in kube.reasons("vg")
+    assert pod_uids(kube.group_pods("vg", 0)) == pod_uids(group) and "EngineGangNotResized" not in kube.reasons("vg")

@@ -29,11 +29,6 @@ def uid(pod: dict) -> str:
     return pod["metadata"]["uid"]
 
 
-def live(kube: Cluster, name: str) -> dict | None:
-    pod = kube.get(POD + name)
-    return None if pod is None or pod["metadata"].get("deletionTimestamp") else pod
-
-
 def role_entry(kube: Cluster, run: str, role: str, replica: int = 0) -> dict:
     return next((e for e in kube.status(run).get("roleRestarts") or []
                  if e["role"] == role and e.get("replica", 0) == replica), {})
@@ -53,7 +48,7 @@ def test_rollout_restarts_alone_on_its_own_budget_and_deleted_children_reset_not
     assert st["attempt"] == 0 and st["restarts"] == 0
     entry = role_entry(kube, "ro", "rollout")
     assert entry["restarts"] == 1 and "ro-rollout-a0" in entry["lastFailure"]
-    assert {p["metadata"]["name"]: uid(p) for p in kube.pods("ro", role="trainer") if live(kube, p["metadata"]["name"])
+    assert {p["metadata"]["name"]: uid(p) for p in kube.pods("ro", role="trainer") if kube.live_pod(p["metadata"]["name"])
             } == trainers, "the trainers were not touched"
     assert "RestartingRole" in kube.reasons("ro") and "RoleRestarted" in kube.reasons("ro")
     replacement = kube.get(POD + "ro-rollout-a0-r1")
@@ -71,7 +66,7 @@ def test_rollout_restarts_alone_on_its_own_budget_and_deleted_children_reset_not
     st = kube.wait_phase("ro", "Failed")
     assert "failurePolicy.roles.rollout.maxRestarts" in st["message"] and "ro-rollout-a0-r1" in st["message"]
     # every pod of the failed run deleted by hand: still Failed, nothing re-created, the counters kept
-    wait_for(lambda: all(live(kube, n) is None for n in trainers), 10, "the failed run's live pods deleted")
+    wait_for(lambda: all(kube.live_pod(n) is None for n in trainers), 10, "the failed run's live pods deleted")
     for pod in kube.pods("ro"):
         kube.delete(POD + pod["metadata"]["name"])
     kube.op.settle("ro")

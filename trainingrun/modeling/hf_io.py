@@ -128,62 +128,87 @@ def write_hf_shards(out_dir: str | Path, shards: Iterable[dict[str, torch.Tensor
     before the next is taken, so no more than one shard is held here; one shard is `model.safetensors`, several are
     `model-0000i-of-0000n.safetensors` with their index. config.json and the assets as `write_hf_dir`; written into
     a temporary sibling and renamed, so `out_dir` is whole or absent (also when the shards' iterator raises)."""
-    from safetensors.torch import save_file  # deferred: safetensors
-
     out = Path(out_dir)
-    base = None
-    if assets_dir is not None and (Path(assets_dir) / "config.json").is_file():
-        base = read_config(assets_dir)
-    if dtype is not None:  # a model that cannot be exported is refused before any shard is taken
-        config = hf_config_for(arch, base=base, dtype=str(dtype).removeprefix("torch."))
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    config = _config(arch, assets_dir, dtype)  # a model that cannot be exported is refused before any shard is taken
+    tmp = staging_dir(out, f"tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        files: list[tuple[str, list[str]]] = []  # (provisional file name, its tensors)
-        dtypes: set[torch.dtype] = set()
-        total = 0
-        for shard in shards:
-            if dtype is not None:
-                shard = {k: v.to(dtype) for k, v in shard.items()}
-            # safetensors refuses tensors sharing memory and non-contiguous ones
-            shard = {k: v.detach().cpu().contiguous().clone() for k, v in shard.items()}
-            if not shard:
-                continue
-            name = f"part-{len(files) + 1:05d}.safetensors"
-            save_file(shard, str(tmp / name), metadata={"format": "pt"})
-            files.append((name, list(shard)))
-            dtypes |= {v.dtype for v in shard.values()}
-            total += sum(v.numel() * v.element_size() for v in shard.values())
-            del shard
-        if not files:
-            raise ValueError(f"{out}: no weights to write")
-        if len(files) == 1:
-            (tmp / files[0][0]).rename(tmp / "model.safetensors")
-        else:
-            weight_map = {}
-            for i, (name, tensors) in enumerate(files, start=1):
-                final = f"model-{i:05d}-of-{len(files):05d}.safetensors"
-                (tmp / name).rename(tmp / final)
-                weight_map.update(dict.fromkeys(tensors, final))
-            (tmp / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-        if dtype is None:
-            dtype_name = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else "float32"
-            config = hf_config_for(arch, base=base, dtype=dtype_name)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if assets_dir is not None:
-            for name in ASSET_FILES:
-                src = Path(assets_dir) / name
-                if src.is_file():
-                    shutil.copyfile(src, tmp / name)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        files = write_part_files(tmp, shards, dtype=dtype)
+        return finish_hf_dir(tmp, out, files, arch, assets_dir=assets_dir, config=config)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def staging_dir(out_dir: Path, tag: str) -> Path:
+    """The hidden sibling an HF directory is written in before it is renamed into place."""
+    return out_dir.parent / f".{out_dir.name}.{tag}"
+
+
+def _config(arch: Architecture, assets_dir: str | Path | None, dtype: torch.dtype | None) -> dict | None:
+    """config.json's content for `dtype` (None: decided by the tensors written, see `finish_hf_dir`)."""
+    if dtype is None:
+        return None
+    base = read_config(assets_dir) if assets_dir is not None and (Path(assets_dir) / "config.json").is_file() else None
+    return hf_config_for(arch, base=base, dtype=str(dtype).removeprefix("torch."))
+
+
+def write_part_files(directory: Path, shards: Iterable[dict[str, torch.Tensor]], *, prefix: str = "part",
+                     dtype: torch.dtype | None = None) -> list[dict[str, Any]]:
+    """Write each shard (cast to `dtype`) as `<prefix>-0000i.safetensors` in `directory`, holding one at a time;
+    [{"file", "tensors", "bytes", "dtype"}] in order (the parts `finish_hf_dir` names; several writers — the trainer
+    ranks of a sharded sync — each write their own with a prefix of their own)."""
+    from safetensors.torch import save_file  # deferred: safetensors
+
+    files: list[dict[str, Any]] = []
+    for shard in shards:
+        if dtype is not None:
+            shard = {k: v.to(dtype) for k, v in shard.items()}
+        # safetensors refuses tensors sharing memory and non-contiguous ones
+        shard = {k: v.detach().cpu().contiguous().clone() for k, v in shard.items()}
+        if not shard:
+            continue
+        name = f"{prefix}-{len(files) + 1:05d}.safetensors"
+        save_file(shard, str(directory / name), metadata={"format": "pt"})
+        files.append({"file": name, "tensors": list(shard), "dtype": sorted({str(v.dtype) for v in shard.values()}),
+                      "bytes": sum(v.numel() * v.element_size() for v in shard.values())})
+        del shard
+    return files
+
+
+def finish_hf_dir(tmp: Path, out: Path, files: list[dict[str, Any]], arch: Architecture, *,
+                  assets_dir: str | Path | None = None, config: dict | None = None) -> Path:
+    """Name the part files written in `tmp` (`write_part_files`, in the order given) as an HF directory's weights —
+    one is `model.safetensors`; several `model-0000i-of-0000n.safetensors` with their index —, add config.json
+    (`config`, else from the parts' dtype) and the assets of `assets_dir`, and rename `tmp` to `out`."""
+    if not files:
+        raise ValueError(f"{out}: no weights to write")
+    if len(files) == 1:
+        (tmp / files[0]["file"]).rename(tmp / "model.safetensors")
+    else:
+        weight_map = {}
+        for i, part in enumerate(files, start=1):
+            final = f"model-{i:05d}-of-{len(files):05d}.safetensors"
+            (tmp / part["file"]).rename(tmp / final)
+            weight_map.update(dict.fromkeys(part["tensors"], final))
+        total = sum(int(part["bytes"]) for part in files)
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    if config is None:
+        dtypes = {d for part in files for d in part["dtype"]}
+        config = _config(arch, assets_dir, getattr(torch, dtypes.pop().removeprefix("torch."))
+                         if len(dtypes) == 1 else torch.float32)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if assets_dir is not None:
+        for name in ASSET_FILES:
+            src = Path(assets_dir) / name
+            if src.is_file():
+                shutil.copyfile(src, tmp / name)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
     return out
 
 
