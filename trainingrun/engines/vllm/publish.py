@@ -10,8 +10,8 @@ bucket or two:
   disk       an HF directory `<weightSync.path>/v<version>-a<attempt>`, one safetensors file per bucket, written beside
              its name and renamed into place (`modeling.hf_io.write_hf_shards`; config.json and tokenizer from
              `model.hf`); with several owners (TP/EP/PP > 1) each owner rank writes its own buckets' files in
-             parallel and rank 0 finishes the directory (`DiskPublisher._publish_in_parallel`); the meta carries every weight file's size and SHA-256 (`files`), which the engine checks
-             before loading. The attempt in the name keeps a fenced-off trainer of an older attempt (a zombie) from
+             parallel and rank 0 finishes the directory (`DiskPublisher._publish_in_parallel`); the meta carries
+             every weight file's size and SHA-256 (`files`), which the engine checks before loading. The attempt in the name keeps a fenced-off trainer of an older attempt (a zombie) from
              ever touching a directory the live attempt committed; its own commit is refused by the store's attempt
              fencing.
   broadcast  snapshots in host memory sharded over the owner ranks of replica 0 (each TP/EP rank of each stage
