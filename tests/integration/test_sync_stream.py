@@ -56,6 +56,10 @@ def test_streamed_buckets_equal_the_whole_gather(tmp_path, tp, pp, ep):
     (directory,) = (tmp_path / "weights").glob("v*")
     files = sorted(p.name for p in directory.glob("*.safetensors"))
     assert len(files) == len(buckets) and (directory / "model.safetensors.index.json").is_file(), files
+    # written in parallel (issue 28 item 4): every owner rank wrote files of its own buckets
+    written = [int((tmp_path / f"disk-parts-{r}").read_text()) for r in range(tp * pp * ep)]
+    assert all(written) and sum(written) == len(files), written
+    assert not list(directory.glob(".owner-*")), "the owners' records are not left in the version's directory"
     with HFWeights(directory) as w:
         assert sorted(w.names()) == sorted(want)
         for name, t in want.items():
@@ -228,6 +232,23 @@ def _worker(tmp: str, tp: int, pp: int, ep: int) -> None:
     disk = DiskPublisher(store, root=Path(tmp) / "weights", assets_dir=None, **kw)
     disk.bucket_bytes = LIMIT  # below weightSync.bucketMiB's least (1 MiB): several files for this small model
     disk.publish(0, model)
+    (Path(tmp) / f"disk-parts-{dist.get_rank()}").write_text(str(disk.last_parts))
+    # an owner whose files cannot be written: rank 0 names it and commits nothing; no directory is left
+    if dist.get_rank() == 1:
+        import trainingrun.modeling.hf_io as hf_io
+
+        def full(*_a, **_k):
+            raise OSError("No space left on device (test)")
+
+        hf_io.write_part_files = full
+    try:
+        disk.publish(1, model)
+        failed = ""
+    except RuntimeError as exc:
+        failed = str(exc)
+    if dist.get_rank() == 0:
+        assert "owner 1's part failed: OSError: No space left on device (test)" in failed, failed
+        assert store.latest_weights() == 0 and not list((Path(tmp) / "weights").glob("*v00000001*")), failed
     sender = BroadcastPublisher(open_store(f"file://{tmp}/store2"), host="127.0.0.1", **kw)
     sender.bucket_bytes = LIMIT
     if sender.sender is not None:

@@ -181,16 +181,18 @@ def write_part_files(directory: Path, shards: Iterable[dict[str, torch.Tensor]],
 def finish_hf_dir(tmp: Path, out: Path, files: list[dict[str, Any]], arch: Architecture, *,
                   assets_dir: str | Path | None = None, config: dict | None = None) -> Path:
     """Name the part files written in `tmp` (`write_part_files`, in the order given) as an HF directory's weights —
-    one is `model.safetensors`; several `model-0000i-of-0000n.safetensors` with their index —, add config.json
+    one is `model.safetensors`; several `model-0000i-of-0000n.safetensors` with their index (each part's "final"
+    name is set) —, add config.json
     (`config`, else from the parts' dtype) and the assets of `assets_dir`, and rename `tmp` to `out`."""
     if not files:
         raise ValueError(f"{out}: no weights to write")
     if len(files) == 1:
+        files[0]["final"] = "model.safetensors"
         (tmp / files[0]["file"]).rename(tmp / "model.safetensors")
     else:
         weight_map = {}
         for i, part in enumerate(files, start=1):
-            final = f"model-{i:05d}-of-{len(files):05d}.safetensors"
+            part["final"] = final = f"model-{i:05d}-of-{len(files):05d}.safetensors"
             (tmp / part["file"]).rename(tmp / final)
             weight_map.update(dict.fromkeys(part["tensors"], final))
         total = sum(int(part["bytes"]) for part in files)

@@ -9,8 +9,9 @@ bucket or two:
 
   disk       an HF directory `<weightSync.path>/v<version>-a<attempt>`, one safetensors file per bucket, written beside
              its name and renamed into place (`modeling.hf_io.write_hf_shards`; config.json and tokenizer from
-             `model.hf`); the meta carries every weight file's size and SHA-256 (`files`), which the engine checks
-             before loading. The attempt in the name keeps a fenced-off trainer of an older attempt (a zombie) from
+             `model.hf`); with several owners (TP/EP/PP > 1) each owner rank writes its own buckets' files in
+             parallel and rank 0 finishes the directory (`DiskPublisher._publish_in_parallel`); the meta carries
+             every weight file's size and SHA-256 (`files`), which the engine checks before loading. The attempt in the name keeps a fenced-off trainer of an older attempt (a zombie) from
              ever touching a directory the live attempt committed; its own commit is refused by the store's attempt
              fencing.
   lora       (a run with `trainer.lora`, `weightSync.type: disk`) the adapters only: a PEFT adapter directory
@@ -51,7 +52,7 @@ import numpy as np
 from trainingrun.modeling.architecture import Architecture
 from trainingrun.modeling.sync_plan import DEFAULT_BUCKET_MIB, bucket_bytes
 from trainingrun.engines.vllm.broadcast import BroadcastSender, ShardServer
-from trainingrun.engines.vllm.worker_ext import file_digests
+from trainingrun.engines.vllm.worker_ext import file_digest, file_digests
 
 DIR_PREFIX = "v"
 
@@ -107,6 +108,34 @@ class _Base:
         self.layout = layout  # `gather_live_state`'s keywords (`modeling.state.live_layout`); none: one process
         self.last_seconds = 0.0
         self.last_bytes = 0
+        if layout:
+            from trainingrun.modeling.stream import shard_owner  # deferred: torch
+
+            self.owner, self.owners = shard_owner(**layout)
+        else:
+            self.owner, self.owners = 0, 1
+
+    def _owned_buckets(self, module) -> Iterator[dict]:
+        """This owner's HF buckets of the sharded stream (every rank of replica 0 runs it to its end)."""
+        if self.dp_rank != 0:
+            return
+        from trainingrun.modeling import convert  # deferred: torch
+        from trainingrun.modeling.stream import iter_live_buckets  # deferred: torch
+
+        buckets = iter_live_buckets(module, self.arch, self.bucket_bytes, shard=True, **self.layout)
+        yield from convert.iter_megatron_to_hf(buckets, self.arch, complete=False)
+
+    @staticmethod
+    def _from_rank0(value: int) -> int:
+        """Trainer rank 0's `value` on every trainer rank (a collective of the whole world: every rank calls it; an
+        int tensor, nothing pickled)."""
+        import torch  # deferred: torch
+        import torch.distributed as dist  # deferred: torch
+
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        box = torch.tensor([int(value)], dtype=torch.int64, device=device)
+        dist.broadcast(box, src=0)
+        return int(box.item())
 
     def _adapter_buckets(self, module) -> Iterator[dict]:
         """The LoRA adapters under PEFT's names (`lora.peft_name`), a bucket at a time, on rank 0; nothing elsewhere
@@ -151,9 +180,12 @@ class DiskPublisher(_Base):
         super().__init__(store, **kw)
         self.root = Path(root).resolve()  # the engine runs elsewhere: it needs an absolute path
         self.assets_dir = assets_dir
+        self.last_parts = 0  # the files this rank wrote of the last version (in parallel with the other owners)
 
     def publish(self, version: int, module: Any) -> None:
         self.last_seconds, self.last_bytes = 0.0, 0  # what this publish moved (nothing when skipped)
+        if self.owners > 1:
+            return self._publish_in_parallel(version, module)
         buckets = self._hf_buckets(module)  # collectives: every TP/PP rank of replica 0 takes part, even to skip
         if self.rank != 0 or self._committed(version):
             for _ in buckets:
@@ -178,6 +210,84 @@ class DiskPublisher(_Base):
         self._release(version)
         self.last_seconds = time.perf_counter() - t0
         self.last_bytes = nbytes
+
+    def _publish_in_parallel(self, version: int, module: Any) -> None:
+        """Several owners (TP/EP ranks of each stage of replica 0): each writes the safetensors files of the buckets
+        it assembles into the version's staging directory, in parallel, with a record of them (names, tensors,
+        sizes, SHA-256); rank 0 then names the files, writes the index and config.json, renames the directory into
+        place and commits. Every trainer rank takes part (two collectives of the whole world: rank 0's decision,
+        a barrier); weightSync.path must be on a volume every trainer of replica 0 mounts, as checkpoint.path is."""
+        import torch  # deferred: torch
+        import torch.distributed as dist  # deferred: torch
+
+        from trainingrun.modeling.hf_io import staging_dir  # deferred: torch
+
+        t0 = time.perf_counter()
+        target = version_dir(self.root, version, self.attempt)
+        tmp = staging_dir(target, "parts")
+        skip = True
+        if self.rank == 0:
+            skip = self._committed(version)
+            if not skip:
+                for d in (target, tmp):  # this attempt's own, never committed (a crash before the commit)
+                    if d.exists():
+                        shutil.rmtree(d)
+                tmp.mkdir(parents=True)
+        skip = bool(self._from_rank0(int(skip)))  # also orders every owner's writes after rank 0's mkdir
+        buckets = self._owned_buckets(module)  # collectives: every TP/EP/PP rank of replica 0 runs it to its end
+        if skip:
+            for _ in buckets:
+                pass
+            return
+        if self.dp_rank == 0:
+            self._write_part(tmp, buckets, dtype=getattr(torch, self.dtype))
+        dist.barrier()  # every owner's part is written (or its failure recorded)
+        if self.rank != 0:
+            return
+        files = self._finish(tmp, target)
+        nbytes = sum(size for size, _ in files.values())
+        commit_version(self.store, version, {"method": "disk", "path": str(target), "bytes": nbytes,
+                                             "dtype": self.dtype, "files": files})
+        self._release(version)
+        self.last_seconds = time.perf_counter() - t0
+        self.last_bytes = nbytes
+
+    def _write_part(self, tmp: Path, buckets: Iterator[dict], *, dtype) -> None:
+        """This owner's files and their record `.owner-<i>.json` (or the error that stopped them: the stream is run
+        to its end either way, so that the other ranks' collectives complete)."""
+        from trainingrun.modeling.hf_io import write_part_files  # deferred: torch
+
+        record: dict[str, Any]
+        try:
+            parts = write_part_files(tmp, buckets, prefix=f"part-o{self.owner:04d}", dtype=dtype)
+            for part in parts:
+                part["size"], part["sha256"] = file_digest(tmp / part["file"])
+            record = {"owner": self.owner, "parts": parts}
+            self.last_parts = len(parts)
+        except Exception as exc:  # noqa: BLE001 - reported by rank 0, which commits nothing
+            for _ in buckets:
+                pass
+            record = {"owner": self.owner, "error": f"{type(exc).__name__}: {exc}"}
+        path = tmp / f".owner-{self.owner:04d}.json"
+        path.with_suffix(".tmp").write_text(json.dumps(record))
+        path.with_suffix(".tmp").rename(path)
+
+    def _finish(self, tmp: Path, target: Path) -> dict[str, list]:
+        """Rank 0: the owners' records read, the directory made whole and renamed into place; the files' digests."""
+        from trainingrun.modeling.hf_io import finish_hf_dir  # deferred: torch
+
+        parts = []
+        for owner in range(self.owners):
+            path = tmp / f".owner-{owner:04d}.json"
+            record = json.loads(path.read_text()) if path.is_file() else {"error": "wrote no record"}
+            if "error" in record:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise RuntimeError(f"weight version {target.name}: trainer owner {owner}'s part failed: "
+                                   f"{record['error']}; nothing was published")
+            parts.extend(record["parts"])
+            path.unlink()
+        finish_hf_dir(tmp, target, parts, self.arch, assets_dir=self.assets_dir)
+        return {p["final"]: [p["size"], p["sha256"]] for p in parts}
 
     def _release(self, version: int) -> None:
         keep_from = max(0, version - self.lag)
@@ -258,9 +368,6 @@ class BroadcastPublisher(_Base):
         super().__init__(store, **kw)
         self.host, self.backend = host, backend
         self.sender = None
-        from trainingrun.modeling.stream import shard_owner  # deferred: torch
-
-        self.owner, self.owners = shard_owner(**self.layout) if self.layout else (0, 1)
         if self.owners > 1:  # every rank: the other owners learn rank 0's store port (0 = a free one)
             port = self._share_port(port, timeout)
         else:
@@ -284,24 +391,11 @@ class BroadcastPublisher(_Base):
         return port
 
     def _share_port(self, port: int, timeout: float) -> int:
-        import torch.distributed as dist  # deferred: torch
-
-        box = [self._start(port, timeout) if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)  # every trainer rank constructs its publisher here
+        # every trainer rank constructs its publisher here
+        port = self._from_rank0(self._start(port, timeout) if self.rank == 0 else 0)
         if self.rank != 0 and self.dp_rank == 0:
-            self.sender = ShardServer(self.host, int(box[0]), owner=self.owner,
-                                      **self._holder_kw(timeout)).start()
-        return int(box[0])
-
-    def _owned_buckets(self, module) -> Iterator[dict]:
-        """This owner's HF buckets of the sharded stream (every rank of replica 0 runs it to its end)."""
-        if self.dp_rank != 0:
-            return
-        from trainingrun.modeling import convert  # deferred: torch
-        from trainingrun.modeling.stream import iter_live_buckets  # deferred: torch
-
-        buckets = iter_live_buckets(module, self.arch, self.bucket_bytes, shard=True, **self.layout)
-        yield from convert.iter_megatron_to_hf(buckets, self.arch, complete=False)
+            self.sender = ShardServer(self.host, port, owner=self.owner, **self._holder_kw(timeout)).start()
+        return port
 
     def publish(self, version: int, module: Any) -> None:
         self.last_seconds, self.last_bytes = 0.0, 0  # what this publish moved (nothing when skipped)

@@ -398,14 +398,16 @@ def check_shapes(got: dict[str, list[int]], reference: dict[str, list[int]], wha
 def file_digests(directory: Path) -> dict[str, list]:
     """{file name: [bytes, sha256 hex]} of the weight files of an HF directory (the publisher writes them into the
     version's meta; the engine checks them before loading)."""
-    out = {}
-    for f in safetensors_files(Path(directory)):
-        h = hashlib.sha256()
-        with open(f, "rb") as fh:
-            while chunk := fh.read(DIGEST_CHUNK):
-                h.update(chunk)
-        out[f.name] = [f.stat().st_size, h.hexdigest()]
-    return out
+    return {f.name: list(file_digest(f)) for f in safetensors_files(Path(directory))}
+
+
+def file_digest(path: Path) -> tuple[int, str]:
+    """(bytes, sha256 hex) of one file."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(DIGEST_CHUNK):
+            h.update(chunk)
+    return path.stat().st_size, h.hexdigest()
 
 
 def check_digests(directory: Path, expected: dict[str, list]) -> None:
