@@ -9,7 +9,7 @@ bucket or two:
 
   disk       an HF directory `<weightSync.path>/v<version>-a<attempt>`, one safetensors file per bucket, written beside
              its name and renamed into place (`modeling.hf_io.write_hf_shards`; config.json and tokenizer from
-             `model.hf`); with several owners (TP/EP/PP > 1) each owner rank writes its own buckets' files in
+             `model.hf`); with several owners (TP or EP > 1, one stage) each owner rank writes its own buckets' files in
              parallel and rank 0 finishes the directory (`DiskPublisher._publish_in_parallel`); the meta carries
              every weight file's size and SHA-256 (`files`), which the engine checks before loading. The attempt in the name keeps a fenced-off trainer of an older attempt (a zombie) from
              ever touching a directory the live attempt committed; its own commit is refused by the store's attempt
@@ -212,7 +212,7 @@ class DiskPublisher(_Base):
         self.last_bytes = nbytes
 
     def _publish_in_parallel(self, version: int, module: Any) -> None:
-        """Several owners (TP/EP ranks of each stage of replica 0): each writes the safetensors files of the buckets
+        """Several owners (the TP/EP ranks of replica 0; `stream.shard_owner`): each writes the safetensors files of the buckets
         it assembles into the version's staging directory, in parallel, with a record of them (names, tensors,
         sizes, SHA-256); rank 0 then names the files, writes the index and config.json, renames the directory into
         place and commits. Every trainer rank takes part (two collectives of the whole world: rank 0's decision,
