@@ -296,3 +296,18 @@ def vllm_server(model_dir: Path, log_path: Path, *, python: str | None = None, s
         yield server
     finally:
         server.close()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs: it exists and is not a zombie (a zombie is gone for a test's purposes; /proc tells
+    the state — read after the name's closing parenthesis, since a name may hold spaces)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.services import wait_for
+from tests.services import pid_alive, wait_for
 from trainingrun.local.procs import ephemeral_port_range
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,18 +118,6 @@ def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
 
 def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is gone for our purposes only once reaped; /proc tells the state
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def expected_samples(steps: int) -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.services import wait_for
+from tests.services import pid_alive, wait_for
 from trainingrun.trainer.workers import exit_status, is_worker, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,14 +83,6 @@ def _workers(tmp_path: Path, n: int) -> list[dict]:
     return [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(n)]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def test_worker_env_is_torchrun_style():
     base = {"RANK": "2", "WORLD_SIZE": "3", "MASTER_ADDR": "a", "MASTER_PORT": "1", "TRAININGRUN_METRICS_PORT": "100"}
     envs = [worker_env(base, node_rank=2, num_nodes=3, nproc=4, local_rank=i) for i in range(4)]
@@ -128,7 +120,7 @@ def test_failing_worker_stops_the_others_and_78_stays_78(tmp_path):
     assert proc.returncode == 78, out
     assert "worker 1 (rank 4) failed with exit 78" in out
     assert {p.name for p in tmp_path.glob("term-*")} == {"term-0", "term-2"}, "the others were not SIGTERMed"
-    assert not [w["pid"] for w in ws if _alive(w["pid"])], "workers left behind"
+    assert not [w["pid"] for w in ws if pid_alive(w["pid"])], "workers left behind"
 
 
 def test_worker_killed_by_signal_gives_128_plus_n(tmp_path):
@@ -136,7 +128,7 @@ def test_worker_killed_by_signal_gives_128_plus_n(tmp_path):
     ws = _workers(tmp_path, 2)
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 128 + signal.SIGKILL, out
-    assert not [w["pid"] for w in ws if _alive(w["pid"])]
+    assert not [w["pid"] for w in ws if pid_alive(w["pid"])]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -154,7 +146,7 @@ def test_signal_is_forwarded_to_every_worker(tmp_path, sig):
     # each worker's SIGTERM handler ran (SIGINT is forwarded as SIGINT: the stub does not trap it, it dies of it)
     if sig == signal.SIGTERM:
         assert [(tmp_path / f"term-{i}").read_text() for i in range(2)] == [str(int(sig))] * 2
-    assert not [w["pid"] for w in ws if _alive(w["pid"])]
+    assert not [w["pid"] for w in ws if pid_alive(w["pid"])]
 
 
 def test_bad_spec_fails_in_the_supervisor_with_78(tmp_path):

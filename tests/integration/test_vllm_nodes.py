@@ -9,7 +9,6 @@ model hold the trainer's weights after every sync), both processes ran, and none
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -17,19 +16,11 @@ import yaml
 
 from tests.integration.test_vllm_e2e import FP32_TOL, check_on_policy, parity_reward, write_spec  # noqa: F401
 from tests.localrun import finish, start
-from tests.services import wait_for
+from tests.services import pid_alive, wait_for
 
 pytestmark = [pytest.mark.megatron, pytest.mark.vllm, pytest.mark.timeout(1500)]
 
 ROLLOUTS = 2
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
 def test_a_two_node_replica_is_exact_at_lag_0(tmp_path: Path, tiny_llama_dir: Path):
@@ -55,4 +46,4 @@ def test_a_two_node_replica_is_exact_at_lag_0(tmp_path: Path, tiny_llama_dir: Pa
     worker = (out / "logs" / "engine-0-node1.log").read_text()
     assert "/collective_rpc" in leader and "/v1/completions" in leader, leader[-3000:]
     assert "headless" in worker.lower(), worker[-3000:]  # node 1 ran as vLLM's headless worker
-    assert not any(alive(p) for p in pids)  # the launcher stopped both
+    assert not any(pid_alive(p) for p in pids)  # the launcher stopped both

@@ -13,7 +13,6 @@ after the scale-down it is stopped while the run goes on, and gets no request af
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import pytest
 
 from tests.integration.test_vllm_e2e import FP32_TOL, check_on_policy, parity_reward, signal_group, write_spec  # noqa: F401
 from tests.localrun import finish, start
-from tests.services import wait_for
+from tests.services import pid_alive, wait_for
 
 pytestmark = [pytest.mark.megatron, pytest.mark.vllm, pytest.mark.timeout(1500)]
 
@@ -33,14 +32,6 @@ ROLLOUTS = 12
 def scale(out: Path, replicas: int, timeout: float = 900) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "trainingrun", "scale", str(out), "--replicas", str(replicas),
                            "--wait", "--timeout", str(timeout)], capture_output=True, text=True, timeout=timeout + 60)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
 def test_a_local_pool_resized_1_to_2_to_1_while_the_run_goes_on(tmp_path: Path, tiny_llama_dir: Path):
@@ -68,7 +59,7 @@ def test_a_local_pool_resized_1_to_2_to_1_while_the_run_goes_on(tmp_path: Path, 
         assert proc.poll() is None, "the run ended before engine-1 served"
         down = scale(out, 1)
         assert down.returncode == 0, down.stdout + down.stderr
-        assert not alive(engine1), "engine-1 still runs after the scale-down"
+        assert not pid_alive(engine1), "engine-1 still runs after the scale-down"
         served_when_stopped = log1.read_text().count("/v1/completions")
         after = json.loads((out / "pids.json").read_text())
         assert set(after["processes"]) == {"rollout", "trainer-0", "engine-0"}, after
