@@ -61,20 +61,27 @@ def publish(store, model: Path, version: int) -> None:
 
 def test_vllm_over_sampling_aborts_and_loses_no_prompt(tmp_path: Path, server, tiny_llama_dir):
     spec = spec_of(overSampling=1.0)
-    store = open_store(f"file://{tmp_path / 'store'}")
-    for v in range(5):
-        publish(store, tiny_llama_dir, v)
-    metrics = RolloutMetrics("o")
-    result = loop(spec, store, server.url, metrics=metrics).run()
-    assert result.rollouts == 4
-    stats = [read(store, k).stats for k in range(4)]
-    aborted = sum(s.groups_aborted for s in stats)
-    print(f"vLLM over-sampling: groups produced {[s.groups_produced for s in stats]}, aborted "
-          f"{[s.groups_aborted for s in stats]}")
+    # An abort needs a request still decoding once enough groups finished; under load the queued requests can all
+    # finish before the loop sees enough groups (the full suite of 2026-12-04: 16 groups produced in each rollout,
+    # 0 aborted). Every run is checked in full; up to 3 runs for an abort to happen at all.
+    for attempt in range(3):
+        store = open_store(f"file://{tmp_path / f'store{attempt}'}")
+        for v in range(5):
+            publish(store, tiny_llama_dir, v)
+        metrics = RolloutMetrics("o")
+        result = loop(spec, store, server.url, metrics=metrics).run()
+        assert result.rollouts == 4
+        stats = [read(store, k).stats for k in range(4)]
+        aborted = sum(s.groups_aborted for s in stats)
+        print(f"vLLM over-sampling, run {attempt + 1}: groups produced {[s.groups_produced for s in stats]}, "
+              f"aborted {[s.groups_aborted for s in stats]}")
+        counted = metrics.registry.get_sample_value("trainingrun_rollout_groups_total",
+                                                    {"run": "o", "state": "aborted"})
+        assert (counted or 0) >= aborted, (counted, aborted)
+        assert_no_prompt_lost_or_repeated(store, 4)
+        if aborted > 0:
+            break
     assert aborted > 0, "the requests still running once enough groups finished are aborted"
-    assert metrics.registry.get_sample_value("trainingrun_rollout_groups_total",
-                                             {"run": "o", "state": "aborted"}) >= aborted
-    assert_no_prompt_lost_or_repeated(store, 4)
 
 
 def test_vllm_partial_rollouts_continue_cut_completions_under_newer_versions(tmp_path: Path, server,
