@@ -203,13 +203,7 @@ class DiskPublisher(_Base):
         # one safetensors file per bucket, written as it arrives: rank 0 holds a bucket or two, never the model
         path = write_hf_shards(target, buckets, self.arch, assets_dir=self.assets_dir,
                                dtype=getattr(torch, self.dtype))
-        files = file_digests(path)  # the engine checks them before it loads (a damaged version is refused)
-        nbytes = sum(size for size, _ in files.values())
-        commit_version(self.store, version, {"method": "disk", "path": str(path), "bytes": nbytes,
-                                             "dtype": self.dtype, "files": files})
-        self._release(version)
-        self.last_seconds = time.perf_counter() - t0
-        self.last_bytes = nbytes
+        self._commit(version, path, file_digests(path), t0)  # the engine checks the digests before it loads
 
     def _publish_in_parallel(self, version: int, module: Any) -> None:
         """Several owners (the TP/EP ranks of replica 0; `stream.shard_owner`): each writes the safetensors files of the buckets
@@ -244,10 +238,15 @@ class DiskPublisher(_Base):
         dist.barrier()  # every owner's part is written (or its failure recorded)
         if self.rank != 0:
             return
-        files = self._finish(tmp, target)
+        self._commit(version, target, self._finish(tmp, target), t0)
+
+    def _commit(self, version: int, path: Path, files: dict[str, list], t0: float, **meta) -> None:
+        """Rank 0, a version's directory in place: its meta (`files`: each weight file's size and SHA-256, checked by
+        the engine before it loads; `method` "disk" unless `meta` says otherwise) committed in the store, the versions
+        the rollout can no longer ask for released, and what this publish moved recorded."""
         nbytes = sum(size for size, _ in files.values())
-        commit_version(self.store, version, {"method": "disk", "path": str(target), "bytes": nbytes,
-                                             "dtype": self.dtype, "files": files})
+        commit_version(self.store, version, {"method": "disk", "path": str(path), "bytes": nbytes,
+                                             "dtype": self.dtype, "files": files, **meta})
         self._release(version)
         self.last_seconds = time.perf_counter() - t0
         self.last_bytes = nbytes
@@ -326,6 +325,7 @@ class AdapterPublisher(DiskPublisher):
         import torch  # deferred: torch
         from safetensors.torch import save_file  # deferred: safetensors
 
+        from trainingrun.modeling.hf_io import staging_dir  # deferred: torch
         from trainingrun.modeling.lora import adapter_settings, peft_config  # deferred: torch
 
         t0 = time.perf_counter()
@@ -339,7 +339,7 @@ class AdapterPublisher(DiskPublisher):
         modules = sorted({k.split(".")[-3] for k in tensors})
         self.root.mkdir(parents=True, exist_ok=True)
         target = version_dir(self.root, version, self.attempt)
-        tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+        tmp = staging_dir(target, f"tmp-{os.getpid()}")
         for d in (target, tmp):  # this attempt's own, never committed (a crash before the commit): write it again
             if d.exists():
                 shutil.rmtree(d)
@@ -347,14 +347,8 @@ class AdapterPublisher(DiskPublisher):
         save_file(tensors, str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(rank, scale, modules, self.base), indent=1))
         tmp.rename(target)
-        files = file_digests(target)  # the engine checks them before it loads
-        nbytes = sum(size for size, _ in files.values())
-        commit_version(self.store, version, {"method": "lora", "path": str(target), "bytes": nbytes,
-                                             "dtype": self.dtype, "files": files, "adapter_name": adapter_name(version),
-                                             "rank": rank, "keep": self.lag + 1})
-        self._release(version)
-        self.last_seconds = time.perf_counter() - t0
-        self.last_bytes = nbytes
+        self._commit(version, target, file_digests(target), t0, method="lora", adapter_name=adapter_name(version),
+                     rank=rank, keep=self.lag + 1)
 
 
 class BroadcastPublisher(_Base):
