@@ -17,6 +17,7 @@ Layout under `spec.trainer.checkpoint.path` (relative paths resolve against the 
   .tmp-step_00000010-a1/     being written by attempt 1; never loaded, removed by the next save
   step_00000012.unloadable-a3/  a checkpoint attempt 3 could not load and fell back from (kept for inspection)
   .attempts/<attempt>        one empty file per attempt that resumed here (the fence, below)
+  .base-digest.json          a LoRA run's model.hf digest cache (`modeling.lora_base`)
   (a run started from a Hugging Face directory also keeps its config + tokenizer files in step_*/hf/; a LoRA run's
   dist/ holds its adapters and their optimizer state only, and meta.json names the base and its digest:
   `checkpoint_megatron.py`, `modeling.lora_base`)
