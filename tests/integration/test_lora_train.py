@@ -142,16 +142,17 @@ def _peft_logprobs(base: Path, adapter: Path, lines: list[list[int]]) -> list[li
 
 
 LORA_CONFIG = CONFIG.replace("    checkpoint: {interval: 2, path: ckpt, keep: 2}\n",
-                             "    checkpoint: {interval: 2, path: ckpt, keep: 2}\n    lora: {rank: 4}\n")
+                             "    checkpoint: {interval: 2, path: ckpt, keep: 2}\n    lora: {rank: 4, dropout: 0.5}\n")
 
 
 @pytest.mark.megatron
 def test_lora_resume_is_exact(tmp_path: Path) -> None:
-    """trainer end to end on a file store (test_trainer_e2e's scenario, with lora): a group that
-    stops after step 5 resumes from its step-4 checkpoint (adapters, their Adam moments) and
-    trains steps 5..9 with the uninterrupted run's losses (≤ 1e-5 relative). The checkpoints hold no base tensor
-    and name the seeded base by its digest; a resume with another seed (another base) is refused naming the field
-    and both digests; step 8's checkpoint (DP 2) resumes at TP 2 and trains step 9 with the same loss."""
+    """trainer end to end on a file store (test_trainer_e2e's scenario, with lora and dropout 0.5): a group that
+    stops after step 5 resumes from its step-4 checkpoint (adapters, their Adam moments, each rank's RNG streams)
+    and trains steps 5..9 with the uninterrupted run's losses (≤ 1e-6: the same dropout masks). The checkpoints hold
+    no base tensor and name the seeded base by its digest; a resume with another seed (another base) is refused
+    naming the field and both digests; step 8's checkpoint (DP 2) resumes at TP 2 (the adapters resharded, the RNG
+    streams seeded afresh, warned) and trains step 9 near the uninterrupted run's loss."""
     assert "lora:" in LORA_CONFIG
     a, b = tmp_path / "a", tmp_path / "b"
     for d in (a, b):
@@ -173,16 +174,18 @@ def test_lora_resume_is_exact(tmp_path: Path) -> None:
     resumed = [r for r in _records(b) if r["attempt"] == 1]
     assert [r["step"] for r in resumed] == [5, 6, 7, 8, 9]
     by_step = {r["step"]: r["loss"] for r in rec_a}
-    for r in resumed:
-        assert abs(r["loss"] - by_step[r["step"]]) <= 1e-5 * abs(by_step[r["step"]]), (r["step"], r["loss"], by_step)
+    diffs = [abs(r["loss"] - by_step[r["step"]]) for r in resumed]
+    print(f"LoRA dropout 0.5, resumed at step 4: |Δ loss| per step 5..9 {diffs}")
+    assert max(diffs) <= 1e-6, (diffs, by_step)
     assert rec_a[-1]["loss"] != rec_a[0]["loss"]
-    # with lora.dropout > 0 a resumed run draws other dropout masks (docs/trainer.md, "LoRA"): not checked here
 
     # the checkpoints hold the adapters and their Adam moments only, naming the base by its digest
     from trainingrun.trainer.checkpoint import complete_checkpoints, read_meta, read_tensors
 
     kept = complete_checkpoints(b / "ckpt")
     assert [p.name for p in kept] == ["step_00000008", "step_00000009"]
+    assert sorted(p.name for p in (kept[-1] / "rng").iterdir()) == [  # each rank's streams
+        "pp0-tp0-ep0-dp0.safetensors", "pp0-tp0-ep0-dp1.safetensors"]
     tensors = read_tensors(kept[-1])
     model_keys = [k for k in tensors if not k.startswith("optimizer.")]
     assert model_keys and all(".adapter." in k for k in model_keys), model_keys  # no base tensor
@@ -206,8 +209,12 @@ def test_lora_resume_is_exact(tmp_path: Path) -> None:
     for rc, out in results:
         assert rc == 0, out[-3000:]
     assert "resumed from ckpt/step_00000008" in results[0][1] and "resharded" in results[0][1], results[0][1][-3000:]
+    assert "RNG streams are seeded afresh from spec.seed and step 8" in results[0][1], results[0][1][-3000:]
     (again,) = [r for r in _records(b) if r["attempt"] == 3]
-    assert again["step"] == 9 and abs(again["loss"] - by_step[9]) <= 1e-5 * abs(by_step[9]), (again, by_step[9])
+    print(f"resharded resume (fresh dropout streams): step 9 loss {again['loss']} vs {by_step[9]}")
+    # other dropout masks move the loss by ~1e-4 relative here (9e-5 measured); adapters lost or misplaced in the
+    # resharding would move it by up to the whole run's change (2.6e-2 from step 1 to step 9)
+    assert again["step"] == 9 and abs(again["loss"] - by_step[9]) <= 1e-3 * abs(by_step[9]), (again, by_step[9])
 
 
 @pytest.mark.megatron
@@ -256,7 +263,8 @@ def test_lora_rl_run_syncs_adapters_to_the_engine(tmp_path: Path) -> None:
 def test_lora_in_bf16_keeps_fp32_master_weights_for_the_adapters_only(tmp_path: Path) -> None:
     """model.precision bf16 at TP 2: the base and the adapters are bf16 in the model, Megatron's mixed-precision
     optimizer keeps fp32 main weights and Adam moments for the adapters and nothing for the frozen base; the
-    checkpoint holds no base tensor, and the merged model read from it (the base from model.hf) is bf16."""
+    checkpoint holds no base tensor, and the merged model read from it (the base from model.hf) is bf16. Then
+    model.hf's weights change and the run's resume is refused (exit 78, naming spec.model.hf and both digests)."""
     import torch
 
     from trainingrun.trainer.checkpoint import latest_checkpoint, read_tensors
@@ -279,3 +287,23 @@ def test_lora_in_bf16_keeps_fp32_master_weights_for_the_adapters_only(tmp_path: 
     assert not [k for k in tensors if not k.startswith("optimizer.") and ".adapter." not in k]  # the base: not saved
     merged = load_full_state(latest_checkpoint(out / "checkpoints")).state  # the base rebuilt from model.hf, in bf16
     assert merged["decoder.layers.0.self_attention.linear_qkv.weight"].dtype == torch.bfloat16
+
+    # model.hf's weights changed under the run: its resume is refused (exit 78) naming spec.model.hf and both digests,
+    # although rank 0 keeps the digest cached beside the checkpoints (the changed file is read again)
+    from safetensors.torch import load_file, save_file
+
+    from trainingrun.modeling.lora_base import DIGEST_CACHE, hf_digest
+    from trainingrun.trainer.checkpoint import read_meta
+
+    ckpt = latest_checkpoint(out / "checkpoints")
+    was = read_meta(ckpt)["base"]["digest"]
+    assert (out / "checkpoints" / DIGEST_CACHE).is_file() and not (hf / DIGEST_CACHE).exists()
+    weights = load_file(str(hf / "model.safetensors"))
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 1.01  # the same size, other bytes
+    save_file(weights, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    now = hf_digest(hf)
+    code, log = finish(start(spec, out, "--resume", "--set", "rollout.numRollouts=4"))
+    trainer_log = "".join(p.read_text() for p in sorted((out / "logs").glob("trainer-0*.log")))
+    assert code == 78, log[-4000:]
+    assert "spec.model.hf" in trainer_log and was in trainer_log and now in trainer_log, trainer_log[-3000:]
+    assert latest_checkpoint(out / "checkpoints") == ckpt  # nothing set aside, nothing trained

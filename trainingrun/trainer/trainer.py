@@ -35,7 +35,7 @@ from trainingrun.engines.table import logprob_dtype
 from trainingrun.modeling.architecture import Architecture
 from trainingrun.modeling.convert import check_tp
 from trainingrun.modeling.hf_io import copy_assets
-from trainingrun.modeling.lora_base import base_reference
+from trainingrun.modeling.lora_base import DIGEST_CACHE, base_reference
 from trainingrun.modeling.lora_targets import LAYERS
 from trainingrun.modeling.pipeline import check_pp
 from trainingrun.store import RolloutReleased, StoreTimeout, open_store
@@ -102,7 +102,9 @@ class Trainer:
                 log=lambda msg: log(self.rank, msg) if self.rank == 0 else None,
                 assets=(lambda d: _copy_hf_assets(hf, d)) if hf else None,
                 # LoRA: checkpoints hold the adapters only, naming the base by its reference and digest
-                base=(lambda: base_reference(arch, spec.seed)) if spec.trainer.lora is not None else None,
+                base=(lambda: base_reference(arch, spec.seed, cache=self.ckpt_root / DIGEST_CACHE))
+                if spec.trainer.lora is not None else None,
+                seed=spec.seed,
             )
         except CheckpointError as exc:
             raise ConfigError(str(exc)) from None
