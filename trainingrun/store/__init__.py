@@ -22,6 +22,7 @@ import errno
 
 from trainingrun.contract.errors import EXIT_CONFIG_ERROR, CorruptPayload, StoreError
 from trainingrun.store.base import (
+    IncompleteWeights,
     KeyValue,
     RolloutReleased,
     RolloutStream,
@@ -37,6 +38,7 @@ from trainingrun.store.redis import RedisStore
 
 __all__ = [
     "CorruptPayload",
+    "IncompleteWeights",
     "KeyValue",
     "RolloutReleased",
     "RolloutStream",
