@@ -113,8 +113,8 @@ def _check_store_sync(tmp_path, url: str, whole: dict, buckets: int, tp: int, pp
         assert store.client.keys("trainingrun:w:[01]:*") == []
     else:
         assert not list((tmp_path / "store-sync" / "weights").glob("0000000[01]"))
-    data = sum(a.nbytes for a in arrays.values())  # rank 0's figure: every owner's parts (headers, padding)
-    assert data <= int((tmp_path / "store-bytes").read_text()) <= data + 8192 * buckets
+    # rank 0's weight_sync_bytes: the tensors' bytes of every owner's parts
+    assert int((tmp_path / "store-bytes").read_text()) == sum(a.nbytes for a in arrays.values())
     store.close()
     if pp > 1:
         return
@@ -319,12 +319,12 @@ def _worker(tmp: str, tp: int, pp: int, ep: int) -> None:
 
 def _store_sync_worker(tmp: str, model, arch) -> None:
     """The store publisher (issue 28 item 5): version 0; version 1 with owner 1's part failing (several owners);
-    version 2 (lag 0: 0 released)."""
+    version 2 (lag 0: 0 released); version 3 refused by rank 0's store before anything is gathered."""
     import torch.distributed as dist
 
     from trainingrun.engines.store_sync import StoreWeightPublisher
     from trainingrun.modeling.state import live_layout
-    from trainingrun.store import IncompleteWeights, open_store
+    from trainingrun.store import IncompleteWeights, StoreError, open_store
 
     rank = dist.get_rank()
     pub = StoreWeightPublisher(open_store(os.environ["TEST_STORE_URL"]), rank=rank, arch=arch, max_policy_lag=0,
@@ -350,9 +350,24 @@ def _store_sync_worker(tmp: str, model, arch) -> None:
         pub.store.write_weights_part = write
     pub.publish(2, model)
     assert pub.last_parts == parts  # the same buckets, the same owner
+    total = pub.last_bytes
+    # rank 0 cannot begin version 3 (its store refuses): every rank fails at once, none waits in a collective
+    if rank == 0:
+        def refused(version):
+            raise StoreError(f"version {version} refused (test)")
+
+        pub.store.begin_weights = refused
+    try:
+        pub.publish(3, model)
+        raised = ""
+    except (StoreError, RuntimeError) as exc:
+        raised = f"{type(exc).__name__}: {exc}"
+    want = "StoreError: version 3 refused (test)" if rank == 0 else \
+        "RuntimeError: weight version 3: trainer rank 0 could not begin it"
+    assert raised.startswith(want), raised
     (Path(tmp) / f"store-parts-{rank}").write_text(str(parts))
     if rank == 0:
-        (Path(tmp) / "store-bytes").write_text(str(pub.last_bytes))
+        (Path(tmp) / "store-bytes").write_text(str(total))
     dist.barrier()
 
 

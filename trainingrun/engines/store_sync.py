@@ -52,14 +52,13 @@ class StoreWeightPublisher:
             owner, self.owners = 0, 1
         self.owner = owner if dp_rank == 0 else -1  # -1: writes no part (another replica, a later pipeline stage)
         self.last_seconds = 0.0
-        self.last_bytes = 0  # rank 0: the version's bytes (every owner's parts); elsewhere this rank's parts
+        self.last_bytes = 0  # rank 0: the version's tensor bytes (every owner's); elsewhere this rank's
         self.last_parts = 0  # the parts this rank wrote of the last version
 
     def publish(self, version: int, module: Any) -> None:
         self.last_seconds, self.last_bytes, self.last_parts = 0.0, 0, 0  # what this publish moved
         t0 = time.perf_counter()
-        fresh = self.store.begin_weights(version) if self.rank == 0 else False
-        if not _from_rank0(int(fresh)):
+        if not self._begin(version):
             return  # committed already: every rank skips (no collective of the gather runs)
         mode = None if not self.lora else "adapters" if self.sent_base else "base+adapters"
         written = self._write(version, module, mode)
@@ -71,6 +70,23 @@ class StoreWeightPublisher:
         self.store.commit_weights(version, self.owners, {"version": version, **({"lora": mode} if mode else {})})
         self.store.release_weights_below(max(0, version - self.lag))
         self.last_seconds, self.last_bytes = time.perf_counter() - t0, total
+
+    def _begin(self, version: int) -> bool:
+        """Rank 0's `begin_weights` on every rank: whether there is a version to write. Rank 0's failure (a store
+        error, a fenced-off attempt) reaches the others as a RuntimeError, not as a hang in the next collective."""
+        fresh, error = 0, None
+        if self.rank == 0:
+            try:
+                fresh = int(self.store.begin_weights(version))
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the others learnt of it
+                fresh, error = 2, exc
+        fresh = _from_rank0(fresh)
+        if error is not None:
+            raise error
+        if fresh == 2:
+            raise RuntimeError(f"weight version {version}: trainer rank 0 could not begin it in the store (its log "
+                               "says why); nothing was written")
+        return bool(fresh)
 
     def _streams(self, module: Any, mode: str | None) -> list[tuple[Iterator[dict], bool]]:
         """(a bucket stream, whether this rank writes what it yields) for each stream of this version: the weights
@@ -90,14 +106,14 @@ class StoreWeightPublisher:
     def _write(self, version: int, module: Any, mode: str | None) -> int:
         """This rank's part of the version: its buckets written as parts as they arrive, then (an owner) its record
         — its parts and their dtypes, or the error that stopped it (the streams are run to their end either way, so
-        that the other ranks' collectives complete). The bytes written."""
+        that the other ranks' collectives complete). The tensors' bytes written (without the parts' headers)."""
         if self.dp_rank != 0:
             return 0
         from trainingrun.modeling.state import tensors_arrays  # deferred: torch
 
         parts: list[dict] = []
         dtypes: dict[str, str] = {}
-        error = None
+        error, nbytes = None, 0
         for stream, mine in self._streams(module, mode):
             for bucket in stream:
                 if not mine or error is not None:
@@ -106,6 +122,7 @@ class StoreWeightPublisher:
                     arrays, types = tensors_arrays(bucket)
                     parts.append(self.store.write_weights_part(version, self.owner, len(parts), arrays))
                     dtypes.update(types)
+                    nbytes += sum(a.nbytes for a in arrays.values())
                 except Exception as exc:  # noqa: BLE001 - recorded for rank 0, which then commits nothing
                     error = f"{type(exc).__name__}: {exc}"
                 del bucket
@@ -118,7 +135,7 @@ class StoreWeightPublisher:
                     self.store.write_weights_owner(version, self.owner, error=error)
             except Exception:  # noqa: BLE001 - rank 0 finds no record and names this owner
                 pass
-        return sum(p["nbytes"] for p in parts)
+        return nbytes
 
     def close(self) -> None:
         pass

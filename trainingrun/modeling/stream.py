@@ -14,9 +14,9 @@ all-gathered over the EP ranks instead, each rank's local experts renamed to the
 (`convert.ep_global_name`), as `gather_live_state` does. Later stages' first rank send their buckets to stage 0, one
 after another, an empty message closing each stage. The disk and broadcast publishers (`engines/vllm/publish.py`)
 consume it, and so does the store publisher (`engines/store_sync.py`: each owner's buckets become parts of the
-version in the store). With `adapters=True` the same loop gathers the LoRA adapters
-alone (B of a column-parallel layer concatenated over the TP ranks along its rows, A of a row-parallel one along its
-columns; the rest replicated): the adapters-only sync of a LoRA run (`AdapterPublisher`).
+version in the store). With `adapters=True` the same loop gathers the LoRA adapters alone (B of a column-parallel
+layer concatenated over the TP ranks along its rows, A of a row-parallel one along its columns; the rest
+replicated): the adapters-only sync of a LoRA run (`AdapterPublisher`, and the store publisher's later versions).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ Module map:
   base.py      the protocols (`RolloutStream`, `WeightVersions`, `KeyValue`; `Store`) and the store's error types
   common.py    the rules both backends follow, free of I/O: checks, fencing, the writer claim, the wait verdict,
                release
+  parts.py     the rules of a weight version written in parts by several owners and committed by one (free of I/O)
   wire.py      JSON and the binary payload format (rank payloads, weight versions; never pickle)
   file.py      the `file://` backend: the store's layout on a volume
   file_io.py   its file primitives (atomic writes, safe reads, read-only maps)
