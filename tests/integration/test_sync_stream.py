@@ -2,8 +2,11 @@
 `gather_live_state` gives, at TP 2, at PP 2 and at EP 2 (a mixture of experts), with buckets small enough that most hold one or a few tensors (and
 every bucket within the bound unless it is a single larger tensor); and the two vLLM publishers that stream them
 (issue 28 items 1 and 4): the disk publisher's directory (one safetensors file per bucket, and the index) and the
-broadcast publisher's snapshot hold exactly the engine-dtype HF tensors of the whole gather; and the LoRA sync's
-adapter publisher (issue 29 item 5) at TP 2 and PP 2. Megatron runs in subprocesses (this file as a script)."""
+broadcast publisher's snapshot hold exactly the engine-dtype HF tensors of the whole gather; the store publisher
+(issue 28 item 5): every owner writes parts, the version reads back bit-exact, a failed owner commits nothing, and the
+in-process engine generates the same tokens and log-probabilities from the parts as from the whole gather; and the
+LoRA sync's adapter publisher (issue 29 item 5) at TP 2 and PP 2. Megatron runs in subprocesses (this file as a
+script)."""
 
 from __future__ import annotations
 
