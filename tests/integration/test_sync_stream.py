@@ -2,11 +2,15 @@
 `gather_live_state` gives, at TP 2, at PP 2 and at EP 2 (a mixture of experts), with buckets small enough that most hold one or a few tensors (and
 every bucket within the bound unless it is a single larger tensor); and the two vLLM publishers that stream them
 (issue 28 items 1 and 4): the disk publisher's directory (one safetensors file per bucket, and the index) and the
-broadcast publisher's snapshot hold exactly the engine-dtype HF tensors of the whole gather; and the LoRA sync's
-adapter publisher (issue 29 item 5) at TP 2 and PP 2. Megatron runs in subprocesses (this file as a script)."""
+broadcast publisher's snapshot hold exactly the engine-dtype HF tensors of the whole gather; the store publisher
+(issue 28 item 5): every owner writes parts, the version reads back bit-exact, a failed owner commits nothing, and the
+in-process engine generates the same tokens and log-probabilities from the parts as from the whole gather; and the
+LoRA sync's adapter publisher (issue 29 item 5) at TP 2 and PP 2. Megatron runs in subprocesses (this file as a
+script)."""
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -29,9 +33,11 @@ def _arch(ep: int) -> dict:
 
 
 @pytest.mark.parametrize("tp,pp,ep", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["tp2", "pp2", "ep2"])
-def test_streamed_buckets_equal_the_whole_gather(tmp_path, tp, pp, ep):
+def test_streamed_buckets_equal_the_whole_gather(tmp_path, request, tp, pp, ep):
+    # the store sync's parts go to a real redis-server at TP 2, to a file store otherwise
+    url = request.getfixturevalue("redis").url if tp > 1 else f"file://{tmp_path}/store-sync"
     rank_group([sys.executable, __file__, str(tmp_path), str(tp), str(pp), str(ep)], tp * pp * ep, timeout=300,
-               what=f"tp{tp}pp{pp}ep{ep}")
+               what=f"tp{tp}pp{pp}ep{ep}", env={"TEST_STORE_URL": url})
     import torch
 
     whole = torch.load(tmp_path / "whole.pt", weights_only=True)
@@ -77,6 +83,49 @@ def test_streamed_buckets_equal_the_whole_gather(tmp_path, tp, pp, ep):
     for name, t in want.items():
         assert torch.equal(sent[name], t), name
     assert sorted(torch.load(tmp_path / "assembled.pt", weights_only=True)) == sorted(want)
+    _check_store_sync(tmp_path, url, whole, len(buckets), tp, pp, ep)
+
+
+def _check_store_sync(tmp_path, url: str, whole: dict, buckets: int, tp: int, pp: int, ep: int) -> None:
+    """The store sync (issue 28 item 5): every owner (each TP / EP rank; with PP > 1 rank 0 alone) wrote the parts
+    of the buckets it assembled; the version read back is the whole gather, bit-exact; the version whose owner 1
+    failed was never committed and left nothing; at lag 0 the older versions were released. At TP 2 and EP 2 the
+    in-process engine loading the parts generates exactly the tokens and log-probabilities it generates from the
+    whole gather published as one blob."""
+    import json
+    import subprocess
+
+    import torch
+
+    from trainingrun.modeling.state import arrays_state_dict
+    from trainingrun.store import StoreError, open_store
+
+    written = [int((tmp_path / f"store-parts-{r}").read_text()) for r in range(tp * pp * ep)]
+    assert (all(written) if pp == 1 else written[0] and not any(written[1:])) and sum(written) == buckets, written
+    store = open_store(url)
+    assert store.latest_weights() == 2
+    arrays, meta = store.read_weights(2)
+    state = arrays_state_dict(arrays, meta["dtypes"])
+    assert sorted(state) == sorted(whole) and meta["version"] == 2
+    for name, t in whole.items():
+        assert state[name].dtype == t.dtype and torch.equal(state[name], t), name
+    for gone in (0, 1):  # 0 released at lag 0, 1 never committed (its owner 1 failed)
+        with pytest.raises(StoreError, match=f"weight version {gone} is not committed"):
+            store.read_weights(gone)
+    if url.startswith("redis"):
+        assert store.client.keys("trainingrun:w:[01]:*") == []
+    else:
+        assert not list((tmp_path / "store-sync" / "weights").glob("0000000[01]"))
+    # rank 0's weight_sync_bytes: the tensors' bytes of every owner's parts
+    assert int((tmp_path / "store-bytes").read_text()) == sum(a.nbytes for a in arrays.values())
+    store.close()
+    if pp > 1:
+        return
+    proc = subprocess.run([sys.executable, __file__, str(tmp_path), "engine", str(ep), url], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads((tmp_path / "engine.json").read_text())
+    assert got["parts"] == got["whole"] and len(got["parts"]) == 8, got
 
 
 LORA_RANK = 4
@@ -268,10 +317,94 @@ def _worker(tmp: str, tp: int, pp: int, ep: int) -> None:
     dist.barrier()
     sender.close()
     dist.barrier()
+    _store_sync_worker(tmp, model, arch)
+
+
+def _store_sync_worker(tmp: str, model, arch) -> None:
+    """The store publisher (issue 28 item 5): version 0; version 1 with owner 1's part failing (several owners);
+    version 2 (lag 0: 0 released); version 3 refused by rank 0's store before anything is gathered."""
+    import torch.distributed as dist
+
+    from trainingrun.engines.store_sync import StoreWeightPublisher
+    from trainingrun.modeling.state import live_layout
+    from trainingrun.store import IncompleteWeights, StoreError, open_store
+
+    rank = dist.get_rank()
+    pub = StoreWeightPublisher(open_store(os.environ["TEST_STORE_URL"]), rank=rank, arch=arch, max_policy_lag=0,
+                               **live_layout())
+    pub.bucket_bytes = LIMIT  # several parts of this small model
+    pub.publish(0, model)
+    parts = pub.last_parts
+    if pub.owners > 1:
+        write = pub.store.write_weights_part
+        if rank == 1:
+            def full(*_a, **_k):
+                raise OSError("No space left on device (test)")
+
+            pub.store.write_weights_part = full
+        try:
+            pub.publish(1, model)
+            failed = ""
+        except IncompleteWeights as exc:
+            failed = str(exc)
+        if rank == 0:
+            assert "trainer owner 1 failed: OSError: No space left on device (test)" in failed, failed
+            assert pub.store.latest_weights() == 0
+        pub.store.write_weights_part = write
+    pub.publish(2, model)
+    assert pub.last_parts == parts  # the same buckets, the same owner
+    total = pub.last_bytes
+    # rank 0 cannot begin version 3 (its store refuses): every rank fails at once, none waits in a collective
+    if rank == 0:
+        def refused(version):
+            raise StoreError(f"version {version} refused (test)")
+
+        pub.store.begin_weights = refused
+    try:
+        pub.publish(3, model)
+        raised = ""
+    except (StoreError, RuntimeError) as exc:
+        raised = f"{type(exc).__name__}: {exc}"
+    want = "StoreError: version 3 refused (test)" if rank == 0 else \
+        "RuntimeError: weight version 3: trainer rank 0 could not begin it"
+    assert raised.startswith(want), raised
+    (Path(tmp) / f"store-parts-{rank}").write_text(str(parts))
+    if rank == 0:
+        (Path(tmp) / "store-bytes").write_text(str(total))
+    dist.barrier()
+
+
+def _engine(tmp: str, ep: int, url: str) -> None:
+    """The in-process engine on the store sync's version 2 (parts) and on the whole gather (one blob): the tokens
+    and log-probabilities of the same seeded generation, for the test to compare."""
+    import json
+
+    import torch
+
+    from trainingrun.contract.engine import Sampling
+    from trainingrun.engines.megatron import MegatronEngine
+    from trainingrun.modeling.architecture import Architecture
+    from trainingrun.modeling.state import tensors_arrays
+    from trainingrun.store import open_store
+
+    arch = Architecture.from_dict(_arch(ep))
+    blob = open_store(f"file://{tmp}/store-blob")
+    arrays, dtypes = tensors_arrays(torch.load(Path(tmp) / "whole.pt", weights_only=True))
+    blob.publish_weights(2, arrays, {"dtypes": dtypes})
+    out = {}
+    for name, store in (("parts", open_store(url)), ("whole", blob)):
+        engine = MegatronEngine(arch, fetch=store.read_weights, seed=3, max_batch=8)
+        engine.load_weights(2)
+        groups = engine.generate([[1, 2, 3, 4], [5, 6, 7, 8, 9]], 4, Sampling(max_new_tokens=6, seed=1))
+        out[name] = [[c.tokens.tolist() if hasattr(c.tokens, "tolist") else list(c.tokens),
+                      [float(x) for x in c.logprobs]] for g in groups for c in g]
+    (Path(tmp) / "engine.json").write_text(json.dumps(out))
 
 
 if __name__ == "__main__":
-    if sys.argv[5:] == ["lora"]:
+    if sys.argv[2] == "engine":
+        _engine(sys.argv[1], int(sys.argv[3]), sys.argv[4])
+    elif sys.argv[5:] == ["lora"]:
         _lora_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
     else:
         _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
