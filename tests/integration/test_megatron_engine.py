@@ -1,7 +1,8 @@
 """The in-process Megatron engine (rollout.engine.type megatron) on CPU, in a subprocess (the CPU shim is
 process-global): KV-cache generation gives the same log-probabilities as a full forward of the finished sequences,
 the same seed gives the same tokens, stop tokens and max new tokens end completions, and a weight version that
-cannot be read completely (corrupted bytes, wrong tensors) is never half-applied: the engine stays on its version."""
+cannot be read completely (corrupted bytes, wrong tensors) is never half-applied: the engine stays on its version.
+A LoRA engine without a base rebuilds it from an adapters-only version's base record (a rollout restarted alone)."""
 
 from __future__ import annotations
 
@@ -102,7 +103,51 @@ def _worker(store_url: str, out_path: str) -> None:
     engine.load_weights(3)
     result["version"] = engine.weight_version
     result["applied"] = all(torch.allclose(after[k], before[k] + 0.05) for k in before)
+    result["lora_rebuild"] = _lora_rebuild()
     Path(out_path).write_text(json.dumps(result))
+
+
+def _lora_rebuild() -> dict:
+    """A LoRA engine with no base that gets adapters-only versions (a rollout restarted alone, issue 29): one naming
+    a base of another digest, one naming none, one naming the trainers' seeded base (seed 3; the engine's own init
+    is seed 5's): what each does to the engine."""
+    import torch
+
+    from trainingrun.contract.errors import ConfigError
+    from trainingrun.engines.megatron import MegatronEngine
+    from trainingrun.modeling.architecture import resolve
+    from trainingrun.modeling.initialise import full_tensor
+    from trainingrun.modeling.lora_base import base_reference
+    from trainingrun.modeling.lora_targets import LoRASettings
+    from trainingrun.modeling.state import tensors_arrays
+
+    arch = resolve(**SIZES)
+    ref = base_reference(arch, 3)
+    versions: dict = {}
+    engine = MegatronEngine(arch, fetch=lambda v: versions[v], seed=5, lora=LoRASettings(rank=2, alpha=4.0))
+    own = {k: v for k, v in engine.model.state_dict().items() if not k.endswith(("_extra_state", ".scale_"))}
+    gen = torch.Generator().manual_seed(0)
+    adapters = {k: torch.randn(v.shape, generator=gen) for k, v in own.items() if ".adapter." in k}
+    arrays, dtypes = tensors_arrays(adapters)
+    for version, base in ((1, {**ref, "digest": "sha256:0"}), (2, None), (3, ref)):
+        versions[version] = (arrays, {"dtypes": dtypes, "lora": "adapters", **({"base": base} if base else {})})
+    out = {"digest": ref["digest"], "base_differs_before": any(
+        not torch.equal(v, full_tensor(k, arch, seed=3)) for k, v in own.items() if ".adapter." not in k)}
+    for version, kind in ((1, ConfigError), (2, ValueError)):
+        try:
+            engine.load_weights(version)
+            out[f"v{version}"] = "loaded"
+        except kind as exc:
+            out[f"v{version}"] = f"{type(exc).__name__}: {exc}"
+    out["version_after_refusals"] = engine.weight_version
+    engine.load_weights(3)
+    own = {k: v for k, v in engine.model.state_dict().items() if not k.endswith(("_extra_state", ".scale_"))}
+    out["version"] = engine.weight_version
+    out["adapters_loaded"] = all(torch.equal(own[k], v) for k, v in adapters.items())
+    out["base_is_seed_3"] = all(torch.equal(v, full_tensor(k, arch, seed=3)) for k, v in own.items()
+                                if ".adapter." not in k)
+    out["tensors"] = len(own)
+    return out
 
 
 def _grouped(engine, prompts) -> dict:
@@ -166,3 +211,12 @@ def test_megatron_engine(tmp_path):
     assert "checksum" in r["corrupt"] and "missing" in r["missing"]
     assert r["unchanged"] and r["version_after_failures"] == 0  # never half-applied
     assert r["version"] == 3 and r["applied"]
+    # issue 29: a LoRA engine with no base (a rollout restarted alone) rebuilds it from the record an adapters-only
+    # version names — the trainers' seeded base, its adapters on it; a record of another digest is refused naming the
+    # field and both digests, one naming no base is refused, and neither loads anything
+    lo = r["lora_rebuild"]
+    assert lo["v1"].startswith("ConfigError: spec.seed / spec.model: weight version 1"), lo["v1"]
+    assert "sha256:0" in lo["v1"] and lo["digest"] in lo["v1"], lo["v1"]
+    assert lo["v2"].startswith("ValueError: ") and "names no base" in lo["v2"], lo["v2"]
+    assert lo["version_after_refusals"] == -1 and lo["base_differs_before"]
+    assert lo["version"] == 3 and lo["adapters_loaded"] and lo["base_is_seed_3"] and lo["tensors"] > 0, lo

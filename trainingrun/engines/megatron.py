@@ -26,7 +26,12 @@ checked against the model's names and shapes: a failed read leaves the previous 
 half-applied). The trainers may run at any tensor-parallel size; the engine is one rank. A LoRA run
 (`trainer.lora`): the engine's model gets the trainers' adapters (`modeling.lora.apply_lora`) and applies them in its
 forward, unmerged, as the trainers do; the first version brings the frozen base and the adapters, every later one the
-adapters alone (`store_sync.py`).
+adapters alone (`store_sync.py`). An engine with no base that gets an adapters-only version (the rollout restarted
+alone, issue 22: the store holds no base after the first version) rebuilds the base from the record every LoRA
+version names (`lora_base.base_state`: model.hf read again — its digest, then its weights — or the seeded model
+drawn, on the CPU, once per rollout process), loads it and then the adapters; a base whose digest is not the
+record's is refused (ConfigError naming spec.model.hf or spec.seed / spec.model and both digests: the rollout exits
+78, no restart helps).
 
 Device and attention: the first visible GPU, else the CPU (`engine_device`); the attention backend is the
 trainers' rule for this device (`modeling.model.attention_choice` with `generation=True`: te in TE's layer spec, else
@@ -53,6 +58,7 @@ import torch.distributed as dist
 from trainingrun.contract.engine import ABORTED, Completion, GroupRequest, OnGroup, Sampling, empty_cut
 from trainingrun.contract.errors import ConfigError
 from trainingrun.modeling.architecture import Architecture
+from trainingrun.modeling.lora_base import base_state, describe
 from trainingrun.modeling.lora_targets import LoRASettings
 from trainingrun.modeling.model import (ModelOptions, attention_choice, build_model, load_canonical_state,
                                        prepare_device, set_seed)
@@ -136,17 +142,40 @@ class MegatronEngine:
         t0 = time.perf_counter()
         arrays, meta = self.fetch(version)
         state = arrays_state_dict(arrays, meta.get("dtypes", {}))
+        mode = meta.get("lora")
+        if self.lora is not None and mode == "adapters" and self._version < 0:  # no base here: a restarted rollout
+            state, mode = {**self._rebuilt_base(meta.get("base"), version), **state}, "base+adapters"
         try:  # names and shapes are checked before anything is copied
             if self.lora is None:
                 load_canonical_state(self.model, state)
             else:
-                self._load_lora(state, meta.get("lora"))
+                self._load_lora(state, mode)
         except ValueError as exc:
             raise ValueError(f"weight version {version} does not match the model: {exc}") from None
         self._cache = None  # its keys and values were computed with the old weights
         self._version = version
         self.stats["load_seconds"] += time.perf_counter() - t0
         self.stats["loaded_bytes"] += sum(a.nbytes for a in arrays.values())
+
+    def _rebuilt_base(self, ref: object, version: int) -> dict[str, torch.Tensor]:
+        """The frozen base for an engine that has none and got an adapters-only version (a rollout restarted alone):
+        rebuilt from the base record the version names (`lora_base.base_state`: model.hf read, or the seeded model
+        drawn; its digest checked first). ValueError when the version names none; ConfigError naming the spec field
+        and both digests when the base here is not the one the adapters were trained on."""
+        if not isinstance(ref, dict):
+            raise ValueError(f"trainer.lora: weight version {version} holds the adapters only and names no base to "
+                             "rebuild, and the engine has none loaded (published by a trainer without the base record)")
+        t0 = time.perf_counter()
+        try:
+            state = base_state(ref, self.arch, f"weight version {version}")
+        except (ValueError, FileNotFoundError) as exc:
+            raise ConfigError(str(exc)) from None
+        names = set(self.model.state_dict())  # a seeded record covers every tensor an architecture may have
+        state = {k: v for k, v in state.items() if k in names}  # (`convert.expected_shapes`): the model's own
+        print(f"megatron engine: no base loaded and weight version {version} holds the adapters only (a rollout "
+              f"restarted alone): rebuilt the base from {describe(ref)} in {time.perf_counter() - t0:.2f}s",
+              file=sys.stderr, flush=True)
+        return state
 
     def _load_lora(self, state: dict[str, torch.Tensor], mode: str | None) -> None:
         """A LoRA run's version (`store_sync.py`): the base and the adapters ("base+adapters") or the adapters alone
@@ -158,7 +187,7 @@ class MegatronEngine:
             need = {k for k in own if ".adapter." in k}
         else:
             raise ValueError(f"trainer.lora: the engine needs the base and adapters first, got {mode or 'a full model'}"
-                             " (a trainer without trainer.lora, or a rollout restarted alone)")
+                             " (a trainer without trainer.lora)")
         missing, unexpected = sorted(need - set(state)), sorted(set(state) - need)
         bad = [k for k in need & set(state) if tuple(state[k].shape) != tuple(own[k].shape)]
         if missing or unexpected or bad:

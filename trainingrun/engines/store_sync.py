@@ -20,14 +20,21 @@ A LoRA run (`trainer.lora`; the engine applies adapters, `megatron.py`): this pu
 frozen base (streamed by its owners as above, `iter_live_buckets(merge=False)`) and the adapters, unmerged (meta
 `lora: "base+adapters"`), every later one the adapters alone (`lora: "adapters"`); the adapters (megabytes) are
 gathered to rank 0 by the same loop (`iter_live_buckets(adapters=True)`) and written by it, so `weight_sync_bytes` is
-the adapters' from the second version on. A restarted trainer group's publisher starts again with the base (the
-engine of a restarted rollout needs it).
+the adapters' from the second version on. A restarted trainer group's publisher starts again with the base.
+
+Every LoRA version's meta also names its base (`"base"`: the record LoRA checkpoints keep, `modeling.lora_base`:
+{"source": "model.hf", "hf", "digest"} or {"source": "seed", "seed", "digest"}), so that the engine of a rollout
+restarted alone — whose first version is adapters only — rebuilds the base itself (`lora_base.base_state`, the digest
+checked) instead of needing it in the store: the store never holds the base after the first version. The record is the
+trainer's (`set_base`: `TrainerCheckpoints.base_reference`, computed once per trainer process on rank 0 and shared
+with the checkpoints; a model.hf digest cached beside them); it is taken in `_begin`, so a failure to compute it stops
+every rank before anything is written.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from trainingrun.modeling.architecture import Architecture
@@ -42,6 +49,8 @@ class StoreWeightPublisher:
         self.store, self.rank, self.lag = store, rank, max_policy_lag
         self.arch, self.dp_rank = arch, dp_rank
         self.lora, self.sent_base = lora, False  # a LoRA run: the base once, then adapters only
+        self.base: Callable[[], dict[str, Any] | None] | None = None  # LoRA: the base record, on rank 0 (`set_base`)
+        self._base_record: dict[str, Any] | None = None  # what this version's meta names (rank 0)
         self.layout = layout  # `iter_live_buckets`' keywords (`modeling.state.live_layout`); none: one process
         self.bucket_bytes = bucket_bytes(bucket_mib)  # ValueError naming weightSync.bucketMiB
         if layout:
@@ -55,6 +64,11 @@ class StoreWeightPublisher:
         self.last_bytes = 0  # rank 0: the version's tensor bytes (every owner's); elsewhere this rank's
         self.last_parts = 0  # the parts this rank wrote of the last version
 
+    def set_base(self, reference: Callable[[], dict[str, Any] | None]) -> None:
+        """A LoRA run: where every version's base record comes from (rank 0 calls it at each publish; it computes
+        the record once, `TrainerCheckpoints.base_reference`)."""
+        self.base = reference
+
     def publish(self, version: int, module: Any) -> None:
         self.last_seconds, self.last_bytes, self.last_parts = 0.0, 0, 0  # what this publish moved
         t0 = time.perf_counter()
@@ -67,16 +81,19 @@ class StoreWeightPublisher:
         self.last_bytes = written
         if self.rank != 0:
             return
-        self.store.commit_weights(version, self.owners, {"version": version, **({"lora": mode} if mode else {})})
+        lora = {} if mode is None else {"lora": mode, **({"base": self._base_record} if self._base_record else {})}
+        self.store.commit_weights(version, self.owners, {"version": version, **lora})
         self.store.release_weights_below(max(0, version - self.lag))
         self.last_seconds, self.last_bytes = time.perf_counter() - t0, total
 
     def _begin(self, version: int) -> bool:
         """Rank 0's `begin_weights` on every rank: whether there is a version to write. Rank 0's failure (a store
-        error, a fenced-off attempt) reaches the others as a RuntimeError, not as a hang in the next collective."""
+        error, a fenced-off attempt, a LoRA base record it cannot compute) reaches the others as a RuntimeError, not as a hang in the next collective."""
         fresh, error = 0, None
         if self.rank == 0:
             try:
+                if self.lora and self.base is not None:  # before anything is written (module docstring)
+                    self._base_record = self.base()
                 fresh = int(self.store.begin_weights(version))
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the others learnt of it
                 fresh, error = 2, exc

@@ -13,9 +13,12 @@ not written again with every checkpoint. Instead meta.json records where the bas
 
 Resuming against another base is refused (`base_problem`, naming spec.model.hf or spec.seed/spec.model and both
 digests): adapters trained on one base mean nothing on another. `base_state` rebuilds the full canonical base in one
-process for `trainingrun export-hf` and `trainingrun score` (`trainer.full_state`), checking its digest first.
+process from a record, checking its digest first: for `trainingrun export-hf` and `trainingrun score`
+(`trainer.full_state`), and for the in-process engine of a rollout restarted alone (`engines/megatron.py`: every LoRA
+weight version names its base by this record, `engines/store_sync.py`).
 
-Cost: the digest reads every weight file once (rank 0, at the first save and at resume; ~1 GB/s) or draws the seeded
+Cost: the digest reads every weight file once (trainer rank 0, once per trainer process: at resume, the first save or
+the first LoRA weight version published through the store, whichever comes first; ~1 GB/s) or draws the seeded
 model once on the CPU (`modeling.initialise`, ~100 M numbers a second). The trainer keeps a model.hf digest in a
 small JSON cache beside its checkpoints (`hf_digest(..., cache=)`; never inside model.hf, which may be read-only):
 
@@ -139,25 +142,31 @@ def base_problem(was: dict[str, Any] | None, now: dict[str, Any], where: str) ->
             f"(digest {was.get('digest')}), or another trainer.checkpoint.path to start afresh")
 
 
+def base_field(ref: dict[str, Any]) -> str:
+    """The spec field a base record comes from (what the errors name)."""
+    return "spec.model.hf" if ref.get("source") == "model.hf" else "spec.seed / spec.model"
+
+
 def base_state(ref: dict[str, Any], arch: Architecture, where: str) -> dict[str, torch.Tensor]:
-    """The full canonical base (TP 1, whole model, in `arch.precision`) a checkpoint's record `ref` names, checked
-    against its digest; ValueError naming the checkpoint `where`, the source and both digests when it differs."""
+    """The full canonical base (TP 1, whole model, in `arch.precision`) a base record `ref` names, checked against
+    its digest; ValueError naming what holds the adapters (`where`: "checkpoint DIR", "weight version 7"), the
+    spec field, the source and both digests when it differs."""
     dtype = DTYPES[arch.precision]
     source = ref.get("source")
     if source == "model.hf":
         hf = ref.get("hf")
         if not hf or not Path(hf).is_dir():
-            raise ValueError(f"checkpoint {where} holds LoRA adapters only; its base model.hf {hf} is not a directory "
-                             "here (mount it at that path)")
+            raise ValueError(f"spec.model.hf: {where} holds LoRA adapters only; its base model.hf {hf} is not a "
+                             "directory here (mount it at that path)")
         digest = hf_digest(hf)
         state = None
     elif source == "seed":
         digest, state = _seeded(arch, int(ref.get("seed", 0)), dtype)
     else:
-        raise ValueError(f"checkpoint {where}: meta.json base record {ref} names no known source")
+        raise ValueError(f"{where}: the base record {ref} names no known source (allowed: model.hf, seed)")
     if digest != ref.get("digest"):
-        raise ValueError(f"checkpoint {where} holds LoRA adapters trained on {describe(ref)}; that base now has digest "
-                         f"{digest}: it changed since (the adapters fit only the base they were trained on)")
+        raise ValueError(f"{base_field(ref)}: {where} holds LoRA adapters trained on {describe(ref)}; that base now "
+                         f"has digest {digest}: it changed since (the adapters fit only the base they were trained on)")
     if state is None:
         state = load_megatron_state(ref["hf"], arch.replace(hf=ref["hf"]), dtype=dtype)
     return state

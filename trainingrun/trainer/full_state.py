@@ -79,7 +79,7 @@ def load_full_state(path: str | Path, *, merge: bool = True, base: bool = True) 
             ref = meta.get("base")
             if not isinstance(ref, dict):
                 raise ValueError(f"checkpoint {path} holds LoRA adapters only and meta.json names no base")
-            state = {**base_state(ref, arch, str(path)), **state}
+            state = {**base_state(ref, arch, f"checkpoint {path}"), **state}
         if merge:  # a LoRA run's adapters (spec.trainer.lora) merged into the base
             state = merge_full_state(state, arch)
     else:

@@ -108,6 +108,8 @@ class Trainer:
             )
         except CheckpointError as exc:
             raise ConfigError(str(exc)) from None
+        if publisher is not None and spec.trainer.lora is not None and hasattr(publisher, "set_base"):
+            publisher.set_base(self.checkpoints.base_reference)  # LoRA versions name their base (`store_sync.py`)
 
     # ------------------------------------------------------------------------------------------------ build
     @classmethod
