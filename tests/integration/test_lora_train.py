@@ -223,9 +223,15 @@ def test_lora_rl_run_syncs_adapters_to_the_engine(tmp_path: Path) -> None:
     4 rollouts: the engine applies the trainer's adapters on the base it got once (`store_sync.py`): every step's
     engine log-probabilities equal the trainer's (logprob_abs_diff ≤ 1e-5; the base alone would differ from the
     second step on), the first sync carries the base and the adapters, every later one the adapters alone, ≤ 5 % of
-    the model's bytes. The same run at TP 1 (2 data-parallel ranks) gives the same global batches and losses (≤ 1e-5
-    relative)."""
+    the model's bytes. The same run at TP 1 (2 data-parallel ranks), whose rollout is killed after 2 steps and
+    restarts alone (issue 22; the trainers keep running): its new engine gets adapters-only versions and rebuilds the
+    base from the record they name (issue 29), and the run trains the same steps — the same global batches, samples
+    (sample ids) and weight versions, losses ≤ 1e-5 relative — with logprob_abs_diff ≤ 1e-5 after the restart too."""
+    import json
+
     import yaml
+
+    from tests.localrun import fault_when, kill_child
 
     doc = yaml.safe_load((ROOT / "examples/rl.yaml").read_text())
     doc["spec"]["trainer"]["lora"] = {"rank": 2}
@@ -233,12 +239,17 @@ def test_lora_rl_run_syncs_adapters_to_the_engine(tmp_path: Path) -> None:
     doc["spec"]["rollout"]["numRollouts"] = 4
     doc["spec"]["metrics"] = {"enabled": False}
     runs = {}
-    for tp in (2, 1):  # 2 ranks: data-parallel 1, then 2
+    for tp in (2, 1):  # 2 ranks: data-parallel 1, then 2 (its rollout killed after 2 steps)
         doc["spec"]["trainer"]["tensorParallelSize"] = tp
         spec = tmp_path / f"rl-lora-tp{tp}.yaml"
         spec.write_text(yaml.safe_dump(doc, sort_keys=False))
         out = tmp_path / f"run-tp{tp}"
-        code, log = finish(start(spec, out))
+        if tp == 2:
+            code, log = finish(start(spec, out))
+        else:
+            raw = out / "raw" / "trainer-metrics.attempt0.jsonl"
+            code, log = fault_when(start(spec, out), lambda: raw.exists() and len(raw.read_text().splitlines()) >= 2,
+                                   "2 steps", lambda: kill_child(out, "rollout"))
         assert code == 0, log[-4000:]
         runs[tp] = records(out)
     rec = runs[2]
@@ -249,14 +260,23 @@ def test_lora_rl_run_syncs_adapters_to_the_engine(tmp_path: Path) -> None:
     model = synced[0] - adapters  # the first sync: the frozen base (the model's weights) and the adapters
     print(f"LoRA RL (in-process engine): logprob_abs_diff per step {diffs}, bytes per sync {synced} "
           f"(adapters {adapters / model:.2%} of the model's {model}), losses DP 1 {[r['loss'] for r in rec]}, DP 2 "
-          f"{[r['loss'] for r in runs[1]]}")
+          f"{[r['loss'] for r in runs[1]]} (rollout restarted; logprob_abs_diff {[r['logprob_abs_diff'] for r in runs[1]]}"
+          f", bytes per sync {[r['weight_sync_bytes'] for r in runs[1]]})")
     assert max(diffs) <= 1e-5, diffs
     assert len({r["weight_version"] for r in rec}) == 4
     assert all(b == adapters for b in synced[1:]) and 0 < adapters <= 0.05 * model, synced
-    # the RL loss with LoRA is data-parallel invariant: 2 data-parallel ranks train DP 1's steps
+    # the killed rollout restarted alone (the trainers never restarted), and its engine rebuilt the base it had not
+    summary = json.loads((tmp_path / "run-tp1" / "summary.json").read_text())
+    assert summary["restarts"] == 1 and summary["role_restarts"] == {"rollout": 1}, summary
+    rollout_logs = "".join(p.read_text() for p in (tmp_path / "run-tp1" / "logs").glob("rollout*.log"))
+    assert rollout_logs.count("rebuilt the base from the seeded initialisation of seed 1") == 1, rollout_logs[-3000:]
+    # the RL loss with LoRA is data-parallel invariant: 2 data-parallel ranks train DP 1's steps, the restart lost
+    # or repeated no sample, and the restarted engine generates with the trainer's weights (lag 0)
     for a, b in zip(runs[1], rec, strict=True):
-        assert a["global_batch_size"] == b["global_batch_size"]
+        assert (a["global_batch_size"], a["samples_consumed"], a["sample_id_sum"], a["weight_version"]) == (
+            b["global_batch_size"], b["samples_consumed"], b["sample_id_sum"], b["weight_version"]), a["step"]
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(abs(b["loss"]), 1e-3), (a["loss"], b["loss"])
+        assert a["policy_lag"] == 0 and a["logprob_abs_diff"] <= 1e-5, a
 
 
 @pytest.mark.megatron
