@@ -15,7 +15,8 @@ all-gathered over the EP ranks instead, each rank's local experts renamed to the
 after another, an empty message closing each stage. The disk and broadcast publishers (`engines/vllm/publish.py`)
 consume it; the store publisher still gathers whole. With `adapters=True` the same loop gathers the LoRA adapters
 alone (B of a column-parallel layer concatenated over the TP ranks along its rows, A of a row-parallel one along its
-columns; the rest replicated): the adapters-only sync of a LoRA run (`AdapterPublisher`).
+columns; the rest replicated; under expert parallelism the experts' adapters gathered over the EP ranks and renamed
+to their global experts, as the experts' weights): the adapters-only sync of a LoRA run (`AdapterPublisher`).
 """
 
 from __future__ import annotations
@@ -67,13 +68,13 @@ def iter_live_buckets(module: torch.nn.Module, arch: Architecture, limit: int, *
     its own (nothing is sent to stage 0); the owners' buckets together are the whole state, each tensor once (the
     broadcast's sharded snapshots, `engines/vllm/broadcast.py`; the disk sync's parallel writers)."""
     state, dims = _local_state(module, adapters)
-    if adapters:  # experts have no adapters: every adapter is replicated over EP, split (or not) over TP
+    if adapters and ep_size == 1:  # every adapter split (or not) over TP
         group, size, rank = tp_group, tp_size, tp_rank
         split = {n: tp_size > 1 and dims[n] is not None for n in state}
 
         def merge(name: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
             return {name: torch.cat(parts, dim=dims[name])}
-    elif ep_size > 1:  # a mixture of experts runs at TP 1: the experts are split over the expert-parallel ranks
+    elif ep_size > 1:  # a mixture of experts runs at TP 1: the experts (and their adapters) are split over EP
         group, size, rank = ep_group, ep_size, ep_rank
         split = {n: convert.ep_layout(n) is not None for n in state}
 
