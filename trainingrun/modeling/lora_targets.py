@@ -128,7 +128,8 @@ _PEFT_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|ml
 
 def peft_expert_key(layer: int, expert_layer: str, ab: str) -> str:
     """PEFT's tensor name of the experts' adapter of `expert_layer` (linear_fc1 | linear_fc2) in `layer`: PEFT wraps
-    transformers' experts module once per target parameter, the first (gate_up_proj) innermost (`base_layer`)."""
+    transformers' experts module once per target parameter in the module's parameter order, so gate_up_proj (the
+    first) is the inner one (`base_layer`)."""
     inner = ".base_layer" if expert_layer == EXPERT_LAYERS[0] else ""
     return f"base_model.model.model.layers.{layer}.mlp.experts{inner}.lora_{ab}.weight"
 
@@ -179,7 +180,9 @@ def check_adapter(path: str | Path, lora: LoRASettings, arch: Architecture) -> d
     """ValueError naming `model.adapter` when the PEFT adapter at `path` is not `lora` on `arch`: another type, rank,
     alpha or targets, or tensors of other names or shapes (another base architecture). Its tensors' shapes."""
     config, shapes = read_adapter(path)
-    want_modules = sorted(m for t in lora.targets for m in HF_TARGETS.get(t, ()))
+    expected = peft_shapes(lora, arch)
+    # the modules some layer has (a mixture of experts without dense layers has no gate/up/down projection)
+    want_modules = sorted({k.split(".")[-3] for k in expected if ".experts." not in k})
     got = config.get("target_modules")
     problems = []
     if config.get("peft_type") != "LORA":
@@ -199,7 +202,6 @@ def check_adapter(path: str | Path, lora: LoRASettings, arch: Architecture) -> d
         problems.append(f"target_parameters {config.get('target_parameters')}, trainer.lora.targets "
                         f"{list(lora.targets)} (= {want_params})")
     if not problems:
-        expected = peft_shapes(lora, arch)
         missing = sorted(set(expected) - set(shapes))
         extra = sorted(set(shapes) - set(expected))
         wrong = sorted(k for k in set(expected) & set(shapes) if shapes[k] != expected[k])
