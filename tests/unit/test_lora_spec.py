@@ -246,6 +246,11 @@ def test_check_adapter_knows_the_experts_peft_tensors(tmp_path):
     good = {"peft_type": "LORA", "r": 4, "lora_alpha": 8.0, "target_modules": ["k_proj", "q_proj", "v_proj"],
             "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
     assert check_adapter(write(good, shapes), lora, arch) == shapes
+    # default targets on a mixture of experts without dense layers: the attention's modules only (before, the check
+    # wanted gate_proj/up_proj/down_proj too and refused the adapter export-hf --adapter wrote of such a run)
+    attention = {k: v for k, v in peft_shapes(LoRASettings(rank=4, alpha=8.0), arch).items()}
+    assert check_adapter(write({**good, "target_modules": ["k_proj", "o_proj", "q_proj", "v_proj"],
+                                "target_parameters": None}, attention), LoRASettings(rank=4, alpha=8.0), arch)
     with pytest.raises(ValueError, match=r"model\.adapter: .* target_parameters None"):
         check_adapter(write({**good, "target_parameters": None}, shapes), lora, arch)
     with pytest.raises(ValueError, match="misshapen"):
