@@ -316,6 +316,42 @@ def test_lora_rl_run_syncs_adapters_to_the_engine(tmp_path: Path) -> None:
 
 
 @pytest.mark.megatron
+def test_expert_lora_rl_at_ep2_syncs_every_experts_adapters_to_the_engine(tmp_path: Path) -> None:
+    """examples/moe-rl.yaml (the in-process megatron engine, routing replay, lag 0) at EP 2 with adapters on the
+    attention and every expert (rank 2): the engine gets each version's adapters alone after the first (the experts'
+    gathered from both EP ranks) and its log-probabilities equal the trainer's at every step (≤ 1e-5; the base alone
+    would differ from the second step on), each later sync exactly the adapters' fp32 bytes."""
+    import yaml
+
+    from trainingrun.api.spec.model import ModelSpec
+    from trainingrun.modeling.memory import expert_lora_parameters, lora_parameters
+
+    doc = yaml.safe_load((ROOT / "examples/moe-rl.yaml").read_text())
+    targets = ["attention_qkv", "attention_out", "experts"]
+    doc["spec"]["trainer"]["lora"] = {"rank": 2, "targets": targets}
+    doc["spec"]["trainer"]["expertParallelSize"] = 2
+    doc["spec"]["trainer"]["optimizer"]["lr"] = doc["spec"]["trainer"]["optimizer"]["minLr"] = 0.05
+    doc["spec"]["rollout"]["numRollouts"] = 3
+    doc["spec"]["rollout"]["samplesPerRollout"] = 32
+    doc["spec"]["metrics"] = {"enabled": False}
+    spec = tmp_path / "moe-rl-lora.yaml"
+    spec.write_text(yaml.safe_dump(doc, sort_keys=False))
+    out = tmp_path / "run"
+    code, log = finish(start(spec, out))
+    assert code == 0, log[-4000:]
+    rec = records(out)
+    assert len(rec) == 3 and all(r["policy_lag"] == 0 for r in rec)
+    diffs = [r["logprob_abs_diff"] for r in rec]
+    synced = [r["weight_sync_bytes"] for r in rec]
+    arch = ModelSpec.model_validate(doc["spec"]["model"]).resolved()
+    numbers = lora_parameters(arch, 2, tuple(targets))[0] + expert_lora_parameters(arch, 2, tuple(targets))[0]
+    print(f"expert LoRA RL (in-process engine, EP 2): logprob_abs_diff per step {diffs}, bytes per sync {synced} "
+          f"(adapters: {numbers} numbers)")
+    assert max(diffs) <= 1e-5, diffs
+    assert synced[1:] == [numbers * 4] * 2 and synced[0] > 4 * synced[1], synced
+
+
+@pytest.mark.megatron
 def test_lora_in_bf16_keeps_fp32_master_weights_for_the_adapters_only(tmp_path: Path) -> None:
     """model.precision bf16 at TP 2: the base and the adapters are bf16 in the model, Megatron's mixed-precision
     optimizer keeps fp32 main weights and Adam moments for the adapters and nothing for the frozen base; the
