@@ -11,9 +11,9 @@ adapter *part* per Hugging Face projection the layer fuses, so the adapters are 
   attention_out   self_attention.linear_proj     row        o: heads*head_dim -> hidden
   mlp_in          mlp.linear_fc1 (dense layers)  column     gate, up: hidden -> ffn (SwiGLU); up: hidden -> ffn (GELU)
   mlp_out         mlp.linear_fc2 (dense layers)  row        down: ffn -> hidden
-  experts         mlp.experts.local_experts.<e>  column,    per expert e: gate_up: hidden -> 2*moe_ffn (one adapter on the
-                  .linear_fc1 / .linear_fc2      row        fused gate and up, as PEFT's on HF's `gate_up_proj`); down:
-                                                            moe_ffn -> hidden (refused on a dense model: `check_lora`)
+  experts         mlp.experts.local_experts.<e>  column,    per expert e: gate_up: hidden -> 2*moe_ffn (one adapter
+                  .linear_fc1 / .linear_fc2      row        on the fused gate and up, as PEFT's on HF's `gate_up_proj`);
+                                                            down: moe_ffn -> hidden (refused on a dense model)
 
 A part's A is r x in, its B out x r; the layer's output gains (alpha / r) · B · A · dropout(x) (`modeling.lora`).
 The experts' adapters are those of PEFT's `target_parameters` on transformers' fused 3-D expert tensors
