@@ -420,9 +420,11 @@ def load_peft_adapter(model, arch: Architecture, lora: LoRASettings, path: str, 
         for local, module in model.named_modules():
             if not isinstance(module, LoRAAdapter):
                 continue
-            whole = ep_global_name(whole_name(canonical_name(f"{local}.x"), arch, *pp), arch, *ep)
+            # the whole model's name of the adapter's first A: layer over the stages, expert over the EP ranks
+            whole = ep_global_name(whole_name(canonical_name(f"{local}.{module.part_names[0]}_A"), arch, *pp), arch,
+                                   *ep)
             layer = int(whole.split(".")[2])
-            found = _expert_key(whole.removesuffix(".x") + ".down_A") if ep_layout(whole) is not None else None
+            found = _expert_key(whole)
             for part in module.part_names:
                 if found is not None:
                     _, expert_layer, e, _ = found
