@@ -10,6 +10,11 @@ Megatron code (CPU, gloo):
   `trainingrun score` of the checkpoint, and which differs from the base (the adapters trained); `export-hf --adapter`
   writes a PEFT adapter directory that `peft.PeftModel.from_pretrained` loads onto the base, scoring the same; a run
   with `model.adapter` set to it (TP 2) starts from those adapters.
+* experts (a small random Qwen3-MoE at EP 2, targets attention and experts): the checkpoint holds every expert's
+  adapters (stacked along the experts as Megatron stacks their weights) and nothing of the base, `export-hf` merges
+  them (transformers scores the merged model like `trainingrun score`), `export-hf --adapter` writes PEFT's
+  `target_parameters` adapter that `peft.PeftModel` loads onto the base and that scores alike, and a run at EP 1
+  started from it (`model.adapter`) scores alike too.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.test_hf_architectures import make_model
 from tests.integration.test_hf_models import LINES, TOL, hf_logprobs, make_hf_model, max_diff, score
 from tests.integration.test_trainer_e2e import CONFIG, _launch, _publish, _records
 from tests.localrun import ROOT, finish, records, start
@@ -123,6 +129,63 @@ def test_lora_run_trains_alike_at_tp1_tp2_pp2_checkpoints_adapters_only_and_expo
     again = latest_checkpoint(out / "checkpoints")
     from_adapter = max_diff(score(again, LINES, tmp_path), scored)
     print(f"score(run from model.adapter) vs score(the checkpoint exported): max |Δ logprob| {from_adapter:.2e}")
+    assert from_adapter <= TOL
+
+
+@pytest.mark.megatron
+def test_expert_lora_at_ep2_checkpoints_every_expert_and_exports_for_peft(tmp_path: Path) -> None:
+    import json
+
+    import torch
+
+    from trainingrun.trainer.checkpoint import latest_checkpoint, read_tensors
+
+    hf = make_model("qwen3_moe", tmp_path / "hf")  # 2 layers, 4 experts (top 2), hidden 32, moe ffn 24
+    spec = _spec(tmp_path / "moe.yaml", hf, 1)
+    spec.write_text(spec.read_text().replace("    replicas: 1\n", "    replicas: 2\n    expertParallelSize: 2\n")
+                    .replace("lora: {rank: 4, alpha: 8}",
+                             "lora: {rank: 4, alpha: 8, targets: [attention_qkv, attention_out, experts]}")
+                    .replace("numRollouts: 3", "numRollouts: 2"))
+    out = tmp_path / "run"
+    code, log = finish(start(spec, out))
+    assert code == 0, log[-4000:]
+    assert any("experts)" in f.read_text() and "ep 2" in f.read_text() for f in (out / "logs").glob("trainer-0*"))
+    ckpt = latest_checkpoint(out / "checkpoints")
+    tensors = read_tensors(ckpt)
+    model_keys = [k for k in tensors if not k.startswith("optimizer.")]
+    assert model_keys and all(".adapter." in k for k in model_keys), model_keys  # no base tensor
+    assert all(".adapter." in k for k in tensors if ".state." in k)  # no optimizer state for the base
+    gate_up_b = tensors["decoder.layers.1.mlp.experts.experts.linear_fc1.adapter.gate_up_B"]
+    assert tuple(gate_up_b.shape) == (4, 48, 4)  # [experts, 2·moe ffn, r]: both ranks' experts
+    assert tuple(tensors["decoder.layers.0.mlp.experts.experts.linear_fc2.adapter.down_A"].shape) == (4, 4, 24)
+    assert bool((gate_up_b.flatten(1).abs().amax(1) > 0).all())  # every expert's adapter trained
+
+    export = tmp_path / "export"
+    adapter = tmp_path / "adapter"
+    for args in (["--out", str(export)], ["--out", str(adapter), "--adapter"]):
+        proc = subprocess.run([sys.executable, "-m", "trainingrun", "export-hf", str(ckpt), *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], config
+    scored = score(ckpt, LINES, tmp_path)
+    merged_diff = max_diff(scored, hf_logprobs(export, LINES))
+    peft_diff = max_diff(scored, _peft_logprobs(hf, adapter, LINES))
+    print(f"expert LoRA (EP 2): score(checkpoint) vs transformers(export-hf) {merged_diff:.2e}, vs PEFT(base + "
+          f"export-hf --adapter) {peft_diff:.2e}")
+    assert merged_diff <= TOL and peft_diff <= TOL
+    assert max_diff(scored, hf_logprobs(hf, LINES)) > 10 * TOL  # the adapters matter
+
+    # model.adapter at EP 1: the experts' adapters taken from PEFT's stacked tensors (lr 1e-12: they barely move)
+    again = tmp_path / "from-adapter.yaml"
+    again.write_text(spec.read_text().replace("    expertParallelSize: 2\n", "")
+                     .replace("seqLength: 64}", f"seqLength: 64, adapter: {adapter}}}")
+                     .replace("lr: 0.01", "lr: 1.0e-12").replace("numRollouts: 2", "numRollouts: 1"))
+    out = tmp_path / "run-from-adapter"
+    code, log = finish(start(again, out))
+    assert code == 0, log[-4000:]
+    from_adapter = max_diff(score(latest_checkpoint(out / "checkpoints"), LINES, tmp_path), scored)
+    print(f"score(EP 1 run from model.adapter) vs score(the EP 2 checkpoint): max |Δ logprob| {from_adapter:.2e}")
     assert from_adapter <= TOL
 
 
@@ -277,6 +340,42 @@ def test_lora_rl_run_syncs_adapters_to_the_engine(tmp_path: Path) -> None:
             b["global_batch_size"], b["samples_consumed"], b["sample_id_sum"], b["weight_version"]), a["step"]
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(abs(b["loss"]), 1e-3), (a["loss"], b["loss"])
         assert a["policy_lag"] == 0 and a["logprob_abs_diff"] <= 1e-5, a
+
+
+@pytest.mark.megatron
+def test_expert_lora_rl_at_ep2_syncs_every_experts_adapters_to_the_engine(tmp_path: Path) -> None:
+    """examples/moe-rl.yaml (the in-process megatron engine, routing replay, lag 0) at EP 2 with adapters on the
+    attention and every expert (rank 2): the engine gets each version's adapters alone after the first (the experts'
+    gathered from both EP ranks) and its log-probabilities equal the trainer's at every step (≤ 1e-5; the base alone
+    would differ from the second step on), each later sync exactly the adapters' fp32 bytes."""
+    import yaml
+
+    from trainingrun.api.spec.model import ModelSpec
+    from trainingrun.modeling.memory import expert_lora_parameters, lora_parameters
+
+    doc = yaml.safe_load((ROOT / "examples/moe-rl.yaml").read_text())
+    targets = ["attention_qkv", "attention_out", "experts"]
+    doc["spec"]["trainer"]["lora"] = {"rank": 2, "targets": targets}
+    doc["spec"]["trainer"]["expertParallelSize"] = 2
+    doc["spec"]["trainer"]["optimizer"]["lr"] = doc["spec"]["trainer"]["optimizer"]["minLr"] = 0.05
+    doc["spec"]["rollout"]["numRollouts"] = 3
+    doc["spec"]["rollout"]["samplesPerRollout"] = 32
+    doc["spec"]["metrics"] = {"enabled": False}
+    spec = tmp_path / "moe-rl-lora.yaml"
+    spec.write_text(yaml.safe_dump(doc, sort_keys=False))
+    out = tmp_path / "run"
+    code, log = finish(start(spec, out))
+    assert code == 0, log[-4000:]
+    rec = records(out)
+    assert len(rec) == 3 and all(r["policy_lag"] == 0 for r in rec)
+    diffs = [r["logprob_abs_diff"] for r in rec]
+    synced = [r["weight_sync_bytes"] for r in rec]
+    arch = ModelSpec.model_validate(doc["spec"]["model"]).resolved()
+    numbers = lora_parameters(arch, 2, tuple(targets))[0] + expert_lora_parameters(arch, 2, tuple(targets))[0]
+    print(f"expert LoRA RL (in-process engine, EP 2): logprob_abs_diff per step {diffs}, bytes per sync {synced} "
+          f"(adapters: {numbers} numbers)")
+    assert max(diffs) <= 1e-5, diffs
+    assert synced[1:] == [numbers * 4] * 2 and synced[0] > 4 * synced[1], synced
 
 
 @pytest.mark.megatron

@@ -5,7 +5,8 @@ every bucket within the bound unless it is a single larger tensor); and the two 
 broadcast publisher's snapshot hold exactly the engine-dtype HF tensors of the whole gather; the store publisher
 (issue 28 item 5): every owner writes parts, the version reads back bit-exact, a failed owner commits nothing, and the
 in-process engine generates the same tokens and log-probabilities from the parts as from the whole gather; and the
-LoRA sync's adapter publisher (issue 29 item 5) at TP 2 and PP 2. Megatron runs in subprocesses (this file as a
+LoRA sync's adapter publisher (issue 29 item 5) at TP 2, PP 2 and EP 2 (a mixture of experts with adapters on every
+expert, gathered over the EP ranks and stacked as PEFT keeps them). Megatron runs in subprocesses (this file as a
 script)."""
 
 from __future__ import annotations
@@ -143,25 +144,51 @@ def _lora_whole(name: str, shape: tuple[int, int], seed: int = 11):
     return torch.randn(shape, generator=torch.Generator().manual_seed(tensor_seed(seed, name))) * 0.1
 
 
-def _lora_expected(arch) -> dict:
-    """{PEFT name: whole tensor} of every adapter of `arch` (the default four targets)."""
+def _lora_expected(arch, targets) -> dict:
+    """{PEFT name: whole tensor} of every adapter of `arch` under `targets`: the dense targets' (the MLP's on dense
+    layers only) and each MoE layer's experts' stacked as PEFT's `target_parameters` keeps them (A: the experts'
+    A one after another along the rows, B: [out, r, E] flattened to [out, r·E])."""
+    import torch
+
     from trainingrun.modeling.lora import ADAPTER, peft_name
-    from trainingrun.modeling.lora_targets import DEFAULT_TARGETS, LAYERS, parts
+    from trainingrun.modeling.lora_targets import LAYERS, expert_parts, parts, peft_expert_key
 
     out = {}
     for layer in range(arch.num_layers):
-        for target in DEFAULT_TARGETS:
+        moe_layer = arch.moe is not None and arch.moe.is_moe_layer(layer)
+        for target in targets:
+            if target == "experts" or (moe_layer and target.startswith("mlp")):
+                continue
             for part, n_in, n_out in parts(target, arch):
                 pre = f"decoder.layers.{layer}.{LAYERS[target][0]}.{ADAPTER}.{part}"
                 for name, shape in ((f"{pre}_A", (LORA_RANK, n_in)), (f"{pre}_B", (n_out, LORA_RANK))):
                     out[peft_name(name)] = _lora_whole(name, shape)
+        if "experts" in targets and moe_layer:
+            for fc in ("linear_fc1", "linear_fc2"):
+                ((part, n_in, n_out),) = expert_parts(fc, arch)
+                pre = [f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{fc}.{ADAPTER}.{part}"
+                       for e in range(arch.moe.num_experts)]
+                out[peft_expert_key(layer, fc, "A")] = torch.cat([_lora_whole(f"{p}_A", (LORA_RANK, n_in))
+                                                                  for p in pre])
+                out[peft_expert_key(layer, fc, "B")] = torch.stack(
+                    [_lora_whole(f"{p}_B", (n_out, LORA_RANK)) for p in pre], -1).reshape(n_out, -1)
     return out
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_adapter_publisher_writes_the_whole_adapters_as_a_peft_directory(tmp_path, tp, pp):
+def _lora_targets(ep: int) -> tuple[str, ...]:
+    """The four dense targets; at EP 2 (the mixture of experts) the attention's and the experts': PEFT (0.21 on
+    transformers 5) reads gate_proj/up_proj/down_proj of a Qwen-MoE or Mixtral model as its experts' (its v4 -> v5
+    conversion), so the dense MLP adapters of such a model's dense layers do not load in PEFT (docs/trainer.md)."""
+    from trainingrun.modeling.lora_targets import DEFAULT_TARGETS
+
+    return ("attention_qkv", "attention_out", "experts") if ep > 1 else DEFAULT_TARGETS
+
+
+@pytest.mark.parametrize("tp,pp,ep", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["tp2", "pp2", "ep2"])
+def test_adapter_publisher_writes_the_whole_adapters_as_a_peft_directory(tmp_path, tp, pp, ep):
     """The LoRA sync's publisher (`AdapterPublisher`, issue 29 item 5) at TP 2 and PP 2: the streamed gather with
-    `adapters=True` joins each adapter's shards (B of column-, A of row-parallel layers) and stages; the directory
+    `adapters=True` joins each adapter's shards (B of column-, A of row-parallel layers) and stages; at EP 2 (a
+    mixture of experts, target `experts` beside the four dense ones) each rank's experts' adapters; the directory
     holds exactly the whole adapters (in the engine's dtype, under PEFT's names), a PEFT config of their rank and
     alpha, and the meta its bytes and digests, and `peft.PeftModel` loads it onto the base."""
     import json
@@ -169,11 +196,12 @@ def test_adapter_publisher_writes_the_whole_adapters_as_a_peft_directory(tmp_pat
     import torch
     from safetensors.torch import load_file
 
-    rank_group([sys.executable, __file__, str(tmp_path), str(tp), str(pp), "1", "lora"], tp * pp, timeout=300,
-               what=f"lora tp{tp}pp{pp}")
+    rank_group([sys.executable, __file__, str(tmp_path), str(tp), str(pp), str(ep), "lora"], tp * pp * ep,
+               timeout=300, what=f"lora tp{tp}pp{pp}ep{ep}")
     from trainingrun.modeling.architecture import Architecture
 
-    want = _lora_expected(Architecture.from_dict(ARCH))
+    arch = Architecture.from_dict(_arch(ep))
+    want = _lora_expected(arch, _lora_targets(ep))
     (directory,) = (tmp_path / "weights").glob("v*")
     got = load_file(str(directory / "adapter_model.safetensors"))
     assert sorted(got) == sorted(want)
@@ -181,8 +209,11 @@ def test_adapter_publisher_writes_the_whole_adapters_as_a_peft_directory(tmp_pat
         assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], t.to(torch.bfloat16)), name
     config = json.loads((directory / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", LORA_RANK, 2.0 * LORA_RANK)
-    assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
-                                                "v_proj"]
+    assert sorted(config["target_modules"]) == (["k_proj", "o_proj", "q_proj", "v_proj"] if ep > 1 else
+                                                ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+                                                 "v_proj"])
+    assert config.get("target_parameters", []) == (["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if ep > 1
+                                                   else [])
     meta = json.loads((tmp_path / "meta.json").read_text())
     size = (directory / "adapter_model.safetensors").stat().st_size
     assert meta["method"] == "lora" and meta["bytes"] == size and meta["adapter_name"] == "trainingrun-v0"
@@ -191,18 +222,23 @@ def test_adapter_publisher_writes_the_whole_adapters_as_a_peft_directory(tmp_pat
     transformers = pytest.importorskip("transformers")
     from trainingrun.modeling.hf_config import hf_config_for
 
-    cfg = transformers.LlamaConfig(**hf_config_for(Architecture.from_dict(ARCH), dtype="float32"))
-    model = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM(cfg), directory)
-    loaded = model.get_parameter("base_model.model.model.layers.1.self_attn.v_proj.lora_B.default.weight")
-    assert torch.equal(loaded, want["base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"]
-                       .to(torch.bfloat16).float())
+    hf = hf_config_for(arch, dtype="float32")
+    cfg = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+    model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_config(cfg), directory)
+    names = ["base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"]
+    if ep > 1:  # the experts' stacked adapters, where PEFT nests them
+        names += ["base_model.model.model.layers.2.mlp.experts.base_layer.lora_B.weight",
+                  "base_model.model.model.layers.3.mlp.experts.lora_A.weight"]
+    for name in names:
+        loaded = model.get_parameter(name.replace(".weight", ".default.weight"))
+        assert torch.equal(loaded, want[name].to(torch.bfloat16).float()), name
 
 
-def _lora_worker(tmp: str, tp: int, pp: int) -> None:
+def _lora_worker(tmp: str, tp: int, pp: int, ep: int) -> None:
     from trainingrun.modeling.model import init_distributed, prepare_device
 
     device = prepare_device(0)
-    init_distributed(device, tp=tp, pp=pp)
+    init_distributed(device, tp=tp, pp=pp, ep=ep)
     import json
 
     import torch
@@ -211,7 +247,7 @@ def _lora_worker(tmp: str, tp: int, pp: int) -> None:
 
     from trainingrun.engines.vllm.publish import AdapterPublisher
     from trainingrun.modeling.architecture import Architecture
-    from trainingrun.modeling.convert import canonical_name
+    from trainingrun.modeling.convert import canonical_name, ep_global_name
     from trainingrun.modeling.lora import LoRAAdapter, apply_lora
     from trainingrun.modeling.lora_targets import LoRASettings
     from trainingrun.modeling.model import build_model, set_seed
@@ -219,19 +255,22 @@ def _lora_worker(tmp: str, tp: int, pp: int) -> None:
     from trainingrun.modeling.state import live_layout
     from trainingrun.store import open_store
 
-    arch = Architecture.from_dict(ARCH)
+    arch = Architecture.from_dict(_arch(ep))
     set_seed(7)
     model = build_model(arch, device)
     tp_at = (ps.get_tensor_model_parallel_rank(), tp)
     pp_at = (ps.get_pipeline_model_parallel_rank(), pp)
-    apply_lora(model, arch, LoRASettings(rank=LORA_RANK, alpha=2.0 * LORA_RANK), seed=11, tp=tp_at, pp=pp_at)
+    ep_at = (ps.get_expert_model_parallel_rank(), ep)
+    targets = _lora_targets(ep)
+    apply_lora(model, arch, LoRASettings(rank=LORA_RANK, alpha=2.0 * LORA_RANK, targets=targets), seed=11, tp=tp_at,
+               pp=pp_at, ep=ep_at)
     with torch.no_grad():  # B seeded by its whole name (apply_lora leaves it 0), this rank's shard
         for local, m in model.named_modules():
             if not isinstance(m, LoRAAdapter):
                 continue
             for part in m.part_names:
                 b = getattr(m, f"{part}_B")
-                name = whole_name(canonical_name(f"{local}.{part}_B"), arch, *pp_at)
+                name = ep_global_name(whole_name(canonical_name(f"{local}.{part}_B"), arch, *pp_at), arch, *ep_at)
                 size = tp if m.kind == "column" else 1
                 whole = _lora_whole(name, (b.shape[0] * size, b.shape[1]))
                 b.copy_(torch.chunk(whole, size, dim=0)[tp_at[0]] if size > 1 else whole)
@@ -405,6 +444,6 @@ if __name__ == "__main__":
     if sys.argv[2] == "engine":
         _engine(sys.argv[1], int(sys.argv[3]), sys.argv[4])
     elif sys.argv[5:] == ["lora"]:
-        _lora_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+        _lora_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
     else:
         _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))

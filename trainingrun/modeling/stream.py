@@ -16,7 +16,9 @@ after another, an empty message closing each stage. The disk and broadcast publi
 consume it, and so does the store publisher (`engines/store_sync.py`: each owner's buckets become parts of the
 version in the store). With `adapters=True` the same loop gathers the LoRA adapters alone (B of a column-parallel
 layer concatenated over the TP ranks along its rows, A of a row-parallel one along its columns; the rest
-replicated): the adapters-only sync of a LoRA run (`AdapterPublisher`, and the store publisher's later versions).
+replicated; under expert parallelism the experts' adapters gathered over the EP ranks and renamed to their global
+experts, as the experts' weights): the adapters-only sync of a LoRA run (`AdapterPublisher`, and the store
+publisher's later versions).
 """
 
 from __future__ import annotations
@@ -71,23 +73,23 @@ def iter_live_buckets(module: torch.nn.Module, arch: Architecture, limit: int, *
     its own (nothing is sent to stage 0); the owners' buckets together are the whole state, each tensor once (the
     broadcast's sharded snapshots, `engines/vllm/broadcast.py`; the disk sync's parallel writers)."""
     state, dims = _local_state(module, adapters, merge)
-    if adapters:  # experts have no adapters: every adapter is replicated over EP, split (or not) over TP
+    if adapters and ep_size == 1:  # every adapter split (or not) over TP
         group, size, rank = tp_group, tp_size, tp_rank
         split = {n: tp_size > 1 and dims[n] is not None for n in state}
 
-        def merge(name: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        def join(name: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
             return {name: torch.cat(parts, dim=dims[name])}
-    elif ep_size > 1:  # a mixture of experts runs at TP 1: the experts are split over the expert-parallel ranks
+    elif ep_size > 1:  # a mixture of experts runs at TP 1: the experts (and their adapters) are split over EP
         group, size, rank = ep_group, ep_size, ep_rank
         split = {n: convert.ep_layout(n) is not None for n in state}
 
-        def merge(name: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        def join(name: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
             return {convert.ep_global_name(name, arch, r, ep_size): p for r, p in enumerate(parts)}
     else:
         group, size, rank = tp_group, tp_size, tp_rank
         split = {n: tp_size > 1 and convert.tp_layout(n, arch)[0] is not None for n in state}
 
-        def merge(name: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        def join(name: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
             return {name: convert.gather_tp(name, parts, arch)}
     lead = rank == 0  # the stage's rank that assembles the buckets (TP rank 0, or EP rank 0)
     sizes = [(n, state[n].numel() * state[n].element_size() * (size if split[n] else 1)) for n in sorted(state)]
@@ -102,7 +104,7 @@ def iter_live_buckets(module: torch.nn.Module, arch: Architecture, limit: int, *
                 parts = [torch.empty_like(local) for _ in range(size)]
                 dist.all_gather(parts, local, group=group)
                 if mine:
-                    bucket.update(merge(name, parts))
+                    bucket.update(join(name, parts))
                 del parts
             elif mine:
                 bucket[name] = local.clone()

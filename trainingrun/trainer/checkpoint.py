@@ -659,7 +659,8 @@ def model_tensors(path: str | Path) -> dict[str, Any]:
     """The model's tensors of a checkpoint at full shape, one entry per layer (`decoder.layers.<i>.<name>`), named as
     Megatron's sharded state dict names them (TransformerEngine-style names, e.g. `linear_qkv.layer_norm_weight`,
     whichever layer spec wrote it); a mixture of experts' layers are stored per layer, their experts stacked
-    (`mlp.experts.experts.linear_fc1.weight` [E, ...] → `mlp.experts.local_experts.<e>.linear_fc1.weight`)."""
+    (`mlp.experts.experts.linear_fc1.weight` [E, ...] → `mlp.experts.local_experts.<e>.linear_fc1.weight`; their LoRA
+    adapters `….linear_fc1.adapter.gate_up_A` alike)."""
     out = {}
     for key, t in read_tensors(path, model_only=True).items():
         experts = _EXPERTS_KEY.match(key)
@@ -676,7 +677,8 @@ def model_tensors(path: str | Path) -> dict[str, Any]:
 
 
 _OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
-_EXPERTS_KEY = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(linear_fc[12]\.(?:weight|bias))$")
+_EXPERTS_KEY = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\."
+                          r"(linear_fc[12]\.(?:weight|bias|adapter\.\w+))$")  # the experts' LoRA adapters too
 
 
 def rng_state() -> dict[str, Any]:
