@@ -323,8 +323,8 @@ def test_lora_rl_run_syncs_adapters_to_the_engine(tmp_path: Path) -> None:
     model = synced[0] - adapters  # the first sync: the frozen base (the model's weights) and the adapters
     print(f"LoRA RL (in-process engine): logprob_abs_diff per step {diffs}, bytes per sync {synced} "
           f"(adapters {adapters / model:.2%} of the model's {model}), losses DP 1 {[r['loss'] for r in rec]}, DP 2 "
-          f"{[r['loss'] for r in runs[1]]} (rollout restarted; logprob_abs_diff {[r['logprob_abs_diff'] for r in runs[1]]}"
-          f", bytes per sync {[r['weight_sync_bytes'] for r in runs[1]]})")
+          f"{[r['loss'] for r in runs[1]]} (rollout restarted; logprob_abs_diff "
+          f"{[r['logprob_abs_diff'] for r in runs[1]]}, bytes per sync {[r['weight_sync_bytes'] for r in runs[1]]})")
     assert max(diffs) <= 1e-5, diffs
     assert len({r["weight_version"] for r in rec}) == 4
     assert all(b == adapters for b in synced[1:]) and 0 < adapters <= 0.05 * model, synced

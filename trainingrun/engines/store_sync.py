@@ -88,7 +88,8 @@ class StoreWeightPublisher:
 
     def _begin(self, version: int) -> bool:
         """Rank 0's `begin_weights` on every rank: whether there is a version to write. Rank 0's failure (a store
-        error, a fenced-off attempt, a LoRA base record it cannot compute) reaches the others as a RuntimeError, not as a hang in the next collective."""
+        error, a fenced-off attempt, a LoRA base record it cannot compute) reaches the others as a RuntimeError,
+        not as a hang in the next collective."""
         fresh, error = 0, None
         if self.rank == 0:
             try:

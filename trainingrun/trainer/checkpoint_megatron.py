@@ -303,7 +303,8 @@ class TrainerCheckpoints:
         self._base: dict[str, Any] | None = None
 
     def base_reference(self) -> dict[str, Any] | None:
-        """The base's reference and digest (rank 0 computes it once; None on the others and without LoRA)."""
+        """The base's reference and digest (rank 0 computes it once; None on the others and without LoRA). The
+        store publisher names it in every LoRA weight version too (`engines/store_sync.py`, `set_base`)."""
         if self.base is None or self.group.rank != 0:
             return None
         if self._base is None:
