@@ -35,6 +35,16 @@ def test_seeded_base_state_is_the_seeded_initialisation_and_refuses_a_changed_di
     state = base_state(ref, arch, "ckpt")
     name = "decoder.layers.1.self_attention.linear_qkv.weight"
     assert torch.equal(state[name], full_tensor(name, arch, seed=3))
+    # the model's own tensors, no more: `score`/`export-hf` of an adapters-only checkpoint load them (before: the
+    # biases and q/k norms the architecture does not have were returned too, and `score` refused them)
+    # tiny-llama: RMSNorm, no biases, no q/k norms, an output layer of its own
+    assert not [k for k in state if k.endswith(".bias") or "_layernorm" in k.rsplit(".", 2)[-2][:2]]
+    assert not [k for k in state if "q_layernorm" in k or "k_layernorm" in k]
+    assert "output_layer.weight" in state and name in state
+    gpt = resolve(preset="tiny")  # LayerNorm: its norms' biases, and still no linear biases
+    gpt_state = base_state(base_reference(gpt, 3), gpt, "ckpt")
+    assert "decoder.final_layernorm.bias" in gpt_state and "decoder.layers.0.input_layernorm.bias" in gpt_state
+    assert not [k for k in gpt_state if k.endswith(("linear_qkv.bias", "linear_proj.bias", "linear_fc1.bias"))]
     with pytest.raises(ValueError, match="changed since"):
         base_state({**ref, "digest": "sha256:0"}, arch, "ckpt")
 

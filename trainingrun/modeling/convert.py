@@ -221,6 +221,13 @@ def export_plan(arch: Architecture) -> list[tuple[str, tuple[str, ...], Callable
     return [(m, h, rule.split) for rule in NAME_RULES for m, h in _expand(rule.megatron, rule.hf, rule.when, arch)]
 
 
+def present_names(arch: Architecture) -> set[str]:
+    """The canonical tensors a model of `arch` has: those of the HF name table (`import_plan`: biases, q/k norms,
+    the output layer, experts only where the architecture has them) and a LayerNorm model's norm biases (which no
+    HF family of the table carries). `expected_shapes` covers every tensor an architecture may have."""
+    return {m for m, _, _ in import_plan(arch)} | {n for n in expected_shapes(arch) if n.endswith("layernorm.bias")}
+
+
 def expected_shapes(arch: Architecture) -> dict[str, tuple[int, ...]]:
     """Full (TP 1, every expert) Megatron shape of every canonical tensor of `arch`."""
     n, g, d = _groups(arch)

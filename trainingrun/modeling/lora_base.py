@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from trainingrun.modeling.architecture import Architecture
-from trainingrun.modeling.convert import expected_shapes
+from trainingrun.modeling.convert import expected_shapes, present_names
 from trainingrun.modeling.hf_io import load_megatron_state
 from trainingrun.modeling.initialise import full_tensor
 
@@ -105,14 +105,18 @@ def _write_cache(cache: Path, key: str, entry: dict[str, Any]) -> None:
 
 
 def _seeded(arch: Architecture, seed: int, dtype: torch.dtype | None) -> tuple[str, dict[str, torch.Tensor]]:
-    """(digest, the whole tensors in `dtype` — none kept when `dtype` is None) of the seeded initialisation."""
+    """(digest, the model's whole tensors in `dtype` — none kept when `dtype` is None) of the seeded initialisation.
+    The digest covers every tensor an architecture may have (`convert.expected_shapes`: biases and q/k norms too, as
+    checkpoints have recorded it since LoRA checkpoints began); the tensors returned are only those the model has
+    (`convert.present_names`), as a loader expects them."""
     h = hashlib.sha256()
     out = {}
+    own = present_names(arch)
     for name, shape in sorted(expected_shapes(arch).items()):
         t = full_tensor(name, arch, seed=seed)
         h.update(f"{name}\0{list(shape)}\0".encode())
         h.update(t.contiguous().numpy().tobytes())
-        if dtype is not None:
+        if dtype is not None and name in own:
             out[name] = t.to(dtype)
     return f"sha256:{h.hexdigest()}", out
 
