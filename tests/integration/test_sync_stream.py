@@ -7,6 +7,7 @@ adapter publisher (issue 29 item 5) at TP 2 and PP 2. Megatron runs in subproces
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -56,9 +57,13 @@ def test_streamed_buckets_equal_the_whole_gather(tmp_path, tp, pp, ep):
     (directory,) = (tmp_path / "weights").glob("v*")
     files = sorted(p.name for p in directory.glob("*.safetensors"))
     assert len(files) == len(buckets) and (directory / "model.safetensors.index.json").is_file(), files
-    # written in parallel (issue 28 item 4): every owner rank wrote files of its own buckets
-    written = [int((tmp_path / f"disk-parts-{r}").read_text()) for r in range(tp * pp * ep)]
-    assert (all(written) if pp == 1 else written == [0] * len(written)) and sum(written) in (0, len(files)), written
+    # written in parallel (issue 28 item 4): every owner rank (each TP / EP rank of each pipeline stage) wrote files
+    # of its own buckets, each tensor once; a stage's files hold only its own layers
+    written = [json.loads((tmp_path / f"disk-tensors-{r}.json").read_text()) for r in range(tp * pp * ep)]
+    assert all(written) and sum(map(len, written)) == len(want), [len(w) for w in written]
+    assert sorted(n for w in written for n in w) == sorted(want)
+    for r, names in enumerate(written):
+        assert {_stage(n, pp) for n in names} == {r // (tp * ep)}, (r, sorted(names))
     assert not list(directory.glob(".owner-*")), "the owners' records are not left in the version's directory"
     with HFWeights(directory) as w:
         assert sorted(w.names()) == sorted(want)
@@ -66,17 +71,26 @@ def test_streamed_buckets_equal_the_whole_gather(tmp_path, tp, pp, ep):
             assert torch.equal(w.get(name), t), name
     # the broadcast's snapshot is sharded over the owner ranks (issue 28 item 3): each holds only its part, the
     # parts are disjoint, and together they are the whole model, bit-exact
-    parts = [torch.load(f, weights_only=True) for f in sorted(tmp_path.glob("snapshot-*.pt"))]
-    assert len(parts) == tp * ep, len(parts)  # pipeline stages are not owners yet: stage 0 holds it whole
+    parts = [torch.load(tmp_path / f"snapshot-{r}.pt", weights_only=True) for r in range(tp * pp * ep)]
+    assert len(parts) == tp * pp * ep, len(parts)  # every (stage, TP / EP rank) of the replica is an owner
     sent: dict = {}
-    for part in parts:
-        assert part and (len(part) < len(want) or len(parts) == 1), len(part)  # a part, never the whole model
+    for r, part in enumerate(parts):
+        assert part and len(part) < len(want), len(part)  # a part, never the whole model
+        assert {_stage(n, pp) for n in part} == {r // (tp * ep)}, (r, sorted(part))  # its own stage's layers only
         assert not set(part) & set(sent), "a tensor in two owners' snapshots"
         sent.update(part)
     assert sorted(sent) == sorted(want)
     for name, t in want.items():
         assert torch.equal(sent[name], t), name
     assert sorted(torch.load(tmp_path / "assembled.pt", weights_only=True)) == sorted(want)
+
+
+def _stage(hf_name: str, pp: int) -> int:
+    """The pipeline stage (of `pp`, ARCH's layers split evenly) that holds the HF tensor `hf_name`."""
+    layer = re.search(r"\.layers\.(\d+)\.", hf_name)
+    if layer:
+        return int(layer.group(1)) * pp // ARCH["num_layers"]
+    return 0 if "embed_tokens" in hf_name else pp - 1  # the final norm and the output layer: the last stage
 
 
 LORA_RANK = 4
@@ -229,15 +243,24 @@ def _worker(tmp: str, tp: int, pp: int, ep: int) -> None:
 
     store = open_store(f"file://{tmp}/store")
     kw = dict(rank=dist.get_rank(), arch=arch, dtype="bfloat16", max_policy_lag=0, **live_layout())
+    import trainingrun.modeling.hf_io as hf_io
+
     disk = DiskPublisher(store, root=Path(tmp) / "weights", assets_dir=None, **kw)
     disk.bucket_bytes = LIMIT  # below weightSync.bucketMiB's least (1 MiB): several files for this small model
-    disk.publish(0, model)
-    (Path(tmp) / f"disk-parts-{dist.get_rank()}").write_text(str(disk.last_parts))
-    # an owner whose files cannot be written: rank 0 names it and commits nothing; no directory is left (several
-    # owners: TP or EP > 1; pipeline stages are not owners, `stream.shard_owner`)
-    if disk.owners > 1 and dist.get_rank() == 1:
-        import trainingrun.modeling.hf_io as hf_io
+    real, wrote = hf_io.write_part_files, []
 
+    def spy(directory, shards, **k):  # the tensors this rank's files hold
+        parts = real(directory, shards, **k)
+        wrote.extend(n for p in parts for n in p["tensors"])
+        return parts
+
+    hf_io.write_part_files = spy
+    disk.publish(0, model)
+    hf_io.write_part_files = real
+    (Path(tmp) / f"disk-tensors-{dist.get_rank()}.json").write_text(json.dumps(wrote))
+    # an owner whose files cannot be written: rank 0 names it and commits nothing; no directory is left (several
+    # owners: every TP / EP rank of every pipeline stage, `stream.shard_owner`)
+    if disk.owners > 1 and dist.get_rank() == 1:
         def full(*_a, **_k):
             raise OSError("No space left on device (test)")
 
@@ -255,7 +278,7 @@ def _worker(tmp: str, tp: int, pp: int, ep: int) -> None:
     if sender.sender is not None:
         sender.sender.bucket_bytes = LIMIT  # the snapshot's buckets too
     sender.publish(0, model)
-    if sender.sender is not None:  # an owner (a later pipeline stage is not one yet: stream.shard_owner)
+    if sender.sender is not None:  # an owner: every rank of this one replica (stream.shard_owner)
         snap = sender.sender._snapshots[0]  # every TP / EP rank of this one replica owns part of the buckets
         held = [sum(1 for t in snap.manifest["tensors"] if t[3] == i) for i in range(len(snap.buckets))]
         assert len(snap.buckets) >= 2
