@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,8 +32,14 @@ def _arch(ep: int) -> dict:
 
 @pytest.mark.parametrize("tp,pp,ep", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["tp2", "pp2", "ep2"])
 def test_streamed_buckets_equal_the_whole_gather(tmp_path, tp, pp, ep):
+    import threading
+
+    received: dict = {}
+    engines = threading.Thread(target=_engines, args=(tmp_path, received), daemon=True)
+    engines.start()
     rank_group([sys.executable, __file__, str(tmp_path), str(tp), str(pp), str(ep)], tp * pp * ep, timeout=300,
                what=f"tp{tp}pp{pp}ep{ep}")
+    engines.join(30)
     import torch
 
     whole = torch.load(tmp_path / "whole.pt", weights_only=True)
@@ -83,6 +90,51 @@ def test_streamed_buckets_equal_the_whole_gather(tmp_path, tp, pp, ep):
     for name, t in want.items():
         assert torch.equal(sent[name], t), name
     assert sorted(torch.load(tmp_path / "assembled.pt", weights_only=True)) == sorted(want)
+    # one transfer to two engines while the trainers run collectives on their main threads: every owner sends its
+    # own part once, each engine gets the whole model bit-exact
+    assert sorted(received) == ["e0", "e1"], received
+    for got in received.values():
+        assert not isinstance(got, BaseException), repr(got)
+        assert sorted(n for n, _ in got) == sorted(want)
+        assert all(torch.equal(t, want[n]) for n, t in got)
+    sent = [json.loads((tmp_path / f"sent-{r}.json").read_text()) for r in range(tp * pp * ep)]
+    assert [s["bytes_sent"] for s in sent] == [sum(t.numel() * t.element_size() for t in p.values()) for p in parts]
+    assert all(s["transfers"] == 1 and s["failures"] == 0 for s in sent), sent
+
+
+def _engines(tmp: Path, received: dict, count: int = 2) -> None:
+    """Two engines of one pool sync (each a worker joining with the worker extension's own `receive`, a thread of
+    this process) ask trainer rank 0 for version 0 once it wrote its port; `received` gets each one's tensors or
+    error; then the trainers are told to go on ("received")."""
+    import threading
+    import time
+
+    from trainingrun.engines.vllm.broadcast import new_group_name
+    from trainingrun.engines.vllm.worker_ext import receive
+
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp / "port").is_file() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        port = int((tmp / "port").read_text())
+
+        def engine(name: str) -> None:
+            req = {"host": "127.0.0.1", "port": port, "group": new_group_name(), "world_size": 2, "backend": "gloo",
+                   "timeout": 60, "connect_timeout": 10, "version": 0, "joint": {"id": "sync-0", "members": count}}
+            try:
+                manifest, tensors, store = receive(req, rank=1, device="cpu")
+                store.set(manifest["done_key"], "ok")
+                received[name] = tensors
+            except Exception as exc:  # noqa: BLE001 - asserted by the test
+                received[name] = exc
+
+        threads = [threading.Thread(target=engine, args=(f"e{i}",), daemon=True) for i in range(count)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+    finally:
+        (tmp / "received").write_text("1")
 
 
 def _stage(hf_name: str, pp: int) -> int:
@@ -211,6 +263,21 @@ def _lora_worker(tmp: str, tp: int, pp: int) -> None:
     dist.barrier()
 
 
+def _busy_until(flag: Path, limit: float = 150.0) -> None:
+    """Collectives on every trainer rank's main thread (as training runs beside a transfer) until `flag` exists on
+    some rank (agreed by the collective itself) or `limit` seconds passed."""
+    import torch
+    import torch.distributed as dist
+
+    t0 = time.monotonic()
+    while True:
+        box = torch.tensor([float(flag.is_file() or time.monotonic() - t0 > limit)])
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        if box.item() > 0:
+            return
+        time.sleep(0.01)
+
+
 def _worker(tmp: str, tp: int, pp: int, ep: int) -> None:
     from trainingrun.modeling.model import init_distributed, prepare_device
 
@@ -288,6 +355,16 @@ def _worker(tmp: str, tp: int, pp: int, ep: int) -> None:
         if dist.get_rank() == 0:  # the transfer's manifest names every owner's tensors
             whole_view = sender.sender.assemble(snap) if sender.sender.owners > 1 else snap
             torch.save({t[0]: torch.zeros(1) for t in whole_view.manifest["tensors"]}, Path(tmp) / "assembled.pt")
+    if dist.get_rank() == 0:
+        (Path(tmp) / "port.tmp").write_text(str(sender.sender.port))
+        (Path(tmp) / "port.tmp").rename(Path(tmp) / "port")
+    _busy_until(Path(tmp) / "received")  # the engines' transfer runs beside the trainers' own collectives
+    t0 = time.monotonic()
+    while sender.sender.transfers + sender.sender.failures < 1 and time.monotonic() - t0 < 30:
+        time.sleep(0.05)
+    (Path(tmp) / f"sent-{dist.get_rank()}.json").write_text(json.dumps(
+        {"bytes_sent": sender.sender.bytes_sent, "transfers": sender.sender.transfers,
+         "failures": sender.sender.failures}))
     dist.barrier()
     sender.close()
     dist.barrier()
