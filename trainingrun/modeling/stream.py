@@ -13,7 +13,9 @@ replicated ones read from TP rank 0. With expert parallelism (a mixture of exper
 all-gathered over the EP ranks instead, each rank's local experts renamed to their global numbers
 (`convert.ep_global_name`), as `gather_live_state` does. Later stages' first rank send their buckets to stage 0, one
 after another, an empty message closing each stage. The disk and broadcast publishers (`engines/vllm/publish.py`)
-consume it; the store publisher still gathers whole. With `adapters=True` the same loop gathers the LoRA adapters
+consume it sharded (`shard=True`, `shard_owner`): every (stage, TP/EP rank) of the replica yields the buckets it owns
+and nothing goes to stage 0, so no rank holds more than its own stage's part; the store publisher still gathers
+whole. With `adapters=True` the same loop gathers the LoRA adapters
 alone (B of a column-parallel layer concatenated over the TP ranks along its rows, A of a row-parallel one along its
 columns; the rest replicated): the adapters-only sync of a LoRA run (`AdapterPublisher`).
 """

@@ -7,7 +7,7 @@ the engine's dtype, packed into flat buckets per dtype (a copy, so training may 
 the newest `keep_versions` (maxPolicyLag + 1; the oldest is let go before the next is made, so no rank ever holds one
 more). The tensors may come as a stream (the streamed sync's buckets): each bucket is packed as it fills.
 
-Sharded (`owners` > 1, issue 28 item 3): each owner rank of replica 0 (its TP/EP ranks) snapshots only the
+Sharded (`owners` > 1, issue 28 item 3): each owner rank of replica 0 (TP/EP ranks of every stage) snapshots only the
 buckets it owns, in host memory; its part's manifest goes into rank 0's store (PART_KEY). Rank 0 is owner 0; the
 others run a `ShardServer`, a thread that joins each transfer rank 0 announces (TRANSFER_KEY) and sends its own
 buckets. A transfer's manifest is assembled from the parts (`assemble`: each bucket names its owner, the root that
