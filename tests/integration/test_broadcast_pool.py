@@ -150,18 +150,21 @@ def test_an_engine_that_asks_late_catches_up_alone_without_stalling_the_others()
         sender.close()
 
 
-def test_a_sharded_version_is_sent_by_its_owners_and_arrives_whole():
-    """Item 3: two owner ranks each hold half of the buckets in host memory (rank 0's `BroadcastSender`, owner 1's
-    `ShardServer`, as the TP ranks of replica 0 do); one transfer to two engines: each owner sends only its own
-    buckets, every engine gets the whole model bit-exact."""
+@pytest.mark.parametrize("split", ["halves", "owner1-empty", "owner0-empty"])
+def test_a_sharded_version_is_sent_by_its_owners_and_arrives_whole(split):
+    """Item 3: two owner ranks each hold part of the buckets in host memory (rank 0's `BroadcastSender`, owner 1's
+    `ShardServer`, as the TP ranks or the pipeline stages of replica 0 do); one transfer to two engines: each owner
+    sends only its own buckets, every engine gets the whole model bit-exact. Also when one owner holds no bucket at
+    all (a TP rank of a stage with a single bucket): it joins the transfer and sends nothing."""
     named = _named(1 << 20, parts=8)  # 4 MiB of fp32, 8 tensors of 512 KiB: a bucket each
-    halves = [named[0::2], named[1::2]]
+    halves = {"halves": [named[0::2], named[1::2]], "owner1-empty": [named, []], "owner0-empty": [[], named]}[split]
     sender = BroadcastSender(0, host="127.0.0.1", timeout=60, dtype=None, bucket_bytes=512 << 10, owners=2).start()
     owner = ShardServer("127.0.0.1", sender.port, owner=1, owners=2, timeout=60, dtype=None,
                         bucket_bytes=512 << 10).start()
     try:
         parts = [sender.set_weights(4, halves[0]), owner.set_weights(4, halves[1])]
-        assert all(p.nbytes == (2 << 20) for p in parts)  # each owner holds half, not the whole model
+        held = [sum(t.numel() * t.element_size() for _, t in h) for h in halves]
+        assert [p.nbytes for p in parts] == held  # each owner holds its own part, not the whole model
         assert sum(p["bytes"] for p in sender.parts(4)) == 4 << 20
         joint = {"id": "sync-4", "members": 2}
         got: dict[str, list] = {}
@@ -183,7 +186,7 @@ def test_a_sharded_version_is_sent_by_its_owners_and_arrives_whole():
             assert sorted(n for n, _ in tensors) == sorted(want)
             assert all(torch.equal(t, want[n]) for n, t in tensors)
         assert len(got) == 2 and sender.transfers == 1 and sender.last["engines"] == 2
-        assert sender.bytes_sent == 2 << 20 and owner.bytes_sent == 2 << 20  # each its own half, once
+        assert [sender.bytes_sent, owner.bytes_sent] == held  # each its own part, once
     finally:
         owner.close()
         sender.close()
