@@ -190,3 +190,42 @@ def test_a_sharded_version_is_sent_by_its_owners_and_arrives_whole(split):
     finally:
         owner.close()
         sender.close()
+
+
+@pytest.mark.parametrize("released", ["packed-next", "while-served"])
+def test_an_owner_that_no_longer_holds_the_version_fails_the_transfer_at_once(released):
+    """An owner that already let the requested version go (a pipeline stage or TP rank that packed the next version
+    before rank 0 did, while a late engine asks for the one before) fails the transfer at once, naming the owner,
+    and the next version loads. Before, rank 0 — serving one transfer at a time — and the engine waited: for the
+    released part to appear (`assemble`: up to the timeout, 60 s at most), or, where the owner let it go after rank
+    0 assembled the manifest ("while-served"), for the group's whole timeout (the owner answered only in its "done"
+    key and never joined the group)."""
+    named = _named(1 << 18, parts=4)
+    kw = dict(timeout=15, dtype=None, bucket_bytes=256 << 10)
+    sender = BroadcastSender(0, host="127.0.0.1", owners=2, **kw).start()
+    owner = ShardServer("127.0.0.1", sender.port, owner=1, owners=2, **kw).start()
+    try:
+        sender.set_weights(4, named[:2])
+        owner.set_weights(4, named[2:])
+        assert len(sender.parts(4)) == 2
+        if released == "packed-next":
+            owner.set_weights(5, named[2:])  # owner 1 packed version 5 first: 4 is let go (keep_versions 1)
+        else:  # gone from owner 1's memory, its part's manifest not yet removed from rank 0's store
+            with owner._lock:
+                del owner._snapshots[4]
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"version 4\b.*trainer owners\W+1\b"):
+            receive(dict(_request(sender, None), version=4), rank=1, device="cpu")
+        assert time.monotonic() - t0 < 8, "the engine waited for a timeout"
+        _served(sender, 1)
+        assert sender.failures == 1 and owner.failures == (released == "while-served") and sender.transfers == 0
+        if 5 not in owner.versions:
+            owner.set_weights(5, named[2:])
+        sender.set_weights(5, named[:2])
+        manifest, tensors, st = receive(dict(_request(sender, None), version=5), rank=1, device="cpu")
+        st.set(manifest["done_key"], "ok")
+        want = dict(named)
+        assert sorted(n for n, _ in tensors) == sorted(want) and all(torch.equal(t, want[n]) for n, t in tensors)
+    finally:
+        owner.close()
+        sender.close()
