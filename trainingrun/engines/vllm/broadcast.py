@@ -10,8 +10,8 @@ more). The tensors may come as a stream (the streamed sync's buckets): each buck
 Sharded (`owners` > 1, issue 28 item 3): each owner rank of replica 0 (TP/EP ranks of every stage) snapshots only the
 buckets it owns, in host memory; its part's manifest goes into rank 0's store (PART_KEY). Rank 0 is owner 0; the
 others run a `ShardServer`, a thread that answers each transfer rank 0 announces (TRANSFER_KEY; READY_KEY: it holds
-the version or not, before any engine is told to join), joins it and sends its own buckets. A transfer's manifest is assembled from the parts (`assemble`: each bucket names its owner, the root that
-sends it).
+the version or not, before any engine is told to join), joins it and sends its own buckets. A transfer's manifest is
+assembled from the parts (`assemble`: each bucket names its owner, the root that sends it).
 
 Serving (`start()`: a thread; or `serve_next()`): requests are taken in order; the requests of one pool sync (the
 same `joint` id and version, up to its `members`, within `join_window` seconds of the first) are served in one
