@@ -5,12 +5,13 @@ processes.
 `engine.url` (`python -m trainingrun.engines.simulated`: it generates, checks every published directory's digests and
 tensor headers, and loads nothing), two trainer ranks splitting a llama-architecture model by tensor parallelism
 (or, with `--parallel pipeline`, into two pipeline stages; fp32, gloo), `weightSync.type` disk or broadcast with
-`weightSync.bucketMiB`. Every child runs under `tests/peak_rss.py` (the kernel's peak resident set, VmHWM at exit,
-with its RANK). Prints one JSON object per configuration: the model's bytes (fp32), each rank's peak, the sending
-rank's (rank 0's) excess over rank 1 and that excess over the model's bytes (issue 28's acceptance: at most 0.25
-with `bucketMiB: 32`).
+`weightSync.bucketMiB`; with `store` the engine is the in-process megatron one (the rollout loads every version from
+the run's file store) and the trainers write each version in parts (`engines/store_sync.py`). Every child runs under
+`tests/peak_rss.py` (the kernel's peak resident set, VmHWM at exit, with its RANK). Prints one JSON object per
+configuration: the model's bytes (fp32), each rank's peak, the sending rank's (rank 0's) excess over rank 1 and that
+excess over the model's bytes (issue 28's acceptance: at most 0.25 with `bucketMiB: 32`).
 
-Run: `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sync_memory.py [--sync disk,broadcast] [--bucket-mib 32]
+Run: `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sync_memory.py [--sync disk,broadcast,store] [--bucket-mib 32]
 [--layers 8 --hidden 1536 --ffn 4608] [--parallel tensor|pipeline]`. About two minutes per configuration on 2 CPU
 cores at the default size (0.88 GB of fp32 weights). Prints figures, asserts nothing.
 """
@@ -61,7 +62,7 @@ def spec(args, sync: str, url: str, hf: Path) -> dict:
                                          "task": "copy", "minLength": 4, "maxLength": 4, "vocabSize": 64}},
                                      "sampling": {"temperature": 1.0, "maxNewTokens": 8},
                                      "reward": {"type": "token_match"}}},
-                                 "engine": {"type": "vllm", "url": url},
+                                 "engine": {"type": "vllm", "url": url} if sync != "store" else {"type": "megatron"},
                                  "maxPolicyLag": 0, "samplesPerRollout": 8, "groupSize": 4,
                                  "filters": {"zeroVariance": False}, "numRollouts": args.rollouts},
                      "weightSync": {"type": sync, "bucketMiB": args.bucket_mib},
@@ -80,9 +81,9 @@ def model_bytes(doc: dict) -> int:
 def measure(args, sync: str, workdir: Path) -> dict:
     from tests.simengine import SimProcess
 
-    sim = SimProcess(token_seconds=0.001, median_tokens=6, length_sigma=0.3, vocab=512)
+    sim = SimProcess(token_seconds=0.001, median_tokens=6, length_sigma=0.3, vocab=512) if sync != "store" else None
     try:
-        doc = spec(args, sync, sim.url, hf_model(args, workdir))
+        doc = spec(args, sync, sim.url if sim else "", hf_model(args, workdir))
         path = workdir / f"{sync}.yaml"
         path.write_text(yaml.safe_dump(doc))
         peaks = workdir / f"{sync}.peaks.jsonl"
@@ -96,9 +97,10 @@ def measure(args, sync: str, workdir: Path) -> dict:
         if out.returncode != 0:
             raise RuntimeError(f"{sync}: trainingrun run exited {out.returncode}:\n{out.stdout[-3000:]}"
                                f"{out.stderr[-3000:]}")
-        loads = sim.stats()["loads"]
+        loads = sim.stats()["loads"] if sim else _store_versions(workdir / sync)
     finally:
-        sim.close()
+        if sim:
+            sim.close()
     rows = [json.loads(x) for x in peaks.read_text().splitlines()]
     ranks = {int(r["rank"]): r["peak_rss"] for r in rows if r["role"] == "trainer" and r.get("rank") is not None}
     size = model_bytes(doc)
@@ -110,9 +112,16 @@ def measure(args, sync: str, workdir: Path) -> dict:
             "versions_loaded_by_engine": len(loads), "wall_s": round(time.monotonic() - t0, 1)}
 
 
+def _store_versions(out: Path) -> list[str]:
+    """The weight versions the trainers published (trainer 0's log lines), for `--sync store`: the in-process engine
+    loads each before it generates the rollout of that version (lag 0)."""
+    logs = "".join(p.read_text(errors="replace") for p in (out / "logs").glob("trainer-0*.log"))
+    return [line for line in logs.splitlines() if "published:" in line and "weights version" in line]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sync", default="disk", help="comma-separated: disk, broadcast")
+    ap.add_argument("--sync", default="disk", help="comma-separated: disk, broadcast, store")
     ap.add_argument("--bucket-mib", type=int, default=32)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1536)

@@ -10,6 +10,12 @@ columns), loads them into PEFT's `lora_A` / `lora_B` of the matching projections
 a fresh adapter (B = 0) leaves the model's log-probabilities exactly the base's, the merged weights
 (`live_state_dict`) score like the adapters, and with dropout the replicated adapters (A of a column-, B of a
 row-parallel layer) get the same gradient on both tensor-parallel ranks.
+
+Experts (target `experts`): a small random Qwen3-MoE and Mixtral (4 experts, top 2) with adapters on q, k, v, o and every expert
+at expert parallelism 1 and 2 (each rank its two experts' adapters; rank 1's loss is weighted 0, so every adapter's
+gradient is that of rank 0's sequence), against PEFT's `target_parameters` on transformers' fused expert tensors,
+the experts' adapters stacked as PEFT keeps them (`lora.to_peft`): the log-probabilities and every gradient, PEFT's
+stacked gradients split back per expert.
 """
 
 from __future__ import annotations
@@ -37,13 +43,20 @@ HF_MODULE = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v
 ROW = ("o", "down")  # row-parallel parts: A split by columns; the others' B by rows
 
 
+MOE_KINDS = ("qwen3_moe", "mixtral")
+MOE_TARGETS = ("attention_qkv", "attention_out", "experts")
+EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """Each kind's model and the worker's output at TP 1 and TP 2 (one process pair for all)."""
+    """Each kind's model and the worker's output at TP 1 and TP 2, the mixture of experts' at EP 1 and EP 2 (one
+    process pair for all)."""
     root = tmp_path_factory.mktemp("lora")
-    models = {"llama": make_hf_model(root / "llama"), "qwen3": make_model("qwen3", root / "qwen3")}
-    rank_group([sys.executable, __file__, str(root), *(f"{k}={models[k]}" for k in KINDS)], 2, timeout=900)
-    return {kind: root for kind in KINDS} | {f"{k}-model": models[k] for k in KINDS}
+    models = {"llama": make_hf_model(root / "llama"), "qwen3": make_model("qwen3", root / "qwen3"),
+              **{k: make_model(k, root / k) for k in MOE_KINDS}}
+    rank_group([sys.executable, __file__, str(root), *(f"{k}={models[k]}" for k in models)], 2, timeout=900)
+    return {kind: root for kind in (*KINDS, *MOE_KINDS)} | {f"{k}-model": models[k] for k in models}
 
 
 def _joined(root: Path, kind: str, tp: int, what: str) -> dict[str, "object"]:
@@ -126,6 +139,90 @@ def test_lora_logprobs_and_gradients_match_peft(runs: dict, kind: str, tp: int) 
     assert torch.isfinite(torch.tensor(summary["logprobs"])).all()
 
 
+def _joined_ep(root: Path, kind: str, ep: int, what: str) -> dict:
+    """The whole set of adapter tensors of the EP run: each rank's experts under their global numbers, the
+    replicated adapters from rank 0 (canonical names)."""
+    import torch
+
+    from trainingrun.modeling.convert import ep_layout
+
+    out = {}
+    for r in range(ep):
+        part = torch.load(root / f"{kind}-ep{ep}-rank{r}.pt", weights_only=True)[what]
+        for name, value in part.items():
+            e = ep_layout(name)
+            if e is None:
+                if r == 0:
+                    out[name] = value
+            else:
+                head, tail = name.split(f".local_experts.{e}.")
+                out[f"{head}.local_experts.{r * 4 // ep + e}.{tail}"] = value
+    return out
+
+
+def _peft_moe_reference(model_dir: Path, peft_tensors: dict) -> tuple[list[float], dict]:
+    """PEFT on transformers' Qwen3-MoE with `peft_tensors` (PEFT's names, the experts stacked): log-probabilities of
+    TOKENS and the gradient of their sum for every tensor, under the same names."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                            target_parameters=EXPERT_PARAMS))
+    params = {n.replace(".default.", "."): p for n, p in model.named_parameters() if "lora_" in n}
+    assert set(params) == set(peft_tensors), sorted(set(params) ^ set(peft_tensors))[:4]
+    with torch.no_grad():
+        for name, value in peft_tensors.items():
+            params[name].copy_(value)
+    ids = torch.tensor([TOKENS])
+    logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1)
+    logp.sum().backward()
+    return logp.detach().tolist(), {n: p.grad.detach().clone() for n, p in params.items()}
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("ep", [1, 2])
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_expert_lora_logprobs_and_gradients_match_peft(runs: dict, kind: str, ep: int) -> None:
+    import torch
+
+    from trainingrun.modeling.lora import to_peft
+
+    root = runs[kind]
+    adapters, grads = _joined_ep(root, kind, ep, "params"), _joined_ep(root, kind, ep, "grads")
+    summary = json.loads((root / f"{kind}-ep{ep}.json").read_text())
+    assert summary["frozen_base_grads"] == 0 and summary["base_trainable"] == 0, summary
+    assert summary["fresh_equals_base"], summary
+    assert summary["expert_adapters_allreduce"] == [False], summary  # reduced over the expert-data-parallel group
+    # 2 layers x (4 experts x (gate_up, down) + q k v o) x (A, B)
+    assert len(adapters) == 2 * (4 * 2 + 4) * 2, sorted(adapters)
+    assert tuple(adapters["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.adapter.gate_up_A"].shape) == \
+        (RANK, 32)
+    assert tuple(adapters["decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.adapter.down_B"].shape) == (32, RANK)
+    peft_tensors, modules, params = to_peft(adapters, 4)
+    assert modules == ["k_proj", "o_proj", "q_proj", "v_proj"] and params == EXPERT_PARAMS
+    ref_logp, ref_grads = _peft_moe_reference(runs[f"{kind}-model"], peft_tensors)
+    ours = to_peft(grads, 4)[0]
+    logp_rel = _rel(summary["logprobs"], ref_logp)
+    grad_rel = max(_rel(ours[n], ref_grads[n]) for n in ref_grads)
+    expert_rel = max(_rel(ours[n], ref_grads[n]) for n in ref_grads if ".mlp.experts." in n)
+    merged_rel = _rel(summary["merged_logprobs"], ref_logp)
+    print(f"{kind} EP {ep}: max relative difference to PEFT: logprobs {logp_rel:.2e}, adapter gradients "
+          f"{grad_rel:.2e} (experts' {expert_rel:.2e}), merged weights' logprobs {merged_rel:.2e}")
+    assert logp_rel <= TOL and grad_rel <= TOL and merged_rel <= TOL
+    assert _rel(summary["logprobs"], summary["base_logprobs"]) > 1e-3
+    # the experts' adapters are compared where they matter: in every layer at least 3 of the 4 experts got tokens
+    # (PEFT's per-expert gradient slices not 0; on these 16 tokens one Mixtral expert of layer 1 gets none)
+    for name, g in ref_grads.items():
+        if ".mlp.experts." in name:
+            per = g.reshape(4, RANK, -1) if name.endswith("lora_A.weight") else g.reshape(g.shape[0], RANK, 4)
+            amax = per.abs().amax(dim=(1, 2)) if name.endswith("lora_A.weight") else per.abs().amax(dim=(0, 1))
+            assert int((amax > 0).sum()) >= 3, (name, amax)
+    assert torch.isfinite(torch.tensor(summary["logprobs"])).all()
+
+
 # ---------------------------------------------------------------------------------------------- subprocess worker
 def _forward_logprobs(model, device):
     import torch
@@ -158,6 +255,8 @@ def _worker(out: str, models: list[str]) -> None:
     for tp in (1, 2):
         for item in models:
             kind, path = item.split("=", 1)
+            if kind in MOE_KINDS:
+                continue
             if ps.model_parallel_is_initialized():
                 ps.destroy_model_parallel()
             init_distributed(device, tp=tp)
@@ -214,6 +313,73 @@ def _worker(out: str, models: list[str]) -> None:
                     "merged_logprobs": merged_logp.tolist(), "fresh_equals_base": bool(torch.equal(fresh, base_logp)),
                     "frozen_base_grads": base_grads, "base_trainable": trainable, "dropout_tp_same": tp_same}))
             dist.barrier()
+    for item in models:
+        kind, path = item.split("=", 1)
+        if kind in MOE_KINDS:
+            for ep in (1, 2):
+                _moe_worker(out, kind, path, ep, device)
+
+
+def _moe_worker(out: str, kind: str, path: str, ep: int, device) -> None:
+    """The mixture of experts `kind` at expert parallelism `ep` (2 ranks: EP 1 is two data-parallel replicas): attention and experts
+    adapters, B drawn from each adapter's global name; rank 0's loss backward (rank 1's weighted 0)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from trainingrun.api.spec.model import ModelSpec
+    from trainingrun.modeling.convert import canonical_names, ep_global_name
+    from trainingrun.modeling.lora import LoRAAdapter, apply_lora, live_state_dict
+    from trainingrun.modeling.lora_targets import LoRASettings
+    from trainingrun.modeling.model import build_model, init_distributed, load_canonical_state, set_seed
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    init_distributed(device, ep=ep)
+    set_seed(1)
+    arch = ModelSpec(hf=path, attentionBackend="sdpa").resolved()
+    model = build_model(arch, device, parallel_output=False)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with torch.no_grad():
+        base_logp = _forward_logprobs(model, device)
+    ep_rank = ps.get_expert_model_parallel_rank()
+    apply_lora(model, arch, LoRASettings(rank=RANK, alpha=ALPHA, targets=MOE_TARGETS), seed=7, ep=(ep_rank, ep))
+    with torch.no_grad():
+        fresh = _forward_logprobs(model, device)
+    # B drawn under the global name (the same expert gets the same B at EP 1 and EP 2)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, LoRAAdapter):
+                for part in module.part_names:
+                    b = getattr(module, f"{part}_B")
+                    gen = torch.Generator().manual_seed(sum(map(ord, ep_global_name(f"{name}.{part}", arch, ep_rank,
+                                                                                    ep))))
+                    b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
+    logp = _forward_logprobs(model, device)
+    (logp.sum() * (1.0 if dist.get_rank() == 0 else 0.0)).backward()
+    params, grads = {}, {}
+    for name, p in model.named_parameters():
+        if ".adapter." in name:
+            params[name] = p.detach().clone()
+            grads[name] = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+    base_grads = sum(1 for n, p in model.named_parameters() if ".adapter." not in n and p.grad is not None)
+    trainable = sum(1 for n, p in model.named_parameters() if ".adapter." not in n and p.requires_grad)
+    allreduce = sorted({getattr(p, "allreduce", True) for n, p in model.named_parameters()
+                        if ".adapter." in n and ".local_experts." in n})
+    merged = build_model(arch, device, parallel_output=False, load_weights=False)
+    load_canonical_state(merged, canonical_names(live_state_dict(model)))
+    with torch.no_grad():
+        merged_logp = _forward_logprobs(merged, device)
+    rank = dist.get_rank()
+    if rank < ep:
+        torch.save({"params": params, "grads": grads}, Path(out) / f"{kind}-ep{ep}-rank{rank}.pt")
+    if rank == 0:
+        (Path(out) / f"{kind}-ep{ep}.json").write_text(json.dumps({
+            "logprobs": logp.detach().tolist(), "base_logprobs": base_logp.tolist(),
+            "merged_logprobs": merged_logp.tolist(), "fresh_equals_base": bool(torch.equal(fresh, base_logp)),
+            "frozen_base_grads": base_grads, "base_trainable": trainable, "expert_adapters_allreduce": allreduce}))
+    dist.barrier()
 
 
 if __name__ == "__main__":

@@ -2,12 +2,17 @@
 `gather_live_state` gives, at TP 2, at PP 2 and at EP 2 (a mixture of experts), with buckets small enough that most hold one or a few tensors (and
 every bucket within the bound unless it is a single larger tensor); and the two vLLM publishers that stream them
 (issue 28 items 1 and 4): the disk publisher's directory (one safetensors file per bucket, and the index) and the
-broadcast publisher's snapshot hold exactly the engine-dtype HF tensors of the whole gather; and the LoRA sync's
-adapter publisher (issue 29 item 5) at TP 2 and PP 2. Megatron runs in subprocesses (this file as a script)."""
+broadcast publisher's snapshot hold exactly the engine-dtype HF tensors of the whole gather; the store publisher
+(issue 28 item 5): every owner writes parts, the version reads back bit-exact, a failed owner commits nothing, and the
+in-process engine generates the same tokens and log-probabilities from the parts as from the whole gather; and the
+LoRA sync's adapter publisher (issue 29 item 5) at TP 2, PP 2 and EP 2 (a mixture of experts with adapters on every
+expert, gathered over the EP ranks and stacked as PEFT keeps them). Megatron runs in subprocesses (this file as a
+script)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -31,14 +36,16 @@ def _arch(ep: int) -> dict:
 
 
 @pytest.mark.parametrize("tp,pp,ep", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["tp2", "pp2", "ep2"])
-def test_streamed_buckets_equal_the_whole_gather(tmp_path, tp, pp, ep):
+def test_streamed_buckets_equal_the_whole_gather(tmp_path, request, tp, pp, ep):
     import threading
 
+    # the store sync's parts go to a real redis-server at TP 2, to a file store otherwise
+    url = request.getfixturevalue("redis").url if tp > 1 else f"file://{tmp_path}/store-sync"
     received: dict = {}
     engines = threading.Thread(target=_engines, args=(tmp_path, received), daemon=True)
     engines.start()
     rank_group([sys.executable, __file__, str(tmp_path), str(tp), str(pp), str(ep)], tp * pp * ep, timeout=300,
-               what=f"tp{tp}pp{pp}ep{ep}")
+               what=f"tp{tp}pp{pp}ep{ep}", env={"TEST_STORE_URL": url})
     engines.join(30)
     import torch
 
@@ -101,6 +108,8 @@ def test_streamed_buckets_equal_the_whole_gather(tmp_path, tp, pp, ep):
     assert [s["bytes_sent"] for s in sent] == [sum(t.numel() * t.element_size() for t in p.values()) for p in parts]
     assert all(s["transfers"] == 1 and s["failures"] == 0 for s in sent), sent
 
+    _check_store_sync(tmp_path, url, whole, len(buckets), tp, pp, ep)
+
 
 def _engines(tmp: Path, received: dict, count: int = 2) -> None:
     """Two engines of one pool sync (each a worker joining with the worker extension's own `receive`, a thread of
@@ -145,6 +154,48 @@ def _stage(hf_name: str, pp: int) -> int:
     return 0 if "embed_tokens" in hf_name else pp - 1  # the final norm and the output layer: the last stage
 
 
+def _check_store_sync(tmp_path, url: str, whole: dict, buckets: int, tp: int, pp: int, ep: int) -> None:
+    """The store sync (issue 28 item 5): every owner (each TP / EP rank of each pipeline stage) wrote the parts
+    of the buckets it assembled; the version read back is the whole gather, bit-exact; the version whose owner 1
+    failed was never committed and left nothing; at lag 0 the older versions were released. At TP 2 and EP 2 the
+    in-process engine loading the parts generates exactly the tokens and log-probabilities it generates from the
+    whole gather published as one blob."""
+    import json
+    import subprocess
+
+    import torch
+
+    from trainingrun.modeling.state import arrays_state_dict
+    from trainingrun.store import StoreError, open_store
+
+    written = [int((tmp_path / f"store-parts-{r}").read_text()) for r in range(tp * pp * ep)]
+    assert all(written) and sum(written) == buckets, written
+    store = open_store(url)
+    assert store.latest_weights() == 2
+    arrays, meta = store.read_weights(2)
+    state = arrays_state_dict(arrays, meta["dtypes"])
+    assert sorted(state) == sorted(whole) and meta["version"] == 2
+    for name, t in whole.items():
+        assert state[name].dtype == t.dtype and torch.equal(state[name], t), name
+    for gone in (0, 1):  # 0 released at lag 0, 1 never committed (its owner 1 failed)
+        with pytest.raises(StoreError, match=f"weight version {gone} is not committed"):
+            store.read_weights(gone)
+    if url.startswith("redis"):
+        assert store.client.keys("trainingrun:w:[01]:*") == []
+    else:
+        assert not list((tmp_path / "store-sync" / "weights").glob("0000000[01]"))
+    # rank 0's weight_sync_bytes: the tensors' bytes of every owner's parts
+    assert int((tmp_path / "store-bytes").read_text()) == sum(a.nbytes for a in arrays.values())
+    store.close()
+    if pp > 1:
+        return
+    proc = subprocess.run([sys.executable, __file__, str(tmp_path), "engine", str(ep), url], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads((tmp_path / "engine.json").read_text())
+    assert got["parts"] == got["whole"] and len(got["parts"]) == 8, got
+
+
 LORA_RANK = 4
 
 
@@ -160,25 +211,51 @@ def _lora_whole(name: str, shape: tuple[int, int], seed: int = 11):
     return torch.randn(shape, generator=torch.Generator().manual_seed(tensor_seed(seed, name))) * 0.1
 
 
-def _lora_expected(arch) -> dict:
-    """{PEFT name: whole tensor} of every adapter of `arch` (the default four targets)."""
+def _lora_expected(arch, targets) -> dict:
+    """{PEFT name: whole tensor} of every adapter of `arch` under `targets`: the dense targets' (the MLP's on dense
+    layers only) and each MoE layer's experts' stacked as PEFT's `target_parameters` keeps them (A: the experts'
+    A one after another along the rows, B: [out, r, E] flattened to [out, r·E])."""
+    import torch
+
     from trainingrun.modeling.lora import ADAPTER, peft_name
-    from trainingrun.modeling.lora_targets import DEFAULT_TARGETS, LAYERS, parts
+    from trainingrun.modeling.lora_targets import LAYERS, expert_parts, parts, peft_expert_key
 
     out = {}
     for layer in range(arch.num_layers):
-        for target in DEFAULT_TARGETS:
+        moe_layer = arch.moe is not None and arch.moe.is_moe_layer(layer)
+        for target in targets:
+            if target == "experts" or (moe_layer and target.startswith("mlp")):
+                continue
             for part, n_in, n_out in parts(target, arch):
                 pre = f"decoder.layers.{layer}.{LAYERS[target][0]}.{ADAPTER}.{part}"
                 for name, shape in ((f"{pre}_A", (LORA_RANK, n_in)), (f"{pre}_B", (n_out, LORA_RANK))):
                     out[peft_name(name)] = _lora_whole(name, shape)
+        if "experts" in targets and moe_layer:
+            for fc in ("linear_fc1", "linear_fc2"):
+                ((part, n_in, n_out),) = expert_parts(fc, arch)
+                pre = [f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{fc}.{ADAPTER}.{part}"
+                       for e in range(arch.moe.num_experts)]
+                out[peft_expert_key(layer, fc, "A")] = torch.cat([_lora_whole(f"{p}_A", (LORA_RANK, n_in))
+                                                                  for p in pre])
+                out[peft_expert_key(layer, fc, "B")] = torch.stack(
+                    [_lora_whole(f"{p}_B", (n_out, LORA_RANK)) for p in pre], -1).reshape(n_out, -1)
     return out
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_adapter_publisher_writes_the_whole_adapters_as_a_peft_directory(tmp_path, tp, pp):
+def _lora_targets(ep: int) -> tuple[str, ...]:
+    """The four dense targets; at EP 2 (the mixture of experts) the attention's and the experts': PEFT (0.21 on
+    transformers 5) reads gate_proj/up_proj/down_proj of a Qwen-MoE or Mixtral model as its experts' (its v4 -> v5
+    conversion), so the dense MLP adapters of such a model's dense layers do not load in PEFT (docs/trainer.md)."""
+    from trainingrun.modeling.lora_targets import DEFAULT_TARGETS
+
+    return ("attention_qkv", "attention_out", "experts") if ep > 1 else DEFAULT_TARGETS
+
+
+@pytest.mark.parametrize("tp,pp,ep", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["tp2", "pp2", "ep2"])
+def test_adapter_publisher_writes_the_whole_adapters_as_a_peft_directory(tmp_path, tp, pp, ep):
     """The LoRA sync's publisher (`AdapterPublisher`, issue 29 item 5) at TP 2 and PP 2: the streamed gather with
-    `adapters=True` joins each adapter's shards (B of column-, A of row-parallel layers) and stages; the directory
+    `adapters=True` joins each adapter's shards (B of column-, A of row-parallel layers) and stages; at EP 2 (a
+    mixture of experts, target `experts` beside the four dense ones) each rank's experts' adapters; the directory
     holds exactly the whole adapters (in the engine's dtype, under PEFT's names), a PEFT config of their rank and
     alpha, and the meta its bytes and digests, and `peft.PeftModel` loads it onto the base."""
     import json
@@ -186,11 +263,12 @@ def test_adapter_publisher_writes_the_whole_adapters_as_a_peft_directory(tmp_pat
     import torch
     from safetensors.torch import load_file
 
-    rank_group([sys.executable, __file__, str(tmp_path), str(tp), str(pp), "1", "lora"], tp * pp, timeout=300,
-               what=f"lora tp{tp}pp{pp}")
+    rank_group([sys.executable, __file__, str(tmp_path), str(tp), str(pp), str(ep), "lora"], tp * pp * ep,
+               timeout=300, what=f"lora tp{tp}pp{pp}ep{ep}")
     from trainingrun.modeling.architecture import Architecture
 
-    want = _lora_expected(Architecture.from_dict(ARCH))
+    arch = Architecture.from_dict(_arch(ep))
+    want = _lora_expected(arch, _lora_targets(ep))
     (directory,) = (tmp_path / "weights").glob("v*")
     got = load_file(str(directory / "adapter_model.safetensors"))
     assert sorted(got) == sorted(want)
@@ -198,8 +276,11 @@ def test_adapter_publisher_writes_the_whole_adapters_as_a_peft_directory(tmp_pat
         assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], t.to(torch.bfloat16)), name
     config = json.loads((directory / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", LORA_RANK, 2.0 * LORA_RANK)
-    assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
-                                                "v_proj"]
+    assert sorted(config["target_modules"]) == (["k_proj", "o_proj", "q_proj", "v_proj"] if ep > 1 else
+                                                ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+                                                 "v_proj"])
+    assert config.get("target_parameters", []) == (["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if ep > 1
+                                                   else [])
     meta = json.loads((tmp_path / "meta.json").read_text())
     size = (directory / "adapter_model.safetensors").stat().st_size
     assert meta["method"] == "lora" and meta["bytes"] == size and meta["adapter_name"] == "trainingrun-v0"
@@ -208,18 +289,23 @@ def test_adapter_publisher_writes_the_whole_adapters_as_a_peft_directory(tmp_pat
     transformers = pytest.importorskip("transformers")
     from trainingrun.modeling.hf_config import hf_config_for
 
-    cfg = transformers.LlamaConfig(**hf_config_for(Architecture.from_dict(ARCH), dtype="float32"))
-    model = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM(cfg), directory)
-    loaded = model.get_parameter("base_model.model.model.layers.1.self_attn.v_proj.lora_B.default.weight")
-    assert torch.equal(loaded, want["base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"]
-                       .to(torch.bfloat16).float())
+    hf = hf_config_for(arch, dtype="float32")
+    cfg = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+    model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_config(cfg), directory)
+    names = ["base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"]
+    if ep > 1:  # the experts' stacked adapters, where PEFT nests them
+        names += ["base_model.model.model.layers.2.mlp.experts.base_layer.lora_B.weight",
+                  "base_model.model.model.layers.3.mlp.experts.lora_A.weight"]
+    for name in names:
+        loaded = model.get_parameter(name.replace(".weight", ".default.weight"))
+        assert torch.equal(loaded, want[name].to(torch.bfloat16).float()), name
 
 
-def _lora_worker(tmp: str, tp: int, pp: int) -> None:
+def _lora_worker(tmp: str, tp: int, pp: int, ep: int) -> None:
     from trainingrun.modeling.model import init_distributed, prepare_device
 
     device = prepare_device(0)
-    init_distributed(device, tp=tp, pp=pp)
+    init_distributed(device, tp=tp, pp=pp, ep=ep)
     import json
 
     import torch
@@ -228,7 +314,7 @@ def _lora_worker(tmp: str, tp: int, pp: int) -> None:
 
     from trainingrun.engines.vllm.publish import AdapterPublisher
     from trainingrun.modeling.architecture import Architecture
-    from trainingrun.modeling.convert import canonical_name
+    from trainingrun.modeling.convert import canonical_name, ep_global_name
     from trainingrun.modeling.lora import LoRAAdapter, apply_lora
     from trainingrun.modeling.lora_targets import LoRASettings
     from trainingrun.modeling.model import build_model, set_seed
@@ -236,19 +322,22 @@ def _lora_worker(tmp: str, tp: int, pp: int) -> None:
     from trainingrun.modeling.state import live_layout
     from trainingrun.store import open_store
 
-    arch = Architecture.from_dict(ARCH)
+    arch = Architecture.from_dict(_arch(ep))
     set_seed(7)
     model = build_model(arch, device)
     tp_at = (ps.get_tensor_model_parallel_rank(), tp)
     pp_at = (ps.get_pipeline_model_parallel_rank(), pp)
-    apply_lora(model, arch, LoRASettings(rank=LORA_RANK, alpha=2.0 * LORA_RANK), seed=11, tp=tp_at, pp=pp_at)
+    ep_at = (ps.get_expert_model_parallel_rank(), ep)
+    targets = _lora_targets(ep)
+    apply_lora(model, arch, LoRASettings(rank=LORA_RANK, alpha=2.0 * LORA_RANK, targets=targets), seed=11, tp=tp_at,
+               pp=pp_at, ep=ep_at)
     with torch.no_grad():  # B seeded by its whole name (apply_lora leaves it 0), this rank's shard
         for local, m in model.named_modules():
             if not isinstance(m, LoRAAdapter):
                 continue
             for part in m.part_names:
                 b = getattr(m, f"{part}_B")
-                name = whole_name(canonical_name(f"{local}.{part}_B"), arch, *pp_at)
+                name = ep_global_name(whole_name(canonical_name(f"{local}.{part}_B"), arch, *pp_at), arch, *ep_at)
                 size = tp if m.kind == "column" else 1
                 whole = _lora_whole(name, (b.shape[0] * size, b.shape[1]))
                 b.copy_(torch.chunk(whole, size, dim=0)[tp_at[0]] if size > 1 else whole)
@@ -368,10 +457,94 @@ def _worker(tmp: str, tp: int, pp: int, ep: int) -> None:
     dist.barrier()
     sender.close()
     dist.barrier()
+    _store_sync_worker(tmp, model, arch)
+
+
+def _store_sync_worker(tmp: str, model, arch) -> None:
+    """The store publisher (issue 28 item 5): version 0; version 1 with owner 1's part failing (several owners);
+    version 2 (lag 0: 0 released); version 3 refused by rank 0's store before anything is gathered."""
+    import torch.distributed as dist
+
+    from trainingrun.engines.store_sync import StoreWeightPublisher
+    from trainingrun.modeling.state import live_layout
+    from trainingrun.store import IncompleteWeights, StoreError, open_store
+
+    rank = dist.get_rank()
+    pub = StoreWeightPublisher(open_store(os.environ["TEST_STORE_URL"]), rank=rank, arch=arch, max_policy_lag=0,
+                               **live_layout())
+    pub.bucket_bytes = LIMIT  # several parts of this small model
+    pub.publish(0, model)
+    parts = pub.last_parts
+    if pub.owners > 1:
+        write = pub.store.write_weights_part
+        if rank == 1:
+            def full(*_a, **_k):
+                raise OSError("No space left on device (test)")
+
+            pub.store.write_weights_part = full
+        try:
+            pub.publish(1, model)
+            failed = ""
+        except IncompleteWeights as exc:
+            failed = str(exc)
+        if rank == 0:
+            assert "trainer owner 1 failed: OSError: No space left on device (test)" in failed, failed
+            assert pub.store.latest_weights() == 0
+        pub.store.write_weights_part = write
+    pub.publish(2, model)
+    assert pub.last_parts == parts  # the same buckets, the same owner
+    total = pub.last_bytes
+    # rank 0 cannot begin version 3 (its store refuses): every rank fails at once, none waits in a collective
+    if rank == 0:
+        def refused(version):
+            raise StoreError(f"version {version} refused (test)")
+
+        pub.store.begin_weights = refused
+    try:
+        pub.publish(3, model)
+        raised = ""
+    except (StoreError, RuntimeError) as exc:
+        raised = f"{type(exc).__name__}: {exc}"
+    want = "StoreError: version 3 refused (test)" if rank == 0 else \
+        "RuntimeError: weight version 3: trainer rank 0 could not begin it"
+    assert raised.startswith(want), raised
+    (Path(tmp) / f"store-parts-{rank}").write_text(str(parts))
+    if rank == 0:
+        (Path(tmp) / "store-bytes").write_text(str(total))
+    dist.barrier()
+
+
+def _engine(tmp: str, ep: int, url: str) -> None:
+    """The in-process engine on the store sync's version 2 (parts) and on the whole gather (one blob): the tokens
+    and log-probabilities of the same seeded generation, for the test to compare."""
+    import json
+
+    import torch
+
+    from trainingrun.contract.engine import Sampling
+    from trainingrun.engines.megatron import MegatronEngine
+    from trainingrun.modeling.architecture import Architecture
+    from trainingrun.modeling.state import tensors_arrays
+    from trainingrun.store import open_store
+
+    arch = Architecture.from_dict(_arch(ep))
+    blob = open_store(f"file://{tmp}/store-blob")
+    arrays, dtypes = tensors_arrays(torch.load(Path(tmp) / "whole.pt", weights_only=True))
+    blob.publish_weights(2, arrays, {"dtypes": dtypes})
+    out = {}
+    for name, store in (("parts", open_store(url)), ("whole", blob)):
+        engine = MegatronEngine(arch, fetch=store.read_weights, seed=3, max_batch=8)
+        engine.load_weights(2)
+        groups = engine.generate([[1, 2, 3, 4], [5, 6, 7, 8, 9]], 4, Sampling(max_new_tokens=6, seed=1))
+        out[name] = [[c.tokens.tolist() if hasattr(c.tokens, "tolist") else list(c.tokens),
+                      [float(x) for x in c.logprobs]] for g in groups for c in g]
+    (Path(tmp) / "engine.json").write_text(json.dumps(out))
 
 
 if __name__ == "__main__":
-    if sys.argv[5:] == ["lora"]:
-        _lora_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    if sys.argv[2] == "engine":
+        _engine(sys.argv[1], int(sys.argv[3]), sys.argv[4])
+    elif sys.argv[5:] == ["lora"]:
+        _lora_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
     else:
         _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))

@@ -352,6 +352,16 @@ CASES: dict[tuple[str, str], tuple[dict, dict]] = {
          "rollout": {"source": {"type": "generate", "generate": {}}, "engine": {"type": "vllm"}},
          "weightSync": {"type": "disk"}},
     ),
+    ("", "lora-experts-not-vllm"): (
+        {"model": {"hf": "/models/qwen3-moe"}, "trainer": {"maxTokensPerGPU": 64,
+                                                            "lora": {"rank": 8, "targets": ["attention_qkv"]}},
+         "rollout": {"source": {"type": "generate", "generate": {}}, "engine": {"type": "vllm"}},
+         "weightSync": {"type": "disk"}},
+        {"model": {"hf": "/models/qwen3-moe"}, "trainer": {"maxTokensPerGPU": 64,
+                                                            "lora": {"rank": 8, "targets": ["experts"]}},
+         "rollout": {"source": {"type": "generate", "generate": {}}, "engine": {"type": "vllm"}},
+         "weightSync": {"type": "disk"}},
+    ),
     ("", "routing-replay-needs-megatron-engine"): (
         {"model": {"preset": "tiny"}, "trainer": {"maxTokensPerGPU": 64, "moe": {"routingReplay": True}},
          "rollout": {"source": {"type": "generate", "generate": {}}}},

@@ -1,6 +1,7 @@
 """The CPU shim's import of Megatron (trainingrun.modeling.cpu_compat, item 6): Megatron's fused element-wise
 kernels are left eager and neither TorchDynamo nor Inductor is imported into a CPU trainer (about 3.6 s of CPU time
-in every trainer process), while `torch.compile` itself stays the real one for everything else."""
+in every trainer process), while `torch.compile` itself stays the real one for everything else; item 7: nor is
+wandb (about 0.4 s), while the run's own `import wandb` still gets the real module."""
 
 from __future__ import annotations
 
@@ -20,7 +21,14 @@ import megatron.core.models.gpt, megatron.core.optimizer, megatron.core.transfor
 from megatron.core.fusions import fused_bias_swiglu, fused_bias_gelu
 from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
 x = torch.randn(3, 8)
-print(json.dumps({
+hidden_wandb = "wandb" in sys.modules
+import importlib.util
+if importlib.util.find_spec("wandb") is not None:  # the run's own spec.metrics.wandb still gets the real one
+    import wandb
+    real_wandb = hasattr(wandb, "init")
+else:
+    real_wandb = None
+print(json.dumps({"wandb_imported": hidden_wandb, "real_wandb": real_wandb,
     "dynamo": "torch._dynamo" in sys.modules, "inductor": "torch._inductor.compile_fx" in sys.modules,
     "compile_restored": torch.compile is compile_,
     "plain": [type(f).__name__ for f in (fused_bias_swiglu.bias_swiglu, fused_bias_gelu.bias_gelu)],
@@ -38,5 +46,6 @@ def test_megatron_on_the_cpu_imports_no_compiler_and_runs_its_fusions_eagerly():
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not got["dynamo"] and not got["inductor"], got  # before the shim's item 6: both imported by Megatron
     assert got["compile_restored"], got
+    assert not got["wandb_imported"] and got["real_wandb"] in (True, None), got  # item 7: before, Megatron imported it
     assert got["plain"] == ["function", "function"], got
     assert got["swiglu_error"] < 1e-6, got  # the eager kernel computes what it must

@@ -67,10 +67,14 @@ def test_validate_checks_lora_against_the_model(lora, message, tmp_path):
     assert f"spec.trainer.lora.{message}" in line, line
 
 
-def test_experts_on_a_mixture_of_experts_is_refused_as_not_built(tmp_path):
-    (line,) = run_with(MOE, {"rank": 4, "targets": ["attention_qkv", "experts"]}, tmp_path)
-    assert "spec.trainer.lora.targets: experts (an adapter per expert) is not built yet" in line, line
+def test_experts_on_a_mixture_of_experts_are_admitted_and_their_rank_checked(tmp_path):
+    """Before the experts had adapters, `experts` on a mixture of experts was refused ("not built yet")."""
+    assert run_with(MOE, {"rank": 4, "targets": ["attention_qkv", "experts"]}, tmp_path) == []
     assert run_with(MOE, {"rank": 4, "targets": ["attention_qkv"]}, tmp_path) == []
+    # each expert's down projection is 16 -> 32 (its fused gate/up 32 -> 32): rank 17 is above it
+    (line,) = run_with(MOE, {"rank": 17, "targets": ["experts"]}, tmp_path)
+    assert "spec.trainer.lora.rank: 17 is above the smaller dimension of experts's down projection (16 -> 32); " \
+           "allowed: 1 to 16" in line, line
 
 
 def test_check_lora_names_an_unknown_target_and_parts_follow_the_architecture():
@@ -172,3 +176,99 @@ def test_a_relative_model_adapter_is_resolved_against_the_launch_directory(tmp_p
     doc["spec"]["trainer"]["lora"] = {"rank": 4}
     run = resolve_input_paths(parse_trainingrun(doc), tmp_path)
     assert run.spec.model.adapter == str((tmp_path / "adapters/sft").resolve())
+
+
+def _moe_arch():
+    from trainingrun.api.spec.model import ModelSpec
+
+    return ModelSpec.model_validate(MOE).resolved()
+
+
+def test_expert_adapters_stack_into_peft_layout_and_back():
+    """`to_peft` stacks a layer's per-expert adapters as PEFT's ParamWrapper keeps them on transformers' fused
+    expert tensors (its `get_delta_weight`: A viewed [E, r, in], B viewed [out, r, E]); `_from_peft_expert` takes
+    each expert back; the config names the target parameters in PEFT's nesting order."""
+    import torch
+
+    from trainingrun.modeling.lora import _from_peft_expert, peft_adapter
+
+    arch = _moe_arch()
+    state, r = {}, 3
+    for layer in range(2):
+        for e in range(4):
+            pre = f"decoder.layers.{layer}.mlp.experts.local_experts.{e}."
+            state[pre + "linear_fc1.adapter.gate_up_A"] = torch.randn(r, 32)
+            state[pre + "linear_fc1.adapter.gate_up_B"] = torch.randn(32, r)
+            state[pre + "linear_fc2.adapter.down_A"] = torch.randn(r, 16)
+            state[pre + "linear_fc2.adapter.down_B"] = torch.randn(32, r)
+            for fc in ("linear_fc1", "linear_fc2"):
+                state[pre + f"{fc}.adapter.scale_"] = torch.tensor([2.0])
+    tensors, config = peft_adapter(state, arch)
+    assert config["target_modules"] == [] and config["r"] == r and config["lora_alpha"] == 6.0
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    gate_up_b = tensors["base_model.model.model.layers.1.mlp.experts.base_layer.lora_B.weight"]
+    down_a = tensors["base_model.model.model.layers.1.mlp.experts.lora_A.weight"]
+    assert tuple(gate_up_b.shape) == (32, r * 4) and tuple(down_a.shape) == (4 * r, 16)
+    # PEFT's delta of expert e: B.reshape(out, r, E)[:, :, e] @ A.reshape(E, r, in)[e]
+    a = tensors["base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight"]
+    for e in range(4):
+        pre = f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc1.adapter.gate_up_"
+        delta = gate_up_b.reshape(32, r, 4)[:, :, e] @ a.reshape(4, r, 32)[e]
+        assert torch.allclose(delta, state[pre + "B"] @ state[pre + "A"])
+        for ab in "AB":
+            assert torch.equal(_from_peft_expert(tensors, 1, "linear_fc1", e, ab, 4), state[pre + ab])
+    with pytest.raises(ValueError, match="adapters of experts"):
+        peft_adapter({k: v for k, v in state.items() if ".local_experts.3." not in k}, arch)
+
+
+def test_check_adapter_knows_the_experts_peft_tensors(tmp_path):
+    import json
+    import struct
+
+    from trainingrun.modeling.lora_targets import check_adapter, peft_shapes
+
+    arch = _moe_arch()
+    lora = LoRASettings(rank=4, alpha=8.0, targets=("attention_qkv", "experts"))
+    shapes = peft_shapes(lora, arch)
+    assert shapes["base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"] == (16, 32)
+    assert shapes["base_model.model.model.layers.0.mlp.experts.lora_B.weight"] == (32, 16)
+    assert not any("gate_proj" in k for k in peft_shapes(LoRASettings(rank=4, alpha=8.0), arch))  # no dense MLP
+
+    def write(config: dict, names: dict) -> Path:
+        header = {k: {"dtype": "F32", "shape": list(v), "data_offsets": [0, 0]} for k, v in names.items()}
+        blob = json.dumps(header).encode()
+        d = tmp_path / "adapter"
+        d.mkdir(exist_ok=True)
+        (d / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob)
+        (d / "adapter_config.json").write_text(json.dumps(config))
+        return d
+
+    good = {"peft_type": "LORA", "r": 4, "lora_alpha": 8.0, "target_modules": ["k_proj", "q_proj", "v_proj"],
+            "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+    assert check_adapter(write(good, shapes), lora, arch) == shapes
+    # default targets on a mixture of experts without dense layers: the attention's modules only (before, the check
+    # wanted gate_proj/up_proj/down_proj too and refused the adapter export-hf --adapter wrote of such a run)
+    attention = {k: v for k, v in peft_shapes(LoRASettings(rank=4, alpha=8.0), arch).items()}
+    assert check_adapter(write({**good, "target_modules": ["k_proj", "o_proj", "q_proj", "v_proj"],
+                                "target_parameters": None}, attention), LoRASettings(rank=4, alpha=8.0), arch)
+    with pytest.raises(ValueError, match=r"model\.adapter: .* target_parameters None"):
+        check_adapter(write({**good, "target_parameters": None}, shapes), lora, arch)
+    with pytest.raises(ValueError, match="misshapen"):
+        wrong = dict(shapes, **{"base_model.model.model.layers.1.mlp.experts.lora_A.weight": (8, 16)})
+        check_adapter(write(good, wrong), lora, arch)
+
+
+def test_the_memory_plan_counts_expert_adapters_per_local_expert():
+    from trainingrun.modeling.memory import TrainerSettings, expert_lora_parameters, memory_plan
+
+    arch = _moe_arch()  # 2 MoE layers, 4 experts, hidden 32, moe ffn 16
+    per_expert = 4 * (32 + 2 * 16) + 4 * (16 + 32)
+    assert expert_lora_parameters(arch, 4, ("experts",), ep=1) == (2 * 4 * per_expert, 2 * 16 * 4)
+    assert expert_lora_parameters(arch, 4, ("experts",), ep=2)[0] == 2 * 2 * per_expert
+    assert expert_lora_parameters(arch, 4, DEFAULT_TARGETS, ep=2) == (0, 0)
+    plain = TrainerSettings(data_parallel=2, expert_parallel=2, lora_rank=4, lora_targets=("attention_qkv",))
+    both = TrainerSettings(data_parallel=2, expert_parallel=2, lora_rank=4, lora_targets=("attention_qkv", "experts"))
+    terms = {name: {t.key: t.bytes for t in memory_plan(arch, s).roles[0].terms} for name, s in
+             (("plain", plain), ("both", both))}
+    assert terms["both"]["gradients"] - terms["plain"]["gradients"] == 2 * 2 * per_expert * 4
+    assert terms["both"]["weights"] - terms["plain"]["weights"] == 2 * 2 * per_expert * 4  # fp32

@@ -245,3 +245,26 @@ def test_dump_yaml_round_trips_through_the_loader(value):
     doc = {"v": value}
     (back,) = parse_yaml(dump_yaml(doc, sort_keys=False))
     assert json.dumps(back.value, sort_keys=True) == json.dumps(doc, sort_keys=True)
+
+
+# ------------------------------------------------------------------------------------ what the launcher checked
+def test_a_child_skips_the_checks_its_launcher_ran_on_exactly_these_bytes(tmp_path, monkeypatch):
+    """TRAININGRUN_CONFIG_SHA256 (set by the local launcher for its children): a file with that digest is loaded by
+    the strict models alone, to the same TrainingRun; a file changed since, or overrides, get every check again."""
+    from trainingrun.api import manifest
+    from trainingrun.contract.env import CONFIG_SHA256_ENV
+
+    path = tmp_path / "run.yaml"
+    path.write_text(TINY)
+    full = load_trainingrun(path)
+    calls = []
+    real = manifest.problems
+    monkeypatch.setattr(manifest, "problems", lambda doc: calls.append(doc) or real(doc))
+    monkeypatch.setenv(CONFIG_SHA256_ENV, manifest.sha256_of(path.read_bytes()))
+    assert load_trainingrun(path) == full and calls == []  # checked by the launcher: models only
+    assert load_trainingrun(path, overrides={"spec.trainer.replicas": 1}).spec.trainer.replicas == 1
+    assert len(calls) == 1  # overrides: every check
+    path.write_text(variant("numRollouts: 32", "numRollouts: 0"))  # changed after the launcher checked it
+    with pytest.raises(ManifestError, match="numRollouts"):
+        load_trainingrun(path)
+    assert len(calls) == 2

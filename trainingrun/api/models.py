@@ -134,6 +134,17 @@ class TrainingRunSpec(ApiModel):
             "≤ 512 (--max-lora-rank); allowed: a rank ≤ 512, or rollout.engine.type megatron",
             fieldPath=".trainer.lora.rank",
         ),
+        # vLLM 0.32 serves LoRA on fused MoE experts only through its Triton kernels (no CPU path: the CPU punica
+        # wrapper has no add_lora_fused_moe), and its loading of PEFT's target_parameters adapters is untested here.
+        Rule(
+            name="lora-experts-not-vllm",
+            rule=f"!has(self.trainer.lora) || !has(self.trainer.lora.targets) || "
+            f"!self.trainer.lora.targets.exists(t, t == 'experts') || !({_GENERATED}) || !({_VLLM})",
+            message="trainer.lora.targets experts with rollout.engine.type vllm: vLLM does not serve adapters on a "
+            "mixture of experts' experts here (docs/vllm.md); allowed: targets without experts, or "
+            "rollout.engine.type megatron",
+            fieldPath=".trainer.lora.targets",
+        ),
         Rule(
             name="bf16-grad-reduce-needs-bf16",
             rule="!has(self.trainer.performance) || !has(self.trainer.performance.gradReduceDtype)"
@@ -308,6 +319,8 @@ class TrainingRunSpec(ApiModel):
             raise ValueError(self.cel_rule("lora-sync-not-broadcast").message)
         if self.trainer.lora is not None and generated and vllm and self.trainer.lora.rank > 512:
             raise ValueError(self.cel_rule("lora-rank-fits-vllm").message)
+        if self.trainer.lora is not None and generated and vllm and "experts" in self.trainer.lora.targets:
+            raise ValueError(self.cel_rule("lora-experts-not-vllm").message)
         if self.trainer.performance.grad_reduce_dtype == "bf16" and self.model.precision != "bf16":
             raise ValueError(self.cel_rule("bf16-grad-reduce-needs-bf16").message)
         if generated and self.weight_sync.type == "store" and self.trainer.pipeline_parallel_size > 1:

@@ -7,6 +7,10 @@ writers and the child log read them with `ProcessEnv.from_environ()`. Nobody els
   TRAININGRUN_RUN             run           the run's name                                        (contract)
   TRAININGRUN_STORE_URL       store_url     file:///... or redis://...                            (contract)
   TRAININGRUN_CONFIG          config        path of the TrainingRun YAML (a ConfigMap mount in a cluster)
+  TRAININGRUN_CONFIG_SHA256   config_sha256 SHA-256 (hex) of that file as the local launcher validated it: a child
+                                            whose file has exactly this digest skips the CRD schema, CEL rules and
+                                            memory plan the launcher ran, keeping the strict models
+                                            (`trainingrun.api.manifest.load_file`)
   TRAININGRUN_ATTEMPT         attempt       restart attempt of the group (0, 1, ...)
   TRAININGRUN_ROLE_ATTEMPT    role_attempt  the rollout's generation within its role: one more each time it was
                                             restarted alone (the store's writer claim orders writers by both)
@@ -42,6 +46,7 @@ from trainingrun.contract.errors import ConfigError
 RUN_ENV = "TRAININGRUN_RUN"
 STORE_URL_ENV = "TRAININGRUN_STORE_URL"
 CONFIG_ENV = "TRAININGRUN_CONFIG"
+CONFIG_SHA256_ENV = "TRAININGRUN_CONFIG_SHA256"
 ATTEMPT_ENV = "TRAININGRUN_ATTEMPT"
 ROLE_ATTEMPT_ENV = "TRAININGRUN_ROLE_ATTEMPT"
 RUN_EPOCH_ENV = "TRAININGRUN_RUN_EPOCH"
@@ -67,6 +72,7 @@ class ProcessEnv:
     run: str | None = _var(RUN_ENV)
     store_url: str | None = _var(STORE_URL_ENV)
     config: str | None = _var(CONFIG_ENV)
+    config_sha256: str | None = _var(CONFIG_SHA256_ENV)
     attempt: int | None = _var(ATTEMPT_ENV, int)
     role_attempt: int | None = _var(ROLE_ATTEMPT_ENV, int)
     run_epoch: int | None = _var(RUN_EPOCH_ENV, int)

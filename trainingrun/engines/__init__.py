@@ -15,7 +15,8 @@ Module map:
   concurrency.py  `AdaptiveLimit`: a replica's in-flight limit from the engine's own signals (`concurrency: auto`)
   replica.py      one server as the pool sees it: the `ReplicaAdapter` protocol, `EngineSignals`, the `Replica` record
   megatron.py     `engine.type: megatron`: generation in the rollout process with the run's Megatron model
-  store_sync.py   `weightSync.type: store` (the megatron entry's publisher): full weights through the run's store
+  store_sync.py   `weightSync.type: store` (the megatron entry's publisher): the weights through the run's store, in
+                  parts each tensor/expert-parallel owner writes (streamed), read back whole by the engine
   simulated.py    a stand-in vLLM server (the same HTTP API and metrics, no model: a KV cache, a prefix cache,
                   injectable engine errors) for tests and benchmarks
   vllm/           `engine.type: vllm`: server, client, the replica adapter, weight sync, worker extension, publishers,

@@ -19,9 +19,9 @@ the shortest context on), so the tokens are those a fresh prefill gives, and the
 rounding (`tests/integration/test_episodes_megatron.py`). Loading weights drops the cache (its KV is of the old
 weights); `stats["reused_tokens"]` counts the positions not recomputed.
 
-Weights: `load_weights(version)` reads the version's tensors through the store (`Store.read_weights`, written by the
-trainers' `StoreWeightPublisher`, `store_sync.py`: the full, tensor-parallel-gathered canonical state of
-`modeling.state`), and loads them with `modeling.model.load_canonical_state` after every tensor was decoded and
+Weights: `load_weights(version)` reads the version's tensors through the store (`Store.read_weights`, which assembles
+the parts the trainers' `StoreWeightPublisher` wrote, `store_sync.py`: each tensor- or expert-parallel owner its own
+buckets of the streamed canonical state; the engine is one rank and needs the whole), and loads them with `modeling.model.load_canonical_state` after every tensor was decoded and
 checked against the model's names and shapes: a failed read leaves the previous version in place (never
 half-applied). The trainers may run at any tensor-parallel size; the engine is one rank. A LoRA run
 (`trainer.lora`): the engine's model gets the trainers' adapters (`modeling.lora.apply_lora`) and applies them in its

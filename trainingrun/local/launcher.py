@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from trainingrun.api.manifest import sha256_of
 from trainingrun.api.yamlcodec import dump_yaml
 from trainingrun.diskspace import describe as describe_no_space
 from trainingrun.diskspace import full_volume
@@ -224,6 +225,7 @@ class Launcher:
             metrics_port=base,
             distinct_ports=True,
             extra_env=ProcessEnv(
+                config_sha256=sha256_of(config.read_bytes()),  # the children skip the checks run here (manifest.py)
                 metrics_jsonl=str(raw.resolve()),
                 output_dir=str(self.out_dir.resolve()),  # TensorBoard / W&B files go into the run directory
                 log_timestamps=True,  # children start every line with the time (trainingrun.childlog)

@@ -27,6 +27,9 @@ megatron-core assumes CUDA in a handful of places that have nothing to do with t
      compilation fails on this machine's CPU build). `install()` therefore imports Megatron itself, with
      ``torch.compile`` an eager decorator for the length of that import, and switches Megatron's fuser off for the
      modules imported later; ``torch.compile`` is the real one again afterwards.
+  7. Megatron's import leaves out Weights & Biases: megatron.core imports ``wandb`` (about 0.5 s) for its inference
+     contexts' logging, which training never uses; the shim hides it for the length of that import only, so the
+     run's own ``spec.metrics.wandb`` still imports the real one.
 
 Nothing here runs on a GPU machine: `install()` refuses when CUDA is available. It touches no stream or event API
 (tracing the trainer showed none are hit on the code paths we use). Never install it in the pytest
@@ -34,6 +37,8 @@ process; the trainer and the Megatron tests run in subprocesses.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -153,12 +158,18 @@ def _eager(model=None, **_options):
 
 
 def _eager_megatron_fusions() -> None:
-    """(6) Import Megatron with `torch.compile` eager, then keep its fuser off for the modules imported later."""
+    """(6) Import Megatron with `torch.compile` eager, then keep its fuser off for the modules imported later; (7)
+    without wandb."""
     compile_ = torch.compile
     torch.compile = _eager
+    hide_wandb = "wandb" not in sys.modules  # (7): None in sys.modules makes `import wandb` fail at once
+    if hide_wandb:
+        sys.modules["wandb"] = None
     try:
         from megatron.core import jit  # deferred: the import is what runs under the eager decorator
 
         jit.disable_jit_fuser()
     finally:
         torch.compile = compile_
+        if hide_wandb and sys.modules.get("wandb", 0) is None:
+            del sys.modules["wandb"]

@@ -34,9 +34,16 @@ send; `adapter_state(module)`: the adapters alone with their tensor-parallel spl
 weight sync gathers (`modeling.stream`), named as PEFT names them by `peft_name` and `peft_config`. Of a checkpoint's
 full state, `merge_full_state` merges likewise (`trainingrun export-hf`, `score`; each adapter keeps its scale as
 the buffer `scale_`), `peft_adapter` gives a PEFT adapter directory's tensors and config (`export-hf --adapter`),
-and `load_peft_adapter` starts a run's adapters from one (`spec.model.adapter`). Experts get no adapters yet
-(refused by `lora_targets.check_lora`); the TransformerEngine layer spec is refused (its `linear_qkv` fuses the input
-norm, so the adapter would see the un-normed input).
+and `load_peft_adapter` starts a run's adapters from one (`spec.model.adapter`). The TransformerEngine layer spec is
+refused (its `linear_qkv` fuses the input norm, so the adapter would see the un-normed input).
+
+Experts (target `experts`, mixtures of experts; Megatron's `SequentialMLP`, the experts' layers column-/row-parallel
+linears at TP 1): every expert's `linear_fc1` gets one adapter `gate_up` (r x hidden, 2·moe_ffn x r) on its fused
+gate and up, its `linear_fc2` one adapter `down`, as PEFT adapts transformers' fused expert tensors. Under expert
+parallelism each rank holds its local experts' adapters, drawn under their global expert numbers
+(`convert.ep_global_name`) and marked expert-parallel (`allreduce` False: reduced over the expert-data-parallel
+group, in the expert optimizer, as the experts' weights); checkpoints stack them along the experts as Megatron stacks
+the experts' weights. `to_peft` stacks a layer's experts into PEFT's tensors (A [E·r, in], B [out, r·E]).
 """
 
 from __future__ import annotations
@@ -50,9 +57,10 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from trainingrun.modeling.architecture import Architecture
-from trainingrun.modeling.convert import canonical_name
+from trainingrun.modeling.convert import canonical_name, ep_global_name, ep_layout
 from trainingrun.modeling.initialise import tensor_seed
-from trainingrun.modeling.lora_targets import LAYERS, LoRASettings, check_adapter, check_lora, parts
+from trainingrun.modeling.lora_targets import (EXPERT_LAYERS, EXPERT_PREFIX, HF_EXPERT_PARAMS, LAYERS, LoRASettings,
+                                               check_adapter, check_lora, expert_parts, parts, peft_expert_key)
 from trainingrun.modeling.pipeline import whole_name
 
 ADAPTER = "adapter"  # the submodule's name in its linear layer
@@ -137,6 +145,37 @@ def _sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=Non
                                                dp_cp_group=(metadata or {}).get("dp_cp_group"))
 
 
+def _layer_target(path: str, arch: Architecture, targets) -> tuple[str, str, tuple] | None:
+    """(target, "column" | "row", parts) of the linear layer at `path` inside a transformer layer (`mlp.linear_fc1`,
+    `mlp.experts.local_experts.<e>.linear_fc2`, …) when one of `targets` adapts it; None otherwise."""
+    if path.startswith(EXPERT_PREFIX):
+        expert_layer = path.rsplit(".", 1)[-1]
+        if "experts" not in targets or expert_layer not in EXPERT_LAYERS or path.count(".") != 4:
+            return None
+        return "experts", "column" if expert_layer == "linear_fc1" else "row", expert_parts(expert_layer, arch)
+    for target in targets:
+        if target != "experts" and LAYERS[target][0] == path:
+            return target, LAYERS[target][1], parts(target, arch)
+    return None
+
+
+def _combine(target: str, groups: int) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    return _interleave_qkv(groups) if target == "attention_qkv" else _concat
+
+
+def _expert_parallel(arch: Architecture, ep: tuple[int, int] | None) -> tuple[int, int]:
+    """(rank, size) of expert parallelism: `ep` as given, else Megatron's (a mixture of experts), else (0, 1)."""
+    if ep is not None:
+        return ep
+    if arch.moe is None:
+        return 0, 1
+    from megatron.core import parallel_state  # deferred: megatron
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size()
+
+
 def _draw_a(name: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
     """The whole A of canonical name `name`: uniform(±1/√in), from the generator of (seed, name)."""
     bound = 1.0 / math.sqrt(shape[1])
@@ -145,25 +184,26 @@ def _draw_a(name: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
 
 
 def apply_lora(model, arch: Architecture, lora: LoRASettings, *, seed: int, tp: tuple[int, int] = (0, 1),
-               pp: tuple[int, int] = (0, 1)) -> list[str]:
+               pp: tuple[int, int] = (0, 1), ep: tuple[int, int] | None = None) -> list[str]:
     """Freeze `model` and give its targeted layers adapters (module docstring); the names of the layers adapted.
-    ValueError naming `trainer.lora` when the settings do not fit the model or a targeted layer is not a Megatron
-    column/row-parallel linear of the local spec."""
+    `ep`: (rank, size) of expert parallelism (None: Megatron's). ValueError naming `trainer.lora` when the settings
+    do not fit the model or a targeted layer is not a Megatron column/row-parallel linear of the local spec."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # deferred: megatron
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes  # deferred: megatron
 
     check_lora(lora, arch)
     tp_rank, tp_size = tp
+    ep = _expert_parallel(arch, ep)
     for param in model.parameters():
         param.requires_grad_(False)
-    suffixes = {LAYERS[t][0]: t for t in lora.targets}
     adapted = []
     for local, module in model.named_modules():
         rest = local.split(".", 3)  # decoder.layers.<i>.<layer name>
-        if len(rest) < 4 or rest[:2] != ["decoder", "layers"] or rest[3] not in suffixes:
+        found = _layer_target(rest[3], arch, lora.targets) if len(rest) == 4 and rest[:2] == ["decoder", "layers"] \
+            else None
+        if found is None:
             continue
-        target = suffixes[rest[3]]
-        kind = LAYERS[target][1]
+        target, kind, target_parts = found
         expected = ColumnParallelLinear if kind == "column" else RowParallelLinear
         if not isinstance(module, expected):
             raise ValueError(f"trainer.lora: {local} is a {type(module).__name__}, not Megatron's {expected.__name__} "
@@ -171,13 +211,14 @@ def apply_lora(model, arch: Architecture, lora: LoRASettings, *, seed: int, tp: 
                              "linear_qkv); allowed: model.attentionBackend flash or sdpa (model.transformerImpl local)")
         weight = module.weight
         shapes, full = [], []
-        for name, n_in, n_out in parts(target, arch):
+        for name, n_in, n_out in target_parts:
             a_shape = (lora.rank, n_in // tp_size if kind == "row" else n_in)
             b_shape = (n_out // tp_size if kind == "column" else n_out, lora.rank)
             shapes.append((name, a_shape, b_shape))
             full.append((name, (lora.rank, n_in)))
-        groups = arch.num_query_groups // tp_size
-        combine = _interleave_qkv(groups) if target == "attention_qkv" else _concat
+        if target == "experts" and tp_size > 1:  # refused before (`architecture.check_parallel`)
+            raise ValueError("trainer.lora.targets: experts at trainer.tensorParallelSize > 1; allowed: 1")
+        combine = _combine(target, arch.num_query_groups // tp_size)
         adapter = LoRAAdapter(kind, shapes, scale=lora.scale, dropout=lora.dropout, combine=combine,
                               tp_size=tp_size, dtype=weight.dtype, device=weight.device)
         out_local = sum(b[0] for _, _, b in shapes)
@@ -185,7 +226,9 @@ def apply_lora(model, arch: Architecture, lora: LoRASettings, *, seed: int, tp: 
         if (out_local, in_local) != tuple(weight.shape):
             raise ValueError(f"trainer.lora: {local}'s adapters ({out_local} x {in_local}) do not fit its weight "
                              f"{tuple(weight.shape)}")
-        whole = whole_name(canonical_name(f"{local}.weight"), arch, *pp).removesuffix(".weight")
+        # the whole model's name: layer numbered over the pipeline stages, expert over the expert-parallel ranks
+        whole = ep_global_name(whole_name(canonical_name(f"{local}.weight"), arch, *pp), arch, *ep)
+        whole = whole.removesuffix(".weight")
         with torch.no_grad():
             for name, a_full in full:
                 a = _draw_a(f"{whole}.{ADAPTER}.{name}_A", a_full, seed)
@@ -194,6 +237,9 @@ def apply_lora(model, arch: Architecture, lora: LoRASettings, *, seed: int, tp: 
                 getattr(adapter, f"{name}_A").copy_(a)
         for pname in adapter.split_params():
             set_tensor_model_parallel_attributes(getattr(adapter, pname), True, 0 if kind == "column" else 1, 1)
+        if target == "experts":  # reduced over the expert-data-parallel group, as the experts' weights
+            for param in adapter.parameters():
+                param.allreduce = False
         module.add_module(ADAPTER, adapter)
         module.register_forward_hook(_adapter_hook, with_kwargs=True)
         module.sharded_state_dict = types.MethodType(_sharded_state_dict, module)
@@ -230,15 +276,16 @@ def merge_full_state(state: dict[str, torch.Tensor], arch: Architecture) -> dict
     if not layers:
         return state
     out = {k: v for k, v in state.items() if marker not in k}
-    suffixes = {layer: target for target, (layer, _) in LAYERS.items()}
     for layer in layers:
-        target = suffixes.get(layer.split(".", 3)[3] if layer.count(".") >= 3 else "")
-        if target is None:
+        found = _layer_target(layer.split(".", 3)[3], arch, tuple(LAYERS) + ("experts",)) \
+            if layer.count(".") >= 3 else None
+        if found is None:
             raise ValueError(f"{layer}: adapters on a layer LoRA does not target")
+        target, _, target_parts = found
         pre = f"{layer}{marker}"
-        names = [name for name, _, _ in parts(target, arch)]
+        names = [name for name, _, _ in target_parts]
         cols = [(state[f"{pre}{n}_B"].float() @ state[f"{pre}{n}_A"].float()).t() for n in names]
-        combine = _interleave_qkv(arch.num_query_groups) if target == "attention_qkv" else _concat
+        combine = _combine(target, arch.num_query_groups)
         scale = float(state[f"{pre}scale_"].reshape(-1)[0])
         weight = out[f"{layer}.weight"]
         out[f"{layer}.weight"] = (weight.float() + combine(cols).t() * scale).to(weight.dtype)
@@ -265,19 +312,72 @@ HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.
 
 
 def peft_name(key: str) -> str:
-    """The PEFT tensor name (`adapter_model.safetensors`) of a canonical adapter tensor
-    `decoder.layers.<i>.<layer>.adapter.<part>_<A|B>` (whole-model layer number)."""
+    """The PEFT tensor name (`adapter_model.safetensors`) of a canonical dense adapter tensor
+    `decoder.layers.<i>.<layer>.adapter.<part>_<A|B>` (whole-model layer number); the experts' are stacked
+    (`to_peft`)."""
     layer_path, param = key.split(f".{ADAPTER}.")
     part, ab = param.rsplit("_", 1)
     return f"base_model.model.model.layers.{int(layer_path.split('.')[2])}.{HF_MODULES[part]}.lora_{ab}.weight"
 
 
-def peft_config(rank: int, scale: float, modules: list[str], base: str | None) -> dict:
-    """A PEFT `adapter_config.json` for adapters of `rank` scaled by `scale` (= alpha / rank) on `modules`."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": scale * rank,
-            "lora_dropout": 0.0, "target_modules": sorted(modules), "bias": "none", "fan_in_fan_out": False,
-            "inference_mode": True, "use_rslora": False, "init_lora_weights": True,
-            "base_model_name_or_path": base}
+def _expert_key(key: str) -> tuple[int, str, int, str] | None:
+    """(layer, expert layer, global expert, A | B) of a canonical expert adapter tensor; None for a dense one."""
+    layer_path, param = key.split(f".{ADAPTER}.")
+    expert = ep_layout(layer_path + ".x")
+    if expert is None:
+        return None
+    return int(layer_path.split(".")[2]), layer_path.rsplit(".", 1)[1], expert, param.rsplit("_", 1)[1]
+
+
+def to_peft(state: dict[str, torch.Tensor], num_experts: int = 0) -> tuple[dict[str, torch.Tensor], list[str],
+                                                                            list[str]]:
+    """PEFT's tensors of canonical adapter tensors (whole shapes, global experts; `scale_` left out), with PEFT's
+    `target_modules` and `target_parameters`. Each layer's expert adapters are stacked as PEFT keeps them on
+    transformers' fused expert tensors (`lora_targets`): A [E·r, in] (expert e's rows e·r …), B [out, r·E] (expert
+    e's columns e, e+E, …). ValueError when a layer's experts are not all there."""
+    tensors: dict[str, torch.Tensor] = {}
+    modules: set[str] = set()
+    experts: dict[tuple[int, str, str], dict[int, torch.Tensor]] = {}
+    for key, value in state.items():
+        found = _expert_key(key)
+        if found is None:
+            name = peft_name(key)
+            modules.add(name.split(".")[-3])
+            tensors[name] = value.contiguous()
+        else:
+            layer, expert_layer, e, ab = found
+            experts.setdefault((layer, expert_layer, ab), {})[e] = value
+    for (layer, expert_layer, ab), per in sorted(experts.items()):
+        if sorted(per) != list(range(num_experts)):
+            raise ValueError(f"layer {layer} {expert_layer}: adapters of experts {sorted(per)}, not of all "
+                             f"{num_experts}")
+        values = [per[e] for e in range(num_experts)]
+        stacked = torch.cat(values, 0) if ab == "A" else torch.stack(values, -1).reshape(values[0].shape[0], -1)
+        tensors[peft_expert_key(layer, expert_layer, ab)] = stacked.contiguous()
+    params = [HF_EXPERT_PARAMS[layer] for layer in EXPERT_LAYERS] if experts else []
+    return tensors, sorted(modules), params
+
+
+def _from_peft_expert(tensors: dict[str, torch.Tensor], layer: int, expert_layer: str, expert: int, ab: str,
+                      num_experts: int) -> torch.Tensor:
+    """Expert `expert`'s A (r x in) or B (out x r) of PEFT's stacked tensor (the inverse of `to_peft`)."""
+    t = tensors[peft_expert_key(layer, expert_layer, ab)]
+    if ab == "A":
+        return t.reshape(num_experts, -1, t.shape[1])[expert]
+    return t.reshape(t.shape[0], -1, num_experts)[:, :, expert]
+
+
+def peft_config(rank: int, scale: float, modules: list[str], base: str | None,
+                parameters: list[str] | None = None) -> dict:
+    """A PEFT `adapter_config.json` for adapters of `rank` scaled by `scale` (= alpha / rank) on `modules` (and the
+    fused expert tensors `parameters`, in the order PEFT nests them: `to_peft`)."""
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": scale * rank,
+              "lora_dropout": 0.0, "target_modules": sorted(modules), "bias": "none", "fan_in_fan_out": False,
+              "inference_mode": True, "use_rslora": False, "init_lora_weights": True,
+              "base_model_name_or_path": base}
+    if parameters:
+        config["target_parameters"] = list(parameters)
+    return config
 
 
 def peft_adapter(state: dict[str, torch.Tensor], arch: Architecture, *, base: str | None = None
@@ -292,39 +392,47 @@ def peft_adapter(state: dict[str, torch.Tensor], arch: Architecture, *, base: st
     if not arch.gated and any(".mlp." in k for k in keys):
         raise ValueError("a GELU (gpt) model's MLP adapters have no PEFT module names; --adapter exports "
                          "llama-family models")
-    ranks, scales, tensors, modules = set(), set(), {}, set()
+    ranks, scales = set(), set()
     for key in keys:
         layer_path, param = key.split(marker)
-        ab = param.rsplit("_", 1)[1]
-        name = peft_name(key)
-        modules.add(name.split(".")[-3])
-        tensors[name] = state[key].contiguous()
-        ranks.add(int(state[key].shape[0 if ab == "A" else 1]))
+        ranks.add(int(state[key].shape[0 if param.endswith("_A") else 1]))
         scales.add(float(state[f"{layer_path}{marker}scale_"].reshape(-1)[0]))
     if len(ranks) != 1 or len(scales) != 1:
         raise ValueError(f"adapters of several ranks {sorted(ranks)} or scales {sorted(scales)}")
     (rank,), (scale,) = ranks, scales
-    return tensors, peft_config(rank, scale, sorted(modules), base)
+    tensors, modules, params = to_peft({k: state[k] for k in keys}, arch.moe.num_experts if arch.moe else 0)
+    return tensors, peft_config(rank, scale, modules, base, params)
 
 
 def load_peft_adapter(model, arch: Architecture, lora: LoRASettings, path: str, *, tp: tuple[int, int] = (0, 1),
-                      pp: tuple[int, int] = (0, 1)) -> int:
+                      pp: tuple[int, int] = (0, 1), ep: tuple[int, int] | None = None) -> int:
     """Copy a PEFT adapter directory's adapters (`spec.model.adapter`, checked by `lora_targets.check_adapter`) into
-    the adapters `apply_lora` gave `model`, this rank's shard of each; the number of tensors copied."""
+    the adapters `apply_lora` gave `model`, this rank's shard of each (its experts' under expert parallelism); the
+    number of tensors copied."""
     from safetensors.torch import load_file  # deferred: safetensors
 
     check_adapter(path, lora, arch)
     tensors = load_file(str(Path(path) / "adapter_model.safetensors"))
     tp_rank, tp_size = tp
+    ep = _expert_parallel(arch, ep)
     copied = 0
     with torch.no_grad():
         for local, module in model.named_modules():
             if not isinstance(module, LoRAAdapter):
                 continue
-            layer = int(whole_name(canonical_name(f"{local}.x"), arch, *pp).split(".")[2])
+            # the whole model's name of the adapter's first A: layer over the stages, expert over the EP ranks
+            whole = ep_global_name(whole_name(canonical_name(f"{local}.{module.part_names[0]}_A"), arch, *pp), arch,
+                                   *ep)
+            layer = int(whole.split(".")[2])
+            found = _expert_key(whole)
             for part in module.part_names:
-                pre = f"base_model.model.model.layers.{layer}.{HF_MODULES[part]}"
-                a, b = tensors[f"{pre}.lora_A.weight"], tensors[f"{pre}.lora_B.weight"]
+                if found is not None:
+                    _, expert_layer, e, _ = found
+                    a, b = (_from_peft_expert(tensors, layer, expert_layer, e, ab, arch.moe.num_experts)
+                            for ab in "AB")
+                else:
+                    pre = f"base_model.model.model.layers.{layer}.{HF_MODULES[part]}"
+                    a, b = tensors[f"{pre}.lora_A.weight"], tensors[f"{pre}.lora_B.weight"]
                 if module.kind == "row":
                     a = torch.chunk(a, tp_size, dim=1)[tp_rank]
                 else:

@@ -16,12 +16,22 @@ digests): adapters trained on one base mean nothing on another. `base_state` reb
 process for `trainingrun export-hf` and `trainingrun score` (`trainer.full_state`), checking its digest first.
 
 Cost: the digest reads every weight file once (rank 0, at the first save and at resume; ~1 GB/s) or draws the seeded
-model once on the CPU (`modeling.initialise`, ~100 M numbers a second).
+model once on the CPU (`modeling.initialise`, ~100 M numbers a second). The trainer keeps a model.hf digest in a
+small JSON cache beside its checkpoints (`hf_digest(..., cache=)`; never inside model.hf, which may be read-only):
+
+  {"format": 1, "dirs": {"/abs/model.hf": {"files": [[name, size, mtime_ns, ctime_ns, inode], ...],
+                                           "digest": "sha256:…"}}}
+
+so a restart re-reads the weights only when a weight file was added, removed, resized or written since (its
+modification or status-change time moved). An unreadable cache is ignored and rewritten; one that cannot be written
+(a read-only volume) only costs the read.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +43,7 @@ from trainingrun.modeling.hf_io import load_megatron_state
 from trainingrun.modeling.initialise import full_tensor
 
 _CHUNK = 1 << 22
+DIGEST_CACHE = ".base-digest.json"  # the trainer's model.hf digest cache, in the checkpoint root
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -44,15 +55,50 @@ def weight_files(hf_dir: str | Path) -> list[Path]:
     return files
 
 
-def hf_digest(hf_dir: str | Path) -> str:
-    """SHA-256 over an HF directory's weight files (name, size, contents of each, sorted by name)."""
+def hf_digest(hf_dir: str | Path, *, cache: Path | None = None) -> str:
+    """SHA-256 over an HF directory's weight files (name, size, contents of each, sorted by name); with `cache` (a
+    JSON file outside the directory) taken from it while no weight file changed (module docstring)."""
+    files = weight_files(hf_dir)
+    key, stats = str(Path(hf_dir).resolve()), [_stat(f) for f in files]
+    known = _read_cache(cache).get(key) if cache is not None else None
+    if isinstance(known, dict) and known.get("files") == stats and isinstance(known.get("digest"), str):
+        return known["digest"]
     h = hashlib.sha256()
-    for f in weight_files(hf_dir):
+    for f in files:
         h.update(f"{f.name}\0{f.stat().st_size}\0".encode())
         with open(f, "rb") as fh:
             while chunk := fh.read(_CHUNK):
                 h.update(chunk)
-    return f"sha256:{h.hexdigest()}"
+    digest = f"sha256:{h.hexdigest()}"
+    if cache is not None and [_stat(f) for f in files] == stats:  # not written to while it was read
+        _write_cache(cache, key, {"files": stats, "digest": digest})
+    return digest
+
+
+def _stat(f: Path) -> list:
+    st = f.stat()
+    return [f.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def _read_cache(cache: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        return {}
+    dirs = doc.get("dirs") if isinstance(doc, dict) and doc.get("format") == 1 else None
+    return dirs if isinstance(dirs, dict) else {}
+
+
+def _write_cache(cache: Path, key: str, entry: dict[str, Any]) -> None:
+    """Add `entry` under `key` (atomically: a temporary file renamed over the cache); a failure only loses the cache."""
+    dirs = {**_read_cache(cache), key: entry}
+    tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"format": 1, "dirs": dirs}, indent=1))
+        os.replace(tmp, cache)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def _seeded(arch: Architecture, seed: int, dtype: torch.dtype | None) -> tuple[str, dict[str, torch.Tensor]]:
@@ -68,10 +114,11 @@ def _seeded(arch: Architecture, seed: int, dtype: torch.dtype | None) -> tuple[s
     return f"sha256:{h.hexdigest()}", out
 
 
-def base_reference(arch: Architecture, seed: int) -> dict[str, Any]:
-    """Where the base of a run with `arch` and `seed` comes from, and its digest (module docstring)."""
+def base_reference(arch: Architecture, seed: int, *, cache: Path | None = None) -> dict[str, Any]:
+    """Where the base of a run with `arch` and `seed` comes from, and its digest (module docstring; `cache`: the
+    model.hf digest cache)."""
     if arch.hf:
-        return {"source": "model.hf", "hf": str(arch.hf), "digest": hf_digest(arch.hf)}
+        return {"source": "model.hf", "hf": str(arch.hf), "digest": hf_digest(arch.hf, cache=cache)}
     return {"source": "seed", "seed": int(seed), "digest": _seeded(arch, seed, None)[0]}
 
 

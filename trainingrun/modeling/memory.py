@@ -52,7 +52,10 @@ temporaries (torch's AdamW on a CPU works tensor by tensor; the GPU images' fuse
 
 LoRA (`spec.trainer.lora`, `lora_parameters`): the base is held, frozen (no gradient buffer, no optimizer state,
 no weight gradient in the backward), and the adapters are held and trained, so the weights term grows by the
-adapters and the gradient and optimizer terms count the adapters alone.
+adapters and the gradient and optimizer terms count the adapters alone. Target `experts` (`expert_lora_parameters`):
+every local expert of an MoE layer holds its own adapters, r·(hidden + 2·moe_ffn) on linear_fc1 (SwiGLU) and
+r·(moe_ffn + hidden) on linear_fc2, counted with the experts (their optimizer state shards over the experts'
+data-parallel group).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainingrun.modeling.architecture import Architecture
-from trainingrun.modeling.lora_targets import LAYERS, parts
+from trainingrun.modeling.lora_targets import EXPERT_LAYERS, LAYERS, expert_parts, parts
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -370,6 +373,19 @@ def lora_parameters(arch: Architecture, rank: int, targets: tuple[str, ...], tp:
     return total, largest
 
 
+def expert_lora_parameters(arch: Architecture, rank: int, targets: tuple[str, ...], pp: int = 1, ep: int = 1,
+                           stage: int = 0) -> tuple[int, int]:
+    """(expert adapter parameters, the largest expert adapter) one trainer rank of pipeline stage `stage` holds
+    with target `experts` (module docstring): its num_experts / `ep` experts of every MoE layer of the stage."""
+    if "experts" not in targets or arch.moe is None:
+        return 0, 0
+    per_stage = arch.num_layers // pp
+    layers = sum(1 for i in range(stage * per_stage, (stage + 1) * per_stage) if arch.moe.is_moe_layer(i))
+    sizes = [(rank * n_in, n_out * rank) for layer in EXPERT_LAYERS for _, n_in, n_out in expert_parts(layer, arch)]
+    per_expert = sum(a + b for a, b in sizes)
+    return layers * (arch.moe.num_experts // ep) * per_expert, max(max(a, b) for a, b in sizes)
+
+
 def parameter_count(arch: Architecture) -> int:
     """The whole model's parameters."""
     return trainer_parameters(arch).held
@@ -438,8 +454,10 @@ def _stage_terms(arch: Architecture, t: TrainerSettings, sync: SyncSettings, sta
     params = trainer_parameters(arch, tp, pp, t.expert_parallel, stage)
     if t.lora_rank:  # LoRA: the base frozen (no gradient, no optimizer state), the adapters train
         adapters, biggest = lora_parameters(arch, t.lora_rank, t.lora_targets, tp, pp, stage)
-        params = Parameters(dense=params.dense + adapters, experts=params.experts, largest=biggest,
-                            trainable_dense=adapters, trainable_experts=0)
+        experts, biggest_expert = expert_lora_parameters(arch, t.lora_rank, t.lora_targets, pp, t.expert_parallel,
+                                                         stage)
+        params = Parameters(dense=params.dense + adapters, experts=params.experts + experts,
+                            largest=max(biggest, biggest_expert), trainable_dense=adapters, trainable_experts=experts)
     split = (_PP, _EP) if arch.moe is not None else (_TP, _PP)  # a mixture of experts runs at TP 1
     terms = [Term("weights", "weights", params.held * b, f"{params.held:,} parameters × {b} B ({arch.precision})",
                   ("model.precision", *split))]

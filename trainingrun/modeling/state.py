@@ -1,14 +1,14 @@
 """A live model's weights as plain tensors and arrays: what the trainers publish and the engines load.
 
 * `tensors_arrays` / `arrays_state_dict`: a state dict as numpy arrays and back (bf16 travels as its raw 16 bits) —
-  the `weightSync.type: store` wire form, written by the trainers' `StoreWeightPublisher` (of `gather_live_state`)
-  and loaded by the rollout's in-process Megatron engine; `state_dict_arrays` the same of a module's own state dict.
+  the `weightSync.type: store` wire form, written by the trainers' `StoreWeightPublisher` (a bucket of the streamed
+  gather at a time, `modeling.stream`) and loaded by the rollout's in-process Megatron engine; `state_dict_arrays` the same of a module's own state dict.
 * `gather_live_state`: the full canonical Megatron state dict of a live model — tensor-parallel shards gathered,
   experts gathered over the expert-parallel group, pipeline stages joined — on the first rank of one whole copy of
-  the model: what every publisher sends (the store publisher as arrays, the vLLM disk/broadcast publishers converted
-  to Hugging Face names). With LoRA adapters they are merged into their layers' weights first
+  the model: what every publisher sends (they stream it bucket by bucket, `modeling.stream`, bit-exact with this
+  gather). With LoRA adapters they are merged into their layers' weights first
   (`modeling.lora.live_state_dict`); `merge=False` gives the frozen base alone (a LoRA run's store publisher sends
-  it once, then adapters only). The ranks taking part are the TP × EP × PP ranks of (expert-)data-parallel replica
+  it once, streamed, then adapters only). The ranks taking part are the TP × EP × PP ranks of (expert-)data-parallel replica
   0; `live_layout` says where this rank sits.
 """
 

@@ -13,11 +13,13 @@ replicated ones read from TP rank 0. With expert parallelism (a mixture of exper
 all-gathered over the EP ranks instead, each rank's local experts renamed to their global numbers
 (`convert.ep_global_name`), as `gather_live_state` does. Later stages' first rank send their buckets to stage 0, one
 after another, an empty message closing each stage. The disk and broadcast publishers (`engines/vllm/publish.py`)
-consume it sharded (`shard=True`, `shard_owner`): every (stage, TP/EP rank) of the replica yields the buckets it owns
-and nothing goes to stage 0, so no rank holds more than its own stage's part; the store publisher still gathers
-whole. With `adapters=True` the same loop gathers the LoRA adapters
-alone (B of a column-parallel layer concatenated over the TP ranks along its rows, A of a row-parallel one along its
-columns; the rest replicated): the adapters-only sync of a LoRA run (`AdapterPublisher`).
+consume it sharded (`shard=True`, `shard_owner`), and so does the store publisher (`engines/store_sync.py`: each
+owner's buckets become parts of the version in the store): every (stage, TP/EP rank) of the replica yields the
+buckets it owns and nothing goes to stage 0, so no rank holds more than its own stage's part. With `adapters=True` the
+same loop gathers the LoRA adapters alone (B of a column-parallel layer concatenated over the TP ranks along its
+rows, A of a row-parallel one along its columns; the rest replicated; under expert parallelism the experts' adapters
+gathered over the EP ranks and renamed to their global experts, as the experts' weights): the adapters-only sync of a
+LoRA run (`AdapterPublisher`, and the store publisher's later versions).
 """
 
 from __future__ import annotations
@@ -43,11 +45,13 @@ def shard_owner(*, tp_size: int = 1, tp_rank: int = 0, pp_size: int = 1, pp_rank
     return pp_rank * size + rank, pp_size * size
 
 
-def _local_state(module: torch.nn.Module, adapters: bool) -> tuple[dict[str, torch.Tensor], dict[str, int | None]]:
-    """(this rank's canonical state — the merged weights, or with `adapters` the adapters alone —, each adapter's
-    tensor-parallel split dimension: `lora.adapter_state`; empty for the weights)."""
+def _local_state(module: torch.nn.Module, adapters: bool,
+                 merge: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, int | None]]:
+    """(this rank's canonical state — the merged weights (`merge=False`: a LoRA model's frozen base alone), or with
+    `adapters` the adapters alone —, each adapter's tensor-parallel split dimension: `lora.adapter_state`; empty for
+    the weights)."""
     if not adapters:
-        live = live_state_dict(module)
+        live = live_state_dict(module, merge=merge)
         return convert.canonical_names({k: v for k, v in live.items() if isinstance(v, torch.Tensor)}), {}
     local = adapter_state(module)
     return (convert.canonical_names({k: v for k, (v, _) in local.items()}),
@@ -57,31 +61,32 @@ def _local_state(module: torch.nn.Module, adapters: bool) -> tuple[dict[str, tor
 def iter_live_buckets(module: torch.nn.Module, arch: Architecture, limit: int, *, tp_group=None, tp_size: int = 1,
                       tp_rank: int = 0, pp_group=None, pp_size: int = 1, pp_rank: int = 0, ep_group=None,
                       ep_size: int = 1, ep_rank: int = 0, adapters: bool = False, shard: bool = False,
-                      **_ignored) -> Iterator[dict[str, torch.Tensor]]:
+                      merge: bool = True, **_ignored) -> Iterator[dict[str, torch.Tensor]]:
     """Buckets of at most `limit` bytes of the full canonical state (see the module docstring); with `adapters`,
-    of the LoRA adapters alone (`lora.adapter_state`), unmerged. With `shard`, every rank yields the buckets it owns
+    of the LoRA adapters alone (`lora.adapter_state`), unmerged; `merge=False`: a LoRA model's frozen base alone
+    (`gather_live_state(merge=False)`). With `shard`, every rank yields the buckets it owns
     instead (`shard_owner`): each bucket of a stage is assembled on one TP (EP) rank of the stage
     (`sync_plan.assign_owners`, balanced by bytes) — the all-gather gave every rank the parts — and each stage keeps
     its own (nothing is sent to stage 0); the owners' buckets together are the whole state, each tensor once (the
     broadcast's sharded snapshots, `engines/vllm/broadcast.py`; the disk sync's parallel writers)."""
-    state, dims = _local_state(module, adapters)
-    if adapters:  # experts have no adapters: every adapter is replicated over EP, split (or not) over TP
+    state, dims = _local_state(module, adapters, merge)
+    if adapters and ep_size == 1:  # every adapter split (or not) over TP
         group, size, rank = tp_group, tp_size, tp_rank
         split = {n: tp_size > 1 and dims[n] is not None for n in state}
 
-        def merge(name: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        def join(name: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
             return {name: torch.cat(parts, dim=dims[name])}
-    elif ep_size > 1:  # a mixture of experts runs at TP 1: the experts are split over the expert-parallel ranks
+    elif ep_size > 1:  # a mixture of experts runs at TP 1: the experts (and their adapters) are split over EP
         group, size, rank = ep_group, ep_size, ep_rank
         split = {n: convert.ep_layout(n) is not None for n in state}
 
-        def merge(name: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        def join(name: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
             return {convert.ep_global_name(name, arch, r, ep_size): p for r, p in enumerate(parts)}
     else:
         group, size, rank = tp_group, tp_size, tp_rank
         split = {n: tp_size > 1 and convert.tp_layout(n, arch)[0] is not None for n in state}
 
-        def merge(name: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        def join(name: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
             return {name: convert.gather_tp(name, parts, arch)}
     lead = rank == 0  # the stage's rank that assembles the buckets (TP rank 0, or EP rank 0)
     sizes = [(n, state[n].numel() * state[n].element_size() * (size if split[n] else 1)) for n in sorted(state)]
@@ -96,7 +101,7 @@ def iter_live_buckets(module: torch.nn.Module, arch: Architecture, limit: int, *
                 parts = [torch.empty_like(local) for _ in range(size)]
                 dist.all_gather(parts, local, group=group)
                 if mine:
-                    bucket.update(merge(name, parts))
+                    bucket.update(join(name, parts))
                 del parts
             elif mine:
                 bucket[name] = local.clone()

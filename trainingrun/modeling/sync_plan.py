@@ -14,7 +14,8 @@ each and is read from the stage's first rank. Ranks are given as (pp_rank, tp_ra
 
 Sharded snapshots (`assign_owners`): the buckets of a stage are spread over its TP (EP) ranks, balanced by bytes.
 
-This module is the plan only; `modeling/stream.py` gathers by it for the disk and broadcast publishers (docs/vllm.md).
+This module is the plan only; `modeling/stream.py` gathers by it for the disk, broadcast and store publishers
+(docs/vllm.md, docs/rl.md).
 """
 
 from __future__ import annotations

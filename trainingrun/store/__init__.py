@@ -9,6 +9,7 @@ Module map:
   base.py      the protocols (`RolloutStream`, `WeightVersions`, `KeyValue`; `Store`) and the store's error types
   common.py    the rules both backends follow, free of I/O: checks, fencing, the writer claim, the wait verdict,
                release
+  parts.py     the rules of a weight version written in parts by several owners and committed by one (free of I/O)
   wire.py      JSON and the binary payload format (rank payloads, weight versions; never pickle)
   file.py      the `file://` backend: the store's layout on a volume
   file_io.py   its file primitives (atomic writes, safe reads, read-only maps)
@@ -22,6 +23,7 @@ import errno
 
 from trainingrun.contract.errors import EXIT_CONFIG_ERROR, CorruptPayload, StoreError
 from trainingrun.store.base import (
+    IncompleteWeights,
     KeyValue,
     RolloutReleased,
     RolloutStream,
@@ -37,6 +39,7 @@ from trainingrun.store.redis import RedisStore
 
 __all__ = [
     "CorruptPayload",
+    "IncompleteWeights",
     "KeyValue",
     "RolloutReleased",
     "RolloutStream",

@@ -59,6 +59,16 @@ class WriterConflict(StoreError):
         self.owner = owner
 
 
+class IncompleteWeights(StoreError):
+    """A weight version written in parts (`WeightVersions.commit_weights`) was not committed: one of its owners
+    failed, wrote no record or lacks a part it recorded. `owner` is that owner; the version's parts of this attempt
+    are removed."""
+
+    def __init__(self, message: str, *, owner: int):
+        super().__init__(message)
+        self.owner = owner
+
+
 class Handle(Protocol):
     """What every store handle has: its URL, its attempt, fencing and `close()`."""
 
@@ -119,8 +129,10 @@ class RolloutStream(Handle, Protocol):
 
 
 class WeightVersions(Handle, Protocol):
-    """Weight versions (trainer rank 0 writes, fenced by its attempt, without the writer claim; the rollout's engine
-    reads; `spec.weightSync.type: store`)."""
+    """Weight versions (trainer ranks write, fenced by their attempt, without the writer claim; the rollout's engine
+    reads; `spec.weightSync.type: store`). A version is either one blob (`publish_weights`: the vLLM syncs' commit
+    records) or parts written by several owners and committed by one (`begin_weights`, `write_weights_part`,
+    `write_weights_owner`, `commit_weights`: the store sync); `read_weights` reads both, whole."""
 
     def publish_weights(self, version: int, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> bool:
         """Atomically publish weight version `version` (named numeric arrays + JSON meta); visible only when
@@ -130,10 +142,32 @@ class WeightVersions(Handle, Protocol):
         """The newest committed weight version, or None."""
 
     def read_weights(self, version: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        """(arrays, meta) of a committed version; StoreError when it is not (or no longer) there."""
+        """(arrays, meta) of a committed version, a version in parts assembled (every part's arrays, the owners'
+        meta joined); StoreError when it is not (or no longer) there."""
 
     def release_weights_below(self, version: int) -> None:
-        """Delete committed versions < `version` (commit marker first: a reader never sees half a version)."""
+        """Delete committed versions < `version` (commit marker first: a reader never sees half a version), their
+        parts with them, and the parts of versions < `version` that were never committed."""
+
+    # --- a version in parts: each owner (a trainer rank) writes its own, one rank commits (`engines/store_sync.py`)
+    def begin_weights(self, version: int) -> bool:
+        """Before the owners write `version`'s parts: False when it is committed already (nothing to write); else
+        True, this attempt's leftovers of it (parts of a publish that never committed) removed."""
+
+    def write_weights_part(self, version: int, owner: int, index: int, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+        """Store part `index` of `owner` (named arrays, the wire format) under this attempt, invisible until the
+        commit; returns its descriptor (name, bytes, pieces) for the owner's record."""
+
+    def write_weights_owner(self, version: int, owner: int, *, parts: list[dict[str, Any]] | None = None,
+                            meta: dict[str, Any] | None = None, error: str | None = None) -> None:
+        """`owner`'s record of `version`, written once its parts are: their descriptors and a JSON `meta` of its own
+        (joined into the version's meta), or the `error` that stopped it."""
+
+    def commit_weights(self, version: int, owners: int, meta: dict[str, Any]) -> bool:
+        """Commit `version` from the records of owners 0 … owners − 1 (every part each names checked to be stored,
+        with its size): the parts index and the meta, then the commit marker. IncompleteWeights naming the owner
+        (and nothing committed, this attempt's parts of `version` removed) when one failed, wrote no record or
+        lacks a part; False (nothing written) when the version is committed already. `read_weights` assembles it."""
 
 
 class Store(RolloutStream, WeightVersions, KeyValue, Protocol):

@@ -32,6 +32,7 @@ from trainingrun.store.wire import check_payload, decode_json, encode_arrays_par
 
 KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 MAX_ATTEMPT = 2**31 - 1
+MAX_PARTS = 1 << 20  # parts of one weight version (buckets of all owners)
 
 
 def check_key(key: str) -> str:
@@ -222,8 +223,11 @@ class WeightsMarker:
     nbytes: int
     chunks: int
     meta_crc: int
+    parts: int = 0  # > 0: written in parts (`commit_weights`), the document names them; 0: one blob
 
-    DOCUMENT = "weight meta"
+    @property
+    def DOCUMENT(self) -> str:  # noqa: N802 - the name `committed_json` reads of every marker
+        return "weight parts index" if self.parts else "weight meta"
 
     @property
     def document_crc(self) -> int:
@@ -235,7 +239,7 @@ class WeightsMarker:
 
     def encode(self) -> bytes:
         body = {"version": self.version, "attempt": self.attempt, "nbytes": self.nbytes, "chunks": self.chunks,
-                "meta_crc": self.meta_crc}
+                "meta_crc": self.meta_crc, **({"parts": self.parts} if self.parts else {})}
         return encode_json({**body, "check": _marker_check(body)})
 
     @classmethod
@@ -244,12 +248,14 @@ class WeightsMarker:
 
     @classmethod
     def _decode(cls, data: bytes, where: str) -> WeightsMarker:
-        d = _checked_marker(data, ("version", "attempt", "nbytes", "chunks", "meta_crc"), where=where)
+        d = _checked_marker(data, ("version", "attempt", "nbytes", "chunks", "meta_crc"), where=where,
+                            optional=("parts",))
         return cls(version=stored_int(d["version"], where=where, field="version"),
                    attempt=stored_int(d["attempt"], where=where, field="attempt", maximum=MAX_ATTEMPT),
                    nbytes=stored_int(d["nbytes"], where=where, field="nbytes"),
                    chunks=stored_int(d["chunks"], where=where, field="chunks", minimum=1, maximum=1 << 24),
-                   meta_crc=stored_int(d["meta_crc"], where=where, field="meta_crc", maximum=2**32 - 1))
+                   meta_crc=stored_int(d["meta_crc"], where=where, field="meta_crc", maximum=2**32 - 1),
+                   parts=stored_int(d.get("parts", 0), where=where, field="parts", maximum=MAX_PARTS))
 
 
 # ------------------------------------------------------------------------------------------------ what a marker commits
@@ -315,9 +321,10 @@ def _marker_check(body: dict[str, Any]) -> int:
     return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()) ^ 0x7472
 
 
-def _checked_marker(data: bytes, keys: tuple[str, ...], *, where: str) -> dict[str, Any]:
-    """A commit marker's JSON object with exactly `keys` + its check value; CorruptPayload naming `where` when it is
-    not JSON, lacks the check value (an older trainingrun wrote it) or fails it."""
+def _checked_marker(data: bytes, keys: tuple[str, ...], *, where: str, optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A commit marker's JSON object with exactly `keys` (and those of `optional` it has) + its check value;
+    CorruptPayload naming `where` when it is not JSON, lacks the check value (an older trainingrun wrote it) or
+    fails it."""
     d = decode_json(data, where=where)
     if not isinstance(d, dict):
         raise CorruptPayload(f"{where}: commit marker must be a JSON object, got {type(d).__name__}")
@@ -325,7 +332,7 @@ def _checked_marker(data: bytes, keys: tuple[str, ...], *, where: str) -> dict[s
         raise CorruptPayload(f"{where}: commit marker without a check value: written by an older trainingrun or "
                              "by something else; resume this run with the version that wrote it, or use a fresh "
                              "store")
-    body = {k: d.get(k) for k in keys}
+    body = {k: d.get(k) for k in (*keys, *(k for k in optional if k in d))}
     if d["check"] != _marker_check(body) or set(d) != {*body, "check"}:
         raise CorruptPayload(f"{where}: commit marker fails its check value (damaged or altered)")
     return d

@@ -17,6 +17,9 @@ Layout under the root directory:
     weights/00000003/a00000002/meta.json       its metadata (JSON)
     weights/00000003/COMMIT                    its commit marker (`common.WeightsMarker`: version, attempt, bytes,
                                                meta CRC-32, check value), linked into place last, never overwritten
+    weights/00000004/a00000002/part-o0001-000003.bin  a version in parts (`store/parts.py`): owner 1's part 3
+    weights/00000004/a00000002/owner-0001.json owner 1's record (its parts, its meta, or its error)
+    weights/00000004/a00000002/parts.json      the parts index the COMMIT marker commits (meta + parts)
     kv/<key>.json                              put_json/get_json
     FINISHED                                   {"num_rollouts": n}, written by finish(n)
     RELEASED                                   {"upto": k}: rollouts < k may have been deleted
@@ -30,6 +33,10 @@ readers ignore; a re-publish writes them again and commits. Payloads and schedul
 writer's attempt, so a fenced-off writer of an older attempt can never overwrite what a newer one committed. Weight
 versions (trainer rank 0 writes, the rollout's engine reads) follow the same protocol (`_commit_directory`), fenced by
 the epoch and the attempt (the trainer is no rollout writer: it holds no writer claim).
+
+A version in parts: each owner writes its part files and its record into this attempt's directory (each file
+atomically); the committing rank checks every record and part (`parts.parts_plan`), writes the index and links
+COMMIT, or, when an owner failed, removes the attempt's directory and raises `IncompleteWeights` naming it.
 
 Fencing: every write first checks the epoch (a changed or vanished EPOCH is `StoreDataLost`), the current attempt
 (a newer one is `StaleAttempt`) and, for the writer's operations, the writer claim (`WriterConflict`). The checks
@@ -49,12 +56,16 @@ import numpy as np
 
 from trainingrun.contract.errors import StoreError
 from trainingrun.contract.payload import RankPayload
+from trainingrun.store.base import IncompleteWeights
 from trainingrun.store import common
+from trainingrun.store import parts as _parts
 from trainingrun.store.file_io import Volume
-from trainingrun.store.wire import decode_arrays, decode_payload, encode_json, encode_payload_parts
+from trainingrun.store.wire import (decode_arrays, decode_payload, encode_arrays_parts, encode_json,
+                                    encode_payload_parts)
 
 COMMIT = "COMMIT"
 SCHEDULE = "schedule.json"
+PARTS_INDEX = "parts.json"
 
 
 def _rank_file(rank: int) -> str:
@@ -361,6 +372,58 @@ class FileStore:
                                                             ("meta.json", lambda: [meta_bytes])],
                                       marker.encode(), f"weight version {version}", writer=False, hook=_after_tensors)
 
+    def _own_dir(self, version: int) -> Path:
+        """This attempt's directory of weight version `version` (its parts, records and index)."""
+        return self._wdir(version) / f"a{self.attempt or 0:08d}"
+
+    def begin_weights(self, version: int) -> bool:
+        if (self._wdir(common.check_rollout(version, "version")) / COMMIT).exists():
+            return False
+        self._guard(f"publishing weight version {version}")
+        shutil.rmtree(self._own_dir(version), ignore_errors=True)  # a publish of this attempt that never committed
+        try:
+            self._own_dir(version).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise self._io.error("create", self._own_dir(version), exc) from exc
+        return True
+
+    def write_weights_part(self, version: int, owner: int, index: int, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+        _parts.check_part(version, owner, index, arrays)
+        name = _parts.part_name(owner, index)
+        chunks = encode_arrays_parts(arrays)
+        self._guard(f"publishing weight version {version}")
+        ddir = self._own_dir(version)
+        try:
+            ddir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise self._io.error("create", ddir, exc) from exc
+        self._io.write_atomic(ddir / f"part-{name}.bin", chunks)
+        return {"name": name, "nbytes": sum(memoryview(c).nbytes for c in chunks), "chunks": 1}
+
+    def write_weights_owner(self, version: int, owner: int, *, parts: list[dict[str, Any]] | None = None,
+                            meta: dict[str, Any] | None = None, error: str | None = None) -> None:
+        data = _parts.owner_record(version, owner, parts, meta, error)
+        self._guard(f"publishing weight version {version}")
+        self._io.write_atomic(self._own_dir(version) / f"owner-{owner:04d}.json", [data])
+
+    def commit_weights(self, version: int, owners: int, meta: dict[str, Any]) -> bool:
+        d, ddir = self._wdir(common.check_rollout(version, "version")), self._own_dir(version)
+        if (d / COMMIT).exists():
+            return False
+
+        def stored(part: dict[str, Any]) -> int | None:
+            path = ddir / f"part-{part['name']}.bin"
+            return path.stat().st_size if path.is_file() else None
+
+        records = [self._io.read(ddir / f"owner-{o:04d}.json") for o in range(owners)]
+        try:
+            index, marker = _parts.parts_plan(version, records, meta, self.attempt, url=self.url, stored=stored)
+        except IncompleteWeights:
+            shutil.rmtree(ddir, ignore_errors=True)  # the failed publish's parts: never committed
+            raise
+        return self._commit_directory(d, [(PARTS_INDEX, lambda: [index])], marker.encode(),
+                                      f"weight version {version}", writer=False)
+
     def latest_weights(self) -> int | None:
         self._epoch_id(create=False)
         versions = self._committed("weights")
@@ -388,6 +451,8 @@ class FileStore:
         StoreError when it is not (or no longer) committed, CorruptPayload naming the path when damaged."""
         marker = self._weights_marker(version)
         ddir = self._wdir(version) / f"a{marker.attempt:08d}"
+        if marker.parts:
+            return self._read_parts(version, marker, ddir)
         meta_path, path = ddir / "meta.json", ddir / "tensors.bin"
         meta_bytes = self._io.read(meta_path)
         if meta_bytes is None:
@@ -399,12 +464,32 @@ class FileStore:
             raise self._weights_gone(version, path)
         return decode_arrays(mapped[0], where=self._where(path), header=mapped[1]), meta
 
+    def _read_parts(self, version: int, marker: common.WeightsMarker, ddir: Path) -> tuple[dict, dict[str, Any]]:
+        """A version in parts, assembled: the index (checked against the marker), then every part, each mapped
+        read-only and checked (size, header, checksums); no array in two parts."""
+        index_path = ddir / PARTS_INDEX
+        data = self._io.read(index_path)
+        if data is None:
+            raise self._weights_gone(version, index_path)
+        meta, described = _parts.committed_parts(marker, data, where=self._where(index_path))
+        arrays: dict[str, np.ndarray] = {}
+        for part in described:
+            path = ddir / f"part-{part['name']}.bin"
+            mapped = self._io.map_arrays(path, spec=None, check_size=lambda n, p=part, w=self._where(path):
+                                         _parts.check_part_size(n, p, where=w))
+            if mapped is None:
+                raise self._weights_gone(version, path)
+            _parts.join_part(arrays, decode_arrays(mapped[0], where=self._where(path), header=mapped[1]),
+                             where=self._where(path))
+        return arrays, meta
+
     def release_weights_below(self, version: int) -> None:
-        """Delete committed versions < `version` (commit marker first: a reader never sees half a version);
+        """Delete weight versions < `version`: the committed ones (commit marker first: a reader never sees half a
+        version) with their parts, and the directories of those never committed (a publish that failed or died);
         fenced like every write."""
         common.check_rollout(version, "version")
         self._guard(f"releasing weight versions below {version}")
-        for v in self._committed("weights"):
+        for v in _numbered(self._io.listdir(self.root / "weights")):
             if v >= version:
                 break
             self._delete(self._wdir(v))

@@ -17,6 +17,10 @@ Keys (prefix P = "trainingrun", or `?prefix=NAME` in the URL, so several runs ca
     P:w:<v>:meta            its metadata (JSON)
     P:w:<v>:commit          commit marker (`common.WeightsMarker`: version, attempt, bytes, chunks, meta CRC-32, check)
     P:weights               sorted set of committed weight versions
+    P:w:<v>:a<N>:p:<o0001-000003>:<i>  a version in parts (`store/parts.py`): piece i of owner 1's part 3
+    P:w:<v>:a<N>:o:<owner>  that owner's record (its parts, its meta, or its error)
+                            (both in P:w:<v>:parts; P:w:<v>:meta then holds the parts index the marker commits)
+    P:wparts                sorted set of the versions parts were written for (committed or not): release's list
     P:kv:<key>              put_json/get_json
     P:finished              {"num_rollouts": n}
     P:released              k: rollouts < k may have been deleted
@@ -30,7 +34,10 @@ handle holds the claim (else `WriterConflict`). A writer that dies before EXEC l
 marker, which readers never look at; a re-publish overwrites them and commits. Weight versions (trainer rank 0
 writes, the rollout's engine reads) follow the same protocol (`_publish`), fenced by the epoch and the attempt (no
 writer claim: the trainer is not the rollout writer). A release deletes every releasable rollout (or version) in
-one guarded transaction, commit markers first.
+one guarded transaction, commit markers first. A version in parts: each owner SETs its parts' pieces and its record
+under its attempt (each recorded in the `parts` set, the version in `P:wparts`); the committing rank reads the records
+and the pieces' sizes in one round trip each (`parts.parts_plan`) and commits the index as a weight version's meta, or,
+when an owner failed, deletes this attempt's keys of the version and raises `IncompleteWeights` naming it.
 
 This module lays the keys out and performs the I/O, each call in one round trip where it can (pipelines; retries,
 transactions and the lease thread: `redis_io.py`); every decision is a rule of `common.py`, the same the file backend
@@ -48,8 +55,11 @@ from typing import Any
 from trainingrun.contract.errors import StoreError
 from trainingrun.contract.payload import RankPayload
 from trainingrun.store import common
+from trainingrun.store import parts as _parts
+from trainingrun.store.base import IncompleteWeights
 from trainingrun.store.redis_io import Connection, Lease, url_options
-from trainingrun.store.wire import decode_arrays, decode_json, decode_payload, encode_json, encode_payload_parts
+from trainingrun.store.wire import (decode_arrays, decode_json, decode_payload, encode_arrays_parts, encode_json,
+                                    encode_payload_parts)
 
 MAX_VALUE_BYTES = 512 * 1024 * 1024  # Redis' limit of one string value
 WEIGHT_CHUNK_BYTES = 64 * 1024 * 1024  # weights are stored in pieces of this size (any model size fits)
@@ -398,6 +408,75 @@ class RedisStore:
         return self._publish(f"weight version {version}", ("w", version), pieces, ("meta", meta_bytes),
                              marker.encode(), ("weights", version), writer=False, hook=_after_tensors)
 
+    def _own_keys(self, version: int) -> list[bytes]:
+        """This attempt's keys of weight version `version` (parts and records of a publish not committed)."""
+        mine = self._k("w", version, f"a{self.attempt or 0}", "").encode()
+        parts_key = self._k("w", version, "parts")
+        return [k for k in self._conn.call(parts_key, "smembers", parts_key) if bytes(k).startswith(mine)]
+
+    def _drop_own(self, version: int) -> None:
+        keys = self._own_keys(version)
+        if keys:
+            parts_key = self._k("w", version, "parts")
+            self._conn.batch(parts_key, ("delete", *keys), ("srem", parts_key, *keys))
+
+    def begin_weights(self, version: int) -> bool:
+        ckey = self._k("w", common.check_rollout(version, "version"), "commit")
+        if self._conn.call(ckey, "exists", ckey):
+            return False
+        self._guarded(f"publishing weight version {version}", ckey, lambda pipe: False)
+        self._drop_own(version)  # a publish of this attempt that never committed
+        return True
+
+    def _set_pieces(self, version: int, pieces: list[tuple[str, bytes | memoryview]]) -> None:
+        """SET each (key, value), recorded in the version's parts set and the version in `wparts` (release's list)."""
+        parts_key = self._k("w", version, "parts")
+        for key, data in pieces:
+            self._conn.batch(key, ("sadd", parts_key, key), ("zadd", self._k("wparts"), {str(version): version}),
+                             ("set", key, data))
+
+    def write_weights_part(self, version: int, owner: int, index: int, arrays: dict[str, Any]) -> dict[str, Any]:
+        _parts.check_part(version, owner, index, arrays)
+        name = _parts.part_name(owner, index)
+        data = memoryview(b"".join(encode_arrays_parts(arrays)))
+        size = WEIGHT_CHUNK_BYTES
+        chunks = max(1, -(-data.nbytes // size))
+        self._guarded(f"publishing weight version {version}", self._k("w", version, "commit"), lambda pipe: False)
+        self._set_pieces(version, [(self._part_key(version, self.attempt, name, i), data[i * size:(i + 1) * size])
+                                   for i in range(chunks)])
+        return {"name": name, "nbytes": data.nbytes, "chunks": chunks}
+
+    def _part_key(self, version: int, attempt: int | None, name: str, i: int | str) -> str:
+        return self._k("w", version, f"a{attempt or 0}", "p", name, i)
+
+    def write_weights_owner(self, version: int, owner: int, *, parts: list[dict[str, Any]] | None = None,
+                            meta: dict[str, Any] | None = None, error: str | None = None) -> None:
+        data = _parts.owner_record(version, owner, parts, meta, error)
+        self._guarded(f"publishing weight version {version}", self._k("w", version, "commit"), lambda pipe: False)
+        self._set_pieces(version, [(self._k("w", version, f"a{self.attempt or 0}", "o", owner), data)])
+
+    def commit_weights(self, version: int, owners: int, meta: dict[str, Any]) -> bool:
+        ckey = self._k("w", common.check_rollout(version, "version"), "commit")
+        if self._conn.call(ckey, "exists", ckey):
+            return False
+        rkeys = [self._k("w", version, f"a{self.attempt or 0}", "o", o) for o in range(owners)]
+        records = self._conn.batch(ckey, *[("get", k) for k in rkeys]) if rkeys else []
+        named = [p for raw in records if raw is not None for p in _named_parts(raw)]
+        keys = [self._part_key(version, self.attempt, p["name"], i) for p in named for i in range(p["chunks"])]
+        lengths = iter(self._conn.batch(ckey, *[("strlen", k) for k in keys]) if keys else [])
+        sizes = {}
+        for p in named:  # a missing piece has length 0: the part is then missing
+            got = [next(lengths) for _ in range(p["chunks"])]
+            sizes[p["name"]] = sum(got) if all(got) else None
+        try:
+            index, marker = _parts.parts_plan(version, records, meta, self.attempt, url=self.url,
+                                              stored=lambda p: sizes.get(p["name"]))
+        except IncompleteWeights:
+            self._drop_own(version)  # the failed publish's parts: never committed
+            raise
+        return self._publish(f"weight version {version}", ("w", version), iter(()), ("meta", index),
+                             marker.encode(), ("weights", version), writer=False, hook=None)
+
     def latest_weights(self) -> int | None:
         key = self._k("weights")
         self.epoch()
@@ -419,6 +498,8 @@ class RedisStore:
         marker = common.committed_weights(raw, version, url=self.url, where=f"key {ckey}")
         if meta_bytes is None:
             raise self._weights_gone(version, mkey)
+        if marker.parts:
+            return self._read_parts(version, marker, meta_bytes)
         meta = common.committed_json(marker, meta_bytes, where=self._where(mkey))
         keys = [self._chunk_key(version, marker.attempt, i) for i in range(marker.chunks)]
         pieces = self._conn.batch(keys[0], *[("get", key) for key in keys])
@@ -430,12 +511,33 @@ class RedisStore:
         common.check_weights_size(len(data), marker, where=where)
         return decode_arrays(data, where=where), meta
 
+    def _read_parts(self, version: int, marker: common.WeightsMarker, index: bytes) -> tuple[dict, dict[str, Any]]:
+        """A version in parts, assembled: the index (checked against the marker), then every part (its pieces in
+        one round trip), each checked (size, header, checksums); no array in two parts."""
+        meta, described = _parts.committed_parts(marker, index, where=self._where(self._k("w", version, "meta")))
+        arrays: dict[str, Any] = {}
+        for part in described:
+            keys = [self._part_key(version, marker.attempt, part["name"], i) for i in range(part["chunks"])]
+            pieces = self._conn.batch(keys[0], *[("get", key) for key in keys])
+            for key, piece in zip(keys, pieces):
+                if piece is None:
+                    raise self._weights_gone(version, key)
+            data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+            where = self._where(self._part_key(version, marker.attempt, part["name"], "*"))
+            _parts.check_part_size(len(data), part, where=where)
+            _parts.join_part(arrays, decode_arrays(data, where=where), where=where)
+        return arrays, meta
+
     def release_weights_below(self, version: int) -> None:
-        """Delete committed versions < `version` (commit marker first: a reader never sees half a version) in one
-        transaction; fenced like every write (a fenced-off caller is refused even when nothing is to delete)."""
+        """Delete weight versions < `version` in one transaction: the committed ones (commit marker first: a reader
+        never sees half a version) with their parts, and the parts of those never committed (`wparts`: a publish
+        that failed or died); fenced like every write (a fenced-off caller is refused even when nothing is to
+        delete)."""
         common.check_rollout(version, "version")
-        key = self._k("weights")
-        old = self._members(key, self._conn.call(key, "zrangebyscore", key, 0, version - 1))
+        key, wparts = self._k("weights"), self._k("wparts")
+        committed, written = self._conn.batch(key, ("zrangebyscore", key, 0, version - 1),
+                                              ("zrangebyscore", wparts, 0, version - 1))
+        old = sorted(set(self._members(key, committed)) | set(self._members(wparts, written)))
         parts = self._conn.batch(key, *[("smembers", self._k("w", v, "parts")) for v in old]) if old else []
 
         def fill(pipe: Any) -> bool | None:
@@ -445,6 +547,7 @@ class RedisStore:
             for v, keys in zip(old, parts):
                 pipe.delete(self._k("w", v, "commit"))  # invisible first
                 pipe.zrem(key, str(v))
+                pipe.zrem(wparts, str(v))
                 pipe.delete(self._k("w", v, "meta"), self._k("w", v, "parts"), *keys)
             return None
 
@@ -484,3 +587,15 @@ class RedisStore:
 
     def __repr__(self) -> str:
         return f"RedisStore({self.url!r})"
+
+
+def _named_parts(raw: bytes) -> list[dict[str, Any]]:
+    """The well-formed part descriptors an owner's stored record names (for the commit's size check; the record
+    itself is judged by `parts.parts_plan`)."""
+    try:
+        record = decode_json(raw, where="owner record")
+    except StoreError:
+        return []
+    named = record.get("parts") if isinstance(record, dict) else None
+    return [p for p in named if isinstance(p, dict) and isinstance(p.get("name"), str)
+            and isinstance(p.get("chunks"), int) and 1 <= p["chunks"] <= 1 << 24] if isinstance(named, list) else []

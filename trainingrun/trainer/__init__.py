@@ -15,6 +15,7 @@ Module map:
   report.py               the per-step record: metrics.jsonl, the progress record, Prometheus, the log line
   checkpoint.py           checkpoints on disk: commit, verification, fallback, keep-N, attempt fencing
   checkpoint_megatron.py  model and optimizer state through Megatron's distributed checkpointing
+  rng.py                  each rank's RNG streams in a checkpoint (exact resume with dropout)
   full_state.py           a checkpoint → the full (tensor-parallel-gathered) state dict
   reshard.py              a rollout published for another data-parallel size, re-scheduled for this one
   weights.py              the weight-publisher seam towards the rollout's engine (`spec.weightSync`; the

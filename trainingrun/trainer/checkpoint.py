@@ -8,13 +8,16 @@ Layout under `spec.trainer.checkpoint.path` (relative paths resolve against the 
     dist/                    Megatron `dist_checkpointing` directory (torch_dist format: .metadata, __<r>_<i>.distcp,
                              common.pt, metadata.json): model and optimizer, sharded so that any data-/tensor-parallel
                              size can load it
-    state.pt                 LR scheduler state + RNG state (rank 0; `torch.load(weights_only=True)`)
+    state.pt                 LR scheduler state + rank 0's RNG state (`torch.load(weights_only=True)`)
+    rng/<pp>-<tp>-<ep>-<dp>.safetensors  each rank's RNG streams (the trainer's `write_shards` writes them beside
+                             the shards: `trainer/rng.py`), uint8 tensors; restored at the same layout
     meta.json                who wrote it: run, attempt, data/tensor-parallel sizes, the model spec
     progress.json            {global_step, rollout, step_in_rollout, samples_consumed, tokens_consumed, ...}
     COMPLETE                 written last: {"format": 2, "attempt", "files": {path: {"size", "sha256"}}}
   .tmp-step_00000010-a1/     being written by attempt 1; never loaded, removed by the next save
   step_00000012.unloadable-a3/  a checkpoint attempt 3 could not load and fell back from (kept for inspection)
   .attempts/<attempt>        one empty file per attempt that resumed here (the fence, below)
+  .base-digest.json          a LoRA run's model.hf digest cache (`modeling.lora_base`)
   (a run started from a Hugging Face directory also keeps its config + tokenizer files in step_*/hf/; a LoRA run's
   dist/ holds its adapters and their optimizer state only, and meta.json names the base and its digest:
   `checkpoint_megatron.py`, `modeling.lora_base`)
@@ -656,7 +659,8 @@ def model_tensors(path: str | Path) -> dict[str, Any]:
     """The model's tensors of a checkpoint at full shape, one entry per layer (`decoder.layers.<i>.<name>`), named as
     Megatron's sharded state dict names them (TransformerEngine-style names, e.g. `linear_qkv.layer_norm_weight`,
     whichever layer spec wrote it); a mixture of experts' layers are stored per layer, their experts stacked
-    (`mlp.experts.experts.linear_fc1.weight` [E, ...] → `mlp.experts.local_experts.<e>.linear_fc1.weight`)."""
+    (`mlp.experts.experts.linear_fc1.weight` [E, ...] → `mlp.experts.local_experts.<e>.linear_fc1.weight`; their LoRA
+    adapters `….linear_fc1.adapter.gate_up_A` alike)."""
     out = {}
     for key, t in read_tensors(path, model_only=True).items():
         experts = _EXPERTS_KEY.match(key)
@@ -673,10 +677,12 @@ def model_tensors(path: str | Path) -> dict[str, Any]:
 
 
 _OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
-_EXPERTS_KEY = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(linear_fc[12]\.(?:weight|bias))$")
+_EXPERTS_KEY = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\."
+                          r"(linear_fc[12]\.(?:weight|bias|adapter\.\w+))$")  # the experts' LoRA adapters too
 
 
 def rng_state() -> dict[str, Any]:
+    """Rank 0's generators for state.pt (kept for older readers; a resume takes each rank's own: `trainer.rng`)."""
     import torch  # deferred: torch
 
     state = {"torch": torch.get_rng_state()}
@@ -684,10 +690,3 @@ def rng_state() -> dict[str, Any]:
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    import torch  # deferred: torch
-
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])

@@ -18,6 +18,10 @@ digest instead (`modeling.lora_base`; `TrainerCheckpoints.base`), loading takes 
 (model.hf or the seed) and refuses a checkpoint whose base digest is not this run's, naming the field. A LoRA
 checkpoint written before this (with the base) loads too: only its adapters are read.
 
+Every rank also writes its RNG streams (CPU, CUDA, Megatron's tensor-parallel tracker) beside the shards, in rng/
+(`trainer.rng`); a resume at the same layout takes each rank's back (a resume with dropout is exact), another
+layout seeds fresh ones and says so.
+
 The distributed optimizer (`trainer.optimizer.distributed`) writes its state in Megatron's `dp_reshardable` format
 (each rank's shards of the main parameters and Adam moments, no gather): it loads at any data-parallel size, not at
 another tensor-parallel size (`resume` refuses that, and a switch between the plain and the distributed optimizer,
@@ -50,6 +54,7 @@ from trainingrun.diskspace import no_space
 from trainingrun.modeling.lora import ADAPTER, LoRAAdapter
 from trainingrun.modeling.lora_base import base_problem
 from trainingrun.trainer import checkpoint as ckpt
+from trainingrun.trainer import rng
 
 _REASON_BYTES = 1024
 
@@ -285,6 +290,7 @@ class TrainerCheckpoints:
     assets: Callable[[Path], None] | None = None  # rank 0 adds files to each checkpoint (checkpoint.save)
     epoch: int = 0  # the run's creation time (TRAININGRUN_RUN_EPOCH): orders attempts across re-created runs
     base: Callable[[], dict[str, Any]] | None = None  # LoRA: the base's reference and digest (`modeling.lora_base`)
+    seed: int = 0  # spec.seed: the fresh RNG streams of a resume that cannot take the saved ones back (`rng`)
 
     def __post_init__(self) -> None:
         try:  # Megatron's checkpoint writer needs it (and megatron-core does not declare it): say so before training
@@ -335,9 +341,10 @@ class TrainerCheckpoints:
         if resumed is None:
             return None
         self.scheduler.load_state_dict(resumed.state["scheduler"])
-        ckpt.set_rng_state(resumed.state["rng"])
         was = resumed.meta
         now = self.meta
+        # each rank's own streams when the layout is the same; else fresh ones, warned (`rng`)
+        rng.restore(resumed.path, was, now, seed=self.seed, step=resumed.progress.global_step, log=self.log)
         sizes = ("dp_size", "tp_size", "pp_size")  # a checkpoint from before pipeline parallelism has no pp_size: 1
         then, here = ([d.get(k, 1 if k == "pp_size" else None) for k in sizes] for d in (was, now))
         if then != here:
@@ -352,6 +359,11 @@ class TrainerCheckpoints:
             self.root, progress, group=self.group, attempt=self.attempt, keep=self.keep,
             meta=self.meta if base is None else {**self.meta, "base": base},
             assets=self.assets, epoch=self.epoch,
-            write_shards=lambda d: write_shards(self.module, self.optimizer, d),
+            write_shards=lambda d: self._write(d),
             state=lambda: {"scheduler": self.scheduler.state_dict(), "rng": ckpt.rng_state()},
         )
+
+    def _write(self, dist_dir: Path) -> None:
+        """Every rank: its model/optimizer shards into dist/, its RNG streams into rng/ (`rng`; hashed with the rest)."""
+        write_shards(self.module, self.optimizer, dist_dir)
+        rng.write(dist_dir.parent / rng.RNG_DIR)

@@ -35,7 +35,7 @@ from trainingrun.engines.table import logprob_dtype
 from trainingrun.modeling.architecture import Architecture
 from trainingrun.modeling.convert import check_tp
 from trainingrun.modeling.hf_io import copy_assets
-from trainingrun.modeling.lora_base import base_reference
+from trainingrun.modeling.lora_base import DIGEST_CACHE, base_reference
 from trainingrun.modeling.lora_targets import LAYERS
 from trainingrun.modeling.pipeline import check_pp
 from trainingrun.store import RolloutReleased, StoreTimeout, open_store
@@ -102,7 +102,9 @@ class Trainer:
                 log=lambda msg: log(self.rank, msg) if self.rank == 0 else None,
                 assets=(lambda d: _copy_hf_assets(hf, d)) if hf else None,
                 # LoRA: checkpoints hold the adapters only, naming the base by its reference and digest
-                base=(lambda: base_reference(arch, spec.seed)) if spec.trainer.lora is not None else None,
+                base=(lambda: base_reference(arch, spec.seed, cache=self.ckpt_root / DIGEST_CACHE))
+                if spec.trainer.lora is not None else None,
+                seed=spec.seed,
             )
         except CheckpointError as exc:
             raise ConfigError(str(exc)) from None
@@ -187,17 +189,19 @@ class Trainer:
             raise ConfigError(f"model: cannot build the model from {arch.to_dict()}: {exc}") from None
         if ts.lora is not None:  # frozen base + adapters, before DDP: its buckets hold only what trains
             try:
-                adapted = apply_lora(model, arch, lora_settings(ts.lora), seed=spec.seed,
-                                     tp=(parallel_state.get_tensor_model_parallel_rank(), tp),
-                                     pp=(parallel_state.get_pipeline_model_parallel_rank(), pp))
+                layout = dict(tp=(parallel_state.get_tensor_model_parallel_rank(), tp),
+                              pp=(parallel_state.get_pipeline_model_parallel_rank(), pp),
+                              ep=(parallel_state.get_expert_model_parallel_rank(),
+                                  parallel_state.get_expert_model_parallel_world_size()))
+                adapted = apply_lora(model, arch, lora_settings(ts.lora), seed=spec.seed, **layout)
                 if spec.model.adapter is not None:  # start from a PEFT adapter (checked against trainer.lora)
-                    load_peft_adapter(model, arch, lora_settings(ts.lora), spec.model.adapter,
-                                      tp=(parallel_state.get_tensor_model_parallel_rank(), tp),
-                                      pp=(parallel_state.get_pipeline_model_parallel_rank(), pp))
+                    load_peft_adapter(model, arch, lora_settings(ts.lora), spec.model.adapter, **layout)
                     log(env.rank, f"lora: adapters from {spec.model.adapter}")
             except (ValueError, OSError) as exc:
                 raise ConfigError(str(exc)) from None
-            unmatched = [t for t in ts.lora.targets if not any(a.endswith(LAYERS[t][0]) for a in adapted)]
+            unmatched = [t for t in ts.lora.targets
+                         if not any(".local_experts." in a if t == "experts" else a.endswith(LAYERS[t][0])
+                                    for a in adapted)]
             log(env.rank, f"lora: rank {ts.lora.rank}, alpha {ts.lora.resolved_alpha:g}, dropout {ts.lora.dropout:g}, "
                           f"{len(adapted)} layers ({', '.join(ts.lora.targets)}); {adapter_parameters(model) / 1e6:.3f}M "
                           "trainable parameters on this rank, the base frozen"

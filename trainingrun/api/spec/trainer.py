@@ -235,7 +235,9 @@ class LoRASpec(ApiModel):
     targets: list[LoRATarget] = Field(
         default_factory=lambda: ["attention_qkv", "attention_out", "mlp_in", "mlp_out"], min_length=1, max_length=5,
         description="Linear layers that get adapters: attention_qkv (q, k, v projections), attention_out (o), mlp_in "
-        "(gate and up), mlp_out (down) — of a mixture of experts its dense MLP layers —, experts (not built yet).")
+        "(gate and up), mlp_out (down) — of a mixture of experts its dense MLP layers —, experts (a mixture of "
+        "experts' routed experts: an adapter per expert on its fused gate/up and one on its down; not with "
+        "rollout.engine.type vllm).")
 
     @model_validator(mode="after")
     def _rules(self) -> LoRASpec:

@@ -17,8 +17,9 @@ bucket or two:
   lora       (a run with `trainer.lora`, `weightSync.type: disk`) the adapters only: a PEFT adapter directory
              `<weightSync.path>/v<version>-a<attempt>` (`adapter_model.safetensors` in the engine's dtype,
              `adapter_config.json`), gathered by the same streamed loop (`iter_live_buckets(adapters=True)`: B of a
-             column-parallel layer and A of a row-parallel one concatenated over the TP ranks) and renamed to PEFT's
-             names as each bucket arrives; PEFT and vLLM read one tensor file, so rank 0 holds the adapters whole
+             column-parallel layer and A of a row-parallel one concatenated over the TP ranks, experts' over the EP
+             ranks) and renamed to PEFT's names (`lora.to_peft`: a layer's expert adapters stacked as PEFT keeps
+             them); PEFT and vLLM read one tensor file, so rank 0 holds the adapters whole
              (megabytes) before writing it, beside its name and renamed into place. The meta carries the file's size
              and SHA-256, the adapter's name (`adapter_name`: the engine serves the version under it) and how many
              versions the engine keeps loaded (`keep`: maxPolicyLag + 1); the engine loads it with vLLM's
@@ -138,15 +139,13 @@ class _Base:
         return int(box.item())
 
     def _adapter_buckets(self, module) -> Iterator[dict]:
-        """The LoRA adapters under PEFT's names (`lora.peft_name`), a bucket at a time, on rank 0; nothing elsewhere
+        """The LoRA adapters (canonical names, whole), a bucket at a time, on rank 0; nothing elsewhere
         (every rank of replica 0 runs it to its end, as `_hf_buckets`)."""
         if self.dp_rank != 0:
             return
-        from trainingrun.modeling.lora import peft_name  # deferred: torch
         from trainingrun.modeling.stream import iter_live_buckets  # deferred: torch
 
-        for bucket in iter_live_buckets(module, self.arch, self.bucket_bytes, adapters=True, **self.layout):
-            yield {peft_name(name): tensor for name, tensor in bucket.items()}
+        yield from iter_live_buckets(module, self.arch, self.bucket_bytes, adapters=True, **self.layout)
 
     def _hf_buckets(self, module) -> Iterator[dict]:
         """The weights as HF tensors (engine names, trainer dtype), a bucket of weightSync.bucketMiB at a time, on
@@ -327,7 +326,7 @@ class AdapterPublisher(DiskPublisher):
         from safetensors.torch import save_file  # deferred: safetensors
 
         from trainingrun.modeling.hf_io import staging_dir  # deferred: torch
-        from trainingrun.modeling.lora import adapter_settings, peft_config  # deferred: torch
+        from trainingrun.modeling.lora import adapter_settings, peft_config, to_peft  # deferred: torch
 
         t0 = time.perf_counter()
         dtype = getattr(torch, self.dtype)
@@ -337,7 +336,8 @@ class AdapterPublisher(DiskPublisher):
         if not tensors:
             raise ValueError("trainer.lora: the model holds no adapters to publish")
         rank, scale = adapter_settings(module)
-        modules = sorted({k.split(".")[-3] for k in tensors})
+        # PEFT's names; a layer's experts stacked into PEFT's tensors of transformers' fused expert weights
+        tensors, modules, params = to_peft(tensors, self.arch.moe.num_experts if self.arch.moe else 0)
         self.root.mkdir(parents=True, exist_ok=True)
         target = version_dir(self.root, version, self.attempt)
         tmp = staging_dir(target, f"tmp-{os.getpid()}")
@@ -346,7 +346,7 @@ class AdapterPublisher(DiskPublisher):
                 shutil.rmtree(d)
         tmp.mkdir()
         save_file(tensors, str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(rank, scale, modules, self.base), indent=1))
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(rank, scale, modules, self.base, params), indent=1))
         tmp.rename(target)
         self._commit(version, target, file_digests(target), t0, method="lora", adapter_name=adapter_name(version),
                      rank=rank, keep=self.lag + 1)
