@@ -1,18 +1,19 @@
-"""The sending rank's memory during weight sync (issue 28's acceptance): a TP 2 RL run, real trainer processes.
+"""The sending rank's memory during weight sync (issue 28's acceptance): a TP 2 (or PP 2) RL run, real trainer
+processes.
 
 `trainingrun run` of an on-policy GRPO spec whose engine is a simulated vLLM server the run reaches by
 `engine.url` (`python -m trainingrun.engines.simulated`: it generates, checks every published directory's digests and
 tensor headers, and loads nothing), two trainer ranks splitting a llama-architecture model by tensor parallelism
-(fp32, gloo), `weightSync.type` disk or broadcast with `weightSync.bucketMiB`; with `store` the engine is the
-in-process megatron one (the rollout loads every version from the run's file store) and the trainers write each
-version in parts (`engines/store_sync.py`). Every child runs under
+(or, with `--parallel pipeline`, into two pipeline stages; fp32, gloo), `weightSync.type` disk or broadcast with
+`weightSync.bucketMiB`; with `store` the engine is the in-process megatron one (the rollout loads every version from
+the run's file store) and the trainers write each version in parts (`engines/store_sync.py`). Every child runs under
 `tests/peak_rss.py` (the kernel's peak resident set, VmHWM at exit, with its RANK). Prints one JSON object per
 configuration: the model's bytes (fp32), each rank's peak, the sending rank's (rank 0's) excess over rank 1 and that
 excess over the model's bytes (issue 28's acceptance: at most 0.25 with `bucketMiB: 32`).
 
 Run: `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sync_memory.py [--sync disk,broadcast,store] [--bucket-mib 32]
-[--layers 8 --hidden 1536 --ffn 4608]`. About two minutes per configuration on 2 CPU cores at the default size
-(0.88 GB of fp32 weights). Prints figures, asserts nothing.
+[--layers 8 --hidden 1536 --ffn 4608] [--parallel tensor|pipeline]`. About two minutes per configuration on 2 CPU
+cores at the default size (0.88 GB of fp32 weights). Prints figures, asserts nothing.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def spec(args, sync: str, url: str, hf: Path) -> dict:
     model = {"hf": str(hf)}
     return {"apiVersion": "trainingrun.dev/v1alpha1", "kind": "TrainingRun", "metadata": {"name": "syncmem"},
             "spec": {"seed": 1, "model": model,
-                     "trainer": {"replicas": 2, "gpusPerReplica": 0, "tensorParallelSize": 2,
+                     "trainer": {"replicas": 2, "gpusPerReplica": 0, f"{args.parallel}ParallelSize": 2,
                                  "maxTokensPerGPU": 512, "lossType": "ppo",
                                  "checkpoint": {"interval": 0, "path": "checkpoints"}},
                      "rollout": {"source": {"type": "generate", "generate": {
@@ -104,7 +105,8 @@ def measure(args, sync: str, workdir: Path) -> dict:
     ranks = {int(r["rank"]): r["peak_rss"] for r in rows if r["role"] == "trainer" and r.get("rank") is not None}
     size = model_bytes(doc)
     excess = ranks[0] - ranks[1]
-    return {"sync": sync, "bucket_mib": args.bucket_mib, "model_gib": round(size / GIB, 3),
+    return {"sync": sync, "parallel": args.parallel, "bucket_mib": args.bucket_mib,
+            "model_gib": round(size / GIB, 3),
             "rank0_peak_gib": round(ranks[0] / GIB, 3), "rank1_peak_gib": round(ranks[1] / GIB, 3),
             "excess_gib": round(excess / GIB, 3), "excess_over_model": round(excess / size, 3),
             "versions_loaded_by_engine": len(loads), "wall_s": round(time.monotonic() - t0, 1)}
@@ -125,6 +127,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1536)
     ap.add_argument("--ffn", type=int, default=4608)
     ap.add_argument("--rollouts", type=int, default=2)
+    ap.add_argument("--parallel", default="tensor", choices=["tensor", "pipeline"],
+                    help="how the two trainer ranks split the model: TP 2 or PP 2")
     ap.add_argument("--timeout", type=float, default=1200)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="syncmem-") as tmp:

@@ -150,18 +150,21 @@ def test_an_engine_that_asks_late_catches_up_alone_without_stalling_the_others()
         sender.close()
 
 
-def test_a_sharded_version_is_sent_by_its_owners_and_arrives_whole():
-    """Item 3: two owner ranks each hold half of the buckets in host memory (rank 0's `BroadcastSender`, owner 1's
-    `ShardServer`, as the TP ranks of replica 0 do); one transfer to two engines: each owner sends only its own
-    buckets, every engine gets the whole model bit-exact."""
+@pytest.mark.parametrize("split", ["halves", "owner1-empty", "owner0-empty"])
+def test_a_sharded_version_is_sent_by_its_owners_and_arrives_whole(split):
+    """Item 3: two owner ranks each hold part of the buckets in host memory (rank 0's `BroadcastSender`, owner 1's
+    `ShardServer`, as the TP ranks or the pipeline stages of replica 0 do); one transfer to two engines: each owner
+    sends only its own buckets, every engine gets the whole model bit-exact. Also when one owner holds no bucket at
+    all (a TP rank of a stage with a single bucket): it joins the transfer and sends nothing."""
     named = _named(1 << 20, parts=8)  # 4 MiB of fp32, 8 tensors of 512 KiB: a bucket each
-    halves = [named[0::2], named[1::2]]
+    halves = {"halves": [named[0::2], named[1::2]], "owner1-empty": [named, []], "owner0-empty": [[], named]}[split]
     sender = BroadcastSender(0, host="127.0.0.1", timeout=60, dtype=None, bucket_bytes=512 << 10, owners=2).start()
     owner = ShardServer("127.0.0.1", sender.port, owner=1, owners=2, timeout=60, dtype=None,
                         bucket_bytes=512 << 10).start()
     try:
         parts = [sender.set_weights(4, halves[0]), owner.set_weights(4, halves[1])]
-        assert all(p.nbytes == (2 << 20) for p in parts)  # each owner holds half, not the whole model
+        held = [sum(t.numel() * t.element_size() for _, t in h) for h in halves]
+        assert [p.nbytes for p in parts] == held  # each owner holds its own part, not the whole model
         assert sum(p["bytes"] for p in sender.parts(4)) == 4 << 20
         joint = {"id": "sync-4", "members": 2}
         got: dict[str, list] = {}
@@ -183,7 +186,46 @@ def test_a_sharded_version_is_sent_by_its_owners_and_arrives_whole():
             assert sorted(n for n, _ in tensors) == sorted(want)
             assert all(torch.equal(t, want[n]) for n, t in tensors)
         assert len(got) == 2 and sender.transfers == 1 and sender.last["engines"] == 2
-        assert sender.bytes_sent == 2 << 20 and owner.bytes_sent == 2 << 20  # each its own half, once
+        assert [sender.bytes_sent, owner.bytes_sent] == held  # each its own part, once
+    finally:
+        owner.close()
+        sender.close()
+
+
+@pytest.mark.parametrize("released", ["packed-next", "while-served"])
+def test_an_owner_that_no_longer_holds_the_version_fails_the_transfer_at_once(released):
+    """An owner that already let the requested version go (a pipeline stage or TP rank that packed the next version
+    before rank 0 did, while a late engine asks for the one before) fails the transfer at once, naming the owner,
+    and the next version loads. Before, rank 0 — serving one transfer at a time — and the engine waited: for the
+    released part to appear (`assemble`: up to the timeout, 60 s at most), or, where the owner let it go after rank
+    0 assembled the manifest ("while-served"), for the group's whole timeout (the owner answered only in its "done"
+    key and never joined the group)."""
+    named = _named(1 << 18, parts=4)
+    kw = dict(timeout=15, dtype=None, bucket_bytes=256 << 10)
+    sender = BroadcastSender(0, host="127.0.0.1", owners=2, **kw).start()
+    owner = ShardServer("127.0.0.1", sender.port, owner=1, owners=2, **kw).start()
+    try:
+        sender.set_weights(4, named[:2])
+        owner.set_weights(4, named[2:])
+        assert len(sender.parts(4)) == 2
+        if released == "packed-next":
+            owner.set_weights(5, named[2:])  # owner 1 packed version 5 first: 4 is let go (keep_versions 1)
+        else:  # gone from owner 1's memory, its part's manifest not yet removed from rank 0's store
+            with owner._lock:
+                del owner._snapshots[4]
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"version 4\b.*trainer owners\W+1\b"):
+            receive(dict(_request(sender, None), version=4), rank=1, device="cpu")
+        assert time.monotonic() - t0 < 8, "the engine waited for a timeout"
+        _served(sender, 1)
+        assert sender.failures == 1 and owner.failures == (released == "while-served") and sender.transfers == 0
+        if 5 not in owner.versions:
+            owner.set_weights(5, named[2:])
+        sender.set_weights(5, named[:2])
+        manifest, tensors, st = receive(dict(_request(sender, None), version=5), rank=1, device="cpu")
+        st.set(manifest["done_key"], "ok")
+        want = dict(named)
+        assert sorted(n for n, _ in tensors) == sorted(want) and all(torch.equal(t, want[n]) for n, t in tensors)
     finally:
         owner.close()
         sender.close()

@@ -11,9 +11,11 @@ script)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,10 +37,16 @@ def _arch(ep: int) -> dict:
 
 @pytest.mark.parametrize("tp,pp,ep", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["tp2", "pp2", "ep2"])
 def test_streamed_buckets_equal_the_whole_gather(tmp_path, request, tp, pp, ep):
+    import threading
+
     # the store sync's parts go to a real redis-server at TP 2, to a file store otherwise
     url = request.getfixturevalue("redis").url if tp > 1 else f"file://{tmp_path}/store-sync"
+    received: dict = {}
+    engines = threading.Thread(target=_engines, args=(tmp_path, received), daemon=True)
+    engines.start()
     rank_group([sys.executable, __file__, str(tmp_path), str(tp), str(pp), str(ep)], tp * pp * ep, timeout=300,
                what=f"tp{tp}pp{pp}ep{ep}", env={"TEST_STORE_URL": url})
+    engines.join(30)
     import torch
 
     whole = torch.load(tmp_path / "whole.pt", weights_only=True)
@@ -63,9 +71,13 @@ def test_streamed_buckets_equal_the_whole_gather(tmp_path, request, tp, pp, ep):
     (directory,) = (tmp_path / "weights").glob("v*")
     files = sorted(p.name for p in directory.glob("*.safetensors"))
     assert len(files) == len(buckets) and (directory / "model.safetensors.index.json").is_file(), files
-    # written in parallel (issue 28 item 4): every owner rank wrote files of its own buckets
-    written = [int((tmp_path / f"disk-parts-{r}").read_text()) for r in range(tp * pp * ep)]
-    assert (all(written) if pp == 1 else written == [0] * len(written)) and sum(written) in (0, len(files)), written
+    # written in parallel (issue 28 item 4): every owner rank (each TP / EP rank of each pipeline stage) wrote files
+    # of its own buckets, each tensor once; a stage's files hold only its own layers
+    written = [json.loads((tmp_path / f"disk-tensors-{r}.json").read_text()) for r in range(tp * pp * ep)]
+    assert all(written) and sum(map(len, written)) == len(want), [len(w) for w in written]
+    assert sorted(n for w in written for n in w) == sorted(want)
+    for r, names in enumerate(written):
+        assert {_stage(n, pp) for n in names} == {r // (tp * ep)}, (r, sorted(names))
     assert not list(directory.glob(".owner-*")), "the owners' records are not left in the version's directory"
     with HFWeights(directory) as w:
         assert sorted(w.names()) == sorted(want)
@@ -73,22 +85,77 @@ def test_streamed_buckets_equal_the_whole_gather(tmp_path, request, tp, pp, ep):
             assert torch.equal(w.get(name), t), name
     # the broadcast's snapshot is sharded over the owner ranks (issue 28 item 3): each holds only its part, the
     # parts are disjoint, and together they are the whole model, bit-exact
-    parts = [torch.load(f, weights_only=True) for f in sorted(tmp_path.glob("snapshot-*.pt"))]
-    assert len(parts) == tp * ep, len(parts)  # pipeline stages are not owners yet: stage 0 holds it whole
+    parts = [torch.load(tmp_path / f"snapshot-{r}.pt", weights_only=True) for r in range(tp * pp * ep)]
+    assert len(parts) == tp * pp * ep, len(parts)  # every (stage, TP / EP rank) of the replica is an owner
     sent: dict = {}
-    for part in parts:
-        assert part and (len(part) < len(want) or len(parts) == 1), len(part)  # a part, never the whole model
+    for r, part in enumerate(parts):
+        assert part and len(part) < len(want), len(part)  # a part, never the whole model
+        assert {_stage(n, pp) for n in part} == {r // (tp * ep)}, (r, sorted(part))  # its own stage's layers only
         assert not set(part) & set(sent), "a tensor in two owners' snapshots"
         sent.update(part)
     assert sorted(sent) == sorted(want)
     for name, t in want.items():
         assert torch.equal(sent[name], t), name
     assert sorted(torch.load(tmp_path / "assembled.pt", weights_only=True)) == sorted(want)
+    # one transfer to two engines while the trainers run collectives on their main threads: every owner sends its
+    # own part once, each engine gets the whole model bit-exact
+    assert sorted(received) == ["e0", "e1"], received
+    for got in received.values():
+        assert not isinstance(got, BaseException), repr(got)
+        assert sorted(n for n, _ in got) == sorted(want)
+        assert all(torch.equal(t, want[n]) for n, t in got)
+    sent = [json.loads((tmp_path / f"sent-{r}.json").read_text()) for r in range(tp * pp * ep)]
+    assert [s["bytes_sent"] for s in sent] == [sum(t.numel() * t.element_size() for t in p.values()) for p in parts]
+    assert all(s["transfers"] == 1 and s["failures"] == 0 for s in sent), sent
+
     _check_store_sync(tmp_path, url, whole, len(buckets), tp, pp, ep)
 
 
+def _engines(tmp: Path, received: dict, count: int = 2) -> None:
+    """Two engines of one pool sync (each a worker joining with the worker extension's own `receive`, a thread of
+    this process) ask trainer rank 0 for version 0 once it wrote its port; `received` gets each one's tensors or
+    error; then the trainers are told to go on ("received")."""
+    import threading
+    import time
+
+    from trainingrun.engines.vllm.broadcast import new_group_name
+    from trainingrun.engines.vllm.worker_ext import receive
+
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp / "port").is_file() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        port = int((tmp / "port").read_text())
+
+        def engine(name: str) -> None:
+            req = {"host": "127.0.0.1", "port": port, "group": new_group_name(), "world_size": 2, "backend": "gloo",
+                   "timeout": 60, "connect_timeout": 10, "version": 0, "joint": {"id": "sync-0", "members": count}}
+            try:
+                manifest, tensors, store = receive(req, rank=1, device="cpu")
+                store.set(manifest["done_key"], "ok")
+                received[name] = tensors
+            except Exception as exc:  # noqa: BLE001 - asserted by the test
+                received[name] = exc
+
+        threads = [threading.Thread(target=engine, args=(f"e{i}",), daemon=True) for i in range(count)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+    finally:
+        (tmp / "received").write_text("1")
+
+
+def _stage(hf_name: str, pp: int) -> int:
+    """The pipeline stage (of `pp`, ARCH's layers split evenly) that holds the HF tensor `hf_name`."""
+    layer = re.search(r"\.layers\.(\d+)\.", hf_name)
+    if layer:
+        return int(layer.group(1)) * pp // ARCH["num_layers"]
+    return 0 if "embed_tokens" in hf_name else pp - 1  # the final norm and the output layer: the last stage
+
+
 def _check_store_sync(tmp_path, url: str, whole: dict, buckets: int, tp: int, pp: int, ep: int) -> None:
-    """The store sync (issue 28 item 5): every owner (each TP / EP rank; with PP > 1 rank 0 alone) wrote the parts
+    """The store sync (issue 28 item 5): every owner (each TP / EP rank of each pipeline stage) wrote the parts
     of the buckets it assembled; the version read back is the whole gather, bit-exact; the version whose owner 1
     failed was never committed and left nothing; at lag 0 the older versions were released. At TP 2 and EP 2 the
     in-process engine loading the parts generates exactly the tokens and log-probabilities it generates from the
@@ -102,7 +169,7 @@ def _check_store_sync(tmp_path, url: str, whole: dict, buckets: int, tp: int, pp
     from trainingrun.store import StoreError, open_store
 
     written = [int((tmp_path / f"store-parts-{r}").read_text()) for r in range(tp * pp * ep)]
-    assert (all(written) if pp == 1 else written[0] and not any(written[1:])) and sum(written) == buckets, written
+    assert all(written) and sum(written) == buckets, written
     store = open_store(url)
     assert store.latest_weights() == 2
     arrays, meta = store.read_weights(2)
@@ -285,6 +352,21 @@ def _lora_worker(tmp: str, tp: int, pp: int, ep: int) -> None:
     dist.barrier()
 
 
+def _busy_until(flag: Path, limit: float = 150.0) -> None:
+    """Collectives on every trainer rank's main thread (as training runs beside a transfer) until `flag` exists on
+    some rank (agreed by the collective itself) or `limit` seconds passed."""
+    import torch
+    import torch.distributed as dist
+
+    t0 = time.monotonic()
+    while True:
+        box = torch.tensor([float(flag.is_file() or time.monotonic() - t0 > limit)])
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        if box.item() > 0:
+            return
+        time.sleep(0.01)
+
+
 def _worker(tmp: str, tp: int, pp: int, ep: int) -> None:
     from trainingrun.modeling.model import init_distributed, prepare_device
 
@@ -317,15 +399,24 @@ def _worker(tmp: str, tp: int, pp: int, ep: int) -> None:
 
     store = open_store(f"file://{tmp}/store")
     kw = dict(rank=dist.get_rank(), arch=arch, dtype="bfloat16", max_policy_lag=0, **live_layout())
+    import trainingrun.modeling.hf_io as hf_io
+
     disk = DiskPublisher(store, root=Path(tmp) / "weights", assets_dir=None, **kw)
     disk.bucket_bytes = LIMIT  # below weightSync.bucketMiB's least (1 MiB): several files for this small model
-    disk.publish(0, model)
-    (Path(tmp) / f"disk-parts-{dist.get_rank()}").write_text(str(disk.last_parts))
-    # an owner whose files cannot be written: rank 0 names it and commits nothing; no directory is left (several
-    # owners: TP or EP > 1; pipeline stages are not owners, `stream.shard_owner`)
-    if disk.owners > 1 and dist.get_rank() == 1:
-        import trainingrun.modeling.hf_io as hf_io
+    real, wrote = hf_io.write_part_files, []
 
+    def spy(directory, shards, **k):  # the tensors this rank's files hold
+        parts = real(directory, shards, **k)
+        wrote.extend(n for p in parts for n in p["tensors"])
+        return parts
+
+    hf_io.write_part_files = spy
+    disk.publish(0, model)
+    hf_io.write_part_files = real
+    (Path(tmp) / f"disk-tensors-{dist.get_rank()}.json").write_text(json.dumps(wrote))
+    # an owner whose files cannot be written: rank 0 names it and commits nothing; no directory is left (several
+    # owners: every TP / EP rank of every pipeline stage, `stream.shard_owner`)
+    if disk.owners > 1 and dist.get_rank() == 1:
         def full(*_a, **_k):
             raise OSError("No space left on device (test)")
 
@@ -343,7 +434,7 @@ def _worker(tmp: str, tp: int, pp: int, ep: int) -> None:
     if sender.sender is not None:
         sender.sender.bucket_bytes = LIMIT  # the snapshot's buckets too
     sender.publish(0, model)
-    if sender.sender is not None:  # an owner (a later pipeline stage is not one yet: stream.shard_owner)
+    if sender.sender is not None:  # an owner: every rank of this one replica (stream.shard_owner)
         snap = sender.sender._snapshots[0]  # every TP / EP rank of this one replica owns part of the buckets
         held = [sum(1 for t in snap.manifest["tensors"] if t[3] == i) for i in range(len(snap.buckets))]
         assert len(snap.buckets) >= 2
@@ -353,6 +444,16 @@ def _worker(tmp: str, tp: int, pp: int, ep: int) -> None:
         if dist.get_rank() == 0:  # the transfer's manifest names every owner's tensors
             whole_view = sender.sender.assemble(snap) if sender.sender.owners > 1 else snap
             torch.save({t[0]: torch.zeros(1) for t in whole_view.manifest["tensors"]}, Path(tmp) / "assembled.pt")
+    if dist.get_rank() == 0:
+        (Path(tmp) / "port.tmp").write_text(str(sender.sender.port))
+        (Path(tmp) / "port.tmp").rename(Path(tmp) / "port")
+    _busy_until(Path(tmp) / "received")  # the engines' transfer runs beside the trainers' own collectives
+    t0 = time.monotonic()
+    while sender.sender.transfers + sender.sender.failures < 1 and time.monotonic() - t0 < 30:
+        time.sleep(0.05)
+    (Path(tmp) / f"sent-{dist.get_rank()}.json").write_text(json.dumps(
+        {"bytes_sent": sender.sender.bytes_sent, "transfers": sender.sender.transfers,
+         "failures": sender.sender.failures}))
     dist.barrier()
     sender.close()
     dist.barrier()

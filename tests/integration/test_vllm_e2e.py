@@ -4,8 +4,9 @@ server on CPU (tiny Llama HF directory) and weight sync by `disk` and by `broadc
   pool       the launcher starts and supervises the run's own pool of two vLLM servers (fp32), synced by
              `broadcast` (trainer 0 sends the weights over a gloo group to each engine's worker extension, one after
              the other); engine-1 is killed after the first step and restarted alone by the launcher
-  streamed   two trainer ranks stream the weights bucket by bucket into the session's server (bf16): `disk` (trainer 0
-             writes an HF directory per version on the run's volume, the engine reloads it) at TP 2, `broadcast` at
+  streamed   two trainer ranks that own their parts stream the weights bucket by bucket into the session's server
+             (bf16): `disk` (each writes its files of an HF directory per version on the run's volume, trainer 0
+             completes it, the engine reloads it) at TP 2 and PP 2, `broadcast` (each keeps and sends its part) at
              PP 2
   broadcast  the session's vLLM server (`engine.url`, bf16), trainer 0 sends the weights over a gloo group to the
              engine's worker extension
@@ -188,12 +189,16 @@ def test_broadcast_sync_with_a_user_server(tmp_path: Path, tiny_llama_dir: Path,
         load_from_disk(client, str(tiny_llama_dir), "base")  # the session's server goes back to what it had
 
 
-@pytest.mark.parametrize("sync,layout", [("disk", {"tensorParallelSize": 2}), ("broadcast", {"pipelineParallelSize": 2})],
-                         ids=["disk-tp2", "broadcast-pp2"])
+@pytest.mark.parametrize("sync,layout", [("disk", {"tensorParallelSize": 2}),
+                                         ("broadcast", {"pipelineParallelSize": 2}),
+                                         ("disk", {"pipelineParallelSize": 2})],
+                         ids=["disk-tp2", "broadcast-pp2", "disk-pp2"])
 def test_the_streamed_sync_is_exact_across_trainer_ranks(tmp_path: Path, tiny_llama_dir: Path, vllm, sync, layout):
-    """Issue 28: the weights stream bucket by bucket from two trainer ranks (TP 2: every bucket all-gathered; PP 2:
-    stage 1's buckets sent to stage 0) into the session's server, and the engine generates with exactly the trainer's
-    weights at lag 0 (logprob_abs_diff within the bf16 tolerance on every step, as at one rank)."""
+    """Issue 28: the weights stream bucket by bucket from two trainer ranks (TP 2: every bucket all-gathered, each
+    assembled on one of the two; PP 2: each stage keeps the buckets of its own layers) that own their parts — disk:
+    each writes its own files of the version's directory; broadcast: each keeps its part of the snapshot and sends it
+    in the one transfer — into the session's server, and the engine generates with exactly the trainer's weights at
+    lag 0 (logprob_abs_diff within the bf16 tolerance on every step, as at one rank)."""
     from trainingrun.engines.vllm.client import VLLMClient
     from trainingrun.engines.vllm.sync import load_from_disk
 

@@ -5,8 +5,8 @@ tensors through the run's store, streamed and written in parallel (issue 28 item
 Each version is written in parts (`Store.begin_weights` … `commit_weights`, `store/parts.py`): the ranks of one whole
 copy of the model (data-parallel replica 0; with experts, expert-data-parallel replica 0) run the streamed gather
 (`modeling.stream.iter_live_buckets`, buckets of `weightSync.bucketMiB`) and every owner of buckets
-(`stream.shard_owner`: each TP or EP rank; pipeline stages are not owners, so with PP > 1 rank 0 receives every
-bucket through the stream) writes each bucket it assembles as a part of the version (pickle-free wire format, bf16 as
+(`stream.shard_owner`: each TP or EP rank of every pipeline stage; a stage keeps the buckets of its own layers)
+writes each bucket it assembles as a part of the version (pickle-free wire format, bf16 as
 its 16 bits; the tensors' dtypes in the owner's record), a bucket at a time: no rank holds more than its shard and a
 bucket or two, never the whole model. Then the owner's record (its parts, or the error that stopped it), a collective
 of the whole world (the bytes written, summed: also the barrier), and rank 0 commits — the version becomes the
@@ -59,7 +59,7 @@ class StoreWeightPublisher:
             owner, self.owners = shard_owner(**layout)
         else:
             owner, self.owners = 0, 1
-        self.owner = owner if dp_rank == 0 else -1  # -1: writes no part (another replica, a later pipeline stage)
+        self.owner = owner if dp_rank == 0 else -1  # -1: writes no part (another data-parallel replica)
         self.last_seconds = 0.0
         self.last_bytes = 0  # rank 0: the version's tensor bytes (every owner's); elsewhere this rank's
         self.last_parts = 0  # the parts this rank wrote of the last version

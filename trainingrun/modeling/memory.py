@@ -532,15 +532,11 @@ def _stage_terms(arch: Architecture, t: TrainerSettings, sync: SyncSettings, sta
         # the kept versions live in host memory, sharded over the owner ranks of replica 0 (every TP or EP rank of
         # every stage, issue 28 item 3): a GPU holds none; a CPU process its share, plus one bucket of imbalance
         eb = ENGINE_DTYPE_BYTES[sync.engine_dtype]
-        # (pipeline stages are not owners yet: with PP > 1 stage 0's first rank holds them whole, stream.shard_owner)
-        owners = 1 if t.pipeline_parallel > 1 else (t.expert_parallel if t.expert_parallel > 1 else t.tensor_parallel)
-        if owners == 1 and stage != 0:
-            owners = 0
-        share = 0 if owners == 0 else min(sync.versions_kept * whole * eb,
-                                          -(-sync.versions_kept * whole * eb // owners) + sync.buffers // 2)
+        owners = t.pipeline_parallel * (t.expert_parallel if t.expert_parallel > 1 else t.tensor_parallel)
+        share = min(sync.versions_kept * whole * eb, -(-sync.versions_kept * whole * eb // owners) + sync.buffers // 2)
         terms.append(Term("snapshots", "broadcast snapshots", share,
-                          f"{sync.versions_kept} × the whole model × {eb} B ({sync.engine_dtype}) / {max(owners, 1)} "
-                          f"owner ranks (+ a bucket), rollout.maxPolicyLag + 1 versions, in host memory",
+                          f"{sync.versions_kept} × the whole model × {eb} B ({sync.engine_dtype}) / {owners} owner "
+                          f"ranks (+ a bucket), rollout.maxPolicyLag + 1 versions, in host memory",
                           ("rollout.maxPolicyLag", "weightSync.type")))
     runtime = GPU_TRAINER_RUNTIME if t.on_gpu else CPU_TRAINER_RUNTIME
     terms.append(Term("runtime", "runtime", runtime, "CUDA context, NCCL, allocator (estimate)" if t.on_gpu else

@@ -13,12 +13,13 @@ replicated ones read from TP rank 0. With expert parallelism (a mixture of exper
 all-gathered over the EP ranks instead, each rank's local experts renamed to their global numbers
 (`convert.ep_global_name`), as `gather_live_state` does. Later stages' first rank send their buckets to stage 0, one
 after another, an empty message closing each stage. The disk and broadcast publishers (`engines/vllm/publish.py`)
-consume it, and so does the store publisher (`engines/store_sync.py`: each owner's buckets become parts of the
-version in the store). With `adapters=True` the same loop gathers the LoRA adapters alone (B of a column-parallel
-layer concatenated over the TP ranks along its rows, A of a row-parallel one along its columns; the rest
-replicated; under expert parallelism the experts' adapters gathered over the EP ranks and renamed to their global
-experts, as the experts' weights): the adapters-only sync of a LoRA run (`AdapterPublisher`, and the store
-publisher's later versions).
+consume it sharded (`shard=True`, `shard_owner`), and so does the store publisher (`engines/store_sync.py`: each
+owner's buckets become parts of the version in the store): every (stage, TP/EP rank) of the replica yields the
+buckets it owns and nothing goes to stage 0, so no rank holds more than its own stage's part. With `adapters=True` the
+same loop gathers the LoRA adapters alone (B of a column-parallel layer concatenated over the TP ranks along its
+rows, A of a row-parallel one along its columns; the rest replicated; under expert parallelism the experts' adapters
+gathered over the EP ranks and renamed to their global experts, as the experts' weights): the adapters-only sync of a
+LoRA run (`AdapterPublisher`, and the store publisher's later versions).
 """
 
 from __future__ import annotations
@@ -37,15 +38,11 @@ from trainingrun.modeling.sync_plan import assign_owners, plan_buckets
 
 def shard_owner(*, tp_size: int = 1, tp_rank: int = 0, pp_size: int = 1, pp_rank: int = 0, ep_size: int = 1,
                 ep_rank: int = 0, **_ignored) -> tuple[int, int]:
-    """(this rank's owner index, the number of owners) of `iter_live_buckets(shard=True)`: every TP (or EP) rank of
-    a replica owns part of the buckets; owner 0 is TP/EP rank 0. Pipeline stages are not owners yet: with PP > 1 the
-    later stages still send their buckets to stage 0 and only one rank owns the snapshot (owners 1) — a sharded
-    transfer from two pipeline stages hung against a real vLLM worker (test_vllm_e2e broadcast-pp2, 2026-12-04; the
-    cause is not found), so it is off until that is understood."""
-    if pp_size > 1:
-        return (0 if pp_rank == 0 and tp_rank == 0 and ep_rank == 0 else -1), 1
+    """(this rank's owner index, the number of owners) of `iter_live_buckets(shard=True)`: every (stage, TP or EP
+    rank) of a replica owns part of the buckets — each stage keeps the buckets of its own layers; owner 0 is TP/EP
+    rank 0 of stage 0, owner s × size + r rank r of stage s (the global ranks' order within replica 0)."""
     size, rank = (ep_size, ep_rank) if ep_size > 1 else (tp_size, tp_rank)
-    return rank, size
+    return pp_rank * size + rank, pp_size * size
 
 
 def _local_state(module: torch.nn.Module, adapters: bool,

@@ -7,11 +7,11 @@ the engine's dtype, packed into flat buckets per dtype (a copy, so training may 
 the newest `keep_versions` (maxPolicyLag + 1; the oldest is let go before the next is made, so no rank ever holds one
 more). The tensors may come as a stream (the streamed sync's buckets): each bucket is packed as it fills.
 
-Sharded (`owners` > 1, issue 28 item 3): each owner rank of replica 0 (its TP/EP ranks) snapshots only the
+Sharded (`owners` > 1, issue 28 item 3): each owner rank of replica 0 (TP/EP ranks of every stage) snapshots only the
 buckets it owns, in host memory; its part's manifest goes into rank 0's store (PART_KEY). Rank 0 is owner 0; the
-others run a `ShardServer`, a thread that joins each transfer rank 0 announces (TRANSFER_KEY) and sends its own
-buckets. A transfer's manifest is assembled from the parts (`assemble`: each bucket names its owner, the root that
-sends it).
+others run a `ShardServer`, a thread that answers each transfer rank 0 announces (TRANSFER_KEY; READY_KEY: it holds
+the version or not, before any engine is told to join), joins it and sends its own buckets. A transfer's manifest is
+assembled from the parts (`assemble`: each bucket names its owner, the root that sends it).
 
 Serving (`start()`: a thread; or `serve_next()`): requests are taken in order; the requests of one pool sync (the
 same `joint` id and version, up to its `members`, within `join_window` seconds of the first) are served in one
@@ -55,6 +55,7 @@ from trainingrun.engines.vllm.worker_ext import (
 
 PART_KEY = "trainingrun/part/{version}/{owner}"  # an owner's part manifest of a version (JSON)
 TRANSFER_KEY = "trainingrun/transfer/{n}"  # rank 0 → the other owners: join transfer n (JSON)
+READY_KEY = "{group}/ready/{owner}"  # an owner → rank 0: "ready" (holds the version, joins) or "missing"
 
 JOIN_WINDOW = 5.0  # seconds the sender waits for the other engines of a pool sync before it starts the transfer
 
@@ -239,8 +240,8 @@ class BroadcastSender:
         if snap is None:
             error = f"weight version {wanted} is not held here (held: {held})"
         elif self.owners > 1:
-            try:
-                snap = self.assemble(snap)
+            try:  # a version asked for by number was committed, so every part was there: a missing one was let go
+                snap = self.assemble(snap, wait=wanted is None)
             except (RuntimeError, ValueError) as exc:
                 error = str(exc)
         if error is not None:
@@ -275,16 +276,17 @@ class BroadcastSender:
         world = offset
         chain = list(range(self.owners, world))
         t0 = time.perf_counter()
-        for m in members:
-            transfer = {"group": name, "offset": m["offset"], "world_size": world, "chain": chain,
-                        "chunk_bytes": self.chunk_bytes}
-            self.store.set(MANIFEST_KEY.format(group=m["group"]), json.dumps({**snap.manifest, "transfer": transfer}))
-        counter = self.sending = ChainCounter()  # live: what this transfer sent so far
         if self.owners > 1:  # the other owners join as ranks 1 … owners − 1 and send their own buckets
             self.store.set(TRANSFER_KEY.format(n=self._next_transfer), json.dumps(
                 {"group": name, "version": snap.version, "world_size": world, "chain": chain,
                  "chunk_bytes": self.chunk_bytes, "buckets": snap.manifest["buckets"]}))
             self._next_transfer += 1
+            self._owners_ready(name, snap.version, [m["group"] for m in members])
+        for m in members:
+            transfer = {"group": name, "offset": m["offset"], "world_size": world, "chain": chain,
+                        "chunk_bytes": self.chunk_bytes}
+            self.store.set(MANIFEST_KEY.format(group=m["group"]), json.dumps({**snap.manifest, "transfer": transfer}))
+        counter = self.sending = ChainCounter()  # live: what this transfer sent so far
         try:
             pg = make_group(dist.PrefixStore(PG_PREFIX.format(group=name), self.store), 0, world, self.backend,
                             self.timeout)
@@ -308,6 +310,25 @@ class BroadcastSender:
         return {"version": snap.version, "group": name, "engines": len(members), "loaded": loaded,
                 "dropped": dropped, "bytes": snap.nbytes, "bytes_sent": counter.bytes, "send_seconds": t1 - t0,
                 "total_seconds": t2 - t0}
+
+    def _owners_ready(self, name: str, version: int, groups: list[str]) -> None:
+        """Every other owner's answer to transfer `name` before any engine is told to join: an owner that no longer
+        holds `version` (it packed the next one first) answers "missing" and would never join the group, which
+        would leave this rank and the engines waiting for it for the group's whole timeout. Then the engines get
+        an error manifest at once (they load again) and RuntimeError names the owners."""
+        keys = {g: READY_KEY.format(group=name, owner=g) for g in range(1, self.owners)}
+        deadline = time.monotonic() + self.timeout
+        while not all(self.store.check([k]) for k in keys.values()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        answers = {g: self.store.get(k).decode() if self.store.check([k]) else "no answer" for g, k in keys.items()}
+        for k in keys.values():
+            self.store.delete_key(k)
+        bad = {g: a for g, a in answers.items() if a != "ready"}
+        if bad:
+            error = f"weight version {version}: trainer owners {bad} cannot send their part; load again"
+            for group in groups:
+                self.store.set(MANIFEST_KEY.format(group=group), json.dumps({"error": error}))
+            raise RuntimeError(error)
 
     def _wait_done(self, name: str, world: int) -> dict[int, str]:
         """{rank: its answer} of the other owners and the receivers that answered within the timeout (keys
@@ -336,11 +357,12 @@ class BroadcastSender:
             time.sleep(0.02)
         return [json.loads(self.store.get(k)) for k in keys]
 
-    def assemble(self, snap: Snapshot) -> Snapshot:
+    def assemble(self, snap: Snapshot, wait: bool = True) -> Snapshot:
         """The transfer's view of a sharded version: the manifest of every owner's buckets (owner g's after owner
         g − 1's, each bucket's entry naming its owner as the root that sends it) and this rank's buffers at its
-        own buckets' places (None at the others')."""
-        parts = self.parts(snap.version, timeout=min(self.timeout, 60.0))
+        own buckets' places (None at the others'). `wait`: for parts not packed yet (up to the timeout, 60 s at
+        most); else a missing part raises at once."""
+        parts = self.parts(snap.version, timeout=min(self.timeout, 60.0) if wait else 0.0)
         tensors, entries, sums, buffers, nbytes = [], [], [], [], 0
         for g, part in enumerate(parts):
             base = len(entries)
@@ -378,8 +400,9 @@ class ShardServer(BroadcastSender):
     each version in host memory (`set_weights`: its part of the sharded stream; the part's manifest goes into rank
     0's store) and, from a thread, joins every transfer rank 0 announces (TRANSFER_KEY, in order) as rank `owner`,
     sending its own buckets down the chain of the engines' workers. Its wait for rank 0's store is bounded
-    (`worker_ext.connect`); a transfer of a version it does not hold is answered "missing" (the others' group then
-    fails within its timeout and the engines transfer again)."""
+    (`worker_ext.connect`). It answers each transfer first (READY_KEY): "ready" (the version's buffers held until
+    the transfer ends) or "missing" (a version it already let go): rank 0 then tells the engines at once, before
+    any of them joins (`_owners_ready`), and they load again."""
 
     def __init__(self, host: str, port: int, *, owner: int, owners: int, timeout: float = 300.0,
                  connect_timeout: float = 60.0, **kw):
@@ -397,9 +420,9 @@ class ShardServer(BroadcastSender):
         t = json.loads(self.store.get(key))
         name, done = str(t["group"]), DONE_KEY.format(group=t["group"], rank=self.owner)
         with self._lock:
-            snap = self._snapshots.get(int(t["version"]))
+            snap = self._snapshots.get(int(t["version"]))  # held here until the transfer ends
+        self.store.set(READY_KEY.format(group=name, owner=self.owner), "missing" if snap is None else "ready")
         if snap is None:
-            self.store.set(done, "missing")
             self.failures += 1
             self.log(f"transfer {name}: version {t['version']} is not held here (held: {self.versions})")
             return {"error": "missing", "group": name}

@@ -9,7 +9,7 @@ bucket or two:
 
   disk       an HF directory `<weightSync.path>/v<version>-a<attempt>`, one safetensors file per bucket, written beside
              its name and renamed into place (`modeling.hf_io.write_hf_shards`; config.json and tokenizer from
-             `model.hf`); with several owners (TP or EP > 1, one stage) each owner rank writes its own buckets' files in
+             `model.hf`); with several owners (TP, EP or PP > 1) each owner rank writes its own buckets' files in
              parallel and rank 0 finishes the directory (`DiskPublisher._publish_in_parallel`); the meta carries
              every weight file's size and SHA-256 (`files`), which the engine checks before loading. The attempt in the name keeps a fenced-off trainer of an older attempt (a zombie) from
              ever touching a directory the live attempt committed; its own commit is refused by the store's attempt
@@ -25,7 +25,7 @@ bucket or two:
              versions the engine keeps loaded (`keep`: maxPolicyLag + 1); the engine loads it with vLLM's
              `/v1/load_lora_adapter` (`sync.load_adapter`).
   broadcast  snapshots in host memory sharded over the owner ranks of replica 0 (each TP/EP rank keeps the
-             buckets it assembles: `stream.iter_live_buckets(shard=True)`; with PP > 1 rank 0 holds them whole,
+             buckets it assembles of its own stage's layers: `stream.iter_live_buckets(shard=True)`,
              `stream.shard_owner`), packed as the buckets arrive;
              rank 0's `BroadcastSender` (a TCPStore, the requests) and the others' `ShardServer`s send their own
              buckets in one transfer to the engines' workers when the rollout asks
@@ -205,11 +205,12 @@ class DiskPublisher(_Base):
         self._commit(version, path, file_digests(path), t0)  # the engine checks the digests before it loads
 
     def _publish_in_parallel(self, version: int, module: Any) -> None:
-        """Several owners (the TP/EP ranks of replica 0; `stream.shard_owner`): each writes the safetensors files of the buckets
-        it assembles into the version's staging directory, in parallel, with a record of them (names, tensors,
-        sizes, SHA-256); rank 0 then names the files, writes the index and config.json, renames the directory into
-        place and commits. Every trainer rank takes part (two collectives of the whole world: rank 0's decision,
-        a barrier); weightSync.path must be on a volume every trainer of replica 0 mounts, as checkpoint.path is."""
+        """Several owners (the TP/EP ranks of every stage of replica 0; `stream.shard_owner`): each writes the
+        safetensors files of the buckets it assembles into the version's staging directory, in parallel, with a record
+        of them (names, tensors, sizes, SHA-256); rank 0 then names the files, writes the index and config.json, renames
+        the directory into place and commits. Every trainer rank takes part (two collectives of the whole world: rank
+        0's decision, a barrier); weightSync.path must be on a volume every trainer of replica 0 mounts, as
+        checkpoint.path is."""
         import torch  # deferred: torch
         import torch.distributed as dist  # deferred: torch
 
@@ -353,7 +354,7 @@ class AdapterPublisher(DiskPublisher):
 
 class BroadcastPublisher(_Base):
     """The snapshots kept for the engines (maxPolicyLag + 1 versions) live in host memory, sharded over the ranks
-    of replica 0 that own their parts (`stream.shard_owner`: every TP or EP rank; with PP > 1 rank 0 alone; no GPU
+    of replica 0 that own their parts (`stream.shard_owner`: every TP or EP rank of every pipeline stage; no GPU
     copy): rank 0 a `BroadcastSender` (the TCPStore, the requests, its own buckets), each
     other owner a `ShardServer` that joins every transfer and sends its own buckets. Rank 0 commits a version only
     once every owner's part of it is there."""
