@@ -190,7 +190,8 @@ def _check_store_sync(tmp_path, url: str, whole: dict, buckets: int, tp: int, pp
     if pp > 1:
         return
     proc = subprocess.run([sys.executable, __file__, str(tmp_path), "engine", str(ep), url], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                       "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads((tmp_path / "engine.json").read_text())
     assert got["parts"] == got["whole"] and len(got["parts"]) == 8, got

@@ -76,7 +76,9 @@ class StoreWeightPublisher:
             return  # committed already: every rank skips (no collective of the gather runs)
         mode = None if not self.lora else "adapters" if self.sent_base else "base+adapters"
         written = self._write(version, module, mode)
-        total = _summed(written)  # every owner's record is written: the barrier before the commit
+        from trainingrun.modeling.stream import world_int  # deferred: torch
+
+        total = world_int(written, "sum")  # every owner's record is written: the barrier before the commit
         self.sent_base = self.sent_base or mode is not None
         self.last_bytes = written
         if self.rank != 0:
@@ -90,6 +92,8 @@ class StoreWeightPublisher:
         """Rank 0's `begin_weights` on every rank: whether there is a version to write. Rank 0's failure (a store
         error, a fenced-off attempt, a LoRA base record it cannot compute) reaches the others as a RuntimeError,
         not as a hang in the next collective."""
+        from trainingrun.modeling.stream import world_int  # deferred: torch
+
         fresh, error = 0, None
         if self.rank == 0:
             try:
@@ -98,7 +102,7 @@ class StoreWeightPublisher:
                 fresh = int(self.store.begin_weights(version))
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the others learnt of it
                 fresh, error = 2, exc
-        fresh = _from_rank0(fresh)
+        fresh = world_int(fresh)
         if error is not None:
             raise error
         if fresh == 2:
@@ -157,31 +161,6 @@ class StoreWeightPublisher:
 
     def close(self) -> None:
         pass
-
-
-def _world(value: int, op: str) -> int:
-    """`value` broadcast from trainer rank 0 (`op` "broadcast") or summed over every trainer rank ("sum"): a
-    collective of the whole world (an int tensor, nothing pickled); `value` itself in one process."""
-    import torch  # deferred: torch
-    import torch.distributed as dist  # deferred: torch
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return int(value)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    box = torch.tensor([int(value)], dtype=torch.int64, device=device)
-    if op == "broadcast":
-        dist.broadcast(box, src=0)
-    else:
-        dist.all_reduce(box)
-    return int(box.item())
-
-
-def _from_rank0(value: int) -> int:
-    return _world(value, "broadcast")
-
-
-def _summed(value: int) -> int:
-    return _world(value, "sum")
 
 
 def make_store_publisher(spec, store, *, arch: Architecture, rank: int, attempt: int = 0) -> StoreWeightPublisher:

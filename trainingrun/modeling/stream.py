@@ -36,6 +36,23 @@ from trainingrun.modeling.state import _recv_tensors, _send_tensors
 from trainingrun.modeling.sync_plan import assign_owners, plan_buckets
 
 
+def world_int(value: int, op: str = "broadcast") -> int:
+    """A publisher's decision shared by every trainer rank: `value` broadcast from trainer rank 0 (`op` "broadcast")
+    or summed over every rank ("sum"). A collective of the whole world (every rank calls it) on an int tensor —
+    nothing pickled; `value` itself in one process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return int(value)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    box = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    if op == "broadcast":
+        dist.broadcast(box, src=0)
+    elif op == "sum":
+        dist.all_reduce(box)
+    else:
+        raise ValueError(f"world_int: op {op!r} (allowed: broadcast, sum)")
+    return int(box.item())
+
+
 def shard_owner(*, tp_size: int = 1, tp_rank: int = 0, pp_size: int = 1, pp_rank: int = 0, ep_size: int = 1,
                 ep_rank: int = 0, **_ignored) -> tuple[int, int]:
     """(this rank's owner index, the number of owners) of `iter_live_buckets(shard=True)`: every (stage, TP or EP

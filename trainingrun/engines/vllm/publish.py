@@ -128,15 +128,10 @@ class _Base:
 
     @staticmethod
     def _from_rank0(value: int) -> int:
-        """Trainer rank 0's `value` on every trainer rank (a collective of the whole world: every rank calls it; an
-        int tensor, nothing pickled)."""
-        import torch  # deferred: torch
-        import torch.distributed as dist  # deferred: torch
+        """Trainer rank 0's `value` on every trainer rank (`stream.world_int`: every rank calls it)."""
+        from trainingrun.modeling.stream import world_int  # deferred: torch
 
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        box = torch.tensor([int(value)], dtype=torch.int64, device=device)
-        dist.broadcast(box, src=0)
-        return int(box.item())
+        return world_int(value)
 
     def _adapter_buckets(self, module) -> Iterator[dict]:
         """The LoRA adapters (canonical names, whole), a bucket at a time, on rank 0; nothing elsewhere
