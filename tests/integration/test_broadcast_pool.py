@@ -187,3 +187,82 @@ def test_a_sharded_version_is_sent_by_its_owners_and_arrives_whole():
     finally:
         owner.close()
         sender.close()
+
+
+def _llama_like(layers: int = 2, hidden: int = 64, vocab: int = 200) -> list[tuple[str, torch.Tensor]]:
+    """HF-named tensors of a small Llama (4 heads, 2 KV heads, vocabulary 200: padded to 256 by vLLM)."""
+    g = torch.Generator().manual_seed(11)
+    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (hidden,), p + "self_attn.q_proj.weight": (hidden, hidden),
+                       p + "self_attn.k_proj.weight": (hidden // 2, hidden),
+                       p + "self_attn.v_proj.weight": (hidden // 2, hidden),
+                       p + "self_attn.o_proj.weight": (hidden, hidden), p + "post_attention_layernorm.weight": (hidden,),
+                       p + "mlp.gate_proj.weight": (2 * hidden, hidden), p + "mlp.up_proj.weight": (2 * hidden, hidden),
+                       p + "mlp.down_proj.weight": (hidden, 2 * hidden)})
+    shapes.update({"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)})
+    return [(n, torch.randn(s, generator=g)) for n, s in shapes.items()]
+
+
+@pytest.mark.parametrize("owners", [1, 2])
+def test_tensor_parallel_engines_get_one_slice_per_worker_down_a_chain_per_tp_rank(owners):
+    """Item 6: two engines of TP 2 (two workers each, the worker extension's own `receive` with the layout a TP-2
+    vLLM worker reports) in one pool transfer: slice r of every bucket goes down the chain of the workers of TP rank
+    r; each worker receives about half of the model, exactly its slices (a tensor the table does not cut, whole);
+    trainer rank 0 (with owner 1: the two owners together) sends about one copy of the model."""
+    named = _llama_like()
+    want = dict(named)
+    halves = [named[0::2], named[1::2]] if owners == 2 else [named]
+    sender = BroadcastSender(0, host="127.0.0.1", timeout=60, dtype=None, bucket_bytes=32 << 10, owners=owners,
+                             chunk_bytes=8 << 10).start()
+    shard = ShardServer("127.0.0.1", sender.port, owner=1, owners=2, timeout=60, dtype=None,
+                        bucket_bytes=32 << 10, chunk_bytes=8 << 10).start() if owners == 2 else None
+    try:
+        nbytes = sum(h.set_weights(5, part).nbytes for h, part in zip([sender, shard], halves))
+        joint = {"id": "sync-5", "members": 2}
+        got: dict[tuple[int, int], tuple] = {}
+
+        def worker(engine: int, rank: int, group: str) -> None:
+            req = dict(_request(sender, joint), version=5, group=group, world_size=3)
+            tp = {"size": 2, "rank": rank, "kv_heads": 2, "vocab_pad": 64, "expert_parallel": False}
+            manifest, tensors, st = receive(req, rank=1 + rank, device="cpu", tp=tp)
+            st.set(manifest["done_key"], "ok")
+            got[engine, rank] = (manifest, tensors)
+
+        groups = [new_group_name(), new_group_name()]
+        threads = [threading.Thread(target=worker, args=(e, r, groups[e])) for e in range(2) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        _served(sender, 1)
+        assert sender.transfers == 1 and sender.last["engines"] == 2 and sender.last["tp"] == 2, sender.last
+        assert len(got) == 4
+        per_worker = {}
+        for (engine, rank), (manifest, tensors) in got.items():
+            slices = dict(zip([e[0] for e in manifest["tensors"]], manifest["slices"]))
+            assert sorted(n for n, _ in tensors) == sorted(want)
+            for name, part in tensors:
+                r = slices[name]
+                full = want[name]
+                expect = full if r is None else full.narrow(r[0], r[1][rank], r[1][rank + 1] - r[1][rank])
+                assert torch.equal(part, expect), (name, rank)
+            per_worker[engine, rank] = manifest["received_bytes"]
+            assert manifest["transfer"]["chains"] == [[owners, owners + 2], [owners + 1, owners + 3]]
+        assert slices["model.embed_tokens.weight"] == [0, [0, 128, 200]]  # vLLM's padded vocabulary partition
+        assert slices["model.layers.0.self_attn.k_proj.weight"] == [0, [0, 16, 32]]
+        assert slices["model.norm.weight"] is None
+        replicated = sum(t.numel() * 4 for n, t in named if slices[n] is None)
+        for (engine, rank), b in per_worker.items():  # about half each: its slices plus the small whole tensors
+            assert b == sender.last["bytes_per_worker"][rank]
+            assert b < 0.55 * nbytes, (b, nbytes)
+        assert sum(per_worker[0, r] for r in range(2)) == nbytes + replicated  # one engine: about one copy
+        sent = sender.bytes_sent + (shard.bytes_sent if shard else 0)
+        assert sent == nbytes + replicated, (sent, nbytes)  # each slice once, whatever the pool's size
+        if shard:
+            assert 0 < shard.bytes_sent < sent and 0 < sender.bytes_sent < sent
+    finally:
+        if shard:
+            shard.close()
+        sender.close()
