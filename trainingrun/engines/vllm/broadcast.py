@@ -20,6 +20,10 @@ offsets — through which each bucket goes once from its owner (`worker_ext.tran
 gloo, NCCL's ring broadcast on GPUs). An engine whose workers do not all answer "ok" is dropped from it (it loads
 again alone; a dead one is taken out by the pool); a request that comes late gets a transfer of its own, after. A
 transfer that fails (engine died, timeout) is logged; the engines keep their old weights whole and load again.
+Engines of tensor parallelism t > 1 (issue 28 item 6, `sliced`): each bucket is cut into t slices as the transfer
+reaches it (`tp_slice`), slice r going down a chain of the workers of TP rank r of every engine, so each worker
+receives its part only and rank 0 sends about one copy of the model; only the engines of one layout share a
+transfer.
 `bytes_sent` counts what this rank put on the wire.
 
 Backends: gloo (CPU tensors) or NCCL (each bucket copied to this rank's GPU for its broadcast; the snapshots stay

@@ -11,8 +11,10 @@ Protocol (the sender is `trainingrun.engines.vllm.broadcast.BroadcastSender` on 
      `group` is a fresh name for this request, `world_size` = 1 + the engine's workers, `version` the weight
      version wanted, `joint` the pool's sync it belongs to (or null).
   2. Engine worker 0 queues the request in the trainer's store: n = add("trainingrun/requests", 1) - 1,
-     set("trainingrun/request/<n>", {group, world_size, version, joint}). The sender takes requests in order; those
-     of one pool sync (`joint`: {id, members}, from the engine pool) it serves together, in one transfer.
+     set("trainingrun/request/<n>", {group, world_size, version, joint, tp}). The sender takes requests in order;
+     those of one pool sync (`joint`: {id, members}, from the engine pool) it serves together, in one transfer.
+     `tp` is the engine's tensor-parallel layout (`_trainingrun_tp`: size, KV heads, vocabulary padding, expert
+     parallelism): with TP t > 1 the transfer is sliced (4.).
   3. The sender writes "<group>/manifest" (the names, dtypes and shapes, sent ahead; the buckets, each with the
      owner rank that sends it; the version; `transfer`: the transfer's group name T, this engine's rank `offset`,
      the `world_size` and the `chain` of receiver ranks) and joins the process group "<T>/pg" — the trainer owner
@@ -25,6 +27,10 @@ Protocol (the sender is `trainingrun.engines.vllm.broadcast.BroadcastSender` on 
      bucket lies), and a bucket that arrives with another one raises, naming it: the engine keeps its weights and
      the load fails as a broken transfer does (the rollout loads again). A receiver whose receive fails answers
      "failed", one that cannot forward to the next answers "unreachable" for it: the sender's wait ends at once.
+     Sliced (TP t > 1, `trainingrun.engines.vllm.tp_slice`): the manifest's buckets are each bucket's t slices
+     ([dtype, numel, root, r]), every tensor's rule in "slices"; slice r goes down `transfer["chains"][r]`, the
+     workers of TP rank r (worker i is TP rank i mod t) of every engine, each followed by its checksum; a worker
+     receives only its own slices and `expand_slices` hands vLLM each tensor whole-shaped, its slice in place.
   5. Only after EVERY bucket arrived (and the names and shapes match the model's checkpoint) are they handed to vLLM
      (`model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)`, which shards and repacks them
      for this worker): a transfer that breaks halfway (trainer died, timeout) raises before anything is applied, so
