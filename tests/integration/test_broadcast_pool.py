@@ -198,7 +198,8 @@ def _llama_like(layers: int = 2, hidden: int = 64, vocab: int = 200) -> list[tup
         shapes.update({p + "input_layernorm.weight": (hidden,), p + "self_attn.q_proj.weight": (hidden, hidden),
                        p + "self_attn.k_proj.weight": (hidden // 2, hidden),
                        p + "self_attn.v_proj.weight": (hidden // 2, hidden),
-                       p + "self_attn.o_proj.weight": (hidden, hidden), p + "post_attention_layernorm.weight": (hidden,),
+                       p + "self_attn.o_proj.weight": (hidden, hidden),
+                       p + "post_attention_layernorm.weight": (hidden,),
                        p + "mlp.gate_proj.weight": (2 * hidden, hidden), p + "mlp.up_proj.weight": (2 * hidden, hidden),
                        p + "mlp.down_proj.weight": (hidden, 2 * hidden)})
     shapes.update({"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)})

@@ -10,8 +10,8 @@ The table (`rule`), by the tensor's HF name (the buckets carry HF names, `modeli
   row-parallel     o_proj, down_proj weights (experts' down_proj, Mixtral's w2): dim 1 cut in t equal parts.
   vocabulary       embed_tokens, lm_head weights: VocabParallelEmbedding's partition — the vocabulary V padded to a
                    multiple of the engine's padding P (vLLM's DEFAULT_VOCAB_PADDING_SIZE, 64, as reported by the
-                   worker), cut in t equal parts of p = pad(V)/t rows; rank r takes rows [min(r·p, V), min((r+1)·p, V))
-                   (`VocabParallelEmbedding._get_indices`, its org_vocab range).
+                   worker), cut in t equal parts of p = pad(V)/t rows; rank r takes rows
+                   [min(r·p, V), min((r+1)·p, V)) (`VocabParallelEmbedding._get_indices`, its org_vocab range).
   whole            everything else: norms, biases, routers, any name the table does not know, a dimension not
                    divisible by t, experts when the engine runs expert parallel, every tensor when the engine did not
                    say its layout. A tensor sent whole is always correct (vLLM's loader narrows it as before); the
@@ -44,7 +44,8 @@ KV = frozenset({"k_proj", "v_proj"})
 
 @dataclass(frozen=True)
 class EngineTP:
-    """An engine's tensor-parallel layout as its worker 0 reports it (None fields: not known → those tensors whole)."""
+    """An engine's tensor-parallel layout as its worker 0 reports it (a None field: not known, those tensors go
+    whole)."""
 
     size: int = 1
     kv_heads: int | None = None

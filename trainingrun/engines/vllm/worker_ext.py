@@ -592,7 +592,7 @@ class WeightSyncExtension:
             kv = None
         pads: set[int] = set()
         try:
-            from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+            from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding  # deferred: vLLM
 
             model = self.model_runner.get_model()
             pads = {int(m.padding_size) for m in model.modules() if isinstance(m, VocabParallelEmbedding)}
