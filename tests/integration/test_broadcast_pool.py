@@ -267,3 +267,47 @@ def test_tensor_parallel_engines_get_one_slice_per_worker_down_a_chain_per_tp_ra
         if shard:
             shard.close()
         sender.close()
+
+
+def test_engines_of_different_layouts_in_one_sync_get_transfers_of_their_own():
+    """A TP-2 engine and a TP-1 engine announced in one pool sync: the sender serves each its own transfer (a sliced
+    one, a whole one); both load the version exactly."""
+    named = _llama_like(layers=1)
+    want = dict(named)
+    sender = BroadcastSender(0, host="127.0.0.1", timeout=60, dtype=None, bucket_bytes=32 << 10,
+                             join_window=1.0).start()
+    try:
+        nbytes = sender.set_weights(6, named).nbytes
+        joint = {"id": "sync-6", "members": 2}
+        groups = [new_group_name(), new_group_name()]
+        got: dict[tuple[int, int], tuple] = {}
+
+        def worker(engine: int, rank: int, tp: dict | None) -> None:
+            size = (tp or {"size": 1})["size"]
+            req = dict(_request(sender, joint), version=6, group=groups[engine], world_size=1 + size)
+            manifest, tensors, st = receive(req, rank=1 + rank, device="cpu", tp=tp)
+            st.set(manifest["done_key"], "ok")
+            got[engine, rank] = (manifest, tensors)
+
+        tp2 = {"size": 2, "kv_heads": 2, "vocab_pad": 64}
+        threads = [threading.Thread(target=worker, args=(0, r, {**tp2, "rank": r})) for r in range(2)]
+        threads.append(threading.Thread(target=worker, args=(1, 0, None)))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        _served(sender, 2)
+        assert sender.transfers == 2 and [h["engines"] for h in sender.history] == [1, 1]
+        assert sorted(h["tp"] for h in sender.history) == [1, 2]
+        assert got[1, 0][0].get("slices") is None and got[1, 0][0]["received_bytes"] == nbytes
+        assert all(torch.equal(t, want[n]) for n, t in got[1, 0][1])  # the TP-1 engine: every tensor whole
+        for rank in range(2):
+            manifest, tensors = got[0, rank]
+            # about half: rank 0 holds 128 of the 200 vocabulary rows (vLLM pads it to 256 and cuts that in two)
+            assert manifest["slice_rank"] == rank and manifest["received_bytes"] < 0.6 * nbytes
+            for (name, part), r in zip(tensors, manifest["slices"]):
+                full = want[name]
+                expect = full if r is None else full.narrow(r[0], r[1][rank], r[1][rank + 1] - r[1][rank])
+                assert torch.equal(part, expect), (name, rank)
+    finally:
+        sender.close()
