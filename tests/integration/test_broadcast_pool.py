@@ -311,3 +311,53 @@ def test_engines_of_different_layouts_in_one_sync_get_transfers_of_their_own():
                 assert torch.equal(part, expect), (name, rank)
     finally:
         sender.close()
+
+
+def test_a_sliced_transfer_by_broadcast_as_on_nccl_gives_each_worker_its_slices():
+    """The NCCL path of a sliced transfer (`transfer_buckets` with no chain: each slice and its checksum a broadcast
+    over the whole group, a worker of another TP rank receiving into scratch), run here on gloo: three ranks (the
+    sender, the two workers of a TP-2 engine) in threads of this process."""
+    import torch.distributed as dist
+
+    from trainingrun.engines.vllm.broadcast import _buffers, pack, sliced
+    from trainingrun.engines.vllm.tp_slice import EngineTP
+    from trainingrun.engines.vllm.worker_ext import (ChainCounter, bucket_checksum, make_group, split_slices,
+                                                     transfer_buckets)
+
+    named = _llama_like()
+    want = dict(named)
+    snap = pack(1, named, dtype=None, device="cpu", bucket_bytes=32 << 10)
+    tp = EngineTP(size=2, kv_heads=2, vocab_pad=64)
+    manifest, chains, per_rank = sliced(snap.manifest, tp, [{"group": "e", "offset": 1, "workers": 2}])
+    assert chains == [[1], [2]]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    counter, got = ChainCounter(), {}
+
+    def member(me: int) -> None:
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False)  # one client each, as the processes
+        pg = make_group(dist.PrefixStore("nccl-like", client), me, 3, "gloo", 30)
+        if me == 0:
+            transfer_buckets(pg, _buffers(list(snap.buckets), manifest), manifest["buckets"], me=0, chain=None,
+                             counter=counter, chains=chains, checksum=manifest["checksum"])
+            return
+        rank = me - 1
+        buffers = [torch.empty(int(e[1])) if int(e[3]) == rank else None for e in manifest["buckets"]]
+        sums: dict[int, int] = {}
+        transfer_buckets(pg, buffers, manifest["buckets"], me=me, chain=None, chains=chains,
+                         checksum=manifest["checksum"], sums=sums)
+        got[rank] = (split_slices(manifest, buffers, rank), sums, buffers)
+
+    threads = [threading.Thread(target=member, args=(m,)) for m in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(got) == [0, 1]
+    for rank, (tensors, sums, buffers) in got.items():
+        for (name, part), r in zip(tensors, manifest["slices"]):
+            full = want[name]
+            expect = full if r is None else full.narrow(r[0], r[1][rank], r[1][rank + 1] - r[1][rank])
+            assert torch.equal(part, expect), (name, rank)
+        mine = [i for i, b in enumerate(buffers) if b is not None]
+        assert mine and all(sums[i] == bucket_checksum(buffers[i], "crc32") for i in mine)
+    assert counter.bytes == sum(per_rank)  # the root sends each slice once
