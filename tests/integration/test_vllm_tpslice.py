@@ -98,3 +98,33 @@ def test_each_worker_receives_its_slice_and_the_engine_is_exact(tp2, tiny_llama_
             load_from_disk(client, str(tiny_llama_dir), "base")  # the next version starts from the base again
     finally:
         sender.close()
+
+
+ROLLOUTS = 2
+
+
+def test_a_run_with_a_tensor_parallel_replica_is_exact_at_lag_0_by_sliced_broadcast(tmp_path: Path,
+                                                                                     tiny_llama_dir: Path):
+    """The whole path: a local run (Megatron trainer, the pool) whose one engine replica is tensor parallel 2 over two
+    processes (`engine.vllm.nodes: 2`, vLLM's multi-node launch), weights by `broadcast`: each worker logs that it
+    received its TP rank's slices, and every step's `logprob_abs_diff` is within the fp32 tolerance at lag 0."""
+    import yaml
+
+    from tests.integration.test_vllm_e2e import check_on_policy, parity_reward, write_spec  # noqa: F401
+    from tests.localrun import finish, start
+
+    spec = write_spec(tmp_path / "tp.yaml", tiny_llama_dir, sync="broadcast", dtype="float32", rollouts=ROLLOUTS)
+    doc = yaml.safe_load(spec.read_text())
+    doc["spec"]["rollout"]["engine"]["vllm"]["nodes"] = 2
+    spec.write_text(yaml.safe_dump(doc))
+    out = tmp_path / "run"
+    code, log = finish(start(spec, out), timeout=1500)
+    assert code == 0, log[-6000:]
+    recs = check_on_policy(out, log, FP32_TOL, ROLLOUTS)
+    print("TP-2 replica, sliced broadcast: logprob_abs_diff", [r["logprob_abs_diff"] for r in recs])
+    logs = [(out / "logs" / f).read_text() for f in ("engine-0.log", "engine-0-node1.log")]
+    lines = [line for text in logs for line in text.splitlines() if "[trainingrun] worker" in line]
+    for rank in (0, 1):  # every version loaded (0 … ROLLOUTS − 1), each worker its own TP rank's slices
+        mine = [line for line in lines if f"as TP rank {rank} of 2" in line]
+        assert len(mine) >= ROLLOUTS, lines
+    print("\n".join(lines[:4]))

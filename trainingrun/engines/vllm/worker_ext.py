@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 import zlib
 from datetime import timedelta
@@ -617,10 +618,15 @@ class WeightSyncExtension:
             return {"refused": str(exc), "version": manifest["version"]}
         load_seconds = self._trainingrun_apply(expand_slices(manifest, named), what)
         store.set(manifest["done_key"], "ok")
-        return {"version": manifest["version"], "bytes": manifest["received_bytes"], "tensors": len(named),
-                "tp_rank": manifest.get("slice_rank"), "tp_size": (tp or {}).get("size", 1),
-                "sliced": sum(1 for r in manifest.get("slices") or () if r is not None),
-                "receive_seconds": round(t1 - t0, 6), "load_seconds": round(load_seconds, 6)}
+        result = {"version": manifest["version"], "bytes": manifest["received_bytes"], "tensors": len(named),
+                  "tp_rank": manifest.get("slice_rank"), "tp_size": (tp or {}).get("size", 1),
+                  "sliced": sum(1 for r in manifest.get("slices") or () if r is not None),
+                  "receive_seconds": round(t1 - t0, 6), "load_seconds": round(load_seconds, 6)}
+        if result["sliced"]:  # one line a worker and sync in the engine's log: what the slicing saved
+            print(f"[trainingrun] worker {rank - 1}: {what} received {result['bytes']} bytes as TP rank "
+                  f"{result['tp_rank']} of {result['tp_size']} ({result['sliced']} of {len(named)} tensors sliced)",
+                  file=sys.stderr, flush=True)
+        return result
 
     def trainingrun_check_dir(self, path: str) -> dict:
         """Whether the HF directory `path` holds this model's tensors (names and shapes, from the files' headers):
