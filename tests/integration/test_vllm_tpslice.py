@@ -4,7 +4,9 @@ real `BroadcastSender`; each worker receives only its slice of every tensor the 
 loads it through vLLM's own loaders. Checked: each worker received about half of the model; the engine then scores
 exactly as when it loads the same weights from disk (whole files, vLLM's own narrowing), and as `transformers` in
 fp32 under those weights; a second sync of other weights changes them again (nothing stale from the first).
-One server for the module's checks (its start takes minutes on a loaded 2-core machine).
+One server for the module's checks (its start takes minutes on a loaded 2-core machine). Then the whole path: a local
+run (Megatron trainer, the pool) whose replica is TP 2 over two processes (`engine.vllm.nodes: 2`), by broadcast, exact
+at lag 0, each worker logging the slices it received.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import os
 from pathlib import Path
 
 import pytest
+import yaml
 
+from tests.integration.test_vllm_e2e import check_on_policy, parity_reward, write_spec  # noqa: F401 (autouse)
+from tests.localrun import finish, start
 from tests.services import free_port, make_tiny_llama, reference_logprobs, require_vllm
 from trainingrun.engines.vllm.client import VLLMClient
 from trainingrun.engines.vllm.sync import load_from_broadcast, load_from_disk
@@ -108,11 +113,6 @@ def test_a_run_with_a_tensor_parallel_replica_is_exact_at_lag_0_by_sliced_broadc
     """The whole path: a local run (Megatron trainer, the pool) whose one engine replica is tensor parallel 2 over two
     processes (`engine.vllm.nodes: 2`, vLLM's multi-node launch), weights by `broadcast`: each worker logs that it
     received its TP rank's slices, and every step's `logprob_abs_diff` is within the fp32 tolerance at lag 0."""
-    import yaml
-
-    from tests.integration.test_vllm_e2e import check_on_policy, parity_reward, write_spec  # noqa: F401
-    from tests.localrun import finish, start
-
     spec = write_spec(tmp_path / "tp.yaml", tiny_llama_dir, sync="broadcast", dtype="float32", rollouts=ROLLOUTS)
     doc = yaml.safe_load(spec.read_text())
     doc["spec"]["rollout"]["engine"]["vllm"]["nodes"] = 2
