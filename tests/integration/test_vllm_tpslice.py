@@ -12,6 +12,7 @@ at lag 0, each worker logging the slices it received.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,10 @@ def test_each_worker_receives_its_slice_and_the_engine_is_exact(tp2, tiny_llama_
             assert all(w["sliced"] >= 7 * 2 + 2 for w in workers), workers  # q/k/v/o/gate/up/down × 2, embed, head
             shares = [w["bytes"] / snap.nbytes for w in workers]
             assert all(0.45 < s < 0.55 for s in shares), (shares, snap.nbytes)
+            t0 = time.monotonic()  # the sender records the transfer after the workers' answers: wait (bounded)
+            while sender.transfers < version and time.monotonic() - t0 < 30:
+                time.sleep(0.05)
+            assert sender.transfers == version and sender.last["version"] == version
             assert sender.last["bytes_sent"] == sum(w["bytes"] for w in workers) < 1.05 * snap.nbytes
             print(f"version {version}: model {snap.nbytes} B; per worker {[w['bytes'] for w in workers]} B "
                   f"({[round(s, 4) for s in shares]}); trainer sent {sender.last['bytes_sent']} B")
