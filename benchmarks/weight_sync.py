@@ -22,6 +22,9 @@ what crosses GPUs is not measured (the output says so). Only torch, numpy and th
       "per_engine" as before issue 28 item 2, one transfer per engine, one after another. `seconds` is the sender's,
       from the manifest to the last engine's answer (the receivers' torch import excluded). `--broadcast-only` skips
       the other lines.
+  {"kind": "broadcast", "engine_tp": T, "engines": N, "bytes_per_worker": [...], "bytes_sent_rank0": ...}
+      `--engine-tp T`: the pool's transfer to N = 1, 2, 4 engines of TP T (T worker processes each), the model's
+      tensors under Llama-like names, sliced per worker (issue 28 item 6); only these lines.
 
 Run: `OMP_NUM_THREADS=1 python benchmarks/weight_sync.py [--params 20000000] [--bucket-mib 8] [--device cpu]`.
 """
@@ -158,11 +161,64 @@ def peak(params: int, limit: int, device: str) -> None:
 
 
 def receiver(request: str) -> None:
-    """One simulated engine (a process): the worker extension's receive, then "ok" for the sender."""
+    """One simulated engine worker (a process): the worker extension's receive, then "ok" for the sender; with
+    `--engine-tp` worker `_rank` of a TP engine, which prints what it received."""
     from trainingrun.engines.vllm.worker_ext import receive
 
-    manifest, named, store = receive(json.loads(request), rank=1, device="cpu")
+    req = json.loads(request)
+    rank, tp = int(req.pop("_rank", 0)), req.pop("_tp", None)
+    manifest, named, store = receive(req, rank=1 + rank, device="cpu", tp=tp)
     store.set(manifest["done_key"], "ok")
+    if tp:
+        print(json.dumps({"rank": rank, "received_bytes": manifest["received_bytes"]}), flush=True)
+
+
+def llama_names(model: dict) -> dict:
+    """`make_model`'s tensors under Llama-like HF names the slicing table knows ((4h, h) an up_proj, (h, h) an
+    o_proj, (h,) a norm), for `--engine-tp`."""
+    names = {2: "mlp.up_proj.weight", 1: "self_attn.o_proj.weight", 0: "input_layernorm.weight"}
+    out = {}
+    for i, t in enumerate(model.values()):
+        kind = 0 if t.dim() == 1 else (2 if t.shape[0] != t.shape[1] else 1)
+        out[f"model.layers.{i}.{names[kind]}"] = t
+    return out
+
+
+def run_broadcast_tp(model, limit: int, t: int) -> None:
+    """The pool's transfer to N engines of TP `t` (t worker processes each): what each worker received."""
+    import os
+    import uuid
+
+    from trainingrun.engines.vllm.broadcast import BroadcastSender, new_group_name
+
+    sender = BroadcastSender(0, host="127.0.0.1", timeout=600, dtype="bfloat16", bucket_bytes=limit,
+                             join_window=120, log=lambda m: print(f"# {m}", file=sys.stderr)).start()
+    tp = {"size": t, "kv_heads": t, "vocab_pad": 64, "expert_parallel": False}
+    try:
+        nbytes = sender.set_weights(0, llama_names(model).items()).nbytes
+        for engines in (1, 2, 4):
+            joint = {"id": uuid.uuid4().hex[:12], "members": engines}
+            before, served = sender.bytes_sent, sender.transfers
+            procs = []
+            for _ in range(engines):
+                req = {"host": "127.0.0.1", "port": sender.port, "group": new_group_name(), "world_size": 1 + t,
+                       "backend": "gloo", "timeout": 600, "connect_timeout": 60, "version": 0, "joint": joint}
+                procs += [subprocess.Popen([sys.executable, __file__, "--receiver",
+                                            json.dumps({**req, "_rank": r, "_tp": {**tp, "rank": r}})],
+                                           env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                                           text=True) for r in range(t)]
+            outs = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
+            while sender.transfers < served + 1:
+                time.sleep(0.05)
+            got = [o["received_bytes"] for o in outs]
+            print(json.dumps({"kind": "broadcast", "mode": "pool", "engine_tp": t, "engines": engines,
+                              "model_bytes": nbytes, "bytes_per_worker": got,
+                              "worker_over_model": [round(b / nbytes, 3) for b in got],
+                              "bytes_sent_rank0": sender.bytes_sent - before,
+                              "bytes_sent_over_model": round((sender.bytes_sent - before) / nbytes, 3),
+                              "seconds": round(sender.last["total_seconds"], 3)}), flush=True)
+    finally:
+        sender.close()
 
 
 def run_broadcast(model, limit: int) -> None:
@@ -210,12 +266,18 @@ def main(argv=None) -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--peak-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--broadcast-only", action="store_true", help="only the broadcast lines (gloo, CPU)")
+    ap.add_argument("--engine-tp", type=int, default=1,
+                    help="engines of this tensor parallelism (worker processes each): the sliced broadcast's bytes "
+                         "per worker (only those lines)")
     ap.add_argument("--receiver", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.receiver:
         receiver(args.receiver)
         return
     limit = bucket_bytes(args.bucket_mib)
+    if args.engine_tp > 1:
+        run_broadcast_tp(make_model(args.params, "cpu"), limit, args.engine_tp)
+        return
     if args.broadcast_only:
         run_broadcast(make_model(args.params, "cpu"), limit)
         return

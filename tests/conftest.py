@@ -33,7 +33,7 @@ if sys.version_info < (3, 13):
 SHARED_SCOPES = {f"tests/integration/{m}.py": "vllm"
                  for m in ("test_vllm", "test_vllm_e2e", "test_vllm_episodes", "test_vllm_oversampling",
                            "test_vllm_failfast", "test_vllm_scale",
-                           "test_vllm_nodes", "test_vllm_lora")}
+                           "test_vllm_nodes", "test_vllm_lora", "test_vllm_tpslice")}
 SESSION_FIXTURES = {"vllm": "vllm", "tiny_llama_dir": "vllm"}  # a session fixture -> the scope of its tests
 
 

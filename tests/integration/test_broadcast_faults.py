@@ -61,3 +61,55 @@ def test_a_bucket_corrupted_in_flight_is_refused_naming_it(corrupt):
         assert sender.transfers == 1, (sender.transfers, sender.failures)
     finally:
         sender.close()
+
+
+def test_a_slice_corrupted_in_flight_is_refused_naming_its_tensors(monkeypatch):
+    """A sliced transfer (an engine of TP 2, item 6): the checksums travel with the slices (computed by the sender
+    on each slice it cuts); a slice that arrives damaged at worker 0 is refused there, naming its tensors, while
+    worker 1's slices arrive whole; the sender drops the engine (it loads again)."""
+    import threading
+
+    from trainingrun.engines.vllm import worker_ext
+
+    real = worker_ext.transfer_buckets
+
+    def damaging(pg, buffers, entries, **kw):  # the receivers' side only (the sender imported its own name)
+        out = real(pg, buffers, entries, **kw)
+        if kw["me"] == 1:  # worker 0 of the engine: its first slice has one element changed after the wire
+            next(b for b in buffers if b is not None)[3] += 1.0
+        return out
+
+    monkeypatch.setattr(worker_ext, "transfer_buckets", damaging)
+    sender = BroadcastSender(0, host="127.0.0.1", timeout=30, dtype=None, bucket_bytes=1 << 20).start()
+    try:
+        named = [("model.layers.0.self_attn.q_proj.weight", torch.randn(8, 4)),
+                 ("model.layers.0.input_layernorm.weight", torch.randn(4))]
+        sender.set_weights(6, named)
+        req = dict(_request(sender, 6), world_size=3)
+        got: dict[int, object] = {}
+
+        def worker(rank: int) -> None:
+            tp = {"size": 2, "rank": rank, "kv_heads": 2, "vocab_pad": 64}
+            try:
+                manifest, tensors, store = receive(req, rank=1 + rank, device="cpu", tp=tp)
+                store.set(manifest["done_key"], "ok")
+                got[rank] = tensors
+            except RuntimeError as exc:
+                got[rank] = exc
+
+        threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert isinstance(got[0], RuntimeError)
+        assert "(tensors ['model.layers.0.self_attn.q_proj.weight', 'model.layers.0.input_layernorm.weight']) " \
+               "arrived corrupted" in str(got[0]), got[0]
+        assert [(n, t.shape) for n, t in got[1]] == [(named[0][0], torch.Size([4, 4])), (named[1][0], (4,))]
+        assert torch.equal(got[1][0][1], named[0][1][4:]) and torch.equal(got[1][1][1], named[1][1])
+        t0 = time.monotonic()
+        while sender.transfers + sender.failures == 0 and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        assert sender.last["dropped"] == [req["group"]], sender.last  # worker 0 said "corrupt": not loaded
+    finally:
+        sender.close()

@@ -229,3 +229,177 @@ def test_an_owner_that_no_longer_holds_the_version_fails_the_transfer_at_once(re
     finally:
         owner.close()
         sender.close()
+
+
+def _llama_like(layers: int = 2, hidden: int = 64, vocab: int = 200) -> list[tuple[str, torch.Tensor]]:
+    """HF-named tensors of a small Llama (4 heads, 2 KV heads, vocabulary 200: padded to 256 by vLLM)."""
+    g = torch.Generator().manual_seed(11)
+    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (hidden,), p + "self_attn.q_proj.weight": (hidden, hidden),
+                       p + "self_attn.k_proj.weight": (hidden // 2, hidden),
+                       p + "self_attn.v_proj.weight": (hidden // 2, hidden),
+                       p + "self_attn.o_proj.weight": (hidden, hidden),
+                       p + "post_attention_layernorm.weight": (hidden,),
+                       p + "mlp.gate_proj.weight": (2 * hidden, hidden), p + "mlp.up_proj.weight": (2 * hidden, hidden),
+                       p + "mlp.down_proj.weight": (hidden, 2 * hidden)})
+    shapes.update({"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)})
+    return [(n, torch.randn(s, generator=g)) for n, s in shapes.items()]
+
+
+@pytest.mark.parametrize("owners", [1, 2])
+def test_tensor_parallel_engines_get_one_slice_per_worker_down_a_chain_per_tp_rank(owners):
+    """Item 6: two engines of TP 2 (two workers each, the worker extension's own `receive` with the layout a TP-2
+    vLLM worker reports) in one pool transfer: slice r of every bucket goes down the chain of the workers of TP rank
+    r; each worker receives about half of the model, exactly its slices (a tensor the table does not cut, whole);
+    trainer rank 0 (with owner 1: the two owners together) sends about one copy of the model."""
+    named = _llama_like()
+    want = dict(named)
+    halves = [named[0::2], named[1::2]] if owners == 2 else [named]
+    sender = BroadcastSender(0, host="127.0.0.1", timeout=60, dtype=None, bucket_bytes=32 << 10, owners=owners,
+                             chunk_bytes=8 << 10).start()
+    shard = ShardServer("127.0.0.1", sender.port, owner=1, owners=2, timeout=60, dtype=None,
+                        bucket_bytes=32 << 10, chunk_bytes=8 << 10).start() if owners == 2 else None
+    try:
+        nbytes = sum(h.set_weights(5, part).nbytes for h, part in zip([sender, shard], halves))
+        joint = {"id": "sync-5", "members": 2}
+        got: dict[tuple[int, int], tuple] = {}
+
+        def worker(engine: int, rank: int, group: str) -> None:
+            req = dict(_request(sender, joint), version=5, group=group, world_size=3)
+            tp = {"size": 2, "rank": rank, "kv_heads": 2, "vocab_pad": 64, "expert_parallel": False}
+            manifest, tensors, st = receive(req, rank=1 + rank, device="cpu", tp=tp)
+            st.set(manifest["done_key"], "ok")
+            got[engine, rank] = (manifest, tensors)
+
+        groups = [new_group_name(), new_group_name()]
+        threads = [threading.Thread(target=worker, args=(e, r, groups[e])) for e in range(2) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        _served(sender, 1)
+        assert sender.transfers == 1 and sender.last["engines"] == 2 and sender.last["tp"] == 2, sender.last
+        assert len(got) == 4
+        per_worker = {}
+        for (engine, rank), (manifest, tensors) in got.items():
+            slices = dict(zip([e[0] for e in manifest["tensors"]], manifest["slices"]))
+            assert sorted(n for n, _ in tensors) == sorted(want)
+            for name, part in tensors:
+                r = slices[name]
+                full = want[name]
+                expect = full if r is None else full.narrow(r[0], r[1][rank], r[1][rank + 1] - r[1][rank])
+                assert torch.equal(part, expect), (name, rank)
+            per_worker[engine, rank] = manifest["received_bytes"]
+            assert manifest["transfer"]["chains"] == [[owners, owners + 2], [owners + 1, owners + 3]]
+        assert slices["model.embed_tokens.weight"] == [0, [0, 128, 200]]  # vLLM's padded vocabulary partition
+        assert slices["model.layers.0.self_attn.k_proj.weight"] == [0, [0, 16, 32]]
+        assert slices["model.norm.weight"] is None
+        replicated = sum(t.numel() * 4 for n, t in named if slices[n] is None)
+        for (engine, rank), b in per_worker.items():  # about half each: its slices plus the small whole tensors
+            assert b == sender.last["bytes_per_worker"][rank]
+            assert b < 0.55 * nbytes, (b, nbytes)
+        assert sum(per_worker[0, r] for r in range(2)) == nbytes + replicated  # one engine: about one copy
+        sent = sender.bytes_sent + (shard.bytes_sent if shard else 0)
+        assert sent == nbytes + replicated, (sent, nbytes)  # each slice once, whatever the pool's size
+        if shard:
+            assert 0 < shard.bytes_sent < sent and 0 < sender.bytes_sent < sent
+    finally:
+        if shard:
+            shard.close()
+        sender.close()
+
+
+def test_engines_of_different_layouts_in_one_sync_get_transfers_of_their_own():
+    """A TP-2 engine and a TP-1 engine announced in one pool sync: the sender serves each its own transfer (a sliced
+    one, a whole one); both load the version exactly."""
+    named = _llama_like(layers=1)
+    want = dict(named)
+    sender = BroadcastSender(0, host="127.0.0.1", timeout=60, dtype=None, bucket_bytes=32 << 10,
+                             join_window=1.0).start()
+    try:
+        nbytes = sender.set_weights(6, named).nbytes
+        joint = {"id": "sync-6", "members": 2}
+        groups = [new_group_name(), new_group_name()]
+        got: dict[tuple[int, int], tuple] = {}
+
+        def worker(engine: int, rank: int, tp: dict | None) -> None:
+            size = (tp or {"size": 1})["size"]
+            req = dict(_request(sender, joint), version=6, group=groups[engine], world_size=1 + size)
+            manifest, tensors, st = receive(req, rank=1 + rank, device="cpu", tp=tp)
+            st.set(manifest["done_key"], "ok")
+            got[engine, rank] = (manifest, tensors)
+
+        tp2 = {"size": 2, "kv_heads": 2, "vocab_pad": 64}
+        threads = [threading.Thread(target=worker, args=(0, r, {**tp2, "rank": r})) for r in range(2)]
+        threads.append(threading.Thread(target=worker, args=(1, 0, None)))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        _served(sender, 2)
+        assert sender.transfers == 2 and [h["engines"] for h in sender.history] == [1, 1]
+        assert sorted(h["tp"] for h in sender.history) == [1, 2]
+        assert got[1, 0][0].get("slices") is None and got[1, 0][0]["received_bytes"] == nbytes
+        assert all(torch.equal(t, want[n]) for n, t in got[1, 0][1])  # the TP-1 engine: every tensor whole
+        for rank in range(2):
+            manifest, tensors = got[0, rank]
+            # about half: rank 0 holds 128 of the 200 vocabulary rows (vLLM pads it to 256 and cuts that in two)
+            assert manifest["slice_rank"] == rank and manifest["received_bytes"] < 0.6 * nbytes
+            for (name, part), r in zip(tensors, manifest["slices"]):
+                full = want[name]
+                expect = full if r is None else full.narrow(r[0], r[1][rank], r[1][rank + 1] - r[1][rank])
+                assert torch.equal(part, expect), (name, rank)
+    finally:
+        sender.close()
+
+
+def test_a_sliced_transfer_by_broadcast_as_on_nccl_gives_each_worker_its_slices():
+    """The NCCL path of a sliced transfer (`transfer_buckets` with no chain: each slice and its checksum a broadcast
+    over the whole group, a worker of another TP rank receiving into scratch), run here on gloo: three ranks (the
+    sender, the two workers of a TP-2 engine) in threads of this process."""
+    import torch.distributed as dist
+
+    from trainingrun.engines.vllm.broadcast import _buffers, pack, sliced
+    from trainingrun.engines.vllm.tp_slice import EngineTP
+    from trainingrun.engines.vllm.worker_ext import (ChainCounter, bucket_checksum, make_group, split_slices,
+                                                     transfer_buckets)
+
+    named = _llama_like()
+    want = dict(named)
+    snap = pack(1, named, dtype=None, device="cpu", bucket_bytes=32 << 10)
+    tp = EngineTP(size=2, kv_heads=2, vocab_pad=64)
+    manifest, chains, per_rank = sliced(snap.manifest, tp, [{"group": "e", "offset": 1, "workers": 2}])
+    assert chains == [[1], [2]]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    counter, got = ChainCounter(), {}
+
+    def member(me: int) -> None:
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False)  # one client each, as the processes
+        pg = make_group(dist.PrefixStore("nccl-like", client), me, 3, "gloo", 30)
+        if me == 0:
+            transfer_buckets(pg, _buffers(list(snap.buckets), manifest), manifest["buckets"], me=0, chain=None,
+                             counter=counter, chains=chains, checksum=manifest["checksum"])
+            return
+        rank = me - 1
+        buffers = [torch.empty(int(e[1])) if int(e[3]) == rank else None for e in manifest["buckets"]]
+        sums: dict[int, int] = {}
+        transfer_buckets(pg, buffers, manifest["buckets"], me=me, chain=None, chains=chains,
+                         checksum=manifest["checksum"], sums=sums)
+        got[rank] = (split_slices(manifest, buffers, rank), sums, buffers)
+
+    threads = [threading.Thread(target=member, args=(m,)) for m in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(got) == [0, 1]
+    for rank, (tensors, sums, buffers) in got.items():
+        for (name, part), r in zip(tensors, manifest["slices"]):
+            full = want[name]
+            expect = full if r is None else full.narrow(r[0], r[1][rank], r[1][rank + 1] - r[1][rank])
+            assert torch.equal(part, expect), (name, rank)
+        mine = [i for i, b in enumerate(buffers) if b is not None]
+        assert mine and all(sums[i] == bucket_checksum(buffers[i], "crc32") for i in mine)
+    assert counter.bytes == sum(per_rank)  # the root sends each slice once

@@ -20,6 +20,8 @@ Module map:
   broadcast.py   the trainer side of the broadcast weight sync (torch.distributed, gloo on CPU / NCCL on GPU):
                  rank 0's `BroadcastSender`, the other owner ranks' `ShardServer` (snapshots sharded in host
                  memory), one transfer per pool sync
+  tp_slice.py    which slice of each HF tensor a worker of a tensor-parallel engine needs (the broadcast sends it
+                 only that), the table and its fallback (whole)
   publish.py     the trainer-side publishers (`disk`: an HF directory written atomically; `broadcast`), committed
                  through the store's fencing
   k8s.py         the engine pod's container, its worker-extension ConfigMap and the URL the rollout is given

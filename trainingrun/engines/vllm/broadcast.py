@@ -20,6 +20,10 @@ offsets — through which each bucket goes once from its owner (`worker_ext.tran
 gloo, NCCL's ring broadcast on GPUs). An engine whose workers do not all answer "ok" is dropped from it (it loads
 again alone; a dead one is taken out by the pool); a request that comes late gets a transfer of its own, after. A
 transfer that fails (engine died, timeout) is logged; the engines keep their old weights whole and load again.
+Engines of tensor parallelism t > 1 (issue 28 item 6, `sliced`): each bucket is cut into t slices as the transfer
+reaches it (`tp_slice`), slice r going down a chain of the workers of TP rank r of every engine, so each worker
+receives its part only and rank 0 sends about one copy of the model; only the engines of one layout share a
+transfer.
 `bytes_sent` counts what this rank put on the wire.
 
 Backends: gloo (CPU tensors) or NCCL (each bucket copied to this rank's GPU for its broadcast; the snapshots stay
@@ -39,13 +43,16 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from trainingrun.engines.vllm.tp_slice import EngineTP, rules, unit_buffers, unit_sizes
 from trainingrun.engines.vllm.worker_ext import (
     DONE_KEY,
     MANIFEST_KEY,
     PG_PREFIX,
     REQUEST_KEY,
     CHUNK_BYTES,
+    ITEMSIZE,
     ChainCounter,
+    bucket_root,
     bucket_checksum,
     checksum_kind,
     connect,
@@ -208,7 +215,8 @@ class BroadcastSender:
         if not joint.get("id") or members <= 1:
             return [first]
         reqs = [first]
-        same = lambda r: (r.get("joint") or {}).get("id") == joint["id"] and r.get("version") == first.get("version")
+        same = lambda r: ((r.get("joint") or {}).get("id") == joint["id"] and r.get("version") == first.get("version")
+                          and EngineTP.from_json(r.get("tp")) == EngineTP.from_json(first.get("tp")))
         for r in [r for r in self._later if same(r)]:
             self._later.remove(r)
             reqs.append(r)
@@ -275,24 +283,28 @@ class BroadcastSender:
             offset += int(r["world_size"]) - 1
         world = offset
         chain = list(range(self.owners, world))
+        manifest, chains, per_rank = sliced(snap.manifest, EngineTP.from_json(reqs[0].get("tp")), members)
         t0 = time.perf_counter()
         if self.owners > 1:  # the other owners join as ranks 1 … owners − 1 and send their own buckets
             self.store.set(TRANSFER_KEY.format(n=self._next_transfer), json.dumps(
                 {"group": name, "version": snap.version, "world_size": world, "chain": chain,
-                 "chunk_bytes": self.chunk_bytes, "buckets": snap.manifest["buckets"]}))
+                 "chunk_bytes": self.chunk_bytes, "buckets": manifest["buckets"],
+                 **({"chains": chains, "tp": manifest["tp"], "tensors": manifest["tensors"],
+                     "slices": manifest["slices"], "checksum": manifest["checksum"]} if chains else {})}))
             self._next_transfer += 1
             self._owners_ready(name, snap.version, [m["group"] for m in members])
         for m in members:
             transfer = {"group": name, "offset": m["offset"], "world_size": world, "chain": chain,
-                        "chunk_bytes": self.chunk_bytes}
-            self.store.set(MANIFEST_KEY.format(group=m["group"]), json.dumps({**snap.manifest, "transfer": transfer}))
+                        "chunk_bytes": self.chunk_bytes, **({"chains": chains} if chains else {})}
+            self.store.set(MANIFEST_KEY.format(group=m["group"]), json.dumps({**manifest, "transfer": transfer}))
         counter = self.sending = ChainCounter()  # live: what this transfer sent so far
         try:
             pg = make_group(dist.PrefixStore(PG_PREFIX.format(group=name), self.store), 0, world, self.backend,
                             self.timeout)
-            transfer_buckets(pg, list(snap.buckets), snap.manifest["buckets"], me=0,
+            transfer_buckets(pg, _buffers(list(snap.buckets), manifest), manifest["buckets"], me=0,
                              chain=None if self.backend == "nccl" else chain, chunk_bytes=self.chunk_bytes,
-                             counter=counter, device=self.transfer_device)
+                             counter=counter, device=self.transfer_device, chains=chains,
+                             checksum=manifest.get("checksum"))
             t1 = time.perf_counter()
             done = self._wait_done(name, world)
         finally:
@@ -309,7 +321,7 @@ class BroadcastSender:
                      f"in transfers of their own), loaded {len(loaded)} of {len(members)}")
         return {"version": snap.version, "group": name, "engines": len(members), "loaded": loaded,
                 "dropped": dropped, "bytes": snap.nbytes, "bytes_sent": counter.bytes, "send_seconds": t1 - t0,
-                "total_seconds": t2 - t0}
+                "total_seconds": t2 - t0, "tp": len(per_rank), "bytes_per_worker": per_rank}
 
     def _owners_ready(self, name: str, version: int, groups: list[str]) -> None:
         """Every other owner's answer to transfer `name` before any engine is told to join: an owner that no longer
@@ -429,14 +441,19 @@ class ShardServer(BroadcastSender):
         import torch.distributed as dist  # deferred: torch
 
         own = iter(snap.buckets)
-        buffers = [next(own) if int(e[2]) == self.owner else None for e in t["buckets"]]
+        chains = t.get("chains")
+        size = int(t["tp"]["size"]) if chains else 1
+        buffers = [next(own) if int(e[2]) == self.owner else None for e in t["buckets"][::size]]
+        if chains:  # sliced: this owner's buckets cut as the transfer reaches them, as rank 0 cuts its own
+            buffers = _buffers(buffers, t)
         counter = self.sending = ChainCounter()
         try:
             pg = make_group(dist.PrefixStore(PG_PREFIX.format(group=name), self.store), self.owner,
                             int(t["world_size"]), self.backend, self.timeout)
             transfer_buckets(pg, buffers, t["buckets"], me=self.owner,
                              chain=None if self.backend == "nccl" else [int(r) for r in t["chain"]],
-                             chunk_bytes=int(t["chunk_bytes"]), counter=counter, device=self.transfer_device)
+                             chunk_bytes=int(t["chunk_bytes"]), counter=counter, device=self.transfer_device,
+                             chains=chains, checksum=t.get("checksum"))
         except Exception as exc:  # noqa: BLE001 - the engines keep their weights and transfer again
             self.store.set(done, "failed")
             self.failures += 1
@@ -447,6 +464,36 @@ class ShardServer(BroadcastSender):
         self.store.set(done, "ok")
         self.transfers += 1
         return {"group": name, "version": snap.version, "bytes_sent": counter.bytes}
+
+
+def sliced(manifest: dict[str, Any], tp: EngineTP,
+           members: list[dict[str, Any]]) -> tuple[dict[str, Any], list[list[int]] | None, list[int]]:
+    """A transfer's manifest, its chains and the bytes each worker receives. For engines of TP t > 1
+    (`tp_slice`): each bucket becomes t slices, entries [dtype, numel, root, r] (bucket b's slice r is entry b·t + r),
+    slice r going down `chains[r]`, the workers of TP rank r of every engine (worker i is TP rank i mod t); each
+    tensor's rule in "slices"; the checksums travel with the slices. Unchanged (chains None) when t is 1 or the
+    table slices nothing, or an engine's workers are not a multiple of t."""
+    t = tp.size
+    whole = [int(e[1]) * ITEMSIZE.get(e[0], 4) for e in manifest["buckets"]]
+    if t <= 1 or any(m["workers"] % t for m in members):
+        return manifest, None, [sum(whole)]
+    slices = rules(manifest["tensors"], tp)
+    if not any(slices):
+        return manifest, None, [sum(whole)]
+    sizes = unit_sizes(manifest["tensors"], slices, len(manifest["buckets"]), t)
+    units = [[e[0], sizes[b][r], bucket_root(e), r] for b, e in enumerate(manifest["buckets"]) for r in range(t)]
+    chains = [[m["offset"] + i for m in members for i in range(m["workers"]) if i % t == r] for r in range(t)]
+    per_rank = [sum(int(u[1]) * ITEMSIZE.get(u[0], 4) for u in units if u[3] == r) for r in range(t)]
+    out = {k: v for k, v in manifest.items() if k != "checksums"}
+    return {**out, "buckets": units, "slices": slices, "tp": tp.to_json()}, chains, per_rank
+
+
+def _buffers(buckets: list, manifest: dict[str, Any]):
+    """What a sender's `transfer_buckets` sends: its buckets (None: another owner's), or for a sliced transfer their
+    slices, each bucket cut when the transfer reaches it."""
+    if not manifest.get("slices"):
+        return buckets
+    return unit_buffers(buckets, manifest["tensors"], manifest["slices"], int(manifest["tp"]["size"]))
 
 
 def new_group_name() -> str:

@@ -11,8 +11,10 @@ Protocol (the sender is `trainingrun.engines.vllm.broadcast.BroadcastSender` on 
      `group` is a fresh name for this request, `world_size` = 1 + the engine's workers, `version` the weight
      version wanted, `joint` the pool's sync it belongs to (or null).
   2. Engine worker 0 queues the request in the trainer's store: n = add("trainingrun/requests", 1) - 1,
-     set("trainingrun/request/<n>", {group, world_size, version, joint}). The sender takes requests in order; those
-     of one pool sync (`joint`: {id, members}, from the engine pool) it serves together, in one transfer.
+     set("trainingrun/request/<n>", {group, world_size, version, joint, tp}). The sender takes requests in order;
+     those of one pool sync (`joint`: {id, members}, from the engine pool) it serves together, in one transfer.
+     `tp` is the engine's tensor-parallel layout (`_trainingrun_tp`: size, KV heads, vocabulary padding, expert
+     parallelism): with TP t > 1 the transfer is sliced (4.).
   3. The sender writes "<group>/manifest" (the names, dtypes and shapes, sent ahead; the buckets, each with the
      owner rank that sends it; the version; `transfer`: the transfer's group name T, this engine's rank `offset`,
      the `world_size` and the `chain` of receiver ranks) and joins the process group "<T>/pg" — the trainer owner
@@ -25,6 +27,10 @@ Protocol (the sender is `trainingrun.engines.vllm.broadcast.BroadcastSender` on 
      bucket lies), and a bucket that arrives with another one raises, naming it: the engine keeps its weights and
      the load fails as a broken transfer does (the rollout loads again). A receiver whose receive fails answers
      "failed", one that cannot forward to the next answers "unreachable" for it: the sender's wait ends at once.
+     Sliced (TP t > 1, `trainingrun.engines.vllm.tp_slice`): the manifest's buckets are each bucket's t slices
+     ([dtype, numel, root, r]), every tensor's rule in "slices"; slice r goes down `transfer["chains"][r]`, the
+     workers of TP rank r (worker i is TP rank i mod t) of every engine, each followed by its checksum; a worker
+     receives only its own slices and `expand_slices` hands vLLM each tensor whole-shaped, its slice in place.
   5. Only after EVERY bucket arrived (and the names and shapes match the model's checkpoint) are they handed to vLLM
      (`model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)`, which shards and repacks them
      for this worker): a transfer that breaks halfway (trainer died, timeout) raises before anything is applied, so
@@ -54,6 +60,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 import zlib
 from datetime import timedelta
@@ -123,9 +130,12 @@ def check_checksums(manifest: dict, buffers: list) -> None:
     if sums is None:
         return
     for i, (want, buf) in enumerate(zip(sums, buffers)):
+        if buf is None:  # another TP rank's slice (a sliced transfer)
+            continue
         got = bucket_checksum(buf, manifest.get("checksum"))
         if got != int(want):
-            names = [t[0] for t in manifest["tensors"] if t[3] == i]
+            t = int(manifest["tp"]["size"]) if manifest.get("slices") else 1
+            names = [e[0] for e in manifest["tensors"] if int(e[3]) == i // t]
             raise RuntimeError(f"weight version {manifest.get('version')}: bucket {i} of {len(buffers)} (tensors "
                                f"{names[:3]}{'...' if len(names) > 3 else ''}) arrived corrupted: checksum {got}, "
                                f"the sender's {want}; nothing was loaded")
@@ -150,9 +160,65 @@ def split_buckets(manifest: dict, buffers: list) -> list:
         out.append((name, buf[start : start + n].view(torch.Size(shape))))
         offsets[bucket] = start + n
     for i, (off, buf) in enumerate(zip(offsets, buffers)):
-        if off != buf.numel():
+        if buf is not None and off != buf.numel():
             raise ValueError(f"manifest: bucket {i} has {buf.numel()} elements, tensors use {off}")
     return out
+
+
+def numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def slice_shape(shape, rule, rank: int) -> list[int]:
+    """The shape of slice `rank` of a tensor of `shape` under `rule` ([dim, bounds] or None: whole; see
+    `trainingrun.engines.vllm.tp_slice`)."""
+    if rule is None:
+        return [int(d) for d in shape]
+    dim, bounds = int(rule[0]), rule[1]
+    out = [int(d) for d in shape]
+    out[dim] = int(bounds[rank + 1]) - int(bounds[rank])
+    return out
+
+
+def split_slices(manifest: dict, buffers: list, rank: int) -> list:
+    """(name, slice) views into this worker's received slices of a sliced transfer (`manifest["slices"]`; bucket b's
+    slice r is unit b·t + r), in manifest order."""
+    t = int(manifest["tp"]["size"])
+    entries = [[name, dtype, slice_shape(shape, rule, rank), int(b) * t + rank]
+               for (name, dtype, shape, b), rule in zip(manifest["tensors"], manifest["slices"])]
+    return split_buckets({"tensors": entries}, buffers)
+
+
+def full_shapes(manifest: dict, named: list) -> dict[str, list[int]]:
+    """{name: the whole tensor's shape} of what a transfer delivered (sliced: the manifest's shapes, each slice
+    checked against its rule)."""
+    if not manifest.get("slices"):
+        return {name: list(t.shape) for name, t in named}
+    return {entry[0]: [int(d) for d in entry[2]] for entry in manifest["tensors"]}
+
+
+def expand_slices(manifest: dict, named: list):
+    """(name, tensor) for vLLM's loader, one at a time: a tensor sent whole as it is, a slice put at its place in a
+    zero tensor of the whole shape — vLLM's weight loader narrows out exactly this worker's part (its merged and
+    padded layouts stay vLLM's business)."""
+    import torch  # deferred: torch
+
+    slices = manifest.get("slices")
+    if not slices:
+        yield from named
+        return
+    rank = int(manifest["slice_rank"])
+    for (name, part), entry, rule in zip(named, manifest["tensors"], slices):
+        if rule is None:
+            yield name, part
+            continue
+        dim, bounds = int(rule[0]), rule[1]
+        full = torch.zeros([int(d) for d in entry[2]], dtype=part.dtype, device=part.device)
+        full.narrow(dim, int(bounds[rank]), int(bounds[rank + 1]) - int(bounds[rank])).copy_(part)
+        yield name, full
 
 
 class Deadline:
@@ -209,11 +275,13 @@ def _chunks(buf, step: int):
     return [buf[i:i + step] for i in range(0, buf.numel(), step)] or [buf]
 
 
-def transfer_buckets(pg, buffers: list, entries: list, *, me: int, chain: list[int] | None,
+def transfer_buckets(pg, buffers, entries: list, *, me: int, chain: list[int] | None,
                      chunk_bytes: int = CHUNK_BYTES, counter: ChainCounter | None = None, window: int = 4,
-                     device=None) -> set[int]:
+                     device=None, chains: list[list[int]] | None = None, checksum: str | None = None,
+                     sums: dict[int, int] | None = None) -> set[int]:
     """Move every bucket of one transfer through the group `pg`, in manifest order, as rank `me`. `buffers[i]` is
-    bucket i (the data on its root, a buffer to fill elsewhere; None where this rank takes no part in bucket i).
+    bucket i (the data on its root, a buffer to fill elsewhere; None where this rank takes no part in bucket i);
+    `buffers` may be an iterator (the root's slices, cut as they are reached).
 
     `chain` (gloo): the receivers' ranks in order; bucket i goes root(i) → chain[0] → chain[1] → …, cut into
     chunks of `chunk_bytes`, each rank forwarding a chunk as soon as it has it (up to `window` sends in flight), so
@@ -223,13 +291,20 @@ def transfer_buckets(pg, buffers: list, entries: list, *, me: int, chain: list[i
     `chain` None (NCCL): `pg.broadcast` from the root, which NCCL pipelines over its ring in chunks (the root sends
     each byte once); every member of the group takes part in every bucket: a bucket held in host memory (an owner's
     sharded snapshot) is copied to `device` for its broadcast, and a member without it receives into a scratch
-    buffer there (one bucket at a time)."""
+    buffer there (one bucket at a time).
+
+    A sliced transfer (`tp_slice`: an entry [dtype, numel, root, r] is slice r of a bucket) sends each slice down
+    `chains[r]` (gloo: the workers of TP rank r of every engine; NCCL: the whole group), followed by its checksum
+    of kind `checksum` computed by the root (one int64), which each receiver puts in `sums[i]`."""
     tag = 0
     forwarded = True
     unreachable: set[int] = set()
-    for entry, buf in zip(entries, buffers):
+    for i, (entry, buf) in enumerate(zip(entries, buffers)):
         root = bucket_root(entry)
-        if chain is not None and len(chain) == 1 and me in (root, chain[0]) and pg.size() == 2:
+        sliced = len(entry) > 3
+        members = chains[int(entry[3])] if sliced and chain is not None else chain
+        empty = sliced and int(entry[1]) == 0  # a slice with nothing in it (a vocabulary's last, padded rank)
+        if not sliced and chain is not None and len(chain) == 1 and me in (root, chain[0]) and pg.size() == 2:
             # one owner, one receiver: a broadcast, as before the chain (the chain's send/recv hung against a real
             # vLLM worker in test_vllm_e2e, 2026-12-04, cause not found; the simulated engines pass)
             pg.broadcast(buf, root).wait()
@@ -237,7 +312,7 @@ def transfer_buckets(pg, buffers: list, entries: list, *, me: int, chain: list[i
                 counter.bytes += buf.numel() * buf.element_size()
             tag += max(1, -(-int(entry[1]) // _step(entry, chunk_bytes)))
             continue
-        if chain is None:
+        if members is None:
             import torch  # deferred: torch
 
             wire = buf
@@ -245,30 +320,41 @@ def transfer_buckets(pg, buffers: list, entries: list, *, me: int, chain: list[i
                 wire = torch.empty(int(entry[1]), dtype=getattr(torch, entry[0]), device=device)
                 if buf is not None and me == root:
                     wire.copy_(buf)
-            pg.broadcast(wire, root).wait()
+            if not empty:
+                pg.broadcast(wire, root).wait()
             if me == root and counter is not None:
                 counter.bytes += wire.numel() * wire.element_size()
             if buf is not None and wire is not buf and me != root:
                 buf.copy_(wire)
+            if sliced:
+                box = torch.tensor([bucket_checksum(wire, checksum) if me == root else 0], dtype=torch.int64,
+                                   device=wire.device)
+                pg.broadcast(box, root).wait()
+                if sums is not None:
+                    sums[i] = int(box.item())
             continue
-        order = [root] + [r for r in chain if r != root]
+        order = [root] + [r for r in members if r != root]
         at = order.index(me) if me in order else -1
         step = _step(entry, chunk_bytes)
-        count = max(1, -(-int(entry[1]) // step))  # chunks of this bucket: every rank numbers them alike (tags)
-        if at < 0:  # not in this bucket's chain (another owner's bucket)
-            tag += count
+        count = 0 if empty else max(1, -(-int(entry[1]) // step))  # every rank numbers the chunks alike (tags)
+        if at < 0:  # not in this bucket's chain (another owner's bucket, another TP rank's slice)
+            tag += count + (1 if sliced else 0)
             continue
-        pieces = _chunks(buf, step)
+        pieces = [] if empty else _chunks(buf, step)
+        if sliced:  # its checksum after its data, along the same chain
+            import torch  # deferred: torch
+
+            pieces.append(torch.tensor([bucket_checksum(buf, checksum) if me == root else 0], dtype=torch.int64))
         prev = order[at - 1] if at > 0 else None
         nxt = order[at + 1] if 0 <= at < len(order) - 1 else None
         sends = []
-        for piece in pieces:
+        for k, piece in enumerate(pieces):
             if prev is not None:
                 pg.recv([piece], prev, tag).wait()
             if nxt is not None and (forwarded or me == root):
                 try:
                     sends.append(pg.send([piece], nxt, tag))
-                    if counter is not None:
+                    if counter is not None and not (sliced and k == len(pieces) - 1):
                         counter.bytes += piece.numel() * piece.element_size()
                     while len(sends) > window:
                         sends.pop(0).wait()
@@ -278,6 +364,8 @@ def transfer_buckets(pg, buffers: list, entries: list, *, me: int, chain: list[i
                     forwarded, sends = False, []
                     unreachable.add(nxt)
             tag += 1
+        if sliced and sums is not None:
+            sums[i] = int(pieces[-1].item())
         for w in sends:
             try:
                 w.wait()
@@ -296,10 +384,13 @@ def _answer(store, key: str, value: str) -> None:
         pass
 
 
-def receive(request: dict, *, rank: int, device) -> tuple[dict, list, object]:
+def receive(request: dict, *, rank: int, device, tp: dict | None = None) -> tuple[dict, list, object]:
     """Join the transfer described by `request` as the engine's worker `rank` − 1 (`rank` >= 1); return (manifest,
     [(name, tensor)], store); `manifest["done_key"]` is the key that tells the sender this worker loaded it.
-    Raises within connect_timeout + timeout (see the module docstring)."""
+    `tp` (`engine_tp`: this worker's tensor-parallel layout) goes with worker 0's request: the sender then sends each
+    worker only its slice (`tp_slice`), and the tensors returned are this worker's slices (`manifest["slices"]`,
+    `manifest["slice_rank"]`; `expand_slices` makes them loadable); `manifest["received_bytes"]` is what this worker
+    received. Raises within connect_timeout + timeout (see the module docstring)."""
     import torch  # deferred: torch
     import torch.distributed as dist  # deferred: torch
 
@@ -313,7 +404,7 @@ def receive(request: dict, *, rank: int, device) -> tuple[dict, list, object]:
         n = store.add(REQUESTS_KEY, 1) - 1
         store.set(REQUEST_KEY.format(n=n), json.dumps({"group": group, "world_size": world,
                                                        "version": request.get("version"),
-                                                       "joint": request.get("joint")}))
+                                                       "joint": request.get("joint"), "tp": tp}))
     store.set_timeout(timedelta(seconds=deadline.left()))
     manifest = json.loads(store.get(MANIFEST_KEY.format(group=group)))
     if "error" in manifest:
@@ -322,6 +413,14 @@ def receive(request: dict, *, rank: int, device) -> tuple[dict, list, object]:
     t = manifest.get("transfer") or {"group": group, "offset": 1, "world_size": world, "chain": list(range(1, world))}
     me = int(t["offset"]) + rank - 1
     manifest["done_key"] = DONE_KEY.format(group=t["group"], rank=me)
+    mine = None
+    if manifest.get("slices"):  # sliced: worker i is TP rank i mod t (TP is the innermost of vLLM's ranks)
+        mine = (rank - 1) % int(manifest["tp"]["size"])
+        if tp is not None and int(tp.get("rank", mine)) != mine:
+            _answer(store, manifest["done_key"], "failed")
+            raise RuntimeError(f"worker {rank - 1} is tensor-parallel rank {tp.get('rank')}, the sliced transfer "
+                               f"sends it rank {mine}'s slices; nothing was loaded")
+        manifest["slice_rank"] = mine
     pg = make_group(dist.PrefixStore(PG_PREFIX.format(group=t["group"]), store), me, int(t["world_size"]),
                     request["backend"], deadline.left())
     buffers = []
@@ -329,22 +428,30 @@ def receive(request: dict, *, rank: int, device) -> tuple[dict, list, object]:
         dtype, numel = entry[0], entry[1]
         if dtype not in DTYPES:
             raise ValueError(f"manifest: dtype {dtype!r} not allowed ({', '.join(DTYPES)})")
-        buffers.append(torch.empty(int(numel), dtype=getattr(torch, dtype), device=device))
+        ours = mine is None or len(entry) < 4 or int(entry[3]) == mine
+        buffers.append(torch.empty(int(numel), dtype=getattr(torch, dtype), device=device) if ours else None)
     chain = None if request["backend"] == "nccl" else [int(r) for r in t["chain"]]
+    sums: dict[int, int] = {}
     try:
         unreachable = transfer_buckets(pg, buffers, manifest["buckets"], me=me, chain=chain,
-                                       chunk_bytes=int(t.get("chunk_bytes", CHUNK_BYTES)))
+                                       chunk_bytes=int(t.get("chunk_bytes", CHUNK_BYTES)), chains=t.get("chains"),
+                                       checksum=manifest.get("checksum"), sums=sums)
     except Exception:
         _answer(store, manifest["done_key"], "failed")  # the sender's wait for this rank ends now
         raise
     for r in unreachable:  # the next member died: said for it, so the sender need not wait for it
         _answer(store, DONE_KEY.format(group=t["group"], rank=r), "unreachable")
     try:
-        check_checksums(manifest, buffers)
+        if mine is None:
+            check_checksums(manifest, buffers)
+        else:
+            check_checksums({**manifest, "checksums": [sums.get(i, 0) for i in range(len(buffers))]},
+                            buffers)
     except RuntimeError:
         store.set(manifest["done_key"], "corrupt")  # the sender's wait for this rank ends
         raise
-    named = split_buckets(manifest, buffers)
+    manifest["received_bytes"] = sum(b.numel() * b.element_size() for b in buffers if b is not None)
+    named = split_buckets(manifest, buffers) if mine is None else split_slices(manifest, buffers, mine)
     return manifest, named, store
 
 
@@ -459,8 +566,8 @@ class WeightSyncExtension:
             self._trainingrun_ref = ref
         return ref
 
-    def _trainingrun_apply(self, named: list, what: str) -> float:
-        """Hand checked tensors (`check_complete`) to vLLM."""
+    def _trainingrun_apply(self, named, what: str) -> float:
+        """Hand checked tensors (`check_complete`; a list or an iterator) to vLLM."""
         t0 = time.perf_counter()
         if hasattr(self, "reload_weights"):
             self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
@@ -468,24 +575,58 @@ class WeightSyncExtension:
             self.model_runner.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
         return time.perf_counter() - t0
 
+    def _trainingrun_tp(self) -> dict | None:
+        """This worker's tensor-parallel layout for a sliced transfer (`tp_slice.EngineTP`: size, this worker's
+        rank, KV heads, the vocabulary's padding, expert parallelism); None when vLLM does not say (then every
+        tensor is sent whole)."""
+        try:
+            from vllm.distributed import parallel_state  # deferred: vLLM (in the server's environment)
+
+            size = int(parallel_state.get_tensor_model_parallel_world_size())
+            rank = int(parallel_state.get_tensor_model_parallel_rank())
+        except Exception:  # noqa: BLE001 - not known: whole tensors
+            return None
+        cfg = self.vllm_config
+        try:
+            kv = int(cfg.model_config.get_total_num_kv_heads())
+        except Exception:  # noqa: BLE001 - not known: k/v projections whole
+            kv = None
+        pads: set[int] = set()
+        try:
+            from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding  # deferred: vLLM
+
+            model = self.model_runner.get_model()
+            pads = {int(m.padding_size) for m in model.modules() if isinstance(m, VocabParallelEmbedding)}
+        except Exception:  # noqa: BLE001 - not known: the vocabulary whole
+            pass
+        return {"size": size, "rank": rank, "kv_heads": kv, "vocab_pad": pads.pop() if len(pads) == 1 else None,
+                "expert_parallel": bool(getattr(cfg.parallel_config, "enable_expert_parallel", False))}
+
     def trainingrun_receive_weights(self, request: str) -> dict:
         req = json.loads(request)
         t0 = time.perf_counter()
         rank = 1 + int(getattr(self, "rank", 0))
         device = "cpu" if req["backend"] == "gloo" else getattr(self, "device", None)
-        manifest, named, store = receive(req, rank=rank, device=device)
+        tp = self._trainingrun_tp()
+        manifest, named, store = receive(req, rank=rank, device=device, tp=tp)
         t1 = time.perf_counter()
         what = f"broadcast version {manifest['version']}"
         try:
-            check_complete(named, self._trainingrun_reference(), what)
+            check_shapes(full_shapes(manifest, named), self._trainingrun_reference(), what)
         except ValueError as exc:  # foreign weights: refused, returned (module docstring)
             store.set(manifest["done_key"], "refused")
             return {"refused": str(exc), "version": manifest["version"]}
-        load_seconds = self._trainingrun_apply(named, what)
+        load_seconds = self._trainingrun_apply(expand_slices(manifest, named), what)
         store.set(manifest["done_key"], "ok")
-        nbytes = sum(t.numel() * t.element_size() for _, t in named)
-        return {"version": manifest["version"], "bytes": nbytes, "tensors": len(named),
-                "receive_seconds": round(t1 - t0, 6), "load_seconds": round(load_seconds, 6)}
+        result = {"version": manifest["version"], "bytes": manifest["received_bytes"], "tensors": len(named),
+                  "tp_rank": manifest.get("slice_rank"), "tp_size": (tp or {}).get("size", 1),
+                  "sliced": sum(1 for r in manifest.get("slices") or () if r is not None),
+                  "receive_seconds": round(t1 - t0, 6), "load_seconds": round(load_seconds, 6)}
+        if result["sliced"]:  # one line a worker and sync in the engine's log: what the slicing saved
+            print(f"[trainingrun] worker {rank - 1}: {what} received {result['bytes']} bytes as TP rank "
+                  f"{result['tp_rank']} of {result['tp_size']} ({result['sliced']} of {len(named)} tensors sliced)",
+                  file=sys.stderr, flush=True)
+        return result
 
     def trainingrun_check_dir(self, path: str) -> dict:
         """Whether the HF directory `path` holds this model's tensors (names and shapes, from the files' headers):
