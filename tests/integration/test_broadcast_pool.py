@@ -248,18 +248,33 @@ def _llama_like(layers: int = 2, hidden: int = 64, vocab: int = 200) -> list[tup
     return [(n, torch.randn(s, generator=g)) for n, s in shapes.items()]
 
 
+@pytest.mark.parametrize("nccl", [False, True], ids=["chain", "nccl-path"])
 @pytest.mark.parametrize("owners", [1, 2])
-def test_tensor_parallel_engines_get_one_slice_per_worker_down_a_chain_per_tp_rank(owners):
+def test_tensor_parallel_engines_get_one_slice_per_worker_down_a_chain_per_tp_rank(owners, nccl, monkeypatch):
     """Item 6: two engines of TP 2 (two workers each, the worker extension's own `receive` with the layout a TP-2
     vLLM worker reports) in one pool transfer: slice r of every bucket goes down the chain of the workers of TP rank
     r; each worker receives about half of the model, exactly its slices (a tensor the table does not cut, whole);
-    trainer rank 0 (with owner 1: the two owners together) sends about one copy of the model."""
+    trainer rank 0 (with owner 1: the two owners together) sends about one copy of the model.
+    `nccl`: sender, owner and workers told backend "nccl" (the broadcast path, one group per TP rank), their groups
+    made as gloo groups here (no GPUs): what crosses each worker's link is still its slices only."""
+    made: list[tuple[str, int]] = []  # (backend asked for, group size) of every group made
+    if nccl:
+        from trainingrun.engines.vllm import worker_ext
+
+        real = worker_ext.make_group
+
+        def gloo_group(store, rank, world, backend, timeout, device=None):
+            made.append((backend, world))
+            return real(store, rank, world, "gloo", timeout)
+
+        monkeypatch.setattr(worker_ext, "make_group", gloo_group)
+    backend = "nccl" if nccl else "gloo"
     named = _llama_like()
     want = dict(named)
     halves = [named[0::2], named[1::2]] if owners == 2 else [named]
     sender = BroadcastSender(0, host="127.0.0.1", timeout=60, dtype=None, bucket_bytes=32 << 10, owners=owners,
-                             chunk_bytes=8 << 10).start()
-    shard = ShardServer("127.0.0.1", sender.port, owner=1, owners=2, timeout=60, dtype=None,
+                             chunk_bytes=8 << 10, backend=backend).start()
+    shard = ShardServer("127.0.0.1", sender.port, owner=1, owners=2, timeout=60, dtype=None, backend=backend,
                         bucket_bytes=32 << 10, chunk_bytes=8 << 10).start() if owners == 2 else None
     try:
         nbytes = sum(h.set_weights(5, part).nbytes for h, part in zip([sender, shard], halves))
@@ -267,7 +282,7 @@ def test_tensor_parallel_engines_get_one_slice_per_worker_down_a_chain_per_tp_ra
         got: dict[tuple[int, int], tuple] = {}
 
         def worker(engine: int, rank: int, group: str) -> None:
-            req = dict(_request(sender, joint), version=5, group=group, world_size=3)
+            req = dict(_request(sender, joint), version=5, group=group, world_size=3, backend=backend)
             tp = {"size": 2, "rank": rank, "kv_heads": 2, "vocab_pad": 64, "expert_parallel": False}
             manifest, tensors, st = receive(req, rank=1 + rank, device="cpu", tp=tp)
             st.set(manifest["done_key"], "ok")
@@ -305,6 +320,8 @@ def test_tensor_parallel_engines_get_one_slice_per_worker_down_a_chain_per_tp_ra
         assert sent == nbytes + replicated, (sent, nbytes)  # each slice once, whatever the pool's size
         if shard:
             assert 0 < shard.bytes_sent < sent and 0 < sender.bytes_sent < sent
+        if nccl:  # one group per TP rank: the owners and 2 workers, made 2 × owners + 4 times; never the whole group
+            assert sorted(made) == [("nccl", owners + 2)] * (2 * owners + 4), made
     finally:
         if shard:
             shard.close()
@@ -355,51 +372,75 @@ def test_engines_of_different_layouts_in_one_sync_get_transfers_of_their_own():
         sender.close()
 
 
-def test_a_sliced_transfer_by_broadcast_as_on_nccl_gives_each_worker_its_slices():
-    """The NCCL path of a sliced transfer (`transfer_buckets` with no chain: each slice and its checksum a broadcast
-    over the whole group, a worker of another TP rank receiving into scratch), run here on gloo: three ranks (the
-    sender, the two workers of a TP-2 engine) in threads of this process."""
+def test_a_sliced_transfer_by_broadcast_as_on_nccl_gives_each_worker_only_its_slices():
+    """The NCCL path of a sliced transfer (`transfer_groups`: one group per slice r, the two owners and the workers of
+    TP rank r; `transfer_buckets` with no chain: each slice and its checksum a broadcast in its group), run here on
+    gloo: two trainer owners and two engines of TP 2 (ranks 2 … 5) in threads of this process. Each worker receives
+    exactly its slices, and only those cross its link (about half the model; before the per-slice groups every
+    worker received all t slices); the owners send each slice once."""
     import torch.distributed as dist
 
-    from trainingrun.engines.vllm.broadcast import _buffers, pack, sliced
+    from trainingrun.engines.vllm.broadcast import _buffers, sliced
     from trainingrun.engines.vllm.tp_slice import EngineTP
-    from trainingrun.engines.vllm.worker_ext import (ChainCounter, bucket_checksum, make_group, split_slices,
-                                                     transfer_buckets)
+    from trainingrun.engines.vllm.worker_ext import (ChainCounter, bucket_checksum, bucket_root, split_slices,
+                                                     transfer_buckets, transfer_groups)
 
     named = _llama_like()
     want = dict(named)
-    snap = pack(1, named, dtype=None, device="cpu", bucket_bytes=32 << 10)
-    tp = EngineTP(size=2, kv_heads=2, vocab_pad=64)
-    manifest, chains, per_rank = sliced(snap.manifest, tp, [{"group": "e", "offset": 1, "workers": 2}])
-    assert chains == [[1], [2]]
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    counter, got = ChainCounter(), {}
+    sender = BroadcastSender(0, host="127.0.0.1", timeout=60, dtype=None, bucket_bytes=32 << 10, owners=2)
+    shard = ShardServer("127.0.0.1", sender.port, owner=1, owners=2, timeout=60, dtype=None, bucket_bytes=32 << 10)
+    try:
+        snaps = [h.set_weights(1, part) for h, part in zip((sender, shard), (named[0::2], named[1::2]))]
+        views = [h.assemble(snap) for h, snap in zip((sender, shard), snaps)]  # each owner's buffers in place
+        nbytes = views[0].nbytes
+        members = [{"group": f"e{e}", "offset": 2 + 2 * e, "workers": 2} for e in range(2)]
+        manifest, chains, per_rank = sliced(views[0].manifest, EngineTP(size=2, kv_heads=2, vocab_pad=64), members)
+        assert chains == [[2, 4], [3, 5]] and {bucket_root(e) for e in manifest["buckets"]} == {0, 1}
+        counters = {me: ChainCounter() for me in range(6)}
+        got, joined, errors = {}, {}, []
 
-    def member(me: int) -> None:
-        client = dist.TCPStore("127.0.0.1", store.port, is_master=False)  # one client each, as the processes
-        pg = make_group(dist.PrefixStore("nccl-like", client), me, 3, "gloo", 30)
-        if me == 0:
-            transfer_buckets(pg, _buffers(list(snap.buckets), manifest), manifest["buckets"], me=0, chain=None,
-                             counter=counter, chains=chains, checksum=manifest["checksum"])
-            return
-        rank = me - 1
-        buffers = [torch.empty(int(e[1])) if int(e[3]) == rank else None for e in manifest["buckets"]]
-        sums: dict[int, int] = {}
-        transfer_buckets(pg, buffers, manifest["buckets"], me=me, chain=None, chains=chains,
-                         checksum=manifest["checksum"], sums=sums)
-        got[rank] = (split_slices(manifest, buffers, rank), sums, buffers)
+        def member(me: int) -> None:
+            try:
+                client = dist.TCPStore("127.0.0.1", sender.port, is_master=False)  # one client each, as processes
+                pg, groups = transfer_groups(dist.PrefixStore("nccl-like", client), me, 6, "gloo", 30, chains,
+                                             broadcast=True)
+                joined[me] = (pg, {r: ranks for r, (_g, ranks) in groups.items()})
+                common = dict(me=me, chain=None, chains=chains, checksum=manifest["checksum"], groups=groups,
+                              counter=counters[me])
+                if me < 2:
+                    transfer_buckets(pg, _buffers(views[me].buckets, manifest), manifest["buckets"], **common)
+                    return
+                rank = (me - 2) % 2
+                buffers = [torch.empty(int(e[1])) if int(e[3]) == rank else None for e in manifest["buckets"]]
+                sums: dict[int, int] = {}
+                transfer_buckets(pg, buffers, manifest["buckets"], sums=sums, **common)
+                got[me] = (rank, split_slices(manifest, buffers, rank), sums, buffers)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append((me, exc))
 
-    threads = [threading.Thread(target=member, args=(m,)) for m in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert sorted(got) == [0, 1]
-    for rank, (tensors, sums, buffers) in got.items():
-        for (name, part), r in zip(tensors, manifest["slices"]):
-            full = want[name]
-            expect = full if r is None else full.narrow(r[0], r[1][rank], r[1][rank + 1] - r[1][rank])
-            assert torch.equal(part, expect), (name, rank)
-        mine = [i for i, b in enumerate(buffers) if b is not None]
-        assert mine and all(sums[i] == bucket_checksum(buffers[i], "crc32") for i in mine)
-    assert counter.bytes == sum(per_rank)  # the root sends each slice once
+        threads = [threading.Thread(target=member, args=(m,)) for m in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors and sorted(got) == [2, 3, 4, 5], errors
+        for me, (pg, groups) in joined.items():  # an owner is in every slice's group, a worker in its rank's only
+            assert pg is None
+            assert groups == ({0: [0, 1, 2, 4], 1: [0, 1, 3, 5]} if me < 2 else
+                              {(me - 2) % 2: [0, 1] + chains[(me - 2) % 2]}), (me, groups)
+        for me, (rank, tensors, sums, buffers) in got.items():
+            for (name, part), r in zip(tensors, manifest["slices"]):
+                full = want[name]
+                expect = full if r is None else full.narrow(r[0], r[1][rank], r[1][rank + 1] - r[1][rank])
+                assert torch.equal(part, expect), (name, rank)
+            mine = [i for i, b in enumerate(buffers) if b is not None]
+            assert mine and all(sums[i] == bucket_checksum(buffers[i], "crc32") for i in mine)
+            # what crossed this worker's link: its own slices only (about half the model), not all t of them
+            assert counters[me].received == per_rank[rank] < 0.55 * nbytes, (me, counters[me].received, nbytes)
+            assert counters[me].received < sum(per_rank)
+            assert counters[me].bytes == 0
+        sent = counters[0].bytes + counters[1].bytes
+        assert sent == sum(per_rank) and counters[0].bytes > 0 and counters[1].bytes > 0  # each slice once
+    finally:
+        shard.close()
+        sender.close()

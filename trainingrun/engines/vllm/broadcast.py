@@ -21,7 +21,8 @@ gloo, NCCL's ring broadcast on GPUs). An engine whose workers do not all answer 
 again alone; a dead one is taken out by the pool); a request that comes late gets a transfer of its own, after. A
 transfer that fails (engine died, timeout) is logged; the engines keep their old weights whole and load again.
 Engines of tensor parallelism t > 1 (issue 28 item 6, `sliced`): each bucket is cut into t slices as the transfer
-reaches it (`tp_slice`), slice r going down a chain of the workers of TP rank r of every engine, so each worker
+reaches it (`tp_slice`), slice r going down a chain of the workers of TP rank r of every engine (gloo), or on NCCL
+broadcast in a group of its own, the owners and those workers (`worker_ext.transfer_groups`), so each worker
 receives its part only and rank 0 sends about one copy of the model; only the engines of one layout share a
 transfer.
 `bytes_sent` counts what this rank put on the wire.
@@ -56,8 +57,8 @@ from trainingrun.engines.vllm.worker_ext import (
     bucket_checksum,
     checksum_kind,
     connect,
-    make_group,
     transfer_buckets,
+    transfer_groups,
 )
 
 PART_KEY = "trainingrun/part/{version}/{owner}"  # an owner's part manifest of a version (JSON)
@@ -299,12 +300,12 @@ class BroadcastSender:
             self.store.set(MANIFEST_KEY.format(group=m["group"]), json.dumps({**manifest, "transfer": transfer}))
         counter = self.sending = ChainCounter()  # live: what this transfer sent so far
         try:
-            pg = make_group(dist.PrefixStore(PG_PREFIX.format(group=name), self.store), 0, world, self.backend,
-                            self.timeout)
+            pg, groups = transfer_groups(dist.PrefixStore(PG_PREFIX.format(group=name), self.store), 0, world,
+                                         self.backend, self.timeout, chains, broadcast=self.backend == "nccl")
             transfer_buckets(pg, _buffers(list(snap.buckets), manifest), manifest["buckets"], me=0,
                              chain=None if self.backend == "nccl" else chain, chunk_bytes=self.chunk_bytes,
                              counter=counter, device=self.transfer_device, chains=chains,
-                             checksum=manifest.get("checksum"))
+                             checksum=manifest.get("checksum"), groups=groups)
             t1 = time.perf_counter()
             done = self._wait_done(name, world)
         finally:
@@ -448,12 +449,13 @@ class ShardServer(BroadcastSender):
             buffers = _buffers(buffers, t)
         counter = self.sending = ChainCounter()
         try:
-            pg = make_group(dist.PrefixStore(PG_PREFIX.format(group=name), self.store), self.owner,
-                            int(t["world_size"]), self.backend, self.timeout)
+            pg, groups = transfer_groups(dist.PrefixStore(PG_PREFIX.format(group=name), self.store), self.owner,
+                                         int(t["world_size"]), self.backend, self.timeout, chains,
+                                         broadcast=self.backend == "nccl")
             transfer_buckets(pg, buffers, t["buckets"], me=self.owner,
                              chain=None if self.backend == "nccl" else [int(r) for r in t["chain"]],
                              chunk_bytes=int(t["chunk_bytes"]), counter=counter, device=self.transfer_device,
-                             chains=chains, checksum=t.get("checksum"))
+                             chains=chains, checksum=t.get("checksum"), groups=groups)
         except Exception as exc:  # noqa: BLE001 - the engines keep their weights and transfer again
             self.store.set(done, "failed")
             self.failures += 1

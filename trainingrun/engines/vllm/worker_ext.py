@@ -29,8 +29,9 @@ Protocol (the sender is `trainingrun.engines.vllm.broadcast.BroadcastSender` on 
      "failed", one that cannot forward to the next answers "unreachable" for it: the sender's wait ends at once.
      Sliced (TP t > 1, `trainingrun.engines.vllm.tp_slice`): the manifest's buckets are each bucket's t slices
      ([dtype, numel, root, r]), every tensor's rule in "slices"; slice r goes down `transfer["chains"][r]`, the
-     workers of TP rank r (worker i is TP rank i mod t) of every engine, each followed by its checksum; a worker
-     receives only its own slices and `expand_slices` hands vLLM each tensor whole-shaped, its slice in place.
+     workers of TP rank r (worker i is TP rank i mod t) of every engine (NCCL: a broadcast in slice r's group, the
+     owners and those workers, `transfer_groups`), each followed by its checksum; a worker receives only its own
+     slices and `expand_slices` hands vLLM each tensor whole-shaped, its slice in place.
   5. Only after EVERY bucket arrived (and the names and shapes match the model's checkpoint) are they handed to vLLM
      (`model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)`, which shards and repacks them
      for this worker): a transfer that breaks halfway (trainer died, timeout) raises before anything is applied, so
@@ -60,6 +61,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 import time
 import zlib
@@ -89,6 +91,28 @@ def make_group(store, rank: int, world_size: int, backend: str, timeout: float, 
         opts._timeout = timedelta(seconds=timeout)
         return dist.ProcessGroupNCCL(store, rank, world_size, opts)
     raise ValueError(f"backend: {backend!r} is not supported; allowed: gloo, nccl")
+
+
+def transfer_groups(store, me: int, world: int, backend: str, timeout: float, chains: list | None,
+                    broadcast: bool) -> tuple:
+    """The groups rank `me` joins for one transfer (`store`: the transfer's PrefixStore): (the whole group, None),
+    or on the broadcast path (NCCL) of a sliced transfer (None, {r: (group, its members' transfer ranks)}): slice r's
+    group is the trainer owners (the ranks in no chain) then `chains[r]`, renumbered in that order, on
+    PrefixStore "slice<r>", made only by its members and in the order r = 0 … t − 1 (an owner makes all t), so a
+    worker's link carries its own slices only."""
+    import torch.distributed as dist  # deferred: torch
+
+    if not (broadcast and chains):
+        return make_group(store, me, world, backend, timeout), None
+    inside = {int(r) for c in chains for r in c}
+    owners = [r for r in range(world) if r not in inside]
+    groups = {}
+    for r, chain in enumerate(chains):
+        ranks = owners + [int(x) for x in chain]
+        if me in ranks:
+            groups[r] = (make_group(dist.PrefixStore(f"slice{r}", store), ranks.index(me), len(ranks), backend,
+                                    timeout), ranks)
+    return None, groups
 
 
 CHECKSUM_MOD = 65521  # the largest prime below 2**16: position weights 1 … 65521
@@ -148,9 +172,7 @@ def split_buckets(manifest: dict, buffers: list) -> list:
     out = []
     offsets = [0] * len(buffers)
     for name, dtype, shape, bucket in manifest["tensors"]:
-        n = 1
-        for d in shape:
-            n *= int(d)
+        n = numel(shape)
         buf = buffers[bucket]
         if str(buf.dtype).removeprefix("torch.") != dtype:
             raise ValueError(f"manifest: {name} is {dtype} but bucket {bucket} holds {buf.dtype}")
@@ -166,20 +188,15 @@ def split_buckets(manifest: dict, buffers: list) -> list:
 
 
 def numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
+    return math.prod(int(d) for d in shape)
 
 
 def slice_shape(shape, rule, rank: int) -> list[int]:
     """The shape of slice `rank` of a tensor of `shape` under `rule` ([dim, bounds] or None: whole; see
     `trainingrun.engines.vllm.tp_slice`)."""
-    if rule is None:
-        return [int(d) for d in shape]
-    dim, bounds = int(rule[0]), rule[1]
     out = [int(d) for d in shape]
-    out[dim] = int(bounds[rank + 1]) - int(bounds[rank])
+    if rule is not None:
+        out[int(rule[0])] = int(rule[1][rank + 1]) - int(rule[1][rank])
     return out
 
 
@@ -257,10 +274,16 @@ def bucket_root(entry) -> int:
 
 
 class ChainCounter:
-    """Bytes this process put on the wire in `chain_send` / `chain_forward` (what rank 0's figure counts)."""
+    """Bytes this process put on the wire (`bytes`: what rank 0's figure counts) and took off it (`received`: what
+    crossed its link into it, a scratch buffer's too) in `transfer_buckets`."""
 
     def __init__(self):
         self.bytes = 0
+        self.received = 0
+
+    def add(self, tensor, sent: bool) -> None:
+        n = tensor.numel() * tensor.element_size()
+        self.bytes, self.received = (self.bytes + n, self.received) if sent else (self.bytes, self.received + n)
 
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -278,7 +301,7 @@ def _chunks(buf, step: int):
 def transfer_buckets(pg, buffers, entries: list, *, me: int, chain: list[int] | None,
                      chunk_bytes: int = CHUNK_BYTES, counter: ChainCounter | None = None, window: int = 4,
                      device=None, chains: list[list[int]] | None = None, checksum: str | None = None,
-                     sums: dict[int, int] | None = None) -> set[int]:
+                     sums: dict[int, int] | None = None, groups: dict | None = None) -> set[int]:
     """Move every bucket of one transfer through the group `pg`, in manifest order, as rank `me`. `buffers[i]` is
     bucket i (the data on its root, a buffer to fill elsewhere; None where this rank takes no part in bucket i);
     `buffers` may be an iterator (the root's slices, cut as they are reached).
@@ -294,11 +317,12 @@ def transfer_buckets(pg, buffers, entries: list, *, me: int, chain: list[int] | 
     buffer there (one bucket at a time).
 
     A sliced transfer (`tp_slice`: an entry [dtype, numel, root, r] is slice r of a bucket) sends each slice down
-    `chains[r]` (gloo: the workers of TP rank r of every engine; NCCL: the whole group), followed by its checksum
-    of kind `checksum` computed by the root (one int64), which each receiver puts in `sums[i]`."""
-    tag = 0
-    forwarded = True
+    `chains[r]` (gloo: the workers of TP rank r of every engine; NCCL: a broadcast in `groups[r]`, the owners and
+    those workers, from `transfer_groups`; `pg` is then None), followed by its checksum of kind `checksum` computed
+    by the root (one int64), which each receiver puts in `sums[i]`."""
+    tag, forwarded = 0, True
     unreachable: set[int] = set()
+    counter = counter if counter is not None else ChainCounter()
     for i, (entry, buf) in enumerate(zip(entries, buffers)):
         root = bucket_root(entry)
         sliced = len(entry) > 3
@@ -308,28 +332,34 @@ def transfer_buckets(pg, buffers, entries: list, *, me: int, chain: list[int] | 
             # one owner, one receiver: a broadcast, as before the chain (the chain's send/recv hung against a real
             # vLLM worker in test_vllm_e2e, 2026-12-04, cause not found; the simulated engines pass)
             pg.broadcast(buf, root).wait()
-            if me == root and counter is not None:
-                counter.bytes += buf.numel() * buf.element_size()
+            counter.add(buf, sent=me == root)
             tag += max(1, -(-int(entry[1]) // _step(entry, chunk_bytes)))
             continue
         if members is None:
             import torch  # deferred: torch
 
+            group, at = pg, root
+            if sliced:
+                if groups is None:
+                    raise ValueError("a sliced transfer by broadcast needs its per-slice groups (transfer_groups)")
+                if int(entry[3]) not in groups:  # another TP rank's slice: not in its group
+                    continue
+                group, ranks = groups[int(entry[3])]
+                at = ranks.index(root)
             wire = buf
             if buf is None or (device is not None and buf.device != torch.device(device)):
                 wire = torch.empty(int(entry[1]), dtype=getattr(torch, entry[0]), device=device)
                 if buf is not None and me == root:
                     wire.copy_(buf)
             if not empty:
-                pg.broadcast(wire, root).wait()
-            if me == root and counter is not None:
-                counter.bytes += wire.numel() * wire.element_size()
+                group.broadcast(wire, at).wait()
+            counter.add(wire, sent=me == root)
             if buf is not None and wire is not buf and me != root:
                 buf.copy_(wire)
             if sliced:
                 box = torch.tensor([bucket_checksum(wire, checksum) if me == root else 0], dtype=torch.int64,
                                    device=wire.device)
-                pg.broadcast(box, root).wait()
+                group.broadcast(box, at).wait()
                 if sums is not None:
                     sums[i] = int(box.item())
             continue
@@ -351,11 +381,13 @@ def transfer_buckets(pg, buffers, entries: list, *, me: int, chain: list[int] | 
         for k, piece in enumerate(pieces):
             if prev is not None:
                 pg.recv([piece], prev, tag).wait()
+                if not (sliced and k == len(pieces) - 1):
+                    counter.add(piece, sent=False)
             if nxt is not None and (forwarded or me == root):
                 try:
                     sends.append(pg.send([piece], nxt, tag))
-                    if counter is not None and not (sliced and k == len(pieces) - 1):
-                        counter.bytes += piece.numel() * piece.element_size()
+                    if not (sliced and k == len(pieces) - 1):
+                        counter.add(piece, sent=True)
                     while len(sends) > window:
                         sends.pop(0).wait()
                 except Exception:  # noqa: BLE001 - the next member went away (module docstring)
@@ -421,8 +453,9 @@ def receive(request: dict, *, rank: int, device, tp: dict | None = None) -> tupl
             raise RuntimeError(f"worker {rank - 1} is tensor-parallel rank {tp.get('rank')}, the sliced transfer "
                                f"sends it rank {mine}'s slices; nothing was loaded")
         manifest["slice_rank"] = mine
-    pg = make_group(dist.PrefixStore(PG_PREFIX.format(group=t["group"]), store), me, int(t["world_size"]),
-                    request["backend"], deadline.left())
+    pg, groups = transfer_groups(dist.PrefixStore(PG_PREFIX.format(group=t["group"]), store), me,
+                                 int(t["world_size"]), request["backend"], deadline.left(), t.get("chains"),
+                                 broadcast=request["backend"] == "nccl")
     buffers = []
     for entry in manifest["buckets"]:
         dtype, numel = entry[0], entry[1]
@@ -432,10 +465,11 @@ def receive(request: dict, *, rank: int, device, tp: dict | None = None) -> tupl
         buffers.append(torch.empty(int(numel), dtype=getattr(torch, dtype), device=device) if ours else None)
     chain = None if request["backend"] == "nccl" else [int(r) for r in t["chain"]]
     sums: dict[int, int] = {}
+    counter = ChainCounter()
     try:
         unreachable = transfer_buckets(pg, buffers, manifest["buckets"], me=me, chain=chain,
                                        chunk_bytes=int(t.get("chunk_bytes", CHUNK_BYTES)), chains=t.get("chains"),
-                                       checksum=manifest.get("checksum"), sums=sums)
+                                       checksum=manifest.get("checksum"), sums=sums, counter=counter, groups=groups)
     except Exception:
         _answer(store, manifest["done_key"], "failed")  # the sender's wait for this rank ends now
         raise
@@ -450,7 +484,7 @@ def receive(request: dict, *, rank: int, device, tp: dict | None = None) -> tupl
     except RuntimeError:
         store.set(manifest["done_key"], "corrupt")  # the sender's wait for this rank ends
         raise
-    manifest["received_bytes"] = sum(b.numel() * b.element_size() for b in buffers if b is not None)
+    manifest["received_bytes"] = counter.received  # what crossed this worker's link (a chain's or group's)
     named = split_buckets(manifest, buffers) if mine is None else split_slices(manifest, buffers, mine)
     return manifest, named, store
 
