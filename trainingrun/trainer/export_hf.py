@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from trainingrun.modeling.convert import ConversionError
-from trainingrun.modeling.hf_config import HFConfigError
+from trainingrun.modeling.hf_config import HFConfigError, exportable
 from trainingrun.modeling.hf_io import write_hf_dir
 from trainingrun.modeling.lora import peft_adapter
 from trainingrun.trainer.full_state import load_full_state
@@ -49,6 +49,9 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "auto", t
               log=lambda msg: None) -> Path:
     t0 = time.perf_counter()
     full = load_full_state(checkpoint)
+    why = exportable(full.arch)  # before any conversion: the reason, not the tensors the conversion would not place
+    if why:
+        raise HFConfigError(f"checkpoint {full.path}: {why}; nothing was written")
     log(f"export-hf: read {full.path} ({len(full.state)} tensors, step {full.progress.get('global_step')}) in "
         f"{time.perf_counter() - t0:.1f}s")
     assets = Path(tokenizer) if tokenizer is not None else full.assets_dir
