@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,11 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the hand-built samples of the tests (tests/synthetic.py)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from trainingrun.local.procs import free_port  # noqa: E402 - after the path
 
 
 def _state_bytes(model, optimizer) -> int:
@@ -67,7 +62,7 @@ def _state_bytes(model, optimizer) -> int:
 
 
 def run_mode(args: argparse.Namespace) -> dict:
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     from trainingrun.modeling.architecture import resolve
     from trainingrun.modeling.lora_base import base_reference
     from trainingrun.modeling.model import build_model, init_distributed, prepare_device, set_seed

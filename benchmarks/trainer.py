@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -23,11 +22,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the hand-built rollouts of the tests (tests/synthetic.py)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from trainingrun.local.procs import free_port  # noqa: E402 - after the path
 
 
 def main() -> None:
@@ -39,7 +34,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=1024, help="maxTokensPerGPU of the schedule")
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
     from trainingrun.modeling.architecture import resolve
     from trainingrun.modeling.model import build_model, init_distributed, prepare_device, set_seed

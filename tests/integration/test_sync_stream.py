@@ -302,11 +302,23 @@ def test_adapter_publisher_writes_the_whole_adapters_as_a_peft_directory(tmp_pat
         assert torch.equal(loaded, want[name].to(torch.bfloat16).float()), name
 
 
-def _lora_worker(tmp: str, tp: int, pp: int, ep: int) -> None:
+def _seeded_model(tp: int, pp: int, ep: int):
+    """A worker's start: the device and process groups of (tp, pp, ep), the test model's arch (`_arch(ep)`) and this
+    rank's part of it, seeded (7). Megatron is imported only after `prepare_device` (the CPU shim)."""
     from trainingrun.modeling.model import init_distributed, prepare_device
 
     device = prepare_device(0)
     init_distributed(device, tp=tp, pp=pp, ep=ep)
+    from trainingrun.modeling.architecture import Architecture
+    from trainingrun.modeling.model import build_model, set_seed
+
+    arch = Architecture.from_dict(_arch(ep))
+    set_seed(7)
+    return arch, build_model(arch, device)
+
+
+def _lora_worker(tmp: str, tp: int, pp: int, ep: int) -> None:
+    arch, model = _seeded_model(tp, pp, ep)
     import json
 
     import torch
@@ -314,18 +326,13 @@ def _lora_worker(tmp: str, tp: int, pp: int, ep: int) -> None:
     from megatron.core import parallel_state as ps
 
     from trainingrun.engines.vllm.publish import AdapterPublisher
-    from trainingrun.modeling.architecture import Architecture
     from trainingrun.modeling.convert import canonical_name, ep_global_name
     from trainingrun.modeling.lora import LoRAAdapter, apply_lora
     from trainingrun.modeling.lora_targets import LoRASettings
-    from trainingrun.modeling.model import build_model, set_seed
     from trainingrun.modeling.pipeline import whole_name
     from trainingrun.modeling.state import live_layout
     from trainingrun.store import open_store
 
-    arch = Architecture.from_dict(_arch(ep))
-    set_seed(7)
-    model = build_model(arch, device)
     tp_at = (ps.get_tensor_model_parallel_rank(), tp)
     pp_at = (ps.get_pipeline_model_parallel_rank(), pp)
     ep_at = (ps.get_expert_model_parallel_rank(), ep)
@@ -369,21 +376,13 @@ def _busy_until(flag: Path, limit: float = 150.0) -> None:
 
 
 def _worker(tmp: str, tp: int, pp: int, ep: int) -> None:
-    from trainingrun.modeling.model import init_distributed, prepare_device
-
-    device = prepare_device(0)
-    init_distributed(device, tp=tp, pp=pp, ep=ep)
+    arch, model = _seeded_model(tp, pp, ep)
     import torch
     import torch.distributed as dist
 
-    from trainingrun.modeling.architecture import Architecture
-    from trainingrun.modeling.model import build_model, set_seed
     from trainingrun.modeling.state import gather_live_state, live_layout
     from trainingrun.modeling.stream import iter_live_buckets
 
-    arch = Architecture.from_dict(_arch(ep))
-    set_seed(7)
-    model = build_model(arch, device)
     layout = live_layout()
     layout.pop("dp_rank")
     whole = gather_live_state(model, arch, **layout)

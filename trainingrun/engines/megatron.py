@@ -170,8 +170,6 @@ class MegatronEngine:
             state = base_state(ref, self.arch, f"weight version {version}")
         except (ValueError, FileNotFoundError) as exc:
             raise ConfigError(str(exc)) from None
-        names = set(self.model.state_dict())
-        state = {k: v for k, v in state.items() if k in names}  # the model's own (`_load_lora` checks the rest)
         print(f"megatron engine: no base loaded and weight version {version} holds the adapters only (a rollout "
               f"restarted alone): rebuilt the base from {describe(ref)} in {time.perf_counter() - t0:.2f}s",
               file=sys.stderr, flush=True)
