@@ -112,6 +112,31 @@ def test_a_member_killed_mid_transfer_is_dropped_and_the_others_load_the_version
         sender.close()
 
 
+def test_a_worker_whose_transfer_group_cannot_form_answers_failed():
+    """Regression (issue 28 item 2): a worker whose transfer group could not form (seen: gloo's connectFullMesh,
+    "Connection closed by peer") raised without answering, so the sender would wait for its answer the transfer's
+    whole timeout. It answers "failed" now, as for a transfer cut later, and the engine loads again."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from trainingrun.engines.vllm.worker_ext import DONE_KEY, MANIFEST_KEY
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    group = new_group_name()
+    # a sender that announced a transfer to itself and this worker, and never joins the group
+    master.set(MANIFEST_KEY.format(group=group), json.dumps(
+        {"version": 0, "tensors": [["w", "float32", [4], 0]], "buckets": [["float32", 4]], "bytes": 16}))
+    request = {"host": "127.0.0.1", "port": master.port, "group": group, "world_size": 2, "backend": "gloo",
+               "timeout": 3, "connect_timeout": 3, "version": 0}
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError):
+        receive(request, rank=1, device="cpu")
+    assert time.monotonic() - t0 < 30
+    done = DONE_KEY.format(group=group, rank=1)
+    assert master.check([done]) and master.get(done) == b"failed"
+
+
 def _request(sender: BroadcastSender, joint: dict) -> dict:
     return {"host": "127.0.0.1", "port": sender.port, "group": new_group_name(), "world_size": 2, "backend": "gloo",
             "timeout": 30, "connect_timeout": 10, "version": 3, "joint": joint}

@@ -35,7 +35,8 @@ rank 0's address for `broadcast`: the version's meta); every replica loads it in
 the meta with JOINT = {id, members} when several load it together: broadcast serves them in one transfer, and a
 replica whose part failed transfers again alone; a recovery or a late replica loads alone), and the seconds each took
 are recorded (`last_sync`). A replica found down is waited for and loaded again (up to MAX_RECOVERIES tries); a live
-replica whose load fails is left out (recovered in the background). A load taking longer than LOAD_REPORT_SECONDS is
+replica whose load fails is left out (recovered in the background) — unless no replica loaded the version: then
+each whose load failed loads it again at once, alone (a pool of one included). A load taking longer than LOAD_REPORT_SECONDS is
 reported ("engine-0 busy loading weights since 12:00:03 (30s)"); no load outlives `load_timeout` (+ the worker's
 connect timeout): the worker bounds its own work. `WeightsRefused` (a damaged or foreign version) raises at once,
 naming the replica. The pool holds version v once at least one replica does.
@@ -182,10 +183,17 @@ class EnginePool:
         # one sync of the pool: the adapters may serve its replicas together (broadcast: one transfer for all)
         together = {**meta, JOINT: {"id": uuid.uuid4().hex[:12], "members": len(targets)}} if len(targets) > 1 else meta
         self._load_all(targets, version, together, outcome, wait=len(targets) == 1)
-        if len(targets) > 1 and not any(outcome.get(r.name, 1) is None for r in targets):
-            gone = [r for r in targets if isinstance(outcome.get(r.name), EngineUnavailable)
-                    and not isinstance(outcome.get(r.name), WeightsRefused)]
-            self._load_all(gone, version, meta, outcome, wait=True)
+        if not any(outcome.get(r.name, 1) is None for r in targets):
+            # no replica loaded it: each one whose load failed (not refused) loads again, alone, once — a pool
+            # of one too (a transfer cut by a transient fault, e.g. a connection closed while its group formed,
+            # would end the rollout); a lone server that went away was waited for already (`_load_replica`)
+            again = [r for r in targets if isinstance(outcome.get(r.name), EngineUnavailable)
+                     and not isinstance(outcome.get(r.name), WeightsRefused)
+                     and (len(targets) > 1 or not self._went_away(r))]
+            for r in again:
+                self.say(f"{r.describe()}: loading weight version {version} failed ({outcome[r.name]}); "
+                         "loading it again")
+            self._load_all(again, version, meta, outcome, wait=True)
         refused = [(r, outcome[r.name]) for r in targets if isinstance(outcome.get(r.name), WeightsRefused)]
         if refused:
             r, exc = refused[0]

@@ -453,9 +453,6 @@ def receive(request: dict, *, rank: int, device, tp: dict | None = None) -> tupl
             raise RuntimeError(f"worker {rank - 1} is tensor-parallel rank {tp.get('rank')}, the sliced transfer "
                                f"sends it rank {mine}'s slices; nothing was loaded")
         manifest["slice_rank"] = mine
-    pg, groups = transfer_groups(dist.PrefixStore(PG_PREFIX.format(group=t["group"]), store), me,
-                                 int(t["world_size"]), request["backend"], deadline.left(), t.get("chains"),
-                                 broadcast=request["backend"] == "nccl")
     buffers = []
     for entry in manifest["buckets"]:
         dtype, numel = entry[0], entry[1]
@@ -466,7 +463,10 @@ def receive(request: dict, *, rank: int, device, tp: dict | None = None) -> tupl
     chain = None if request["backend"] == "nccl" else [int(r) for r in t["chain"]]
     sums: dict[int, int] = {}
     counter = ChainCounter()
-    try:
+    try:  # a group that cannot form fails this load as a cut transfer does: answered, the engine loads again
+        pg, groups = transfer_groups(dist.PrefixStore(PG_PREFIX.format(group=t["group"]), store), me,
+                                     int(t["world_size"]), request["backend"], deadline.left(), t.get("chains"),
+                                     broadcast=request["backend"] == "nccl")
         unreachable = transfer_buckets(pg, buffers, manifest["buckets"], me=me, chain=chain,
                                        chunk_bytes=int(t.get("chunk_bytes", CHUNK_BYTES)), chains=t.get("chains"),
                                        checksum=manifest.get("checksum"), sums=sums, counter=counter, groups=groups)
