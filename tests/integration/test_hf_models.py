@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.localrun import finish, records, start
-from tests.services import rank_group
+from tests.services import end_distributed, rank_group
 
 ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
@@ -187,3 +187,4 @@ def _worker(hf: str, out: str) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2])
+    end_distributed()
