@@ -45,6 +45,19 @@ def finish(proc: subprocess.Popen, timeout: float = RUN_TIMEOUT) -> tuple[int, s
     return proc.returncode, out
 
 
+def role_logs(out: Path, lines: int = 12) -> str:
+    """For a failed run's message: each role's log under `out`/logs, its last lines and its last error lines
+    (a failure's cause is often in another role's log than the one that ended the run, and pytest keeps only a
+    few runs' directories)."""
+    parts = []
+    for path in sorted((out / "logs").glob("*.log")):
+        text = path.read_text(errors="replace").splitlines()
+        errors = [t for t in text if any(w in t for w in ("Error", "error:", "failed", "Traceback"))]
+        parts.append(f"--- {path.name}: last error lines\n" + "\n".join(errors[-lines:])
+                     + f"\n--- {path.name}: last lines\n" + "\n".join(text[-lines:]))
+    return "\n" + "\n".join(parts)
+
+
 def fault_when(proc: subprocess.Popen, ready: Callable[[], object], what: str, fault: Callable[[], None], *,
                timeout: float = RUN_TIMEOUT) -> tuple[int, str]:
     """Wait until `ready()` while the launcher runs (it must not end first), then inject `fault()` (kill a child,

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.localrun import finish, records, start
+from tests.localrun import finish, records, role_logs, start
 from tests.services import metrics_ports, wait_for
 from trainingrun.engines.vllm.client import VLLMClient
 
@@ -150,7 +150,7 @@ def test_a_pool_of_two_servers_one_of_which_dies_mid_run(tmp_path: Path, tiny_ll
         proc.kill()
         raise
     code, log = finish(proc, timeout=1500)
-    assert code == 0, log[-6000:]
+    assert code == 0, log[-6000:] + role_logs(out)
     assert "2 vLLM server(s) healthy after" in log and "restarting the engine engine-1" in log, log[-4000:]
     recs = check_on_policy(out, log, FP32_TOL, rollouts)  # every step within tolerance: both engines synced
     print(f"{sync} pool: logprob_abs_diff", [r["logprob_abs_diff"] for r in recs])
@@ -178,7 +178,7 @@ def test_broadcast_sync_with_a_user_server(tmp_path: Path, tiny_llama_dir: Path,
         proc = start(write_spec(tmp_path / "bc.yaml", tiny_llama_dir, sync="broadcast", dtype="bfloat16",
                                 url=vllm.url), out)
         code, log = finish(proc, timeout=1200)
-        assert code == 0, log[-6000:]
+        assert code == 0, log[-6000:] + role_logs(out)
         recs = check_on_policy(out, log, BF16_TOL)
         print("broadcast: logprob_abs_diff", [r["logprob_abs_diff"] for r in recs])
         # the server holds the weights the last rollout was generated with, and they are not the initial ones
@@ -211,7 +211,7 @@ def test_the_streamed_sync_is_exact_across_trainer_ranks(tmp_path: Path, tiny_ll
         doc["spec"]["weightSync"]["bucketMiB"] = 1  # several buckets even for the tiny model
         spec.write_text(yaml.safe_dump(doc))
         code, log = finish(start(spec, out), timeout=1200)
-        assert code == 0, log[-6000:]
+        assert code == 0, log[-6000:] + role_logs(out)
         recs = check_on_policy(out, log, BF16_TOL, rollouts=2)
         print(sync, layout, "logprob_abs_diff", [r["logprob_abs_diff"] for r in recs])
         assert client.weight_version() == "v1"
@@ -242,7 +242,7 @@ def test_evaluations_on_a_vllm_engine_include_the_final_weights(tmp_path: Path, 
     out = tmp_path / "run"
     try:
         code, log = finish(start(spec, out), timeout=1200)
-        assert code == 0, log[-6000:]
+        assert code == 0, log[-6000:] + role_logs(out)
         assert len(records(out)) == EVAL_ROLLOUTS
         evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
         assert [e["weight_version"] for e in evals] == [0, 2, 3]  # 3: the final weights, after the last rollout

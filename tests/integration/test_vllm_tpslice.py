@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from tests.integration.test_vllm_e2e import check_on_policy, parity_reward, write_spec  # noqa: F401 (autouse)
-from tests.localrun import finish, start
+from tests.localrun import finish, role_logs, start
 from tests.services import free_port, make_tiny_llama, reference_logprobs, require_vllm
 from trainingrun.engines.vllm.client import VLLMClient
 from trainingrun.engines.vllm.sync import load_from_broadcast, load_from_disk
@@ -124,7 +124,7 @@ def test_a_run_with_a_tensor_parallel_replica_is_exact_at_lag_0_by_sliced_broadc
     spec.write_text(yaml.safe_dump(doc))
     out = tmp_path / "run"
     code, log = finish(start(spec, out), timeout=1500)
-    assert code == 0, log[-6000:]
+    assert code == 0, log[-6000:] + role_logs(out)
     recs = check_on_policy(out, log, FP32_TOL, ROLLOUTS)
     print("TP-2 replica, sliced broadcast: logprob_abs_diff", [r["logprob_abs_diff"] for r in recs])
     logs = [(out / "logs" / f).read_text() for f in ("engine-0.log", "engine-0-node1.log")]
