@@ -6,6 +6,8 @@ and checkpoints fall inside rollouts; maxPendingRollouts 2, so rollouts are publ
   ref      2 trainers, uninterrupted
   resized  2 trainers, stopped (SIGTERM) after its first checkpoint; rerun with 3 trainers, stopped after a
            checkpoint of that attempt once the rollout has published for 3 ranks; rerun with 2 trainers to the end.
+           Each stop comes while a rollout published for the old size is still to be trained (checked with the
+           trainers held still), so the next segment re-schedules it.
 At each resize the trainers reshard the checkpoint (Megatron distributed checkpointing) and re-schedule the
 rollouts published for the old size; the rollout schedules new ones for the new size. Checks: every step's loss
 equals the reference within 1e-5 relative, with the same batch sizes, LR, samples and sample ids, and each segment
@@ -15,12 +17,15 @@ really trained at its size with re-scheduled rollouts (2→3 and 3→2).
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.localrun import finish, records, start, stop_when
+from tests.localrun import fault_when, finish, records, start
 from tests.services import metrics_ports
 
 pytestmark = pytest.mark.megatron
@@ -62,10 +67,65 @@ def _published_dp(out: Path) -> dict[int, int]:
     return found
 
 
-def _run_until(spec: Path, out: Path, trainers: int, ready) -> None:
-    code, log = stop_when(start(spec, out, "--trainers", str(trainers)), ready,
-                          f"the end of the {trainers}-trainer segment", timeout=TIMEOUT)
+def _trainer_pids(out: Path) -> list[int]:
+    procs = json.loads((out / "pids.json").read_text())["processes"]
+    return [int(p["pid"]) for name, p in procs.items() if name.startswith("trainer-")]
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return True  # gone: holds nothing up
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _run_until(spec: Path, out: Path, trainers: int, holds) -> None:
+    """Run with `trainers` until `holds()` is true while the trainers are held still (SIGSTOP), then stop the run
+    (SIGTERM). Regression: checked while they ran, the condition (a rollout published for this size and not yet
+    trained) could stop holding before the SIGTERM arrived — the trainers trained that rollout and checkpointed
+    after it, so the next segment had nothing to re-schedule (seen once in the suite)."""
+    frozen: list[int] = []
+
+    def ready() -> bool:
+        if not holds():
+            return False
+        try:
+            pids = _trainer_pids(out)
+        except (OSError, ValueError, KeyError):  # being rewritten
+            return False
+        _signal(pids, signal.SIGSTOP)
+        t0 = time.monotonic()
+        while not all(map(_stopped, pids)) and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        if holds():
+            frozen[:] = pids
+            return True
+        _signal(pids, signal.SIGCONT)
+        return False
+
+    def stop() -> None:
+        proc.send_signal(signal.SIGTERM)  # the launcher sends its children SIGTERM; the trainers get theirs ...
+        time.sleep(1.0)
+        _signal(frozen, signal.SIGCONT)  # ... once they go on
+
+    proc = start(spec, out, "--trainers", str(trainers))
+    code, log = fault_when(proc, ready, f"the end of the {trainers}-trainer segment", stop, timeout=TIMEOUT)
     assert code == 143, log[-3000:]
+
+
+def _ahead_of_the_checkpoint(out: Path, attempt: int, dp: int) -> bool:
+    """A checkpoint of `attempt` and, at or past the rollout it resumes at, a rollout published for `dp` ranks: the
+    next segment must re-schedule it."""
+    mine = [c for c in _checkpoints(out) if c["attempt"] == attempt]
+    return bool(mine) and any(d == dp and k >= mine[-1]["rollout"] for k, d in _published_dp(out).items())
 
 
 def test_resize_2_to_3_to_2_continues_the_run(tmp_path):
@@ -76,14 +136,8 @@ def test_resize_2_to_3_to_2_continues_the_run(tmp_path):
     assert len(ref) >= 12
 
     out = tmp_path / "resized"
-    _run_until(spec, out, 2, lambda: any(c["attempt"] == 0 for c in _checkpoints(out)))
-
-    def past_a_3_rank_rollout() -> bool:
-        mine = [c for c in _checkpoints(out) if c["attempt"] == 1]
-        published = _published_dp(out)
-        return bool(mine) and any(dp == 3 and k >= mine[-1]["rollout"] for k, dp in published.items())
-
-    _run_until(spec, out, 3, past_a_3_rank_rollout)
+    _run_until(spec, out, 2, lambda: _ahead_of_the_checkpoint(out, 0, 2))
+    _run_until(spec, out, 3, lambda: _ahead_of_the_checkpoint(out, 1, 3))
     code, log = finish(start(spec, out, "--trainers", "2"), timeout=TIMEOUT)
     assert code == 0, log[-3000:]
 
