@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -72,15 +73,59 @@ def fault_when(proc: subprocess.Popen, ready: Callable[[], object], what: str, f
             proc.kill()
 
 
-def stop_when(proc: subprocess.Popen, ready: Callable[[], object], what: str, *, timeout: float = RUN_TIMEOUT,
-              before_stop: Callable[[], None] | None = None) -> tuple[int, str]:
-    """Wait until `ready()` while the launcher runs (it must not end first), SIGTERM it; its exit code and output."""
+def stop_held(proc: subprocess.Popen, out: Path, holds: Callable[[], object], what: str, *,
+              timeout: float = RUN_TIMEOUT, before_stop: Callable[[], None] | None = None) -> tuple[int, str]:
+    """Wait until `holds()` while the launcher runs (it must not end first), then SIGTERM it (after `before_stop`);
+    its exit code and output. `holds()` is confirmed while the run's trainers are held still (SIGSTOP), so what it
+    saw still holds when the SIGTERM comes; the trainers go on (SIGCONT) a second after the launcher had it, with
+    theirs pending. Checked while they ran, a trainer could train past what was seen (another step, a checkpoint, the
+    run's end) before the SIGTERM arrived (seen once in test_elastic_e2e)."""
+    frozen: list[int] = []
+
+    def ready() -> bool:
+        if not holds():
+            return False
+        try:
+            pids = [int(p["pid"]) for name, p in json.loads((out / "pids.json").read_text())["processes"].items()
+                    if name.startswith("trainer-")]
+        except (OSError, ValueError, KeyError):  # being rewritten
+            return False
+        _signal(pids, signal.SIGSTOP)
+        t0 = time.monotonic()
+        while not all(map(_stopped, pids)) and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        if holds():
+            frozen[:] = pids
+            return True
+        _signal(pids, signal.SIGCONT)
+        return False
+
     def stop() -> None:
         if before_stop is not None:
             before_stop()
         proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        _signal(frozen, signal.SIGCONT)
 
-    return fault_when(proc, ready, what, stop, timeout=timeout)
+    try:
+        return fault_when(proc, ready, what, stop, timeout=timeout)
+    finally:
+        _signal(frozen, signal.SIGCONT)  # never left stopped, whatever failed
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return True  # gone: holds nothing up
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def kill_child(out: Path, process: str) -> None:

@@ -17,15 +17,12 @@ really trained at its size with re-scheduled rollouts (2→3 and 3→2).
 from __future__ import annotations
 
 import json
-import os
-import signal
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.localrun import fault_when, finish, records, start
+from tests.localrun import finish, records, start, stop_held
 from tests.services import metrics_ports
 
 pytestmark = pytest.mark.megatron
@@ -67,57 +64,10 @@ def _published_dp(out: Path) -> dict[int, int]:
     return found
 
 
-def _trainer_pids(out: Path) -> list[int]:
-    procs = json.loads((out / "pids.json").read_text())["processes"]
-    return [int(p["pid"]) for name, p in procs.items() if name.startswith("trainer-")]
-
-
-def _stopped(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return True  # gone: holds nothing up
-
-
-def _signal(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-
 def _run_until(spec: Path, out: Path, trainers: int, holds) -> None:
-    """Run with `trainers` until `holds()` is true while the trainers are held still (SIGSTOP), then stop the run
-    (SIGTERM). Regression: checked while they ran, the condition (a rollout published for this size and not yet
-    trained) could stop holding before the SIGTERM arrived — the trainers trained that rollout and checkpointed
-    after it, so the next segment had nothing to re-schedule (seen once in the suite)."""
-    frozen: list[int] = []
-
-    def ready() -> bool:
-        if not holds():
-            return False
-        try:
-            pids = _trainer_pids(out)
-        except (OSError, ValueError, KeyError):  # being rewritten
-            return False
-        _signal(pids, signal.SIGSTOP)
-        t0 = time.monotonic()
-        while not all(map(_stopped, pids)) and time.monotonic() - t0 < 10:
-            time.sleep(0.01)
-        if holds():
-            frozen[:] = pids
-            return True
-        _signal(pids, signal.SIGCONT)
-        return False
-
-    def stop() -> None:
-        proc.send_signal(signal.SIGTERM)  # the launcher sends its children SIGTERM; the trainers get theirs ...
-        time.sleep(1.0)
-        _signal(frozen, signal.SIGCONT)  # ... once they go on
-
-    proc = start(spec, out, "--trainers", str(trainers))
-    code, log = fault_when(proc, ready, f"the end of the {trainers}-trainer segment", stop, timeout=TIMEOUT)
+    """Run with `trainers` until `holds()`, confirmed with the trainers held still (`stop_held`); then stop."""
+    code, log = stop_held(start(spec, out, "--trainers", str(trainers)), out, holds,
+                          f"the end of the {trainers}-trainer segment", timeout=TIMEOUT)
     assert code == 143, log[-3000:]
 
 

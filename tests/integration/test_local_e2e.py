@@ -190,8 +190,8 @@ def test_stop_after_checkpoint_and_resume(spec_dir, ref2):
     def note_children() -> None:
         children.extend(p["pid"] for p in json.loads((out / "pids.json").read_text())["processes"].values())
 
-    code, log = localrun.stop_when(start(ref2["spec"], out), lambda: first_checkpoint(out), "its first checkpoint",
-                                   before_stop=note_children)
+    code, log = localrun.stop_held(start(ref2["spec"], out), out, lambda: first_checkpoint(out),
+                                   "its first checkpoint", before_stop=note_children)
     assert code == 143, log[-3000:]
     assert not [p for p in children if Path(f"/proc/{p}").exists()], "children left behind"
     partial = records(out)

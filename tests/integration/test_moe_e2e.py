@@ -71,7 +71,7 @@ def test_ep2_trains_like_ep1_exports_and_resumes_at_ep1(tmp_path: Path) -> None:
     assert all(r["moe_load_imbalance"] >= 1.0 and r["moe_tokens_per_expert"] > 0 for r in ref)
 
     out = tmp_path / "ep2"
-    code, log = localrun.stop_when(start(spec, out, "--set", "trainer.expertParallelSize=2"),
+    code, log = localrun.stop_held(start(spec, out, "--set", "trainer.expertParallelSize=2"), out,
                                    lambda: first_checkpoint(out), "its first checkpoint")
     assert code == 143, log[-3000:]
     ep2 = records(out)
