@@ -62,23 +62,6 @@ def rendezvous_port(count: int = 1) -> int:
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def end_distributed() -> None:
-    """A rank-group worker's last step: Megatron's process groups, then torch.distributed's, destroyed while the
-    interpreter is whole (as `Trainer.close` does). A worker that exits with its gloo groups alive leaves their C++
-    threads and work to the interpreter's finalisation, which can abort the process after its work is done
-    ("terminate called without an active exception", seen once on test_sync_stream's PP 2 owner; pytorch#190489)."""
-    import sys
-
-    import torch.distributed as dist  # deferred: torch
-
-    if "megatron.core" in sys.modules:
-        from megatron.core import parallel_state  # deferred: megatron, already imported
-
-        parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def rank_group(args: list[str], world: int, *, timeout: float, cwd: Path | None = None,
                env: dict[str, str] | None = None, what: str = "") -> list[str]:
     """Run `args` as ranks 0 .. world-1 of one torch.distributed group on 127.0.0.1; every rank's output.

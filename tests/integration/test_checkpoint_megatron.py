@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.services import end_distributed, rank_group
+from tests.services import rank_group
 
 MODEL = {"architecture": "llama", "numLayers": 2, "hiddenSize": 32, "numAttentionHeads": 4, "numQueryGroups": 2,
          "ffnHiddenSize": 64, "vocabSize": 40, "seqLength": 64,
@@ -189,4 +189,6 @@ def _worker(mode: str, root: str, tp: int, out_root: str | None) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None)
-    end_distributed()
+    from trainingrun.modeling.model import end_distributed  # deferred: torch, the CPU shim
+
+    end_distributed()  # as Trainer.close: no gloo group left to the interpreter's finalisation

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.localrun import finish, records, start
-from tests.services import end_distributed, rank_group
+from tests.services import rank_group
 
 ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
@@ -187,4 +187,6 @@ def _worker(hf: str, out: str) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2])
-    end_distributed()
+    from trainingrun.modeling.model import end_distributed  # deferred: torch, the CPU shim
+
+    end_distributed()  # as Trainer.close: no gloo group left to the interpreter's finalisation

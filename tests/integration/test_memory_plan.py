@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.services import end_distributed, rank_group
+from tests.services import rank_group
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -119,4 +119,6 @@ def _worker(out_path: str, tp: int) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1], int(sys.argv[2]))
-    end_distributed()
+    from trainingrun.modeling.model import end_distributed  # deferred: torch, the CPU shim
+
+    end_distributed()  # as Trainer.close: no gloo group left to the interpreter's finalisation

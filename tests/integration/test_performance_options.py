@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from tests.localrun import finish, records, start
-from tests.services import end_distributed, rank_group
+from tests.services import rank_group
 
 pytestmark = pytest.mark.megatron
 
@@ -278,4 +278,6 @@ if __name__ == "__main__":
         _options_worker()
     else:
         _checkpoint_worker(sys.argv[1], sys.argv[2])
-    end_distributed()
+    from trainingrun.modeling.model import end_distributed  # deferred: torch, the CPU shim
+
+    end_distributed()  # as Trainer.close: no gloo group left to the interpreter's finalisation

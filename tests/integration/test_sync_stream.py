@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.services import end_distributed, rank_group
+from tests.services import rank_group
 
 ARCH = dict(architecture="llama", num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
             head_dim=8, ffn_hidden_size=48, vocab_size=64, seq_length=64, normalization="RMSNorm", norm_epsilon=1e-5,
@@ -548,4 +548,6 @@ if __name__ == "__main__":
         _lora_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
     else:
         _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
-    end_distributed()
+    from trainingrun.modeling.model import end_distributed  # deferred: torch, the CPU shim
+
+    end_distributed()  # as Trainer.close: no gloo group left to the interpreter's finalisation

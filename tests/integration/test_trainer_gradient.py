@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.services import end_distributed, rank_group
+from tests.services import rank_group
 
 COMBOS = [("sft", "sample"), ("sft", "token"), ("policy_gradient", "sample"), ("policy_gradient", "token")]
 # rank -> micro-batches of global sample indices (uneven: 6 vs 3 samples, rank 1 has an empty micro-batch)
@@ -120,4 +120,6 @@ def _worker(out_path: str) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1])
-    end_distributed()
+    from trainingrun.modeling.model import end_distributed  # deferred: torch, the CPU shim
+
+    end_distributed()  # as Trainer.close: no gloo group left to the interpreter's finalisation

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.services import end_distributed, rank_group
+from tests.services import rank_group
 
 ARCHS = {
     "llama": dict(architecture="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
@@ -205,4 +205,6 @@ def _worker(tmp: str) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1])
-    end_distributed()
+    from trainingrun.modeling.model import end_distributed  # deferred: torch, the CPU shim
+
+    end_distributed()  # as Trainer.close: no gloo group left to the interpreter's finalisation

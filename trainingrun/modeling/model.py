@@ -72,6 +72,17 @@ def init_distributed(device: torch.device, tp: int = 1, pp: int = 1, timeout_s: 
                                                  expert_model_parallel_size=ep)
 
 
+def end_distributed() -> None:
+    """The end of what `init_distributed` set up: Megatron's parallel state, then torch.distributed's groups,
+    destroyed while the interpreter is whole. gloo groups left to the interpreter's finalisation can abort a process
+    after its work is done ("terminate called without an active exception", pytorch#190489)."""
+    from megatron.core import parallel_state  # deferred: megatron after prepare_device
+
+    if dist.is_initialized():
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
 def set_seed(seed: int) -> None:
     """Same seed on every rank: model init identical whatever the data-parallel size."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # deferred: megatron

@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from trainingrun.modeling.architecture import Architecture
-from trainingrun.modeling.model import build_model, init_distributed, load_canonical_state, prepare_device, set_seed
+from trainingrun.modeling.model import (build_model, end_distributed, init_distributed, load_canonical_state,
+                                        prepare_device, set_seed)
 
 
 class ScoreError(ValueError):
@@ -123,11 +123,7 @@ class Scorer:
         return out
 
     def close(self) -> None:
-        from megatron.core import parallel_state  # deferred: megatron after prepare_device
-
-        if dist.is_initialized():
-            parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
+        end_distributed()
 
 
 def _single_process_env() -> None:

@@ -441,8 +441,7 @@ class Trainer:
 
     def close(self) -> None:
         # deferred: torch and megatron, imported only after the device decision (CPU shim)
-        import torch.distributed as dist
-        from megatron.core import parallel_state  # deferred: megatron
+        from trainingrun.modeling.model import end_distributed
 
         if self.publisher is not None:
             self.publisher.close()
@@ -450,12 +449,10 @@ class Trainer:
             self.reporter.tracker.close()
         self.reporter.exporter.close()
         self.store.close()
-        if dist.is_initialized():
-            try:
-                parallel_state.destroy_model_parallel()
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - best effort on the way out
-                pass
+        try:
+            end_distributed()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
 
     # ------------------------------------------------------------------------------------------------ helpers
     def barrier(self) -> None:
