@@ -80,7 +80,8 @@ def test_quiet_ports_lie_below_the_ephemeral_range_and_are_free():
             (c, quiet_port_block(c, rng)) for c in (1, 4) for _ in range(10)]:
         assert 1024 <= base and base + count - 1 < low, (base, count, low)
         for p in range(base, base + count):
-            with socket.socket() as s:
+            with socket.socket() as s:  # as the servers bind (http.server, TCPStore): a TIME_WAIT left is no use
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 s.bind(("127.0.0.1", p))
 
 
