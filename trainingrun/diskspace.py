@@ -3,7 +3,9 @@
 A full disk is not fixed by restarting: every attempt would fail the same way. So the run's processes turn it into
 one clear line and exit 78 (the run stops at once, `failure_policy`), and the local launcher, which writes on the
 same volume, checks it whenever a process failed, stops the run cleanly, and says so — also when the failing
-process could not even write its own message.
+process could not even write its own message. Full means less than 1 MiB available, or, on the volume holding the
+checkpoints, less than the newest checkpoint takes: the next one would not fit (a rank that met the full volume
+removes its partial checkpoint, so the space it held is free again when the launcher looks).
 """
 
 from __future__ import annotations
@@ -66,14 +68,16 @@ def _statvfs(path: str | Path) -> tuple[os.statvfs_result, Path] | None:
         return None
 
 
-def _volume_line(path: str | Path, st: os.statvfs_result) -> str:
+def _volume_line(path: str | Path, st: os.statvfs_result, needed: str = "") -> str:
     free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
-    return (f"no space left on the volume holding {Path(path)} ({_size(free)} free of {_size(total)}): free some "
-            "space and run the same command again to resume from the last checkpoint")
+    return (f"no space left on the volume holding {Path(path)} ({_size(free)} free of {_size(total)}{needed}): free "
+            "some space and run the same command again to resume from the last checkpoint")
 
 
-def full_volume(paths: Iterable[str | Path], below: int = FULL_BELOW_BYTES) -> str | None:
-    """A message naming the first of `paths` whose volume has less than `below` bytes available, else None."""
+def full_volume(paths: Iterable[str | Path], below: int = FULL_BELOW_BYTES, *, what: str = "") -> str | None:
+    """A message naming the first of `paths` whose volume has less than `below` bytes available, else None.
+
+    `what`: what needs the `below` bytes (e.g. "a checkpoint"), said in the message."""
     seen: set[int] = set()
     for path in paths:
         found = _statvfs(path)
@@ -82,8 +86,21 @@ def full_volume(paths: Iterable[str | Path], below: int = FULL_BELOW_BYTES) -> s
         st = found[0]
         seen.add(st.f_fsid)
         if st.f_bavail * st.f_frsize < below:
-            return _volume_line(path, st)
+            return _volume_line(path, st, f"; {what} takes {_size(below, than=st.f_bavail * st.f_frsize)}" if what
+                                else "")
     return None
+
+
+def usage(path: str | Path) -> int:
+    """Bytes the files under `path` take on their volume (allocated blocks, as `du` counts; 0 when it is gone)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:  # removed meanwhile (a checkpoint being pruned)
+                continue
+    return total
 
 
 def describe(exc: BaseException, fallback_paths: Iterable[str | Path] = ()) -> str | None:
@@ -102,7 +119,10 @@ def describe(exc: BaseException, fallback_paths: Iterable[str | Path] = ()) -> s
         "from the last checkpoint")
 
 
-def _size(n: float) -> str:
+def _size(n: float, than: float | None = None) -> str:
+    """`n` in binary units; in bytes when it would read the same as `than` (free 1.7 MiB, a checkpoint needs 1.7)."""
+    if than is not None and than != n and _size(n) == _size(than):
+        return f"{n:.0f} B (free: {than:.0f} B)"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

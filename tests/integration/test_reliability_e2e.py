@@ -174,8 +174,11 @@ FULL_DISK_CASES = {
     # rank 1 first, in Megatron's shard writer (torch's checkpoint writer: rank 0 gets the errors as text, rank 1
     # only a CheckpointException, a BaseException): before the fix a traceback from dist_checkpointing.save
     "rank1-shards": dict(FILL_RANK="1", FILL_AT="shards", pp=1),
-    # rank 0 first, in its commit (torch.save's zip writer: a RuntimeError), of a pipeline-parallel checkpoint
-    "rank0-commit-pp2": dict(FILL_RANK="0", FILL_AT="commit", pp=2),
+    # rank 0 first, in its commit (torch.save's zip writer: a RuntimeError), of a pipeline-parallel checkpoint. The
+    # commit's files (state.pt, meta, progress, the marker: ~20 KiB) fit in the 64 KiB the fill leaves by default, so
+    # it leaves nothing: before, that commit succeeded and the volume filled wherever the next write came, a race the
+    # rollout's store write could win (CI: the rollout failed first, the trainers were stopped without a word)
+    "rank0-commit-pp2": dict(FILL_RANK="0", FILL_AT="commit", FILL_LEAVE="0", pp=2),
 }
 
 
@@ -202,6 +205,9 @@ def test_full_disk_stops_the_run_cleanly_and_a_rerun_resumes(small_volume, tmp_p
         assert json.loads(summary_file.read_text())["status"] == "failed"
     else:
         assert f"could not write {summary_file}" in log
+    # the checkpoint being saved when the volume filled is the one that failed: only the $FILL_AFTER before it exist
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == [f"step_{CKPT_INTERVAL:08d}"], \
+        sorted(p.name for p in (out / "checkpoints").iterdir())
     # the process that hit the full volume says so in one line (its peers' collectives may break after it is gone)
     culprit = re.search(r"error: run tiny failed: (\S+): ", log).group(1)
     culprit_log = (out / "logs" / f"{culprit}.log").read_text()

@@ -60,3 +60,28 @@ def test_describe_names_the_volume_or_falls_back_to_the_given_paths(tmp_path, mo
     full = os.statvfs_result((4096, 4096, 16384, 0, 0, 1000, 0, 0, 0, 255))
     monkeypatch.setattr(diskspace.os, "statvfs", lambda _path: full)
     assert diskspace.describe(peer, [tmp_path]).startswith(f"no space left on the volume holding {tmp_path} (0 B")
+
+
+def test_usage_counts_allocated_blocks_and_a_volume_is_full_below_what_is_needed(tmp_path):
+    ckpt = tmp_path / "step_00000003"
+    (ckpt / "dist").mkdir(parents=True)
+    (ckpt / "dist" / "shard").write_bytes(os.urandom(300_000))
+    (ckpt / "state.pt").write_bytes(b"x" * 10)  # one block however small
+    used = diskspace.usage(ckpt)
+    assert used >= 300_010 and used % 512 == 0
+    assert used == sum(p.stat().st_blocks * 512 for p in ckpt.rglob("*") if p.is_file())
+    assert diskspace.usage(tmp_path / "gone") == 0
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    assert diskspace.full_volume([tmp_path], free // 2, what="a checkpoint") is None
+    line = diskspace.full_volume([tmp_path], free + (1 << 30), what="a checkpoint")
+    assert line is not None and line.startswith(f"no space left on the volume holding {tmp_path} (")
+    assert "; a checkpoint takes " in line
+
+
+def test_a_need_that_reads_like_the_free_space_is_said_in_bytes(tmp_path, monkeypatch):
+    st = os.statvfs_result((4096, 4096, 16384, 0, 435, 1000, 0, 0, 0, 255))  # 435 blocks: 1.7 MiB free
+    monkeypatch.setattr(diskspace.os, "statvfs", lambda _path: st)
+    line = diskspace.full_volume([tmp_path], 1_800_000, what="a checkpoint")
+    assert "(1.7 MiB free of 64.0 MiB; a checkpoint takes 1800000 B (free: 1781760 B))" in line
+    line = diskspace.full_volume([tmp_path], 3 << 20, what="a checkpoint")
+    assert "(1.7 MiB free of 64.0 MiB; a checkpoint takes 3.0 MiB)" in line

@@ -29,7 +29,7 @@ from typing import Any
 from trainingrun.api.manifest import sha256_of
 from trainingrun.api.yamlcodec import dump_yaml
 from trainingrun.diskspace import describe as describe_no_space
-from trainingrun.diskspace import full_volume
+from trainingrun.diskspace import FULL_BELOW_BYTES, full_volume, usage
 from trainingrun.local.procs import (
     ProcessGroup,
     describe_exit,
@@ -56,6 +56,7 @@ from trainingrun.local.progress import ProgressLine
 from trainingrun.local.scale import ScaleRequests
 from trainingrun.plan import build_plan
 from trainingrun.store import StoreError, open_store
+from trainingrun.trainer.checkpoint import latest_checkpoint
 
 POLL_SECONDS = 0.2
 # A full volume or a configuration error that one trainer rank reports is one its peers meet too: each says so in its
@@ -160,6 +161,15 @@ class Launcher:
         if url and url.startswith("file://"):
             paths.append(Path(url.split("://", 1)[1].split("?", 1)[0]))
         return paths
+
+    def full_volume(self) -> str | None:
+        """A line naming a volume of the run that is full (`diskspace`): the checkpoints' when the newest checkpoint
+        would no longer fit on it, else any with less than 1 MiB available; None when none is."""
+        checkpoints = self.out_dir / self.spec.trainer.checkpoint.path
+        newest = latest_checkpoint(checkpoints)
+        need = usage(newest) if newest is not None else 0
+        line = full_volume([checkpoints], need, what="a checkpoint") if need > FULL_BELOW_BYTES else None
+        return line or full_volume(self.volumes())
 
     def try_write(self, what: str, write) -> bool:
         """Run `write()`; a full volume (or another OS error) is one warning line per output, never a crash."""
@@ -332,7 +342,7 @@ class Launcher:
                                    role=c.plan.role, rank=c.plan.rank, code=c.returncode) for c in failed.values())
                 assert cause is not None
                 c = failed[cause.name]
-                full = full_volume(self.volumes())
+                full = self.full_volume()
                 if cause.role == "trainer" and (full is not None or cause.kind is policy.ExitKind.CONFIG_ERROR):
                     self._let_trainers_finish(group)  # its peers meet the same and say so themselves
                 if full is not None:  # no restart can fix a full disk: stop cleanly, whatever the exit code
