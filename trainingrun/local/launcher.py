@@ -154,9 +154,13 @@ class Launcher:
         self.scale_requests: ScaleRequests | None = None  # `trainingrun scale` (read once the engine servers run)
         self.engine_resizes: list[dict[str, Any]] = []  # summary.json: each resize, when asked and how long it took
 
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.out_dir / self.spec.trainer.checkpoint.path  # relative to the run directory
+
     def volumes(self) -> list[Path]:
         """Where the run writes: the run directory, the checkpoints (relative to it) and a file store."""
-        paths = [self.out_dir, self.out_dir / self.spec.trainer.checkpoint.path]
+        paths = [self.out_dir, self.checkpoint_dir]
         url = self.spec.store.url
         if url and url.startswith("file://"):
             paths.append(Path(url.split("://", 1)[1].split("?", 1)[0]))
@@ -165,10 +169,9 @@ class Launcher:
     def full_volume(self) -> str | None:
         """A line naming a volume of the run that is full (`diskspace`): the checkpoints' when the newest checkpoint
         would no longer fit on it, else any with less than 1 MiB available; None when none is."""
-        checkpoints = self.out_dir / self.spec.trainer.checkpoint.path
-        newest = latest_checkpoint(checkpoints)
+        newest = latest_checkpoint(self.checkpoint_dir)
         need = usage(newest) if newest is not None else 0
-        line = full_volume([checkpoints], need, what="a checkpoint") if need > FULL_BELOW_BYTES else None
+        line = full_volume([self.checkpoint_dir], need, what="a checkpoint") if need > FULL_BELOW_BYTES else None
         return line or full_volume(self.volumes())
 
     def try_write(self, what: str, write) -> bool:
