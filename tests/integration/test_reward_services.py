@@ -52,11 +52,23 @@ def server(behaviour: Behaviour):
                 seen.headers.append(dict(self.headers))
                 seen.in_flight += 1
                 seen.max_in_flight = max(seen.max_in_flight, seen.in_flight)
+                self.counted = True
             try:
                 behaviour(self, body, n)
             finally:
-                with seen.lock:
+                self.answered()
+
+        def send_response(self, code, message=None):
+            self.answered()  # the answer begins: from here the client may send its next request
+            super().send_response(code, message)
+
+        def answered(self):
+            """The request leaves the in-flight count once, when its answer begins (or its handler ends without one):
+            counted at the handler's end, a client's next request could arrive while this thread still ran."""
+            with seen.lock:
+                if getattr(self, "counted", False):
                     seen.in_flight -= 1
+                    self.counted = False
 
         def log_message(self, *args):
             pass
@@ -116,7 +128,10 @@ def test_a_reward_service_scores_batches_with_their_prompts_and_secret_headers(m
     def slow(handler, body, n):
         if n < 2:  # the first two requests meet: both were in flight at once
             gate.wait()
+            time.sleep(0.2)  # and stay so: a third request, had the client sent one, would arrive meanwhile
         token_match_service(handler, body, n)
+        if n < 2:  # their threads linger after answering, as a server's may: the third request is sent meanwhile
+            time.sleep(0.3)
 
     with server(slow) as (url, seen):
         scorer = remote_scorer(f"{url}/score", batchSize=2, concurrency=2,
