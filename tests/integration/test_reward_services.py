@@ -43,6 +43,7 @@ def server(behaviour: Behaviour):
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        counted = False  # the request being handled is in seen.in_flight
 
         def do_POST(self):  # noqa: N802 - http.server's name
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -66,7 +67,7 @@ def server(behaviour: Behaviour):
             """The request leaves the in-flight count once, when its answer begins (or its handler ends without one):
             counted at the handler's end, a client's next request could arrive while this thread still ran."""
             with seen.lock:
-                if getattr(self, "counted", False):
+                if self.counted:
                     seen.in_flight -= 1
                     self.counted = False
 
